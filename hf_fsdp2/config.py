@@ -1,0 +1,429 @@
+"""Typed configuration: one dataclass per concern, parsed from a YAML recipe plus CLI overrides.
+
+Precedence is CLI > YAML > defaults. The YAML file is turned into ``--key value`` arguments placed
+before the command line's own, so both go through the same argparse types and choices
+(transformers.HfArgumentParser) and the last occurrence, the command line's, wins. Unknown keys are
+errors that name the key and its closest known names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class ConfigError(ValueError):
+    """A configuration value or key a user must fix; the message says what and how."""
+
+
+@dataclass
+class ModelArgs:
+    """Which model and tokenizer to load, and how."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub model id or local folder of an HF causal LM (required)."}
+    )
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit)."})
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer id or folder; defaults to model_name_or_path."}
+    )
+    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
+        default="float32",
+        metadata={
+            "help": "dtype the weights are loaded in. FSDP2 keeps fp32 master copies of trainable "
+            "parameters under mixed precision whatever this is."
+        },
+    )
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "Attention kernel: sdpa (default), eager, flash_attention_2, ..."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code from the hub repo; off unless you trust it."}
+    )
+
+
+@dataclass
+class DataArgs:
+    """Where the training records come from and how they become token ids and loss masks."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset id, local .jsonl/.json/.parquet file, or folder (required)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset subset."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset to train on."})
+    dataset_format: Literal["auto", "messages", "prompt_completion", "text"] = field(
+        default="auto", metadata={"help": "Record format; auto detects it from the columns."}
+    )
+    max_length: int = field(default=1024, metadata={"help": "Tokens per example; longer ones are truncated."})
+    assistant_only_loss: bool = field(
+        default=True, metadata={"help": "Chat records: loss on assistant tokens only (else every token)."}
+    )
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "prompt/completion records: loss on the completion only."}
+    )
+    packing: bool = field(
+        default=False, metadata={"help": "Pack several examples per row (not in this version: must be false)."}
+    )
+    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+
+
+@dataclass
+class TrainArgs:
+    """The optimisation loop, its schedule and where outputs go."""
+
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Run folder: export, metrics.jsonl, resolved config (required)."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow an output_dir that holds a previous run (its files are replaced)."}
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 uses num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs when max_steps is -1."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Examples per micro-batch per rank."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay (not applied to biases, norms, embeddings)."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = field(
+        default="cosine", metadata={"help": "Decay after warmup: cosine, linear or constant."}
+    )
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Fraction of steps of linear warmup."})
+    warmup_steps: int = field(default=0, metadata={"help": "Warmup steps; overrides warmup_ratio when > 0."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
+    seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
+    logging_steps: int = field(default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."})
+    save_steps: int = field(
+        default=0, metadata={"help": "Sharded checkpoint every N steps (not in this version: must be 0)."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "Checkpoint to resume from (not in this version: must be unset)."}
+    )
+    mixed_precision: Literal["bf16", "fp16", "no"] = field(
+        default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
+    )
+    report_to: str = field(default="none", metadata={"help": "Trackers: none (metrics.jsonl is always written)."})
+
+
+@dataclass
+class FSDPArgs:
+    """How FSDP2 shards the model, activation checkpointing and torch.compile."""
+
+    fsdp_layer_cls_to_wrap: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Decoder-layer class names, one FSDP unit each; empty = model._no_split_modules."},
+    )
+    fsdp_reshard_after_forward: bool = field(
+        default=True, metadata={"help": "Free gathered layer weights after forward (ZeRO-3) or keep (ZeRO-2)."}
+    )
+    fsdp_cpu_offload: bool = field(
+        default=False, metadata={"help": "Keep sharded params, grads and optimizer state in host memory."}
+    )
+    fsdp_cpu_ram_efficient_loading: bool = field(
+        default=False, metadata={"help": "Only rank 0 reads the weights; the others start on meta and get shards."}
+    )
+    fsdp_reduce_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "dtype of the gradient reduce-scatter (fp32 unless you accept bf16)."}
+    )
+    fsdp_sync_each_microbatch: bool = field(
+        default=True,
+        metadata={
+            "help": "Reduce-scatter gradients after every micro-batch (sharded grads, low memory); false "
+            "keeps unsharded grads until the last micro-batch (less traffic, full-size grads in memory)."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Activation checkpointing around each decoder layer."}
+    )
+    torch_compile: bool | None = field(
+        default=None, metadata={"help": "Regional compile of each decoder layer; default on with a GPU, off on CPU."}
+    )
+    torch_compile_mode: str | None = field(
+        default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune..."}
+    )
+    torch_compile_dynamic: bool | None = field(default=None, metadata={"help": "torch.compile dynamic shapes."})
+    torch_compile_fullgraph: bool = field(default=False, metadata={"help": "torch.compile fullgraph."})
+
+
+@dataclass
+class PeftArgs:
+    """LoRA through PEFT (not in this version: use_peft must be false)."""
+
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"], metadata={"help": "Module names, or all-linear."}
+    )
+
+
+@dataclass
+class ExportArgs:
+    """The consolidated HF folder written at the end, and the hub."""
+
+    export_dtype: Literal["bfloat16", "float32", "float16"] = field(
+        default="bfloat16", metadata={"help": "dtype of the exported safetensors."}
+    )
+    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard, as in save_pretrained."})
+    push_to_hub: bool = field(
+        default=False, metadata={"help": "Upload the export to the hub (not in this version: must be false)."}
+    )
+    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo id to push to."})
+
+
+SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs)
+
+
+@dataclass
+class Config:
+    """All settings of one run, one attribute per concern."""
+
+    model: ModelArgs
+    data: DataArgs
+    train: TrainArgs
+    fsdp: FSDPArgs
+    peft: PeftArgs
+    export: ExportArgs
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Every key with its resolved value, in the flat form the YAML recipes use."""
+        flat: dict[str, Any] = {}
+        for section in (self.model, self.data, self.train, self.fsdp, self.peft, self.export):
+            flat.update(dataclasses.asdict(section))
+        return flat
+
+
+def known_keys() -> dict[str, dataclasses.Field[Any]]:
+    """All config keys, mapped to their dataclass field."""
+    return {f.name: f for cls in SECTIONS for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known_keys()), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; run the recipe with --help for all keys"
+    return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
+    """Turn YAML values into ``--key value`` arguments so argparse checks them like CLI ones."""
+    fields = known_keys()
+    argv: list[str] = []
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown_key_error(key, path)
+        if value is None:
+            continue
+        argv.append(f"--{key}")
+        if isinstance(value, list):
+            if not value:
+                raise ConfigError(f"{key}: an empty list in {path}; remove the key to use the default")
+            argv.extend(str(v) for v in value)
+        elif isinstance(value, bool):
+            argv.append("true" if value else "false")
+        elif isinstance(value, dict):
+            raise ConfigError(f"{key}: a mapping in {path} where a single value is expected: {value!r}")
+        else:
+            argv.append(str(value))
+    return argv
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a recipe YAML file into a flat dict.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a flat mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        values = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path} is not valid YAML: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must be a mapping of key: value, got {type(values).__name__}")
+    return values
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """Parse ``[--config recipe.yaml] [--key value ...]`` into a validated :class:`Config`.
+
+    Args:
+        argv: command-line arguments without the program name; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The resolved configuration (CLI > YAML > defaults).
+
+    Raises:
+        ConfigError: unknown keys or values that cannot work, with the key, value and fix.
+        SystemExit: argparse's own exit for ``--help`` and for a value of the wrong type or choice.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    yaml_argv: list[str] = []
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise ConfigError("--config needs a path to a YAML recipe")
+        path = args[i + 1]
+        del args[i : i + 2]
+        yaml_argv = _yaml_to_argv(load_yaml(path), path)
+    parser = HfArgumentParser(SECTIONS)
+    parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
+
+    def _error(message: str) -> None:
+        # argparse prints the whole usage and exits; a ConfigError carries just the key and the allowed values.
+        raise ConfigError(message)
+
+    parser.error = _error  # type: ignore[method-assign]
+    for arg in args:
+        if arg.startswith("--") and arg != "--help":
+            key = arg[2:].split("=", 1)[0]
+            if key not in known_keys():
+                raise _unknown_key_error(key, "the command line")
+    parsed = parser.parse_args_into_dataclasses(args=yaml_argv + args, return_remaining_strings=True)
+    # HfArgumentParser returns one object per section, then a namespace for the extra --config
+    # argument, then the strings it could not place.
+    sections, remaining = parsed[: len(SECTIONS)], parsed[-1]
+    if remaining:
+        raise ConfigError(f"unexpected command-line arguments {remaining}; every value needs a --key before it")
+    cfg = Config(*sections)
+    validate(cfg)
+    return cfg
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Check values that argparse types cannot: ranges and combinations.
+
+    Raises:
+        ConfigError: naming the key, its value, what is allowed and the fix.
+    """
+    m, d, t, f, p, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.peft, cfg.export
+    _check(m.model_name_or_path is not None, "model_name_or_path is required: a hub id or a local model folder")
+    _check(d.dataset_name is not None, "dataset_name is required: a hub dataset id, a local file or folder")
+    _check(t.output_dir is not None, "output_dir is required: the folder for the export, metrics and config")
+    _check(d.max_length > 0, f"max_length={d.max_length} must be > 0")
+    _check(d.dataloader_num_workers >= 0, f"dataloader_num_workers={d.dataloader_num_workers} must be >= 0")
+    _check(
+        t.per_device_train_batch_size >= 1,
+        f"per_device_train_batch_size={t.per_device_train_batch_size} must be >= 1",
+    )
+    _check(
+        t.gradient_accumulation_steps >= 1,
+        f"gradient_accumulation_steps={t.gradient_accumulation_steps} must be >= 1",
+    )
+    _check(t.max_steps == -1 or t.max_steps > 0, f"max_steps={t.max_steps} must be -1 (use epochs) or > 0")
+    _check(
+        t.max_steps > 0 or (t.num_train_epochs > 0 and math.isfinite(t.num_train_epochs)),
+        f"num_train_epochs={t.num_train_epochs} must be > 0 when max_steps=-1",
+    )
+    _check(t.learning_rate > 0 and math.isfinite(t.learning_rate), f"learning_rate={t.learning_rate} must be > 0")
+    _check(t.weight_decay >= 0, f"weight_decay={t.weight_decay} must be >= 0")
+    _check(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    _check(0 <= t.warmup_ratio < 1, f"warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    _check(t.warmup_steps >= 0, f"warmup_steps={t.warmup_steps} must be >= 0")
+    _check(t.max_grad_norm >= 0, f"max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
+    _check(t.report_to == "none", f"report_to={t.report_to!r}: only 'none' in this version (metrics.jsonl is always written)")
+    _check(not d.packing, "packing=true is not available in this version; set packing=false")
+    _check(t.save_steps == 0, f"save_steps={t.save_steps}: sharded checkpoints are not in this version; set 0")
+    _check(
+        t.resume_from_checkpoint is None,
+        "resume_from_checkpoint: resuming is not in this version; remove the key",
+    )
+    _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
+    _check(not e.push_to_hub, "push_to_hub=true: hub upload is not in this version; set push_to_hub=false")
+    if t.mixed_precision == "fp16":
+        raise ConfigError(
+            "mixed_precision='fp16' needs a gradient scaler that FSDP2 training here does not use; "
+            "use 'bf16' (GPUs since Ampere) or 'no' (fp32)"
+        )
+    _check(
+        _parse_size(e.max_shard_size) > 0, f"max_shard_size={e.max_shard_size!r} must be a size such as '5GB'"
+    )
+    _check(
+        f.torch_compile_mode in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        f"torch_compile_mode={f.torch_compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs",
+    )
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _parse_size(size: str) -> int:
+    text = size.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: -len(unit)].strip()
+            try:
+                return int(float(number) * _UNITS[unit])
+            except ValueError:
+                return -1
+    try:
+        return int(text)
+    except ValueError:
+        return -1
+
+
+def parse_size(size: str) -> int:
+    """Bytes in a size string such as ``"5GB"``, ``"500MB"`` or ``"2GiB"``.
+
+    Raises:
+        ConfigError: the string is not a positive size.
+    """
+    value = _parse_size(size)
+    if value <= 0:
+        raise ConfigError(f"max_shard_size={size!r} must be a positive size such as '5GB' or '500MB'")
+    return value
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as a flat YAML recipe that ``--config`` accepts again.
+
+    Returns:
+        The path written.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False))
+    return p
+
+
+def check_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
+    """Refuse to train into a folder that holds a previous run, unless asked to overwrite.
+
+    Args:
+        output_dir: the run folder (created later if missing).
+        overwrite: ``overwrite_output_dir``; the previous run's files are then replaced as the new
+            run writes its own.
+
+    Raises:
+        ConfigError: the folder is not empty and overwrite is off, or the path is a file.
+    """
+    p = Path(output_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output_dir={str(p)!r} is a file, not a folder; choose another output_dir")
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        found = sorted(x.name for x in p.iterdir())[:5]
+        raise ConfigError(
+            f"output_dir={str(p)!r} already holds a previous run ({', '.join(found)}, ...); "
+            "choose a new output_dir or pass --overwrite_output_dir true"
+        )

@@ -1,0 +1,296 @@
+"""Building the Accelerator for FSDP2 (GPU and CPU/gloo), mixed-precision policy, rank helpers.
+
+Accelerate enables FSDP only for GPU-like distributed types. On a CPU-only machine it silently
+falls back to MULTI_CPU (DDP-style) or to unsharded copies. :func:`build_accelerator` makes the very
+same Accelerate FSDP2 path (``Accelerator.prepare`` -> activation checkpointing -> regional compile ->
+``fully_shard`` per decoder layer) run on gloo, so the toolkit is tested end to end without GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    TorchDynamoPlugin,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+logger = logging.getLogger("hf_fsdp2")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What :func:`build_accelerator` turns into an FSDP2 plugin; every field is explicit."""
+
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: bool = False
+    reduce_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """Regional (per decoder layer) torch.compile settings; ``enabled=False`` means eager."""
+
+    enabled: bool = False
+    mode: str | None = None
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+
+def has_accelerator_device() -> bool:
+    """True when a CUDA (or ROCm) device is visible: the default for compile and fused AdamW."""
+    return torch.cuda.is_available()
+
+
+def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """The explicit FSDP2 mixed-precision policy.
+
+    Accelerate's own default for ``mixed_precision="bf16"`` reduces gradients in bf16; hf_fsdp2
+    reduces in fp32 unless told otherwise, so the policy is always built here, never inherited.
+
+    Args:
+        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"`` (compute in the parameters' dtype).
+        reduce_dtype: dtype of the gradient reduce-scatter: ``"float32"``, ``"bfloat16"``, ``"float16"``.
+
+    Returns:
+        A ``MixedPrecisionPolicy`` with param_dtype, reduce_dtype and output_dtype set.
+
+    Raises:
+        ValueError: for an unknown mixed_precision or reduce_dtype.
+    """
+    if mixed_precision not in _DTYPES:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {sorted(_DTYPES)}")
+    if reduce_dtype not in _REDUCE_DTYPES:
+        raise ValueError(f"fsdp_reduce_dtype={reduce_dtype!r} is not one of {sorted(_REDUCE_DTYPES)}")
+    if mixed_precision == "no":
+        # Everything stays in the parameters' own dtype (fp32 master weights): the policy is a no-op
+        # except for an explicit reduce dtype.
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPES[reduce_dtype])
+    return MixedPrecisionPolicy(
+        param_dtype=_DTYPES[mixed_precision],
+        reduce_dtype=_REDUCE_DTYPES[reduce_dtype],
+        output_dtype=None,
+        cast_forward_inputs=True,
+    )
+
+
+def _launcher_overrides(plan: ShardingPlan, mixed_precision: str) -> list[str]:
+    """Differences between the recipe's settings and what `accelerate launch` put in the environment.
+
+    The recipe's values win; each difference is reported so nothing is silently ignored.
+    """
+    notes = []
+    env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if env_mp and env_mp != mixed_precision:
+        notes.append(f"mixed_precision: accelerate config says {env_mp!r}, recipe says {mixed_precision!r}")
+    env_ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING")
+    if env_ac is not None and (env_ac.lower() in ("true", "1")) != plan.activation_checkpointing:
+        notes.append(
+            f"activation checkpointing: accelerate config says {env_ac}, "
+            f"recipe says gradient_checkpointing={plan.activation_checkpointing}"
+        )
+    env_reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD")
+    if env_reshard is not None and (env_reshard.lower() in ("true", "1")) != plan.reshard_after_forward:
+        notes.append(
+            f"reshard_after_forward: accelerate config says {env_reshard}, recipe says {plan.reshard_after_forward}"
+        )
+    env_offload = os.environ.get("FSDP_OFFLOAD_PARAMS")
+    if env_offload is not None and (env_offload.lower() in ("true", "1")) != plan.cpu_offload:
+        notes.append(f"cpu_offload: accelerate config says {env_offload}, recipe says {plan.cpu_offload}")
+    return notes
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ensure_process_group_env() -> None:
+    """Give a plain ``python recipes/sft.py`` run the env of a one-process launch.
+
+    ``fully_shard`` needs a process group even for a world of one; setting the variables torchrun
+    would set keeps a single-process run on exactly the same code path as a multi-process one.
+    """
+    if "RANK" in os.environ:
+        return
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+        }
+    )
+
+
+def build_accelerator(
+    plan: ShardingPlan,
+    *,
+    mixed_precision: str,
+    compile_plan: CompilePlan,
+    force_cpu: bool = False,
+) -> Accelerator:
+    """Build an Accelerator whose ``prepare`` shards the model with FSDP2, on GPU or on CPU/gloo.
+
+    Args:
+        plan: sharding settings (decoder-layer classes, reshard, offload, AC, reduce dtype).
+        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"``; wins over the accelerate config file.
+        compile_plan: regional compile settings.
+        force_cpu: run on CPU even when a GPU is visible (tests).
+
+    Returns:
+        The Accelerator. On CPU its process group is gloo and its distributed type is FSDP.
+
+    Raises:
+        ValueError: for inconsistent settings (e.g. CPU offload on a CPU-only run).
+    """
+    on_cpu = force_cpu or not has_accelerator_device()
+    _ensure_process_group_env()
+    if on_cpu and plan.cpu_offload:
+        raise ValueError(
+            "fsdp_cpu_offload=true on a CPU-only run: parameters already live in host memory; "
+            "set fsdp_cpu_offload=false"
+        )
+    if on_cpu and compile_plan.enabled and compile_plan.mode == "max-autotune":
+        raise ValueError("compile_mode='max-autotune' needs a GPU; use 'default' on CPU")
+    policy = mixed_precision_policy(mixed_precision, plan.reduce_dtype)
+    if plan.cpu_ram_efficient_loading:
+        # transformers reads these two variables in from_pretrained: only local rank 0 then reads the
+        # weights from disk, the others allocate empty tensors that prepare() fills by broadcast.
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=plan.reshard_after_forward,
+        cpu_offload=plan.cpu_offload,
+        mixed_precision_policy=policy,
+        # The decoder-layer classes are known only once the model is loaded: prepare_fsdp2 sets them.
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[],
+        activation_checkpointing=plan.activation_checkpointing,
+        cpu_ram_efficient_loading=plan.cpu_ram_efficient_loading,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    dynamo = TorchDynamoPlugin(
+        backend="inductor" if compile_plan.enabled else "no",
+        mode=compile_plan.mode,
+        dynamic=compile_plan.dynamic,
+        fullgraph=compile_plan.fullgraph,
+        use_regional_compilation=True,
+    )
+    for note in _launcher_overrides(plan, mixed_precision):
+        logger.warning("recipe setting wins over the accelerate config: %s", note)
+    if on_cpu:
+        # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
+        # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
+        # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py.
+        state = PartialState(cpu=True)
+        state._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator = Accelerator(
+            fsdp_plugin=plugin, mixed_precision=mixed_precision, cpu=True, dynamo_plugin=dynamo
+        )
+        accelerator.state.fsdp_plugin = plugin
+    else:
+        accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision, dynamo_plugin=dynamo)
+    if accelerator.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(
+            f"Accelerate chose distributed_type={accelerator.distributed_type}, not FSDP; "
+            "launch with accelerate_configs/fsdp2.yaml (GPU) or fsdp2_cpu.yaml (CPU), or with torchrun"
+        )
+    # The plugin's policy must be ours even if Accelerator re-derived one from mixed_precision.
+    accelerator.state.fsdp_plugin.mixed_precision_policy = policy
+    return accelerator
+
+
+def prepare_fsdp2(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layer_cls_names: tuple[str, ...],
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Shard ``model`` with one FSDP2 unit per decoder layer (plus embeddings, the head and the root).
+
+    Accelerate applies, in order: activation checkpointing per layer, regional compile per layer,
+    ``fully_shard`` per layer, then the root; the optimizer is re-pointed at the sharded parameters.
+    Every rank takes part (collective when ``cpu_ram_efficient_loading`` broadcasts rank 0's weights).
+
+    Args:
+        accelerator: from :func:`build_accelerator`.
+        model: the unsharded model.
+        optimizer: built on the unsharded parameters.
+        layer_cls_names: decoder-layer class names (see ``model.decoder_layer_classes``).
+
+    Returns:
+        The sharded model and its optimizer.
+    """
+    accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer
+
+
+def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """FSDP units by module class: ``{class name: (units, parameters each unit manages)}``.
+
+    Parameters are counted once, in the innermost unit that manages them (global, unsharded sizes).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[str, tuple[int, int]] = {}
+    seen: set[int] = set()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in reversed(modules):  # innermost first
+        count = 0
+        for param in module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                count += param.numel()
+        name = type(module).__name__.removeprefix("FSDP")
+        n, total = units.get(name, (0, 0))
+        units[name] = (n + 1, total + count)
+    return units
+
+
+def describe_policy(policy: MixedPrecisionPolicy) -> str:
+    """One line for the start-of-run log."""
+
+    def name(dtype: torch.dtype | None) -> str:
+        return "param dtype (no cast)" if dtype is None else str(dtype).replace("torch.", "")
+
+    return (
+        f"params {name(policy.param_dtype)}, gradient reduction {name(policy.reduce_dtype)}, "
+        f"outputs {name(policy.output_dtype)}"
+    )
+
+
+def setup_logging(is_main_process: bool) -> None:
+    """INFO logs on rank 0 only; other ranks report warnings and errors."""
+    logging.basicConfig(
+        level=logging.INFO if is_main_process else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks (every rank takes part); a no-op without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value

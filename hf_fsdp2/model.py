@@ -1,0 +1,161 @@
+"""Loading the tokenizer and causal LM (hub id or local folder), and finding the decoder-layer class."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger("hf_fsdp2")
+
+_LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+
+
+def _check_source(name: str, what: str) -> None:
+    path = Path(name).expanduser()
+    if _looks_local(name) and not path.is_dir():
+        raise FileNotFoundError(
+            f"{what}={name!r}: no such folder; give a local folder holding config.json, or a hub id like "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct'"
+        )
+
+
+def load_tokenizer(
+    name_or_path: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer and make sure it has a pad token.
+
+    A tokenizer without a pad token gets its EOS token as pad (labels mask pads with -100 and the
+    attention mask hides them, so the EOS targets the model must learn are unaffected).
+
+    Args:
+        name_or_path: hub id or local folder.
+        revision: hub revision.
+        trust_remote_code: allow custom tokenizer code from the repo.
+
+    Returns:
+        The tokenizer with ``pad_token_id`` set.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: the tokenizer has neither a pad nor an EOS token.
+    """
+    _check_source(name_or_path, "tokenizer_name_or_path")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token; add one with "
+                "tokenizer.add_special_tokens({'pad_token': ...}) and save it"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer has no pad token: using EOS %r as pad", tokenizer.eos_token)
+    return tokenizer
+
+
+def load_model_config(
+    name_or_path: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> PretrainedConfig:
+    """Read a model's config.json (cheap) to check settings before loading weights.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist or lacks config.json.
+    """
+    _check_source(name_or_path, "model_name_or_path")
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model_name_or_path={name_or_path!r} has no config.json; is it an HF model folder?")
+    return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def check_max_length(max_length: int, config: PretrainedConfig) -> None:
+    """Refuse a max_length the model's position embeddings cannot cover.
+
+    Raises:
+        ValueError: max_length above ``max_position_embeddings``.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise ValueError(
+            f"max_length={max_length} exceeds the model's max_position_embeddings={limit}; "
+            f"lower max_length to at most {limit}"
+        )
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Load a causal LM for training.
+
+    Args:
+        name_or_path: hub id or local folder.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...
+        revision: hub revision.
+        trust_remote_code: allow custom model code from the repo.
+
+    Returns:
+        The model in train mode, with ``use_cache`` off (a KV cache is useless in training).
+    """
+    config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    torch_dtype = _LOAD_DTYPES[dtype]
+    del config  # read first only for its clear error on a missing folder
+    # Under fsdp_cpu_ram_efficient_loading, build_accelerator has set the env that makes transformers
+    # read the weights on local rank 0 only; the other ranks get their shards by broadcast in prepare().
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        revision=revision,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = None) -> tuple[str, ...]:
+    """Class names of the decoder layers that become one FSDP unit each.
+
+    Args:
+        model: the loaded model.
+        override: explicit class names (config ``fsdp_layer_cls_to_wrap``); checked to exist.
+
+    Returns:
+        Class names present in the model.
+
+    Raises:
+        ValueError: no decoder-layer class found, or an override that names no module of the model.
+    """
+    present = {type(m).__name__ for m in model.modules()}
+    names = list(override) if override else list(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules; set fsdp_layer_cls_to_wrap to the class "
+            "name of its decoder layer (e.g. LlamaDecoderLayer)"
+        )
+    found = tuple(n for n in names if n in present)
+    if not found:
+        raise ValueError(
+            f"fsdp_layer_cls_to_wrap={names} matches no module of {type(model).__name__}; "
+            f"module classes in the model include {sorted(present)[:20]}"
+        )
+    return found
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts of an unsharded model."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable

@@ -1,0 +1,253 @@
+"""Supervised fine-tuning of an HF causal LM with FSDP2 through Accelerate.
+
+GPU node (8 GPUs):
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py \
+        --config recipes/configs/llama3_8b_sft.yaml
+CPU machine (2 gloo processes; the same FSDP2 code path):
+    accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/sft.py \
+        --config recipes/configs/demo_smollm2.yaml
+    torchrun --nproc_per_node 2 recipes/sft.py --config recipes/configs/demo_smollm2.yaml
+Any key of the YAML can be overridden on the command line: ``--learning_rate 1e-5``.
+
+Order: config -> accelerator -> tokenizer/model -> shard -> data -> optimizer/schedule -> loop -> export.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+
+from hf_fsdp2.config import ConfigError, check_output_dir, parse_config, parse_size, save_config
+from hf_fsdp2.data import (
+    PaddingCollator,
+    ShardedSampler,
+    build_dataloader,
+    load_raw_dataset,
+    tokenize_dataset,
+)
+from hf_fsdp2.distributed import (
+    CompilePlan,
+    ShardingPlan,
+    all_reduce_sum,
+    build_accelerator,
+    describe_policy,
+    has_accelerator_device,
+    prepare_fsdp2,
+    setup_logging,
+    sharded_units,
+)
+from hf_fsdp2.export import export_model
+from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
+from hf_fsdp2.metrics import MetricsWriter, StepTimer, format_log_line
+from hf_fsdp2.model import (
+    check_max_length,
+    count_parameters,
+    decoder_layer_classes,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+)
+from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+def batches_forever(loader: torch.utils.data.DataLoader, sampler: ShardedSampler) -> Iterator[dict]:
+    """Micro-batches across epochs; each epoch reshuffles with seed + epoch."""
+    epoch = sampler.epoch
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    # ---- config: YAML + CLI, validated; nothing heavy happens before it is known to be sane.
+    cfg = parse_config(argv)
+    m, d, t, f, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export
+    assert m.model_name_or_path and d.dataset_name and t.output_dir  # validate() guarantees them
+    output_dir = Path(t.output_dir)
+    check_output_dir(output_dir, overwrite=t.overwrite_output_dir)
+    model_config = load_model_config(m.model_name_or_path, revision=m.model_revision, trust_remote_code=m.trust_remote_code)
+    check_max_length(d.max_length, model_config)
+
+    # ---- accelerator: FSDP2 through Accelerate, on GPU or CPU/gloo.
+    compile_on = f.torch_compile if f.torch_compile is not None else has_accelerator_device()
+    plan = ShardingPlan(
+        reshard_after_forward=f.fsdp_reshard_after_forward,
+        cpu_offload=f.fsdp_cpu_offload,
+        cpu_ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
+        activation_checkpointing=f.gradient_checkpointing,
+        reduce_dtype=f.fsdp_reduce_dtype,
+    )
+    accelerator = build_accelerator(
+        plan,
+        mixed_precision=t.mixed_precision,
+        compile_plan=CompilePlan(
+            enabled=compile_on,
+            mode=f.torch_compile_mode,
+            dynamic=f.torch_compile_dynamic,
+            fullgraph=f.torch_compile_fullgraph,
+        ),
+    )
+    setup_logging(accelerator.is_main_process)
+    world = accelerator.num_processes
+    accelerator.wait_for_everyone()  # every rank checked output_dir before rank 0 writes into it
+    if accelerator.is_main_process:
+        save_config(cfg, output_dir / "hf_fsdp2_config.yaml")
+    set_seed(t.seed)
+    logger.info("world size %d on %s; mixed precision %s", world, accelerator.device, t.mixed_precision)
+    logger.info("FSDP2 mixed-precision policy: %s", describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy))
+
+    # ---- tokenizer + data (rank 0 tokenises first; the others then reuse its work).
+    tokenizer = load_tokenizer(
+        m.tokenizer_name_or_path or m.model_name_or_path, revision=m.model_revision, trust_remote_code=m.trust_remote_code
+    )
+    with accelerator.main_process_first():
+        raw = load_raw_dataset(d.dataset_name, split=d.dataset_split, config_name=d.dataset_config_name)
+        dataset, stats = tokenize_dataset(
+            raw,
+            tokenizer,
+            dataset_format=d.dataset_format,
+            max_length=d.max_length,
+            assistant_only_loss=d.assistant_only_loss,
+            completion_only_loss=d.completion_only_loss,
+            source=d.dataset_name,
+        )
+    logger.info(
+        "data: %d records, %d truncated to max_length=%d, %d without any target token (kept, no loss)",
+        stats.num_records, stats.num_truncated, d.max_length, stats.num_without_targets,
+    )
+    per_step = world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if len(dataset) < per_step:
+        raise ConfigError(
+            f"one optimizer step needs world_size({world}) x per_device_train_batch_size"
+            f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
+            f"= {per_step} examples but the dataset has {len(dataset)}; lower the batch size or the accumulation"
+        )
+    sampler = ShardedSampler(len(dataset), rank=accelerator.process_index, world_size=world, seed=t.seed)
+    loader = build_dataloader(
+        dataset,
+        batch_size=t.per_device_train_batch_size,
+        collator=PaddingCollator(pad_token_id=tokenizer.pad_token_id),
+        sampler=sampler,
+        num_workers=d.dataloader_num_workers,
+    )
+    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
+    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+
+    # ---- model, sharded per decoder layer.
+    model = load_model(
+        m.model_name_or_path,
+        dtype=m.torch_dtype,
+        attn_implementation=m.attn_implementation,
+        revision=m.model_revision,
+        trust_remote_code=m.trust_remote_code,
+    )
+    layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
+    n_total, n_trainable = count_parameters(model)
+    logger.info("model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6)
+    optimizer = build_adamw(
+        param_groups(model, t.weight_decay),
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        device_type=accelerator.device.type,
+    )
+    model, optimizer = prepare_fsdp2(accelerator, model, optimizer, layer_cls)
+    for name, (units, params) in sharded_units(model).items():
+        logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    logger.info(
+        "activation checkpointing %s; regional compile %s",
+        "on" if f.gradient_checkpointing else "off", "on" if compile_on else "off",
+    )
+    warmup = warmup_steps_for(total_steps, t.warmup_steps, t.warmup_ratio)
+    scheduler = build_scheduler(optimizer, t.lr_scheduler_type, warmup, total_steps)
+    logger.info(
+        "training %d steps (%d per epoch), %d examples per step, warmup %d, schedule %s",
+        total_steps, steps_per_epoch, per_step, warmup, t.lr_scheduler_type,
+    )
+
+    # ---- the loop.
+    metrics = MetricsWriter(output_dir, enabled=accelerator.is_main_process)
+    batches = batches_forever(loader, sampler)
+    timer = StepTimer()
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, total_steps + 1):
+        micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
+        local_tokens = sum(count_target_tokens(b["labels"]) for b in micro_batches)
+        # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss.
+        global_tokens = int(all_reduce_sum(torch.tensor(local_tokens, dtype=torch.long)).item())
+        scale = backward_scale(global_tokens, world)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # Reduce-scatter on every micro-batch keeps gradients sharded; skipping it until the last
+            # keeps full-size unsharded gradients in memory (less traffic, more memory).
+            model.set_requires_gradient_sync(f.fsdp_sync_each_microbatch or last)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            micro_loss = cross_entropy_sum(logits, batch["labels"])
+            accelerator.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach()
+            del logits, micro_loss
+        if global_tokens == 0:
+            logger.warning("step %d has no target token on any rank: its gradient is zero", step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = float(all_reduce_sum(loss_sum).item()) / max(global_tokens, 1)  # every rank
+        step_time = timer.lap()
+        if step % t.logging_steps == 0 or step == total_steps:
+            record = {
+                "step": step,
+                "loss": step_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "target_tokens": global_tokens,
+                "target_tokens_per_s": global_tokens / step_time,
+                "step_time_s": step_time,
+                "epoch": sampler.epoch,
+            }
+            metrics.write(record)
+            logger.info(format_log_line(record, total_steps))
+    train_seconds = time.perf_counter() - start
+
+    # ---- export: consolidated HF folder in output_dir (every rank takes part).
+    unwrapped = accelerator.unwrap_model(model)
+    export_model(
+        model,
+        output_dir,
+        config=unwrapped.config,
+        tokenizer=tokenizer,
+        generation_config=getattr(unwrapped, "generation_config", None),
+        dtype=e.export_dtype,
+        max_shard_bytes=parse_size(e.max_shard_size),
+        is_main_process=accelerator.is_main_process,
+    )
+    logger.info("done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s", total_steps, train_seconds, output_dir)
+    accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, FileNotFoundError) as err:
+        # A user error: one clear line, not a traceback per rank.
+        print(f"hf_fsdp2 error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,60 @@
+"""Tiny random-init Llama models with a real tokenizer, and small datasets, for fast tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue one two three"
+).split()
+
+
+def make_tiny_llama_dir(path: Path, *, tie_word_embeddings: bool = False, seed: int = 0, layers: int = 2) -> Path:
+    """Save a 2-layer, 64-wide Llama with the Llama-2 tokenizer (ChatML template) to ``path``."""
+    tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    tokenizer.pad_token = tokenizer.eos_token
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_chat_jsonl(path: Path, n: int, *, seed: int = 0, max_words: int = 12) -> Path:
+    """``n`` chat records of random lengths (so micro-batches hold unequal numbers of target tokens)."""
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            question = " ".join(rng.choices(WORDS, k=rng.randint(1, max_words)))
+            answer = " ".join(rng.choices(WORDS, k=rng.randint(1, max_words)))
+            record = {
+                "messages": [
+                    {"role": "system", "content": "Echo."},
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+            fh.write(json.dumps(record) + "\n")
+    return path
