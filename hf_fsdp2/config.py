@@ -229,7 +229,11 @@ def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
         argv.append(f"--{key}")
         if isinstance(value, list):
             if not value:
-                raise ConfigError(f"{key}: an empty list in {path}; remove the key to use the default")
+                factory = fields[key].default_factory
+                if callable(factory) and factory() == []:
+                    argv.pop()  # an empty list is this key's default
+                    continue
+                raise ConfigError(f"{key}: an empty list in {path}; give at least one value or remove the key")
             argv.extend(str(v) for v in value)
         elif isinstance(value, bool):
             argv.append("true" if value else "false")

@@ -17,13 +17,17 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
 
 
-def _check_source(name: str, what: str) -> None:
+def _check_source(name: str, what: str) -> str:
+    """The name to hand to from_pretrained: a local path with ``~`` expanded, or the hub id as is."""
     path = Path(name).expanduser()
-    if _looks_local(name) and not path.is_dir():
-        raise FileNotFoundError(
-            f"{what}={name!r}: no such folder; give a local folder holding config.json, or a hub id like "
-            "'HuggingFaceTB/SmolLM2-135M-Instruct'"
-        )
+    if _looks_local(name):
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{what}={name!r}: no such folder; give a local folder holding config.json, or a hub id like "
+                "'HuggingFaceTB/SmolLM2-135M-Instruct'"
+            )
+        return str(path)
+    return name
 
 
 def load_tokenizer(
@@ -46,7 +50,7 @@ def load_tokenizer(
         FileNotFoundError: a local path that does not exist.
         ValueError: the tokenizer has neither a pad nor an EOS token.
     """
-    _check_source(name_or_path, "tokenizer_name_or_path")
+    name_or_path = _check_source(name_or_path, "tokenizer_name_or_path")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
@@ -67,8 +71,8 @@ def load_model_config(
     Raises:
         FileNotFoundError: a local path that does not exist or lacks config.json.
     """
-    _check_source(name_or_path, "model_name_or_path")
-    path = Path(name_or_path).expanduser()
+    name_or_path = _check_source(name_or_path, "model_name_or_path")
+    path = Path(name_or_path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"model_name_or_path={name_or_path!r} has no config.json; is it an HF model folder?")
     return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -108,9 +112,9 @@ def load_model(
     Returns:
         The model in train mode, with ``use_cache`` off (a KV cache is useless in training).
     """
-    config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)  # clear errors first
+    name_or_path = _check_source(name_or_path, "model_name_or_path")
     torch_dtype = _LOAD_DTYPES[dtype]
-    del config  # read first only for its clear error on a missing folder
     # Under fsdp_cpu_ram_efficient_loading, build_accelerator has set the env that makes transformers
     # read the weights on local rank 0 only; the other ranks get their shards by broadcast in prepare().
     model = AutoModelForCausalLM.from_pretrained(

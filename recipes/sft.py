@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -247,7 +248,9 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, FileNotFoundError) as err:
-        # A user error: one clear line, not a traceback per rank.
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        # Bad input: one clear line per rank instead of a traceback (HF_FSDP2_DEBUG=1 shows it).
+        if os.environ.get("HF_FSDP2_DEBUG"):
+            raise
         print(f"hf_fsdp2 error: {err}", file=sys.stderr)
         sys.exit(2)
