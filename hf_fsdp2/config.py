@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import yaml
 from transformers import HfArgumentParser
@@ -284,14 +284,14 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         path = args[i + 1]
         del args[i : i + 2]
         yaml_argv = _yaml_to_argv(load_yaml(path), path)
-    parser = HfArgumentParser(SECTIONS)
+    parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
     parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
 
-    def _error(message: str) -> None:
+    def _error(message: str) -> NoReturn:
         # argparse prints the whole usage and exits; a ConfigError carries just the key and the allowed values.
         raise ConfigError(message)
 
-    parser.error = _error  # type: ignore[method-assign]
+    parser.error = _error  # type: ignore[method-assign,assignment]
     for arg in args:
         if arg.startswith("--") and arg != "--help":
             key = arg[2:].split("=", 1)[0]

@@ -37,7 +37,8 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Every rank must call it: each sharded parameter is all-gathered one at a time and offloaded to
     host memory on rank 0 only.
     """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
 
 
 def _tied_keys(state_dict: dict[str, torch.Tensor], config: PretrainedConfig) -> set[str]:

@@ -20,7 +20,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     Returns:
         Parameter groups for ``torch.optim.AdamW``; empty groups are left out.
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if not param.requires_grad:
             continue

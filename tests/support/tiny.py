@@ -7,14 +7,10 @@ import random
 from pathlib import Path
 
 import torch
+from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
-
-WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue one two three"
-).split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "red", "green", "blue", "one", "two", "three"]
 
 
 def make_tiny_llama_dir(path: Path, *, tie_word_embeddings: bool = False, seed: int = 0, layers: int = 2) -> Path:
