@@ -92,7 +92,7 @@ class TrainArgs:
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
     weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW weight decay (not applied to biases, norms, embeddings)."}
+        default=0.0, metadata={"help": "AdamW weight decay of matrices (embeddings included); none on biases and norm weights."}
     )
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
@@ -106,10 +106,17 @@ class TrainArgs:
     seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
     logging_steps: int = field(default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."})
     save_steps: int = field(
-        default=0, metadata={"help": "Sharded checkpoint every N steps (not in this version: must be 0)."}
+        default=0,
+        metadata={"help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end; 0 = none."},
+    )
+    save_total_limit: int = field(
+        default=3, metadata={"help": "Keep the last K checkpoints (0 keeps all); the one resumed from is never deleted."}
+    )
+    save_async: bool = field(
+        default=False, metadata={"help": "Write checkpoints in the background while training continues."}
     )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "Checkpoint to resume from (not in this version: must be unset)."}
+        default=None, metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."}
     )
     mixed_precision: Literal["bf16", "fp16", "no"] = field(
         default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
@@ -226,21 +233,21 @@ def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
             raise _unknown_key_error(key, path)
         if value is None:
             continue
-        argv.append(f"--{key}")
         if isinstance(value, list):
             if not value:
                 factory = fields[key].default_factory
                 if callable(factory) and factory() == []:
-                    argv.pop()  # an empty list is this key's default
-                    continue
+                    continue  # an empty list is this key's default
                 raise ConfigError(f"{key}: an empty list in {path}; give at least one value or remove the key")
+            argv.append(f"--{key}")
             argv.extend(str(v) for v in value)
         elif isinstance(value, bool):
-            argv.append("true" if value else "false")
+            argv.append(f"--{key}={'true' if value else 'false'}")
         elif isinstance(value, dict):
             raise ConfigError(f"{key}: a mapping in {path} where a single value is expected: {value!r}")
         else:
-            argv.append(str(value))
+            # --key=value, so that a negative number is not read as a flag.
+            argv.append(f"--{key}={value}")
     return argv
 
 
@@ -277,13 +284,18 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     yaml_argv: list[str] = []
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ConfigError("--config needs a path to a YAML recipe")
-        path = args[i + 1]
-        del args[i : i + 2]
-        yaml_argv = _yaml_to_argv(load_yaml(path), path)
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config":
+                if i + 1 >= len(args):
+                    raise ConfigError("--config needs a path to a YAML recipe")
+                path = args[i + 1]
+                del args[i : i + 2]
+            else:
+                path = arg.split("=", 1)[1]
+                del args[i]
+            yaml_argv = _yaml_to_argv(load_yaml(path), path)
+            break
     parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
     parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
 
@@ -347,11 +359,8 @@ def validate(cfg: Config) -> None:
     _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
     _check(t.report_to == "none", f"report_to={t.report_to!r}: only 'none' in this version (metrics.jsonl is always written)")
     _check(not d.packing, "packing=true is not available in this version; set packing=false")
-    _check(t.save_steps == 0, f"save_steps={t.save_steps}: sharded checkpoints are not in this version; set 0")
-    _check(
-        t.resume_from_checkpoint is None,
-        "resume_from_checkpoint: resuming is not in this version; remove the key",
-    )
+    _check(t.save_steps >= 0, f"save_steps={t.save_steps} must be >= 0 (0 = no checkpoints)")
+    _check(t.save_total_limit >= 0, f"save_total_limit={t.save_total_limit} must be >= 0 (0 keeps all)")
     _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
     _check(not e.push_to_hub, "push_to_hub=true: hub upload is not in this version; set push_to_hub=false")
     if t.mixed_precision == "fp16":
@@ -379,11 +388,11 @@ def _parse_size(size: str) -> int:
             number = text[: -len(unit)].strip()
             try:
                 return int(float(number) * _UNITS[unit])
-            except ValueError:
+            except (ValueError, OverflowError):
                 return -1
     try:
         return int(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         return -1
 
 
@@ -411,13 +420,14 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     return p
 
 
-def check_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
-    """Refuse to train into a folder that holds a previous run, unless asked to overwrite.
+def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = False) -> None:
+    """Refuse to train into a folder that holds a previous run, unless asked to overwrite or resume.
 
     Args:
         output_dir: the run folder (created later if missing).
         overwrite: ``overwrite_output_dir``; the previous run's files are then replaced as the new
             run writes its own.
+        resume: ``resume_from_checkpoint`` is set: the previous run is the one being continued.
 
     Raises:
         ConfigError: the folder is not empty and overwrite is off, or the path is a file.
@@ -425,9 +435,10 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
     p = Path(output_dir)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"output_dir={str(p)!r} is a file, not a folder; choose another output_dir")
-    if p.is_dir() and any(p.iterdir()) and not overwrite:
+    if p.is_dir() and any(p.iterdir()) and not overwrite and not resume:
         found = sorted(x.name for x in p.iterdir())[:5]
         raise ConfigError(
             f"output_dir={str(p)!r} already holds a previous run ({', '.join(found)}, ...); "
-            "choose a new output_dir or pass --overwrite_output_dir true"
+            "choose a new output_dir, pass --overwrite_output_dir true, or continue it with "
+            "--resume_from_checkpoint latest"
         )

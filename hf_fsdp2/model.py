@@ -149,7 +149,15 @@ def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = N
         ValueError: no decoder-layer class found, or an override that names no module of the model.
     """
     present = {type(m).__name__ for m in model.modules()}
-    names = list(override) if override else list(getattr(model, "_no_split_modules", None) or [])
+    if override:
+        missing = [n for n in override if n not in present]
+        if missing:
+            raise ValueError(
+                f"fsdp_layer_cls_to_wrap names {missing}, which no module of {type(model).__name__} is; "
+                f"module classes in the model: {sorted(present)}"
+            )
+        return tuple(override)
+    names = list(getattr(model, "_no_split_modules", None) or [])
     if not names:
         raise ValueError(
             f"{type(model).__name__} declares no _no_split_modules; set fsdp_layer_cls_to_wrap to the class "

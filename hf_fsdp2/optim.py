@@ -95,4 +95,5 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup_steps: i
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
     """Warmup length: ``warmup_steps`` when set, else ``ceil(warmup_ratio * total_steps)``."""
-    return warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_steps)
+    # round() first: 0.07 * 100 is 7.000000000000001 in floating point, which ceil would make 8.
+    return warmup_steps if warmup_steps > 0 else math.ceil(round(warmup_ratio * total_steps, 9))

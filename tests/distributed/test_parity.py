@@ -128,3 +128,24 @@ def test_two_rank_fsdp2_matches_plain_pytorch(setup, tmp_path: Path, bs: int, ac
     assert max(norm_rel) <= 2e-3, (got, expected)
     # Training moved the loss: the comparison is over changing weights, not a constant.
     assert got[-1]["loss"] < got[0]["loss"]
+
+
+def test_same_seed_same_losses_bit_for_bit(setup, tmp_path: Path):
+    """Seeded and deterministic on CPU: two runs of the recipe (bf16, AC, accumulation) log identical numbers."""
+    model_dir, data_file, _ = setup
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        torchrun(
+            SFT,
+            [
+                "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
+                "--max_steps", "3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                "--learning_rate", str(LR), "--max_length", str(MAX_LEN), "--seed", str(SEED),
+                "--gradient_checkpointing", "true",
+            ],
+            nproc=WORLD,
+        )
+        runs.append([(r["loss"], r["grad_norm"], r["target_tokens"]) for r in read_metrics(out / "metrics.jsonl")])
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 3

@@ -1,0 +1,203 @@
+"""Unit tests for hf_fsdp2.model: tokenizer and model loading, length check, decoder-layer classes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_llama2_test_tokenizer, llama2_tokenizer_file
+from safetensors.torch import load_file
+from support.tiny import make_tiny_llama_dir
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+from hf_fsdp2.model import (
+    check_max_length,
+    count_parameters,
+    decoder_layer_classes,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir: Path) -> torch.nn.Module:
+    return load_model(str(tiny_dir))
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_load_tokenizer_uses_eos_as_pad_when_missing(tmp_path: Path) -> None:
+    tokenizer = build_llama2_test_tokenizer()
+    assert tokenizer.pad_token is None
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token == "</s>"
+    assert loaded.pad_token_id == loaded.eos_token_id == 2
+
+
+def test_load_tokenizer_keeps_an_existing_pad(tmp_path: Path) -> None:
+    tokenizer = build_llama2_test_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token == "<unk>"
+    assert loaded.pad_token_id == 0
+    assert loaded.eos_token_id == 2
+
+
+def test_load_tokenizer_without_pad_and_eos(tmp_path: Path) -> None:
+    PreTrainedTokenizerFast(tokenizer_file=str(llama2_tokenizer_file())).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="neither a pad token nor an EOS token"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_load_tokenizer_of_tiny_model_keeps_chat_template(tiny_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_dir))
+    assert tokenizer.chat_template is not None and "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("loader", [load_tokenizer, load_model_config, load_model])
+def test_missing_local_folder_names_the_path(tmp_path: Path, loader: Callable[[str], object]) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError) as err:
+        loader(str(missing))
+    assert str(missing) in str(err.value)
+    assert "no such folder" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "a/b/no-such-model"])
+def test_relative_paths_are_local_not_hub_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_model_config(name)
+
+
+def test_tilde_path_is_expanded(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tiny_dir.parent))
+    tokenizer = load_tokenizer("~/model")
+    assert tokenizer.eos_token == "</s>"
+    config = load_model_config("~/model")
+    assert config.hidden_size == 64
+    with pytest.raises(FileNotFoundError, match="~/nothing"):
+        load_model_config("~/nothing")
+
+
+@pytest.mark.parametrize("loader", [load_model_config, load_model])
+def test_folder_without_config_json(tmp_path: Path, loader: Callable[[str], object]) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")  # a folder, but no config.json
+    with pytest.raises(FileNotFoundError) as err:
+        loader(str(tmp_path))
+    assert "config.json" in str(err.value)
+    assert str(tmp_path) in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# check_max_length
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_check_max_length_names_both_numbers() -> None:
+    config = LlamaConfig(max_position_embeddings=256)
+    check_max_length(256, config)
+    check_max_length(1, config)
+    with pytest.raises(ValueError) as err:
+        check_max_length(257, config)
+    assert "max_length=257" in str(err.value)
+    assert "max_position_embeddings=256" in str(err.value)
+
+
+def test_check_max_length_without_a_limit() -> None:
+    config = PretrainedConfig()
+    assert not hasattr(config, "max_position_embeddings")
+    check_max_length(10**6, config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_model
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_load_model_for_training(tiny_dir: Path, tiny_model: torch.nn.Module) -> None:
+    model = tiny_model
+    assert model.training
+    assert all(m.training for m in model.modules())
+    assert model.config.use_cache is False
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    saved = load_file(str(tiny_dir / "model.safetensors"))
+    torch.testing.assert_close(
+        model.state_dict()["model.layers.1.mlp.up_proj.weight"],
+        saved["model.layers.1.mlp.up_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_load_model_in_bfloat16(tiny_dir: Path) -> None:
+    model = load_model(str(tiny_dir), dtype="bfloat16", attn_implementation="eager")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.use_cache is False
+    assert model.training
+    assert model.config._attn_implementation == "eager"
+    saved = load_file(str(tiny_dir / "model.safetensors"))
+    torch.testing.assert_close(
+        model.state_dict()["model.embed_tokens.weight"],
+        saved["model.embed_tokens.weight"].to(torch.bfloat16),
+        rtol=0,
+        atol=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# decoder_layer_classes, count_parameters
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_decoder_layer_classes_from_no_split_modules(tiny_model: torch.nn.Module) -> None:
+    assert decoder_layer_classes(tiny_model) == ("LlamaDecoderLayer",)
+    assert decoder_layer_classes(tiny_model, []) == ("LlamaDecoderLayer",)  # empty override = default
+
+
+def test_decoder_layer_classes_valid_override(tiny_model: torch.nn.Module) -> None:
+    assert decoder_layer_classes(tiny_model, ["LlamaMLP"]) == ("LlamaMLP",)
+    assert decoder_layer_classes(tiny_model, ["LlamaDecoderLayer", "LlamaMLP"]) == (
+        "LlamaDecoderLayer",
+        "LlamaMLP",
+    )
+
+
+def test_decoder_layer_classes_override_matching_nothing(tiny_model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError) as err:
+        decoder_layer_classes(tiny_model, ["MistralDecoderLayer"])
+    assert "MistralDecoderLayer" in str(err.value)
+    assert "LlamaDecoderLayer" in str(err.value)  # lists what the model does hold
+
+
+def test_decoder_layer_classes_override_with_a_typo(tiny_model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="LlamaMpl"):
+        decoder_layer_classes(tiny_model, ["LlamaDecoderLayer", "LlamaMpl"])
+
+
+def test_decoder_layer_classes_without_no_split_modules() -> None:
+    with pytest.raises(ValueError, match="fsdp_layer_cls_to_wrap"):
+        decoder_layer_classes(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert decoder_layer_classes(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["Linear"]) == ("Linear",)
+
+
+def test_count_parameters() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].weight.requires_grad_(False)
+    assert count_parameters(model) == (4 * 3 + 3 + 3 * 2 + 2, 4 * 3 + 3 + 2)
