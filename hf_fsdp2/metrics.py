@@ -21,18 +21,28 @@ class MetricsWriter:
     no rank checks at its call sites.
     """
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool) -> None:
+    def __init__(self, output_dir: str | Path, *, enabled: bool, resume_step: int | None = None) -> None:
+        """Start the file, or on resume keep its records up to ``resume_step`` (later ones are re-run)."""
         self.path = Path(output_dir) / METRICS_FILE
         self.enabled = enabled
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            kept = []
+            if resume_step is not None and self.path.is_file():
+                kept = [
+                    line
+                    for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step
+                ]
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (numbers rounded for reading, NaN/inf kept as strings)."""
         if not self.enabled:
             return
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in record.items()}
+        clean = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in record.items()
+        }
         with self.path.open("a") as fh:
             fh.write(json.dumps(clean) + "\n")
 

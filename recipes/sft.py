@@ -20,11 +20,22 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
 
+from hf_fsdp2.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    StopRequest,
+    TrainerState,
+    check_config_compatible,
+    resolve_resume,
+)
 from hf_fsdp2.config import ConfigError, check_output_dir, parse_config, parse_size, save_config
 from hf_fsdp2.data import (
     PaddingCollator,
@@ -60,13 +71,22 @@ from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, warmup_st
 logger = logging.getLogger("hf_fsdp2")
 
 
-def batches_forever(loader: torch.utils.data.DataLoader, sampler: ShardedSampler) -> Iterator[dict]:
-    """Micro-batches across epochs; each epoch reshuffles with seed + epoch."""
-    epoch = sampler.epoch
+@dataclass
+class DataCursor:
+    """Where the data stream is: the epoch and the micro-batches of it consumed so far (saved in checkpoints)."""
+
+    epoch: int = 0
+    batches_in_epoch: int = 0
+
+
+def batches_forever(loader: DataLoader, sampler: ShardedSampler, cursor: DataCursor) -> Iterator[dict]:
+    """Micro-batches across epochs from the cursor on; each epoch reshuffles with seed + epoch."""
     while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+        sampler.set_epoch(cursor.epoch)  # the same epoch keeps a resumed position
+        for batch in loader:
+            cursor.batches_in_epoch += 1
+            yield batch
+        cursor.epoch, cursor.batches_in_epoch = cursor.epoch + 1, 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,8 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     m, d, t, f, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export
     assert m.model_name_or_path and d.dataset_name and t.output_dir  # validate() guarantees them
     output_dir = Path(t.output_dir)
-    check_output_dir(output_dir, overwrite=t.overwrite_output_dir)
-    model_config = load_model_config(m.model_name_or_path, revision=m.model_revision, trust_remote_code=m.trust_remote_code)
+    check_output_dir(
+        output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None
+    )
+    model_config = load_model_config(
+        m.model_name_or_path, revision=m.model_revision, trust_remote_code=m.trust_remote_code
+    )
     check_max_length(d.max_length, model_config)
 
     # ---- accelerator: FSDP2 through Accelerate, on GPU or CPU/gloo.
@@ -105,11 +129,16 @@ def main(argv: list[str] | None = None) -> None:
         save_config(cfg, output_dir / "hf_fsdp2_config.yaml")
     set_seed(t.seed)
     logger.info("world size %d on %s; mixed precision %s", world, accelerator.device, t.mixed_precision)
-    logger.info("FSDP2 mixed-precision policy: %s", describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy))
+    logger.info(
+        "FSDP2 mixed-precision policy: %s",
+        describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy),
+    )
 
     # ---- tokenizer + data (rank 0 tokenises first; the others then reuse its work).
     tokenizer = load_tokenizer(
-        m.tokenizer_name_or_path or m.model_name_or_path, revision=m.model_revision, trust_remote_code=m.trust_remote_code
+        m.tokenizer_name_or_path or m.model_name_or_path,
+        revision=m.model_revision,
+        trust_remote_code=m.trust_remote_code,
     )
     with accelerator.main_process_first():
         raw = load_raw_dataset(d.dataset_name, split=d.dataset_split, config_name=d.dataset_config_name)
@@ -124,7 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     logger.info(
         "data: %d records, %d truncated to max_length=%d, %d without any target token (kept, no loss)",
-        stats.num_records, stats.num_truncated, d.max_length, stats.num_without_targets,
+        stats.num_records,
+        stats.num_truncated,
+        d.max_length,
+        stats.num_without_targets,
     )
     per_step = world * t.per_device_train_batch_size * t.gradient_accumulation_steps
     if len(dataset) < per_step:
@@ -154,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
-    logger.info("model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6)
+    logger.info(
+        "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
+    )
     optimizer = build_adamw(
         param_groups(model, t.weight_decay),
         lr=t.learning_rate,
@@ -167,22 +201,86 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
     logger.info(
         "activation checkpointing %s; regional compile %s",
-        "on" if f.gradient_checkpointing else "off", "on" if compile_on else "off",
+        "on" if f.gradient_checkpointing else "off",
+        "on" if compile_on else "off",
     )
     warmup = warmup_steps_for(total_steps, t.warmup_steps, t.warmup_ratio)
     scheduler = build_scheduler(optimizer, t.lr_scheduler_type, warmup, total_steps)
     logger.info(
         "training %d steps (%d per epoch), %d examples per step, warmup %d, schedule %s",
-        total_steps, steps_per_epoch, per_step, warmup, t.lr_scheduler_type,
+        total_steps,
+        steps_per_epoch,
+        per_step,
+        warmup,
+        t.lr_scheduler_type,
     )
 
+    # ---- checkpoints: resume first, then save every save_steps (and on SIGTERM).
+    checkpointer = Checkpointer(
+        output_dir,
+        keep_last=t.save_total_limit,
+        async_save=t.save_async,
+        is_main_process=accelerator.is_main_process,
+    )
+    checkpointer.clean_stale()
+    cursor, first_step = DataCursor(), 1
+    if t.resume_from_checkpoint:
+        path = resolve_resume(output_dir, t.resume_from_checkpoint)
+        saved_cfg = yaml.safe_load((path / "hf_fsdp2_config.yaml").read_text())
+        for note in check_config_compatible(saved_cfg, cfg.to_flat_dict()):
+            logger.info("resuming with a changed setting: %s", note)
+        state = checkpointer.load(path, model, optimizer)
+        scheduler.load_state_dict(state.scheduler)
+        first_step = state.step + 1
+        # The data position in examples of the epoch; with another world size or batch size the same
+        # number of examples is skipped, in the new layout (see docs: resume on a different world size).
+        examples = state.batches_in_epoch * state.per_device_train_batch_size * state.world_size
+        per_batch = t.per_device_train_batch_size * world
+        cursor = DataCursor(state.epoch, examples // per_batch)
+        sampler.load_state_dict(
+            {"epoch": cursor.epoch, "position": cursor.batches_in_epoch * t.per_device_train_batch_size}
+        )
+        if state.world_size != world or examples % per_batch:
+            logger.warning(
+                "resuming on %d ranks from a checkpoint of %d: weights and optimizer state are the same, the "
+                "order of the remaining examples of this epoch is not",
+                world,
+                state.world_size,
+            )
+        logger.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            path,
+            state.step,
+            cursor.epoch,
+            cursor.batches_in_epoch,
+        )
+    config_yaml = yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False)
+
+    def save(step: int) -> None:
+        state = TrainerState(
+            step=step,
+            epoch=cursor.epoch,
+            batches_in_epoch=cursor.batches_in_epoch,
+            world_size=world,
+            scheduler=scheduler.state_dict(),
+            per_device_train_batch_size=t.per_device_train_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+        )
+        checkpointer.save(step, model, optimizer, state, config_yaml)
+
+    stop = StopRequest().install()
+
     # ---- the loop.
-    metrics = MetricsWriter(output_dir, enabled=accelerator.is_main_process)
-    batches = batches_forever(loader, sampler)
+    metrics = MetricsWriter(
+        output_dir,
+        enabled=accelerator.is_main_process,
+        resume_step=first_step - 1 if first_step > 1 else None,
+    )
+    batches = batches_forever(loader, sampler, cursor)
     timer = StepTimer()
     start = time.perf_counter()
     model.train()
-    for step in range(1, total_steps + 1):
+    for step in range(first_step, total_steps + 1):
         micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
         local_tokens = sum(count_target_tokens(b["labels"]) for b in micro_batches)
         # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss.
@@ -225,6 +323,21 @@ def main(argv: list[str] | None = None) -> None:
             }
             metrics.write(record)
             logger.info(format_log_line(record, total_steps))
+        saved = False
+        if t.save_steps and (step % t.save_steps == 0 or step == total_steps):
+            save(step)
+            saved = True
+        if stop.should_stop():  # every rank: SIGTERM on any rank stops all at this step boundary
+            if not saved:
+                save(step)
+            checkpointer.wait()
+            logger.warning(
+                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest",
+                step,
+            )
+            accelerator.end_training()
+            return
+    checkpointer.wait()
     train_seconds = time.perf_counter() - start
 
     # ---- export: consolidated HF folder in output_dir (every rank takes part).
@@ -239,7 +352,12 @@ def main(argv: list[str] | None = None) -> None:
         max_shard_bytes=parse_size(e.max_shard_size),
         is_main_process=accelerator.is_main_process,
     )
-    logger.info("done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s", total_steps, train_seconds, output_dir)
+    logger.info(
+        "done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s",
+        total_steps,
+        train_seconds,
+        output_dir,
+    )
     accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -248,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         # Bad input: one clear line per rank instead of a traceback (HF_FSDP2_DEBUG=1 shows it).
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise

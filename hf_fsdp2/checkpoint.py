@@ -1,0 +1,398 @@
+"""Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP), and exact resume.
+
+A checkpoint is the folder ``<output_dir>/checkpoint-<step>``::
+
+    __0_0.distcp, ...       model + optimizer shards, one file per rank (no rank gathers the model)
+    .metadata               DCP's index of the shards
+    rng/rank<r>.pt          python, numpy and torch RNG states of every rank
+    trainer_state.json      step, data position, scheduler state, world size (written last)
+    hf_fsdp2_config.yaml    the resolved config of the run that wrote it
+
+It is written under ``<output_dir>/.tmp-checkpoint-<step>`` and renamed into place by rank 0 only
+after every rank has finished writing; the ``latest`` file (a step number) is replaced after that.
+A crash or kill -9 at any moment therefore leaves the previous checkpoint, and ``latest``, valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger("hf_fsdp2")
+
+PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+PENDING_STATE_FILE = ".trainer_state.pending.json"
+CONFIG_FILE = "hf_fsdp2_config.yaml"
+
+# Keys whose change makes a resumed run a different run: refused. Every other key may change
+# (logging, save cadence, export settings...): the change is logged.
+MUST_MATCH = (
+    "model_name_or_path",
+    "tokenizer_name_or_path",
+    "dataset_name",
+    "dataset_config_name",
+    "dataset_split",
+    "dataset_format",
+    "max_length",
+    "assistant_only_loss",
+    "completion_only_loss",
+    "packing",
+    "seed",
+    "per_device_train_batch_size",
+    "use_peft",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or resumed; the message says why and what to do."""
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that a resume needs."""
+
+    step: int
+    epoch: int
+    batches_in_epoch: int
+    world_size: int
+    scheduler: dict[str, Any]
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerState:
+        return cls(**json.loads(text))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, and CUDA when present)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore states captured by :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"{PREFIX}{step}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (those with a trainer_state.json), oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for p in out.iterdir():
+        if (
+            p.is_dir()
+            and p.name.startswith(PREFIX)
+            and p.name[len(PREFIX) :].isdigit()
+            and (p / STATE_FILE).is_file()
+        ):
+            found.append(p)
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def resolve_resume(output_dir: str | Path, value: str) -> Path:
+    """The checkpoint folder that ``resume_from_checkpoint`` names.
+
+    Args:
+        output_dir: the run folder (``latest`` is looked up there).
+        value: ``"latest"`` or a path to a ``checkpoint-<step>`` folder.
+
+    Returns:
+        A complete checkpoint folder.
+
+    Raises:
+        CheckpointError: no checkpoint, or an incomplete one.
+    """
+    if value == "latest":
+        pointer = Path(output_dir) / LATEST
+        if pointer.is_file():
+            path = checkpoint_dir(output_dir, int(pointer.read_text().strip()))
+        else:
+            complete = list_checkpoints(output_dir)
+            if not complete:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=latest but {output_dir} holds no complete checkpoint; "
+                    "train without resume_from_checkpoint, or give a checkpoint path"
+                )
+            path = complete[-1]
+    else:
+        path = Path(value).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint={value!r}: no such folder {path}")
+    if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} is incomplete (no {STATE_FILE} or .metadata: the save was "
+            "interrupted); resume from an earlier checkpoint-<step> or from 'latest'"
+        )
+    return path
+
+
+def check_config_compatible(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Compare a checkpoint's config with the current one.
+
+    Returns:
+        Human-readable notes of harmless changes (to log).
+
+    Raises:
+        CheckpointError: a change that makes the resumed run a different run, naming each key and both values.
+    """
+    bad = [
+        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+        for k in MUST_MATCH
+        if saved.get(k) != current.get(k)
+    ]
+    if bad:
+        raise CheckpointError(
+            "cannot resume: the config changed in ways that change the model or the data: "
+            + "; ".join(bad)
+            + ". Restore those values, or start a new run in a new output_dir"
+        )
+    ignore = {"resume_from_checkpoint", "overwrite_output_dir"}
+    return [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if k not in ignore and saved.get(k) != current.get(k)
+    ]
+
+
+def _fault_point(step: int) -> None:
+    """Fault injection for the crash tests: ``HF_FSDP2_FAULT=kill_during_save:<step>:<rank>`` makes
+    that rank kill -9 itself after writing its shards of that step, before the checkpoint is published."""
+    spec = os.environ.get("HF_FSDP2_FAULT", "")
+    if spec.startswith("kill_during_save:"):
+        _, fault_step, fault_rank = spec.split(":")
+        if int(fault_step) == step and int(fault_rank) == _rank():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Saves and loads sharded checkpoints of one run; holds the pending async save, if any.
+
+    Every rank creates one and calls :meth:`save` at the same steps (collective).
+    """
+
+    def __init__(
+        self, output_dir: str | Path, *, keep_last: int, async_save: bool, is_main_process: bool
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.is_main = is_main_process
+        self.protected: Path | None = None  # the checkpoint resumed from is never deleted
+        self._pending: tuple[Future, Path, Path, int] | None = None
+        self._async_group: Any = None
+        if async_save and dist.is_initialized():
+            # A separate gloo group, so the background writer's collectives never interleave with
+            # the training collectives on the default group. Every rank takes part.
+            self._async_group = dist.new_group(backend="gloo")
+
+    def clean_stale(self) -> None:
+        """Remove temporary folders of saves that never completed (rank 0; call before training)."""
+        if self.is_main and self.output_dir.is_dir():
+            for p in self.output_dir.iterdir():
+                if p.name.startswith(TMP_PREFIX):
+                    logger.warning("removing %s: an interrupted checkpoint save", p)
+                    shutil.rmtree(p, ignore_errors=True)
+        _barrier()
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        config_yaml: str,
+    ) -> None:
+        """Write ``checkpoint-<step>`` (every rank; collective).
+
+        Raises:
+            CheckpointError: writing failed (disk full, permissions...); the temporary folder is
+                removed and the previous checkpoint and ``latest`` stay as they were.
+        """
+        self.wait()  # at most one save in flight
+        final = checkpoint_dir(self.output_dir, step)
+        tmp = self.output_dir / f"{TMP_PREFIX}{step}"
+
+        def prepare_folder() -> None:
+            if self.is_main:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "rng").mkdir(parents=True)
+
+        def write() -> None:
+            torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+            tensors = {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer),
+            }
+            if self.is_main:
+                (tmp / CONFIG_FILE).write_text(config_yaml)
+            if self.async_save:
+                future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group)
+                if self.is_main:
+                    (tmp / PENDING_STATE_FILE).write_text(state.to_json())
+                self._pending = (future, tmp, final, step)  # type: ignore[assignment]
+                return
+            dcp.save(tensors, checkpoint_id=str(tmp))  # collective
+            if self.is_main:
+                (tmp / STATE_FILE).write_text(state.to_json())  # written last: marks completeness
+
+        # Each phase ends with every rank agreeing on success, so a failure on one rank never
+        # leaves the others waiting in a collective the failed rank skipped.
+        self._agree(prepare_folder, step, tmp)
+        self._agree(write, step, tmp)
+        _fault_point(step)
+        if not self.async_save:
+            self._publish(tmp, final, step)
+
+    def _agree(self, phase: Callable[[], None], step: int, tmp: Path) -> None:
+        """Run ``phase`` on every rank; if it fails anywhere, clean up and raise on every rank."""
+        failure: BaseException | None = None
+        try:
+            phase()
+        except Exception as err:  # OSError, or DCP's CheckpointException wrapping one
+            failure = err
+        ok = torch.tensor(0 if failure else 1)
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank
+        if int(ok) == 0:
+            self._pending = None
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"saving checkpoint-{step} in {self.output_dir} failed ({failure or 'on another rank'}); "
+                "the previous checkpoint and 'latest' are kept. Free disk space or fix permissions, then "
+                "resume with --resume_from_checkpoint latest"
+            ) from failure
+
+    def wait(self) -> None:
+        """Finish a pending async save and publish it (every rank)."""
+        if self._pending is None:
+            return
+        future, tmp, final, step = self._pending
+
+        def finish() -> None:
+            future.result()  # the writer thread's error, if any, surfaces here
+            if self.is_main:
+                os.replace(tmp / PENDING_STATE_FILE, tmp / STATE_FILE)
+
+        self._agree(finish, step, tmp)
+        self._pending = None
+        self._publish(tmp, final, step)
+
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
+        _barrier()  # every rank has written its shard files
+        if self.is_main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_text_atomic(self.output_dir / LATEST, f"{step}\n")
+            self._prune()
+            logger.info("saved %s", final)
+        _barrier()
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        complete = list_checkpoints(self.output_dir)
+        for old in complete[: -self.keep_last]:
+            if self.protected is not None and old.resolve() == self.protected.resolve():
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+            logger.info("removed %s (keeping the last %d)", old.name, self.keep_last)
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+        """Load model and optimizer shards (resharded to the current world size) and this rank's RNG.
+
+        Every rank takes part. RNG states are restored only when the world size is unchanged
+        (rank r's file exists for every current rank); otherwise the ranks keep the run's seed.
+        """
+        state = TrainerState.from_json((path / STATE_FILE).read_text())
+        tensors = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+        }
+        dcp.load(tensors, checkpoint_id=str(path))
+        set_model_state_dict(model, tensors["model"])
+        set_optimizer_state_dict(model, optimizer, tensors["optim"])
+        rng_file = path / "rng" / f"rank{_rank()}.pt"
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if state.world_size == world and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        self.protected = path
+        return state
+
+
+class StopRequest:
+    """Turns SIGTERM (preemption) into a request to checkpoint and stop at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Callable[..., Any] | int | None = None
+
+    def install(self) -> StopRequest:
+        def handler(signum: int, frame: Any) -> None:
+            self.requested = True
+
+        self._previous = signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def should_stop(self) -> bool:
+        """True on every rank when any rank got SIGTERM (collective: every rank calls it each step)."""
+        flag = torch.tensor(1 if self.requested else 0)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
