@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -202,11 +203,12 @@ def check_config_compatible(saved: dict[str, Any], current: dict[str, Any]) -> l
     ]
 
 
-def _fault_point(step: int) -> None:
-    """Fault injection for the crash tests: ``HF_FSDP2_FAULT=kill_during_save:<step>:<rank>`` makes
-    that rank kill -9 itself after writing its shards of that step, before the checkpoint is published."""
+def _fault_point(phase: str, step: int) -> None:
+    """Fault injection for the crash tests: ``HF_FSDP2_FAULT=<phase>:<step>:<rank>`` makes that rank
+    kill -9 itself at that point of the save of that step. Phases: ``kill_during_save`` (shards
+    written, checkpoint not yet published) and ``kill_after_save`` (published)."""
     spec = os.environ.get("HF_FSDP2_FAULT", "")
-    if spec.startswith("kill_during_save:"):
+    if spec.startswith(phase + ":"):
         _, fault_step, fault_rank = spec.split(":")
         if int(fault_step) == step and int(fault_rank) == _rank():
             os.kill(os.getpid(), signal.SIGKILL)
@@ -294,7 +296,7 @@ class Checkpointer:
         # leaves the others waiting in a collective the failed rank skipped.
         self._agree(prepare_folder, step, tmp)
         self._agree(write, step, tmp)
-        _fault_point(step)
+        _fault_point("kill_during_save", step)
         if not self.async_save:
             self._publish(tmp, final, step)
 
@@ -303,7 +305,7 @@ class Checkpointer:
         failure: BaseException | None = None
         try:
             phase()
-        except Exception as err:  # OSError, or DCP's CheckpointException wrapping one
+        except (Exception, CheckpointException) as err:  # OSError, or DCP's CheckpointException (a BaseException)
             failure = err
         ok = torch.tensor(0 if failure else 1)
         if dist.is_initialized():
@@ -343,6 +345,7 @@ class Checkpointer:
             self._prune()
             logger.info("saved %s", final)
         _barrier()
+        _fault_point("kill_after_save", step)
 
     def _prune(self) -> None:
         if self.keep_last <= 0:

@@ -97,3 +97,18 @@ def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -
     """Warmup length: ``warmup_steps`` when set, else ``ceil(warmup_ratio * total_steps)``."""
     # round() first: 0.07 * 100 is 7.000000000000001 in floating point, which ceil would make 8.
     return warmup_steps if warmup_steps > 0 else math.ceil(round(warmup_ratio * total_steps, 9))
+
+
+def restore_scheduler(scheduler: LambdaLR, state: dict, peak_lr: float) -> None:
+    """Load a saved schedule position and apply the current run's schedule from it.
+
+    The step count comes from the checkpoint; the peak LR and the schedule's shape (total steps,
+    warmup, kind) are this run's, so a resumed run that changed ``learning_rate`` or ``max_steps``
+    follows its new schedule from the resumed step instead of silently keeping the old one.
+    """
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+    step = scheduler.last_epoch
+    for group, fn in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["lr"] = peak_lr * fn(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # type: ignore[attr-defined]

@@ -66,7 +66,7 @@ from hf_fsdp2.model import (
     load_model_config,
     load_tokenizer,
 )
-from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
+from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, restore_scheduler, warmup_steps_for
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         for note in check_config_compatible(saved_cfg, cfg.to_flat_dict()):
             logger.info("resuming with a changed setting: %s", note)
         state = checkpointer.load(path, model, optimizer)
-        scheduler.load_state_dict(state.scheduler)
+        restore_scheduler(scheduler, state.scheduler, t.learning_rate)
         first_step = state.step + 1
         # The data position in examples of the epoch; with another world size or batch size the same
         # number of examples is skipped, in the new layout (see docs: resume on a different world size).

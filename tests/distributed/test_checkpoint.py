@@ -1,0 +1,296 @@
+"""2-rank gloo tests of sharded checkpoints: exact resume, world-size change, retention, kill -9
+during a save, SIGTERM, config mismatch, and a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.launch import REPO, SFT, _env, free_port, torchrun
+from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+
+from hf_fsdp2.metrics import read_metrics
+
+# 40 records, 2 ranks x batch 2 x accumulation 2: 10 micro-batches per rank per epoch, 5 steps an
+# epoch; checkpoint-3 is mid-epoch (6 of 10 micro-batches), and steps 6-8 run in the second epoch.
+COMMON = [
+    "--max_steps",
+    "8",
+    "--per_device_train_batch_size",
+    "2",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "3e-3",
+    "--max_length",
+    "96",
+    "--mixed_precision",
+    "no",
+    "--seed",
+    "11",
+    "--warmup_steps",
+    "2",
+    "--export_dtype",
+    "float32",
+]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return make_tiny_llama_dir(root / "model", seed=6), write_chat_jsonl(root / "chat.jsonl", 40, seed=2)
+
+
+def _args(assets: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
+    model, data = assets
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        *COMMON,
+        *extra,
+    ]
+
+
+def _losses(out: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(out / "metrics.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    torchrun(SFT, _args(assets, out, "--save_steps", "3", "--save_total_limit", "0"))
+    return out
+
+
+@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+def test_resume_mid_epoch_with_accumulation_gives_identical_losses(
+    assets, uninterrupted: Path, tmp_path: Path, save_async: bool
+):
+    out = tmp_path / "run"
+    # First leg: a rank is killed (-9) right after checkpoint-3 (mid-epoch) is published.
+    os.environ["HF_FSDP2_FAULT"] = "kill_after_save:3:0"
+    try:
+        proc = torchrun(
+            SFT, _args(assets, out, "--save_steps", "3", "--save_async", str(save_async).lower()), check=False
+        )
+    finally:
+        del os.environ["HF_FSDP2_FAULT"]
+    assert proc.returncode != 0 and (out / "latest").read_text().strip() == "3"
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"]) == (0, 6)
+    # Second leg: resume from latest with the full step count.
+    torchrun(
+        SFT,
+        _args(
+            assets,
+            out,
+            "--resume_from_checkpoint",
+            "latest",
+            "--save_steps",
+            "3",
+            "--save_async",
+            str(save_async).lower(),
+        ),
+    )
+    full, resumed = _losses(uninterrupted), _losses(out)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(4, 9):
+        assert resumed[step] == full[step], step  # identical, not merely close (CPU, fp32)
+
+
+def test_resume_on_a_different_world_size_keeps_weights_and_optimizer(
+    assets, uninterrupted: Path, tmp_path: Path
+):
+    worker = Path(__file__).parent / "workers" / "reshard_worker.py"
+    model, _ = assets
+    ckpt = uninterrupted / "checkpoint-6"
+    dumps = {}
+    for world in (2, 1):
+        dump = tmp_path / f"world{world}.pt"
+        torchrun(worker, ["--model", str(model), "--checkpoint", str(ckpt), "--dump", str(dump)], nproc=world)
+        dumps[world] = dump
+    import torch
+
+    a, b = torch.load(dumps[2]), torch.load(dumps[1])
+    assert a["model"].keys() == b["model"].keys() and len(a["model"]) > 10
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optim_keys"] == b["optim_keys"] and a["optim_keys"]
+    for k in a["optim"]:
+        assert torch.equal(a["optim"][k], b["optim"][k]), k
+    # The recipe resumes 2 -> 1 and 1 -> 2 and trains on.
+    one = tmp_path / "one"
+    torchrun(
+        SFT,
+        _args(
+            assets,
+            one,
+            "--resume_from_checkpoint",
+            str(ckpt),
+            "--overwrite_output_dir",
+            "true",
+            "--save_steps",
+            "7",
+        ),
+        nproc=1,
+    )
+    assert sorted(_losses(one)) == [7, 8]
+    torchrun(
+        SFT,
+        _args(
+            assets,
+            tmp_path / "two",
+            "--resume_from_checkpoint",
+            str(one / "checkpoint-7"),
+            "--save_steps",
+            "8",
+        ),
+        nproc=2,
+    )
+    assert sorted(_losses(tmp_path / "two")) == [8]
+    assert (tmp_path / "two" / "model.safetensors").is_file()
+
+
+def test_retention_keeps_last_k_and_never_the_resumed_one(assets, uninterrupted: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    torchrun(SFT, _args(assets, out, "--save_steps", "1", "--save_total_limit", "2", "--max_steps", "4"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert (out / "latest").read_text().strip() == "4"
+    torchrun(
+        SFT,
+        _args(
+            assets,
+            out,
+            "--resume_from_checkpoint",
+            str(out / "checkpoint-3"),
+            "--save_steps",
+            "1",
+            "--save_total_limit",
+            "2",
+            "--max_steps",
+            "6",
+        ),
+    )
+    # checkpoint-3 was resumed from: kept although it is older than the last two.
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-3",
+        "checkpoint-5",
+        "checkpoint-6",
+    ]
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(
+    assets, uninterrupted: Path, tmp_path: Path, monkeypatch
+):
+    out = tmp_path / "run"
+    monkeypatch.setenv("HF_FSDP2_FAULT", "kill_during_save:4:1")
+    proc = torchrun(SFT, _args(assets, out, "--save_steps", "2"), check=False)
+    monkeypatch.delenv("HF_FSDP2_FAULT")
+    assert proc.returncode != 0
+    assert (out / "latest").read_text().strip() == "2"
+    assert not (out / "checkpoint-4").exists()
+    assert (out / ".tmp-checkpoint-4").exists()  # the half-written one stays hidden
+    torchrun(SFT, _args(assets, out, "--save_steps", "2", "--resume_from_checkpoint", "latest"))
+    assert not (out / ".tmp-checkpoint-4").exists()
+    full, resumed = _losses(uninterrupted), _losses(out)
+    for step in range(3, 9):
+        assert resumed[step] == full[step], step
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(assets, tmp_path: Path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SFT),
+        *_args(assets, out, "--max_steps", "400", "--save_steps", "1000"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (out / "metrics.jsonl").is_file() and len(read_metrics(out / "metrics.jsonl")) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the run logged no steps in time")
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(children) == 2
+        os.kill(int(children[-1]), signal.SIGTERM)  # preempt one rank
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert "SIGTERM: saved checkpoint-" in output
+    step = int((out / "latest").read_text())
+    assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert step < 400 and max(_losses(out)) == step
+
+
+def test_resume_with_an_incompatible_config_is_refused_and_harmless_changes_are_logged(
+    assets, uninterrupted: Path, tmp_path: Path
+):
+    out = tmp_path / "run"
+    torchrun(SFT, _args(assets, out, "--save_steps", "3", "--max_steps", "3"))
+    proc = torchrun(
+        SFT, _args(assets, out, "--resume_from_checkpoint", "latest", "--max_length", "64"), check=False
+    )
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "max_length: checkpoint 96 vs now 64" in text
+    proc = torchrun(
+        SFT,
+        _args(assets, out, "--resume_from_checkpoint", "latest", "--logging_steps", "2", "--max_steps", "4"),
+    )
+    assert "resuming with a changed setting: logging_steps: 1 -> 2" in proc.stdout + proc.stderr
+
+
+def test_full_disk_during_save_is_reported_and_keeps_the_previous_checkpoint(assets, tmp_path: Path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    # ~50 MB a checkpoint (4.2M fp32 params + 2 Adam moments): room for one, not two.
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=80M", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = mount / "run"
+        proc = torchrun(
+            SFT,
+            _args(assets, out, "--save_steps", "2", "--save_total_limit", "0", "--max_steps", "6"),
+            check=False,
+        )
+        text = proc.stdout + proc.stderr
+        assert proc.returncode != 0
+        assert "saving checkpoint-4" in text and "failed" in text and "previous checkpoint" in text
+        assert (out / "latest").read_text().strip() == "2"
+        assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+        assert not (out / "checkpoint-4").exists() and not (out / ".tmp-checkpoint-4").exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_resume_without_any_checkpoint_is_a_clear_error(assets, tmp_path: Path):
+    proc = torchrun(SFT, _args(assets, tmp_path / "empty", "--resume_from_checkpoint", "latest"), check=False)
+    assert proc.returncode != 0
+    assert "holds no complete checkpoint" in proc.stdout + proc.stderr
