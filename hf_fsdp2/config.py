@@ -121,6 +121,9 @@ class TrainArgs:
     mixed_precision: Literal["bf16", "fp16", "no"] = field(
         default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
     )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
+    )
     report_to: str = field(default="none", metadata={"help": "Trackers: none (metrics.jsonl is always written)."})
 
 
@@ -356,6 +359,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.warmup_ratio < 1, f"warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     _check(t.warmup_steps >= 0, f"warmup_steps={t.warmup_steps} must be >= 0")
     _check(t.max_grad_norm >= 0, f"max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _check(t.ddp_timeout > 0, f"ddp_timeout={t.ddp_timeout} must be > 0 seconds")
     _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
     _check(t.report_to == "none", f"report_to={t.report_to!r}: only 'none' in this version (metrics.jsonl is always written)")
     _check(not d.packing, "packing=true is not available in this version; set packing=false")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DistributedType,
     FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
     TorchDynamoPlugin,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -86,10 +88,12 @@ def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrec
     )
 
 
-def _launcher_overrides(plan: ShardingPlan, mixed_precision: str) -> list[str]:
+def launcher_overrides(plan: ShardingPlan, mixed_precision: str) -> list[str]:
     """Differences between the recipe's settings and what `accelerate launch` put in the environment.
 
-    The recipe's values win; each difference is reported so nothing is silently ignored.
+    The recipe's values win; the recipe logs each difference (rank 0) so nothing is silently ignored.
+    `accelerate launch` fills in defaults for keys its config file leaves out (mixed precision ``no``,
+    activation checkpointing off), so a difference is not necessarily a line of that file.
     """
     notes = []
     env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -145,6 +149,7 @@ def build_accelerator(
     *,
     mixed_precision: str,
     compile_plan: CompilePlan,
+    timeout_s: int = 1800,
     force_cpu: bool = False,
 ) -> Accelerator:
     """Build an Accelerator whose ``prepare`` shards the model with FSDP2, on GPU or on CPU/gloo.
@@ -153,6 +158,7 @@ def build_accelerator(
         plan: sharding settings (decoder-layer classes, reshard, offload, AC, reduce dtype).
         mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"``; wins over the accelerate config file.
         compile_plan: regional compile settings.
+        timeout_s: collective timeout of the process group, in seconds (``ddp_timeout``).
         force_cpu: run on CPU even when a GPU is visible (tests).
 
     Returns:
@@ -171,11 +177,6 @@ def build_accelerator(
     if on_cpu and compile_plan.enabled and compile_plan.mode == "max-autotune":
         raise ValueError("compile_mode='max-autotune' needs a GPU; use 'default' on CPU")
     policy = mixed_precision_policy(mixed_precision, plan.reduce_dtype)
-    if plan.cpu_ram_efficient_loading:
-        # transformers reads these two variables in from_pretrained: only local rank 0 then reads the
-        # weights from disk, the others allocate empty tensors that prepare() fills by broadcast.
-        os.environ["ACCELERATE_USE_FSDP"] = "true"
-        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         reshard_after_forward=plan.reshard_after_forward,
@@ -195,20 +196,28 @@ def build_accelerator(
         fullgraph=compile_plan.fullgraph,
         use_regional_compilation=True,
     )
-    for note in _launcher_overrides(plan, mixed_precision):
-        logger.warning("recipe setting wins over the accelerate config: %s", note)
+    timeout = timedelta(seconds=timeout_s)
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
         # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py.
-        state = PartialState(cpu=True)
+        state = PartialState(cpu=True, timeout=timeout)
         state._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator = Accelerator(
             fsdp_plugin=plugin, mixed_precision=mixed_precision, cpu=True, dynamo_plugin=dynamo
         )
         accelerator.state.fsdp_plugin = plugin
     else:
-        accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision, dynamo_plugin=dynamo)
+        if plan.cpu_offload:
+            # Accelerate adds a CPU (gloo) backend beside NCCL only when it sees this variable; offloaded
+            # parameters, gradient clipping and the export then have a backend for their CPU tensors.
+            os.environ["FSDP_OFFLOAD_PARAMS"] = "true"
+        accelerator = Accelerator(
+            fsdp_plugin=plugin,
+            mixed_precision=mixed_precision,
+            dynamo_plugin=dynamo,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+        )
     if accelerator.distributed_type != DistributedType.FSDP:
         raise RuntimeError(
             f"Accelerate chose distributed_type={accelerator.distributed_type}, not FSDP; "
@@ -262,6 +271,8 @@ def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
                 seen.add(id(param))
                 count += param.numel()
         name = type(module).__name__.removeprefix("FSDP")
+        if count == 0 and name == "CheckpointWrapper":
+            continue  # accelerate also shards the AC wrapper around each layer; its layer holds the parameters
         n, total = units.get(name, (0, 0))
         units[name] = (n + 1, total + count)
     return units

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -105,6 +106,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    empty_weights: bool = False,
 ) -> torch.nn.Module:
     """Load a causal LM for training.
 
@@ -114,22 +116,35 @@ def load_model(
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...
         revision: hub revision.
         trust_remote_code: allow custom model code from the repo.
+        empty_weights: build the model with parameters on the meta device and read no weights (the
+            ranks other than 0 under ``fsdp_cpu_ram_efficient_loading``: prepare() fills their shards
+            by broadcast from rank 0). Buffers stay real, so computed ones such as rotary frequencies
+            are right.
 
     Returns:
         The model in train mode, with ``use_cache`` off (a KV cache is useless in training).
     """
-    load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)  # clear errors first
+    config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     name_or_path = _check_source(name_or_path, "model_name_or_path")
     torch_dtype = _LOAD_DTYPES[dtype]
-    # Under fsdp_cpu_ram_efficient_loading, build_accelerator has set the env that makes transformers
-    # read the weights on local rank 0 only; the other ranks get their shards by broadcast in prepare().
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path,
-        revision=revision,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    if empty_weights:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=config.dtype if torch_dtype == "auto" else torch_dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
+        # Tie as from_pretrained would: the meta-device construction leaves lm_head a separate parameter.
+        model.tie_weights()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path,
+            revision=revision,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
     model.config.use_cache = False
     model.train()
     return model

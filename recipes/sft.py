@@ -51,6 +51,7 @@ from hf_fsdp2.distributed import (
     build_accelerator,
     describe_policy,
     has_accelerator_device,
+    launcher_overrides,
     prepare_fsdp2,
     setup_logging,
     sharded_units,
@@ -121,8 +122,17 @@ def main(argv: list[str] | None = None) -> None:
             dynamic=f.torch_compile_dynamic,
             fullgraph=f.torch_compile_fullgraph,
         ),
+        timeout_s=t.ddp_timeout,
     )
     setup_logging(accelerator.is_main_process)
+    for note in launcher_overrides(plan, t.mixed_precision):
+        logger.info("the recipe's value is used over accelerate launch's: %s", note)
+    if t.mixed_precision == "no" and m.torch_dtype != "float32":
+        logger.warning(
+            "mixed_precision=no with torch_dtype=%s trains in %s throughout (no fp32 master weights); "
+            "use mixed_precision=bf16 for bf16 compute with fp32 master weights",
+            m.torch_dtype, m.torch_dtype,
+        )
     world = accelerator.num_processes
     accelerator.wait_for_everyone()  # every rank checked output_dir before rank 0 writes into it
     if accelerator.is_main_process:
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy),
     )
 
-    # ---- tokenizer + data (rank 0 tokenises first; the others then reuse its work).
+    # ---- tokenizer + data (rank 0 first, so that a hub download happens once).
     tokenizer = load_tokenizer(
         m.tokenizer_name_or_path or m.model_name_or_path,
         revision=m.model_revision,
@@ -183,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         attn_implementation=m.attn_implementation,
         revision=m.model_revision,
         trust_remote_code=m.trust_remote_code,
+        # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
+        empty_weights=f.fsdp_cpu_ram_efficient_loading and accelerator.process_index != 0,
     )
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)

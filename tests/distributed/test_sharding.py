@@ -78,11 +78,14 @@ def test_each_rank_holds_half_of_every_parameter_and_reduces_in_fp32(models, tmp
 
 
 def test_tied_embeddings_compile_and_rank0_loading_round_trip(models, tmp_path: Path):
-    r0, _ = _run(
+    r0, r1 = _run(
         tmp_path, models["tied"], "--compile", "--ram_efficient", "--export_dtype", "float32",
         "--max_shard_bytes", "100000",
     )
-    # Rank 1 read no weights: its shards came from rank 0 and equal the checkpoint.
+    # Rank 1 read no weights (its parameters were on meta), yet after prepare its shards came from
+    # rank 0 and the gathered model equals the checkpoint.
+    assert r0["meta_params_before_prepare"] == 0
+    assert r1["meta_params_before_prepare"] == len(r1["params"])
     assert r0["max_init_diff"] == 0.0
     assert "lm_head.weight" not in r0["export_keys"]
     assert "model.embed_tokens.weight" in r0["export_keys"]

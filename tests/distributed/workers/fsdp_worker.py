@@ -39,13 +39,15 @@ def main() -> None:
         compile_plan=CompilePlan(enabled=args.compile),
     )
     rank = acc.process_index
+    report: dict = {}
     reference = load_file(Path(args.model) / "model.safetensors")  # the checkpoint, read directly
-    model = load_model(args.model)
+    model = load_model(args.model, empty_weights=args.ram_efficient and rank != 0)
+    report["meta_params_before_prepare"] = sum(p.is_meta for p in model.parameters())
     tokenizer = load_tokenizer(args.model)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
 
-    report: dict = {"distributed_type": str(acc.distributed_type), "world": acc.num_processes, "params": {}}
+    report.update({"distributed_type": str(acc.distributed_type), "world": acc.num_processes, "params": {}})
     for name, p in model.named_parameters():
         report["params"][name] = {
             "dtensor": isinstance(p, DTensor),
