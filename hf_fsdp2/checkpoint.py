@@ -364,13 +364,12 @@ class Checkpointer:
         (rank r's file exists for every current rank); otherwise the ranks keep the run's seed.
         """
         state = TrainerState.from_json((path / STATE_FILE).read_text())
-        tensors = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer),
-        }
-        dcp.load(tensors, checkpoint_id=str(path))
-        set_model_state_dict(model, tensors["model"])
-        set_optimizer_state_dict(model, optimizer, tensors["optim"])
+        model_sd = get_model_state_dict(model)
+        optim_sd = get_optimizer_state_dict(model, optimizer)
+        # DCP loads in place into these (sharded) state dicts, resharding to this world size.
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        set_model_state_dict(model, model_sd)
+        set_optimizer_state_dict(model, optimizer, optim_sd)
         rng_file = path / "rng" / f"rank{_rank()}.pt"
         world = dist.get_world_size() if dist.is_initialized() else 1
         if state.world_size == world and rng_file.is_file():
