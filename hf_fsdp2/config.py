@@ -56,24 +56,78 @@ class DataArgs:
     """Where the training records come from and how they become token ids and loss masks."""
 
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub dataset id, local .jsonl/.json/.parquet file, or folder (required)."}
+        default=None,
+        metadata={
+            "help": "Hub dataset id, local .jsonl/.json/.parquet/.csv/.txt/.arrow file, or folder "
+            "(required unless dataset_mixture is given)."
+        },
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset subset."})
     dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset to train on."})
-    dataset_format: Literal["auto", "messages", "prompt_completion", "text"] = field(
-        default="auto", metadata={"help": "Record format; auto detects it from the columns."}
+    dataset_revision: str | None = field(default=None, metadata={"help": "Hub dataset branch, tag or commit."})
+    dataset_mixture: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Weighted sources instead of dataset_name: 'id_or_path[?subset=S&split=T&revision=R]:weight,...'; "
+            "weight 0.5 takes a seeded half of a source's records, 2 every record twice."
+        },
     )
-    max_length: int = field(default=1024, metadata={"help": "Tokens per example; longer ones are truncated."})
+    dataset_format: Literal["auto", "messages", "conversations", "prompt_completion", "alpaca", "text"] = field(
+        default="auto", metadata={"help": "Record format; auto detects it from the columns of each source."}
+    )
+    dataset_column_mapping: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Rename columns before format detection: 'question=prompt,answer=completion'."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize (datasets.map num_proc); the result is cached."}
+    )
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Eval source: hub id or local path, optionally 'id?subset=S&split=T'."}
+    )
+    eval_dataset_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name."})
+    eval_split_fraction: float = field(
+        default=0.0, metadata={"help": "Hold out this fraction of every training source for eval (seeded); 0 = none."}
+    )
+    max_length: int = field(default=1024, metadata={"help": "Tokens per example (and per packed row)."})
+    long_examples: Literal["truncate", "drop", "error"] = field(
+        default="truncate",
+        metadata={"help": "Examples longer than max_length: truncate, drop (counted), or error (a bad record)."},
+    )
+    on_bad_record: Literal["error", "skip"] = field(
+        default="error",
+        metadata={"help": "Malformed records: error (names source and index) or skip (counted in the summary)."},
+    )
+    chat_loss: Literal["assistant", "last_assistant", "all"] | None = field(
+        default=None,
+        metadata={
+            "help": "Chat records: loss on every assistant turn, the last one only, or every token; "
+            "unset follows assistant_only_loss."
+        },
+    )
     assistant_only_loss: bool = field(
-        default=True, metadata={"help": "Chat records: loss on assistant tokens only (else every token)."}
+        default=True,
+        metadata={"help": "Chat records: loss on assistant tokens only (false = chat_loss all)."},
     )
     completion_only_loss: bool = field(
         default=True, metadata={"help": "prompt/completion records: loss on the completion only."}
     )
     packing: bool = field(
-        default=False, metadata={"help": "Pack several examples per row (not in this version: must be false)."}
+        default=False,
+        metadata={
+            "help": "Pack several examples per row of max_length (best-fit decreasing); position_ids restart "
+            "per example and no attention crosses examples."
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Flatten each micro-batch into one row without padding (position_ids mark examples)."},
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+
+    def resolved_chat_loss(self) -> str:
+        """``chat_loss``, or what ``assistant_only_loss`` means when it is unset."""
+        return self.chat_loss or ("assistant" if self.assistant_only_loss else "all")
 
 
 @dataclass
@@ -336,7 +390,10 @@ def validate(cfg: Config) -> None:
     """
     m, d, t, f, p, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.peft, cfg.export
     _check(m.model_name_or_path is not None, "model_name_or_path is required: a hub id or a local model folder")
-    _check(d.dataset_name is not None, "dataset_name is required: a hub dataset id, a local file or folder")
+    _check(
+        d.dataset_name is not None or bool(d.dataset_mixture),
+        "dataset_name is required: a hub dataset id, a local file or folder (or give dataset_mixture)",
+    )
     _check(t.output_dir is not None, "output_dir is required: the folder for the export, metrics and config")
     _check(d.max_length > 0, f"max_length={d.max_length} must be > 0")
     _check(d.dataloader_num_workers >= 0, f"dataloader_num_workers={d.dataloader_num_workers} must be >= 0")
@@ -362,7 +419,7 @@ def validate(cfg: Config) -> None:
     _check(t.ddp_timeout > 0, f"ddp_timeout={t.ddp_timeout} must be > 0 seconds")
     _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
     _check(t.report_to == "none", f"report_to={t.report_to!r}: only 'none' in this version (metrics.jsonl is always written)")
-    _check(not d.packing, "packing=true is not available in this version; set packing=false")
+    _validate_data(d, m.attn_implementation)
     _check(t.save_steps >= 0, f"save_steps={t.save_steps} must be >= 0 (0 = no checkpoints)")
     _check(t.save_total_limit >= 0, f"save_total_limit={t.save_total_limit} must be >= 0 (0 keeps all)")
     _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
@@ -380,6 +437,47 @@ def validate(cfg: Config) -> None:
         f"torch_compile_mode={f.torch_compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
         "max-autotune-no-cudagraphs",
     )
+
+
+def _validate_data(d: DataArgs, attn_implementation: str) -> None:
+    from hf_fsdp2.data import parse_column_mapping, parse_source, resolve_sources
+    from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS
+
+    try:
+        resolve_sources(
+            dataset_name=d.dataset_name,
+            dataset_config_name=d.dataset_config_name,
+            dataset_split=d.dataset_split,
+            dataset_revision=d.dataset_revision,
+            dataset_mixture=d.dataset_mixture,
+        )
+        parse_column_mapping(d.dataset_column_mapping)
+        if d.eval_dataset_name is not None:
+            parse_source(d.eval_dataset_name, split=d.eval_dataset_split)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _check(
+        d.eval_dataset_name is None or d.eval_split_fraction == 0,
+        f"eval_dataset_name={d.eval_dataset_name!r} and eval_split_fraction={d.eval_split_fraction}: give one "
+        "eval source, a separate dataset or a fraction held out from train",
+    )
+    _check(0 <= d.eval_split_fraction < 1, f"eval_split_fraction={d.eval_split_fraction} must be in [0, 1)")
+    _check(
+        d.dataset_num_proc is None or d.dataset_num_proc >= 1,
+        f"dataset_num_proc={d.dataset_num_proc} must be >= 1 (or unset: tokenize in the main process)",
+    )
+    _check(
+        d.assistant_only_loss or d.chat_loss in (None, "all"),
+        f"chat_loss={d.chat_loss!r} trains on assistant turns but assistant_only_loss=false asks for every token; "
+        "unset one of them",
+    )
+    if d.packing or d.padding_free:
+        _check(
+            attn_implementation in PACKED_ATTENTION_IMPLEMENTATIONS,
+            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
+            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; "
+            f"attn_implementation={attn_implementation!r} is not; use sdpa or turn packing off",
+        )
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
