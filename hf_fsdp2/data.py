@@ -2,34 +2,52 @@
 
 The pipeline a recipe runs, top to bottom::
 
-    raw = load_raw_dataset("data/train.jsonl")
-    ds, stats = tokenize_dataset(raw, tokenizer, max_length=2048, source="data/train.jsonl")
-    sampler = ShardedSampler(len(ds), rank=rank, world_size=world_size, seed=seed)
-    loader = build_dataloader(ds, batch_size=8, collator=PaddingCollator(pad_id), sampler=sampler)
+    sources = resolve_sources(dataset_name="data/train.jsonl")            # or a weighted mixture
+    data = build_sft_datasets(sources, tokenizer, max_length=2048, seed=0)  # tokenized, cached, summarised
+    sampler = ShardedSampler(len(data.train), rank=rank, world_size=world_size, seed=seed)
+    loader = build_dataloader(data.train, batch_size=8, collator=PaddingCollator(pad_id), sampler=sampler)
 
-Three record formats are understood (see `detect_format`):
+Packing several examples per row and padding-free batches live in `hf_fsdp2.packing`.
 
-* ``messages``: a list of ``{"role", "content"}`` turns rendered with the tokenizer's chat template;
-* ``prompt_completion``: two strings, loss on the completion;
+Record formats (see `detect_format`; a column mapping renames other column names first):
+
+* ``messages``: OpenAI chat, a list of ``{"role", "content"}`` turns (system, user, assistant);
+* ``conversations``: ShareGPT, a list of ``{"from", "value"}`` turns (``human``/``gpt``/``system``...);
+* ``prompt_completion``: ``prompt`` and ``completion``, two strings or two lists of chat turns;
+* ``alpaca``: ``instruction``, optional ``input``, ``output`` (and optional ``system``), rendered as a
+  user/assistant chat with the tokenizer's chat template;
 * ``text``: one string, loss on every token.
 
-Every example comes out as ``input_ids`` and ``labels`` of the same length. ``labels`` are aligned with
-``input_ids`` (not shifted): the model shifts them, so ``labels[0]`` never contributes to the loss.
-``IGNORE_INDEX`` (-100) marks tokens without loss.
+Every example comes out as ``input_ids`` and ``labels`` of the same length, plus ``length`` and
+``num_targets``. ``labels`` are aligned with ``input_ids`` (not shifted): the loss shifts them, so
+``labels[0]`` never contributes. ``IGNORE_INDEX`` (-100) marks tokens without loss.
+
+Chat loss masks come from rendering prefixes of the conversation with the chat template and diffing
+their tokens, so they are right for any template (no ``{% generation %}`` markers needed) and include
+the end-of-turn token the model must learn to emit.
+
+Nothing is dropped silently: every truncated, dropped or skipped record is counted in the summary the
+recipe logs at start, and bad records are errors naming the source, the record index and the problem
+unless ``on_bad_record="skip"``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import datasets
+import numpy as np
 import pyarrow.parquet
 import torch
+from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data import Dataset as TorchDataset
 from transformers import PreTrainedTokenizerBase
@@ -37,21 +55,264 @@ from transformers import PreTrainedTokenizerBase
 IGNORE_INDEX = -100
 """Label of tokens without loss: the default ``ignore_index`` of ``torch.nn.functional.cross_entropy``."""
 
-DATASET_FORMATS = ("messages", "prompt_completion", "text")
+DATASET_FORMATS = ("messages", "conversations", "prompt_completion", "alpaca", "text")
 """Record formats in the order `detect_format` tries them."""
 
 CHAT_ROLES = ("system", "user", "assistant")
+CHAT_LOSSES = ("assistant", "last_assistant", "all")
+"""Chat targets: every assistant turn, the last assistant turn only, or every token."""
+LONG_EXAMPLE_POLICIES = ("truncate", "drop", "error")
+BAD_RECORD_POLICIES = ("error", "skip")
+
+# ShareGPT speaker names -> chat roles.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 
 # Local file suffix -> the `datasets` packaged builder that reads it. .json and .jsonl share a builder,
-# so a folder may mix them; it may not mix JSON with Parquet.
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# so a folder may mix them; it may not mix other types.
+_FILE_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 
 # Columns each format needs: what `detect_format` looks for and `tokenize_dataset` checks.
 _FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
+    "conversations": ("conversations",),
     "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
     "text": ("text",),
 }
+CANONICAL_COLUMNS = (
+    "messages",
+    "conversations",
+    "prompt",
+    "completion",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "text",
+)
+"""Column names a ``dataset_column_mapping`` may map to."""
+
+# Bump when tokenization changes, so that caches written by older code are not reused.
+_PIPELINE_VERSION = 2
+
+# Bookkeeping columns written by the tokenizing map and removed after it.
+_OK, _TRUNCATED, _DROPPED_LONG, _BAD = 0, 1, 2, 3
+_BOOKKEEPING = ["_status", "_reason", "_message"]
+# Declared rather than inferred: a batch of only skipped records would otherwise infer list<null>.
+_TOKENIZED_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "labels": datasets.List(datasets.Value("int32")),
+        "length": datasets.Value("int32"),
+        "num_targets": datasets.Value("int32"),
+        "_status": datasets.Value("int8"),
+        "_reason": datasets.Value("string"),
+        "_message": datasets.Value("string"),
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources: single dataset, weighted mixtures, column mappings
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One dataset to read: a hub id or a local file/folder, with its subset, split, revision and weight.
+
+    Attributes:
+        name: Hub dataset id (``org/name``) or local path.
+        subset: Hub configuration (subset) name.
+        split: Split to read, with optional slicing (``train[:10%]``).
+        revision: Hub branch, tag or commit.
+        weight: How many times each record is used per epoch on average: ``0.5`` takes a seeded half of
+            the records, ``2`` every record twice, ``1.5`` every record once and a seeded half again.
+    """
+
+    name: str
+    subset: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    weight: float = 1.0
+
+    def describe(self) -> str:
+        """``name`` plus the subset, split and revision when they are not the defaults."""
+        extras = [f"subset={self.subset}"] if self.subset else []
+        extras += [f"split={self.split}"] if self.split != "train" else []
+        extras += [f"revision={self.revision}"] if self.revision else []
+        return f"{self.name} ({', '.join(extras)})" if extras else self.name
+
+
+_SPEC_KEYS = {"subset": "subset", "config": "subset", "split": "split", "revision": "revision"}
+
+
+def parse_source(spec: str, *, split: str = "train") -> DataSource:
+    """Parse ``NAME[?subset=S&split=T&revision=R][:WEIGHT]`` into a `DataSource`.
+
+    ``NAME`` is a hub id or a local path. The weight is the part after the last ``:`` when it is a
+    number; anything else after a ``:`` stays part of the name.
+
+    Args:
+        spec: The source specification, e.g. ``"HuggingFaceH4/ultrachat_200k?split=train_sft:0.3"``.
+        split: Split used when the spec does not name one.
+
+    Returns:
+        The source.
+
+    Raises:
+        ValueError: An empty name, an unknown ``?key``, or a weight that is not a positive finite number.
+    """
+    text = spec.strip()
+    weight = 1.0
+    head, sep, tail = text.rpartition(":")
+    if sep and head and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", tail.strip()):
+        weight, text = float(tail), head
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"Source {spec!r}: weight {tail.strip()} must be a positive number such as 0.5 or 2."
+            )
+    name, _, query = text.partition("?")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"Source {spec!r} has no dataset name or path.")
+    values: dict[str, str] = {"split": split}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in _SPEC_KEYS or not value.strip():
+            raise ValueError(
+                f"Source {spec!r}: cannot read {item!r}; use NAME?subset=S&split=T&revision=R:WEIGHT "
+                f"with keys {sorted(_SPEC_KEYS)}."
+            )
+        values[_SPEC_KEYS[key.strip()]] = value.strip()
+    return DataSource(
+        name=name,
+        subset=values.get("subset"),
+        split=values["split"],
+        revision=values.get("revision"),
+        weight=weight,
+    )
+
+
+def _split_entries(entries: str | Sequence[str]) -> list[str]:
+    items = [entries] if isinstance(entries, str) else list(entries)
+    return [part.strip() for item in items for part in item.split(",") if part.strip()]
+
+
+def resolve_sources(
+    *,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    dataset_split: str = "train",
+    dataset_revision: str | None = None,
+    dataset_mixture: str | Sequence[str] = (),
+) -> list[DataSource]:
+    """The training sources: one dataset, or a weighted mixture.
+
+    Args:
+        dataset_name: One hub id or local path (with ``dataset_config_name``, ``dataset_split`` and
+            ``dataset_revision``).
+        dataset_config_name: Hub subset of ``dataset_name``.
+        dataset_split: Split of ``dataset_name``, and the default split of mixture entries.
+        dataset_revision: Hub revision of ``dataset_name``.
+        dataset_mixture: ``"a:0.5,b:2"`` or ``["a:0.5", "b:2"]``: sources in `parse_source` syntax.
+
+    Returns:
+        The sources, in the given order.
+
+    Raises:
+        ValueError: Neither or both of ``dataset_name`` and ``dataset_mixture``, or a bad entry.
+    """
+    entries = _split_entries(dataset_mixture)
+    if bool(dataset_name) == bool(entries):
+        raise ValueError(
+            "Give exactly one of dataset_name (one dataset) and dataset_mixture (several, weighted); got "
+            f"dataset_name={dataset_name!r}, dataset_mixture={entries!r}."
+        )
+    if dataset_name:
+        return [DataSource(dataset_name, dataset_config_name, dataset_split, dataset_revision)]
+    sources = [parse_source(entry, split=dataset_split) for entry in entries]
+    described = [s.describe() for s in sources]
+    duplicates = sorted({d for d in described if described.count(d) > 1})
+    if duplicates:
+        raise ValueError(
+            f"dataset_mixture lists {duplicates} more than once; give each source once with its weight."
+        )
+    return sources
+
+
+def parse_column_mapping(entries: str | Sequence[str]) -> dict[str, str]:
+    """Parse ``"question=prompt,answer=completion"`` (or a list of ``"a=b"``) into ``{"question": "prompt", ...}``.
+
+    Args:
+        entries: One string of comma-separated ``old=new`` pairs, or a list of them.
+
+    Returns:
+        Dataset column name -> the name the pipeline expects (one of ``CANONICAL_COLUMNS``).
+
+    Raises:
+        ValueError: A pair without ``=``, a target that is not a known column, or a column mapped twice.
+    """
+    mapping: dict[str, str] = {}
+    for pair in _split_entries(entries):
+        old, eq, new = (part.strip() for part in pair.partition("="))
+        if not eq or not old or not new:
+            raise ValueError(f"dataset_column_mapping entry {pair!r} must look like 'old_name=new_name'.")
+        if new not in CANONICAL_COLUMNS:
+            raise ValueError(
+                f"dataset_column_mapping {pair!r}: {new!r} is not a column the pipeline reads; map to one of "
+                f"{list(CANONICAL_COLUMNS)}."
+            )
+        if old in mapping or new in mapping.values():
+            raise ValueError(f"dataset_column_mapping maps {old!r} or to {new!r} twice: {entries!r}.")
+        mapping[old] = new
+    return mapping
+
+
+def apply_column_mapping(
+    dataset: datasets.Dataset, mapping: Mapping[str, str], source: str
+) -> datasets.Dataset:
+    """Rename the columns of ``mapping`` that the dataset has.
+
+    A mapped column the dataset lacks is an error unless the dataset already has the target column
+    (a mixture of sources, some already in the expected names).
+
+    Raises:
+        ValueError: A mapped column is missing, or its target already exists.
+    """
+    columns = list(dataset.column_names)
+    renames = {}
+    for old, new in mapping.items():
+        if old in columns:
+            if new in columns:
+                raise ValueError(
+                    f"{source}: dataset_column_mapping {old}={new}, but the dataset already has a column "
+                    f"{new!r} (columns: {columns}); drop that entry or map the other column."
+                )
+            renames[old] = new
+        elif new not in columns:
+            raise ValueError(
+                f"{source}: dataset_column_mapping maps column {old!r}, which the dataset lacks "
+                f"(columns: {columns}). Fix the mapping."
+            )
+    return dataset.rename_columns(renames) if renames else dataset
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,7 +336,7 @@ def _local_data_files(path: Path) -> tuple[str, list[str]]:
         if builder is None:
             raise ValueError(
                 f"Unsupported dataset file type {path.suffix!r} for {str(path)!r}; "
-                f"supported: {', '.join(_FILE_BUILDERS)}. Convert the file to JSON Lines or Parquet."
+                f"supported: {', '.join(_FILE_BUILDERS)}. Convert the file to one of them."
             )
         return builder, [str(path)]
 
@@ -98,7 +359,7 @@ def _local_data_files(path: Path) -> tuple[str, list[str]]:
         suffixes = sorted({p.suffix.lower() for p in files})
         raise ValueError(
             f"Folder {str(path)!r} mixes data file types {suffixes}; a dataset folder must hold one type "
-            "(JSON/JSON Lines or Parquet). Move the other files out or point at one file."
+            "(JSON and JSON Lines count as one). Move the other files out or point at one file."
         )
     return builders.pop(), [str(p) for p in files]
 
@@ -107,11 +368,20 @@ def _has_records(path: str, builder: str) -> bool:
     """True when a data file holds at least one record; cheap (Parquet footer, first non-blank byte)."""
     if builder == "parquet":
         return bool(pyarrow.parquet.read_metadata(path).num_rows > 0)
+    if builder == "arrow":
+        return os.path.getsize(path) > 0
     with open(path, "rb") as f:
+        if builder == "csv":
+            f.readline()  # the header line is not a record
         while chunk := f.read(1 << 16):
             if chunk.strip():
                 return True
     return False
+
+
+def _paragraphs(batch: dict[str, list[str]]) -> dict[str, list[str]]:
+    texts = [text.strip() for text in batch["text"]]
+    return {"text": [text for text in texts if text]}
 
 
 def load_raw_dataset(
@@ -123,10 +393,12 @@ def load_raw_dataset(
 ) -> datasets.Dataset:
     """Load an untokenized dataset from a local file or folder, or from the hub.
 
-    Local data: a ``.jsonl``, ``.json`` or ``.parquet`` file, or a folder holding files of one of those
-    types (searched recursively, hidden entries skipped). The local files become the split named by
-    ``split``, so slices such as ``"train[:1000]"`` work for local data too. Anything that does not look
-    like a path is passed to ``datasets.load_dataset`` as a hub dataset id.
+    Local data: a ``.jsonl``, ``.json``, ``.parquet``, ``.csv``, ``.txt`` or ``.arrow`` file, a folder of
+    files of one of those types (searched recursively, hidden entries skipped), or a folder written by
+    ``Dataset.save_to_disk``. A ``.txt`` file gives one ``text`` record per paragraph (blank-line
+    separated). The local files become the split named by ``split``, so slices such as
+    ``"train[:1000]"`` work for local data too. Anything that does not look like a path is passed to
+    ``datasets.load_dataset`` as a hub dataset id.
 
     Args:
         name_or_path: Path to a local file/folder, or a hub dataset id such as ``"org/name"``.
@@ -155,17 +427,30 @@ def load_raw_dataset(
                 f"config_name={config_name!r} and revision={revision!r} only apply to hub datasets, but "
                 f"{name_or_path!r} is a local path; unset them."
             )
-        builder, files = _local_data_files(path)
-        # `datasets` fails on empty local files with StopIteration or "corresponds to no data",
-        # neither of which says the data is empty.
-        if not any(_has_records(f, builder) for f in files):
-            raise ValueError(
-                f"Dataset {name_or_path!r} is empty: its data files {files} hold no records. "
-                "Point at the files that hold the data."
-            )
-        # The split key must be the bare name: "train[:100]" selects from the split called "train".
-        split_name = re.split(r"[\[+]", split, maxsplit=1)[0]
-        loaded = datasets.load_dataset(builder, data_files={split_name: files}, split=split)
+        if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            saved = datasets.load_from_disk(str(path))
+            if not isinstance(saved, datasets.Dataset):
+                raise TypeError(
+                    f"{name_or_path!r} holds a saved DatasetDict with splits {list(saved)}; point at one "
+                    "split's folder."
+                )
+            loaded: Any = saved
+        else:
+            builder, files = _local_data_files(path)
+            # `datasets` fails on empty local files with StopIteration or "corresponds to no data",
+            # neither of which says the data is empty.
+            if not any(_has_records(f, builder) for f in files):
+                raise ValueError(
+                    f"Dataset {name_or_path!r} is empty: its data files {files} hold no records. "
+                    "Point at the files that hold the data."
+                )
+            # The split key must be the bare name: "train[:100]" selects from the split called "train".
+            split_name = re.split(r"[\[+]", split, maxsplit=1)[0]
+            kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+            loaded = datasets.load_dataset(builder, data_files={split_name: files}, split=split, **kwargs)
+            if builder == "text":
+                # Paragraph splitting leaves stray newlines and whitespace-only records around long gaps.
+                loaded = loaded.map(_paragraphs, batched=True, desc="Splitting paragraphs")
     else:
         loaded = datasets.load_dataset(name_or_path, config_name, split=split, revision=revision)
 
@@ -181,21 +466,29 @@ def load_raw_dataset(
     return loaded
 
 
+def load_source(source: DataSource) -> datasets.Dataset:
+    """`load_raw_dataset` for a `DataSource`."""
+    return load_raw_dataset(
+        source.name, split=source.split, config_name=source.subset, revision=source.revision
+    )
+
+
 # --------------------------------------------------------------------------------------------------
-# Format detection and validation
+# Format detection and record validation
 # --------------------------------------------------------------------------------------------------
 
 
 def detect_format(column_names: Sequence[str]) -> str:
     """Decide which record format a dataset holds from its column names.
 
-    Priority: ``messages`` > ``prompt_completion`` (needs both ``prompt`` and ``completion``) > ``text``.
+    Priority: ``messages`` > ``conversations`` > ``prompt_completion`` (needs ``prompt`` and
+    ``completion``) > ``alpaca`` (needs ``instruction`` and ``output``) > ``text``.
 
     Args:
-        column_names: The dataset's column names.
+        column_names: The dataset's column names (after any column mapping).
 
     Returns:
-        ``"messages"``, ``"prompt_completion"`` or ``"text"``.
+        One of ``DATASET_FORMATS``.
 
     Raises:
         ValueError: None of the formats' columns are present; the message lists what was found.
@@ -207,20 +500,42 @@ def detect_format(column_names: Sequence[str]) -> str:
     expected = "; ".join(f"{name}: {list(cols)}" for name, cols in _FORMAT_COLUMNS.items())
     raise ValueError(
         f"Cannot detect the dataset format from columns {list(column_names)}. Expected one of "
-        f"({expected}). Rename the columns (e.g. dataset.rename_column('conversations', 'messages'))."
+        f"({expected}). Rename the columns with dataset_column_mapping (e.g. 'question=prompt,answer=completion')."
     )
 
 
-def _record_error(source: str, index: int, columns: Sequence[str], problem: str, fix: str) -> ValueError:
+class RecordError(ValueError):
+    """A record that cannot become a training example: names the source, the record and the problem.
+
+    Attributes:
+        reason: A short category (``"wrong role order"``, ``"missing field"``...) used to count skipped
+            records by reason.
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle through their args; the extra attribute must survive `num_proc` workers.
+        return (RecordError, (str(self), self.reason))
+
+
+def _record_error(
+    source: str, index: int, columns: Sequence[str], problem: str, fix: str, reason: str
+) -> RecordError:
     where = f"{source} record {index}" if source else f"record {index}"
-    return ValueError(f"{where}: {problem} (columns found: {list(columns)}). {fix}")
+    return RecordError(f"{where}: {problem} (columns found: {list(columns)}). {fix}", reason)
+
+
+_FIX = "Fix or drop the record, or set on_bad_record=skip to skip such records."
 
 
 def _required_string(record: Mapping[str, Any], column: str, source: str, index: int) -> str:
     value = record.get(column)
     if value is None:
         raise _record_error(
-            source, index, list(record), f"column {column!r} is missing or None", "Fix or drop the record."
+            source, index, list(record), f"column {column!r} is missing or None", _FIX, "missing field"
         )
     if not isinstance(value, str):
         raise _record_error(
@@ -228,45 +543,69 @@ def _required_string(record: Mapping[str, Any], column: str, source: str, index:
             index,
             list(record),
             f"column {column!r} must be a string, got {type(value).__name__}",
-            "Fix or drop the record.",
+            _FIX,
+            "non-string content",
         )
     return value
 
 
-def _validated_messages(record: Mapping[str, Any], source: str, index: int) -> list[dict[str, str]]:
-    """Check a ``messages`` record and return its turns reduced to ``role`` and ``content``."""
+def _validated_turns(
+    turns_value: Any,
+    record: Mapping[str, Any],
+    source: str,
+    index: int,
+    *,
+    column: str,
+    role_key: str,
+    content_key: str,
+    role_names: Mapping[str, str],
+) -> list[dict[str, str]]:
+    """Check a list of chat turns and return them as ``{"role", "content"}`` dicts (other keys dropped)."""
     columns = list(record)
-    messages = record.get("messages")
-    if messages is None:
+    if turns_value is None:
         raise _record_error(
-            source, index, columns, "column 'messages' is missing or None", "Fix or drop the record."
+            source, index, columns, f"column {column!r} is missing or None", _FIX, "missing field"
         )
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(turns_value, list) or not turns_value:
         raise _record_error(
             source,
             index,
             columns,
-            f"'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}",
-            "Fix or drop the record.",
+            f"{column!r} must be a non-empty list of {{{role_key!r}, {content_key!r}}} dicts, got {turns_value!r:.200}",
+            _FIX,
+            "missing field",
         )
     turns: list[dict[str, str]] = []
-    for turn_index, message in enumerate(messages):
+    for turn_index, message in enumerate(turns_value):
         if not isinstance(message, Mapping):
             raise _record_error(
                 source,
                 index,
                 columns,
-                f"message {turn_index} must be a dict with 'role' and 'content', got {type(message).__name__}",
-                "Fix or drop the record.",
+                f"message {turn_index} must be a dict with {role_key!r} and {content_key!r}, got "
+                f"{type(message).__name__}",
+                _FIX,
+                "missing field",
             )
-        role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
+        raw_role, content = message.get(role_key), message.get(content_key)
+        role = role_names.get(raw_role) if isinstance(raw_role, str) else None
+        if role is None:
             raise _record_error(
                 source,
                 index,
                 columns,
-                f"message {turn_index} has unknown role {role!r}; supported roles: {list(CHAT_ROLES)}",
+                f"message {turn_index} has unknown role {raw_role!r}; supported roles: {list(role_names)}",
                 "Map the role to one of the supported ones or drop the record.",
+                "unknown role",
+            )
+        if content is None and content_key not in message:
+            raise _record_error(
+                source,
+                index,
+                columns,
+                f"message {turn_index} ({role}) has no {content_key!r}",
+                _FIX,
+                "missing field",
             )
         if not isinstance(content, str):
             raise _record_error(
@@ -275,6 +614,7 @@ def _validated_messages(record: Mapping[str, Any], source: str, index: int) -> l
                 columns,
                 f"message {turn_index} ({role}) content must be a string, got {type(content).__name__}",
                 "Only text content is supported; flatten multi-part content to a string.",
+                "non-string content",
             )
         if role == "assistant" and not content.strip():
             raise _record_error(
@@ -283,19 +623,155 @@ def _validated_messages(record: Mapping[str, Any], source: str, index: int) -> l
                 columns,
                 f"message {turn_index} is an empty assistant turn",
                 "Drop the record or the empty turn: it would teach the model to answer with nothing.",
+                "empty assistant turn",
             )
         # Only role and content are passed on: Arrow fills keys that other records have (name,
         # tool_calls, ...) with None, and templates test such keys with `is defined`.
         turns.append({"role": role, "content": content})
-    if not any(turn["role"] == "assistant" for turn in turns):
+    return turns
+
+
+def _check_role_order(
+    turns: list[dict[str, str]], record: Mapping[str, Any], source: str, index: int
+) -> None:
+    """Optional system turn, then user and assistant alternating, starting with user, ending with assistant."""
+    roles = [turn["role"] for turn in turns]
+    if "assistant" not in roles:
         raise _record_error(
             source,
             index,
-            columns,
-            f"'messages' has no assistant turn (roles: {[turn['role'] for turn in turns]})",
+            list(record),
+            f"the conversation has no assistant turn (roles: {roles})",
             "Every conversation needs at least one assistant turn to learn from; drop the record.",
+            "no assistant turn",
         )
-    return turns
+    body = roles[1:] if roles[0] == "system" else roles
+    expected = ["user" if i % 2 == 0 else "assistant" for i in range(len(body))]
+    if body != expected or body[-1:] != ["assistant"]:
+        raise _record_error(
+            source,
+            index,
+            list(record),
+            f"wrong role order {roles}: expected an optional system turn, then user and assistant turns "
+            "alternating, starting with user and ending with assistant",
+            _FIX,
+            "wrong role order",
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Records -> what to tokenize
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Chat:
+    """A conversation and the indices of the assistant turns to train on (None: every token)."""
+
+    messages: list[dict[str, str]]
+    trained: list[int] | None
+
+
+@dataclass
+class _Plain:
+    """``[bos] + prompt + completion + [eos]``; ``prompt`` is a target when ``train_prompt``."""
+
+    prompt: str
+    completion: str
+    train_prompt: bool
+
+
+def _trained_turns(messages: list[dict[str, str]], chat_loss: str, first: int = 0) -> list[int] | None:
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
+    if chat_loss == "all":
+        return None
+    if chat_loss == "last_assistant":
+        return assistant[-1:]
+    return assistant
+
+
+def _normalise_record(
+    record: Mapping[str, Any],
+    dataset_format: str,
+    *,
+    chat_loss: str,
+    completion_only_loss: bool,
+    source: str,
+    index: int,
+) -> _Chat | _Plain:
+    """Turn a record of any format into a conversation or a plain prompt/completion (or text)."""
+    if dataset_format == "messages":
+        turns = _validated_turns(
+            record.get("messages"), record, source, index,
+            column="messages", role_key="role", content_key="content", role_names={r: r for r in CHAT_ROLES},
+        )  # fmt: skip
+        _check_role_order(turns, record, source, index)
+        return _Chat(turns, _trained_turns(turns, chat_loss))
+    if dataset_format == "conversations":
+        turns = _validated_turns(
+            record.get("conversations"), record, source, index,
+            column="conversations", role_key="from", content_key="value", role_names=SHAREGPT_ROLES,
+        )  # fmt: skip
+        system = record.get("system")
+        if isinstance(system, str) and system.strip() and turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "content": system})
+        _check_role_order(turns, record, source, index)
+        return _Chat(turns, _trained_turns(turns, chat_loss))
+    if dataset_format == "alpaca":
+        instruction = _required_string(record, "instruction", source, index)
+        output = _required_string(record, "output", source, index)
+        extra = record.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise _record_error(
+                source, index, list(record), f"column 'input' must be a string, got {type(extra).__name__}",
+                _FIX, "non-string content",
+            )  # fmt: skip
+        user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+        alpaca_turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        system = record.get("system")
+        if isinstance(system, str) and system.strip():
+            alpaca_turns.insert(0, {"role": "system", "content": system})
+        if not output.strip():
+            raise _record_error(
+                source, index, list(record), "column 'output' is an empty assistant turn",
+                "Drop the record: it would teach the model to answer with nothing.", "empty assistant turn",
+            )  # fmt: skip
+        return _Chat(alpaca_turns, _trained_turns(alpaca_turns, chat_loss))
+    if dataset_format == "prompt_completion":
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):
+            # Conversational prompt/completion (as in TRL): two lists of turns rendered as one chat.
+            names = {r: r for r in CHAT_ROLES}
+            prompt_turns = _validated_turns(
+                prompt,
+                record,
+                source,
+                index,
+                column="prompt",
+                role_key="role",
+                content_key="content",
+                role_names=names,
+            )
+            completion_turns = _validated_turns(
+                completion, record, source, index,
+                column="completion", role_key="role", content_key="content", role_names=names,
+            )  # fmt: skip
+            turns = prompt_turns + completion_turns
+            _check_role_order(turns, record, source, index)
+            first = len(prompt_turns)
+            return _Chat(turns, _trained_turns(turns, "assistant", first) if completion_only_loss else None)
+        prompt_text = _required_string(record, "prompt", source, index)
+        completion_text = _required_string(record, "completion", source, index)
+        if not completion_text.strip():
+            raise _record_error(
+                source, index, list(record), "column 'completion' is empty",
+                "Drop the record: it would teach the model to answer with nothing.", "empty completion",
+            )  # fmt: skip
+        return _Plain(prompt_text, completion_text, train_prompt=not completion_only_loss)
+    text = _required_string(record, "text", source, index)
+    if not text.strip():
+        raise _record_error(source, index, list(record), "column 'text' is empty", _FIX, "empty text")
+    return _Plain("", text, train_prompt=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,18 +781,42 @@ def _validated_messages(record: Mapping[str, Any], source: str, index: int) -> l
 
 @dataclass(frozen=True)
 class TokenizeStats:
-    """What `tokenize_dataset` did, so that nothing is dropped or cut silently.
+    """What `tokenize_dataset` did to one source, so that nothing is dropped or cut silently.
 
     Attributes:
-        num_records: Records tokenized (all are kept).
-        num_truncated: Records longer than ``max_length`` that were right-truncated.
-        num_without_targets: Records with no target token after truncation (kept; they add no loss).
-            ``labels[0]`` is not counted as a target: no token precedes it, so it is never predicted.
+        source: Name of the source.
+        dataset_format: The record format used.
+        num_records: Records read.
+        num_kept: Examples produced (records minus dropped and skipped ones).
+        num_truncated: Kept examples longer than ``max_length`` that were right-truncated.
+        num_dropped_long: Records longer than ``max_length`` dropped (``long_examples="drop"``).
+        num_without_targets: Kept examples with no target token (they add no loss). ``labels[0]`` is
+            not counted as a target: no token precedes it, so it is never predicted.
+        skipped: Bad records skipped (``on_bad_record="skip"``), by reason.
+        skipped_examples: The messages of the first few skipped records.
     """
 
+    source: str
+    dataset_format: str
     num_records: int
-    num_truncated: int
-    num_without_targets: int
+    num_kept: int
+    num_truncated: int = 0
+    num_dropped_long: int = 0
+    num_without_targets: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_examples: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line for the data summary."""
+        parts = [f"{self.num_records} records ({self.dataset_format})"]
+        skipped = sum(self.skipped.values())
+        if skipped:
+            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+            parts.append(f"{skipped} bad records skipped ({reasons})")
+        parts.append(f"{self.num_truncated} truncated")
+        parts.append(f"{self.num_dropped_long} dropped as longer than max_length")
+        parts.append(f"{self.num_without_targets} without any target token (kept, no loss)")
+        return f"{self.source}: " + ", ".join(parts) + f" -> {self.num_kept} examples"
 
 
 def _leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -352,8 +852,32 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash of what decides how the tokenizer encodes text: vocabulary, merges, normalizer, special
+    tokens and chat template; the same for a tokenizer loaded again in another process.
+
+    Transient settings (truncation, padding) are left out: they change when the tokenizer is called.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        model_state: Any = json.dumps(state, sort_keys=True)
+    else:
+        model_state = sorted(tokenizer.get_vocab().items())
+    added = sorted((i, str(t), t.special) for i, t in tokenizer.added_tokens_decoder.items())
+    return str(
+        Hasher.hash(
+            [
+                type(tokenizer).__name__,
+                model_state,
+                added,
+                tokenizer.chat_template,
+                sorted(tokenizer.special_tokens_map.items()),
+            ]
+        )
+    )
 
 
 def _trim_after_end_of_turn(
@@ -376,130 +900,254 @@ def _trim_after_end_of_turn(
     return last_special + 1
 
 
-def _tokenize_messages(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
-    *,
-    assistant_only_loss: bool,
-    special_ids: frozenset[int],
-    source: str,
-    index: int,
-    columns: Sequence[str],
-) -> tuple[list[int], list[int]]:
-    """Render a conversation and mark its assistant tokens as targets by diffing prefix renders.
+class _Tokenizer:
+    """The per-batch function of `tokenize_dataset`'s map (a class so that num_proc workers can pickle it).
 
-    For assistant turn ``i`` the target tokens are those of ``render(messages[:i + 1])`` beyond those of
-    ``render(messages[:i], add_generation_prompt=True)``. This needs no ``{% generation %}`` markers in
-    the template, but it needs every prefix render to tokenize to a prefix of the full render; templates
-    that rewrite earlier turns (e.g. strip reasoning from past assistant turns) break that and are
-    reported rather than mis-masked.
+    Each record becomes the strings it needs encoded (a conversation: its full render plus, for each
+    trained assistant turn, the renders before and through that turn); the strings of the whole batch
+    are encoded in one tokenizer call, then every record's ids and labels are assembled.
     """
 
-    def render_ids(turns: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dataset_format: str,
+        max_length: int,
+        chat_loss: str,
+        completion_only_loss: bool,
+        long_examples: str,
+        on_bad_record: str,
+        source: str,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.dataset_format = dataset_format
+        self.max_length = max_length
+        self.chat_loss = chat_loss
+        self.completion_only_loss = completion_only_loss
+        self.long_examples = long_examples
+        self.on_bad_record = on_bad_record
+        self.source = source
+        chat = dataset_format in ("messages", "conversations", "alpaca", "prompt_completion")
+        if dataset_format in ("messages", "conversations", "alpaca") and tokenizer.chat_template is None:
+            raise ValueError(
+                f"{source or 'The dataset'} holds {dataset_format!r} records, rendered with the tokenizer's chat "
+                "template, but the tokenizer has no chat_template. Use the tokenizer of an instruct model, or "
+                "set tokenizer.chat_template."
+            )
+        # Resolved once, outside the per-record code, so a missing EOS fails before any record.
+        self.eos = _eos_id(tokenizer) if dataset_format in ("prompt_completion", "text") else None
+        self.leading = _leading_special_ids(tokenizer) if self.eos is not None else []
+        self.special_ids = _special_ids(tokenizer) if chat else frozenset()
+
+    def _render(
+        self, turns: list[dict[str, str]], generation_prompt: bool, record: Mapping[str, Any], index: int
+    ) -> str:
+        if self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"{self.source or 'The dataset'} has conversational prompt/completion records but the tokenizer "
+                "has no chat_template; set tokenizer.chat_template."
+            )
         try:
-            rendered = tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=add_generation_prompt
+            rendered = self.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as err:
             # Templates reject conversations with raise_exception (e.g. "roles must alternate"); the
             # bare message would not say which record.
             raise _record_error(
-                source,
+                self.source,
                 index,
-                columns,
+                list(record),
                 f"the chat template failed on this conversation: {err}",
                 "Fix or drop the record, or use a template that accepts it.",
+                "chat template error",
             ) from err
         assert isinstance(rendered, str), type(rendered)
-        return _encode(tokenizer, rendered)
+        return rendered
 
-    input_ids = render_ids(messages, add_generation_prompt=False)
-    if not assistant_only_loss:
-        return input_ids, list(input_ids)
+    def _strings(self, item: _Chat | _Plain, record: Mapping[str, Any], index: int) -> list[str]:
+        if isinstance(item, _Plain):
+            return [item.prompt, item.completion]
+        strings = [self._render(item.messages, False, record, index)]
+        for turn in item.trained or []:
+            strings.append(self._render(item.messages[:turn], True, record, index))
+            strings.append(self._render(item.messages[: turn + 1], False, record, index))
+        return strings
 
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for turn_index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        if turn_index == 0:
-            # There is no prompt to diff against (templates refuse to render zero messages).
-            raise _record_error(
-                source,
-                index,
-                columns,
-                "the conversation starts with an assistant turn, so there is no prompt to learn it from",
-                "Drop the record or put the user/system turn before it, or set assistant_only_loss=False.",
+    def _assemble(
+        self, item: _Chat | _Plain, encoded: list[list[int]], record: Mapping[str, Any], index: int
+    ) -> tuple[list[int], list[int]]:
+        if isinstance(item, _Plain):
+            assert self.eos is not None
+            prompt_ids = self.leading + encoded[0] if item.prompt else self.leading
+            completion_ids = encoded[1] + [self.eos]
+            prompt_labels = prompt_ids if item.train_prompt else [IGNORE_INDEX] * len(prompt_ids)
+            return prompt_ids + completion_ids, prompt_labels + completion_ids
+        input_ids = encoded[0]
+        if item.trained is None:
+            return input_ids, list(input_ids)
+        labels = [IGNORE_INDEX] * len(input_ids)
+        for k, turn in enumerate(item.trained):
+            before, through = encoded[1 + 2 * k], encoded[2 + 2 * k]
+            for name, prefix in (("prompt before", before), ("conversation through", through)):
+                if input_ids[: len(prefix)] != prefix:
+                    raise _record_error(
+                        self.source,
+                        index,
+                        list(record),
+                        f"the chat template's render of the {name} assistant turn {turn} does not tokenize to a "
+                        "prefix of the whole conversation, so assistant tokens cannot be located",
+                        "Use a chat template that renders earlier turns identically whatever follows, or set "
+                        "chat_loss=all (assistant_only_loss=false).",
+                        "chat template not prefix-stable",
+                    )
+            end = _trim_after_end_of_turn(
+                self.tokenizer, input_ids, len(before), len(through), self.special_ids
             )
-        before = render_ids(messages[:turn_index], add_generation_prompt=True)
-        through = render_ids(messages[: turn_index + 1], add_generation_prompt=False)
-        for name, prefix in (("prompt before", before), ("conversation through", through)):
-            if input_ids[: len(prefix)] != prefix:
+            if end <= len(before):
                 raise _record_error(
-                    source,
+                    self.source,
                     index,
-                    columns,
-                    f"the chat template's render of the {name} assistant turn {turn_index} does not "
-                    "tokenize to a prefix of the whole conversation, so assistant tokens cannot be "
-                    "located",
-                    "Use a chat template that renders earlier turns identically whatever follows, or set "
-                    "assistant_only_loss=False.",
+                    list(record),
+                    f"assistant turn {turn} rendered to no tokens with this chat template",
+                    "Check that the chat template renders assistant content.",
+                    "empty assistant turn",
                 )
-        end = _trim_after_end_of_turn(tokenizer, input_ids, len(before), len(through), special_ids)
-        if end <= len(before):
-            raise _record_error(
-                source,
-                index,
-                columns,
-                f"assistant turn {turn_index} rendered to no tokens with this chat template",
-                "Check that the chat template renders assistant content.",
-            )
-        labels[len(before) : end] = input_ids[len(before) : end]
-    return input_ids, labels
+            labels[len(before) : end] = input_ids[len(before) : end]
+        return input_ids, labels
+
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        columns = list(batch)
+        records = [{c: batch[c][j] for c in columns} for j in range(len(indices))]
+        items: list[_Chat | _Plain | RecordError] = []
+        strings: list[str] = []
+        spans: list[tuple[int, int]] = []
+        for record, index in zip(records, indices, strict=True):
+            try:
+                item: _Chat | _Plain | RecordError = _normalise_record(
+                    record,
+                    self.dataset_format,
+                    chat_loss=self.chat_loss,
+                    completion_only_loss=self.completion_only_loss,
+                    source=self.source,
+                    index=index,
+                )
+                assert not isinstance(item, RecordError)
+                record_strings = self._strings(item, record, index)
+            except RecordError as err:
+                if self.on_bad_record == "error":
+                    raise
+                item, record_strings = err, []
+            items.append(item)
+            spans.append((len(strings), len(strings) + len(record_strings)))
+            strings.extend(record_strings)
+        encoded = self.tokenizer(strings, add_special_tokens=False)["input_ids"] if strings else []
+
+        out: dict[str, list[Any]] = {
+            name: [] for name in ("input_ids", "labels", "length", "num_targets", *_BOOKKEEPING)
+        }
+        for record, index, item, (start, stop) in zip(records, indices, items, spans, strict=True):
+            status, reason, message = _OK, "", ""
+            input_ids: list[int] = []
+            labels: list[int] = []
+            try:
+                if isinstance(item, RecordError):
+                    raise item
+                input_ids, labels = self._assemble(
+                    item, [list(ids) for ids in encoded[start:stop]], record, index
+                )
+                if len(input_ids) > self.max_length:
+                    if self.long_examples == "error":
+                        raise _record_error(
+                            self.source,
+                            index,
+                            list(record),
+                            f"the example is {len(input_ids)} tokens long, more than max_length={self.max_length}",
+                            "Raise max_length, or set long_examples=truncate or long_examples=drop.",
+                            "longer than max_length",
+                        )
+                    status = _DROPPED_LONG if self.long_examples == "drop" else _TRUNCATED
+                    input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
+            except RecordError as err:
+                if self.on_bad_record == "error":
+                    raise
+                status, reason, message, input_ids, labels = _BAD, err.reason, str(err), [], []
+            if status == _DROPPED_LONG:
+                input_ids, labels = [], []
+            out["input_ids"].append(input_ids)
+            out["labels"].append(labels)
+            out["length"].append(len(input_ids))
+            # labels[0] is never predicted (nothing precedes it), so it does not count as a target.
+            out["num_targets"].append(sum(label != IGNORE_INDEX for label in labels[1:]))
+            out["_status"].append(status)
+            out["_reason"].append(reason)
+            out["_message"].append(message)
+        return out
 
 
 def tokenize_dataset(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
-    dataset_format: str = "auto",
     max_length: int,
-    assistant_only_loss: bool = True,
+    dataset_format: str = "auto",
+    chat_loss: str = "assistant",
     completion_only_loss: bool = True,
+    long_examples: str = "truncate",
+    on_bad_record: str = "error",
     source: str = "",
+    num_proc: int | None = None,
 ) -> tuple[datasets.Dataset, TokenizeStats]:
     """Tokenize records into ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where there is no loss).
 
-    * ``messages``: rendered with ``tokenizer.apply_chat_template`` and tokenized without adding special
-      tokens (the template decides BOS). With ``assistant_only_loss`` only assistant turns are targets,
-      each including the template's end-of-turn token (e.g. ``<|im_end|>``, which the model must learn to
-      emit) but not whitespace the template puts after it.
-    * ``prompt_completion``: ``[bos] + tokens(prompt) + tokens(completion) + [eos]``, BOS only if the
-      tokenizer adds one by default. Prompt and completion are tokenized separately so their boundary
-      is a token boundary. With ``completion_only_loss`` only completion and EOS are targets.
+    * Chats (``messages``, ``conversations``, ``alpaca``, conversational ``prompt_completion``):
+      rendered with ``tokenizer.apply_chat_template`` and tokenized without adding special tokens (the
+      template decides BOS). ``chat_loss="assistant"`` trains on every assistant turn,
+      ``"last_assistant"`` on the last one only, ``"all"`` on every token. A trained turn includes the
+      template's end-of-turn token (e.g. ``<|im_end|>``, which the model must learn to emit) but not
+      whitespace the template puts after it. Conversational prompt/completion trains on the assistant
+      turns of the completion (or every token without ``completion_only_loss``).
+    * ``prompt_completion`` strings: ``[bos] + tokens(prompt) + tokens(completion) + [eos]``, BOS only if
+      the tokenizer adds one by default. Prompt and completion are tokenized separately so their
+      boundary is a token boundary. With ``completion_only_loss`` only completion and EOS are targets.
     * ``text``: ``[bos] + tokens(text) + [eos]``, all targets.
 
-    Examples longer than ``max_length`` are right-truncated and counted. The original columns are removed.
+    The map is batched, runs on ``num_proc`` processes and is cached: its fingerprint is derived from
+    the raw dataset's fingerprint, `tokenizer_fingerprint` and every setting here, so a second run (or
+    another rank, once the first has finished) loads the result instead of tokenizing again. In-memory
+    datasets have nowhere to cache and are always tokenized.
 
     Args:
         dataset: Untokenized dataset, e.g. from `load_raw_dataset`.
-        tokenizer: Tokenizer of the model; needs a chat template for ``messages`` and an EOS token for
-            the other formats.
-        dataset_format: ``"auto"`` (see `detect_format`), ``"messages"``, ``"prompt_completion"`` or
-            ``"text"``.
+        tokenizer: Tokenizer of the model; needs a chat template for chats and an EOS token otherwise.
         max_length: Maximum tokens per example.
-        assistant_only_loss: ``messages`` only: loss on assistant turns only (else on every token).
+        dataset_format: ``"auto"`` (see `detect_format`) or one of ``DATASET_FORMATS``.
+        chat_loss: One of ``CHAT_LOSSES``.
         completion_only_loss: ``prompt_completion`` only: loss on the completion only (else every token).
-        source: Name of the dataset used in error messages (e.g. its path).
+        long_examples: Examples longer than ``max_length``: ``"truncate"`` (right), ``"drop"``, or
+            ``"error"`` (a bad record).
+        on_bad_record: ``"error"`` raises on the first bad record; ``"skip"`` skips and counts them.
+        source: Name of the dataset used in messages (e.g. its path).
+        num_proc: Processes for the map (None: this process).
 
     Returns:
-        The tokenized dataset (columns ``input_ids`` and ``labels``) and its `TokenizeStats`.
+        The tokenized dataset (columns ``input_ids``, ``labels``, ``length``, ``num_targets``) and its
+        `TokenizeStats`.
 
     Raises:
-        ValueError: Unknown ``dataset_format``, missing columns, ``max_length < 1``, a tokenizer without
-            chat template / EOS, or an invalid record (the message names the record index).
+        ValueError: A bad option, missing columns, a tokenizer without chat template / EOS, or (with
+            ``on_bad_record="error"``) a `RecordError` naming the source, record index and problem.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}.")
+    for name, value, allowed in (
+        ("chat_loss", chat_loss, CHAT_LOSSES),
+        ("long_examples", long_examples, LONG_EXAMPLE_POLICIES),
+        ("on_bad_record", on_bad_record, BAD_RECORD_POLICIES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"Unknown {name} {value!r}; choose one of {list(allowed)}.")
     columns = list(dataset.column_names)
     if dataset_format == "auto":
         dataset_format = detect_format(columns)
@@ -511,69 +1159,277 @@ def tokenize_dataset(
     if missing:
         raise ValueError(
             f"dataset_format={dataset_format!r} needs columns {list(_FORMAT_COLUMNS[dataset_format])} but "
-            f"{source or 'the dataset'} lacks {missing} (columns found: {columns}). Rename the columns or "
-            "set dataset_format='auto'."
+            f"{source or 'the dataset'} lacks {missing} (columns found: {columns}). Rename the columns with "
+            "dataset_column_mapping or set dataset_format='auto'."
         )
-    if dataset_format == "messages" and tokenizer.chat_template is None:
-        raise ValueError(
-            "The dataset has a 'messages' column but the tokenizer has no chat_template. Use the "
-            "tokenizer of an instruct model, or set tokenizer.chat_template."
-        )
-
-    # Resolved once, outside the per-record function, so a missing EOS fails before any record.
-    eos = _eos_id(tokenizer) if dataset_format != "messages" else None
-    leading = _leading_special_ids(tokenizer) if dataset_format != "messages" else []
-    special_ids = _special_ids(tokenizer)
-
-    def tokenize_record(record: dict[str, Any], index: int) -> dict[str, Any]:
-        if dataset_format == "messages":
-            messages = _validated_messages(record, source, index)
-            input_ids, labels = _tokenize_messages(
-                tokenizer,
-                messages,
-                assistant_only_loss=assistant_only_loss,
-                special_ids=special_ids,
-                source=source,
-                index=index,
-                columns=list(record),
-            )
-        elif dataset_format == "prompt_completion":
-            assert eos is not None
-            prompt_ids = leading + _encode(tokenizer, _required_string(record, "prompt", source, index))
-            completion_ids = _encode(tokenizer, _required_string(record, "completion", source, index)) + [eos]
-            input_ids = prompt_ids + completion_ids
-            prompt_labels = [IGNORE_INDEX] * len(prompt_ids) if completion_only_loss else prompt_ids
-            labels = prompt_labels + completion_ids
-        else:
-            assert eos is not None
-            input_ids = leading + _encode(tokenizer, _required_string(record, "text", source, index)) + [eos]
-            labels = list(input_ids)
-
-        truncated = len(input_ids) > max_length
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            # Bookkeeping columns rather than closure counters, so the counts stay right if the map is
-            # later run with num_proc or served from the cache.
-            "_truncated": truncated,
-            # labels[0] is never predicted (nothing precedes it), so it does not count as a target.
-            "_has_targets": any(label != IGNORE_INDEX for label in labels[1:]),
-        }
-
+    function = _Tokenizer(
+        tokenizer,
+        dataset_format=dataset_format,
+        max_length=max_length,
+        chat_loss=chat_loss,
+        completion_only_loss=completion_only_loss,
+        long_examples=long_examples,
+        on_bad_record=on_bad_record,
+        source=source,
+    )
+    settings = [
+        dataset_format,
+        max_length,
+        chat_loss,
+        completion_only_loss,
+        long_examples,
+        on_bad_record,
+        source,
+    ]
+    fingerprint = Hasher.hash(
+        [_PIPELINE_VERSION, dataset._fingerprint, tokenizer_fingerprint(tokenizer), settings]
+    )
     tokenized = dataset.map(
-        tokenize_record,
+        function,
+        batched=True,
         with_indices=True,
         remove_columns=columns,
-        load_from_cache_file=False,
+        num_proc=num_proc,
+        features=_TOKENIZED_FEATURES,
+        new_fingerprint=fingerprint,
+        load_from_cache_file=True,
         desc=f"Tokenizing {source}" if source else "Tokenizing",
     )
+    assert tokenized._indices is None  # a map writes a fresh table, so its columns are read directly
+    status = tokenized.data.column("_status").to_numpy()
+    num_targets = tokenized.data.column("num_targets").to_numpy()
+    bad = np.flatnonzero(status == _BAD)
+    reasons = tokenized.select(bad)["_reason"][:] if len(bad) else []
+    examples = tuple(tokenized.select(bad[:3])["_message"][:]) if len(bad) else ()
+    keep_mask = (status == _OK) | (status == _TRUNCATED)
+    kept = tokenized
+    if not keep_mask.all():
+        kept = tokenized.select(np.flatnonzero(keep_mask))
     stats = TokenizeStats(
+        source=source,
+        dataset_format=dataset_format,
         num_records=len(tokenized),
-        num_truncated=sum(tokenized["_truncated"]),
-        num_without_targets=len(tokenized) - sum(tokenized["_has_targets"]),
+        num_kept=int(keep_mask.sum()),
+        num_truncated=int((status == _TRUNCATED).sum()),
+        num_dropped_long=int((status == _DROPPED_LONG).sum()),
+        num_without_targets=int(((num_targets == 0) & keep_mask).sum()),
+        skipped=dict(Counter(reasons)),
+        skipped_examples=examples,
     )
-    return tokenized.remove_columns(["_truncated", "_has_targets"]), stats
+    return kept.remove_columns(_BOOKKEEPING), stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources -> train (weighted mixture) and eval datasets, with a summary
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """The tokenized training and evaluation sets and what it took to build them.
+
+    Attributes:
+        train: Tokenized training examples, the weighted mixture of the sources.
+        eval: Tokenized evaluation examples, or None.
+        stats: `TokenizeStats` of every training source, then of the eval source if any.
+        train_counts: Examples each training source contributes to ``train`` (after weights).
+        eval_description: Where the eval examples come from.
+    """
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    stats: list[TokenizeStats]
+    train_counts: list[int]
+    eval_description: str = ""
+
+    def summary_lines(self, max_length: int) -> list[str]:
+        """Lines for the log: per source what was read, skipped, truncated, dropped and used."""
+        lines = []
+        for i, stats in enumerate(self.stats):
+            used = (
+                f"; {self.train_counts[i]} examples in the training mixture"
+                if i < len(self.train_counts)
+                else ""
+            )
+            lines.append(f"data source {stats.describe()}{used}")
+            lines.extend(f"data skipped record example: {message}" for message in stats.skipped_examples)
+        lines.append(
+            f"data: {len(self.train)} training examples (max_length={max_length}), "
+            + (
+                f"{len(self.eval)} eval examples ({self.eval_description})"
+                if self.eval is not None
+                else "no eval set"
+            )
+        )
+        return lines
+
+
+def _weighted_indices(n: int, weight: float, seed: int, salt: int) -> np.ndarray:
+    """``round(weight * n)`` indices of ``range(n)``: whole copies, then a seeded subset without repeats."""
+    total = round(weight * n)
+    whole, rest = divmod(total, n)
+    rng = np.random.default_rng([seed, salt])
+    extra = np.sort(rng.permutation(n)[:rest])
+    return np.concatenate([np.tile(np.arange(n), whole), extra]).astype(np.int64)
+
+
+def build_sft_datasets(
+    sources: Sequence[DataSource],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    seed: int,
+    dataset_format: str = "auto",
+    column_mapping: Mapping[str, str] | None = None,
+    chat_loss: str = "assistant",
+    completion_only_loss: bool = True,
+    long_examples: str = "truncate",
+    on_bad_record: str = "error",
+    num_proc: int | None = None,
+    eval_source: DataSource | None = None,
+    eval_split_fraction: float = 0.0,
+    load: Callable[[DataSource], datasets.Dataset] = load_source,
+) -> SFTData:
+    """Load, map columns, tokenize (cached) and mix the training sources; build the eval set.
+
+    Each source is tokenized on its own (format detected per source, errors naming it). With
+    ``eval_split_fraction`` a seeded fraction of every source's examples is held out for eval before
+    the weights apply, so a record repeated by a weight > 1 never lands in both sets. Weights (see
+    `DataSource`) then select each source's examples with a seed; the mixture is the concatenation
+    (the sampler shuffles it).
+
+    Args:
+        sources: Training sources, e.g. from `resolve_sources`.
+        tokenizer: The model's tokenizer.
+        max_length: Maximum tokens per example.
+        seed: Seed of the eval carve-out and of the weighted selection.
+        dataset_format, chat_loss, completion_only_loss, long_examples, on_bad_record, num_proc: As in
+            `tokenize_dataset`; the same for every source.
+        column_mapping: Column renames applied to every source (see `apply_column_mapping`).
+        eval_source: A separate eval source (its weight is ignored), or None.
+        eval_split_fraction: Fraction of the training examples held out for eval, in ``[0, 1)``.
+        load: How a source is read (tests replace it).
+
+    Returns:
+        The `SFTData`.
+
+    Raises:
+        ValueError: Both eval options, a fraction outside ``[0, 1)``, a weight selecting no example, an
+            eval carve-out leaving a source empty, or any error of the steps above.
+    """
+    if eval_source is not None and eval_split_fraction > 0:
+        raise ValueError(
+            "Give either eval_dataset_name (a separate eval source) or eval_split_fraction (carved from train), "
+            "not both."
+        )
+    if not 0 <= eval_split_fraction < 1:
+        raise ValueError(f"eval_split_fraction={eval_split_fraction} must be in [0, 1).")
+
+    def tokenized(source: DataSource) -> tuple[datasets.Dataset, TokenizeStats]:
+        raw = apply_column_mapping(load(source), column_mapping or {}, source.describe())
+        return tokenize_dataset(
+            raw,
+            tokenizer,
+            max_length=max_length,
+            dataset_format=dataset_format,
+            chat_loss=chat_loss,
+            completion_only_loss=completion_only_loss,
+            long_examples=long_examples,
+            on_bad_record=on_bad_record,
+            source=source.describe(),
+            num_proc=num_proc,
+        )
+
+    parts, eval_parts, all_stats, counts = [], [], [], []
+    for salt, source in enumerate(sources):
+        examples, stats = tokenized(source)
+        all_stats.append(stats)
+        if len(examples) == 0:
+            raise ValueError(f"{stats.describe()}: no example left to train on; see the counts above.")
+        if eval_split_fraction > 0:
+            n_eval = round(eval_split_fraction * len(examples))
+            if n_eval >= len(examples):
+                raise ValueError(
+                    f"eval_split_fraction={eval_split_fraction} holds out all {len(examples)} examples of "
+                    f"{source.describe()}; lower it."
+                )
+            order = np.random.default_rng([seed, salt, 1]).permutation(len(examples))
+            eval_parts.append(examples.select(np.sort(order[:n_eval])))
+            examples = examples.select(np.sort(order[n_eval:]))
+        indices = _weighted_indices(len(examples), source.weight, seed, salt)
+        if len(indices) == 0:
+            raise ValueError(
+                f"dataset_mixture weight {source.weight} of {source.describe()} selects none of its "
+                f"{len(examples)} examples; raise the weight."
+            )
+        counts.append(len(indices))
+        is_identity = len(indices) == len(examples) and bool((indices == np.arange(len(examples))).all())
+        parts.append(examples if is_identity else examples.select(indices))
+    train = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+    eval_set: datasets.Dataset | None = None
+    description = ""
+    if eval_source is not None:
+        eval_set, eval_stats = tokenized(eval_source)
+        all_stats.append(eval_stats)
+        description = f"from {eval_source.describe()}"
+    elif eval_split_fraction > 0:
+        eval_set = eval_parts[0] if len(eval_parts) == 1 else datasets.concatenate_datasets(eval_parts)
+        description = f"{eval_split_fraction:g} of each source held out from train, seed {seed}"
+    if eval_set is not None and len(eval_set) == 0:
+        raise ValueError(
+            f"The eval set ({description}) has no example; raise eval_split_fraction or fix the source."
+        )
+    return SFTData(train, eval_set, all_stats, counts, description)
+
+
+# --------------------------------------------------------------------------------------------------
+# Showing what the model learns
+# --------------------------------------------------------------------------------------------------
+
+_GREEN, _RESET = "\x1b[42;30m", "\x1b[0m"
+
+
+def format_trained_spans(
+    tokenizer: PreTrainedTokenizerBase, input_ids: Sequence[int], labels: Sequence[int], *, color: bool
+) -> str:
+    """Decode an example with its trained spans highlighted.
+
+    Target tokens (the ones the model is trained to predict) are shown on a green background with
+    ``color``, else between ``[[`` and ``]]``. ``labels[0]`` is never predicted and is shown untrained.
+
+    Args:
+        tokenizer: The tokenizer that produced the ids.
+        input_ids: The example's token ids.
+        labels: Its labels (``IGNORE_INDEX`` where there is no loss).
+        color: ANSI colors (for a terminal) or bracket markers.
+
+    Returns:
+        The decoded text with markers.
+    """
+    trained = [i > 0 and label != IGNORE_INDEX for i, label in enumerate(labels)]
+    runs: list[tuple[int, int, bool]] = []
+    for i, flag in enumerate(trained):
+        if runs and runs[-1][2] == flag:
+            runs[-1] = (runs[-1][0], i + 1, flag)
+        else:
+            runs.append((i, i + 1, flag))
+    # Decoding growing prefixes keeps the spacing a run would lose when decoded on its own (SentencePiece
+    # drops the leading space of a decode).
+    pieces: list[str] = []
+    previous = ""
+    for start, end, flag in runs:
+        text = str(tokenizer.decode(list(input_ids[:end])))
+        piece = (
+            text[len(previous) :]
+            if text.startswith(previous)
+            else str(tokenizer.decode(list(input_ids[start:end])))
+        )
+        previous = text
+        if flag:
+            piece = f"{_GREEN}{piece}{_RESET}" if color else f"[[{piece}]]"
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -599,7 +1455,7 @@ class PaddingCollator:
         """Collate examples.
 
         Args:
-            examples: Dicts with ``input_ids`` and ``labels`` of equal length.
+            examples: Dicts with ``input_ids`` and ``labels`` of equal length (other keys are ignored).
 
         Returns:
             ``input_ids``, ``attention_mask`` and ``labels``, each a ``(batch, length)`` LongTensor;
@@ -640,6 +1496,10 @@ class ShardedSampler(Sampler[int]):
     ``num_examples % world_size`` indices of each epoch are dropped so that every rank yields the same
     number of indices (unequal counts would leave one rank waiting in a collective). Shuffling draws a
     different tail each epoch. Rank ``r`` takes ``order[r::world_size]``.
+
+    The sampler runs in the main process; DataLoader workers only fetch the indices it yields, so the
+    order is the same whatever ``num_workers``. With packing it indexes packed rows (packed once,
+    deterministically, before sampling), so resuming stays O(1).
 
     ``state_dict()`` records the epoch and how many indices this rank has yielded; ``load_state_dict``
     restores both and the next ``__iter__`` continues from there without replaying the yielded part.
@@ -753,13 +1613,13 @@ class ShardedSampler(Sampler[int]):
             raise ValueError(
                 f"Sampler state epoch={epoch} position={position} does not fit this sampler "
                 f"({len(self)} indices per rank: {self.num_examples} examples over {self.world_size} ranks). "
-                "Resume with the same dataset, max_length and number of processes as the saved run."
+                "Resume with the same dataset, max_length, packing and number of processes as the saved run."
             )
         self.epoch, self.position = epoch, position
 
 
 def build_dataloader(
-    dataset: datasets.Dataset,
+    dataset: datasets.Dataset | TorchDataset[dict[str, Any]],
     *,
     batch_size: int,
     collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
@@ -772,8 +1632,8 @@ def build_dataloader(
     shapes, no rank with a smaller batch).
 
     Args:
-        dataset: Tokenized dataset from `tokenize_dataset`.
-        batch_size: Examples per batch per rank.
+        dataset: Tokenized dataset from `tokenize_dataset`, or packed rows (`hf_fsdp2.packing.PackedDataset`).
+        batch_size: Examples (or packed rows) per batch per rank.
         collator: Turns a list of examples into tensors, e.g. `PaddingCollator`.
         sampler: Yields this rank's dataset indices, e.g. `ShardedSampler`.
         num_workers: DataLoader worker processes (0 loads in the main process).

@@ -41,8 +41,10 @@ from hf_fsdp2.data import (
     PaddingCollator,
     ShardedSampler,
     build_dataloader,
-    load_raw_dataset,
-    tokenize_dataset,
+    build_sft_datasets,
+    parse_column_mapping,
+    parse_source,
+    resolve_sources,
 )
 from hf_fsdp2.distributed import (
     CompilePlan,
@@ -68,6 +70,7 @@ from hf_fsdp2.model import (
     load_tokenizer,
 )
 from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, restore_scheduler, warmup_steps_for
+from hf_fsdp2.packing import PackedCollator, layout_summary, pack_examples
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     # ---- config: YAML + CLI, validated; nothing heavy happens before it is known to be sane.
     cfg = parse_config(argv)
     m, d, t, f, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export
-    assert m.model_name_or_path and d.dataset_name and t.output_dir  # validate() guarantees them
+    assert m.model_name_or_path and t.output_dir  # validate() guarantees them
     output_dir = Path(t.output_dir)
     check_output_dir(
         output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None
@@ -150,36 +153,61 @@ def main(argv: list[str] | None = None) -> None:
         revision=m.model_revision,
         trust_remote_code=m.trust_remote_code,
     )
+    # Rank 0 tokenizes and writes the datasets cache; the other ranks then load it instead of tokenizing.
     with accelerator.main_process_first():
-        raw = load_raw_dataset(d.dataset_name, split=d.dataset_split, config_name=d.dataset_config_name)
-        dataset, stats = tokenize_dataset(
-            raw,
+        data = build_sft_datasets(
+            resolve_sources(
+                dataset_name=d.dataset_name,
+                dataset_config_name=d.dataset_config_name,
+                dataset_split=d.dataset_split,
+                dataset_revision=d.dataset_revision,
+                dataset_mixture=d.dataset_mixture,
+            ),
             tokenizer,
-            dataset_format=d.dataset_format,
             max_length=d.max_length,
-            assistant_only_loss=d.assistant_only_loss,
+            seed=t.seed,
+            dataset_format=d.dataset_format,
+            column_mapping=parse_column_mapping(d.dataset_column_mapping),
+            chat_loss=d.resolved_chat_loss(),
             completion_only_loss=d.completion_only_loss,
-            source=d.dataset_name,
+            long_examples=d.long_examples,
+            on_bad_record=d.on_bad_record,
+            num_proc=d.dataset_num_proc,
+            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split) if d.eval_dataset_name else None,
+            eval_split_fraction=d.eval_split_fraction,
         )
+    for line in data.summary_lines(d.max_length):
+        logger.info(line)
+    # Packed once, deterministically, before sampling: the sampler indexes rows, so resume stays O(1).
+    dataset = pack_examples(data.train, d.max_length) if d.packing else data.train
+    collator = (
+        PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=d.padding_free)
+        if d.packing or d.padding_free
+        else PaddingCollator(pad_token_id=tokenizer.pad_token_id)
+    )
     logger.info(
-        "data: %d records, %d truncated to max_length=%d, %d without any target token (kept, no loss)",
-        stats.num_records,
-        stats.num_truncated,
-        d.max_length,
-        stats.num_without_targets,
+        layout_summary(
+            data.train,
+            dataset if d.packing else None,
+            batch_size=t.per_device_train_batch_size,
+            world_size=world,
+            seed=t.seed,
+            padding_free=d.padding_free,
+        )
     )
     per_step = world * t.per_device_train_batch_size * t.gradient_accumulation_steps
     if len(dataset) < per_step:
+        unit = "packed rows" if d.packing else "examples"
         raise ConfigError(
             f"one optimizer step needs world_size({world}) x per_device_train_batch_size"
             f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
-            f"= {per_step} examples but the dataset has {len(dataset)}; lower the batch size or the accumulation"
+            f"= {per_step} {unit} but the dataset has {len(dataset)}; lower the batch size or the accumulation"
         )
     sampler = ShardedSampler(len(dataset), rank=accelerator.process_index, world_size=world, seed=t.seed)
     loader = build_dataloader(
         dataset,
         batch_size=t.per_device_train_batch_size,
-        collator=PaddingCollator(pad_token_id=tokenizer.pad_token_id),
+        collator=collator,
         sampler=sampler,
         num_workers=d.dataloader_num_workers,
     )
@@ -295,8 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(first_step, total_steps + 1):
         micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
         local_tokens = sum(count_target_tokens(b["labels"]) for b in micro_batches)
-        # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss.
-        global_tokens = int(all_reduce_sum(torch.tensor(local_tokens, dtype=torch.long)).item())
+        local_processed = sum(b["input_ids"].numel() for b in micro_batches)
+        # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss;
+        # over the tokens processed (padding included) it is the step's padding efficiency.
+        counts = all_reduce_sum(torch.tensor([local_tokens, local_processed], dtype=torch.long))
+        global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
         scale = backward_scale(global_tokens, world)
         loss_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
         for i, batch in enumerate(micro_batches):
@@ -305,7 +336,10 @@ def main(argv: list[str] | None = None) -> None:
             # keeps full-size unsharded gradients in memory (less traffic, more memory).
             model.set_requires_gradient_sync(f.fsdp_sync_each_microbatch or last)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
+            # or padding-free ones, which transformers honours only without a KV cache.
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            logits = model(**inputs, use_cache=False).logits
             micro_loss = cross_entropy_sum(logits, batch["labels"])
             accelerator.backward(micro_loss * scale)
             loss_sum += micro_loss.detach()
@@ -329,12 +363,13 @@ def main(argv: list[str] | None = None) -> None:
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "target_tokens": global_tokens,
+                "padding_efficiency": global_tokens / max(global_processed, 1),
                 "target_tokens_per_s": global_tokens / step_time,
                 "step_time_s": step_time,
                 "epoch": sampler.epoch,
             }
             metrics.write(record)
-            logger.info(format_log_line(record, total_steps))
+            logger.info("%s pad_eff %.3f", format_log_line(record, total_steps), record["padding_efficiency"])
         saved = False
         if t.save_steps and (step % t.save_steps == 0 or step == total_steps):
             save(step)

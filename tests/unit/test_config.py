@@ -306,7 +306,7 @@ def test_fp16_is_refused_with_the_alternatives() -> None:
 @pytest.mark.parametrize(
     ("args", "key"),
     [
-        (("--packing", "true"), "packing"),
+        (("--packing", "true", "--attn_implementation", "my_kernel"), "attn_implementation"),
         (("--save_steps=-1",), "save_steps"),
         (("--save_total_limit=-2",), "save_total_limit"),
         (("--use_peft", "true"), "use_peft"),

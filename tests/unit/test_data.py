@@ -1,4 +1,5 @@
-"""Unit tests for hf_fsdp2.data: loading, tokenization and loss masks, collation, sharded sampling.
+"""Unit tests for hf_fsdp2.data: sources and formats, tokenization and loss masks, caching, mixtures
+and eval sets, bad records, collation, sharded sampling.
 
 Token expectations are written by hand against the Llama-2 tokenizer (see tests/conftest.py): its
 normalizer prepends "▁" to every text run between special tokens, so "\\n" after a special token is
@@ -20,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from hf_fsdp2.data import (
     IGNORE_INDEX,
     PaddingCollator,
+    RecordError,
     ShardedSampler,
-    TokenizeStats,
     build_dataloader,
     detect_format,
     load_raw_dataset,
@@ -36,9 +37,12 @@ def tokenize_one(
 ) -> tuple[list[int], list[int]]:
     kwargs.setdefault("max_length", 512)
     tokenized, stats = tokenize_dataset(datasets.Dataset.from_list([record]), tokenizer, **kwargs)
-    assert tokenized.column_names == ["input_ids", "labels"]
-    assert stats.num_records == 1
-    return tokenized[0]["input_ids"], tokenized[0]["labels"]
+    assert tokenized.column_names == ["input_ids", "labels", "length", "num_targets"]
+    assert stats.num_records == stats.num_kept == 1
+    example = tokenized[0]
+    assert example["length"] == len(example["input_ids"])
+    assert example["num_targets"] == sum(label != IGNORE_INDEX for label in example["labels"][1:])
+    return example["input_ids"], example["labels"]
 
 
 def as_token_targets(
@@ -61,17 +65,21 @@ def target_text(tokenizer: PreTrainedTokenizerBase, labels: list[int]) -> str:
 
 
 def test_detect_format_priority() -> None:
-    assert detect_format(["messages", "prompt", "completion", "text"]) == "messages"
-    assert detect_format(["prompt", "completion", "text"]) == "prompt_completion"
+    assert detect_format(["messages", "conversations", "prompt", "completion", "text"]) == "messages"
+    assert detect_format(["conversations", "prompt", "completion", "text"]) == "conversations"
+    assert detect_format(["prompt", "completion", "instruction", "output", "text"]) == "prompt_completion"
+    assert detect_format(["instruction", "input", "output", "text"]) == "alpaca"
+    assert detect_format(["instruction", "output"]) == "alpaca"  # input is optional
     assert detect_format(["prompt", "text"]) == "text"
     assert detect_format(["id", "text"]) == "text"
 
 
 def test_detect_format_error_names_found_and_expected_columns() -> None:
-    with pytest.raises(ValueError, match=r"\['conversations', 'id'\]") as info:
-        detect_format(["conversations", "id"])
-    for expected in ("messages", "prompt", "completion", "text"):
+    with pytest.raises(ValueError, match=r"\['dialog', 'id'\]") as info:
+        detect_format(["dialog", "id"])
+    for expected in ("messages", "conversations", "prompt", "completion", "instruction", "output", "text"):
         assert expected in str(info.value)
+    assert "dataset_column_mapping" in str(info.value)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
@@ -116,10 +124,10 @@ def test_load_missing_path_raises_file_not_found(tmp_path: Path, monkeypatch: py
 
 
 def test_load_rejects_bad_local_input(tmp_path: Path) -> None:
-    csv = tmp_path / "data.csv"
-    csv.write_text("text\nhi\n")
-    with pytest.raises(ValueError, match=r"Unsupported dataset file type '\.csv'"):
-        load_raw_dataset(str(csv))
+    xml = tmp_path / "data.xml"
+    xml.write_text("<text>hi</text>\n")
+    with pytest.raises(ValueError, match=r"Unsupported dataset file type '\.xml'"):
+        load_raw_dataset(str(xml))
 
     mixed = tmp_path / "mixed"
     write_jsonl(mixed / "a.jsonl", [{"text": "a"}])
@@ -135,6 +143,10 @@ def test_load_rejects_bad_local_input(tmp_path: Path) -> None:
     empty.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         load_raw_dataset(str(empty))
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("prompt,completion\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_raw_dataset(str(header_only))
     no_rows = tmp_path / "no_rows.parquet"
     datasets.Dataset.from_dict({"text": []}).to_parquet(str(no_rows))
     with pytest.raises(ValueError, match="is empty"):
@@ -271,9 +283,9 @@ def test_llama3_two_assistant_turns(llama3_tokenizer: PreTrainedTokenizerBase) -
     assert eot_targets == [False, True, False, True]
 
 
-def test_assistant_only_loss_false_trains_on_everything(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_chat_loss_all_trains_on_everything(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
     masked_ids, _ = tokenize_one(chatml_tokenizer, {"messages": TWO_TURNS})
-    input_ids, labels = tokenize_one(chatml_tokenizer, {"messages": TWO_TURNS}, assistant_only_loss=False)
+    input_ids, labels = tokenize_one(chatml_tokenizer, {"messages": TWO_TURNS}, chat_loss="all")
     assert input_ids == masked_ids
     assert labels == input_ids
 
@@ -303,8 +315,11 @@ def test_template_rewriting_past_turns_is_reported(chatml_tokenizer: PreTrainedT
     ):
         tokenize_dataset(dataset, tokenizer, max_length=128, source="chat.jsonl")
     # Without assistant masks no prefix is needed.
-    _, stats = tokenize_dataset(dataset, tokenizer, max_length=128, assistant_only_loss=False)
-    assert stats.num_records == 2
+    _, stats = tokenize_dataset(dataset, tokenizer, max_length=128, chat_loss="all")
+    assert stats.num_records == stats.num_kept == 2
+    # last_assistant only renders the prefixes of the last turn, which this template keeps stable.
+    tokenized, _ = tokenize_dataset(dataset, tokenizer, max_length=128, chat_loss="last_assistant")
+    assert target_text(tokenizer, tokenized[1]["labels"]) == "See you.<|im_end|>"
 
 
 def test_template_errors_and_assistant_first_name_the_record(
@@ -312,7 +327,7 @@ def test_template_errors_and_assistant_first_name_the_record(
 ) -> None:
     assistant_first = [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"}]
     dataset = datasets.Dataset.from_list([{"messages": SINGLE_TURN}, {"messages": assistant_first}])
-    with pytest.raises(ValueError, match=r"^chat\.jsonl record 1: the conversation starts with an assistant"):
+    with pytest.raises(RecordError, match=r"^chat\.jsonl record 1: wrong role order \['assistant', 'user'\]"):
         tokenize_dataset(dataset, chatml_tokenizer, max_length=128, source="chat.jsonl")
 
     no_system = copy.deepcopy(chatml_tokenizer)
@@ -323,6 +338,121 @@ def test_template_errors_and_assistant_first_name_the_record(
     dataset = datasets.Dataset.from_list([{"messages": TWO_TURNS}, {"messages": SINGLE_TURN}])
     with pytest.raises(ValueError, match=r"^record 1: the chat template failed .*System role not supported"):
         tokenize_dataset(dataset, no_system, max_length=128)
+
+
+# ---------------------------------------------------------------------------------------------------
+# chat_loss choices, other chat formats, and a cross-check against {% generation %} markers
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_last_assistant_chatml_hand_checked(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
+    input_ids, labels = tokenize_one(chatml_tokenizer, {"messages": TWO_TURNS}, chat_loss="last_assistant")
+    assert input_ids == tokenize_one(chatml_tokenizer, {"messages": TWO_TURNS})[0]
+    pairs = as_token_targets(chatml_tokenizer, input_ids, labels)
+    # The first reply is context now; only the last one and its <|im_end|> are targets.
+    assert pairs[13:] == [
+        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
+        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", F), ("!", F), ("<|im_end|>", F),
+        ("▁", F), ("<0x0A>", F),
+        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("By", F), ("e", F), ("<|im_end|>", F), ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("See", T), ("▁you", T), (".", T),
+        ("<|im_end|>", T), ("▁", F), ("<0x0A>", F),
+    ]  # fmt: skip
+    assert not any(target for _, target in pairs[:13])  # the default system turn
+
+
+def test_last_assistant_llama3_hand_checked(llama3_tokenizer: PreTrainedTokenizerBase) -> None:
+    input_ids, labels = tokenize_one(llama3_tokenizer, {"messages": TWO_TURNS}, chat_loss="last_assistant")
+    assert as_token_targets(llama3_tokenizer, input_ids, labels) == [
+        ("<s>", F),
+        ("<|start_header_id|>", F), ("▁user", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
+        ("<0x0A>", F), ("Hi", F), ("<|eot_id|>", F),
+        ("<|start_header_id|>", F), ("▁assistant", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
+        ("<0x0A>", F), ("Hello", F), ("!", F), ("<|eot_id|>", F),
+        ("<|start_header_id|>", F), ("▁user", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
+        ("<0x0A>", F), ("By", F), ("e", F), ("<|eot_id|>", F),
+        ("<|start_header_id|>", F), ("▁assistant", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
+        ("<0x0A>", F), ("See", T), ("▁you", T), (".", T), ("<|eot_id|>", T),
+    ]  # fmt: skip
+
+
+# ChatML with {% generation %} markers around what the assistant generates, content and <|im_end|>.
+GENERATION_MARKED_CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_prefix_diff_masks_equal_the_templates_own_generation_markers(
+    chatml_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    tokenizer = copy.deepcopy(chatml_tokenizer)
+    tokenizer.chat_template = GENERATION_MARKED_CHATML
+    for messages in (SINGLE_TURN, TWO_TURNS):
+        input_ids, labels = tokenize_one(tokenizer, {"messages": messages})
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert input_ids == marked["input_ids"]
+        assert [label != IGNORE_INDEX for label in labels] == [bool(m) for m in marked["assistant_masks"]]
+
+
+SHAREGPT_SINGLE_TURN = [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "Hi"},
+    {"from": "gpt", "value": "Hello!"},
+]
+
+
+def test_sharegpt_conversations(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
+    expected = tokenize_one(chatml_tokenizer, {"messages": SINGLE_TURN})
+    assert tokenize_one(chatml_tokenizer, {"conversations": SHAREGPT_SINGLE_TURN, "id": 3}) == expected
+    # A separate system column becomes the system turn.
+    assert (
+        tokenize_one(chatml_tokenizer, {"conversations": SHAREGPT_SINGLE_TURN[1:], "system": "Be brief."})
+        == expected
+    )
+    input_ids, labels = expected
+    assert [label for label in labels if label != IGNORE_INDEX] == [10994, 29991, 32001]  # Hello ! <|im_end|>
+
+
+def test_alpaca_renders_as_a_user_assistant_chat(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
+    input_ids, labels = tokenize_one(chatml_tokenizer, {"instruction": "Hi", "input": "", "output": "Hello!"})
+    # No input: the user turn is the instruction alone; SmolLM2's default system turn comes first.
+    assert as_token_targets(chatml_tokenizer, input_ids, labels)[13:] == [
+        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
+        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", T), ("!", T), ("<|im_end|>", T),
+        ("▁", F), ("<0x0A>", F),
+    ]  # fmt: skip
+    with_input = tokenize_one(
+        chatml_tokenizer, {"instruction": "Add.", "input": "2 and 3", "output": "5", "system": "Be brief."}
+    )
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add.\n\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ]
+    assert with_input == tokenize_one(chatml_tokenizer, {"messages": chat})
+    assert target_text(chatml_tokenizer, with_input[1]) == "5<|im_end|>"
+
+
+def test_conversational_prompt_completion(llama3_tokenizer: PreTrainedTokenizerBase) -> None:
+    record = {"prompt": SINGLE_TURN[:2], "completion": SINGLE_TURN[2:]}
+    assert tokenize_one(llama3_tokenizer, record) == tokenize_one(llama3_tokenizer, {"messages": SINGLE_TURN})
+    # Only the completion's assistant turns are targets, even with earlier assistant turns in the prompt.
+    multi = {"prompt": TWO_TURNS[:3], "completion": TWO_TURNS[3:]}
+    input_ids, labels = tokenize_one(llama3_tokenizer, multi)
+    assert target_text(llama3_tokenizer, labels) == "See you.<|eot_id|>"
+    all_ids, all_labels = tokenize_one(llama3_tokenizer, multi, completion_only_loss=False)
+    assert all_ids == input_ids and all_labels == input_ids
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,14 +469,15 @@ def test_truncation_and_records_without_targets(llama2_tokenizer: PreTrainedToke
         ]
     )
     tokenized, stats = tokenize_dataset(dataset, llama2_tokenizer, max_length=6)
-    assert stats == TokenizeStats(num_records=3, num_truncated=2, num_without_targets=1)
+    assert (stats.num_records, stats.num_kept, stats.num_truncated, stats.num_without_targets) == (3, 3, 2, 1)
+    assert stats.num_dropped_long == 0 and stats.skipped == {}
     assert [len(ids) for ids in tokenized["input_ids"]] == [4, 6, 6]
     assert tokenized[1]["labels"] == [IGNORE_INDEX] * 6
     assert tokenized[2]["labels"][:2] == [IGNORE_INDEX] * 2
     assert IGNORE_INDEX not in tokenized[2]["labels"][2:]
 
     _, stats = tokenize_dataset(dataset, llama2_tokenizer, max_length=64)
-    assert stats == TokenizeStats(num_records=3, num_truncated=0, num_without_targets=0)
+    assert (stats.num_records, stats.num_kept, stats.num_truncated, stats.num_without_targets) == (3, 3, 0, 0)
 
 
 def test_chat_truncation_keeps_aligned_labels(chatml_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -373,7 +504,7 @@ GOOD_CHAT = {"messages": SINGLE_TURN, "id": "a"}
         (
             [GOOD_CHAT, {"messages": [{"role": "user", "content": "Hi"}], "id": "b"}],
             1,
-            r"'messages' has no assistant turn \(roles: \['user'\]\)",
+            r"the conversation has no assistant turn \(roles: \['user'\]\)",
         ),
         (
             [GOOD_CHAT, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}],
@@ -397,6 +528,24 @@ GOOD_CHAT = {"messages": SINGLE_TURN, "id": "a"}
             [{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": 6}], "id": "a"}],
             0,
             r"message 0 \(user\) content must be a string, got int",
+        ),
+        (
+            [GOOD_CHAT, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                      {"role": "assistant", "content": "c"}], "id": "b"}],
+            1,
+            r"wrong role order \['user', 'user', 'assistant'\]",
+        ),
+        (
+            [GOOD_CHAT, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "system", "content": "c"}], "id": "b"}],
+            1,
+            r"wrong role order \['user', 'assistant', 'system'\]",
+        ),
+        (
+            [GOOD_CHAT, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "c"}], "id": "b"}],
+            1,
+            r"wrong role order .*ending with assistant",
         ),
     ],
 )  # fmt: skip
@@ -424,6 +573,31 @@ def test_bad_prompt_completion_records(
     with pytest.raises(ValueError, match=rf"pc\.parquet record {index}: {problem}") as info:
         tokenize_dataset(dataset, llama2_tokenizer, max_length=64, source="pc.parquet")
     assert "columns found: ['prompt', 'completion']" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "x"}]},
+         "message 1 has unknown role 'robot'"),
+        ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": None}]},
+         r"message 1 \(assistant\) content must be a string, got NoneType"),
+        ({"instruction": "Hi", "output": None}, "column 'output' is missing or None"),
+        ({"instruction": "Hi", "output": "  "}, "column 'output' is an empty assistant turn"),
+        ({"instruction": "Hi", "input": 3, "output": "x"}, "column 'input' must be a string, got int"),
+        ({"prompt": "Hi", "completion": ""}, "column 'completion' is empty"),
+        ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "user", "content": "x"}]},
+         r"the conversation has no assistant turn \(roles: \['user', 'user'\]\)"),
+        ({"prompt": [{"role": "assistant", "content": "Hi"}], "completion": [{"role": "assistant", "content": "x"}]},
+         r"wrong role order \['assistant', 'assistant'\]"),
+        ({"text": " "}, "column 'text' is empty"),
+    ],
+)  # fmt: skip
+def test_bad_records_of_other_formats(
+    chatml_tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(RecordError, match=rf"^src record 0: {problem}"):
+        tokenize_dataset(datasets.Dataset.from_list([record]), chatml_tokenizer, max_length=64, source="src")
 
 
 def test_bad_text_record(llama2_tokenizer: PreTrainedTokenizerBase) -> None:
