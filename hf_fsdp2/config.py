@@ -238,14 +238,43 @@ class PeftArgs:
 class ExportArgs:
     """The consolidated HF folder written at the end, and the hub."""
 
-    export_dtype: Literal["bfloat16", "float32", "float16"] = field(
-        default="bfloat16", metadata={"help": "dtype of the exported safetensors."}
+    export_dtype: Literal["bfloat16", "float32", "float16", "training"] = field(
+        default="bfloat16",
+        metadata={"help": "dtype of the exported safetensors; training = the dtype the weights were trained in."},
     )
     max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard, as in save_pretrained."})
-    push_to_hub: bool = field(
-        default=False, metadata={"help": "Upload the export to the hub (not in this version: must be false)."}
+    export_verify: bool = field(
+        default=True,
+        metadata={
+            "help": "Check the export before publishing it: keys, shapes, dtypes, values read back bit-exact, "
+            "and probe logits of a fresh transformers reload against the live model."
+        },
     )
-    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo id to push to."})
+    export_verify_atol: float | None = field(
+        default=None, metadata={"help": "Largest probe-logit difference accepted; default by dtype (docs/export.md)."}
+    )
+    push_to_hub: bool = field(
+        default=False, metadata={"help": "Upload the export (with metrics and resolved config) to hub_model_id."}
+    )
+    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo id to push to (namespace/name)."})
+    hub_private_repo: bool | None = field(
+        default=None,
+        metadata={"help": "Create the repo private (true) or public (false); default the namespace's default."},
+    )
+    hub_revision: str | None = field(
+        default=None, metadata={"help": "Branch to push the export to (created if missing); default main."}
+    )
+    hub_commit_message: str | None = field(
+        default=None, metadata={"help": "Commit message of the export's push; default names the run."}
+    )
+    hub_token: str | None = field(
+        default=None,
+        metadata={"help": "Hub token; default HF_TOKEN, then the `hf auth login` token. Never written to disk."},
+    )
+    push_checkpoints_to_branch: str | None = field(
+        default=None,
+        metadata={"help": "Also upload each checkpoint to last-checkpoint/ on this branch, in the background."},
+    )
 
 
 SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs)
@@ -423,7 +452,7 @@ def validate(cfg: Config) -> None:
     _check(t.save_steps >= 0, f"save_steps={t.save_steps} must be >= 0 (0 = no checkpoints)")
     _check(t.save_total_limit >= 0, f"save_total_limit={t.save_total_limit} must be >= 0 (0 keeps all)")
     _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
-    _check(not e.push_to_hub, "push_to_hub=true: hub upload is not in this version; set push_to_hub=false")
+    _validate_hub(e, t.save_steps)
     if t.mixed_precision == "fp16":
         raise ConfigError(
             "mixed_precision='fp16' needs a gradient scaler that FSDP2 training here does not use; "
@@ -437,6 +466,36 @@ def validate(cfg: Config) -> None:
         f"torch_compile_mode={f.torch_compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
         "max-autotune-no-cudagraphs",
     )
+
+
+def _validate_hub(e: ExportArgs, save_steps: int) -> None:
+    """Hub keys that cannot work together; the token is checked by the recipe before any work."""
+    _check(
+        e.export_verify_atol is None or e.export_verify_atol > 0,
+        f"export_verify_atol={e.export_verify_atol} must be > 0 (or unset for the default by dtype)",
+    )
+    for key, on in (("push_to_hub", e.push_to_hub), ("push_checkpoints_to_branch", e.push_checkpoints_to_branch)):
+        _check(
+            not on or bool(e.hub_model_id),
+            f"{key} needs hub_model_id, the repo to push to (e.g. --hub_model_id my-org/my-model)",
+        )
+    if e.hub_model_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(e.hub_model_id)
+        except HFValidationError as err:
+            raise ConfigError(f"hub_model_id={e.hub_model_id!r} is not a valid repo id: {err}") from err
+    if e.push_checkpoints_to_branch:
+        _check(
+            save_steps > 0,
+            f"push_checkpoints_to_branch={e.push_checkpoints_to_branch!r} needs checkpoints: set save_steps > 0",
+        )
+        _check(
+            e.push_checkpoints_to_branch != (e.hub_revision or "main"),
+            f"push_checkpoints_to_branch={e.push_checkpoints_to_branch!r} is also the export's branch "
+            f"(hub_revision={e.hub_revision or 'main'!r}); use another branch, e.g. 'checkpoints'",
+        )
 
 
 def _validate_data(d: DataArgs, attn_implementation: str) -> None:

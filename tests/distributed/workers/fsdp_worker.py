@@ -11,13 +11,20 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
-from hf_fsdp2.export import export_model, gather_full_state_dict
+from hf_fsdp2.export import export_model
 from hf_fsdp2.loss import cross_entropy_sum
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
 from hf_fsdp2.optim import build_adamw, param_groups
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights (every rank takes part; rank 0 gets them): the test's reference only."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v for k, v in get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)}
 
 
 def main() -> None:
@@ -84,8 +91,8 @@ def main() -> None:
     names = export_model(
         model, out / "export", config=unwrapped.config, tokenizer=tokenizer,
         generation_config=unwrapped.generation_config, dtype=args.export_dtype,
-        max_shard_bytes=args.max_shard_bytes, is_main_process=acc.is_main_process,
-    )
+        max_shard_bytes=args.max_shard_bytes, compute_dtype=torch.bfloat16,
+    ).files
     if rank == 0:
         torch.save(trained, out / "trained_fp32.pt")
         exported: dict[str, torch.Tensor] = {}

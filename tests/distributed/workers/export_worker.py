@@ -1,0 +1,110 @@
+"""Worker for tests/distributed/test_export.py: shard a tiny model, train a step, export gather-free.
+
+Run under torchrun; rank 0 writes ``<out>/report.json`` and ``<out>/reference.pt`` (the full trained
+weights, gathered here only as the test's reference, cast to the export dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+from hf_fsdp2.export import EXPORT_DTYPES, ExportVerificationError, export_model, verify_export
+from hf_fsdp2.loss import cross_entropy_sum
+from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
+from hf_fsdp2.optim import build_adamw, param_groups
+
+
+def corrupt_one_tensor(folder: Path) -> str:
+    """Flip the bytes of the first tensor of the last weight file (headers stay valid)."""
+    path = sorted(folder.glob("model*.safetensors"))[-1]
+    with open(path, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        name, entry = next((k, v) for k, v in header.items() if k != "__metadata__")
+        start, end = entry["data_offsets"]
+        fh.seek(8 + n + start)
+        data = bytearray(fh.read(min(end - start, 64)))
+        fh.seek(8 + n + start)
+        fh.write(bytes(b ^ 0x5A for b in data))
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max_shard_bytes", type=int, default=10**9)
+    ap.add_argument("--ac", action="store_true")
+    ap.add_argument("--no_tokenizer", action="store_true")
+    ap.add_argument("--corrupt", action="store_true", help="then corrupt a file and expect verify to fail")
+    args = ap.parse_args()
+    out = Path(args.out)
+
+    acc = build_accelerator(
+        ShardingPlan(activation_checkpointing=args.ac), mixed_precision="bf16", compile_plan=CompilePlan()
+    )
+    rank = acc.process_index
+    model = load_model(args.model)
+    tokenizer = None if args.no_tokenizer else load_tokenizer(args.model)
+    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
+    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
+
+    # One step, so that the exported weights are not the ones the model was loaded with.
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(rank))
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    acc.backward(cross_entropy_sum(logits, ids) / ids[:, 1:].numel())
+    opt.step()
+    opt.zero_grad()
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        dtype = EXPORT_DTYPES.get(args.dtype)
+        torch.save({k: v.to(dtype) if dtype else v for k, v in full.items()}, out / "reference.pt")
+    del full
+    unwrapped = acc.unwrap_model(model)
+    result = export_model(
+        model,
+        out / "export",
+        config=unwrapped.config,
+        tokenizer=tokenizer,
+        generation_config=unwrapped.generation_config,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        model_card="---\nlibrary_name: transformers\n---\n# test card\n",
+        compute_dtype=torch.bfloat16,
+    )
+    report = {
+        "files": result.files,
+        "dtype": result.dtype,
+        "total_bytes": result.total_bytes,
+        "verify_ok": result.verify is not None and result.verify.ok,
+        "verify": result.verify.summary() if result.verify else "",
+        "max_logit_diff": result.verify.max_logit_diff if result.verify else None,
+        "tensors_checked": result.verify.tensors if result.verify else 0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if args.corrupt:
+        if rank == 0:
+            report["corrupted"] = corrupt_one_tensor(out / "export")
+        dist.barrier()  # every rank: the file is corrupted before anyone reads it back
+        try:
+            verify_export(model, out / "export", dtype=args.dtype, compute_dtype=torch.bfloat16)
+            report["corruption_caught"] = ""
+        except ExportVerificationError as err:
+            report["corruption_caught"] = str(err)
+    if rank == 0:
+        (out / "report.json").write_text(json.dumps(report))
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
