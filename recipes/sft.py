@@ -58,7 +58,15 @@ from hf_fsdp2.distributed import (
     setup_logging,
     sharded_units,
 )
-from hf_fsdp2.export import export_model
+from hf_fsdp2.export import ExportError, export_model, last_metrics
+from hf_fsdp2.hub import (
+    RUN_FOLDER_IGNORE,
+    CheckpointPusher,
+    HubError,
+    check_can_push,
+    push_folder,
+    render_model_card,
+)
 from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
 from hf_fsdp2.metrics import MetricsWriter, StepTimer, format_log_line
 from hf_fsdp2.model import (
@@ -97,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     # ---- config: YAML + CLI, validated; nothing heavy happens before it is known to be sane.
     cfg = parse_config(argv)
     m, d, t, f, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export
+    # Hub: repo id, offline mode and token are checked before any work (every rank, no network).
+    pushes = e.push_to_hub or e.push_checkpoints_to_branch
+    hub_token = check_can_push(e.hub_model_id, e.hub_token) if pushes else None
+    e.hub_token = None  # never written to disk: resolved config, checkpoints, model card
     assert m.model_name_or_path and t.output_dir  # validate() guarantees them
     output_dir = Path(t.output_dir)
     check_output_dir(
@@ -263,6 +275,15 @@ def main(argv: list[str] | None = None) -> None:
         is_main_process=accelerator.is_main_process,
     )
     checkpointer.clean_stale()
+    pusher = None  # rank 0 uploads each published checkpoint to a hub branch, in the background
+    if e.push_checkpoints_to_branch and e.hub_model_id and hub_token and accelerator.is_main_process:
+        pusher = CheckpointPusher(
+            output_dir,
+            e.hub_model_id,
+            e.push_checkpoints_to_branch,
+            token=hub_token,
+            private=e.hub_private_repo,
+        )
     cursor, first_step = DataCursor(), 1
     if t.resume_from_checkpoint:
         path = resolve_resume(output_dir, t.resume_from_checkpoint)
@@ -307,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             gradient_accumulation_steps=t.gradient_accumulation_steps,
         )
         checkpointer.save(step, model, optimizer, state, config_yaml)
+        if pusher is not None:
+            pusher.push_new()
 
     stop = StopRequest().install()
 
@@ -385,10 +408,21 @@ def main(argv: list[str] | None = None) -> None:
             accelerator.end_training()
             return
     checkpointer.wait()
+    if pusher is not None:
+        pusher.push_new()
     train_seconds = time.perf_counter() - start
 
-    # ---- export: consolidated HF folder in output_dir (every rank takes part).
+    # ---- export: consolidated HF folder in output_dir, written by every rank (none gathers the
+    # model), verified against the live model, then published; a model card from the run.
     unwrapped = accelerator.unwrap_model(model)
+    card = None
+    if accelerator.is_main_process:
+        card = render_model_card(
+            cfg.to_flat_dict(),
+            metrics=last_metrics(output_dir),
+            world_size=world,
+            repo_id=e.hub_model_id if e.push_to_hub else None,
+        )
     export_model(
         model,
         output_dir,
@@ -397,7 +431,10 @@ def main(argv: list[str] | None = None) -> None:
         generation_config=getattr(unwrapped, "generation_config", None),
         dtype=e.export_dtype,
         max_shard_bytes=parse_size(e.max_shard_size),
-        is_main_process=accelerator.is_main_process,
+        model_card=card,
+        verify=e.export_verify,
+        verify_atol=e.export_verify_atol,
+        compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
     )
     logger.info(
         "done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s",
@@ -409,11 +446,26 @@ def main(argv: list[str] | None = None) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
+    # ---- hub: rank 0 alone, once the other ranks are released (an upload can outlast any collective
+    # timeout). A failed push leaves the local export as it is.
+    if accelerator.is_main_process and e.push_to_hub and e.hub_model_id:
+        push_folder(
+            output_dir,
+            e.hub_model_id,
+            token=hub_token,
+            private=e.hub_private_repo,
+            revision=e.hub_revision,
+            commit_message=e.hub_commit_message or f"hf_fsdp2 sft: {total_steps} steps",
+            ignore_patterns=RUN_FOLDER_IGNORE,
+        )
+    if pusher is not None:
+        pusher.wait()  # raises HubError naming each checkpoint whose upload failed
+
 
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, CheckpointError, ExportError, HubError, FileNotFoundError, ValueError) as err:
         # Bad input: one clear line per rank instead of a traceback (HF_FSDP2_DEBUG=1 shows it).
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
