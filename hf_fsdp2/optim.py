@@ -41,19 +41,20 @@ def build_adamw(
     eps: float,
     device_type: str,
 ) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (one kernel for all parameters), foreach elsewhere.
+    """AdamW, fused on CUDA and CPU (torch's fused kernels: one pass over all parameters), foreach elsewhere.
 
     Args:
         groups: parameter groups from :func:`param_groups`.
         lr: peak learning rate.
         betas: Adam betas.
         eps: Adam epsilon.
-        device_type: ``"cuda"`` enables the fused kernel.
+        device_type: ``"cuda"`` or ``"cpu"`` enables the fused kernel (on this project's 2-core CPU
+            machines its step is several times faster than foreach).
 
     Returns:
         The optimizer.
     """
-    fused = device_type == "cuda"
+    fused = device_type in ("cuda", "cpu")
     return torch.optim.AdamW(list(groups), lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True)
 
 
