@@ -108,11 +108,160 @@ def _register_eval_task(subparsers: _Subparsers) -> None:
     p.set_defaults(func=_run_eval_task)
 
 
+def _user_error(command: str, err: Exception) -> int:
+    """Bad input: one clear line on stderr and exit status 2 (HF_FSDP2_DEBUG=1 shows the traceback)."""
+    import os
+
+    if os.environ.get("HF_FSDP2_DEBUG"):
+        raise err
+    print(f"hf-fsdp2 {command}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from hf_fsdp2.config import ConfigError, parse_size
+    from hf_fsdp2.export import ExportError, export_checkpoint
+
+    try:
+        result = export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            dtype=args.dtype,
+            max_shard_bytes=parse_size(args.max_shard_size) if args.max_shard_size else None,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            verify_atol=args.verify_atol,
+        )
+    except (ExportError, ConfigError, FileNotFoundError) as err:
+        return _user_error("export", err)
+    print(
+        json.dumps(
+            {
+                "out_dir": str(result.out_dir),
+                "files": result.files,
+                "total_bytes": result.total_bytes,
+                "dtype": result.dtype,
+                "verified": result.verify.summary() if result.verify else None,
+            }
+        )
+    )
+    return 0
+
+
+def _register_export(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write the consolidated HF folder (safetensors, config, tokenizer, card) of a sharded checkpoint",
+        description=(
+            "Rebuild the run's model from CHECKPOINT/hf_fsdp2_config.yaml (model_name_or_path gives the "
+            "architecture, tokenizer and generation config), fill it from the checkpoint's DCP shards and "
+            "write OUT_DIR as the end of training does: sharded safetensors + index, config.json, "
+            "generation_config.json, tokenizer with chat template, README.md model card; verified before it "
+            "is published. One process; needs host memory for the model in its training dtype."
+        ),
+    )
+    p.add_argument(
+        "checkpoint", type=Path, metavar="CHECKPOINT", help="a <output_dir>/checkpoint-<step> folder"
+    )
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the export folder (empty or new)")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32", "float16", "training"],
+        default=None,
+        help="dtype of the safetensors (default: the run's export_dtype; training = as trained)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        dest="max_shard_size",
+        default=None,
+        help="largest safetensors file, e.g. 5GB or 500MB (default: the run's max_shard_size)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="export into a non-empty OUT_DIR, replacing its files"
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the verification (not recommended)")
+    p.add_argument(
+        "--verify-atol",
+        type=float,
+        default=None,
+        help="probe-logit tolerance (default: by dtype, docs/export.md)",
+    )
+    p.set_defaults(func=_run_export)
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    from hf_fsdp2.hub import RUN_FOLDER_IGNORE, HubError, push_folder, resolve_token
+
+    try:
+        result = push_folder(
+            args.out_dir,
+            args.repo_id,
+            token=args.token,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            ignore_patterns=RUN_FOLDER_IGNORE,
+            retries=args.retries,
+            dry_run=args.dry_run,
+        )
+    except HubError as err:
+        return _user_error("push", err)
+    summary = {
+        "repo_id": result.repo_id,
+        "revision": result.revision,
+        "files": len(result.files),
+        "total_bytes": result.total_bytes,
+        "commit_url": result.commit_url,
+        "dry_run": result.dry_run,
+    }
+    if args.dry_run:
+        for path, size in result.files:
+            print(f"would upload {path} ({size} bytes)", file=sys.stderr)
+        try:
+            summary["token"] = resolve_token(args.token)[1]
+        except HubError:
+            summary["token"] = None  # the real push would stop here; a dry run only reports it
+        summary["paths"] = [path for path, _ in result.files]
+    print(json.dumps(summary))
+    return 0
+
+
+def _register_push(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "push",
+        help="upload an export folder to a hub model repo (resumable; --dry-run lists the files)",
+        description=(
+            "Create REPO_ID if needed (and the branch given by --revision), then upload OUT_DIR with "
+            "huggingface_hub's upload_folder (resumable: re-run after a failure and it continues). Sharded "
+            "checkpoints, staging folders and hidden files of a run folder are skipped. Token: --token, else "
+            "HF_TOKEN, else `hf auth login`."
+        ),
+    )
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the export folder (or a run's output_dir)")
+    p.add_argument("repo_id", metavar="REPO_ID", help="namespace/name of the model repo")
+    visibility = p.add_mutually_exclusive_group()
+    visibility.add_argument(
+        "--private", dest="private", action="store_true", default=None, help="create the repo private"
+    )
+    visibility.add_argument("--public", dest="private", action="store_false", help="create the repo public")
+    p.add_argument("--revision", default=None, help="branch to push to, created if missing (default: main)")
+    p.add_argument("--commit-message", default=None, help="title of the commit")
+    p.add_argument(
+        "--token", default=None, help="hub token (prefer HF_TOKEN: a command line is visible to others)"
+    )
+    p.add_argument("--retries", type=int, default=3, help="retries after a transient failure (default: 3)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; no network, no token")
+    p.set_defaults(func=_run_push)
+
+
 # The sub-command table, in help order.
 SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (
     _register_convert_smollm2,
     _register_demo_data,
     _register_eval_task,
+    _register_export,
+    _register_push,
 )
 
 
@@ -124,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="hf-fsdp2",
-        description="hf_fsdp2 tools that are not training: asset conversion, demo data, evaluation.",
+        description="hf_fsdp2 tools that are not training: asset conversion, demo data, evaluation, export, push.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in SUBCOMMANDS:

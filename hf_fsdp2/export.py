@@ -1122,7 +1122,8 @@ def export_checkpoint(
         generation_config = None
     card_cfg = dict(cfg)
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
-    card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), recipe="recipes/sft.py")
+    world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
+    card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
     return export_model(
         model,
         out,

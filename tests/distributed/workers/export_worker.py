@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from hf_fsdp2.checkpoint import Checkpointer, TrainerState
 from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
 from hf_fsdp2.export import EXPORT_DTYPES, ExportVerificationError, export_model, verify_export
 from hf_fsdp2.loss import cross_entropy_sum
@@ -45,7 +47,10 @@ def main() -> None:
     ap.add_argument("--max_shard_bytes", type=int, default=10**9)
     ap.add_argument("--ac", action="store_true")
     ap.add_argument("--no_tokenizer", action="store_true")
-    ap.add_argument("--corrupt", action="store_true", help="then corrupt a file and expect verify to fail")
+    ap.add_argument("--corrupt", action="store_true", help="then corrupt a copy and expect verify to fail")
+    ap.add_argument(
+        "--checkpoint", action="store_true", help="also save a sharded checkpoint under <out>/run"
+    )
     args = ap.parse_args()
     out = Path(args.out)
 
@@ -65,6 +70,17 @@ def main() -> None:
     opt.step()
     opt.zero_grad()
 
+    if args.checkpoint:  # a real 2-rank checkpoint, for the offline `hf-fsdp2 export` test
+        run = out / "run"
+        saver = Checkpointer(run, keep_last=0, async_save=False, is_main_process=acc.is_main_process)
+        state = TrainerState(
+            step=1, epoch=0, batches_in_epoch=1, world_size=acc.num_processes, scheduler={},
+            per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        )  # fmt: skip
+        config_yaml = json.dumps({"model_name_or_path": args.model, "dataset_name": "tiny/chat", "seed": 1})
+        saver.save(1, model, opt, state, config_yaml)  # YAML is a superset of JSON
+        if rank == 0:
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         dtype = EXPORT_DTYPES.get(args.dtype)
@@ -94,10 +110,11 @@ def main() -> None:
     }
     if args.corrupt:
         if rank == 0:
-            report["corrupted"] = corrupt_one_tensor(out / "export")
+            shutil.copytree(out / "export", out / "corrupt")
+            report["corrupted"] = corrupt_one_tensor(out / "corrupt")
         dist.barrier()  # every rank: the file is corrupted before anyone reads it back
         try:
-            verify_export(model, out / "export", dtype=args.dtype, compute_dtype=torch.bfloat16)
+            verify_export(model, out / "corrupt", dtype=args.dtype, compute_dtype=torch.bfloat16)
             report["corruption_caught"] = ""
         except ExportVerificationError as err:
             report["corruption_caught"] = str(err)
