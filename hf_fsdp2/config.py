@@ -178,7 +178,6 @@ class TrainArgs:
     ddp_timeout: int = field(
         default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
     )
-    report_to: str = field(default="none", metadata={"help": "Trackers: none (metrics.jsonl is always written)."})
 
 
 @dataclass
@@ -277,7 +276,50 @@ class ExportArgs:
     )
 
 
-SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs)
+@dataclass
+class ObserveArgs:
+    """What the run reports: trackers, evaluation, profiling, debug switches (docs/observability.md)."""
+
+    report_to: str = field(
+        default="none",
+        metadata={
+            "help": "Trackers besides metrics.jsonl (always written): none, all (every one installed), or a "
+            "comma list of tensorboard, wandb, trackio."
+        },
+    )
+    run_name: str | None = field(default=None, metadata={"help": "Run name in trackers; default output_dir's name."})
+    tracker_project: str = field(default="hf_fsdp2", metadata={"help": "wandb / trackio project."})
+    eval_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate every N steps (and at the end) when an eval set is given; 0 = at the end only."},
+    )
+    per_device_eval_batch_size: int | None = field(
+        default=None, metadata={"help": "Eval examples per batch per rank; default per_device_train_batch_size."}
+    )
+    eval_prompts: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Prompts (user turns) completed greedily at each eval and logged as text."},
+    )
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "Tokens generated per eval prompt."})
+    peak_flops: float | None = field(
+        default=None,
+        metadata={"help": "Peak FLOP/s of one device for MFU; default from the GPU's name (bf16 dense)."},
+    )
+    profile_steps: str | None = field(
+        default=None,
+        metadata={"help": "Trace steps 'a-b' with torch.profiler; one Chrome trace per rank in output_dir/profile."},
+    )
+    memory_snapshot_steps: str | None = field(
+        default=None,
+        metadata={"help": "CUDA only: record allocations over steps 'a-b' and dump a memory snapshot per rank."},
+    )
+    distributed_debug: Literal["off", "info", "detail"] = field(
+        default="off",
+        metadata={"help": "Set TORCH_DISTRIBUTED_DEBUG / NCCL_DEBUG (info), plus the NCCL flight recorder (detail)."},
+    )
+
+
+SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs)
 
 
 @dataclass
@@ -290,11 +332,12 @@ class Config:
     fsdp: FSDPArgs
     peft: PeftArgs
     export: ExportArgs
+    observe: ObserveArgs
 
     def to_flat_dict(self) -> dict[str, Any]:
         """Every key with its resolved value, in the flat form the YAML recipes use."""
         flat: dict[str, Any] = {}
-        for section in (self.model, self.data, self.train, self.fsdp, self.peft, self.export):
+        for section in (self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe):
             flat.update(dataclasses.asdict(section))
         return flat
 
@@ -447,8 +490,8 @@ def validate(cfg: Config) -> None:
     _check(t.max_grad_norm >= 0, f"max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
     _check(t.ddp_timeout > 0, f"ddp_timeout={t.ddp_timeout} must be > 0 seconds")
     _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
-    _check(t.report_to == "none", f"report_to={t.report_to!r}: only 'none' in this version (metrics.jsonl is always written)")
     _validate_data(d, m.attn_implementation)
+    _validate_observe(cfg.observe, has_eval=d.eval_dataset_name is not None or d.eval_split_fraction > 0)
     _check(t.save_steps >= 0, f"save_steps={t.save_steps} must be >= 0 (0 = no checkpoints)")
     _check(t.save_total_limit >= 0, f"save_total_limit={t.save_total_limit} must be >= 0 (0 keeps all)")
     _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
@@ -465,6 +508,39 @@ def validate(cfg: Config) -> None:
         f.torch_compile_mode in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         f"torch_compile_mode={f.torch_compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
         "max-autotune-no-cudagraphs",
+    )
+
+
+def _validate_observe(o: ObserveArgs, *, has_eval: bool) -> None:
+    """Trackers (known and installed), eval, profiling ranges, MFU peak."""
+    from hf_fsdp2.metrics import build_trackers
+    from hf_fsdp2.profiling import parse_step_range
+
+    try:
+        build_trackers(o.report_to, ".", project=o.tracker_project, run_name="check")  # names + installed
+        parse_step_range(o.profile_steps, "profile_steps")
+        parse_step_range(o.memory_snapshot_steps, "memory_snapshot_steps")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _check(o.eval_steps >= 0, f"eval_steps={o.eval_steps} must be >= 0 (0 = evaluate at the end only)")
+    _check(
+        o.eval_steps == 0 or has_eval,
+        f"eval_steps={o.eval_steps} but there is no eval set; give eval_dataset_name or eval_split_fraction "
+        "(e.g. 0.05), or set eval_steps=0",
+    )
+    _check(
+        not o.eval_prompts or has_eval,
+        "eval_prompts are completed at each eval, but there is no eval set; give eval_dataset_name or "
+        "eval_split_fraction",
+    )
+    _check(
+        o.per_device_eval_batch_size is None or o.per_device_eval_batch_size >= 1,
+        f"per_device_eval_batch_size={o.per_device_eval_batch_size} must be >= 1 (or unset)",
+    )
+    _check(o.eval_max_new_tokens >= 1, f"eval_max_new_tokens={o.eval_max_new_tokens} must be >= 1")
+    _check(
+        o.peak_flops is None or (o.peak_flops > 0 and math.isfinite(o.peak_flops)),
+        f"peak_flops={o.peak_flops} must be > 0 FLOP/s of one device (e.g. 989e12 for an H100 SXM in bf16)",
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from hf_fsdp2.config import (
+    SECTIONS,
     Config,
     ConfigError,
     DataArgs,
@@ -311,7 +312,7 @@ def test_fp16_is_refused_with_the_alternatives() -> None:
         (("--save_total_limit=-2",), "save_total_limit"),
         (("--use_peft", "true"), "use_peft"),
         (("--push_to_hub", "true"), "push_to_hub"),
-        (("--report_to", "wandb"), "report_to"),
+        (("--report_to", "mlflow"), "report_to"),
         (("--torch_compile_mode", "fast"), "torch_compile_mode"),
         (("--max_shard_size", "lots"), "max_shard_size"),
     ],
@@ -444,7 +445,7 @@ def test_to_flat_dict_has_one_entry_per_field() -> None:
     cfg = parse_cli()
     flat = cfg.to_flat_dict()
     n_fields = sum(
-        len(dataclasses.fields(s)) for s in (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs)
+        len(dataclasses.fields(s)) for s in SECTIONS
     )
     assert len(flat) == n_fields  # no two sections share a key name
     assert flat["output_dir"] == "out"

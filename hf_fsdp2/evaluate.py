@@ -1,0 +1,180 @@
+"""Evaluation during training: eval loss and perplexity over every rank, and samples from fixed prompts.
+
+The eval loss is token-weighted like the training loss: the sum of next-token cross entropy over every
+target token of the eval set (on all ranks) divided by the number of those tokens, not a mean of
+per-batch means. Every example is evaluated exactly once; every rank runs the same number of forward
+passes (FSDP2 gathers parameters in each one), a rank that has run out of examples runs its last
+batch again with every label masked, which adds nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_fsdp2.distributed import all_reduce_sum
+from hf_fsdp2.loss import IGNORE_INDEX, count_target_tokens, cross_entropy_sum
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Eval loss of the whole eval set (all ranks).
+
+    Attributes:
+        loss: summed CE / target tokens.
+        perplexity: ``exp(loss)``.
+        tokens: target tokens evaluated.
+        seconds: wall time of the evaluation.
+    """
+
+    loss: float
+    perplexity: float
+    tokens: int
+    seconds: float
+
+    def record(self) -> dict[str, float]:
+        """The metrics.jsonl / tracker fields."""
+        return {
+            "eval_loss": self.loss,
+            "eval_perplexity": self.perplexity,
+            "eval_tokens": self.tokens,
+            "eval_time_s": self.seconds,
+        }
+
+
+def eval_batches(
+    dataset: Any,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's eval batches: examples ``rank, rank + world_size, ...``, the same count on every rank.
+
+    Args:
+        dataset: tokenized eval examples (``input_ids``, ``labels``), indexable.
+        rank: this rank.
+        world_size: ranks evaluating together.
+        batch_size: examples per batch.
+        collator: the training collator (padded or padding-free batches alike).
+
+    Yields:
+        Collated host batches; after this rank's share, copies of a batch with every label masked.
+
+    Raises:
+        ValueError: an empty eval set or ``batch_size < 1``.
+    """
+    n = len(dataset)
+    if n == 0 or batch_size < 1:
+        raise ValueError(f"eval needs examples and batch_size >= 1 (got {n} examples, batch_size={batch_size})")
+    mine = list(range(rank, n, world_size))
+    per_rank = math.ceil(math.ceil(n / world_size) / batch_size)  # the same on every rank
+    last: dict[str, torch.Tensor] | None = None
+    for b in range(per_rank):
+        indices = mine[b * batch_size : (b + 1) * batch_size]
+        if indices:
+            last = collator([dataset[i] for i in indices])
+            yield last
+        else:
+            filler = dict(last if last is not None else collator([dataset[0]]))
+            filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
+            yield filler
+
+
+def evaluate_loss(
+    model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], device: torch.device
+) -> EvalResult:
+    """Token-weighted eval loss of ``model`` over every rank's batches (every rank calls it).
+
+    Runs under ``torch.no_grad`` in eval mode (dropout off) and restores the training mode after.
+
+    Args:
+        model: the (FSDP2-sharded) model.
+        batches: this rank's batches from :func:`eval_batches`.
+        device: where the model computes.
+
+    Returns:
+        The :class:`EvalResult` (NaN loss when the eval set has no target token).
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    with torch.no_grad():
+        for batch in batches:
+            tokens += count_target_tokens(batch["labels"])
+            on_device = {k: v.to(device) for k, v in batch.items()}
+            inputs = {k: v for k, v in on_device.items() if k != "labels"}
+            logits = model(**inputs, use_cache=False).logits
+            loss_sum += cross_entropy_sum(logits, on_device["labels"]).double()
+            del logits
+    model.train(was_training)
+    # Every rank: one all_reduce of (summed CE, target tokens).
+    totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device)]))
+    total_loss, total_tokens = float(totals[0].item()), int(totals[1].item())
+    loss = total_loss / total_tokens if total_tokens else float("nan")
+    perplexity = math.exp(loss) if math.isfinite(loss) and loss < 700 else float("inf")
+    return EvalResult(loss, perplexity, total_tokens, time.perf_counter() - start)
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a prompt: a user turn with the chat template when the tokenizer has one, else plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+
+def generate_samples(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    device: torch.device,
+) -> list[str]:
+    """Greedy completions of ``prompts`` (every rank calls it and gets the same texts).
+
+    Every rank decodes exactly ``max_new_tokens`` tokens per prompt, with a KV cache, and the text is
+    cut at the first end-of-sequence token: stopping early on one rank only would leave the others
+    waiting in FSDP2's parameter gathers.
+
+    Args:
+        model: the (FSDP2-sharded) causal LM.
+        tokenizer: its tokenizer.
+        prompts: user messages (or plain text without a chat template).
+        max_new_tokens: tokens decoded per prompt.
+        device: where the model computes.
+
+    Returns:
+        One completion per prompt, special tokens removed.
+    """
+    eos = tokenizer.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos]) - {None}
+    was_training = model.training
+    model.eval()
+    texts = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
+            past = None
+            new: list[int] = []
+            step_input = ids
+            for _ in range(max_new_tokens):
+                out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                step_input = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+                new.append(int(step_input.item()))
+            cut = next((i for i, t in enumerate(new) if t in stop), len(new))
+            texts.append(tokenizer.decode(new[:cut], skip_special_tokens=True))
+    model.train(was_training)
+    return texts
