@@ -255,6 +255,118 @@ def _register_push(subparsers: _Subparsers) -> None:
     p.set_defaults(func=_run_push)
 
 
+def _run_show_data(args: argparse.Namespace) -> int:
+    import datasets
+
+    from hf_fsdp2.config import ConfigError, parse_config
+    from hf_fsdp2.data import (
+        DataSource,
+        build_sft_datasets,
+        format_trained_spans,
+        load_source,
+        parse_column_mapping,
+        parse_source,
+        resolve_sources,
+    )
+    from hf_fsdp2.model import load_tokenizer
+    from hf_fsdp2.packing import layout_summary, pack_examples
+
+    # output_dir is required by the recipe but unused here: a placeholder keeps recipes without it working.
+    argv = (["--config", str(args.config)] if args.config else []) + [*args.overrides, "--output_dir", "unused"]
+    try:
+        cfg = parse_config(argv)
+        m, d, t = cfg.model, cfg.data, cfg.train
+        assert m.model_name_or_path is not None  # validate() guarantees it
+        tokenizer = load_tokenizer(
+            m.tokenizer_name_or_path or m.model_name_or_path,
+            revision=m.model_revision,
+            trust_remote_code=m.trust_remote_code,
+        )
+        limit = args.records_per_source
+
+        def load(source: DataSource) -> datasets.Dataset:
+            raw = load_source(source)
+            return raw.select(range(min(limit, len(raw)))) if limit > 0 else raw
+
+        data = build_sft_datasets(
+            resolve_sources(
+                dataset_name=d.dataset_name,
+                dataset_config_name=d.dataset_config_name,
+                dataset_split=d.dataset_split,
+                dataset_revision=d.dataset_revision,
+                dataset_mixture=d.dataset_mixture,
+            ),
+            tokenizer,
+            max_length=d.max_length,
+            seed=t.seed,
+            dataset_format=d.dataset_format,
+            column_mapping=parse_column_mapping(d.dataset_column_mapping),
+            chat_loss=d.resolved_chat_loss(),
+            completion_only_loss=d.completion_only_loss,
+            long_examples=d.long_examples,
+            on_bad_record=d.on_bad_record,
+            num_proc=d.dataset_num_proc,
+            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split) if d.eval_dataset_name else None,
+            eval_split_fraction=d.eval_split_fraction,
+            load=load,
+        )
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        return _user_error("show-data", err)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    scope = f"the first {limit} records of each source" if limit > 0 else "every record"
+    print(f"# {scope}; trained tokens {'highlighted' if color else 'between [[ and ]]'}")
+    for line in data.summary_lines(d.max_length):
+        print(f"# {line}")
+    packed = pack_examples(data.train, d.max_length) if d.packing else None
+    print("# " + layout_summary(
+        data.train, packed, batch_size=t.per_device_train_batch_size, world_size=1, seed=t.seed,
+        padding_free=d.padding_free,
+    ))  # fmt: skip
+    offset = 0
+    for stats, count in zip(data.stats, data.train_counts, strict=False):
+        for i in range(offset, offset + min(args.num_examples, count)):
+            example = data.train[i]
+            ids, labels = example["input_ids"], example["labels"]
+            print(f"\n=== {stats.source} ({stats.dataset_format}): example {i - offset}, {len(ids)} tokens, "
+                  f"{example['num_targets']} trained ===")  # fmt: skip
+            print(format_trained_spans(tokenizer, ids, labels, color=color))
+            if args.tokens:
+                tokens = tokenizer.convert_ids_to_tokens(ids)
+                for position, (token_id, token, label) in enumerate(zip(ids, tokens, labels, strict=True)):
+                    mark = "T" if position > 0 and label != -100 else "."
+                    print(f"{position:6d} {mark} {token_id:8d} {token!r}")
+        offset += count
+    return 0
+
+
+def _register_show_data(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "show-data",
+        help="print tokenized training examples of a recipe with the trained tokens highlighted",
+        description=(
+            "Build the training data of a recipe exactly as recipes/sft.py does (sources, formats, column "
+            "mapping, chat template, loss masks, max_length) from the first records of each source, print "
+            "the data summary, and print a few examples per source with the tokens the model is trained to "
+            "predict highlighted. Any recipe key can be overridden after the options: "
+            "hf-fsdp2 show-data --config r.yaml --chat_loss last_assistant."
+        ),
+    )
+    p.add_argument("--config", type=Path, default=None, help="the recipe YAML (as given to recipes/sft.py)")
+    p.add_argument("--num-examples", type=int, default=2, help="examples shown per source (default: 2)")
+    p.add_argument(
+        "--records-per-source",
+        type=int,
+        default=100,
+        help="records read from each source (default: 100; 0 = all, which also fills the tokenization cache)",
+    )
+    p.add_argument("--tokens", action="store_true", help="also list every token: position, trained, id, text")
+    p.add_argument(
+        "--color", choices=["auto", "always", "never"], default="auto", help="ANSI highlight (default: auto)"
+    )
+    # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).
+    p.set_defaults(func=_run_show_data, overrides=[])
+
+
 def _run_plot(args: argparse.Namespace) -> int:
     from hf_fsdp2.metrics import plot_run
 
@@ -287,6 +399,7 @@ SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (
     _register_eval_task,
     _register_export,
     _register_push,
+    _register_show_data,
     _register_plot,
 )
 
@@ -316,7 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit status.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Only sub-commands that take recipe overrides (show-data) accept arguments they do not declare.
+        if not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     # Results go to stdout (one line, easy to capture in scripts); progress goes to stderr.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     return args.func(args)

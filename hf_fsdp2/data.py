@@ -33,7 +33,6 @@ unless ``on_bad_record="skip"``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -183,7 +182,7 @@ def parse_source(spec: str, *, split: str = "train") -> DataSource:
     text = spec.strip()
     weight = 1.0
     head, sep, tail = text.rpartition(":")
-    if sep and head and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", tail.strip()):
+    if sep and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", tail.strip()):
         weight, text = float(tail), head
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(
@@ -860,10 +859,12 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        state = json.loads(backend.to_str())
-        state.pop("truncation", None)
-        state.pop("padding", None)
-        model_state: Any = json.dumps(state, sort_keys=True)
+        if backend.truncation is not None or backend.padding is not None:
+            # Serialise a copy without them (rare: the pipeline never calls with truncation or padding).
+            backend = type(backend).from_str(backend.to_str())
+            backend.no_truncation()
+            backend.no_padding()
+        model_state: Any = backend.to_str()
     else:
         model_state = sorted(tokenizer.get_vocab().items())
     added = sorted((i, str(t), t.special) for i, t in tokenizer.added_tokens_decoder.items())

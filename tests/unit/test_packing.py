@@ -4,6 +4,7 @@ and padding-free batches give each example exactly the per-token losses it has w
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -11,11 +12,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support.tiny import WORDS
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from support.launch import SFT, torchrun
+from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from hf_fsdp2.data import IGNORE_INDEX, PaddingCollator, ShardedSampler, build_dataloader, tokenize_dataset
+from hf_fsdp2.data import (
+    IGNORE_INDEX,
+    DataSource,
+    PaddingCollator,
+    ShardedSampler,
+    build_dataloader,
+    build_sft_datasets,
+    tokenize_dataset,
+)
 from hf_fsdp2.loss import count_target_tokens, cross_entropy_sum
+from hf_fsdp2.metrics import read_metrics
 from hf_fsdp2.packing import (
     PackedCollator,
     best_fit_decreasing,
@@ -303,3 +314,52 @@ def test_packed_dataloader_order_is_seeded_and_worker_independent(chat_examples:
         return [b["input_ids"].tolist() for b in loader]
 
     assert batches(0) == batches(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: the 2-rank recipe with packing logs the loss of the examples run alone
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a 2-rank recipe run (~15 s); padding-free batches take the same path (tested above)
+def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
+    padding_free = False
+    model_dir = make_tiny_llama_dir(tmp_path / "model", seed=2)
+    data_file = write_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=4)
+    out = tmp_path / "run"
+    proc = torchrun(
+        SFT,
+        [
+            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
+            "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "96", "--seed", "11",
+            "--packing", "true", "--padding_free", str(padding_free).lower(), "--mixed_precision", "no",
+            "--export_dtype", "float32",
+        ],
+        nproc=2,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "data source" in log and "examples packed (best-fit decreasing) into" in log
+    record = read_metrics(out / "metrics.jsonl")[0]
+
+    # Reference, without the recipe: the rows rank 0 and rank 1 took at step 1, every example run alone.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = build_sft_datasets([DataSource(str(data_file))], tokenizer, max_length=96, seed=11)
+    packed = pack_examples(data.train, 96)
+    order = ShardedSampler(len(packed), rank=0, world_size=2, seed=11).global_order(0)
+    rows = [row for rank in range(2) for row in order[rank::2][:2]]
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    loss_sum, tokens, processed = 0.0, 0, 0
+    with torch.no_grad():
+        for row in rows:
+            for e in packed.rows[row]:
+                ids, labels = (
+                    torch.tensor([data.train[e]["input_ids"]]),
+                    torch.tensor([data.train[e]["labels"]]),
+                )
+                loss_sum += cross_entropy_sum(model(input_ids=ids).logits, labels).item()
+                tokens += count_target_tokens(labels)
+        widths = [int(packed.row_lengths[row]) for row in rows]
+        processed = sum(widths) if padding_free else 2 * (max(widths[:2]) + max(widths[2:]))
+    assert record["target_tokens"] == tokens
+    assert record["loss"] == pytest.approx(loss_sum / tokens, rel=1e-5)
+    assert record["padding_efficiency"] == pytest.approx(tokens / processed)
