@@ -326,7 +326,7 @@ class CheckpointPusher:
             private=self.private,
             revision=self.branch,
             path_in_repo=CHECKPOINT_PATH_IN_REPO,
-            delete_patterns=[f"{CHECKPOINT_PATH_IN_REPO}/**"],
+            delete_patterns=["*"],  # relative to last-checkpoint/: the previous checkpoint's files
             commit_message=f"{checkpoint.name} (hf_fsdp2 sharded checkpoint)",
             **self.push_kwargs,
         )
@@ -364,8 +364,14 @@ _CARD_KEYS = (
 _SECRET_KEYS = ("hub_token",)
 
 
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow", ".gz", ".zst")
+
+
 def _looks_like_hub_id(name: str | None) -> bool:
-    if not name or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+    """A hub id the card's metadata may name (the hub rejects local paths there)."""
+    if not name or name.startswith((".", "/", "~")) or name.endswith(_DATA_SUFFIXES):
+        return False
+    if Path(name).expanduser().exists():
         return False
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
