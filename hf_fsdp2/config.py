@@ -222,7 +222,7 @@ class FSDPArgs:
 
 @dataclass
 class PeftArgs:
-    """LoRA through PEFT (not in this version: use_peft must be false)."""
+    """LoRA through PEFT (docs/lora.md): the adapter goes to output_dir, the merged model to output_dir/merged."""
 
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -230,6 +230,13 @@ class PeftArgs:
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["all-linear"], metadata={"help": "Module names, or all-linear."}
+    )
+    lora_modules_to_save: list[str] = field(
+        default_factory=list, metadata={"help": "Modules trained in full beside the adapter (e.g. lm_head)."}
+    )
+    use_rslora: bool = field(default=False, metadata={"help": "rsLoRA scaling alpha/sqrt(r) instead of alpha/r."})
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "Also export the merged full model to <output_dir>/merged."}
     )
 
 
@@ -494,7 +501,10 @@ def validate(cfg: Config) -> None:
     _validate_observe(cfg.observe, has_eval=d.eval_dataset_name is not None or d.eval_split_fraction > 0)
     _check(t.save_steps >= 0, f"save_steps={t.save_steps} must be >= 0 (0 = no checkpoints)")
     _check(t.save_total_limit >= 0, f"save_total_limit={t.save_total_limit} must be >= 0 (0 keeps all)")
-    _check(not p.use_peft, "use_peft=true: LoRA is not in this version; set use_peft=false")
+    _check(p.lora_r >= 1, f"lora_r={p.lora_r} must be >= 1")
+    _check(0 <= p.lora_dropout < 1, f"lora_dropout={p.lora_dropout} must be in [0, 1)")
+    _check(bool(p.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
+    _check(not p.merge_adapter or p.use_peft, "merge_adapter=true needs use_peft=true")
     _validate_hub(e, t.save_steps)
     if t.mixed_precision == "fp16":
         raise ConfigError(

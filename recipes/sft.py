@@ -67,6 +67,7 @@ from hf_fsdp2.hub import (
     push_folder,
     render_model_card,
 )
+from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
 from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
 from hf_fsdp2.metrics import MetricsWriter, StepTimer, format_log_line
 from hf_fsdp2.model import (
@@ -236,6 +237,20 @@ def main(argv: list[str] | None = None) -> None:
         # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
         empty_weights=f.fsdp_cpu_ram_efficient_loading and accelerator.process_index != 0,
     )
+    lora = cfg.peft
+    if lora.use_peft:  # LoRA: the base frozen as loaded, the adapter in fp32; wrapped before sharding
+        model = apply_lora(
+            model,
+            LoraSettings(
+                r=lora.lora_r,
+                alpha=lora.lora_alpha,
+                dropout=lora.lora_dropout,
+                target_modules=lora.lora_target_modules,
+                modules_to_save=lora.lora_modules_to_save,
+                use_rslora=lora.use_rslora,
+            ),
+        )
+        logger.info(format_memory_report(memory_report(model), world))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
     logger.info(
@@ -423,19 +438,37 @@ def main(argv: list[str] | None = None) -> None:
             world_size=world,
             repo_id=e.hub_model_id if e.push_to_hub else None,
         )
-    export_model(
-        model,
-        output_dir,
-        config=unwrapped.config,
-        tokenizer=tokenizer,
-        generation_config=getattr(unwrapped, "generation_config", None),
-        dtype=e.export_dtype,
-        max_shard_bytes=parse_size(e.max_shard_size),
-        model_card=card,
-        verify=e.export_verify,
-        verify_atol=e.export_verify_atol,
-        compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
-    )
+    if lora.use_peft:  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
+        export_lora(
+            model,
+            output_dir,
+            base_model=m.model_name_or_path,
+            tokenizer=tokenizer,
+            merge=lora.merge_adapter,
+            layer_cls_names=layer_cls,
+            mp_policy=accelerator.state.fsdp_plugin.mixed_precision_policy,
+            dtype=e.export_dtype,
+            max_shard_bytes=parse_size(e.max_shard_size),
+            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+            verify=e.export_verify,
+            verify_atol=e.export_verify_atol,
+            model_card=card,
+            is_main_process=accelerator.is_main_process,
+        )
+    else:
+        export_model(
+            model,
+            output_dir,
+            config=unwrapped.config,
+            tokenizer=tokenizer,
+            generation_config=getattr(unwrapped, "generation_config", None),
+            dtype=e.export_dtype,
+            max_shard_bytes=parse_size(e.max_shard_size),
+            model_card=card,
+            verify=e.export_verify,
+            verify_atol=e.export_verify_atol,
+            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
+        )
     logger.info(
         "done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s",
         total_steps,
