@@ -83,7 +83,7 @@ def lora_config(settings: LoraSettings) -> Any:
     )
 
 
-def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | None = None) -> torch.nn.Module:
     """Wrap a loaded (unsharded) causal LM with PEFT LoRA; the base is frozen, the adapter fp32.
 
     Call it after loading and before sharding (``prepare_fsdp2``), then build the optimizer on the
@@ -92,6 +92,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     Args:
         model: the HF causal LM (on CPU, GPU or meta for rank-0-only loading).
         settings: the LoRA settings.
+        seed: seeds the adapter's initialisation alone (a forked RNG), so that it depends on the seed and
+            not on what ran before; every rank then starts from the same adapter. None = the global RNG.
 
     Returns:
         The ``PeftModelForCausalLM``.
@@ -102,7 +104,10 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            peft_model = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
     except ValueError as err:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise LoraError(

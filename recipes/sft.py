@@ -68,6 +68,7 @@ from hf_fsdp2.hub import (
     render_model_card,
 )
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
+from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
 from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
 from hf_fsdp2.metrics import MetricsWriter, StepTimer, format_log_line
 from hf_fsdp2.model import (
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                 modules_to_save=lora.lora_modules_to_save,
                 use_rslora=lora.use_rslora,
             ),
+            seed=t.seed,
         )
         logger.info(format_memory_report(memory_report(model), world))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)

@@ -1,0 +1,198 @@
+"""LoRA under FSDP2 (2 gloo ranks): parity with a single-process PEFT loop, the full adapter in the
+export (every rank's slice), exact resume, the merged export equal to a manual merge.
+
+The reference loop uses no hf_fsdp2 code: plain LlamaForCausalLM wrapped by ``peft.get_peft_model``
+(adapter initialised from the seed alone, as the recipe does), AdamW, transformers' cosine schedule,
+torch's clipping, and the documented data order (see test_parity.py). fp32 throughout, dropout 0.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import load_file
+from support.launch import SFT, torchrun
+from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
+
+from hf_fsdp2.data import load_raw_dataset, tokenize_dataset
+from hf_fsdp2.metrics import read_metrics
+
+WORLD, SEED, LR, STEPS, MAX_LEN, BS, ACCUM = 2, 7, 3e-3, 6, 96, 2, 2
+R, ALPHA = 8, 16
+
+
+def _pad(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id)
+    labels = torch.full((len(examples), width), -100)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return ids, mask, labels
+
+
+def reference_peft_model(model_dir: Path) -> torch.nn.Module:
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    config = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return get_peft_model(base, config)
+
+
+def reference_run(model_dir: Path, data: list[dict]) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
+    model = reference_peft_model(model_dir)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=LR, foreach=True)
+    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
+    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    n = len(data)
+    per_rank_batches = (n // WORLD) // BS
+
+    def rank_batches(epoch: int) -> list[list[list[int]]]:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        perm = perm[: n - n % WORLD]
+        return [[perm[r::WORLD][k * BS : (k + 1) * BS] for k in range(per_rank_batches)] for r in range(WORLD)]
+
+    out, epoch, cursor, batches = [], 0, 0, rank_batches(0)
+    for _ in range(STEPS):
+        micro = []
+        for _ in range(ACCUM):
+            if cursor >= per_rank_batches:
+                epoch, cursor, batches = epoch + 1, 0, rank_batches(epoch + 1)
+            micro.extend(batches[r][cursor] for r in range(WORLD))
+            cursor += 1
+        padded = [_pad([data[i] for i in idx], pad_id) for idx in micro]
+        total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
+        loss_sum = 0.0
+        for ids, mask, lab in padded:
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), reduction="sum")
+            (ce / total_tokens).backward()
+            loss_sum += ce.item()
+        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append({"loss": loss_sum / total_tokens, "grad_norm": float(norm), "target_tokens": total_tokens})
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    model.eval()
+    return out, adapter, model
+
+
+def _recipe_args(model_dir: Path, data_file: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
+        "--max_steps", str(STEPS), "--per_device_train_batch_size", str(BS),
+        "--gradient_accumulation_steps", str(ACCUM), "--learning_rate", str(LR), "--weight_decay", "0.0",
+        "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0", "--mixed_precision", "no",
+        "--max_length", str(MAX_LEN), "--seed", str(SEED), "--export_dtype", "float32",
+        "--use_peft", "true", "--lora_r", str(R), "--lora_alpha", str(ALPHA), "--lora_dropout", "0.0",
+        "--lora_target_modules", "all-linear", "--save_steps", "3", "--save_total_limit", "0", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = make_tiny_llama_dir(root / "model", seed=3)
+    data_file = write_chat_jsonl(root / "chat.jsonl", 40, seed=5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ds, _ = tokenize_dataset(load_raw_dataset(str(data_file)), tokenizer, max_length=MAX_LEN, source="chat")
+    return model_dir, data_file, [ds[i] for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    model_dir, _, data = setup
+    return reference_run(model_dir, data)
+
+
+@pytest.fixture(scope="module")
+def lora_run(setup, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_dir, data_file, _ = setup
+    out = tmp_path_factory.mktemp("lora_run") / "run"
+    torchrun(SFT, _recipe_args(model_dir, data_file, out, "--merge_adapter", "true"), nproc=WORLD)
+    return out
+
+
+def test_two_rank_lora_matches_single_process_peft(lora_run: Path, reference):
+    expected, _, _ = reference
+    got = read_metrics(lora_run / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [g["target_tokens"] for g in got] == [e["target_tokens"] for e in expected]
+    loss_rel = [abs(g["loss"] - e["loss"]) / abs(e["loss"]) for g, e in zip(got, expected, strict=True)]
+    print(f"max relative loss difference {max(loss_rel):.2e}")
+    assert max(loss_rel) <= 1e-4, (got, expected)
+    assert got[-1]["loss"] < got[0]["loss"]  # the adapter learned: the comparison is over changing weights
+
+
+def test_adapter_export_holds_every_ranks_slice_and_loads_with_peft(setup, lora_run: Path, reference):
+    model_dir, _, _ = setup
+    _, ref_adapter, ref_model = reference
+    assert (lora_run / "adapter_config.json").is_file()
+    config = json.loads((lora_run / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (R, ALPHA, "LORA")
+    saved = load_file(lora_run / "adapter_model.safetensors")
+    assert sorted(saved) == sorted(ref_adapter)
+    for name, ref in ref_adapter.items():
+        # Every row (rank 0's and rank 1's halves of dim 0) equals the single-process run's.
+        half = ref.shape[0] // 2
+        for rows in (slice(0, half), slice(half, None)):
+            torch.testing.assert_close(saved[name][rows], ref[rows], rtol=1e-4, atol=1e-5, msg=name)
+    b = [k for k in saved if "lora_B" in k]
+    assert all(saved[k][saved[k].shape[0] // 2 :].abs().sum() > 0 for k in b)  # rank 1's rows trained
+    # Plain PEFT loads it on the base and computes what the reference computes.
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(lora_run)).eval()
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_merged_export_equals_a_manual_merge(setup, lora_run: Path):
+    model_dir, _, _ = setup
+    merged = load_file(lora_run / "merged" / "model.safetensors")
+    base = load_file(model_dir / "model.safetensors")
+    adapter = load_file(lora_run / "adapter_model.safetensors")
+    assert sorted(merged) == sorted(base)
+    scale = ALPHA / R
+    n_merged = 0
+    for name, w in base.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        a, b = adapter.get(f"{prefix}.lora_A.weight"), adapter.get(f"{prefix}.lora_B.weight")
+        expected = w if a is None else w + scale * (b @ a)
+        n_merged += a is not None
+        torch.testing.assert_close(merged[name], expected, rtol=1e-6, atol=1e-6, msg=name)
+    assert n_merged == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    # The merged folder is a plain transformers model.
+    model = LlamaForCausalLM.from_pretrained(lora_run / "merged", dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_resume_gives_the_uninterrupted_losses_and_adapter(setup, lora_run: Path, tmp_path: Path):
+    model_dir, data_file, _ = setup
+    out = tmp_path / "resumed"
+    out.mkdir()
+    # The uninterrupted run's step-3 checkpoint (adapter + frozen base + optimizer, every rank's shards).
+    shutil.copytree(lora_run / "checkpoint-3", out / "checkpoint-3")
+    (out / "latest").write_text("3\n")
+    torchrun(SFT, _recipe_args(model_dir, data_file, out, "--resume_from_checkpoint", "latest"), nproc=WORLD)
+    full = {r["step"]: r["loss"] for r in read_metrics(lora_run / "metrics.jsonl")}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(resumed)[-3:] == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == full[step], step  # identical: CPU, fp32, same data order
+    a = load_file(out / "adapter_model.safetensors")
+    b = load_file(lora_run / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
