@@ -190,6 +190,65 @@ def _register_export(subparsers: _Subparsers) -> None:
     p.set_defaults(func=_run_export)
 
 
+def _run_merge_adapter(args: argparse.Namespace) -> int:
+    from hf_fsdp2.config import ConfigError, parse_size
+    from hf_fsdp2.export import ExportError
+    from hf_fsdp2.lora import LoraError, merge_adapter_offline
+
+    try:
+        result = merge_adapter_offline(
+            args.adapter_dir,
+            args.out_dir,
+            base_model=args.base_model,
+            dtype=args.dtype,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+        )
+    except (LoraError, ExportError, ConfigError, FileNotFoundError, OSError) as err:
+        return _user_error("merge-adapter", err)
+    print(json.dumps(result))
+    return 0
+
+
+def _register_merge_adapter(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "merge-adapter",
+        help="merge a PEFT LoRA adapter into its base model offline and write a consolidated HF folder",
+        description=(
+            "Load the base model (adapter_config.json's base_model_name_or_path unless --base-model) in fp32, "
+            "apply ADAPTER_DIR with PEFT, merge (W + scale * B @ A) and write OUT_DIR as the export does: "
+            "safetensors, config, tokenizer; verified by a fresh-process reload before it is published. One "
+            "process; needs host memory for the model in fp32."
+        ),
+    )
+    p.add_argument(
+        "adapter_dir",
+        type=Path,
+        metavar="ADAPTER_DIR",
+        help="adapter_config.json + adapter_model.safetensors",
+    )
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the merged model folder (empty or new)")
+    p.add_argument(
+        "--base-model", "--base_model", dest="base_model", default=None, help="base model folder or hub id"
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16", help="dtype of the weights"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        dest="max_shard_size",
+        default="5GB",
+        help="largest safetensors file",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty OUT_DIR, replacing its files"
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the verification (not recommended)")
+    p.set_defaults(func=_run_merge_adapter)
+
+
 def _run_push(args: argparse.Namespace) -> int:
     from hf_fsdp2.hub import RUN_FOLDER_IGNORE, HubError, push_folder, resolve_token
 
@@ -398,6 +457,7 @@ SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (
     _register_demo_data,
     _register_eval_task,
     _register_export,
+    _register_merge_adapter,
     _register_push,
     _register_show_data,
     _register_plot,

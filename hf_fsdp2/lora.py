@@ -109,12 +109,14 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
                 torch.manual_seed(seed)
             peft_model = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
     except ValueError as err:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        names = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
         raise LoraError(
             f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
             f"the model's linear module names are {names} (or use all-linear)"
         ) from err
-    for name, param in peft_model.named_parameters():
+    for param in peft_model.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
             param.data = param.data.float()  # fp32 master copies of what trains (modules_to_save too)
     return peft_model
@@ -204,7 +206,9 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def save_adapter(model: torch.nn.Module, out_dir: str | Path, *, is_main_process: bool) -> dict[str, torch.Tensor]:
+def save_adapter(
+    model: torch.nn.Module, out_dir: str | Path, *, is_main_process: bool
+) -> dict[str, torch.Tensor]:
     """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors) to ``out_dir``.
 
     Every rank must call it (the adapter is gathered from all ranks); rank 0 writes.
@@ -293,7 +297,13 @@ torch.save({"logits": logits}, out)
 
 
 def _compare_on_rank0(
-    model: torch.nn.Module, script: str, args: list[str], *, compute_dtype: torch.dtype, atol: float | None, what: str
+    model: torch.nn.Module,
+    script: str,
+    args: list[str],
+    *,
+    compute_dtype: torch.dtype,
+    atol: float | None,
+    what: str,
 ) -> float:
     """Live probe logits (every rank) vs a fresh-process reload (rank 0); raises LoraError beyond ``atol``."""
     from hf_fsdp2.export import default_atol
@@ -305,7 +315,11 @@ def _compare_on_rank0(
         try:
             got = reload_logits(script, [*args, str(compute_dtype).removeprefix("torch.")], ids)
             diff = float((got - live).abs().max())
-            tol = atol if atol is not None else default_atol(compute_dtype, compute_dtype, float(live.abs().max()))
+            tol = (
+                atol
+                if atol is not None
+                else default_atol(compute_dtype, compute_dtype, float(live.abs().max()))
+            )
             result = (diff, None if diff <= tol else f"probe logits differ by {diff:.4g} > atol {tol:.3g}")
         except LoraError as err:
             result = (float("nan"), str(err))
@@ -315,9 +329,16 @@ def _compare_on_rank0(
     return diff
 
 
-def _verify_merged(model: torch.nn.Module, folder: Path, *, compute_dtype: torch.dtype, atol: float | None) -> float:
+def _verify_merged(
+    model: torch.nn.Module, folder: Path, *, compute_dtype: torch.dtype, atol: float | None
+) -> float:
     return _compare_on_rank0(
-        model, _MERGED_RELOAD, [str(folder)], compute_dtype=compute_dtype, atol=atol, what=f"the merged model in {folder}"
+        model,
+        _MERGED_RELOAD,
+        [str(folder)],
+        compute_dtype=compute_dtype,
+        atol=atol,
+        what=f"the merged model in {folder}",
     )
 
 
@@ -476,7 +497,9 @@ def build_merged_twin(
                 raise LoraError(f"merged weights lack {name}: the twin and the trained model differ")
             dst = param.to_local() if isinstance(param, DTensor) else param
             if dst.shape != src.shape:
-                raise LoraError(f"{name}: local shard {tuple(dst.shape)} in the twin vs {tuple(src.shape)} trained")
+                raise LoraError(
+                    f"{name}: local shard {tuple(dst.shape)} in the twin vs {tuple(src.shape)} trained"
+                )
             dst.copy_(src.to(dst.dtype))
         # Buffers (rotary inv_freq) are not in the state dict; recompute them as from_pretrained does.
         for name, buf in base.named_buffers():
@@ -489,41 +512,53 @@ def build_merged_twin(
 
 
 def merge_adapter_offline(
-    base_model: str | Path,
     adapter_dir: str | Path,
     out_dir: str | Path,
     *,
+    base_model: str | Path | None = None,
     dtype: str = "bfloat16",
     max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
     verify: bool = True,
 ) -> dict[str, Any]:
     """Merge a PEFT LoRA adapter into its base in this process and write a consolidated HF folder.
 
+    The merge runs in fp32 (base loaded in fp32, ``W + scale * B @ A``), then the export module writes
+    and verifies the folder (fresh-process reload, probe logits).
+
     Args:
-        base_model: the base model's hub id or folder.
         adapter_dir: the adapter folder (adapter_config.json + adapter_model.safetensors).
-        out_dir: the output folder (export files there are replaced).
+        out_dir: the output folder (new or empty unless ``overwrite``).
+        base_model: the base model's hub id or folder; None = adapter_config.json's base_model_name_or_path.
         dtype: export dtype (``bfloat16``, ``float32``, ``float16``).
         max_shard_bytes: largest safetensors file.
-        verify: check the folder against the merged model (fresh-process reload, probe logits).
+        overwrite: write into a non-empty ``out_dir``.
+        verify: check the folder against the merged model.
 
     Returns:
-        ``{"files": [...], "max_logit_diff": float}`` (diff against base + adapter unmerged in fp32).
+        ``{"out_dir", "base_model", "files", "merge_logit_diff"}``; the last is the largest probe-logit
+        difference of the merged model against base + adapter unmerged (fp32).
 
     Raises:
-        LoraError: the adapter folder is not a PEFT adapter.
+        LoraError: not a PEFT LoRA adapter folder, a DoRA adapter, or no base model known.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_fsdp2.export import export_model
+    from hf_fsdp2.export import check_export_dir, export_model
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG_NAME).is_file():
         raise LoraError(f"{adapter_dir} has no {ADAPTER_CONFIG_NAME}: not a PEFT adapter folder")
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG_NAME).read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise LoraError(f"{adapter_dir} holds a {cfg.get('peft_type')} adapter; only LoRA is merged here")
     if cfg.get("use_dora"):
         raise LoraError("DoRA adapters are not merged here")
+    base_model = base_model or cfg.get("base_model_name_or_path")
+    if not base_model:
+        raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG_NAME} names no base model; give --base-model")
+    check_export_dir(out_dir, overwrite=overwrite)
     base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
@@ -534,6 +569,8 @@ def merge_adapter_offline(
     with torch.no_grad():
         got = merged(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
     diff = float((got - unmerged).abs().max())
+    if not diff <= 1e-3 * max(1.0, float(unmerged.abs().max())):
+        raise LoraError(f"the merged model's logits differ from base + adapter by {diff:.4g}")
     tokenizer = None
     for source in (adapter_dir, Path(str(base_model))):
         try:
@@ -552,7 +589,12 @@ def merge_adapter_offline(
         verify=verify,
         compute_dtype=torch.float32,
     )
-    return {"files": list(result.files), "max_logit_diff": diff}
+    return {
+        "out_dir": str(result.out_dir),
+        "base_model": str(base_model),
+        "files": list(result.files),
+        "merge_logit_diff": diff,
+    }
 
 
 @dataclass
@@ -644,7 +686,9 @@ def export_lora(
     if verify:
         # The written merged folder must compute what the live LoRA model computes: rank 0 reloads it with
         # plain transformers in a fresh process; the live logits come from every rank's forward.
-        result.merged_logit_diff = _verify_merged(model, merged_dir, compute_dtype=compute_dtype, atol=verify_atol)
+        result.merged_logit_diff = _verify_merged(
+            model, merged_dir, compute_dtype=compute_dtype, atol=verify_atol
+        )
         logger.info(
             "merged model in %s: fresh-process reload within %.3g of the live LoRA model's logits",
             merged_dir,

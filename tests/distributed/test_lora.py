@@ -43,13 +43,17 @@ def _pad(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def reference_peft_model(model_dir: Path) -> torch.nn.Module:
     base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    config = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         return get_peft_model(base, config)
 
 
-def reference_run(model_dir: Path, data: list[dict]) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
+def reference_run(
+    model_dir: Path, data: list[dict]
+) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
     model = reference_peft_model(model_dir)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -62,7 +66,9 @@ def reference_run(model_dir: Path, data: list[dict]) -> tuple[list[dict], dict[s
     def rank_batches(epoch: int) -> list[list[list[int]]]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         perm = perm[: n - n % WORLD]
-        return [[perm[r::WORLD][k * BS : (k + 1) * BS] for k in range(per_rank_batches)] for r in range(WORLD)]
+        return [
+            [perm[r::WORLD][k * BS : (k + 1) * BS] for k in range(per_rank_batches)] for r in range(WORLD)
+        ]
 
     out, epoch, cursor, batches = [], 0, 0, rank_batches(0)
     for _ in range(STEPS):
@@ -157,7 +163,9 @@ def test_adapter_export_holds_every_ranks_slice_and_loads_with_peft(setup, lora_
     loaded = PeftModel.from_pretrained(base, str(lora_run)).eval()
     ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, ref_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, ref_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_merged_export_equals_a_manual_merge(setup, lora_run: Path):

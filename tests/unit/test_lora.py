@@ -1,0 +1,123 @@
+"""LoRA helpers in one process: config, dtypes, memory report, merge rows, offline merge CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from support.tiny import make_tiny_llama_dir
+from transformers import LlamaForCausalLM
+
+from hf_fsdp2.cli import main as cli_main
+from hf_fsdp2.lora import (
+    LoraError,
+    LoraSettings,
+    apply_lora,
+    gather_adapter_state_dict,
+    lora_config,
+    memory_report,
+    merge_adapter_offline,
+    merged_local_weights,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("lora_unit") / "model", seed=1)
+
+
+def _trained(model_dir: Path, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = apply_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0, **kw), seed=0)
+    with torch.no_grad():  # B starts at zero: give the adapter a non-zero delta as training would
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def test_all_linear_is_peft_shorthand_and_names_are_kept() -> None:
+    assert lora_config(LoraSettings(target_modules=["all-linear"])).target_modules == "all-linear"
+    cfg = lora_config(LoraSettings(target_modules=["q_proj", "v_proj"], use_rslora=True))
+    assert set(cfg.target_modules) == {"q_proj", "v_proj"} and cfg.use_rslora
+
+
+def test_frozen_base_keeps_its_dtype_and_the_adapter_is_fp32(model_dir: Path) -> None:
+    model = _trained(model_dir, torch.bfloat16, modules_to_save=["lm_head"])
+    trainable = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and set(trainable.values()) == {torch.float32}
+    assert set(frozen.values()) == {torch.bfloat16}
+    assert any("modules_to_save" in n for n in trainable)  # lm_head trained in full, in fp32
+
+
+def test_memory_report_counts_trainable_and_adam_state(model_dir: Path) -> None:
+    model = _trained(model_dir)
+    report = memory_report(model)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert report["trainable_params"] == lora < report["total_params"]
+    assert report["optimizer_state_bytes"] == 2 * 4 * lora
+
+
+def test_seeded_init_does_not_depend_on_earlier_rng_use(model_dir: Path) -> None:
+    def adapter() -> dict[str, torch.Tensor]:
+        base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return gather_adapter_state_dict(apply_lora(base, LoraSettings(r=4), seed=5))
+
+    a = adapter()
+    torch.rand(1000)  # other code draws from the global RNG in between
+    b = adapter()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unknown_target_module_names_the_linear_layers(model_dir: Path) -> None:
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with pytest.raises(LoraError, match="q_proj"):
+        apply_lora(base, LoraSettings(target_modules=["qkv"]))
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+def test_merged_weights_equal_peft_merge_and_unload(model_dir: Path, rslora: bool) -> None:
+    model = _trained(model_dir, use_rslora=rslora, modules_to_save=["lm_head"])
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    ours = merged_local_weights(model)  # one process: the local rows are all rows
+    expected = dict(model.merge_and_unload().named_parameters())
+    assert sorted(ours) == sorted(expected)
+    for name, w in expected.items():
+        torch.testing.assert_close(ours[name], w.detach(), rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_merge_adapter_cli_writes_a_merged_folder(model_dir: Path, tmp_path: Path) -> None:
+    model = _trained(model_dir)
+    model.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    out = tmp_path / "merged"
+    assert cli_main(["merge-adapter", str(tmp_path / "adapter"), str(out), "--dtype", "float32"]) == 0
+    merged = load_file(out / "model.safetensors")
+    base = load_file(model_dir / "model.safetensors")
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    for name, w in base.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        a, b = adapter.get(f"{prefix}.lora_A.weight"), adapter.get(f"{prefix}.lora_B.weight")
+        expected = w if a is None else w + 2.0 * (b @ a)  # alpha / r = 8 / 4
+        torch.testing.assert_close(merged[name], expected, rtol=1e-6, atol=1e-6, msg=name)
+    # The merged folder computes what base + adapter compute.
+    reloaded = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(model_dir), str(tmp_path / "adapter"))
+    ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
+    # A non-empty OUT_DIR is refused (exit 2) unless --overwrite.
+    assert cli_main(["merge-adapter", str(tmp_path / "adapter"), str(out)]) == 2
+
+
+def test_merge_adapter_refuses_a_folder_without_an_adapter(tmp_path: Path) -> None:
+    with pytest.raises(LoraError, match="adapter_config.json"):
+        merge_adapter_offline(tmp_path, tmp_path / "out")
