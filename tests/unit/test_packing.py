@@ -220,24 +220,38 @@ def chat_examples(chatml_tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset
     return examples
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", "flex_attention"])
-def test_packed_and_padding_free_losses_equal_each_example_alone(
-    chat_examples: datasets.Dataset, chatml_tokenizer: PreTrainedTokenizerBase, attn_implementation: str
-) -> None:
-    model = tiny_llama(len(chatml_tokenizer), attn_implementation)
-    packed = pack_examples(chat_examples, max_length=200)
-    assert len(packed) < len(chat_examples) and max(len(row) for row in packed.rows) >= 3
+@pytest.fixture(scope="module")
+def alone_losses(
+    chat_examples: datasets.Dataset, chatml_tokenizer: PreTrainedTokenizerBase
+) -> dict[int, torch.Tensor]:
+    """Reference: the per-token losses of every example run alone (no padding, no packing), plain sdpa.
 
-    # Reference: every example alone, no padding, no packing, with plain sdpa and the same weights
-    # (flex_attention compiles a kernel per shape: running it on ten lengths would take minutes on CPU).
+    One reference for every attention implementation: the models share their weights (same seed), and
+    flex_attention compiles a kernel per shape, so running it on ten lengths would take minutes on CPU.
+    """
     reference = tiny_llama(len(chatml_tokenizer), "sdpa")
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     alone: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for i in range(len(chat_examples)):
             ids = torch.tensor([chat_examples[i]["input_ids"]])
             labels = torch.tensor([chat_examples[i]["labels"]])
             alone[i] = per_token_losses(reference(input_ids=ids).logits, labels)[0]
+    return alone
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", "flex_attention"])
+def test_packed_and_padding_free_losses_equal_each_example_alone(
+    chat_examples: datasets.Dataset,
+    chatml_tokenizer: PreTrainedTokenizerBase,
+    alone_losses: dict[int, torch.Tensor],
+    attn_implementation: str,
+) -> None:
+    model = tiny_llama(len(chatml_tokenizer), attn_implementation)
+    packed = pack_examples(chat_examples, max_length=200)
+    assert len(packed) < len(chat_examples) and max(len(row) for row in packed.rows) >= 3
+    alone = alone_losses
+    reference = tiny_llama(len(chatml_tokenizer), "sdpa")  # the weights the reference ran with
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
 
     def check(batch: dict[str, torch.Tensor], row_examples: list[list[int]]) -> None:
         assert "attention_mask" not in batch
