@@ -206,9 +206,7 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def save_adapter(
-    model: torch.nn.Module, out_dir: str | Path, *, is_main_process: bool
-) -> dict[str, torch.Tensor]:
+def save_adapter(model: Any, out_dir: str | Path, *, is_main_process: bool) -> dict[str, torch.Tensor]:
     """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors) to ``out_dir``.
 
     Every rank must call it (the adapter is gathered from all ranks); rank 0 writes.
@@ -263,17 +261,24 @@ def reload_logits(script: str, args: list[str], ids: torch.Tensor) -> torch.Tens
 
 
 def live_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The live (sharded) model's logits on ``ids``; every rank must call it (collective forward)."""
-    from hf_fsdp2.export import _live_logits
+    """The live (sharded) model's fp32 logits on ``ids``, in eval mode; every rank must call it (collective forward)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits.detach().float().cpu()
+    finally:
+        model.train(was_training)
 
-    return _live_logits(model, ids)
 
-
-def probe_ids(model: torch.nn.Module) -> torch.Tensor:
-    """A fixed probe batch for the model's vocabulary (the same on every rank)."""
-    from hf_fsdp2.export import _probe_ids
-
-    return _probe_ids(int(model.config.vocab_size))
+def probe_ids(model: Any) -> torch.Tensor:
+    """A fixed probe batch (2 x 16 ids, fixed seed) for the model's vocabulary, the same on every rank."""
+    vocab = int(model.config.vocab_size)
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1234))
 
 
 def _broadcast(value: Any) -> Any:
@@ -454,12 +459,12 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
 
 
 def build_merged_twin(
-    model: torch.nn.Module,
+    model: Any,
     *,
     layer_cls_names: tuple[str, ...],
     mp_policy: Any | None,
     adapter: str = "default",
-) -> torch.nn.Module:
+) -> Any:
     """A plain base-architecture model holding the merged weights, sharded like ``model``; no base gather.
 
     The twin is built on meta from the base config, sharded with ``fully_shard`` per decoder layer and at
