@@ -1026,7 +1026,7 @@ class _Tokenizer:
         spans: list[tuple[int, int]] = []
         for record, index in zip(records, indices, strict=True):
             try:
-                item: _Chat | _Plain | RecordError = _normalise_record(
+                normalised = _normalise_record(
                     record,
                     self.dataset_format,
                     chat_loss=self.chat_loss,
@@ -1034,13 +1034,13 @@ class _Tokenizer:
                     source=self.source,
                     index=index,
                 )
-                assert not isinstance(item, RecordError)
-                record_strings = self._strings(item, record, index)
+                record_strings = self._strings(normalised, record, index)
+                items.append(normalised)
             except RecordError as err:
                 if self.on_bad_record == "error":
                     raise
-                item, record_strings = err, []
-            items.append(item)
+                items.append(err)  # kept to be counted once the batch is assembled
+                record_strings = []
             spans.append((len(strings), len(strings) + len(record_strings)))
             strings.extend(record_strings)
         encoded = self.tokenizer(strings, add_special_tokens=False)["input_ids"] if strings else []
