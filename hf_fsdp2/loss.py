@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 IGNORE_INDEX = -100
 
@@ -62,3 +63,132 @@ def backward_scale(global_target_tokens: int, world_size: int) -> float:
     if global_target_tokens <= 0:
         return 0.0
     return world_size / global_target_tokens
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of ``hidden @ weight.T`` over chunks of rows; gradients computed in forward, chunk by chunk.
+
+    Only one ``[chunk x vocab]`` fp32 block exists at a time; backward scales the saved gradients
+    (``[tokens x hidden]`` and ``[vocab x hidden]`` fp32) by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if weight.requires_grad
+            else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk):
+            h = hidden[start : start + chunk]
+            t = targets[start : start + chunk]
+            valid = t != IGNORE_INDEX
+            safe = t.clamp(min=0)
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            # d(sum CE)/d logits = softmax - one-hot, on target rows only; computed in place.
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
+            probs.mul_(valid[:, None])
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk] = (probs @ weight.float()).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(probs.t(), h.float())
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight if grad_weight is not None else torch.empty(0),
+        )
+        ctx.has_grads = (grad_hidden is not None, grad_weight is not None)  # type: ignore[attr-defined]
+        ctx.weight_dtype = weight.dtype  # type: ignore[attr-defined]
+        return total
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        has_h, has_w = ctx.has_grads  # type: ignore[attr-defined]
+        gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
+        gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
+        return gh, gw, None, None
+
+
+def chunked_linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Summed CE of ``hidden @ weight.T`` against ``targets`` without the full logits.
+
+    Args:
+        hidden: ``[tokens, hidden]`` final hidden states (already shifted: row i predicts targets[i]).
+        weight: ``[vocab, hidden]`` output-head weight.
+        targets: ``[tokens]`` next-token ids, ``-100`` where no loss.
+        chunk_tokens: rows per chunk.
+
+    Returns:
+        A scalar fp32 tensor whose gradients match ``F.cross_entropy(hidden @ weight.T, reduction="sum")``.
+    """
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+
+
+def causal_lm_loss_sum(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, *, chunk_tokens: int
+) -> torch.Tensor:
+    """Run the model and return the summed next-token cross entropy over the target tokens.
+
+    With ``chunk_tokens > 0`` and more tokens than that in the batch, the full ``[tokens x vocab]``
+    logits are never materialised: a forward pre-hook on the output head takes the final hidden
+    states and the head's weight *inside* the head's own call (so FSDP2 has gathered the weight
+    and attaches its gradient reduction as for any call), computes the loss and its gradients
+    chunk by chunk (:func:`chunked_linear_cross_entropy_sum`), and lets the head itself run on one
+    position only. Loss and gradients equal the plain path's (tests/unit/test_loss.py, fp32, 1e-5;
+    tests/distributed/test_parity.py under FSDP2).
+
+    Args:
+        model: a causal LM with ``get_output_embeddings()`` returning a bias-free linear head.
+        inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
+        labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
+        chunk_tokens: rows per chunk; 0 disables chunking.
+
+    Returns:
+        A scalar fp32 tensor: the summed loss.
+
+    Raises:
+        ValueError: the model has no bias-free linear output head to chunk over.
+    """
+    if chunk_tokens <= 0 or labels.numel() <= chunk_tokens:
+        return cross_entropy_sum(model(**inputs, use_cache=False).logits, labels)
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if (
+        not isinstance(head, torch.nn.Module)
+        or getattr(head, "bias", None) is not None
+        or getattr(head, "weight", None) is None
+    ):
+        raise ValueError(
+            f"{type(model).__name__} has no bias-free linear output head to chunk the loss over; "
+            "set ce_chunk_tokens=0"
+        )
+    result: list[torch.Tensor] = []
+    targets = labels[:, 1:].reshape(-1)
+
+    def loss_inside_head(module: torch.nn.Module, args: tuple) -> tuple:
+        full = args[0]
+        hidden = full[:, :-1].reshape(-1, full.size(-1))
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        result.append(chunked_linear_cross_entropy_sum(hidden, weight, targets.to(full.device), chunk_tokens))
+        return (full[:, -1:], *args[1:])
+
+    handle = head.register_forward_pre_hook(loss_inside_head)
+    try:
+        model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return result[0]

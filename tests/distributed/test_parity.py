@@ -93,11 +93,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[di
 
 
 @pytest.mark.parametrize(
-    ("bs", "accum", "weight_decay", "sync_each"),
-    [(4, 1, 0.0, True), (2, 3, 0.1, True), (3, 2, 0.0, False)],
-    ids=["no-accum", "accum3-wd", "accum2-nosync"],
+    ("bs", "accum", "weight_decay", "sync_each", "ce_chunk"),
+    [(4, 1, 0.0, True, 0), (2, 3, 0.1, True, 16), (3, 2, 0.0, False, 1024)],
+    ids=["no-accum-plain-ce", "accum3-wd-chunked-ce", "accum2-nosync"],
 )
-def test_two_rank_fsdp2_matches_plain_pytorch(setup, tmp_path: Path, bs: int, accum: int, weight_decay: float, sync_each: bool):
+def test_two_rank_fsdp2_matches_plain_pytorch(
+    setup, tmp_path: Path, bs: int, accum: int, weight_decay: float, sync_each: bool, ce_chunk: int
+):
     model_dir, data_file, data = setup
     expected = reference_run(model_dir, data, bs=bs, accum=accum, weight_decay=weight_decay)
     # The micro-batches must really hold unequal numbers of target tokens, or a mean of means would pass too.
@@ -112,6 +114,7 @@ def test_two_rank_fsdp2_matches_plain_pytorch(setup, tmp_path: Path, bs: int, ac
             "--weight_decay", str(weight_decay), "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0",
             "--mixed_precision", "no", "--max_length", str(MAX_LEN), "--seed", str(SEED),
             "--fsdp_sync_each_microbatch", str(sync_each).lower(), "--export_dtype", "float32",
+            "--ce_chunk_tokens", str(ce_chunk),
         ],
         nproc=WORLD,
     )

@@ -206,3 +206,88 @@ def test_step_without_targets_has_zero_gradient() -> None:
     loss.backward()
     assert loss.item() == 0.0
     assert head.weight.grad is not None and head.weight.grad.abs().sum().item() == 0.0
+
+
+# ---- chunked cross entropy over the output head -------------------------------------------------
+
+import pytest as _pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from hf_fsdp2.loss import causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_linear_ce_equals_plain_loss_and_gradients() -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen, dtype=torch.float64).float().requires_grad_()
+    weight = torch.randn(50, 16, generator=gen).requires_grad_()
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    targets[::4] = IGNORE_INDEX
+    plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    gh, gw = torch.autograd.grad(plain * 0.7, (hidden, weight))
+    chunked = chunked_linear_cross_entropy_sum(hidden, weight, targets, 8)
+    ch, cw = torch.autograd.grad(chunked * 0.7, (hidden, weight))
+    assert abs(chunked.item() - plain.item()) <= 1e-5 * abs(plain.item())
+    assert torch.allclose(ch, gh, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(cw, gw, atol=1e-5, rtol=1e-5)
+
+
+@_pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_causal_lm_loss_chunked_equals_plain_and_never_builds_full_logits(tmp_path, tie: bool) -> None:
+    from support.tiny import make_tiny_llama_dir
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m", tie_word_embeddings=tie))
+    # 4 x 40 tokens: more rows than the hidden size, so full logits outgrow the weight-sized gradient.
+    ids = torch.randint(3, 1000, (4, 40), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :6] = IGNORE_INDEX
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    labels[0, -5:] = IGNORE_INDEX
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    results = []
+    for chunk in (0, 7):
+        model.zero_grad()
+        spy = _LargestTensor()
+        with spy:
+            loss = causal_lm_loss_sum(model, inputs, labels, chunk_tokens=chunk)
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((loss.item(), grads, spy.largest))
+    (plain, g_plain, big_plain), (chunked, g_chunked, big_chunked) = results
+    vocab = model.config.vocab_size
+    assert abs(chunked - plain) <= 1e-5 * abs(plain)
+    for name in g_plain:
+        assert torch.allclose(g_chunked[name], g_plain[name], atol=1e-5, rtol=1e-4), name
+    # The plain path builds [4 x 40 x vocab] logits; the chunked one at most a [7 x vocab] block (or the
+    # vocab x hidden weight-sized gradient).
+    assert big_plain >= 4 * 39 * vocab
+    assert big_chunked <= max(7 * vocab, vocab * model.config.hidden_size)
+    assert big_chunked < 4 * 39 * vocab
+
+
+def test_chunking_is_skipped_for_batches_no_larger_than_a_chunk(tmp_path) -> None:
+    from support.tiny import make_tiny_llama_dir
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m"))
+    ids = torch.randint(3, 1000, (1, 8))
+    a = causal_lm_loss_sum(model, {"input_ids": ids}, ids, chunk_tokens=8)
+    b = causal_lm_loss_sum(model, {"input_ids": ids}, ids, chunk_tokens=0)
+    assert a.item() == b.item()
