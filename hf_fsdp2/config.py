@@ -175,6 +175,13 @@ class TrainArgs:
     mixed_precision: Literal["bf16", "fp16", "no"] = field(
         default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
     )
+    ce_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Cross entropy over chunks of this many tokens, never the full [tokens x vocab] fp32 "
+            "logits (used when a micro-batch has more tokens); 0 = plain logits."
+        },
+    )
     ddp_timeout: int = field(
         default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
     )
@@ -495,6 +502,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.warmup_ratio < 1, f"warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     _check(t.warmup_steps >= 0, f"warmup_steps={t.warmup_steps} must be >= 0")
     _check(t.max_grad_norm >= 0, f"max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _check(t.ce_chunk_tokens >= 0, f"ce_chunk_tokens={t.ce_chunk_tokens} must be >= 0 (0 = plain logits)")
     _check(t.ddp_timeout > 0, f"ddp_timeout={t.ddp_timeout} must be > 0 seconds")
     _check(t.logging_steps >= 1, f"logging_steps={t.logging_steps} must be >= 1")
     _validate_data(d, m.attn_implementation)
