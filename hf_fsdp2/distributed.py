@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,6 +152,7 @@ def build_accelerator(
     compile_plan: CompilePlan,
     timeout_s: int = 1800,
     force_cpu: bool = False,
+    log_with: list[Any] | None = None,
 ) -> Accelerator:
     """Build an Accelerator whose ``prepare`` shards the model with FSDP2, on GPU or on CPU/gloo.
 
@@ -160,6 +162,7 @@ def build_accelerator(
         compile_plan: regional compile settings.
         timeout_s: collective timeout of the process group, in seconds (``ddp_timeout``).
         force_cpu: run on CPU even when a GPU is visible (tests).
+        log_with: accelerate trackers (``hf_fsdp2.metrics.build_trackers``) that ``init_trackers`` starts.
 
     Returns:
         The Accelerator. On CPU its process group is gloo and its distributed type is FSDP.
@@ -204,7 +207,7 @@ def build_accelerator(
         state = PartialState(cpu=True, timeout=timeout)
         state._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator = Accelerator(
-            fsdp_plugin=plugin, mixed_precision=mixed_precision, cpu=True, dynamo_plugin=dynamo
+            fsdp_plugin=plugin, mixed_precision=mixed_precision, cpu=True, dynamo_plugin=dynamo, log_with=log_with
         )
         accelerator.state.fsdp_plugin = plugin
     else:
@@ -217,6 +220,7 @@ def build_accelerator(
             mixed_precision=mixed_precision,
             dynamo_plugin=dynamo,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+            log_with=log_with,
         )
     if accelerator.distributed_type != DistributedType.FSDP:
         raise RuntimeError(

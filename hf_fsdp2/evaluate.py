@@ -9,16 +9,21 @@ batch again with every label masked, which adds nothing.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hf_fsdp2.distributed import all_reduce_sum
 from hf_fsdp2.loss import IGNORE_INDEX, count_target_tokens, cross_entropy_sum
+
+logger = logging.getLogger("hf_fsdp2")
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,9 @@ def eval_batches(
     """
     n = len(dataset)
     if n == 0 or batch_size < 1:
-        raise ValueError(f"eval needs examples and batch_size >= 1 (got {n} examples, batch_size={batch_size})")
+        raise ValueError(
+            f"eval needs examples and batch_size >= 1 (got {n} examples, batch_size={batch_size})"
+        )
     mine = list(range(rank, n, world_size))
     per_rank = math.ceil(math.ceil(n / world_size) / batch_size)  # the same on every rank
     last: dict[str, torch.Tensor] | None = None
@@ -117,7 +124,9 @@ def evaluate_loss(
             del logits
     model.train(was_training)
     # Every rank: one all_reduce of (summed CE, target tokens).
-    totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device)]))
+    totals = all_reduce_sum(
+        torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device)])
+    )
     total_loss, total_tokens = float(totals[0].item()), int(totals[1].item())
     loss = total_loss / total_tokens if total_tokens else float("nan")
     perplexity = math.exp(loss) if math.isfinite(loss) and loss < 700 else float("inf")
@@ -144,8 +153,8 @@ def generate_samples(
 ) -> list[str]:
     """Greedy completions of ``prompts`` (every rank calls it and gets the same texts).
 
-    Every rank decodes exactly ``max_new_tokens`` tokens per prompt, with a KV cache, and the text is
-    cut at the first end-of-sequence token: stopping early on one rank only would leave the others
+    Every rank decodes exactly ``max_new_tokens`` tokens per prompt and the text is cut at the first
+    end-of-sequence token: stopping early on one rank only would leave the others
     waiting in FSDP2's parameter gathers.
 
     Args:
@@ -166,15 +175,102 @@ def generate_samples(
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
-            past = None
-            new: list[int] = []
-            step_input = ids
             for _ in range(max_new_tokens):
-                out = model(input_ids=step_input, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                step_input = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
-                new.append(int(step_input.item()))
+                # The whole sequence each time, no KV cache: with FSDP2 a forward is dominated by
+                # gathering the parameters, and the cache API of transformers is still moving.
+                logits = model(input_ids=ids, use_cache=False).logits
+                ids = torch.cat([ids, logits[:, -1, :].argmax(dim=-1, keepdim=True)], dim=1)
+            new = ids[0, -max_new_tokens:].tolist()
             cut = next((i for i, t in enumerate(new) if t in stop), len(new))
             texts.append(tokenizer.decode(new[:cut], skip_special_tokens=True))
     model.train(was_training)
     return texts
+
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+class Evaluator:
+    """The recipe's evaluation: eval loss and perplexity, then samples from fixed prompts.
+
+    Holds the eval set and what batches it; :meth:`run` is called by every rank at the same steps.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        tokenizer: Any = None,
+        prompts: Sequence[str] = (),
+        max_new_tokens: int = 32,
+        output_dir: str | Path | None = None,
+        is_main_process: bool = True,
+    ) -> None:
+        """Args:
+        dataset: tokenized eval examples (not packed: one example per sequence).
+        collator: the training collator.
+        batch_size: eval examples per batch per rank.
+        rank: this rank.
+        world_size: ranks evaluating together.
+        device: where the model computes.
+        tokenizer: for the samples (needed with prompts).
+        prompts: prompts completed greedily at each eval (none: no samples).
+        max_new_tokens: tokens generated per prompt.
+        output_dir: the main process appends samples to ``output_dir/samples.jsonl``.
+        is_main_process: this rank logs and writes.
+        """
+        self.dataset, self.collator, self.batch_size = dataset, collator, batch_size
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, list(prompts), max_new_tokens
+        self.samples_path = Path(output_dir) / SAMPLES_FILE if output_dir is not None else None
+        self.is_main_process = is_main_process
+
+    def run(
+        self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
+    ) -> dict[str, float]:
+        """Evaluate at ``step`` (every rank calls it).
+
+        Args:
+            model: the (FSDP2-sharded) model; left in the mode it was in.
+            step: the optimizer step just done.
+            log: ``accelerator.log``, to send the samples to the trackers as text.
+
+        Returns:
+            ``eval_loss``, ``eval_perplexity``, ``eval_tokens``, ``eval_time_s`` (for the metrics record).
+        """
+        batches = eval_batches(
+            self.dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            collator=self.collator,
+        )
+        result = evaluate_loss(model, batches, self.device)
+        logger.info(
+            "eval at step %d: loss %.4f, perplexity %.3f (%d target tokens, %d examples, %.1fs)",
+            step, result.loss, result.perplexity, result.tokens, len(self.dataset), result.seconds,
+        )  # fmt: skip
+        if self.prompts:
+            texts = generate_samples(
+                model, self.tokenizer, self.prompts, max_new_tokens=self.max_new_tokens, device=self.device
+            )
+            for prompt, text in zip(self.prompts, texts, strict=True):
+                logger.info("sample at step %d: %r -> %r", step, prompt, text)
+            if self.is_main_process and self.samples_path is not None:
+                with self.samples_path.open("a") as fh:
+                    for prompt, text in zip(self.prompts, texts, strict=True):
+                        fh.write(json.dumps({"step": step, "prompt": prompt, "completion": text}) + "\n")
+            if log is not None:
+                log(
+                    {
+                        f"sample_{i}": f"{prompt}\n\n→ {text}"
+                        for i, (prompt, text) in enumerate(zip(self.prompts, texts, strict=True))
+                    },
+                    step=step,
+                )
+        return result.record()

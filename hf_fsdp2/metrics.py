@@ -98,7 +98,10 @@ class FlopsModel:
         """FLOPs of sequences of these non-pad lengths: ``sum(s * per_token(s))``."""
         total = sum(lengths)
         squares = sum(s * s for s in lengths)
-        return 6.0 * self.non_embedding_params * total + 12.0 * self.layers * self.heads * self.head_dim * squares
+        return (
+            6.0 * self.non_embedding_params * total
+            + 12.0 * self.layers * self.heads * self.head_dim * squares
+        )
 
 
 def non_embedding_params(model: torch.nn.Module) -> int:
@@ -112,7 +115,10 @@ def non_embedding_params(model: torch.nn.Module) -> int:
         if id(param) not in seen:
             seen.add(id(param))
             total += param.numel()
-    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    get_input, get_output = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
     embeddings = get_input() if callable(get_input) else None
     head = get_output() if callable(get_output) else None
     if isinstance(embeddings, torch.nn.Module):
@@ -298,7 +304,11 @@ class StepMeter:
     def eta_seconds(self, step: int) -> float:
         """Seconds left for the steps after ``step`` at the mean step time so far."""
         timed = self._steps_timed - 1
-        mean = self._time_after_first / timed if timed > 0 else self._interval[_STEP_TIME] / max(self._interval_steps, 1)
+        mean = (
+            self._time_after_first / timed
+            if timed > 0
+            else self._interval[_STEP_TIME] / max(self._interval_steps, 1)
+        )
         return max(self.total_steps - step, 0) * mean
 
     def collect(self, step: int, loss_sum: torch.Tensor) -> dict[str, float]:
@@ -602,7 +612,11 @@ def build_trackers(report_to: str, log_dir: str | Path, *, project: str, run_nam
 
 def tracker_values(record: Mapping[str, Any]) -> dict[str, int | float | str]:
     """The numbers of a record (not the step itself) for ``accelerator.log``."""
-    return {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
+    return {
+        k: v
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def tracker_config(flat_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -689,7 +703,9 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
         )
     if losses:
         lines.append("summary: " + ", ".join(losses))
-    lines.append(f"summary: export in {summary['export_dir']}" if summary.get("export_dir") else "summary: no export")
+    lines.append(
+        f"summary: export in {summary['export_dir']}" if summary.get("export_dir") else "summary: no export"
+    )
     return lines
 
 

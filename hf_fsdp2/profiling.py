@@ -68,15 +68,16 @@ DEBUG_VARIABLES = (
 )
 
 
-def apply_distributed_debug(level: str, output_dir: str | Path) -> list[str]:
+def apply_distributed_debug(level: str, debug_dir: str | Path) -> list[str]:
     """Set the debug variables of ``level`` in this process (call before the process group exists).
 
     A variable the environment already sets keeps its value. With ``detail`` the NCCL flight recorder
-    dumps each rank's last collectives to ``<output_dir>/debug/nccl_trace_rank_<r>`` on a timeout.
+    dumps each rank's last collectives to ``<debug_dir>/nccl_trace_rank_<r>`` on a timeout; the caller
+    creates ``debug_dir`` (on every node) once the output folder has been checked.
 
     Args:
         level: ``off``, ``info`` or ``detail``.
-        output_dir: the run folder.
+        debug_dir: folder of the flight-recorder dumps.
 
     Returns:
         ``NAME=value`` of every debug variable in effect (set here or before), for the start-up log.
@@ -88,9 +89,7 @@ def apply_distributed_debug(level: str, output_dir: str | Path) -> list[str]:
         raise ValueError(f"distributed_debug={level!r} is not one of {sorted(_DEBUG_ENV)}")
     wanted = dict(_DEBUG_ENV[level])
     if level == "detail":
-        debug_dir = Path(output_dir) / "debug"
-        debug_dir.mkdir(parents=True, exist_ok=True)
-        wanted["TORCH_FR_DUMP_TEMP_FILE"] = str(debug_dir / "nccl_trace_rank_")
+        wanted["TORCH_FR_DUMP_TEMP_FILE"] = str(Path(debug_dir) / "nccl_trace_rank_")
     for name, value in wanted.items():
         os.environ.setdefault(name, value)
     if wanted:
@@ -218,7 +217,9 @@ class StepProfiler:
         torch.cuda.memory._record_memory_history(enabled=None)
         self._recording, self.memory_steps = False, None
         self.files.append(path)
-        logger.info("memory snapshot of steps %d-%d: %s (open it on https://pytorch.org/memory_viz)", a, b, path)
+        logger.info(
+            "memory snapshot of steps %d-%d: %s (open it on https://pytorch.org/memory_viz)", a, b, path
+        )
 
     def close(self) -> None:
         """Stop whatever still records (a run stopped inside a range) and write what it has."""

@@ -58,6 +58,7 @@ from hf_fsdp2.distributed import (
     setup_logging,
     sharded_units,
 )
+from hf_fsdp2.evaluate import Evaluator
 from hf_fsdp2.export import ExportError, export_model, last_metrics
 from hf_fsdp2.hub import (
     RUN_FOLDER_IGNORE,
@@ -68,9 +69,21 @@ from hf_fsdp2.hub import (
     render_model_card,
 )
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
-from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
 from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
-from hf_fsdp2.metrics import MetricsWriter, StepTimer, format_log_line
+from hf_fsdp2.metrics import (
+    MetricsWriter,
+    Progress,
+    StepMeter,
+    build_trackers,
+    flops_model,
+    format_summary,
+    non_embedding_params,
+    peak_flops_for,
+    run_summary,
+    tracker_config,
+    tracker_values,
+    write_summary,
+)
 from hf_fsdp2.model import (
     check_max_length,
     count_parameters,
@@ -81,6 +94,7 @@ from hf_fsdp2.model import (
 )
 from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, restore_scheduler, warmup_steps_for
 from hf_fsdp2.packing import PackedCollator, layout_summary, pack_examples
+from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -105,8 +119,9 @@ def batches_forever(loader: DataLoader, sampler: ShardedSampler, cursor: DataCur
 
 def main(argv: list[str] | None = None) -> None:
     # ---- config: YAML + CLI, validated; nothing heavy happens before it is known to be sane.
+    run_start = time.perf_counter()
     cfg = parse_config(argv)
-    m, d, t, f, e = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export
+    m, d, t, f, e, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export, cfg.observe
     # Hub: repo id, offline mode and token are checked before any work (every rank, no network).
     pushes = e.push_to_hub or e.push_checkpoints_to_branch
     hub_token = check_can_push(e.hub_model_id, e.hub_token) if pushes else None
@@ -121,7 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     check_max_length(d.max_length, model_config)
 
-    # ---- accelerator: FSDP2 through Accelerate, on GPU or CPU/gloo.
+    # ---- accelerator: FSDP2 through Accelerate, on GPU or CPU/gloo; debug variables before the process
+    # group exists, trackers (checked installed) before any work.
+    debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
+    trackers = build_trackers(
+        o.report_to, output_dir / "tensorboard", project=o.tracker_project, run_name=o.run_name or output_dir.name
+    )
     compile_on = f.torch_compile if f.torch_compile is not None else has_accelerator_device()
     plan = ShardingPlan(
         reshard_after_forward=f.fsdp_reshard_after_forward,
@@ -140,8 +160,14 @@ def main(argv: list[str] | None = None) -> None:
             fullgraph=f.torch_compile_fullgraph,
         ),
         timeout_s=t.ddp_timeout,
+        log_with=trackers,
     )
     setup_logging(accelerator.is_main_process)
+    logger.info(
+        "collective timeout ddp_timeout=%ds; debug variables: %s",
+        t.ddp_timeout,
+        ", ".join(debug_env) or "none (distributed_debug=off)",
+    )
     for note in launcher_overrides(plan, t.mixed_precision):
         logger.info("the recipe's value is used over accelerate launch's: %s", note)
     if t.mixed_precision == "no" and m.torch_dtype != "float32":
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.wait_for_everyone()  # every rank checked output_dir before rank 0 writes into it
     if accelerator.is_main_process:
         save_config(cfg, output_dir / "hf_fsdp2_config.yaml")
+    if o.distributed_debug == "detail":
+        (output_dir / "debug").mkdir(parents=True, exist_ok=True)  # every rank (node): flight-recorder dumps
     set_seed(t.seed)
     logger.info("world size %d on %s; mixed precision %s", world, accelerator.device, t.mixed_precision)
     logger.info(
@@ -258,6 +286,18 @@ def main(argv: list[str] | None = None) -> None:
     logger.info(
         "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
     )
+    # MFU: FLOPs from the unsharded model's config; the peak from the GPU's name unless peak_flops is given.
+    flops = flops_model(model.config, non_embedding_params(model))
+    on_cuda = accelerator.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(accelerator.device) if on_cuda else "cpu"
+    peak = o.peak_flops or (peak_flops_for(device_name) if on_cuda else None)
+    logger.info(
+        "FLOPs per token 6N + 12LHQT = %.3g at T=max_length=%d (N=%.1fM non-embedding, L=%d, H=%d, Q=%d; T is "
+        "each sequence's own length); MFU against %s",
+        flops.per_token(d.max_length), d.max_length, flops.non_embedding_params / 1e6, flops.layers, flops.heads,
+        flops.head_dim, f"{peak:.4g} FLOP/s per device ({device_name})" if peak
+        else f"nothing: no known peak for {device_name} (set peak_flops); achieved TFLOP/s are reported",
+    )  # fmt: skip
     optimizer = build_adamw(
         param_groups(model, t.weight_decay),
         lr=t.learning_rate,
@@ -350,18 +390,57 @@ def main(argv: list[str] | None = None) -> None:
 
     stop = StopRequest().install()
 
+    # ---- observability: eval set (whole examples, not packed), trackers, meter, profiler, progress.
+    evaluator = None
+    if data.eval is not None:
+        evaluator = Evaluator(
+            data.eval,
+            collator=collator,
+            batch_size=o.per_device_eval_batch_size or t.per_device_train_batch_size,
+            rank=accelerator.process_index,
+            world_size=world,
+            device=accelerator.device,
+            tokenizer=tokenizer,
+            prompts=o.eval_prompts,
+            max_new_tokens=o.eval_max_new_tokens,
+            output_dir=output_dir,
+            is_main_process=accelerator.is_main_process,
+        )
+    accelerator.init_trackers(o.tracker_project, config=tracker_config(cfg.to_flat_dict()))
+    meter = StepMeter(
+        flops=flops,
+        world_size=world,
+        device=accelerator.device,
+        total_steps=total_steps,
+        peak_flops=peak,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    profiler = StepProfiler(
+        profile_steps=parse_step_range(o.profile_steps, "profile_steps"),
+        memory_steps=parse_step_range(o.memory_snapshot_steps, "memory_snapshot_steps"),
+        output_dir=output_dir,
+        rank=accelerator.process_index,
+        device=accelerator.device,
+        first_step=first_step,
+        last_step=total_steps,
+    )
+
     # ---- the loop.
     metrics = MetricsWriter(
         output_dir,
         enabled=accelerator.is_main_process,
         resume_step=first_step - 1 if first_step > 1 else None,
     )
-    batches = batches_forever(loader, sampler, cursor)
-    timer = StepTimer()
-    start = time.perf_counter()
+    progress = Progress(total_steps, first_step, enabled=accelerator.is_main_process)
+    batches = meter.wrap(batches_forever(loader, sampler, cursor))  # times the wait for data
+    record: dict | None = None
+    eval_fields: dict | None = None
     model.train()
     for step in range(first_step, total_steps + 1):
+        profiler.start_step(step)
+        meter.start_step()
         micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
+        meter.count(micro_batches)  # non-pad tokens and FLOPs, on the host
         local_tokens = sum(count_target_tokens(b["labels"]) for b in micro_batches)
         local_processed = sum(b["input_ids"].numel() for b in micro_batches)
         # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss;
@@ -394,22 +473,29 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = float(all_reduce_sum(loss_sum).item()) / max(global_tokens, 1)  # every rank
-        step_time = timer.lap()
-        if step % t.logging_steps == 0 or step == total_steps:
+        eval_now = evaluator is not None and (step == total_steps or (o.eval_steps and step % o.eval_steps == 0))
+        log_now = step % t.logging_steps == 0 or step == total_steps or eval_now
+        meter.end_step(global_tokens, sync=log_now)
+        profiler.end_step(step)
+        progress.step()
+        if log_now:
+            stats = meter.collect(step, loss_sum)  # every rank: one all_gather of a few numbers
             record = {
                 "step": step,
-                "loss": step_loss,
+                "loss": stats.pop("loss_sum") / max(global_tokens, 1),
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "target_tokens": global_tokens,
                 "padding_efficiency": global_tokens / max(global_processed, 1),
-                "target_tokens_per_s": global_tokens / step_time,
-                "step_time_s": step_time,
+                **stats,
                 "epoch": sampler.epoch,
             }
+            if evaluator is not None and eval_now:  # every rank
+                eval_fields = evaluator.run(model, step, log=accelerator.log)
+                record.update(eval_fields)
             metrics.write(record)
-            logger.info("%s pad_eff %.3f", format_log_line(record, total_steps), record["padding_efficiency"])
+            accelerator.log(tracker_values(record), step=step)
+            progress.log(record)
         saved = False
         if t.save_steps and (step % t.save_steps == 0 or step == total_steps):
             save(step)
@@ -418,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
             if not saved:
                 save(step)
             checkpointer.wait()
+            profiler.close()
+            progress.close()
             logger.warning(
                 "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest",
                 step,
@@ -425,9 +513,10 @@ def main(argv: list[str] | None = None) -> None:
             accelerator.end_training()
             return
     checkpointer.wait()
+    profiler.close()
+    progress.close()
     if pusher is not None:
         pusher.push_new()
-    train_seconds = time.perf_counter() - start
 
     # ---- export: consolidated HF folder in output_dir, written by every rank (none gathers the
     # model), verified against the live model, then published; a model card from the run.
@@ -471,12 +560,19 @@ def main(argv: list[str] | None = None) -> None:
             verify_atol=e.export_verify_atol,
             compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
         )
-    logger.info(
-        "done: %d steps in %.1fs; model, tokenizer and metrics.jsonl in %s",
-        total_steps,
-        train_seconds,
-        output_dir,
+    summary = run_summary(
+        meter,
+        first_step=first_step,
+        last_step=total_steps,
+        wall_seconds=time.perf_counter() - run_start,
+        last_record=record,
+        last_eval=eval_fields,
+        export_dir=output_dir,
     )
+    for line in format_summary(summary):
+        logger.info(line)
+    if accelerator.is_main_process:
+        write_summary(summary, output_dir)
     accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
