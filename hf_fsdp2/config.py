@@ -513,6 +513,13 @@ def validate(cfg: Config) -> None:
     _check(0 <= p.lora_dropout < 1, f"lora_dropout={p.lora_dropout} must be in [0, 1)")
     _check(bool(p.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
     _check(not p.merge_adapter or p.use_peft, "merge_adapter=true needs use_peft=true")
+    # Accelerate maps the optimizer's parameters to the sharded ones by data_ptr, which is 0 for every meta
+    # parameter of the non-zero ranks: their optimizer then steps the wrong adapter tensors (docs/lora.md).
+    _check(
+        not (p.use_peft and f.fsdp_cpu_ram_efficient_loading),
+        "use_peft=true with fsdp_cpu_ram_efficient_loading=true is not supported (the non-zero ranks' optimizer "
+        "would hold the wrong adapter parameters); set fsdp_cpu_ram_efficient_loading=false",
+    )
     _validate_hub(e, t.save_steps)
     if t.mixed_precision == "fp16":
         raise ConfigError(

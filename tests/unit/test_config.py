@@ -312,6 +312,7 @@ def test_fp16_is_refused_with_the_alternatives() -> None:
         (("--save_total_limit=-2",), "save_total_limit"),
         (("--use_peft", "true", "--lora_r", "0"), "lora_r"),
         (("--merge_adapter", "true"), "merge_adapter"),
+        (("--use_peft", "true", "--fsdp_cpu_ram_efficient_loading", "true"), "fsdp_cpu_ram_efficient_loading"),
         (("--push_to_hub", "true"), "push_to_hub"),
         (("--report_to", "mlflow"), "report_to"),
         (("--torch_compile_mode", "fast"), "torch_compile_mode"),
