@@ -64,6 +64,14 @@ MUST_MATCH = (
     "seed",
     "per_device_train_batch_size",
     "use_peft",
+    "dataset_mixture",
+    "dataset_column_mapping",
+    "dataset_revision",
+    "chat_loss",
+    "long_examples",
+    "on_bad_record",
+    "eval_split_fraction",
+    "padding_free",
 )
 
 

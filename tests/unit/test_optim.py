@@ -55,6 +55,11 @@ def test_param_groups_omit_empty_groups() -> None:
     assert param_groups(frozen, weight_decay=0.1) == []
 
 
+def test_build_adamw_uses_foreach_where_no_fused_kernel() -> None:
+    opt = build_adamw(param_groups(Toy(), 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="meta")
+    assert all(not g["fused"] and g["foreach"] for g in opt.param_groups)
+
+
 def test_build_adamw_keeps_groups_and_hyperparameters() -> None:
     model = Toy()
     opt = build_adamw(param_groups(model, 0.1), lr=3e-4, betas=(0.8, 0.95), eps=1e-6, device_type="cpu")
@@ -64,7 +69,7 @@ def test_build_adamw_keeps_groups_and_hyperparameters() -> None:
         assert group["lr"] == 3e-4
         assert group["betas"] == (0.8, 0.95)
         assert group["eps"] == 1e-6
-        assert not group["fused"]
+        assert group["fused"]  # torch's fused AdamW kernel exists for CPU and CUDA
     # One real step moves a parameter that has a gradient.
     before = model.proj.weight.detach().clone()
     model.proj(torch.ones(2, 4)).sum().backward()
