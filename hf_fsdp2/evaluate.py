@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2.distributed import all_reduce_sum
-from hf_fsdp2.loss import IGNORE_INDEX, count_target_tokens, cross_entropy_sum
+from hf_fsdp2.loss import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -95,7 +95,11 @@ def eval_batches(
 
 
 def evaluate_loss(
-    model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], device: torch.device
+    model: torch.nn.Module,
+    batches: Iterator[dict[str, torch.Tensor]],
+    device: torch.device,
+    *,
+    chunk_tokens: int = 0,
 ) -> EvalResult:
     """Token-weighted eval loss of ``model`` over every rank's batches (every rank calls it).
 
@@ -105,6 +109,8 @@ def evaluate_loss(
         model: the (FSDP2-sharded) model.
         batches: this rank's batches from :func:`eval_batches`.
         device: where the model computes.
+        chunk_tokens: cross entropy over chunks of this many tokens, as in training (``ce_chunk_tokens``);
+            0 computes the full logits.
 
     Returns:
         The :class:`EvalResult` (NaN loss when the eval set has no target token).
@@ -119,9 +125,8 @@ def evaluate_loss(
             tokens += count_target_tokens(batch["labels"])
             on_device = {k: v.to(device) for k, v in batch.items()}
             inputs = {k: v for k, v in on_device.items() if k != "labels"}
-            logits = model(**inputs, use_cache=False).logits
-            loss_sum += cross_entropy_sum(logits, on_device["labels"]).double()
-            del logits
+            loss = causal_lm_loss_sum(model, inputs, on_device["labels"], chunk_tokens=chunk_tokens)
+            loss_sum += loss.double()
     model.train(was_training)
     # Every rank: one all_reduce of (summed CE, target tokens).
     totals = all_reduce_sum(
@@ -210,6 +215,7 @@ class Evaluator:
         max_new_tokens: int = 32,
         output_dir: str | Path | None = None,
         is_main_process: bool = True,
+        chunk_tokens: int = 0,
     ) -> None:
         """Args:
         dataset: tokenized eval examples (not packed: one example per sequence).
@@ -223,12 +229,14 @@ class Evaluator:
         max_new_tokens: tokens generated per prompt.
         output_dir: the main process appends samples to ``output_dir/samples.jsonl``.
         is_main_process: this rank logs and writes.
+        chunk_tokens: the loss's ``ce_chunk_tokens``.
         """
         self.dataset, self.collator, self.batch_size = dataset, collator, batch_size
         self.rank, self.world_size, self.device = rank, world_size, device
         self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, list(prompts), max_new_tokens
         self.samples_path = Path(output_dir) / SAMPLES_FILE if output_dir is not None else None
         self.is_main_process = is_main_process
+        self.chunk_tokens = chunk_tokens
 
     def run(
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
@@ -250,7 +258,7 @@ class Evaluator:
             batch_size=self.batch_size,
             collator=self.collator,
         )
-        result = evaluate_loss(model, batches, self.device)
+        result = evaluate_loss(model, batches, self.device, chunk_tokens=self.chunk_tokens)
         logger.info(
             "eval at step %d: loss %.4f, perplexity %.3f (%d target tokens, %d examples, %.1fs)",
             step, result.loss, result.perplexity, result.tokens, len(self.dataset), result.seconds,

@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=o.eval_max_new_tokens,
             output_dir=output_dir,
             is_main_process=accelerator.is_main_process,
+            chunk_tokens=t.ce_chunk_tokens,
         )
     accelerator.init_trackers(o.tracker_project, config=tracker_config(cfg.to_flat_dict()))
     meter = StepMeter(

@@ -52,6 +52,10 @@ def test_eval_loss_is_token_weighted_over_all_examples() -> None:
     assert result.loss == pytest.approx(total / count, rel=1e-5)
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
     assert model.training is False  # mode restored
+    # The chunked cross entropy of training (ce_chunk_tokens) gives the same eval loss.
+    chunked = evaluate_loss(model, eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
+                            torch.device("cpu"), chunk_tokens=4)
+    assert chunked.tokens == count and chunked.loss == pytest.approx(result.loss, rel=1e-5)
 
 
 class _Tok:
