@@ -125,8 +125,9 @@ def evaluate_loss(
             tokens += count_target_tokens(batch["labels"])
             on_device = {k: v.to(device) for k, v in batch.items()}
             inputs = {k: v for k, v in on_device.items() if k != "labels"}
-            loss = causal_lm_loss_sum(model, inputs, on_device["labels"], chunk_tokens=chunk_tokens)
-            loss_sum += loss.double()
+            loss_sum += causal_lm_loss_sum(
+                model, inputs, on_device["labels"], chunk_tokens=chunk_tokens
+            ).double()
     model.train(was_training)
     # Every rank: one all_reduce of (summed CE, target tokens).
     totals = all_reduce_sum(
