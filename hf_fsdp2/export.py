@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -85,6 +85,8 @@ _ST_SIZES = {
     "BOOL": 1,
 }
 _COPY_BYTES = 16 * 2**20  # bytes copied at a time when assembling a file
+PART_BYTES = 256 * 2**20  # per rank and DCP save: bounds the writer's host memory (see _write_weights)
+RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Module-name fragments of wrappers that state_dict() hides (activation checkpointing, compile, FSDP1).
 _WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -108,6 +110,7 @@ class VerifyReport:
     max_logit_diff: float = float("nan")
     atol: float = 0.0
     reload_dtype: str = ""
+    reload_devices: list[str] = field(default_factory=list)  # ["cpu"], or ["cpu", "disk"] when streamed
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -119,7 +122,8 @@ class VerifyReport:
             return "FAILED: " + "; ".join(self.problems)
         return (
             f"verified: {self.tensors} tensors bit-exact ({self.bytes_compared / 1e6:.1f} MB read back by the "
-            f"ranks that own them); reloaded with transformers in {self.reload_dtype}, probe logits max |diff| "
+            f"ranks that own them); reloaded with transformers in {self.reload_dtype} (weights on "
+            f"{'+'.join(self.reload_devices)}), probe logits max |diff| "
             f"{self.max_logit_diff:.3g} <= atol {self.atol:.3g}"
         )
 
@@ -323,10 +327,10 @@ def file_names(count: int) -> list[str]:
 class _Plan:
     """Everything every rank agrees on before writing: names, global shapes, dtypes, files."""
 
-    tensors: dict[str, torch.Tensor]  # checkpoint name -> this rank's (sharded) tensor, export dtype
+    sources: dict[str, torch.Tensor]  # checkpoint name -> this rank's (sharded) tensor, as trained
     module_names: dict[str, str]  # checkpoint name -> module name
     shapes: dict[str, tuple[int, ...]]  # checkpoint name -> global shape
-    dtypes: dict[str, torch.dtype]
+    dtypes: dict[str, torch.dtype]  # checkpoint name -> export dtype
     files: list[list[str]]
     names: list[str]
     weights_dtype: torch.dtype  # the dtype config.json states
@@ -334,6 +338,10 @@ class _Plan:
     @property
     def total_bytes(self) -> int:
         return sum(_nbytes(self.shapes[k], self.dtypes[k]) for k in self.shapes)
+
+    def cast(self, key: str) -> torch.Tensor:
+        """This rank's shard of ``key`` in the export dtype (a copy only when the dtype changes)."""
+        return self.sources[key].detach().to(self.dtypes[key])
 
 
 def _plan(model: torch.nn.Module, dtype: str, max_shard_bytes: int) -> _Plan:
@@ -346,21 +354,21 @@ def _plan(model: torch.nn.Module, dtype: str, max_shard_bytes: int) -> _Plan:
     torch_dtype = resolve_dtype(dtype, raw)
     shapes = {k: tuple(v.shape) for k, v in raw.items()}  # DTensor.shape is the global shape
     names = checkpoint_names(model, shapes)
-    tensors: dict[str, torch.Tensor] = {}
-    for k, v in raw.items():
-        cast = v.to(torch_dtype) if torch_dtype is not None and v.is_floating_point() else v
-        tensors[names[k]] = cast.detach()
-    dtypes = {k: v.dtype for k, v in tensors.items()}
+    sources = {names[k]: v for k, v in raw.items()}
+    dtypes = {
+        k: torch_dtype if torch_dtype is not None and v.is_floating_point() else v.dtype
+        for k, v in sources.items()
+    }
     unsupported = sorted({str(d) for d in dtypes.values() if d not in _ST_CODES})
     if unsupported:
         raise ExportError(f"tensors of dtype {unsupported} cannot be written as safetensors here")
     ckpt_shapes = {names[k]: s for k, s in shapes.items()}
-    sizes = {k: _nbytes(ckpt_shapes[k], dtypes[k]) for k in tensors}
+    sizes = {k: _nbytes(ckpt_shapes[k], dtypes[k]) for k in sources}
     files = plan_files(sizes, max_shard_bytes)
     floating = [d for d in dtypes.values() if d.is_floating_point]
     weights_dtype = torch_dtype or (max(set(floating), key=floating.count) if floating else torch.float32)
     return _Plan(
-        tensors=tensors,
+        sources=sources,
         module_names={v: k for k, v in names.items()},
         shapes=ckpt_shapes,
         dtypes=dtypes,
@@ -509,17 +517,31 @@ def assemble_file(
 
 
 def _write_weights(plan: _Plan, stage: Path) -> None:
-    """Every rank: write this rank's shards (DCP), then assemble files i with i % world == rank."""
+    """Every rank: write its shards as part files (DCP), then assemble files i with i % world == rank.
+
+    The shards go out in groups of about ``PART_BYTES`` per rank, one ``dcp.save`` each: DCP's
+    safetensors writer builds each part file in memory, and a group is cast to the export dtype only
+    when it is written, so the extra host memory of a rank stays near 2 x PART_BYTES whatever the
+    model size (a single larger tensor shard is its own group).
+    """
     parts = stage / PARTS_NAME
-    mapping = {k: i + 1 for i, keys in enumerate(plan.files) for k in keys}
-    writer = HuggingFaceStorageWriter(path=str(parts), fqn_to_index_mapping=mapping, save_distributed=True)
+    sizes = {k: _nbytes(plan.shapes[k], plan.dtypes[k]) for k in plan.shapes}
+    for index, keys in enumerate(plan_files(sizes, PART_BYTES * _world()), start=1):
 
-    def save() -> None:
-        # Collective: every rank writes its own shards.
-        with _single_process_dcp():
-            dcp.save(plan.tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+        def cast(keys: list[str] = keys) -> dict[str, torch.Tensor]:
+            return {k: plan.cast(k) for k in keys}
 
-    _agree("writing each rank's shards", save)
+        group = _agree(f"casting part {index}", cast)
+        writer = HuggingFaceStorageWriter(
+            path=str(parts), fqn_to_index_mapping=dict.fromkeys(keys, index), save_distributed=True
+        )
+
+        def save(group: dict[str, torch.Tensor] = group, writer: HuggingFaceStorageWriter = writer) -> None:
+            with _single_process_dcp():  # collective: every rank writes its own shards of the group
+                dcp.save(group, storage_writer=writer, no_dist=not dist.is_initialized())
+
+        _agree(f"writing part {index} of each rank's shards", save)
+        del group
 
     def assemble() -> None:
         chunks = _index_parts(parts)
@@ -697,10 +719,11 @@ def export_model(
 
 # Runs in a fresh interpreter: plain transformers, no hf_fsdp2, as a user would load the folder.
 _RELOAD = r"""
-import json, sys, torch
+import sys, torch
 from transformers import AutoModelForCausalLM
-folder, dtype, probe, out = sys.argv[1:5]
-model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True)
+folder, dtype, probe, out, ram, offload = sys.argv[1:7]
+kwargs = dict(device_map="auto", max_memory={"cpu": int(ram)}, offload_folder=offload)
+model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs)
 model.eval()
 ids = torch.load(probe)
 with torch.no_grad():
@@ -710,8 +733,9 @@ torch.save({
     "logits": logits,
     "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
     "shapes": {k: list(v.shape) for k, v in model.state_dict().items()},
-    "tied": head is not None and head.weight.data_ptr() == emb.weight.data_ptr(),
+    "tied": head is not None and head.weight is emb.weight,
     "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
+    "devices": sorted(set(map(str, (getattr(model, "hf_device_map", None) or {"": "cpu"}).values()))),
 }, out)
 """
 
@@ -753,55 +777,71 @@ def _live_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         model.train(was_training)
 
 
-def _reload_in_subprocess(folder: Path, dtype: torch.dtype, ids: torch.Tensor) -> dict[str, Any]:
-    """Load ``folder`` with plain transformers in a fresh process; return its logits and findings."""
+def _reload_in_subprocess(
+    folder: Path, dtype: torch.dtype, ids: torch.Tensor, ram_bytes: int, offload: Path
+) -> dict[str, Any]:
+    """Load ``folder`` with plain transformers in a fresh CPU process; return its logits and findings.
+
+    Weights beyond ``ram_bytes`` stay on disk (accelerate's offload, under ``offload``), so the
+    reload never holds a large model in memory; it only streams it through the probe's forward.
+    """
     with tempfile.TemporaryDirectory(prefix="hf_fsdp2-verify-") as tmp:
         probe, out = Path(tmp) / "probe.pt", Path(tmp) / "out.pt"
         torch.save(ids, probe)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _RELOAD,
-                str(folder),
-                str(dtype).removeprefix("torch."),
-                str(probe),
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+        args = [
+            str(folder),
+            str(dtype).removeprefix("torch."),
+            str(probe),
+            str(out),
+            str(ram_bytes),
+            str(offload),
+        ]
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _RELOAD, *args], capture_output=True, text=True, env=env, check=False
+            )
+        finally:
+            shutil.rmtree(offload, ignore_errors=True)
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"error": f"from_pretrained in a fresh process failed: {' | '.join(tail)}"}
         return dict(torch.load(out))
 
 
+def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's part of ``tensor`` and where it sits in the full tensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple(slice(0, s) for s in tensor.shape)
+    local = tensor.to_local()
+    chunks = tensor.__create_chunk_list__()  # the chunk DCP writes for this rank (one per placement)
+    if len(chunks) != 1:
+        raise ExportError(f"a DTensor with {len(chunks)} local chunks cannot be read back here")
+    offsets = chunks[0].offsets
+    return local, tuple(slice(o, o + s) for o, s in zip(offsets, local.shape, strict=True))
+
+
 def _readback(plan: _Plan, folder: Path) -> tuple[int, int, list[str]]:
-    """Every rank: read its own shards back from the final files and compare them bit for bit."""
-    loaded = {k: torch.empty_like(v) for k, v in plan.tensors.items()}
-    # Each rank reads only the slices it owns, through an independent reader of plain HF files.
-    with _single_process_dcp():
-        dcp.load(
-            loaded, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized()
-        )
-    problems, nbytes = [], 0
-    for k, want in plan.tensors.items():
-        got = loaded[k]
-        a = want.to_local() if isinstance(want, DTensor) else want
-        b = got.to_local() if isinstance(got, DTensor) else got
-        nbytes += a.numel() * a.element_size()
-        if a.dtype != b.dtype or not torch.equal(
-            a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b
-        ):
-            diff = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
-            problems.append(
-                f"{k}: the bytes on disk differ from the model's (max |diff| {diff:.3g}) on rank {_rank()}"
-            )
-    return len(plan.tensors), nbytes, problems
+    """Every rank: read its own slices back from the final files, one tensor at a time, and compare
+    them bit for bit with its shards in the export dtype (no rank reads more than it owns)."""
+    from safetensors import safe_open
+
+    problems: list[str] = []
+    nbytes = 0
+    for name, keys in zip(plan.names, plan.files, strict=True):
+        with safe_open(str(folder / name), framework="pt") as f:
+            for k in keys:
+                want, where = _local_slices(plan.cast(k))
+                if want.numel() == 0:
+                    continue
+                got = f.get_slice(k)[where] if want.dim() else f.get_tensor(k)
+                nbytes += want.numel() * want.element_size()
+                if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                    diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else "?"
+                    problems.append(
+                        f"{k}: the bytes on disk differ from the model's (max |diff| {diff}) on rank {_rank()}"
+                    )
+    return len(plan.shapes), nbytes, problems
 
 
 def _check_headers(plan: _Plan, folder: Path) -> list[str]:
@@ -857,6 +897,7 @@ def verify_export(
     dtype: str = "bfloat16",
     atol: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    reload_ram_bytes: int = RELOAD_RAM_BYTES,
 ) -> VerifyReport:
     """Check an exported folder against the live model; raise on any mismatch.
 
@@ -864,13 +905,14 @@ def verify_export(
 
     1. headers: every expected tensor is in a file, with its global shape and the export dtype; no
        extra tensor; the index maps each tensor to the file that holds it; file sizes add up;
-    2. values: each rank reads back the slices of the files it owns and compares them bit for bit
-       with its shards cast to the export dtype (no rank reads the whole model);
+    2. values: each rank reads back, one tensor at a time, the slices of the files it owns and
+       compares them bit for bit with its shards cast to the export dtype (no rank reads the model);
     3. reload: rank 0 loads the folder in a fresh Python process with plain transformers (no missing,
        unexpected or mismatched keys; the same tensor names and shapes as the live model; tied
-       embeddings tied) and computes logits on a fixed probe batch, which must be within ``atol`` of
-       the live model's (computed by all ranks). The reload holds one copy of the model, in
-       ``compute_dtype``, in that process on rank 0's host.
+       embeddings tied) and computes logits on a fixed probe batch, on CPU in ``compute_dtype``,
+       which must be within ``atol`` of the live model's (computed by all ranks). That process keeps
+       at most ``reload_ram_bytes`` of weights in memory; the rest stays on disk and streams through
+       the forward (accelerate's offload, next to the folder), so no process holds a large model.
 
     Args:
         model: the live model the folder was exported from.
@@ -879,6 +921,7 @@ def verify_export(
         dtype: the export dtype, used when ``plan`` is None.
         atol: largest probe-logit difference accepted; None = :func:`default_atol`.
         compute_dtype: dtype the live model computes in; None = its weights' dtype.
+        reload_ram_bytes: weights the reload keeps in memory.
 
     Returns:
         The report (``ok`` is true: a failed check raises).
@@ -899,7 +942,7 @@ def verify_export(
     if report.ok:
         try:
             tensors, nbytes, problems = _readback(plan, folder)
-        except (Exception, CheckpointException) as err:
+        except Exception as err:
             tensors, nbytes, problems = 0, 0, [f"reading the files back failed: {type(err).__name__}: {err}"]
         gathered: list[Any] = [(tensors, nbytes, problems)]
         if dist.is_initialized():
@@ -930,14 +973,18 @@ def verify_export(
     )
     reload_problems: list[str] = []
     max_diff = float("nan")
+    devices: list[str] = []
     if _rank() == 0 and report.ok:
-        found = _reload_in_subprocess(folder, compute_dtype, ids)
+        offload = folder.parent / f"{folder.name}.verify-offload"
+        found = _reload_in_subprocess(folder, compute_dtype, ids, reload_ram_bytes, offload)
         reload_problems, max_diff = _compare_reload(found, model, plan, live, report.atol)
-    box: list[Any] = [(reload_problems, max_diff)]
+        devices = list(found.get("devices", []))
+    box: list[Any] = [(reload_problems, max_diff, devices)]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)  # every rank: rank 0's findings
     report.problems += box[0][0]
     report.max_logit_diff = box[0][1]
+    report.reload_devices = box[0][2]
     if not report.ok:
         raise ExportVerificationError(
             f"the export in {folder} does not reproduce the model: " + "; ".join(report.problems[:8])

@@ -322,6 +322,18 @@ def test_a_failed_verification_publishes_nothing(untied: Tiny, tmp_path: Path, m
     assert (tmp_path / STAGE_NAME / WEIGHTS_NAME).is_file()  # the rejected files, kept to inspect
 
 
+def test_verification_streams_a_model_larger_than_its_ram_budget_from_disk(
+    untied: Tiny, tmp_path: Path
+) -> None:
+    export(untied, tmp_path / "export", dtype="bfloat16")
+    small = verify_export(untied.model, tmp_path / "export", dtype="bfloat16", reload_ram_bytes=500_000)
+    assert small.ok and "disk" in small.reload_devices  # 8 MB of fp32 weights, 0.5 MB in RAM
+    whole = verify_export(untied.model, tmp_path / "export", dtype="bfloat16")
+    assert whole.reload_devices == ["cpu"]
+    assert small.max_logit_diff == whole.max_logit_diff  # the same numbers, streamed or not
+    assert not (tmp_path / "export.verify-offload").exists()  # the offload folder is removed
+
+
 def test_default_tolerance_is_tight_when_the_export_is_lossless() -> None:
     assert default_atol(torch.float32, torch.float32, 30.0) == pytest.approx(0.03)
     assert default_atol(torch.float32, torch.bfloat16, 30.0) == pytest.approx(0.6)
