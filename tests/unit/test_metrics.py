@@ -274,3 +274,54 @@ def test_distributed_debug_sets_env_without_overriding(monkeypatch: pytest.Monke
     before = dict(os.environ)
     assert "NCCL_DEBUG=WARN" in apply_distributed_debug("off", tmp_path)
     assert dict(os.environ) == before  # off sets nothing
+
+
+REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out"]
+
+
+def test_observe_config_keys() -> None:
+    from hf_fsdp2.config import parse_config
+
+    cfg = parse_config([*REQUIRED, "--report_to", "tensorboard", "--eval_split_fraction", "0.05", "--eval_steps",
+                        "10", "--eval_prompts", "hi", "there", "--profile_steps", "3-5", "--peak_flops", "989e12"])
+    o = cfg.observe
+    assert (o.report_to, o.eval_steps, o.eval_prompts, o.profile_steps, o.peak_flops) == (
+        "tensorboard", 10, ["hi", "there"], "3-5", 989e12)
+    assert cfg.to_flat_dict()["report_to"] == "tensorboard"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--report_to", "mlflow"], "report_to='mlflow'"),
+        (["--eval_steps", "5"], "eval_steps=5 but there is no eval set"),
+        (["--eval_prompts", "hi"], "eval_prompts"),
+        (["--eval_steps=-1", "--eval_split_fraction", "0.1"], "eval_steps=-1"),
+        (["--profile_steps", "5-2"], "profile_steps='5-2'"),
+        (["--memory_snapshot_steps", "x"], "memory_snapshot_steps='x'"),
+        (["--peak_flops", "0"], "peak_flops=0"),
+        (["--per_device_eval_batch_size", "0"], "per_device_eval_batch_size=0"),
+    ],
+)
+def test_observe_config_errors(args: list[str], message: str) -> None:
+    from hf_fsdp2.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config([*REQUIRED, *args])
+    assert message in str(err.value)
+
+
+def test_progress_bar_when_interactive(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    record = {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.0, "target_tokens": 3, "target_tokens_per_s": 3.0,
+              "step_time_s": 1.0, "tokens_per_s": 12.0, "tokens_per_s_per_device": 6.0, "eval_loss": 2.0}
+    bar = metrics.Progress(4, 1, enabled=True, interactive=True)
+    bar.step()
+    bar.log(record)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "1/4" in err and "loss=2.5000" in err
+    with caplog.at_level("INFO", logger="hf_fsdp2"):
+        lines = metrics.Progress(4, 1, enabled=True, interactive=False)
+        lines.log(record)
+        metrics.Progress(4, 1, enabled=False, interactive=False).log(record)
+    assert [r.getMessage() for r in caplog.records] == [format_log_line(record, 4)]  # one line, rank 0 only
