@@ -309,8 +309,13 @@ def _compare_on_rank0(
     compute_dtype: torch.dtype,
     atol: float | None,
     what: str,
+    weights_dtype: torch.dtype | None = None,
 ) -> float:
-    """Live probe logits (every rank) vs a fresh-process reload (rank 0); raises LoraError beyond ``atol``."""
+    """Live probe logits (every rank) vs a fresh-process reload (rank 0); raises LoraError beyond ``atol``.
+
+    ``weights_dtype`` is the dtype the reloaded weights were written in (None = ``compute_dtype``): a
+    bf16 export of an fp32 run rounds the weights, and the default tolerance allows for it.
+    """
     from hf_fsdp2.export import default_atol
 
     ids = probe_ids(model)
@@ -323,7 +328,7 @@ def _compare_on_rank0(
             tol = (
                 atol
                 if atol is not None
-                else default_atol(compute_dtype, compute_dtype, float(live.abs().max()))
+                else default_atol(weights_dtype or compute_dtype, compute_dtype, float(live.abs().max()))
             )
             result = (diff, None if diff <= tol else f"probe logits differ by {diff:.4g} > atol {tol:.3g}")
         except LoraError as err:
@@ -335,8 +340,10 @@ def _compare_on_rank0(
 
 
 def _verify_merged(
-    model: torch.nn.Module, folder: Path, *, compute_dtype: torch.dtype, atol: float | None
+    model: torch.nn.Module, folder: Path, *, compute_dtype: torch.dtype, atol: float | None, dtype: str
 ) -> float:
+    from hf_fsdp2.export import EXPORT_DTYPES
+
     return _compare_on_rank0(
         model,
         _MERGED_RELOAD,
@@ -344,6 +351,7 @@ def _verify_merged(
         compute_dtype=compute_dtype,
         atol=atol,
         what=f"the merged model in {folder}",
+        weights_dtype=EXPORT_DTYPES.get(dtype),
     )
 
 
@@ -692,7 +700,7 @@ def export_lora(
         # The written merged folder must compute what the live LoRA model computes: rank 0 reloads it with
         # plain transformers in a fresh process; the live logits come from every rank's forward.
         result.merged_logit_diff = _verify_merged(
-            model, merged_dir, compute_dtype=compute_dtype, atol=verify_atol
+            model, merged_dir, compute_dtype=compute_dtype, atol=verify_atol, dtype=dtype
         )
         logger.info(
             "merged model in %s: fresh-process reload within %.3g of the live LoRA model's logits",
