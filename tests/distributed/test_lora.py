@@ -204,3 +204,39 @@ def test_resume_gives_the_uninterrupted_losses_and_adapter(setup, lora_run: Path
     a = load_file(out / "adapter_model.safetensors")
     b = load_file(lora_run / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_frozen_bf16_base_with_fp32_adapter_in_one_fsdp_unit(setup, tmp_path: Path, mixed_precision: str):
+    """A bf16 base and an fp32 adapter share each decoder layer's FSDP2 unit: under bf16 mixed precision
+    (all-gathered and computed in bf16) and without a cast (bf16 and fp32 all-gathered together)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model_dir, data_file, _ = setup
+    out = tmp_path / "run"
+    args = _recipe_args(model_dir, data_file, out, "--torch_dtype", "bfloat16", "--max_steps", "2")
+    args[args.index("--mixed_precision") + 1] = mixed_precision
+    args[args.index("--save_steps") + 1] = "2"
+    if mixed_precision == "bf16":
+        args += [
+            "--merge_adapter",
+            "true",
+            "--export_dtype",
+            "bfloat16",
+        ]  # both exports verified by the recipe
+    else:
+        args += ["--export_verify", "false"]
+    torchrun(SFT, args, nproc=WORLD)
+    meta = FileSystemReader(str(out / "checkpoint-2")).read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in meta.items() if hasattr(v, "properties")}
+    model_keys = [k for k in dtypes if k.startswith("model.")]
+    lora = [k for k in model_keys if ".lora_" in k]
+    assert lora and {dtypes[k] for k in lora} == {torch.float32}
+    assert {dtypes[k] for k in model_keys if k not in lora} == {torch.bfloat16}
+    # The optimizer holds state for the adapter alone.
+    optim = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in dtypes if k.startswith("optim.state.")}
+    assert optim and all(".lora_" in k for k in optim)
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    assert (out / "adapter_model.safetensors").is_file()
+
