@@ -760,7 +760,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; give the output_dir of a run")
-    records = read_metrics(path)
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the line a running job is writing
     if not records:
         raise ValueError(f"{path} holds no record yet")
     try:

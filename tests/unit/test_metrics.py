@@ -212,6 +212,8 @@ def test_plot_command_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[
         if step % 2 == 0:
             record["eval_loss"] = 2.5 / step
         writer.write(record)
+    with (tmp_path / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 5, "lo')  # a running job is writing this line
     assert cli_main(["plot", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     names = sorted(Path(p).name for p in out["plots"])
