@@ -327,3 +327,23 @@ def test_progress_bar_when_interactive(capsys: pytest.CaptureFixture[str], caplo
         lines.log(record)
         metrics.Progress(4, 1, enabled=False, interactive=False).log(record)
     assert [r.getMessage() for r in caplog.records] == [format_log_line(record, 4)]  # one line, rank 0 only
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_sequence_lengths_of_real_packed_batches(padding_free: bool) -> None:
+    import datasets
+
+    from hf_fsdp2.packing import PackedCollator, pack_examples
+
+    lengths = [5, 9, 3, 7, 4, 6, 2, 8]
+    examples = datasets.Dataset.from_dict({
+        "input_ids": [[7] * n for n in lengths],  # pad id 0 never appears in real tokens...
+        "labels": [[-100] + [7] * (n - 1) for n in lengths],
+        "length": lengths,
+        "num_targets": [n - 1 for n in lengths],
+    })
+    packed = pack_examples(examples, max_length=12)
+    batch = PackedCollator(pad_token_id=0, padding_free=padding_free)([packed[i] for i in range(len(packed))])
+    got = sequence_lengths(batch, pad_token_id=0)
+    assert sorted(got) == sorted(lengths)  # ...so every real sequence is found and padding is not one
+    assert sum(got) < batch["input_ids"].numel() or padding_free
