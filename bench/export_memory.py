@@ -67,40 +67,52 @@ def build_model_dir(path: Path, size: str) -> Path:
 
 
 class RssSampler:
-    """Peak RSS of this process and its children, sampled every few milliseconds in a thread."""
+    """Peak memory of this process and its children, sampled every few milliseconds in a thread.
+
+    ``peak`` is the resident set size (RSS); ``peak_anon`` leaves out file-backed pages (RSS minus
+    Linux's "shared" resident pages: mapped files such as safetensors read with mmap), which the
+    kernel can drop at any time; the heap, tensors and buffers are anonymous memory.
+    """
 
     def __init__(self, interval_s: float = 0.005) -> None:
         import psutil
 
         self.proc = psutil.Process()
         self.interval_s = interval_s
-        self.peak = 0
+        self.peak = self.peak_anon = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def rss(self) -> int:
+    def sample(self) -> tuple[int, int]:
         import psutil
 
-        total = self.proc.memory_info().rss
-        for child in self.proc.children(recursive=True):
+        rss = anon = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
-                total += child.memory_info().rss
-        return int(total)
+                info = p.memory_info()
+                rss += info.rss
+                anon += info.rss - getattr(info, "shared", 0)
+        return rss, anon
+
+    def _update(self) -> None:
+        rss, anon = self.sample()
+        self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            self._update()
             time.sleep(self.interval_s)
 
     def __enter__(self) -> RssSampler:
-        self.peak = self.rss()
+        self.before, self.before_anon = self.sample()
+        self.peak, self.peak_anon = self.before, self.before_anon
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.rss())
+        self._update()
 
 
 def free_port() -> int:
@@ -138,12 +150,17 @@ def worker(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.model)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
+    # One training step first, so that the export runs as at the end of training (FSDP2 initialised,
+    # optimizer state allocated), not right after loading.
+    ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     out = Path(args.out_case)
     release_freed_memory()
     dist.barrier()
     start = time.perf_counter()
     with RssSampler() as sampler:
-        baseline = sampler.peak
         if args.method.startswith("gather_free"):
             unwrapped = acc.unwrap_model(model)
             export_model(
@@ -158,8 +175,8 @@ def worker(args: argparse.Namespace) -> None:
     weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     row = {
         "rank": rank, "world": acc.num_processes, "method": args.method, "params": n_params,
-        "weights_bytes": weights, "rss_before": baseline, "rss_peak": sampler.peak,
-        "rss_increase": sampler.peak - baseline, "seconds": seconds, "max_shard": args.max_shard_size,
+        "weights_bytes": weights, "rss_before": sampler.before, "rss_peak": sampler.peak,
+        "rss_increase": sampler.peak - sampler.before, "anon_increase": sampler.peak_anon - sampler.before_anon, "seconds": seconds, "max_shard": args.max_shard_size,
     }  # fmt: skip
     Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(row))
     acc.end_training()
@@ -204,16 +221,15 @@ def main() -> None:
                 rows.append(row)
             subprocess.run(["rm", "-rf", str(case)], check=True)
     mib = 2**20
-    print(
-        "\n| model | params | written | max shard | world | method | rank | RSS before | peak RSS | increase | time |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    head = "| model | written | world | method | rank | RSS before | peak RSS | RSS increase | anon increase | time |"
+    print("\n" + head + "\n" + "|---" * 10 + "|")
     for r in rows:
-        print(
-            f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['weights_bytes'] / mib:.0f} MiB | {r['max_shard']} | {r['world']} | "
-            f"{r['method']} | {r['rank']} | {r['rss_before'] / mib:.0f} MiB | {r['rss_peak'] / mib:.0f} MiB | "
-            f"{r['rss_increase'] / mib:.0f} MiB | {r['seconds']:.1f}s |"
-        )
+        cells = [
+            f"{r['size']} ({r['params'] / 1e6:.0f}M)", f"{r['weights_bytes'] / mib:.0f} MiB", r["world"], r["method"],
+            r["rank"], f"{r['rss_before'] / mib:.0f} MiB", f"{r['rss_peak'] / mib:.0f} MiB",
+            f"{r['rss_increase'] / mib:.0f} MiB", f"{r['anon_increase'] / mib:.0f} MiB", f"{r['seconds']:.1f}s",
+        ]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

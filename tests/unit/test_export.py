@@ -393,6 +393,17 @@ def test_assemble_row_and_column_chunks_and_an_int_tensor(tmp_path: Path) -> Non
     assert torch.equal(got["steps"], steps) and torch.equal(got["scalar"], scalar)
 
 
+def test_read_slice_rows_and_columns(tmp_path: Path) -> None:
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
+    save_file({"a": torch.zeros(3), "w": full}, str(tmp_path / "f.safetensors"))
+    header, start = export_module._read_header(tmp_path / "f.safetensors")
+    rows = (slice(1, 3), slice(0, 6))  # a dim-0 shard: one plain read
+    cols = (slice(0, 4), slice(2, 5))  # a column shard: through safetensors
+    for where in (rows, cols):
+        got = export_module._read_slice(tmp_path / "f.safetensors", header, start, "w", where)
+        assert torch.equal(got, full[where]), where
+
+
 def test_assemble_refuses_a_missing_shard(tmp_path: Path) -> None:
     rows = torch.zeros(6, 2)
     write_part(tmp_path / "r0.safetensors", {"w": rows[:3]}, {"w": [0, 0]})  # rank 1 never wrote rows 3-5
