@@ -103,6 +103,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _collective_device() -> torch.device:
+    """Where a small tensor for a collective must live: NCCL takes CUDA tensors only."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -315,7 +320,7 @@ class Checkpointer:
             phase()
         except (Exception, CheckpointException) as err:  # OSError, or DCP's CheckpointException (a BaseException)
             failure = err
-        ok = torch.tensor(0 if failure else 1)
+        ok = torch.tensor(0 if failure else 1, device=_collective_device())
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank
         if int(ok) == 0:
@@ -402,7 +407,7 @@ class StopRequest:
 
     def should_stop(self) -> bool:
         """True on every rank when any rank got SIGTERM (collective: every rank calls it each step)."""
-        flag = torch.tensor(1 if self.requested else 0)
+        flag = torch.tensor(1 if self.requested else 0, device=_collective_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

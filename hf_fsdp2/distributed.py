@@ -207,7 +207,11 @@ def build_accelerator(
         state = PartialState(cpu=True, timeout=timeout)
         state._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator = Accelerator(
-            fsdp_plugin=plugin, mixed_precision=mixed_precision, cpu=True, dynamo_plugin=dynamo, log_with=log_with
+            fsdp_plugin=plugin,
+            mixed_precision=mixed_precision,
+            cpu=True,
+            dynamo_plugin=dynamo,
+            log_with=log_with,
         )
         accelerator.state.fsdp_plugin = plugin
     else:
@@ -254,8 +258,39 @@ def prepare_fsdp2(
         The sharded model and its optimizer.
     """
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
+    names = {id(p): name for name, p in model.named_parameters()}
+    group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     model, optimizer = accelerator.prepare(model, optimizer)
+    _repoint_optimizer(model, optimizer, group_names)
     return model, optimizer
+
+
+def _canonical(name: str) -> str:
+    """A parameter name without the wrappers AC and compile insert."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _repoint_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]
+) -> None:
+    """Make every optimizer group hold exactly the sharded parameters of its names.
+
+    Accelerate maps the old parameters to the sharded ones by ``data_ptr``; parameters built on the
+    meta device (the ranks other than 0 under ``cpu_ram_efficient_loading``) all have data_ptr 0, so
+    that map sends them to the wrong tensors and those ranks would step the wrong weights. Re-pointing
+    by name is exact in every case; the optimizer has no state yet, so nothing else moves.
+
+    Raises:
+        RuntimeError: a name of the optimizer groups is not a parameter of the sharded model.
+    """
+    sharded = {_canonical(name): p for name, p in model.named_parameters()}
+    for group, wanted in zip(optimizer.param_groups, group_names, strict=True):
+        missing = [n for n in wanted if _canonical(n) not in sharded]
+        if missing:
+            raise RuntimeError(
+                f"parameters {missing[:5]} are not in the sharded model; cannot build the optimizer"
+            )
+        group["params"] = [sharded[_canonical(n)] for n in wanted]
 
 
 def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

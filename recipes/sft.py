@@ -69,7 +69,7 @@ from hf_fsdp2.hub import (
     render_model_card,
 )
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
-from hf_fsdp2.loss import backward_scale, count_target_tokens, cross_entropy_sum
+from hf_fsdp2.loss import backward_scale, causal_lm_loss_sum, count_target_tokens
 from hf_fsdp2.metrics import (
     MetricsWriter,
     Progress,
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     # group exists, trackers (checked installed) before any work.
     debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
     trackers = build_trackers(
-        o.report_to, output_dir / "tensorboard", project=o.tracker_project, run_name=o.run_name or output_dir.name
+        o.report_to,
+        output_dir / "tensorboard",
+        project=o.tracker_project,
+        run_name=o.run_name or output_dir.name,
     )
     compile_on = f.torch_compile if f.torch_compile is not None else has_accelerator_device()
     plan = ShardingPlan(
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning(
             "mixed_precision=no with torch_dtype=%s trains in %s throughout (no fp32 master weights); "
             "use mixed_precision=bf16 for bf16 compute with fp32 master weights",
-            m.torch_dtype, m.torch_dtype,
+            m.torch_dtype,
+            m.torch_dtype,
         )
     world = accelerator.num_processes
     accelerator.wait_for_everyone()  # every rank checked output_dir before rank 0 writes into it
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
             long_examples=d.long_examples,
             on_bad_record=d.on_bad_record,
             num_proc=d.dataset_num_proc,
-            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split) if d.eval_dataset_name else None,
+            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split)
+            if d.eval_dataset_name
+            else None,
             eval_split_fraction=d.eval_split_fraction,
         )
     for line in data.summary_lines(d.max_length):
@@ -446,7 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         local_processed = sum(b["input_ids"].numel() for b in micro_batches)
         # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss;
         # over the tokens processed (padding included) it is the step's padding efficiency.
-        counts = all_reduce_sum(torch.tensor([local_tokens, local_processed], dtype=torch.long))
+        counts = all_reduce_sum(
+            torch.tensor([local_tokens, local_processed], dtype=torch.long, device=accelerator.device)
+        )
         global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
         scale = backward_scale(global_tokens, world)
         loss_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
@@ -459,11 +467,10 @@ def main(argv: list[str] | None = None) -> None:
             # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
             # or padding-free ones, which transformers honours only without a KV cache.
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            logits = model(**inputs, use_cache=False).logits
-            micro_loss = cross_entropy_sum(logits, batch["labels"])
+            micro_loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_tokens=t.ce_chunk_tokens)
             accelerator.backward(micro_loss * scale)
             loss_sum += micro_loss.detach()
-            del logits, micro_loss
+            del micro_loss
         if global_tokens == 0:
             logger.warning("step %d has no target token on any rank: its gradient is zero", step)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -474,7 +481,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        eval_now = evaluator is not None and (step == total_steps or (o.eval_steps and step % o.eval_steps == 0))
+        eval_now = evaluator is not None and (
+            step == total_steps or (o.eval_steps and step % o.eval_steps == 0)
+        )
         log_now = step % t.logging_steps == 0 or step == total_steps or eval_now
         meter.end_step(global_tokens, sync=log_now)
         profiler.end_step(step)

@@ -50,6 +50,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_each_rank_holds_half_of_every_parameter_and_reduces_in_fp32(models, tmp_path: Path):
     r0, r1 = _run(tmp_path, models["untied"], "--ac")
     for r in (r0, r1):
+        assert r["optimizer_holds_model_params"]
         assert r["distributed_type"] == "DistributedType.FSDP"
         assert r["world"] == 2
         assert r["model_class"] == "FSDPLlamaForCausalLM"
@@ -86,6 +87,8 @@ def test_tied_embeddings_compile_and_rank0_loading_round_trip(models, tmp_path: 
     # rank 0 and the gathered model equals the checkpoint.
     assert r0["meta_params_before_prepare"] == 0
     assert r1["meta_params_before_prepare"] == len(r1["params"])
+    # ...and its optimizer steps the sharded parameters themselves (not tensors matched by a data_ptr of 0).
+    assert r0["optimizer_holds_model_params"] and r1["optimizer_holds_model_params"]
     assert r0["max_init_diff"] == 0.0
     assert "lm_head.weight" not in r0["export_keys"]
     assert "model.embed_tokens.weight" in r0["export_keys"]
@@ -99,3 +102,22 @@ def test_tied_embeddings_compile_and_rank0_loading_round_trip(models, tmp_path: 
     reload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert reload["tied"] is True
     assert reload["hf_fsdp2_imported"] is False
+
+
+def test_rank0_loading_trains_exactly_like_loading_everywhere(models, tmp_path: Path):
+    from support.launch import SFT
+    from support.tiny import write_chat_jsonl
+
+    from hf_fsdp2.metrics import read_metrics
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16, seed=1)
+    losses = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        torchrun(SFT, [
+            "--model_name_or_path", str(models["untied"]), "--dataset_name", str(data), "--output_dir", str(out),
+            "--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "3e-3",
+            "--mixed_precision", "no", "--fsdp_cpu_ram_efficient_loading", flag, "--export_verify", "false",
+        ])
+        losses[flag] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    assert losses["true"] == losses["false"]

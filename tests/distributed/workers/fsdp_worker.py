@@ -54,6 +54,11 @@ def main() -> None:
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
 
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    report["optimizer_holds_model_params"] = len(opt_params) == len(model_params) and all(
+        id(p) in model_params for p in opt_params
+    )
     report.update({"distributed_type": str(acc.distributed_type), "world": acc.num_processes, "params": {}})
     for name, p in model.named_parameters():
         report["params"][name] = {
