@@ -1174,6 +1174,11 @@ def export_checkpoint(
     from hf_fsdp2.hub import render_model_card
     from hf_fsdp2.model import load_tokenizer
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ExportError(
+            "hf-fsdp2 export runs as one process (it needs no GPU and no process group); run it without "
+            "torchrun / accelerate launch"
+        )
     out = Path(out_dir).expanduser()
     check_export_dir(out, overwrite=overwrite)
     ckpt = Path(checkpoint).expanduser()
