@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_export.py: shard a tiny model, train a step, export gather-free.
+"""Worker for tests/distributed/test_export_2rank.py: shard a tiny model, train a step, export gather-free.
 
 Run under torchrun; rank 0 writes ``<out>/report.json`` and ``<out>/reference.pt`` (the full trained
 weights, gathered here only as the test's reference, cast to the export dtype).
