@@ -1,7 +1,7 @@
 """Unit tests for hf_fsdp2.export in one process: the folder from_pretrained must load, the file
 layout, the assembly of per-rank parts, verification, and the offline export's errors.
 
-The 2-rank (gather-free) path is tested in tests/distributed/test_export.py.
+The 2-rank (gather-free) path is tested in tests/distributed/test_export_2rank.py.
 """
 
 from __future__ import annotations
@@ -420,7 +420,7 @@ def test_assemble_refuses_shards_that_do_not_tile(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Offline export: errors on a bad checkpoint (the happy path runs in tests/distributed/test_export.py)
+# Offline export: errors on a bad checkpoint (the happy path runs in tests/distributed/test_export_2rank.py)
 # ---------------------------------------------------------------------------------------------------
 
 
