@@ -5,9 +5,12 @@ The fake hub implements the endpoints an upload uses: repo and branch creation, 
 validation, preupload (upload modes and remote oids, which make re-uploads resume), the git-LFS batch
 API and the upload it points to, tree listing, and the ndjson commit. It stores what arrives, so tests
 compare the bytes on the "hub" with the local files. Failures are injected per path (HTTP status N
-times). What is not emulated: Xet storage (the chunked transfer hf_xet uses for LFS-mode files when
-installed): LFS-mode files are tested through the git-LFS path (HF_HUB_DISABLE_XET), and the
-resumable multi-commit pipeline that upload_folder uses with hf_xet is tested with regular-mode files.
+times). It also stands in for Xet storage, which hf_xet (installed with huggingface_hub) uses for
+LFS-mode files: the write-token endpoint, the CAS's global-dedup query, xorb upload and the NDJSON
+shard upload; the test decodes the uploaded xorbs (uncompressed chunks of random data) back into the
+file's bytes. Not emulated: the CAS's xorb upload grants (the client's documented
+HF_XET_CLIENT_LEGACY_DIRECT_XORB_UPLOAD=1 switch uses the direct xorb upload instead), compressed
+chunks, and the CAS validating a shard against its xorbs.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.failures: list[list[Any]] = []  # [method, path regex, status, remaining]
         self.upload_mode = "auto"  # "auto": lfs for *.safetensors and files >= 1 MB; "regular": all regular
+        self.xorbs: list[bytes] = []  # Xet storage: xorbs in upload order
+        self.shards: list[bytes] = []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -128,6 +133,8 @@ class FakeHub:
                 return self._send(req, 400, {"error": "sha256 mismatch"})
             self.lfs[oid] = body
             return self._send(req, 200)
+        if path.startswith("/cas/") or path == "/v1/telemetry":
+            return self.xet_storage(req, method, path, body)
         if req.headers.get("authorization") != f"Bearer {TOKEN}":
             return self._send(req, 401, {"error": "Invalid credentials in Authorization header"})
         routes = [
@@ -138,6 +145,7 @@ class FakeHub:
             ("POST", r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>.+)$", self.commit),
             ("GET", r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?P<sub>/.*)?$", self.tree),
             ("GET", r"^/api/models/(?P<repo>[^/]+/[^/]+)/revision/(?P<rev>.+)$", self.revision),
+            ("GET", r"^/api/models/(?P<repo>[^/]+/[^/]+)/xet-write-token/(?P<rev>.+)$", self.xet_token),
             ("POST", r"^/(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch$", self.lfs_batch),
         ]
         for verb, pattern, fn in routes:
@@ -147,6 +155,45 @@ class FakeHub:
                 status, answer = fn(json.loads(body) if body and "commit" not in path else body, **params)
                 return self._send(req, status, answer)
         return self._send(req, 404, {"error": f"no route {method} {path}"})
+
+    # ---- Xet storage (CAS), as hf_xet's client speaks to it
+    def xet_token(self, payload: Any, repo: str, rev: str) -> tuple[int, Any]:
+        return 200, {"casUrl": f"{self.url}/cas", "accessToken": "xet-write", "exp": 4102444800}
+
+    def xet_storage(self, req: BaseHTTPRequestHandler, method: str, path: str, body: bytes) -> None:
+        if path == "/v1/telemetry":
+            return self._send(req, 200, {})
+        if req.headers.get("authorization") != "Bearer xet-write":
+            return self._send(req, 401, {"error": "bad xet token"})
+        if method == "GET" and path.startswith("/cas/v1/chunks/"):
+            return self._send(req, 404, {"error": "no global dedup match"})
+        if method == "POST" and path.startswith("/cas/v1/xorbs/"):
+            self.xorbs.append(body)
+            return self._send(req, 200, {"was_inserted": True})
+        if method == "POST" and path == "/cas/v2/shards":
+            self.shards.append(body)
+            frames = b'{"type":"validating","verified":1,"total":1}\n{"type":"result"}\n'
+            req.send_response(200)
+            req.send_header("Content-Type", "application/x-ndjson")
+            req.send_header("Content-Length", str(len(frames)))
+            req.end_headers()
+            req.wfile.write(frames)
+            return None
+        return self._send(req, 404, {"error": f"no CAS route {method} {path}"})
+
+    def xorb_payload(self) -> bytes:
+        """The chunk data of every uploaded xorb, in order (uncompressed chunks only)."""
+        out = b""
+        for xorb in self.xorbs:
+            i = 0
+            while i + 8 <= len(xorb):
+                version, csize, scheme = xorb[i], int.from_bytes(xorb[i + 1 : i + 4], "little"), xorb[i + 4]
+                usize = int.from_bytes(xorb[i + 5 : i + 8], "little")
+                if version != 0 or scheme != 0 or csize != usize or i + 8 + csize > len(xorb):
+                    break  # the footer (or a compressed chunk, which this fake does not decode)
+                out += xorb[i + 8 : i + 8 + csize]
+                i += 8 + csize
+        return out
 
     # ---- endpoints
     def _repo(self, repo: str) -> dict[str, Any] | None:
@@ -245,9 +292,12 @@ class FakeHub:
             if key == "file":
                 files[value["path"]] = base64.b64decode(value["content"])
             elif key == "lfsFile":
-                if value["oid"] not in self.lfs:
+                if value["oid"] in self.lfs:
+                    files[value["path"]] = self.lfs[value["oid"]]
+                elif self.shards:  # uploaded through Xet storage: the test checks the xorbs
+                    files[value["path"]] = b"xet:" + value["oid"].encode()
+                else:
                     return 422, {"error": f"LFS object {value['oid']} was never uploaded"}
-                files[value["path"]] = self.lfs[value["oid"]]
             elif key == "deletedFile":
                 files.pop(value["path"], None)
             elif key == "deletedFolder":
@@ -541,6 +591,25 @@ def test_cli_push_and_dry_run(hub: FakeHub, export_dir: Path, tmp_path: Path) ->
         hub.repos[REPO]["visibility"] == "public"
         and hub.repos[REPO]["commits"][-1]["summary"] == "v1 weights"
     )
+
+
+def test_cli_push_through_xet_storage(hub: FakeHub, tmp_path: Path) -> None:
+    """The path every real push of weights takes: hf_xet chunks the file and uploads xorbs and a shard."""
+    pytest.importorskip("hf_xet")
+    folder = tmp_path / "export"
+    folder.mkdir()
+    weights = os.urandom(300_000)  # random: stored uncompressed, so the fake can read the xorbs back
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "config.json").write_text("{}")
+    env = cli_env(hub, tmp_path, HF_HUB_DISABLE_XET="0", HF_XET_CLIENT_LEGACY_DIRECT_XORB_UPLOAD="1")
+    proc = run_cli(["push", str(folder), REPO], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sha = hashlib.sha256(weights).hexdigest()
+    assert hub.files()["model.safetensors"] == b"xet:" + sha.encode()  # committed by its sha256
+    assert hub.files()["config.json"] == b"{}"  # regular file, inline in the commit
+    assert hub.lfs == {} and hub.shards  # no git-LFS upload: Xet storage only
+    assert hub.xorb_payload() == weights
+    assert ("GET", f"/api/models/{REPO}/xet-write-token/main") in hub.requests
 
 
 def test_cli_push_errors_are_one_clear_line(hub: FakeHub, export_dir: Path, tmp_path: Path) -> None:
