@@ -35,6 +35,11 @@ RUN_FOLDER_IGNORE = [
     "latest",
     ".*",
     "**/.*",
+    # Run artefacts of the observability features: per-rank traces and tracker logs are not model files.
+    "profile/**",
+    "tensorboard/**",
+    "debug/**",
+    "merged/**",
 ]
 CHECKPOINT_PATH_IN_REPO = "last-checkpoint"
 

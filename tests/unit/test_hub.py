@@ -669,6 +669,14 @@ def test_run_folder_ignore_patterns_skip_checkpoints_and_staging(export_dir: Pat
     shutil.rmtree(export_dir / "checkpoint-5")
 
 
+def test_run_folder_ignore_patterns_skip_traces_tracker_logs_and_debug_dumps(export_dir: Path) -> None:
+    for extra in ("profile/rank0.pt.trace.json", "tensorboard/run/events.out.tfevents.1", "debug/rank0_fr"):
+        (export_dir / extra).parent.mkdir(parents=True, exist_ok=True)
+        (export_dir / extra).write_text("x")
+    plan = [p for p, _ in upload_plan(export_dir, ignore_patterns=RUN_FOLDER_IGNORE)]
+    assert plan == EXPORT_FILES
+
+
 # ---------------------------------------------------------------------------------------------------
 # The recipe: push at the end of training, checkpoints to a branch, and the token checked first
 # ---------------------------------------------------------------------------------------------------
