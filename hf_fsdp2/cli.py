@@ -320,18 +320,19 @@ def _run_show_data(args: argparse.Namespace) -> int:
     from hf_fsdp2.config import ConfigError, parse_config
     from hf_fsdp2.data import (
         DataSource,
-        build_sft_datasets,
+        build_sft_datasets_from_config,
         format_trained_spans,
         load_source,
-        parse_column_mapping,
-        parse_source,
-        resolve_sources,
     )
     from hf_fsdp2.model import load_tokenizer
     from hf_fsdp2.packing import layout_summary, pack_examples
 
     # output_dir is required by the recipe but unused here: a placeholder keeps recipes without it working.
-    argv = (["--config", str(args.config)] if args.config else []) + [*args.overrides, "--output_dir", "unused"]
+    argv = (["--config", str(args.config)] if args.config else []) + [
+        *args.overrides,
+        "--output_dir",
+        "unused",
+    ]
     try:
         cfg = parse_config(argv)
         m, d, t = cfg.model, cfg.data, cfg.train
@@ -347,28 +348,7 @@ def _run_show_data(args: argparse.Namespace) -> int:
             raw = load_source(source)
             return raw.select(range(min(limit, len(raw)))) if limit > 0 else raw
 
-        data = build_sft_datasets(
-            resolve_sources(
-                dataset_name=d.dataset_name,
-                dataset_config_name=d.dataset_config_name,
-                dataset_split=d.dataset_split,
-                dataset_revision=d.dataset_revision,
-                dataset_mixture=d.dataset_mixture,
-            ),
-            tokenizer,
-            max_length=d.max_length,
-            seed=t.seed,
-            dataset_format=d.dataset_format,
-            column_mapping=parse_column_mapping(d.dataset_column_mapping),
-            chat_loss=d.resolved_chat_loss(),
-            completion_only_loss=d.completion_only_loss,
-            long_examples=d.long_examples,
-            on_bad_record=d.on_bad_record,
-            num_proc=d.dataset_num_proc,
-            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split) if d.eval_dataset_name else None,
-            eval_split_fraction=d.eval_split_fraction,
-            load=load,
-        )
+        data = build_sft_datasets_from_config(d, tokenizer, seed=t.seed, load=load)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         return _user_error("show-data", err)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

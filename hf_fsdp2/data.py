@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import datasets
 import numpy as np
@@ -50,6 +50,9 @@ from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data import Dataset as TorchDataset
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from hf_fsdp2.config import DataArgs
 
 IGNORE_INDEX = -100
 """Label of tokens without loss: the default ``ignore_index`` of ``torch.nn.functional.cross_entropy``."""
@@ -1389,6 +1392,43 @@ def build_sft_datasets(
 # --------------------------------------------------------------------------------------------------
 
 _GREEN, _RESET = "\x1b[42;30m", "\x1b[0m"
+
+
+def build_sft_datasets_from_config(
+    d: DataArgs,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    load: Callable[[DataSource], datasets.Dataset] = load_source,
+) -> SFTData:
+    """:func:`build_sft_datasets` with every setting taken from a recipe's data section.
+
+    The recipe and ``hf-fsdp2 show-data`` both call this, so what the latter shows is what trains.
+    """
+    return build_sft_datasets(
+        resolve_sources(
+            dataset_name=d.dataset_name,
+            dataset_config_name=d.dataset_config_name,
+            dataset_split=d.dataset_split,
+            dataset_revision=d.dataset_revision,
+            dataset_mixture=d.dataset_mixture,
+        ),
+        tokenizer,
+        max_length=d.max_length,
+        seed=seed,
+        dataset_format=d.dataset_format,
+        column_mapping=parse_column_mapping(d.dataset_column_mapping),
+        chat_loss=d.resolved_chat_loss(),
+        completion_only_loss=d.completion_only_loss,
+        long_examples=d.long_examples,
+        on_bad_record=d.on_bad_record,
+        num_proc=d.dataset_num_proc,
+        eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split)
+        if d.eval_dataset_name
+        else None,
+        eval_split_fraction=d.eval_split_fraction,
+        load=load,
+    )
 
 
 def format_trained_spans(

@@ -41,10 +41,7 @@ from hf_fsdp2.data import (
     PaddingCollator,
     ShardedSampler,
     build_dataloader,
-    build_sft_datasets,
-    parse_column_mapping,
-    parse_source,
-    resolve_sources,
+    build_sft_datasets_from_config,
 )
 from hf_fsdp2.distributed import (
     CompilePlan,
@@ -201,29 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Rank 0 tokenizes and writes the datasets cache; the other ranks then load it instead of tokenizing.
     with accelerator.main_process_first():
-        data = build_sft_datasets(
-            resolve_sources(
-                dataset_name=d.dataset_name,
-                dataset_config_name=d.dataset_config_name,
-                dataset_split=d.dataset_split,
-                dataset_revision=d.dataset_revision,
-                dataset_mixture=d.dataset_mixture,
-            ),
-            tokenizer,
-            max_length=d.max_length,
-            seed=t.seed,
-            dataset_format=d.dataset_format,
-            column_mapping=parse_column_mapping(d.dataset_column_mapping),
-            chat_loss=d.resolved_chat_loss(),
-            completion_only_loss=d.completion_only_loss,
-            long_examples=d.long_examples,
-            on_bad_record=d.on_bad_record,
-            num_proc=d.dataset_num_proc,
-            eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split)
-            if d.eval_dataset_name
-            else None,
-            eval_split_fraction=d.eval_split_fraction,
-        )
+        data = build_sft_datasets_from_config(d, tokenizer, seed=t.seed)
     for line in data.summary_lines(d.max_length):
         logger.info(line)
     # Packed once, deterministically, before sampling: the sampler indexes rows, so resume stays O(1).
