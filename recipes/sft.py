@@ -587,3 +587,11 @@ if __name__ == "__main__":
             raise
         print(f"hf_fsdp2 error: {err}", file=sys.stderr)
         sys.exit(2)
+    # Everything is written and every process group destroyed. Leave without interpreter finalization:
+    # on gloo, C++ worker threads can still hold tensors of finished collectives whose destruction
+    # during finalization aborts the process (SIGABRT, "terminate called without an active exception")
+    # after a successful run; pytorch/pytorch#179291 describes it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

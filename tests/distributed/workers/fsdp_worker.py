@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -114,3 +116,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As recipes/sft.py does: skip interpreter finalization, where gloo's worker threads can abort
+    # the process after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

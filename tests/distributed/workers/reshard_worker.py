@@ -6,6 +6,8 @@ Used by tests/distributed/test_checkpoint.py to show that 2-rank and 1-rank load
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -49,3 +51,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As recipes/sft.py does: skip interpreter finalization, where gloo's worker threads can abort
+    # the process after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
