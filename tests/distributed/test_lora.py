@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from support.launch import SFT, torchrun
+from support.reference import pad_batch, step_micro_batches
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -26,19 +27,6 @@ from hf_fsdp2.metrics import read_metrics
 
 WORLD, SEED, LR, STEPS, MAX_LEN, BS, ACCUM = 2, 7, 3e-3, 6, 96, 2, 2
 R, ALPHA = 8, 16
-
-
-def _pad(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id)
-    labels = torch.full((len(examples), width), -100)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n] = torch.tensor(e["input_ids"])
-        labels[i, :n] = torch.tensor(e["labels"])
-        mask[i, :n] = 1
-    return ids, mask, labels
 
 
 def reference_peft_model(model_dir: Path) -> torch.nn.Module:
@@ -60,25 +48,11 @@ def reference_run(
     opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=LR, foreach=True)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    n = len(data)
-    per_rank_batches = (n // WORLD) // BS
-
-    def rank_batches(epoch: int) -> list[list[list[int]]]:
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        perm = perm[: n - n % WORLD]
-        return [
-            [perm[r::WORLD][k * BS : (k + 1) * BS] for k in range(per_rank_batches)] for r in range(WORLD)
-        ]
-
-    out, epoch, cursor, batches = [], 0, 0, rank_batches(0)
-    for _ in range(STEPS):
-        micro = []
-        for _ in range(ACCUM):
-            if cursor >= per_rank_batches:
-                epoch, cursor, batches = epoch + 1, 0, rank_batches(epoch + 1)
-            micro.extend(batches[r][cursor] for r in range(WORLD))
-            cursor += 1
-        padded = [_pad([data[i] for i in idx], pad_id) for idx in micro]
+    out = []
+    for micro in step_micro_batches(
+        len(data), world=WORLD, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS
+    ):
+        padded = [pad_batch([data[i] for i in idx], pad_id) for idx in micro]
         total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
         loss_sum = 0.0
         for ids, mask, lab in padded:
@@ -239,4 +213,3 @@ def test_frozen_bf16_base_with_fp32_adapter_in_one_fsdp_unit(setup, tmp_path: Pa
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
     assert (out / "adapter_model.safetensors").is_file()
-

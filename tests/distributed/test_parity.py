@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.launch import SFT, torchrun
+from support.reference import pad_batch, step_micro_batches
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -23,20 +24,9 @@ from hf_fsdp2.metrics import read_metrics
 WORLD, SEED, LR, STEPS, MAX_LEN = 2, 7, 3e-3, 6, 96
 
 
-def _pad(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id)
-    labels = torch.full((len(examples), width), -100)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n] = torch.tensor(e["input_ids"])
-        labels[i, :n] = torch.tensor(e["labels"])
-        mask[i, :n] = 1
-    return ids, mask, labels
-
-
-def reference_run(model_dir: Path, data: list[dict], *, bs: int, accum: int, weight_decay: float) -> list[dict]:
+def reference_run(
+    model_dir: Path, data: list[dict], *, bs: int, accum: int, weight_decay: float
+) -> list[dict]:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
@@ -44,29 +34,16 @@ def reference_run(model_dir: Path, data: list[dict], *, bs: int, accum: int, wei
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, foreach=True,
+        lr=LR,
+        foreach=True,
     )
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    n = len(data)
-    per_rank_batches = (n // WORLD) // bs
-
-    def rank_batches(epoch: int) -> list[list[list[int]]]:
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        perm = perm[: n - n % WORLD]
-        return [
-            [perm[r::WORLD][k * bs : (k + 1) * bs] for k in range(per_rank_batches)] for r in range(WORLD)
-        ]
-
-    out, epoch, cursor, batches = [], 0, 0, rank_batches(0)
-    for _ in range(STEPS):
-        micro = []  # (rank, indices) for every micro-batch of the step
-        for _ in range(accum):
-            if cursor >= per_rank_batches:
-                epoch, cursor, batches = epoch + 1, 0, rank_batches(epoch + 1)
-            micro.extend(batches[r][cursor] for r in range(WORLD))
-            cursor += 1
-        padded = [_pad([data[i] for i in idx], pad_id) for idx in micro]
+    out = []
+    for micro in step_micro_batches(
+        len(data), world=WORLD, batch_size=bs, accum=accum, seed=SEED, steps=STEPS
+    ):
+        padded = [pad_batch([data[i] for i in idx], pad_id) for idx in micro]
         total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
         loss_sum = 0.0
         for ids, mask, lab in padded:
@@ -108,20 +85,47 @@ def test_two_rank_fsdp2_matches_plain_pytorch(
     torchrun(
         SFT,
         [
-            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(bs),
-            "--gradient_accumulation_steps", str(accum), "--learning_rate", str(LR),
-            "--weight_decay", str(weight_decay), "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0",
-            "--mixed_precision", "no", "--max_length", str(MAX_LEN), "--seed", str(SEED),
-            "--fsdp_sync_each_microbatch", str(sync_each).lower(), "--export_dtype", "float32",
-            "--ce_chunk_tokens", str(ce_chunk),
+            "--model_name_or_path",
+            str(model_dir),
+            "--dataset_name",
+            str(data_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(bs),
+            "--gradient_accumulation_steps",
+            str(accum),
+            "--learning_rate",
+            str(LR),
+            "--weight_decay",
+            str(weight_decay),
+            "--lr_scheduler_type",
+            "cosine",
+            "--max_grad_norm",
+            "1.0",
+            "--mixed_precision",
+            "no",
+            "--max_length",
+            str(MAX_LEN),
+            "--seed",
+            str(SEED),
+            "--fsdp_sync_each_microbatch",
+            str(sync_each).lower(),
+            "--export_dtype",
+            "float32",
+            "--ce_chunk_tokens",
+            str(ce_chunk),
         ],
         nproc=WORLD,
     )
     got = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     loss_rel = [abs(g["loss"] - e["loss"]) / abs(e["loss"]) for g, e in zip(got, expected, strict=True)]
-    norm_rel = [abs(g["grad_norm"] - e["grad_norm"]) / e["grad_norm"] for g, e in zip(got, expected, strict=True)]
+    norm_rel = [
+        abs(g["grad_norm"] - e["grad_norm"]) / e["grad_norm"] for g, e in zip(got, expected, strict=True)
+    ]
     print(f"max relative difference: loss {max(loss_rel):.2e}, grad norm {max(norm_rel):.2e}")
     assert [g["target_tokens"] for g in got] == [e["target_tokens"] for e in expected]
     assert max(loss_rel) <= 1e-4, (got, expected)
@@ -142,13 +146,31 @@ def test_same_seed_same_losses_bit_for_bit(setup, tmp_path: Path):
         torchrun(
             SFT,
             [
-                "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-                "--max_steps", "3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                "--learning_rate", str(LR), "--max_length", str(MAX_LEN), "--seed", str(SEED),
-                "--gradient_checkpointing", "true",
+                "--model_name_or_path",
+                str(model_dir),
+                "--dataset_name",
+                str(data_file),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "3",
+                "--per_device_train_batch_size",
+                "2",
+                "--gradient_accumulation_steps",
+                "2",
+                "--learning_rate",
+                str(LR),
+                "--max_length",
+                str(MAX_LEN),
+                "--seed",
+                str(SEED),
+                "--gradient_checkpointing",
+                "true",
             ],
             nproc=WORLD,
         )
-        runs.append([(r["loss"], r["grad_norm"], r["target_tokens"]) for r in read_metrics(out / "metrics.jsonl")])
+        runs.append(
+            [(r["loss"], r["grad_norm"], r["target_tokens"]) for r in read_metrics(out / "metrics.jsonl")]
+        )
     assert runs[0] == runs[1]
     assert len(runs[0]) == 3
