@@ -182,6 +182,10 @@ class TrainArgs:
             "logits (used when a micro-batch has more tokens); 0 = plain logits."
         },
     )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Liger's fused RMSNorm/SwiGLU/RoPE kernels (GPU, pip install liger-kernel)."},
+    )
     ddp_timeout: int = field(
         default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
     )
@@ -215,10 +219,25 @@ class FSDPArgs:
         },
     )
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Activation checkpointing around each decoder layer."}
+        default=False,
+        metadata={"help": "Activation checkpointing around each decoder layer (activation_checkpointing=full)."},
+    )
+    activation_checkpointing: str | None = field(
+        default=None,
+        metadata={
+            "help": "none, full, every_k, selective (keep matmul/attention outputs, recompute the rest) or "
+            "offload (full, layer inputs in host memory; GPU); unset = full if gradient_checkpointing else none."
+        },
+    )
+    ac_every_k: int = field(
+        default=2, metadata={"help": "With activation_checkpointing=every_k: checkpoint layers 0, k, 2k, ..."}
     )
     torch_compile: bool | None = field(
-        default=None, metadata={"help": "Regional compile of each decoder layer; default on with a GPU, off on CPU."}
+        default=None, metadata={"help": "torch.compile the model; default on with a GPU, off on CPU."}
+    )
+    torch_compile_scope: Literal["regional", "model"] = field(
+        default="regional",
+        metadata={"help": "regional: each decoder layer, one shared graph (default); model: the whole model."},
     )
     torch_compile_mode: str | None = field(
         default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune..."}
@@ -529,11 +548,34 @@ def validate(cfg: Config) -> None:
     _check(
         _parse_size(e.max_shard_size) > 0, f"max_shard_size={e.max_shard_size!r} must be a size such as '5GB'"
     )
+    from hf_fsdp2.activations import AC_MODES
+
+    _check(
+        f.activation_checkpointing is None or f.activation_checkpointing in AC_MODES,
+        f"activation_checkpointing={f.activation_checkpointing!r} is not one of {', '.join(AC_MODES)}",
+    )
+    _check(
+        not (f.gradient_checkpointing and f.activation_checkpointing not in (None, "full")),
+        f"gradient_checkpointing=true and activation_checkpointing={f.activation_checkpointing!r} disagree; "
+        "set only activation_checkpointing",
+    )
+    _check(f.ac_every_k >= 1, f"ac_every_k={f.ac_every_k} must be >= 1")
+    _check(
+        f.torch_compile_scope in ("regional", "model"),
+        f"torch_compile_scope={f.torch_compile_scope!r} is not one of regional, model",
+    )
     _check(
         f.torch_compile_mode in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         f"torch_compile_mode={f.torch_compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
         "max-autotune-no-cudagraphs",
     )
+
+
+def ac_mode(f: FSDPArgs) -> str:
+    """The activation-checkpointing mode: ``activation_checkpointing``, else from gradient_checkpointing."""
+    if f.activation_checkpointing is not None:
+        return f.activation_checkpointing
+    return "full" if f.gradient_checkpointing else "none"
 
 
 def _validate_observe(o: ObserveArgs, *, has_eval: bool) -> None:

@@ -25,6 +25,9 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from hf_fsdp2.activations import ACPlan, apply_activation_checkpointing
+from hf_fsdp2.compiling import CompilePlan, compile_model, compile_regions
+
 logger = logging.getLogger("hf_fsdp2")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
@@ -33,23 +36,26 @@ _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """What :func:`build_accelerator` turns into an FSDP2 plugin; every field is explicit."""
+    """What :func:`build_accelerator` and :func:`prepare_fsdp2` apply; every field is explicit.
+
+    ``activation_checkpointing`` takes an :class:`ACPlan`; ``True``/``False`` mean ``full``/``none``.
+    """
 
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     cpu_ram_efficient_loading: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: ACPlan | bool = False
     reduce_dtype: str = "float32"
 
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):
+            mode = "full" if self.activation_checkpointing else "none"
+            object.__setattr__(self, "activation_checkpointing", ACPlan(mode))
 
-@dataclass(frozen=True)
-class CompilePlan:
-    """Regional (per decoder layer) torch.compile settings; ``enabled=False`` means eager."""
-
-    enabled: bool = False
-    mode: str | None = None
-    dynamic: bool | None = None
-    fullgraph: bool = False
+    @property
+    def ac(self) -> ACPlan:
+        assert isinstance(self.activation_checkpointing, ACPlan)  # __post_init__ made it one
+        return self.activation_checkpointing
 
 
 def has_accelerator_device() -> bool:
@@ -101,10 +107,10 @@ def launcher_overrides(plan: ShardingPlan, mixed_precision: str) -> list[str]:
     if env_mp and env_mp != mixed_precision:
         notes.append(f"mixed_precision: accelerate config says {env_mp!r}, recipe says {mixed_precision!r}")
     env_ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING")
-    if env_ac is not None and (env_ac.lower() in ("true", "1")) != plan.activation_checkpointing:
+    if env_ac is not None and (env_ac.lower() in ("true", "1")) != (plan.ac.mode != "none"):
         notes.append(
             f"activation checkpointing: accelerate config says {env_ac}, "
-            f"recipe says gradient_checkpointing={plan.activation_checkpointing}"
+            f"recipe says activation_checkpointing={plan.ac.mode}"
         )
     env_reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD")
     if env_reshard is not None and (env_reshard.lower() in ("true", "1")) != plan.reshard_after_forward:
@@ -179,6 +185,11 @@ def build_accelerator(
         )
     if on_cpu and compile_plan.enabled and compile_plan.mode == "max-autotune":
         raise ValueError("compile_mode='max-autotune' needs a GPU; use 'default' on CPU")
+    if on_cpu and plan.ac.mode == "offload":
+        raise ValueError(
+            "activation_checkpointing=offload moves saved activations from GPU to host memory; on a CPU-only "
+            "run they are in host memory already: use full"
+        )
     policy = mixed_precision_policy(mixed_precision, plan.reduce_dtype)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
@@ -188,17 +199,13 @@ def build_accelerator(
         # The decoder-layer classes are known only once the model is loaded: prepare_fsdp2 sets them.
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=[],
-        activation_checkpointing=plan.activation_checkpointing,
+        # hf_fsdp2 applies activation checkpointing and compile itself (prepare_fsdp2): more modes than
+        # accelerate's, and the same code on every path.
+        activation_checkpointing=False,
         cpu_ram_efficient_loading=plan.cpu_ram_efficient_loading,
         state_dict_type="SHARDED_STATE_DICT",
     )
-    dynamo = TorchDynamoPlugin(
-        backend="inductor" if compile_plan.enabled else "no",
-        mode=compile_plan.mode,
-        dynamic=compile_plan.dynamic,
-        fullgraph=compile_plan.fullgraph,
-        use_regional_compilation=True,
-    )
+    dynamo = TorchDynamoPlugin(backend="no")
     timeout = timedelta(seconds=timeout_s)
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
@@ -241,11 +248,15 @@ def prepare_fsdp2(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     layer_cls_names: tuple[str, ...],
+    *,
+    sharding: ShardingPlan | None = None,
+    compile_plan: CompilePlan | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` with one FSDP2 unit per decoder layer (plus embeddings, the head and the root).
 
-    Accelerate applies, in order: activation checkpointing per layer, regional compile per layer,
-    ``fully_shard`` per layer, then the root; the optimizer is re-pointed at the sharded parameters.
+    In order: activation checkpointing of the decoder layers (``sharding.activation_checkpointing``),
+    regional compile of each layer (in place), ``fully_shard`` per layer then the root (Accelerate),
+    whole-model compile (in place) if asked. The optimizer is re-pointed at the sharded parameters.
     Every rank takes part (collective when ``cpu_ram_efficient_loading`` broadcasts rank 0's weights).
 
     Args:
@@ -253,15 +264,31 @@ def prepare_fsdp2(
         model: the unsharded model.
         optimizer: built on the unsharded parameters.
         layer_cls_names: decoder-layer class names (see ``model.decoder_layer_classes``).
+        sharding: the activation-checkpointing mode (the rest of the plan is in the accelerator already);
+            default no checkpointing.
+        compile_plan: torch.compile settings; default eager.
 
     Returns:
         The sharded model and its optimizer.
     """
+    sharding = sharding or ShardingPlan()
+    compile_plan = compile_plan or CompilePlan()
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
     names = {id(p): name for name, p in model.named_parameters()}
     group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    wrapped = apply_activation_checkpointing(model, sharding.ac, layer_cls_names)
+    if wrapped:
+        logger.info(
+            "activation checkpointing %s on %d decoder layers", sharding.ac.mode, len(wrapped)
+        )
+    if compile_plan.enabled and compile_plan.scope == "regional":
+        compiled = compile_regions(model, layer_cls_names, compile_plan)
+        logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
     model, optimizer = accelerator.prepare(model, optimizer)
     _repoint_optimizer(model, optimizer, group_names)
+    if compile_plan.enabled and compile_plan.scope == "model":
+        compile_model(model, compile_plan)
+        logger.info("whole-model compile (in place, after fully_shard)")
     return model, optimizer
 
 
@@ -310,7 +337,7 @@ def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
                 seen.add(id(param))
                 count += param.numel()
         name = type(module).__name__.removeprefix("FSDP")
-        if count == 0 and name == "CheckpointWrapper":
+        if count == 0 and name in ("CheckpointWrapper", "HostOffloadWrapper"):
             continue  # accelerate also shards the AC wrapper around each layer; its layer holds the parameters
         n, total = units.get(name, (0, 0))
         units[name] = (n + 1, total + count)

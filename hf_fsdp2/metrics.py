@@ -645,6 +645,7 @@ def run_summary(
     last_record: Mapping[str, Any] | None,
     last_eval: Mapping[str, Any] | None,
     export_dir: str | Path | None,
+    compile_stats: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """What the run did, for the log and ``summary.json``.
 
@@ -656,11 +657,24 @@ def run_summary(
         last_record: the last metrics record (final training loss), or None.
         last_eval: the last eval results (``eval_loss``, ``eval_perplexity``), or None.
         export_dir: where the consolidated HF folder went, or None.
+        compile_stats: with torch.compile, ``compile_s`` (seconds compiling inside the steps, rank 0),
+            ``compiled_graphs`` and ``recompiles``; the summary then also gives the throughput without
+            the compile time.
 
     Returns:
         A JSON-ready dict.
     """
     t = meter.totals
+    extra: dict[str, Any] = {}
+    if compile_stats is not None:
+        compile_s = float(compile_stats.get("compile_s", 0.0))
+        steady = max(t["step_time_s"] - compile_s, 1e-9)
+        extra = {
+            "compile_time_s": compile_s,
+            "compiled_graphs": int(compile_stats.get("compiled_graphs", 0)),
+            "recompiles": int(compile_stats.get("recompiles", 0)),
+            "tokens_per_s_excluding_compile": t["tokens"] / steady,
+        }
     return {
         "steps": last_step - first_step + 1 if last_step >= first_step else 0,
         "first_step": first_step,
@@ -678,6 +692,7 @@ def run_summary(
         "final_eval_loss": last_eval.get("eval_loss") if last_eval else None,
         "final_eval_perplexity": last_eval.get("eval_perplexity") if last_eval else None,
         "export_dir": str(export_dir) if export_dir is not None else None,
+        **extra,
     }
 
 
@@ -694,6 +709,12 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
         + (f", MFU {mfu:.1%}" if mfu is not None else " (no MFU: unknown peak; set peak_flops)"),
         f"summary: peak memory {summary['peak_memory_gib']:.2f} GiB ({summary['peak_memory_kind']}, max over ranks)",
     ]
+    if summary.get("compile_time_s") is not None:
+        lines.append(
+            f"summary: torch.compile {format_duration(summary['compile_time_s'])} compiling inside the steps, "
+            f"{summary['compiled_graphs']} graphs, {summary['recompiles']} recompiles; "
+            f"{summary['tokens_per_s_excluding_compile']:.1f} tok/s without the compile time"
+        )
     losses = []
     if summary.get("final_loss") is not None:
         losses.append(f"final loss {summary['final_loss']:.4f}")

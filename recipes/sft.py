@@ -36,7 +36,8 @@ from hf_fsdp2.checkpoint import (
     check_config_compatible,
     resolve_resume,
 )
-from hf_fsdp2.config import ConfigError, check_output_dir, parse_config, parse_size, save_config
+from hf_fsdp2.compiling import CompileWatch
+from hf_fsdp2.config import ConfigError, ac_mode, check_output_dir, parse_config, parse_size, save_config
 from hf_fsdp2.data import (
     PaddingCollator,
     ShardedSampler,
@@ -44,6 +45,7 @@ from hf_fsdp2.data import (
     build_sft_datasets_from_config,
 )
 from hf_fsdp2.distributed import (
+    ACPlan,
     CompilePlan,
     ShardingPlan,
     all_reduce_sum,
@@ -65,6 +67,7 @@ from hf_fsdp2.hub import (
     push_folder,
     render_model_card,
 )
+from hf_fsdp2.kernels import KernelError, apply_liger_kernels, check_liger_available
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
 from hf_fsdp2.loss import backward_scale, causal_lm_loss_sum, count_target_tokens
 from hf_fsdp2.metrics import (
@@ -143,22 +146,26 @@ def main(argv: list[str] | None = None) -> None:
         run_name=o.run_name or output_dir.name,
     )
     compile_on = f.torch_compile if f.torch_compile is not None else has_accelerator_device()
+    if t.use_liger_kernel:  # package and GPU checked before any work
+        check_liger_available(has_accelerator_device())
     plan = ShardingPlan(
         reshard_after_forward=f.fsdp_reshard_after_forward,
         cpu_offload=f.fsdp_cpu_offload,
         cpu_ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
-        activation_checkpointing=f.gradient_checkpointing,
+        activation_checkpointing=ACPlan(ac_mode(f), f.ac_every_k, pin_memory=has_accelerator_device()),
         reduce_dtype=f.fsdp_reduce_dtype,
+    )
+    compile_plan = CompilePlan(
+        enabled=compile_on,
+        scope=f.torch_compile_scope,
+        mode=f.torch_compile_mode,
+        dynamic=f.torch_compile_dynamic,
+        fullgraph=f.torch_compile_fullgraph,
     )
     accelerator = build_accelerator(
         plan,
         mixed_precision=t.mixed_precision,
-        compile_plan=CompilePlan(
-            enabled=compile_on,
-            mode=f.torch_compile_mode,
-            dynamic=f.torch_compile_dynamic,
-            fullgraph=f.torch_compile_fullgraph,
-        ),
+        compile_plan=compile_plan,
         timeout_s=t.ddp_timeout,
         log_with=trackers,
     )
@@ -286,13 +293,19 @@ def main(argv: list[str] | None = None) -> None:
         eps=t.adam_epsilon,
         device_type=accelerator.device.type,
     )
-    model, optimizer = prepare_fsdp2(accelerator, model, optimizer, layer_cls)
+    if t.use_liger_kernel:
+        apply_liger_kernels(model)
+        logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
+    model, optimizer = prepare_fsdp2(
+        accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan
+    )
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
     logger.info(
-        "activation checkpointing %s; regional compile %s",
-        "on" if f.gradient_checkpointing else "off",
-        "on" if compile_on else "off",
+        "activation checkpointing %s%s; torch.compile %s",
+        plan.ac.mode,
+        f" (k={plan.ac.every_k})" if plan.ac.mode == "every_k" else "",
+        f"{compile_plan.scope} (compile time reported apart from step time, as compile_s)" if compile_on else "off",
     )
     warmup = warmup_steps_for(total_steps, t.warmup_steps, t.warmup_ratio)
     scheduler = build_scheduler(optimizer, t.lr_scheduler_type, warmup, total_steps)
@@ -415,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     progress = Progress(total_steps, first_step, enabled=accelerator.is_main_process)
     batches = meter.wrap(batches_forever(loader, sampler, cursor))  # times the wait for data
+    compile_watch = CompileWatch(enabled=compile_on).start()
+    compile_totals = {"compile_s": 0.0}
     record: dict | None = None
     eval_fields: dict | None = None
     model.train()
@@ -475,6 +490,11 @@ def main(argv: list[str] | None = None) -> None:
                 **stats,
                 "epoch": sampler.epoch,
             }
+            compiled = compile_watch.take()  # seconds spent compiling inside these steps, recompiles so far
+            if compiled:
+                compile_totals["compile_s"] += compiled["compile_s"]
+                compile_totals.update({k: v for k, v in compiled.items() if k != "compile_s"})
+                record.update(compiled)
             if evaluator is not None and eval_now:  # every rank
                 eval_fields = evaluator.run(model, step, log=accelerator.log)
                 record.update(eval_fields)
@@ -553,6 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         last_record=record,
         last_eval=eval_fields,
         export_dir=output_dir,
+        compile_stats=compile_totals if compile_on else None,
     )
     for line in format_summary(summary):
         logger.info(line)
@@ -581,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, CheckpointError, ExportError, HubError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, CheckpointError, ExportError, HubError, KernelError, FileNotFoundError, ValueError) as err:
         # Bad input: one clear line per rank instead of a traceback (HF_FSDP2_DEBUG=1 shows it).
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise

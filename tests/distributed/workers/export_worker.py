@@ -56,14 +56,13 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
 
-    acc = build_accelerator(
-        ShardingPlan(activation_checkpointing=args.ac), mixed_precision="bf16", compile_plan=CompilePlan()
-    )
+    plan = ShardingPlan(activation_checkpointing=args.ac)
+    acc = build_accelerator(plan, mixed_precision="bf16", compile_plan=CompilePlan())
     rank = acc.process_index
     model = load_model(args.model)
     tokenizer = None if args.no_tokenizer else load_tokenizer(args.model)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
+    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model), sharding=plan)
 
     # One step, so that the exported weights are not the ones the model was loaded with.
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(rank))

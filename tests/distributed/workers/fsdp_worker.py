@@ -42,11 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
 
-    acc = build_accelerator(
-        ShardingPlan(activation_checkpointing=args.ac, cpu_ram_efficient_loading=args.ram_efficient),
-        mixed_precision=args.mixed_precision,
-        compile_plan=CompilePlan(enabled=args.compile),
-    )
+    plan = ShardingPlan(activation_checkpointing=args.ac, cpu_ram_efficient_loading=args.ram_efficient)
+    compile_plan = CompilePlan(enabled=args.compile)
+    acc = build_accelerator(plan, mixed_precision=args.mixed_precision, compile_plan=compile_plan)
     rank = acc.process_index
     report: dict = {}
     reference = load_file(Path(args.model) / "model.safetensors")  # the checkpoint, read directly
@@ -54,7 +52,9 @@ def main() -> None:
     report["meta_params_before_prepare"] = sum(p.is_meta for p in model.parameters())
     tokenizer = load_tokenizer(args.model)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
+    model, opt = prepare_fsdp2(
+        acc, model, opt, decoder_layer_classes(model), sharding=plan, compile_plan=compile_plan
+    )
 
     model_params = {id(p) for p in model.parameters()}
     opt_params = [p for g in opt.param_groups for p in g["params"]]

@@ -1,0 +1,97 @@
+"""Activation checkpointing modes: the same gradients, the memory each keeps, and bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_fsdp2.activations import AC_MODES, ACPlan, activation_bytes, apply_activation_checkpointing
+
+LAYER = ("LlamaDecoderLayer",)
+
+
+def _model(seed: int = 0, dropout: float = 0.0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attention_dropout=dropout,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def _grads(model: torch.nn.Module, ids: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+IDS = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("mode", ["full", "every_k", "selective", "offload"])
+def test_every_mode_gives_the_plain_gradients_and_keeps_names(mode):
+    ref_model = _model()
+    reference = _grads(ref_model, IDS)
+    model = _model()
+    wrapped = apply_activation_checkpointing(model, ACPlan(mode, every_k=2, pin_memory=False), LAYER)
+    assert wrapped == (["model.layers.0", "model.layers.2"] if mode == "every_k" else [f"model.layers.{i}" for i in range(4)])
+    assert list(model.state_dict()) == list(ref_model.state_dict())  # no wrapper prefix anywhere
+    grads = _grads(model, IDS)
+    for name, g in reference.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_recompute_replays_dropout_masks():
+    """With dropout (LoRA's, attention's) the recomputed forward must draw the same masks."""
+    reference = _grads(_model(dropout=0.5), IDS, seed=7)
+    model = _model(dropout=0.5)
+    apply_activation_checkpointing(model, ACPlan("full"), LAYER)
+    grads = _grads(model, IDS, seed=7)
+    for name, g in reference.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_activation_bytes_order_the_modes():
+    kept = {}
+    for mode in ("none", "full", "every_k", "selective"):
+        model = _model()
+        apply_activation_checkpointing(model, ACPlan(mode, every_k=2), LAYER)
+        kept[mode] = activation_bytes(model, lambda m=model: m(input_ids=IDS, labels=IDS).loss)
+    assert kept["full"] < kept["every_k"] < kept["none"]
+    assert kept["full"] < kept["selective"] < kept["none"]
+    # deterministic: the same number twice
+    model = _model()
+    assert activation_bytes(model, lambda: model(input_ids=IDS, labels=IDS).loss) == kept["none"]
+
+
+def test_layer_inputs_are_what_full_checkpointing_keeps():
+    model = _model()
+    apply_activation_checkpointing(model, ACPlan("full"), LAYER)
+    kept = activation_bytes(model, lambda: model(input_ids=IDS).logits.float().sum())
+    hidden = IDS.numel() * 64 * 4  # fp32 [batch, seq, hidden]
+    # one input per layer, plus what the embedding, final norm and head keep: a few hidden-sized tensors
+    # and the [tokens x vocab] logits
+    assert 4 * hidden <= kept <= 4 * hidden + 6 * hidden + 2 * IDS.numel() * 512 * 4
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(ValueError, match="activation_checkpointing='most'.*none, full"):
+        ACPlan("most")
+    with pytest.raises(ValueError, match="ac_every_k=0"):
+        ACPlan("every_k", every_k=0)
+    assert set(AC_MODES) == {"none", "full", "every_k", "selective", "offload"}
+    model = _model()
+    with pytest.raises(ValueError, match="found no decoder layer of classes \\['GPT2Block'\\]"):
+        apply_activation_checkpointing(model, ACPlan("full"), ("GPT2Block",))
+    apply_activation_checkpointing(model, ACPlan("full"), LAYER)
+    with pytest.raises(ValueError, match="already activation-checkpointed"):
+        apply_activation_checkpointing(model, ACPlan("full"), LAYER)
+
+
+def test_every_k_selects_multiples_of_k():
+    plan = ACPlan("every_k", every_k=3)
+    assert [i for i in range(8) if plan.wraps(i)] == [0, 3, 6]
+    assert not ACPlan("none").wraps(0) and ACPlan("selective").wraps(5)

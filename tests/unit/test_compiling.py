@@ -1,0 +1,53 @@
+"""Compile plans, regional compile in place, and the compile-time / recompile watch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_fsdp2.activations import ACPlan, apply_activation_checkpointing
+from hf_fsdp2.compiling import CompilePlan, CompileWatch, compile_regions
+
+
+def test_plan_validation_and_kwargs():
+    with pytest.raises(ValueError, match="torch_compile_scope='layers' is not one of regional, model"):
+        CompilePlan(enabled=True, scope="layers")
+    assert CompilePlan(enabled=True).kwargs() == {"backend": "inductor", "fullgraph": False}
+    assert CompilePlan(enabled=True, mode="max-autotune", dynamic=False).kwargs()["mode"] == "max-autotune"
+    assert CompileWatch(enabled=False).start().take() == {}
+
+
+def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    reference.config.use_cache = False
+    apply_activation_checkpointing(model, ACPlan("selective"), ("LlamaDecoderLayer",))
+    layers_before = list(model.model.layers)
+    names = compile_regions(model, ("LlamaDecoderLayer",), CompilePlan(enabled=True, dynamic=False))
+    assert names == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert list(model.model.layers) == layers_before  # the same modules: hooks added later still fire
+    torch._dynamo.reset()
+    watch = CompileWatch(enabled=True).start()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    first = watch.take()
+    assert first["compile_s"] > 0 and first["recompiles"] == 0
+    graphs = first["compiled_graphs"]
+    ref_loss = reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    model(input_ids=ids, labels=ids).loss.backward()  # same shape: no compile
+    again = watch.take()
+    assert again["compile_s"] == 0 and again["compiled_graphs"] == graphs
+    longer = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    model(input_ids=longer, labels=longer).loss.backward()  # new shape with dynamic=False: a recompile
+    after = watch.take()
+    assert after["recompiles"] >= 1 and after["compile_s"] > 0
