@@ -1,6 +1,8 @@
 """One GPU (an H200), one command under 7 minutes: speed and memory of the performance switches.
 
     python bench/gpu_bench.py --json bench/out/gpu_bench.json          # on the GPU machine
+    python bench/gpu_bench.py --cpu --shape small --seq 1024 --warmup 2 --steps 3 \
+        --configs eager:none:chunked,regional:none:chunked,model:none:chunked   # compile scopes on CPU (fp32)
     python bench/gpu_bench.py --smoke                                  # any machine: tiny shape, CPU
 
 A Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192, vocab 128256,
@@ -29,9 +31,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 H200_BF16_DENSE = 989e12
 DEFAULT_CONFIGS = (
-    "eager:none:plain,eager:none:chunked,eager:full:chunked,"
+    "eager:none:plain,eager:none:chunked,eager:full:chunked,eager:offload:chunked,"
     "regional:none:plain,regional:none:chunked,regional:full:chunked"
 )
+SHAPES = {
+    # Llama-3.2-1B
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256},
+    # a CPU-sized model with a real vocabulary (SmolLM2's size)
+    "small": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 49152},
+    "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 4096},
+}  # fmt: skip
 
 
 def matmul_peak(device: torch.device, n: int) -> float:
@@ -58,7 +70,9 @@ def packed_batch(args: argparse.Namespace, vocab: int, step: int) -> dict[str, t
     g = torch.Generator().manual_seed(step)
     lengths: list[int] = []
     while sum(lengths) < args.seq:
-        lengths.append(min(int(torch.randint(64, 2048, (1,), generator=g)), args.seq - sum(lengths)))
+        # at most half a row per document: every row holds several (the same attention path every step)
+        longest = max(65, min(2048, args.seq // 2))
+        lengths.append(min(int(torch.randint(64, longest, (1,), generator=g)), args.seq - sum(lengths)))
     ids = torch.randint(0, vocab, (1, args.seq), generator=g)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     labels = ids.clone()
@@ -69,12 +83,7 @@ def packed_batch(args: argparse.Namespace, vocab: int, step: int) -> dict[str, t
 def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if args.smoke:
-        shape = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "vocab_size": 4096}  # fmt: skip
-    else:
-        shape = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
+    shape = SHAPES[args.shape]
     config = LlamaConfig(**shape, max_position_embeddings=max(args.seq, 8192), rope_theta=500000.0,
                          tie_word_embeddings=True)  # fmt: skip
     config._attn_implementation = "sdpa"
@@ -136,21 +145,23 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
         "tokens_per_s": tokens / seconds,
         "step_s": seconds / args.steps,
         "tflops": achieved / 1e12,
-        "mfu_vs_989": achieved / H200_BF16_DENSE,
+        "mfu_vs_989": achieved / H200_BF16_DENSE if device.type == "cuda" else None,
         "mfu_vs_measured_matmul": achieved / peak_mm if peak_mm == peak_mm else None,
         "max_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "compile_s": compiled.get("compile_s", 0.0),
         "recompiles_after_warmup": watch.take().get("recompiles", 0.0),
         "warmup_s": warmup_s,
     }
-    # Free everything before the next configuration (accelerate keeps references to prepared objects).
+    return result
+
+
+def release(acc: Any) -> None:
+    """Free a configuration's model and optimizer (accelerate keeps references to what it prepared)."""
     acc._models.clear()
     acc._optimizers.clear()
-    del model, opt
     gc.collect()
-    if device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
 
 
 def main() -> None:
@@ -159,20 +170,22 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU visible")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.seq, args.warmup, args.steps = min(args.seq, 256), 1, 1
+        args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
     sys.path.insert(0, str(REPO))
     from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator
 
     acc = build_accelerator(
-        ShardingPlan(), mixed_precision="bf16", compile_plan=CompilePlan(), force_cpu=args.smoke
+        ShardingPlan(), mixed_precision="no" if args.cpu else "bf16", compile_plan=CompilePlan(), force_cpu=args.cpu
     )
     device = acc.device
-    if device.type != "cuda" and not args.smoke:
-        sys.exit("no GPU visible: run with --smoke to check the script on CPU")
+    if device.type != "cuda" and not args.cpu:
+        sys.exit("no GPU visible: add --cpu (e.g. --cpu --shape small --seq 1024), or --smoke to check the script")
     peak_mm = matmul_peak(device, 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}; measured bf16 matmul {peak_mm / 1e12:.0f} TFLOP/s; seq {args.seq}; "
@@ -184,10 +197,7 @@ def main() -> None:
             r = run_config(acc, args, item, peak_mm)
         except torch.OutOfMemoryError as err:  # a configuration that does not fit is a result too
             r = {"config": item, "error": f"out of memory: {str(err)[:200]}"}
-            acc._models.clear()
-            acc._optimizers.clear()
-            gc.collect()
-            torch.cuda.empty_cache()
+        release(acc)
         r["wall_s"] = time.perf_counter() - start
         results.append(r)
         print(json.dumps(r), flush=True)

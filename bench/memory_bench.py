@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--every-k", type=int, default=2)
     ap.add_argument("--loss", choices=("chunked", "plain"), default="chunked")

@@ -36,10 +36,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Returns:
         A scalar fp32 tensor: the summed loss (0 when there is no target token).
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
+    # Shift the labels (pad one ignored position at the end), not the logits: slicing the logits would
+    # copy the whole [tokens x vocab] tensor, and its gradient again in backward.
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)
     return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
+        logits.float().reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check hf_fsdp2 recipes tests
+.venv/bin/ruff check hf_fsdp2 recipes tests bench
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"
