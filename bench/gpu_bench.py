@@ -149,7 +149,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
         "mfu_vs_measured_matmul": achieved / peak_mm if peak_mm == peak_mm else None,
         "max_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "compile_s": compiled.get("compile_s", 0.0),
-        "recompiles_after_warmup": watch.take().get("recompiles", 0.0),
+        # recompiles during the timed steps (their time is in step_s): should be 0
+        "recompiles_timed": watch.take().get("recompiles", 0.0) - compiled.get("recompiles", 0.0),
+        "recompiles_total": compiled.get("recompiles", 0.0),
         "warmup_s": warmup_s,
     }
     return result
