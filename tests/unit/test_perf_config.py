@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 from test_config import parse_cli
 
+from hf_fsdp2.compiling import CompilePlan
 from hf_fsdp2.config import ConfigError, ac_mode
 from hf_fsdp2.distributed import ShardingPlan, build_accelerator
-from hf_fsdp2.compiling import CompilePlan
 from hf_fsdp2.kernels import KernelError, check_liger_available
 
 
