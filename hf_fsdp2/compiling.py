@@ -85,9 +85,9 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
         position = name.replace("._checkpoint_wrapped_module", "")
         module = model.get_submodule(position)
         # The forward only: FSDP2's hooks (installed later, run by nn.Module.__call__) stay outside the
-        # graph, and the checkpoint inside it (traced as one region, selective policy included).
-        # module.compile() would also trace __call__ and, around a checkpoint wrapper that is itself an
-        # FSDP unit, compiles nothing at all (0 graphs, measured).
+        # graph, and the checkpoint (hf_fsdp2.activations wraps the forward) inside it, traced as one
+        # region, selective policy included. With FSDP2's hooks inside a checkpointed region (a
+        # checkpoint_wrapper module around an FSDP unit) dynamo compiles nothing at all (measured).
         module.forward = torch.compile(module.forward, **plan.kwargs())
         names.append(position)
     return names

@@ -14,7 +14,7 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     python(
         REPO / "bench" / "trainer_bench.py",
         ["--rounds", "1", "--steps", "3", "--warmup", "1", "--hidden", "64", "--layers", "2",
-         "--batch-size", "8", "--work", str(tmp_path / "work"), "--json", str(out)],
+         "--batch-size", "8", "--max-length", "256", "--work", str(tmp_path / "work"), "--json", str(out)],
         timeout=900,
     )  # fmt: skip
     table = json.loads(out.read_text())["medians"]
@@ -23,7 +23,7 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     # Same model, examples, order, batches and optimizer: the same loss after the last step.
     for name, loss in losses.items():
         assert abs(loss - losses["trainer"]) < 1e-3 * losses["trainer"], (name, losses)
-    assert table["hf_fsdp2"]["padding_eff"] == table["trainer"]["padding_eff"]  # the same padded batches
+    assert abs(table["hf_fsdp2"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9  # same padded batches
     assert table["hf_fsdp2_pf"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]
     # The full [tokens x vocab] fp32 logits (vocab 49152) are what chunked cross entropy never builds.
     assert table["hf_fsdp2"]["peak_rss_gib"] < table["hf_fsdp2_plain_ce"]["peak_rss_gib"]
@@ -45,7 +45,8 @@ def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: P
     loss_paths = report["activations"]["loss_paths_mib"]
     assert loss_paths["chunked_1024"] < loss_paths["plain"]
     sharding = report["sharding"]
-    assert sharding["1"]["bytes_per_param"] == 16.0  # fp32 param + grad + two AdamW moments
+    # fp32 param + grad + two AdamW moments (+ AdamW's scalar step counters)
+    assert abs(sharding["1"]["bytes_per_param"] - 16.0) < 1e-3
     assert abs(sharding["2"]["vs_world_1"] - 0.5) < 0.01
 
 
