@@ -337,8 +337,6 @@ def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
                 seen.add(id(param))
                 count += param.numel()
         name = type(module).__name__.removeprefix("FSDP")
-        if count == 0 and name in ("CheckpointWrapper", "HostOffloadWrapper"):
-            continue  # accelerate also shards the AC wrapper around each layer; its layer holds the parameters
         n, total = units.get(name, (0, 0))
         units[name] = (n + 1, total + count)
     return units

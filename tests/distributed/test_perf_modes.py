@@ -52,10 +52,11 @@ def test_compile_time_is_reported_apart_and_only_in_the_first_step(results, conf
     assert first["compile_s"] > 0 and first["compiled_graphs"] >= 1
     assert all(r["compile_s"] == 0 for r in rest)  # same shapes: nothing compiles again
     assert all(r["compiled_graphs"] == first["compiled_graphs"] for r in rest)
+    assert all(r["recompiles"] == first["recompiles"] for r in rest)  # none after the first step
     if config.endswith("regional"):
         assert first["recompiles"] == 0
-    else:  # the whole model: dynamo recompiles around FSDP2's hooks; counted, not hidden
-        assert first["recompiles"] >= 0 and "recompiles" in rest[-1]
+    else:  # the whole model: dynamo recompiles at a transformers helper between layers; counted, not hidden
+        assert first["recompiles"] >= 1
 
 
 def test_eager_runs_report_no_compile_fields(results):
