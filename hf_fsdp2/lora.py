@@ -424,7 +424,7 @@ def _check_mergeable(layer: Any, adapter: str) -> None:
 def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
     """This rank's rows of every weight of the merged model, by plain base-model name; no base gather.
 
-    For a LoRA linear: ``W_rows + scaling * B_rows @ A`` computed in fp32 then cast to ``W``'s dtype,
+    For a LoRA linear: ``W_rows + scaling * B_rows @ A`` computed in fp32 (fp64 for fp64 weights) then cast to ``W``'s dtype,
     with ``A`` gathered (small). modules_to_save copies replace their originals. Every rank must call it.
 
     Args:
@@ -461,8 +461,9 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
                 f"{prefix}: lora_B has {b_local.shape[0]} local rows but the weight has {w_local.shape[0]}; "
                 "the adapter and the base must be sharded alike (dim 0)"
             )
-        delta = (b_local.float() @ a_full.float()) * float(layer.scaling[adapter])
-        out[w_name] = (w_local.float() + delta).to(w_local.dtype)
+        acc = torch.promote_types(w_local.dtype, torch.float32)  # fp32, or fp64 for fp64 weights
+        delta = (b_local.to(acc) @ a_full.to(acc)) * float(layer.scaling[adapter])
+        out[w_name] = (w_local.to(acc) + delta).to(w_local.dtype)
     return out
 
 

@@ -26,8 +26,13 @@ def count_target_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum().item())
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss is computed and accumulated in: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross entropy over the target tokens, in fp32.
+    """Sum (not mean) of next-token cross entropy over the target tokens, in fp32 (fp64 for fp64 logits).
 
     Args:
         logits: ``[batch, seq, vocab]`` model outputs.
@@ -40,7 +45,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     # copy the whole [tokens x vocab] tensor, and its gradient again in backward.
     shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
+        logits.to(accumulation_dtype(logits.dtype)).reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
@@ -81,19 +86,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         chunk: int,
     ) -> torch.Tensor:
+        acc = accumulation_dtype(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if weight.requires_grad
-            else None
-        )
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, hidden.size(0), chunk):
             h = hidden[start : start + chunk]
             t = targets[start : start + chunk]
             valid = t != IGNORE_INDEX
             safe = t.clamp(min=0)
-            logits = (h @ weight.t()).float()
+            logits = (h @ weight.t()).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
             total += ((lse - picked) * valid).sum()
@@ -102,9 +104,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
             probs.mul_(valid[:, None])
             if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = (probs @ weight.float()).to(hidden.dtype)
+                grad_hidden[start : start + chunk] = (probs @ weight.to(acc)).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(probs.t(), h.float())
+                grad_weight.addmm_(probs.t(), h.to(acc))
         ctx.save_for_backward(
             grad_hidden if grad_hidden is not None else torch.empty(0),
             grad_weight if grad_weight is not None else torch.empty(0),

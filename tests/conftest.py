@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,3 +94,11 @@ def llama3_tokenizer() -> PreTrainedTokenizerBase:
 
 
 # ==================================================================================================
+
+
+def pytest_report_header() -> str:
+    """The thread count the in-process tests run with (set OMP_NUM_THREADS to change it): tolerances
+    must hold for 1 and 2 threads (tests/support/numerics.py)."""
+    import torch
+
+    return f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"

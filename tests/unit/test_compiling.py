@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.activations import ACPlan, apply_activation_checkpointing
@@ -23,11 +24,12 @@ def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2,
     )  # fmt: skip
+    # float64: inductor fuses and reorders the sums; only the float64 rounding bound is CPU-independent.
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).double()
     model.config.use_cache = False
     torch.manual_seed(0)
-    reference = LlamaForCausalLM(config)
+    reference = LlamaForCausalLM(config).double()
     reference.config.use_cache = False
     apply_activation_checkpointing(model, ACPlan("selective"), ("LlamaDecoderLayer",))
     layers_before = list(model.model.layers)
@@ -37,13 +39,15 @@ def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
     torch._dynamo.reset()
     watch = CompileWatch(enabled=True).start()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
     first = watch.take()
     assert first["compile_s"] > 0 and first["recompiles"] == 0
     graphs = first["compiled_graphs"]
-    ref_loss = reference(input_ids=ids, labels=ids).loss
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    # The logits (transformers' own loss upcasts to fp32). Llama's RMSNorm and rotary tables compute in
+    # fp32 whatever the model dtype, and inductor fuses them differently from eager: fp32 rounding over
+    # the longest of those reductions, the 32-wide hidden state and the 64-wide MLP.
+    assert_same_maths(out.logits, reference(input_ids=ids).logits, terms=64, rounding=torch.float32, name="logits")
     model(input_ids=ids, labels=ids).loss.backward()  # same shape: no compile
     again = watch.take()
     assert again["compile_s"] == 0 and again["compiled_graphs"] == graphs

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from support.numerics import assert_same_maths
 
 from hf_fsdp2.loss import IGNORE_INDEX, backward_scale, count_target_tokens, cross_entropy_sum
 
@@ -112,7 +113,7 @@ def make_step() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
 def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
     """Per-target-token CE, by log-softmax and indexing (independent of cross_entropy_sum)."""
     out = []
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.double(), dim=-1)
     for b in range(labels.shape[0]):
         for s in range(1, labels.shape[1]):
             target = int(labels[b, s])
@@ -159,8 +160,8 @@ def test_scaled_micro_batch_losses_give_the_global_token_mean() -> None:
 
 def test_accumulated_gradient_equals_gradient_of_global_token_mean() -> None:
     torch.manual_seed(0)
-    reference = torch.nn.Linear(3, VOCAB)
-    step = make_step()
+    reference = torch.nn.Linear(3, VOCAB).double()  # float64: the two sides sum in different orders
+    step = [[(x.double(), lab) for x, lab in rank] for rank in make_step()]
     global_tokens = sum(count_target_tokens(lab) for rank in step for _, lab in rank)
 
     # Reference: one backward of the mean over every target token of the step.
@@ -172,7 +173,7 @@ def test_accumulated_gradient_equals_gradient_of_global_token_mean() -> None:
     # Each simulated rank holds a replica, accumulates scaled micro-batch losses, then grads are averaged.
     rank_grads = []
     for rank in step:
-        replica = torch.nn.Linear(3, VOCAB)
+        replica = torch.nn.Linear(3, VOCAB).double()
         replica.load_state_dict(reference.state_dict())
         for x, lab in rank:
             (cross_entropy_sum(replica(x), lab) * backward_scale(global_tokens, WORLD)).backward()
@@ -180,7 +181,7 @@ def test_accumulated_gradient_equals_gradient_of_global_token_mean() -> None:
     averaged = [(g0 + g1) / WORLD for g0, g1 in zip(*rank_grads, strict=True)]
 
     for got, want in zip(averaged, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert_same_maths(got, want, terms=global_tokens * VOCAB)
     assert any(g.abs().sum() > 0 for g in expected)
 
     # And it differs from the gradient of the mean of per-batch means.
@@ -233,18 +234,35 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def test_chunked_linear_ce_equals_plain_loss_and_gradients() -> None:
+    # float64: the two paths sum in different orders, so only the float64 rounding bound is CPU-independent.
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(37, 16, generator=gen, dtype=torch.float64).float().requires_grad_()
-    weight = torch.randn(50, 16, generator=gen).requires_grad_()
+    hidden = torch.randn(37, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64).requires_grad_()
     targets = torch.randint(0, 50, (37,), generator=gen)
     targets[::4] = IGNORE_INDEX
     plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     gh, gw = torch.autograd.grad(plain * 0.7, (hidden, weight))
     chunked = chunked_linear_cross_entropy_sum(hidden, weight, targets, 8)
     ch, cw = torch.autograd.grad(chunked * 0.7, (hidden, weight))
-    assert abs(chunked.item() - plain.item()) <= 1e-5 * abs(plain.item())
-    assert torch.allclose(ch, gh, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(cw, gw, atol=1e-5, rtol=1e-5)
+    assert chunked.dtype == torch.float64  # accumulated in the inputs' dtype when it is wider than fp32
+    assert_same_maths(chunked, plain, terms=37 * 50, name="loss")
+    assert_same_maths(ch, gh, terms=50, name="grad hidden")
+    assert_same_maths(cw, gw, terms=37, name="grad weight")
+    # And the bound is not vacuous: a target moved by one changes the loss far beyond it.
+    wrong = targets.clone()
+    wrong[1] = (wrong[1] + 1) % 50
+    with _pytest.raises(AssertionError, match="not the same maths"):
+        assert_same_maths(chunked_linear_cross_entropy_sum(hidden, weight, wrong, 8), plain, terms=37 * 50)
+
+
+def test_chunked_linear_ce_keeps_fp32_accumulation_for_fp32_and_bf16() -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 16, generator=gen)
+    weight = torch.randn(50, 16, generator=gen)
+    targets = torch.randint(0, 50, (9,), generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        loss = chunked_linear_cross_entropy_sum(hidden.to(dtype), weight.to(dtype), targets, 4)
+        assert loss.dtype == torch.float32
 
 
 @_pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -253,6 +271,8 @@ def test_causal_lm_loss_chunked_equals_plain_and_never_builds_full_logits(tmp_pa
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m", tie_word_embeddings=tie))
+    # float64: chunked and plain sum in different orders; the float64 rounding bound holds on every CPU.
+    model = model.double()
     # 4 x 40 tokens: more rows than the hidden size, so full logits outgrow the weight-sized gradient.
     ids = torch.randint(3, 1000, (4, 40), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
@@ -269,12 +289,13 @@ def test_causal_lm_loss_chunked_equals_plain_and_never_builds_full_logits(tmp_pa
             loss = causal_lm_loss_sum(model, inputs, labels, chunk_tokens=chunk)
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results.append((loss.item(), grads, spy.largest))
+        results.append((loss.detach(), grads, spy.largest))
     (plain, g_plain, big_plain), (chunked, g_chunked, big_chunked) = results
     vocab = model.config.vocab_size
-    assert abs(chunked - plain) <= 1e-5 * abs(plain)
+    # The longest reduction is over the vocabulary (the hidden states' gradient through the head).
+    assert_same_maths(chunked, plain, terms=vocab, name="loss")
     for name in g_plain:
-        assert torch.allclose(g_chunked[name], g_plain[name], atol=1e-5, rtol=1e-4), name
+        assert_same_maths(g_chunked[name], g_plain[name], terms=vocab, name=name)
     # The plain path builds [4 x 40 x vocab] logits; the chunked one at most a [7 x vocab] block (or the
     # vocab x hidden weight-sized gradient).
     assert big_plain >= 4 * 39 * vocab

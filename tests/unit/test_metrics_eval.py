@@ -3,11 +3,10 @@ the token-weighted eval loss, and greedy samples equal to transformers' own gree
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.data import PaddingCollator
@@ -23,7 +22,7 @@ def _tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).double().eval()  # float64: batched vs one-by-one sums in other orders
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -49,13 +48,15 @@ def test_eval_loss_is_token_weighted_over_all_examples() -> None:
             total += float(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
             count += int((labels != -100).sum())
     assert result.tokens == count
-    assert result.loss == pytest.approx(total / count, rel=1e-5)
-    assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
+    want = torch.tensor(total / count, dtype=torch.float64)
+    assert_same_maths(torch.tensor(result.loss, dtype=torch.float64), want, terms=40, name="eval loss")
+    assert_same_maths(torch.tensor(result.perplexity, dtype=torch.float64), want.exp(), terms=40, name="ppl")
     assert model.training is False  # mode restored
     # The chunked cross entropy of training (ce_chunk_tokens) gives the same eval loss.
     chunked = evaluate_loss(model, eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
                             torch.device("cpu"), chunk_tokens=4)
-    assert chunked.tokens == count and chunked.loss == pytest.approx(result.loss, rel=1e-5)
+    assert chunked.tokens == count
+    assert_same_maths(torch.tensor(chunked.loss, dtype=torch.float64), want, terms=40, name="chunked eval loss")
 
 
 class _Tok:
