@@ -97,7 +97,7 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) -> dict[str, Any]:
     from hf_fsdp2.compiling import CompileWatch
     from hf_fsdp2.distributed import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
-    from hf_fsdp2.loss import causal_lm_loss_sum
+    from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum
     from hf_fsdp2.metrics import flops_model, non_embedding_params
     from hf_fsdp2.optim import build_adamw, param_groups
 
@@ -119,7 +119,7 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
         batch = {k: v.to(device) for k, v in packed_batch(args, model.config.vocab_size, i).items()}
         targets = int((batch["labels"][:, 1:] != -100).sum())
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_tokens=chunk) / targets
+        loss = causal_lm_loss_sum(model, inputs, batch["labels"], LossPlan(chunk)) / targets
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -53,10 +53,10 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def loss_fn(model: Any, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    from hf_fsdp2.loss import causal_lm_loss_sum
+    from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum
 
     labels = ids.clone()
-    return causal_lm_loss_sum(model, {"input_ids": ids}, labels, chunk_tokens=chunk_tokens) / labels[:, 1:].numel()
+    return causal_lm_loss_sum(model, {"input_ids": ids}, labels, LossPlan(chunk_tokens)) / labels[:, 1:].numel()
 
 
 def activations(args: argparse.Namespace) -> dict[str, Any]:

@@ -44,7 +44,18 @@ class ModelArgs:
         },
     )
     attn_implementation: str = field(
-        default="sdpa", metadata={"help": "Attention kernel: sdpa (default), eager, flash_attention_2, ..."}
+        default="auto",
+        metadata={
+            "help": "Attention kernel: auto (transformers picks what the model supports: sdpa, else eager), sdpa, "
+            "eager, flash_attention_2, flex_attention."
+        },
+    )
+    resize_token_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": "Grow the model's embedding (and untied head) to the tokenizer's size when the tokenizer has "
+            "more tokens than the model has rows; off: such a pair is refused."
+        },
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code from the hub repo; off unless you trust it."}
@@ -535,6 +546,12 @@ def validate(cfg: Config) -> None:
     # Accelerate maps the optimizer's parameters to the sharded ones by data_ptr, which is 0 for every meta
     # parameter of the non-zero ranks: their optimizer then steps the wrong adapter tensors (docs/lora.md).
     _check(
+        not (m.resize_token_embeddings and f.fsdp_cpu_ram_efficient_loading),
+        "resize_token_embeddings=true with fsdp_cpu_ram_efficient_loading=true is not supported (the new rows are "
+        "initialised from the weights, which only rank 0 holds then); resize once offline with "
+        "model.resize_token_embeddings(len(tokenizer)) and save_pretrained, or turn the loading option off",
+    )
+    _check(
         not (p.use_peft and f.fsdp_cpu_ram_efficient_loading),
         "use_peft=true with fsdp_cpu_ram_efficient_loading=true is not supported (the non-zero ranks' optimizer "
         "would hold the wrong adapter parameters); set fsdp_cpu_ram_efficient_loading=false",
@@ -673,7 +690,7 @@ def _validate_data(d: DataArgs, attn_implementation: str) -> None:
         f"chat_loss={d.chat_loss!r} trains on assistant turns but assistant_only_loss=false asks for every token; "
         "unset one of them",
     )
-    if d.packing or d.padding_free:
+    if (d.packing or d.padding_free) and attn_implementation != "auto":  # auto: checked once the model is loaded
         _check(
             attn_implementation in PACKED_ATTENTION_IMPLEMENTATIONS,
             f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "

@@ -9,6 +9,7 @@ batch again with every label masked, which adds nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2.distributed import all_reduce_sum
-from hf_fsdp2.loss import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
+from hf_fsdp2.loss import IGNORE_INDEX, LossPlan, causal_lm_loss_sum, count_target_tokens
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -99,7 +100,7 @@ def evaluate_loss(
     batches: Iterator[dict[str, torch.Tensor]],
     device: torch.device,
     *,
-    chunk_tokens: int = 0,
+    plan: LossPlan | None = None,
 ) -> EvalResult:
     """Token-weighted eval loss of ``model`` over every rank's batches (every rank calls it).
 
@@ -109,13 +110,14 @@ def evaluate_loss(
         model: the (FSDP2-sharded) model.
         batches: this rank's batches from :func:`eval_batches`.
         device: where the model computes.
-        chunk_tokens: cross entropy over chunks of this many tokens, as in training (``ce_chunk_tokens``);
-            0 computes the full logits.
+        plan: the training run's loss plan (chunked or plain, the model's logit post-processing); the router
+            auxiliary loss is left out of the eval loss. Default: plain logits.
 
     Returns:
         The :class:`EvalResult` (NaN loss when the eval set has no target token).
     """
     start = time.perf_counter()
+    plan = dataclasses.replace(plan or LossPlan(), router_aux_coef=0.0)
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -125,9 +127,7 @@ def evaluate_loss(
             tokens += count_target_tokens(batch["labels"])
             on_device = {k: v.to(device) for k, v in batch.items()}
             inputs = {k: v for k, v in on_device.items() if k != "labels"}
-            loss_sum += causal_lm_loss_sum(
-                model, inputs, on_device["labels"], chunk_tokens=chunk_tokens
-            ).double()
+            loss_sum += causal_lm_loss_sum(model, inputs, on_device["labels"], plan).double()
     model.train(was_training)
     # Every rank: one all_reduce of (summed CE, target tokens).
     totals = all_reduce_sum(
@@ -216,7 +216,7 @@ class Evaluator:
         max_new_tokens: int = 32,
         output_dir: str | Path | None = None,
         is_main_process: bool = True,
-        chunk_tokens: int = 0,
+        loss_plan: LossPlan | None = None,
     ) -> None:
         """Args:
         dataset: tokenized eval examples (not packed: one example per sequence).
@@ -230,14 +230,14 @@ class Evaluator:
         max_new_tokens: tokens generated per prompt.
         output_dir: the main process appends samples to ``output_dir/samples.jsonl``.
         is_main_process: this rank logs and writes.
-        chunk_tokens: the loss's ``ce_chunk_tokens``.
+        loss_plan: the training run's loss plan.
         """
         self.dataset, self.collator, self.batch_size = dataset, collator, batch_size
         self.rank, self.world_size, self.device = rank, world_size, device
         self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, list(prompts), max_new_tokens
         self.samples_path = Path(output_dir) / SAMPLES_FILE if output_dir is not None else None
         self.is_main_process = is_main_process
-        self.chunk_tokens = chunk_tokens
+        self.loss_plan = loss_plan
 
     def run(
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
@@ -259,7 +259,7 @@ class Evaluator:
             batch_size=self.batch_size,
             collator=self.collator,
         )
-        result = evaluate_loss(model, batches, self.device, chunk_tokens=self.chunk_tokens)
+        result = evaluate_loss(model, batches, self.device, plan=self.loss_plan)
         logger.info(
             "eval at step %d: loss %.4f, perplexity %.3f (%d target tokens, %d examples, %.1fs)",
             step, result.loss, result.perplexity, result.tokens, len(self.dataset), result.seconds,

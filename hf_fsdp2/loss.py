@@ -7,6 +7,9 @@ the micro-batch split, the accumulation or the number of ranks (not a mean of pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -71,11 +74,50 @@ def backward_scale(global_target_tokens: int, world_size: int) -> float:
     return world_size / global_target_tokens
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of ``hidden @ weight.T`` over chunks of rows; gradients computed in forward, chunk by chunk.
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to the head's output before it is a logit: ``softcap(raw * scale)``.
 
-    Only one ``[chunk x vocab]`` fp32 block exists at a time; backward scales the saved gradients
-    (``[tokens x hidden]`` and ``[vocab x hidden]`` fp32) by the incoming gradient.
+    Gemma-2/3 cap the logits (``final_logit_softcapping``: ``c * tanh(x / c)``), Granite divides them
+    (``logits_scaling``), Cohere multiplies them (``logit_scale``). The chunked loss computes from the
+    head's raw output, so it must apply the same transform, or its loss is not the model's.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply(self, raw: torch.Tensor) -> torch.Tensor:
+        """The logits from the head's raw output."""
+        out = raw * self.scale if self.scale != 1.0 else raw
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        if self.scale != 1.0:
+            parts.append(f"x {self.scale:g}")
+        if self.softcap:
+            parts.append(f"softcap {self.softcap:g}")
+        return ", ".join(parts) or "none"
+
+
+def logit_transform_for(config: Any) -> LogitTransform:
+    """The logit post-processing a model config declares (see :class:`LogitTransform`)."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):  # Granite: logits / logits_scaling
+        scale /= float(config.logits_scaling)
+    if getattr(config, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
+        scale *= float(config.logit_scale)
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of ``transform(hidden @ weight.T)`` over chunks of rows; gradients computed in forward.
+
+    Only one ``[chunk x vocab]`` block exists at a time; backward scales the saved gradients
+    (``[tokens x hidden]`` and ``[vocab x hidden]``) by the incoming gradient.
     """
 
     @staticmethod
@@ -85,6 +127,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         chunk: int,
+        transform: LogitTransform,
     ) -> torch.Tensor:
         acc = accumulation_dtype(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
@@ -96,6 +139,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             valid = t != IGNORE_INDEX
             safe = t.clamp(min=0)
             logits = (h @ weight.t()).to(acc)
+            capped = None
+            if transform.scale != 1.0:
+                logits.mul_(transform.scale)
+            if transform.softcap:
+                capped = torch.tanh(logits / transform.softcap)
+                logits = capped * transform.softcap
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
             total += ((lse - picked) * valid).sum()
@@ -103,6 +152,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(lse[:, None]).exp_()
             probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
             probs.mul_(valid[:, None])
+            # Back through the transform to the head's raw output.
+            if capped is not None:
+                probs.mul_(1.0 - capped.square_())
+            if transform.scale != 1.0:
+                probs.mul_(transform.scale)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = (probs @ weight.to(acc)).to(hidden.dtype)
             if grad_weight is not None:
@@ -121,63 +175,194 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         has_h, has_w = ctx.has_grads  # type: ignore[attr-defined]
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def chunked_linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
-    """Summed CE of ``hidden @ weight.T`` against ``targets`` without the full logits.
+    """Summed CE of ``transform(hidden @ weight.T)`` against ``targets`` without the full logits.
 
     Args:
         hidden: ``[tokens, hidden]`` final hidden states (already shifted: row i predicts targets[i]).
         weight: ``[vocab, hidden]`` output-head weight.
         targets: ``[tokens]`` next-token ids, ``-100`` where no loss.
         chunk_tokens: rows per chunk.
+        transform: the model's logit post-processing (none by default).
 
     Returns:
-        A scalar fp32 tensor whose gradients match ``F.cross_entropy(hidden @ weight.T, reduction="sum")``.
+        A scalar tensor (fp32, fp64 for fp64 inputs) whose gradients match the plain computation's.
     """
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, transform or LogitTransform())
 
 
-def causal_lm_loss_sum(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, *, chunk_tokens: int
-) -> torch.Tensor:
-    """Run the model and return the summed next-token cross entropy over the target tokens.
+# ---------------------------------------------------------------------------------------------------
+# The loss plan: decided once, before the first step, the same on every rank
+# ---------------------------------------------------------------------------------------------------
 
-    With ``chunk_tokens > 0`` and more tokens than that in the batch, the full ``[tokens x vocab]``
-    logits are never materialised: a forward pre-hook on the output head takes the final hidden
-    states and the head's weight *inside* the head's own call (so FSDP2 has gathered the weight
-    and attaches its gradient reduction as for any call), computes the loss and its gradients
-    chunk by chunk (:func:`chunked_linear_cross_entropy_sum`), and lets the head itself run on one
-    position only. Loss and gradients equal the plain path's (tests/unit/test_loss.py, fp32, 1e-5;
-    tests/distributed/test_parity.py under FSDP2).
+
+@dataclass(frozen=True)
+class LossPlan:
+    """How every micro-batch's loss is computed for a whole run; never chosen per batch.
+
+    A per-batch choice (say chunked only for large batches) makes ranks with different batch sizes run
+    different backward graphs, whose FSDP2 collectives then stop matching: a deadlock. The plan is
+    fixed at start-up and agreed by all ranks (:func:`plan_loss`).
+
+    Attributes:
+        chunk_tokens: rows per chunk of the chunked CE; 0 = plain logits.
+        transform: the model's logit post-processing, applied by the chunked path.
+        router_aux_coef: weight of the MoE router load-balancing loss added to the step's loss (0 = none;
+            set when the model config asks for it with ``output_router_logits``).
+        notes: what was decided and why, for the start-of-run log.
+    """
+
+    chunk_tokens: int = 0
+    transform: LogitTransform = field(default_factory=LogitTransform)
+    router_aux_coef: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+def router_aux_coef(config: Any) -> float:
+    """The router auxiliary-loss weight a MoE config asks for (``output_router_logits``), else 0."""
+    if getattr(config, "output_router_logits", False):
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return 0.0
+
+
+def _chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str]:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if not isinstance(head, torch.nn.Module) or getattr(head, "weight", None) is None:
+        return None, f"{type(model).__name__} has no output head with a weight"
+    if getattr(head, "bias", None) is not None:
+        return None, f"{type(model).__name__}'s output head has a bias"
+    return head, ""
+
+
+def _probe_transform(model: torch.nn.Module, head: torch.nn.Module, transform: LogitTransform) -> str:
+    """Check that the model's logits are ``transform(head output)``; '' when they are, else why not.
+
+    The head's output is replaced (forward hook) by known values of magnitude up to 50, so whatever the
+    model does to it afterwards shows in the logits it returns, independent of its weights. Every rank
+    runs the same forward (collective under FSDP2), eagerly, without gradients.
+    """
+    calls: list[tuple[int, ...]] = []
+    made: list[torch.Tensor] = []
+
+    def replace(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(args[0].shape))
+        gen = torch.Generator().manual_seed(0)
+        values = (torch.rand(output.shape, generator=gen, dtype=torch.float64) * 100 - 50).to(torch.float32)
+        made.append(values)
+        return values.to(output.device)
+
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    ids = torch.arange(1, 5, device=device)[None, :]
+    handle = head.register_forward_hook(replace)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        handle.remove()
+        model.train(was_training)
+    if len(calls) != 1 or calls[0][:2] != (1, 4):
+        return f"the output head ran {len(calls)} time(s) on inputs {calls}, not once on every position"
+    expected = transform.apply(made[0])
+    got = logits.detach().float().cpu()
+    if got.shape != expected.shape:
+        return f"the logits have shape {tuple(got.shape)}, the head's output {tuple(expected.shape)}"
+    # A few fp32 elementwise ops on values up to 50: rounding stays far below 64 ulps of 50.
+    diff = float((got - expected).abs().max())
+    if diff > 64 * torch.finfo(torch.float32).eps * 50:
+        return (
+            f"its logits are not the head's output after the known post-processing ({transform.describe()}): "
+            f"they differ by up to {diff:.3g}"
+        )
+    return ""
+
+
+def plan_loss(model: torch.nn.Module, chunk_tokens: int, *, probe: bool = True) -> LossPlan:
+    """Decide the loss path of a run, the same on every rank (collective when ``probe`` is on).
+
+    The chunked path is taken when ``chunk_tokens > 0``, the head is a bias-free linear layer, and a probe
+    forward shows that the model's logits are the head's output after the post-processing its config
+    declares (:func:`logit_transform_for`). Otherwise the plain path, with the reason in ``notes``.
 
     Args:
-        model: a causal LM with ``get_output_embeddings()`` returning a bias-free linear head.
-        inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
-        labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
-        chunk_tokens: rows per chunk; 0 disables chunking.
+        model: the model as it will be trained (sharded or not); every rank passes its own.
+        chunk_tokens: ``ce_chunk_tokens``.
+        probe: run the probe forward (every rank must then call this function).
 
     Returns:
-        A scalar fp32 tensor: the summed loss.
-
-    Raises:
-        ValueError: the model has no bias-free linear output head to chunk over.
+        The plan.
     """
-    if chunk_tokens <= 0 or labels.numel() <= chunk_tokens:
-        return cross_entropy_sum(model(**inputs, use_cache=False).logits, labels)
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    if (
-        not isinstance(head, torch.nn.Module)
-        or getattr(head, "bias", None) is not None
-        or getattr(head, "weight", None) is None
-    ):
-        raise ValueError(
-            f"{type(model).__name__} has no bias-free linear output head to chunk the loss over; "
-            "set ce_chunk_tokens=0"
+    from hf_fsdp2 import collectives
+
+    config = getattr(model, "config", None)
+    transform = logit_transform_for(config)
+    aux = router_aux_coef(config)
+    notes = []
+    if aux:
+        notes.append(f"router auxiliary loss added with weight {aux:g} (output_router_logits in the config)")
+    if chunk_tokens <= 0:
+        notes.append("loss on the full logits (ce_chunk_tokens=0)")
+        return LossPlan(0, transform, aux, tuple(notes))
+    head, why = _chunkable_head(model)
+    if head is not None and probe:
+        why = _probe_transform(model, head, transform)
+    if collectives.all_ranks_true(not why):
+        notes.append(
+            f"chunked cross entropy, {chunk_tokens} tokens per chunk; logit post-processing: {transform.describe()}"
         )
+        return LossPlan(chunk_tokens, transform, aux, tuple(notes))
+    notes.append(
+        f"loss on the full logits instead of chunks: {why or 'the probe failed on another rank'} "
+        "(the chunked loss would not be the model's)"
+    )
+    return LossPlan(0, transform, aux, tuple(notes))
+
+
+@dataclass
+class LossOutput:
+    """A micro-batch's summed CE over its target tokens, and the router auxiliary loss when planned."""
+
+    ce_sum: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+def causal_lm_loss(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+) -> LossOutput:
+    """Run the model and return the summed next-token cross entropy over the target tokens.
+
+    With ``plan.chunk_tokens > 0`` the full ``[tokens x vocab]`` logits are never materialised: a forward
+    pre-hook on the output head takes the final hidden states and the head's weight *inside* the head's
+    own call (so FSDP2 has gathered the weight and attaches its gradient reduction as for any call),
+    computes the loss and its gradients chunk by chunk (:func:`chunked_linear_cross_entropy_sum`, with
+    the model's logit post-processing), and lets the head itself run on one position only. The path
+    depends on the plan only, never on the batch: every rank runs the same graph.
+
+    Args:
+        model: the causal LM (``plan_loss`` checked its head).
+        inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
+        labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
+        plan: from :func:`plan_loss`.
+
+    Returns:
+        The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
+    """
+    extra = {"output_router_logits": True} if plan.router_aux_coef else {}
+    if plan.chunk_tokens <= 0:
+        out = model(**inputs, **extra, use_cache=False)
+        return LossOutput(cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None)
+    head = model.get_output_embeddings()  # type: ignore[operator]
     result: list[torch.Tensor] = []
     targets = labels[:, 1:].reshape(-1)
 
@@ -186,12 +371,23 @@ def causal_lm_loss_sum(
         hidden = full[:, :-1].reshape(-1, full.size(-1))
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
-        result.append(chunked_linear_cross_entropy_sum(hidden, weight, targets.to(full.device), chunk_tokens))
+        result.append(
+            chunked_linear_cross_entropy_sum(
+                hidden, weight, targets.to(full.device), plan.chunk_tokens, plan.transform
+            )
+        )
         return (full[:, -1:], *args[1:])
 
     handle = head.register_forward_pre_hook(loss_inside_head)
     try:
-        model(**inputs, use_cache=False)
+        out = model(**inputs, **extra, use_cache=False)
     finally:
         handle.remove()
-    return result[0]
+    return LossOutput(result[0], getattr(out, "aux_loss", None) if extra else None)
+
+
+def causal_lm_loss_sum(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+) -> torch.Tensor:
+    """The summed CE of :func:`causal_lm_loss` alone (evaluation, benches)."""
+    return causal_lm_loss(model, inputs, labels, plan).ce_sum

@@ -103,7 +103,7 @@ def load_model(
     name_or_path: str,
     *,
     dtype: str = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
     empty_weights: bool = False,
@@ -113,7 +113,8 @@ def load_model(
     Args:
         name_or_path: hub id or local folder.
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
-        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...
+        attn_implementation: ``auto`` (transformers picks what the model supports: sdpa, else eager),
+            ``sdpa``, ``eager``, ``flash_attention_2``, ...
         revision: hub revision.
         trust_remote_code: allow custom model code from the repo.
         empty_weights: build the model with parameters on the meta device and read no weights (the
@@ -127,12 +128,13 @@ def load_model(
     config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     name_or_path = _check_source(name_or_path, "model_name_or_path")
     torch_dtype = _LOAD_DTYPES[dtype]
+    attn = None if attn_implementation == "auto" else attn_implementation
     if empty_weights:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
                 config,
                 dtype=config.dtype if torch_dtype == "auto" else torch_dtype,
-                attn_implementation=attn_implementation,
+                attn_implementation=attn,
                 trust_remote_code=trust_remote_code,
             )
         # Tie as from_pretrained would: the meta-device construction leaves lm_head a separate parameter.
@@ -142,7 +144,7 @@ def load_model(
             name_or_path,
             revision=revision,
             dtype=torch_dtype,
-            attn_implementation=attn_implementation,
+            attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
     model.config.use_cache = False
@@ -192,3 +194,48 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
+
+
+def embedding_rows(config: PretrainedConfig) -> int | None:
+    """Rows of the model's input embedding, from its config (the text config of a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return int(rows) if rows else None
+
+
+def check_vocab(tokenizer_size: int, config: PretrainedConfig, *, resize: bool) -> str | None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows, before any work.
+
+    A token id past the last row crashes the embedding with an IndexError mid-run when a batch uses it,
+    and when none does, the export pairs a tokenizer and a model that do not match.
+
+    Args:
+        tokenizer_size: ``len(tokenizer)`` (added tokens included).
+        config: the model config.
+        resize: ``resize_token_embeddings``: grow the model instead of refusing.
+
+    Returns:
+        A note for the log when the model will be resized, else None.
+
+    Raises:
+        ValueError: the tokenizer is larger than the embedding and ``resize`` is off.
+    """
+    rows = embedding_rows(config)
+    if rows is None or tokenizer_size <= rows:
+        return None
+    if not resize:
+        raise ValueError(
+            f"the tokenizer has {tokenizer_size} tokens but the model's embedding has {rows} rows (vocab_size): "
+            f"ids {rows}..{tokenizer_size - 1} would index past it. Use the model's own tokenizer, or set "
+            "resize_token_embeddings=true to grow the embedding (the new rows start untrained)"
+        )
+    return f"resizing the token embeddings from {rows} to {tokenizer_size} rows (resize_token_embeddings=true)"
+
+
+def resize_embeddings(model: torch.nn.Module, tokenizer_size: int) -> None:
+    """Grow the input embedding (and an untied output head) to ``tokenizer_size`` rows, as transformers does.
+
+    New rows are initialised from the mean and covariance of the old ones (transformers' default), and
+    ``config.vocab_size`` follows, so the export's config matches its weights.
+    """
+    model.resize_token_embeddings(tokenizer_size)  # type: ignore[operator]

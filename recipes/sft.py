@@ -69,7 +69,7 @@ from hf_fsdp2.hub import (
 )
 from hf_fsdp2.kernels import KernelError, apply_liger_kernels, check_liger_available
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
-from hf_fsdp2.loss import backward_scale, causal_lm_loss_sum, count_target_tokens
+from hf_fsdp2.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
 from hf_fsdp2.metrics import (
     MetricsWriter,
     Progress,
@@ -86,14 +86,16 @@ from hf_fsdp2.metrics import (
 )
 from hf_fsdp2.model import (
     check_max_length,
+    check_vocab,
     count_parameters,
     decoder_layer_classes,
     load_model,
     load_model_config,
     load_tokenizer,
+    resize_embeddings,
 )
 from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, restore_scheduler, warmup_steps_for
-from hf_fsdp2.packing import PackedCollator, layout_summary, pack_examples
+from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
 
 logger = logging.getLogger("hf_fsdp2")
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         revision=m.model_revision,
         trust_remote_code=m.trust_remote_code,
     )
+    vocab_note = check_vocab(len(tokenizer), model_config, resize=m.resize_token_embeddings)
     # Rank 0 tokenizes and writes the datasets cache; the other ranks then load it instead of tokenizing.
     with accelerator.main_process_first():
         data = build_sft_datasets_from_config(d, tokenizer, seed=t.seed)
@@ -254,6 +257,17 @@ def main(argv: list[str] | None = None) -> None:
         # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
         empty_weights=f.fsdp_cpu_ram_efficient_loading and accelerator.process_index != 0,
     )
+    if vocab_note:
+        logger.info(vocab_note)
+        resize_embeddings(model, len(tokenizer))
+    attn = model.config._attn_implementation
+    logger.info("attention implementation %s%s", attn, " (chosen by transformers)" if m.attn_implementation == "auto" else "")
+    if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
+            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
+            f"{attn!r}: set attn_implementation to one of them or turn packing off"
+        )
     lora = cfg.peft
     if lora.use_peft:  # LoRA: the base frozen as loaded, the adapter in fp32; wrapped before sharding
         model = apply_lora(
@@ -301,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
+    loss_plan = plan_loss(model, t.ce_chunk_tokens)
+    for note in loss_plan.notes:
+        logger.info("loss: %s", note)
     logger.info(
         "activation checkpointing %s%s; torch.compile %s",
         plan.ac.mode,
@@ -399,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=o.eval_max_new_tokens,
             output_dir=output_dir,
             is_main_process=accelerator.is_main_process,
-            chunk_tokens=t.ce_chunk_tokens,
+            loss_plan=loss_plan,
         )
     accelerator.init_trackers(o.tracker_project, config=tracker_config(cfg.to_flat_dict()))
     meter = StepMeter(
@@ -447,7 +465,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
         scale = backward_scale(global_tokens, world)
+        # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
+        aux_scale = loss_plan.router_aux_coef / t.gradient_accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # Reduce-scatter on every micro-batch keeps gradients sharded; skipping it until the last
@@ -457,10 +478,14 @@ def main(argv: list[str] | None = None) -> None:
             # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
             # or padding-free ones, which transformers honours only without a KV cache.
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            micro_loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_tokens=t.ce_chunk_tokens)
-            accelerator.backward(micro_loss * scale)
-            loss_sum += micro_loss.detach()
-            del micro_loss
+            out = causal_lm_loss(model, inputs, batch["labels"], loss_plan)
+            total = out.ce_sum * scale
+            if out.aux_loss is not None:
+                total = total + out.aux_loss * aux_scale
+                aux_sum += out.aux_loss.detach().float()
+            accelerator.backward(total)
+            loss_sum += out.ce_sum.detach()
+            del out, total
         if global_tokens == 0:
             logger.warning("step %d has no target token on any rank: its gradient is zero", step)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -490,6 +515,9 @@ def main(argv: list[str] | None = None) -> None:
                 **stats,
                 "epoch": sampler.epoch,
             }
+            if loss_plan.router_aux_coef:  # every rank: the step's mean router loss, logged apart
+                aux_total = all_reduce_sum(aux_sum.reshape(1).clone())
+                record["aux_loss"] = float(aux_total[0]) / (world * t.gradient_accumulation_steps)
             compiled = compile_watch.take()  # seconds spent compiling inside these steps, recompiles so far
             if compiled:
                 compile_totals["compile_s"] += compiled["compile_s"]

@@ -215,7 +215,7 @@ import pytest as _pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from hf_fsdp2.loss import causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
+from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -286,7 +286,7 @@ def test_causal_lm_loss_chunked_equals_plain_and_never_builds_full_logits(tmp_pa
         model.zero_grad()
         spy = _LargestTensor()
         with spy:
-            loss = causal_lm_loss_sum(model, inputs, labels, chunk_tokens=chunk)
+            loss = causal_lm_loss_sum(model, inputs, labels, LossPlan(chunk))
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         results.append((loss.detach(), grads, spy.largest))
@@ -303,12 +303,18 @@ def test_causal_lm_loss_chunked_equals_plain_and_never_builds_full_logits(tmp_pa
     assert big_chunked < 4 * 39 * vocab
 
 
-def test_chunking_is_skipped_for_batches_no_larger_than_a_chunk(tmp_path) -> None:
+def test_the_loss_path_never_depends_on_the_batch(tmp_path) -> None:
+    """A batch smaller than a chunk takes the chunked path too: ranks with small and large batches must run
+    the same graph, or their FSDP2 collectives stop matching (the untied-head deadlock)."""
     from support.tiny import make_tiny_llama_dir
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m"))
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m")).double()
     ids = torch.randint(3, 1000, (1, 8))
-    a = causal_lm_loss_sum(model, {"input_ids": ids}, ids, chunk_tokens=8)
-    b = causal_lm_loss_sum(model, {"input_ids": ids}, ids, chunk_tokens=0)
-    assert a.item() == b.item()
+    head_inputs: list[tuple[int, ...]] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, o: head_inputs.append(tuple(a[0].shape)))
+    small = causal_lm_loss_sum(model, {"input_ids": ids}, ids, LossPlan(64))  # 8 tokens, chunks of 64
+    plain = causal_lm_loss_sum(model, {"input_ids": ids}, ids, LossPlan(0))
+    hook.remove()
+    assert head_inputs == [(1, 1, 64), (1, 8, 64)]  # chunked: the head itself ran on one position
+    assert_same_maths(small, plain, terms=model.config.vocab_size, name="loss")

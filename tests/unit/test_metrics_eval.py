@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.data import PaddingCollator
 from hf_fsdp2.evaluate import eval_batches, evaluate_loss, generate_samples
+from hf_fsdp2.loss import LossPlan
 
 EXAMPLES = [
     {"input_ids": list(range(3, 3 + n)), "labels": [-100] * (n // 2) + list(range(3 + n // 2, 3 + n))}
@@ -54,7 +55,7 @@ def test_eval_loss_is_token_weighted_over_all_examples() -> None:
     assert model.training is False  # mode restored
     # The chunked cross entropy of training (ce_chunk_tokens) gives the same eval loss.
     chunked = evaluate_loss(model, eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
-                            torch.device("cpu"), chunk_tokens=4)
+                            torch.device("cpu"), plan=LossPlan(4))
     assert chunked.tokens == count
     assert_same_maths(torch.tensor(chunked.loss, dtype=torch.float64), want, terms=40, name="chunked eval loss")
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from hf_fsdp2.compiling import CompileWatch
 from hf_fsdp2.distributed import ACPlan, CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
-from hf_fsdp2.loss import causal_lm_loss_sum
+from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.optim import build_adamw, param_groups
 
@@ -54,7 +54,7 @@ def run(acc, model_dir: str, ac: str, scope: str | None, steps: int) -> dict:  #
         labels = ids.clone()
         labels[:, :5] = -100
         EVENTS.clear()
-        loss = causal_lm_loss_sum(model, {"input_ids": ids}, labels, chunk_tokens=16)
+        loss = causal_lm_loss_sum(model, {"input_ids": ids}, labels, LossPlan(16))
         acc.backward(loss / 54)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         opt.step()
