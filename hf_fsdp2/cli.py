@@ -250,7 +250,7 @@ def _register_merge_adapter(subparsers: _Subparsers) -> None:
 
 
 def _run_push(args: argparse.Namespace) -> int:
-    from hf_fsdp2.hub import RUN_FOLDER_IGNORE, HubError, push_folder, resolve_token
+    from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, resolve_token
 
     try:
         result = push_folder(

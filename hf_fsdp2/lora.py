@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -229,165 +227,108 @@ def save_adapter(model: Any, out_dir: str | Path, *, is_main_process: bool) -> d
 
 # Runs in a fresh interpreter with plain transformers + peft, as a user would load the adapter.
 _ADAPTER_RELOAD = r"""
-import sys, torch
+import hashlib, sys, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-base, adapter, dtype, probe, out = sys.argv[1:6]
-model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
-model = PeftModel.from_pretrained(model, adapter)
+request = torch.load(sys.argv[1])
+out = sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, request["compute_dtype"]))
+model = PeftModel.from_pretrained(model, request["adapter"])
+state = {k: v for k, v in model.state_dict().items() if ".lora_" in k or ".modules_to_save." in k}
+mismatched = []
+for name, digest in request["digests"].items():
+    got = state.get(name)
+    if got is None:
+        mismatched.append(f"{name}: not in the reloaded model")
+    elif hashlib.sha256(got.detach().float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
+        mismatched.append(f"{name}: differs")
+extra = sorted(set(state) - set(request["digests"]))
+model = model.to(getattr(torch, request["compute_dtype"]))
 model.eval()
-ids = torch.load(probe)
+ids = request["ids"]
 with torch.no_grad():
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-torch.save({"logits": logits}, out)
+torch.save({"logits": logits, "mismatched": mismatched, "extra": extra, "compared": len(request["digests"]),
+            "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
 """
-
-
-def reload_logits(script: str, args: list[str], ids: torch.Tensor) -> torch.Tensor:
-    """Run ``script`` (a reload) in a fresh process on probe ``ids``; return its logits.
-
-    Raises:
-        LoraError: the process failed (its stderr tail in the message).
-    """
-    with tempfile.TemporaryDirectory(prefix="hf_fsdp2-lora-") as tmp:
-        probe, out = Path(tmp) / "probe.pt", Path(tmp) / "out.pt"
-        torch.save(ids, probe)
-        proc = subprocess.run(
-            [sys.executable, "-c", script, *args, str(probe), str(out)], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise LoraError(f"the fresh-process reload failed: {proc.stderr[-2000:]}")
-        return torch.load(out)["logits"]
-
-
-def live_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The live (sharded) model's fp32 logits on ``ids``, in eval mode; every rank must call it (collective forward)."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        with torch.no_grad():
-            logits = model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        return logits.detach().float().cpu()
-    finally:
-        model.train(was_training)
-
-
-def probe_ids(model: Any) -> torch.Tensor:
-    """A fixed probe batch (2 x 16 ids, fixed seed) for the model's vocabulary, the same on every rank."""
-    vocab = int(model.config.vocab_size)
-    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1234))
-
-
-def _broadcast(value: Any) -> Any:
-    box = [value]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)  # every rank: rank 0's value
-    return box[0]
-
-
-_MERGED_RELOAD = r"""
-import sys, torch
-from transformers import AutoModelForCausalLM
-folder, dtype, probe, out = sys.argv[1:5]
-model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
-model.eval()
-ids = torch.load(probe)
-with torch.no_grad():
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-torch.save({"logits": logits}, out)
-"""
-
-
-def _compare_on_rank0(
-    model: torch.nn.Module,
-    script: str,
-    args: list[str],
-    *,
-    compute_dtype: torch.dtype,
-    atol: float | None,
-    what: str,
-    weights_dtype: torch.dtype | None = None,
-) -> float:
-    """Live probe logits (every rank) vs a fresh-process reload (rank 0); raises LoraError beyond ``atol``.
-
-    ``weights_dtype`` is the dtype the reloaded weights were written in (None = ``compute_dtype``): a
-    bf16 export of an fp32 run rounds the weights, and the default tolerance allows for it.
-    """
-    from hf_fsdp2.export import default_atol
-
-    ids = probe_ids(model)
-    live = live_logits(model, ids)  # every rank
-    result: tuple[float, str | None] = (0.0, None)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            got = reload_logits(script, [*args, str(compute_dtype).removeprefix("torch.")], ids)
-            diff = float((got - live).abs().max())
-            tol = (
-                atol
-                if atol is not None
-                else default_atol(weights_dtype or compute_dtype, compute_dtype, float(live.abs().max()))
-            )
-            result = (diff, None if diff <= tol else f"probe logits differ by {diff:.4g} > atol {tol:.3g}")
-        except LoraError as err:
-            result = (float("nan"), str(err))
-    diff, problem = _broadcast(result)
-    if problem:
-        raise LoraError(f"{what} does not reproduce the live LoRA model: {problem}")
-    return diff
-
-
-def _verify_merged(
-    model: torch.nn.Module, folder: Path, *, compute_dtype: torch.dtype, atol: float | None, dtype: str
-) -> float:
-    from hf_fsdp2.export import EXPORT_DTYPES
-
-    return _compare_on_rank0(
-        model,
-        _MERGED_RELOAD,
-        [str(folder)],
-        compute_dtype=compute_dtype,
-        atol=atol,
-        what=f"the merged model in {folder}",
-        weights_dtype=EXPORT_DTYPES.get(dtype),
-    )
 
 
 def verify_adapter(
     model: torch.nn.Module,
     adapter_dir: str | Path,
     base_model: str,
+    adapter: dict[str, torch.Tensor],
     *,
     compute_dtype: torch.dtype,
     atol: float | None = None,
-) -> float:
-    """Reload base + adapter with plain PEFT in a fresh process and compare probe logits with the live model.
+) -> VerifyReport:
+    """Reload base + adapter with plain PEFT in a fresh process and check it against the live model.
 
-    Every rank must call it (collective forward); rank 0 runs the reload.
+    Exact: every adapter tensor of the reloaded PeftModel, by name, equals the live (gathered) adapter bit
+    for bit, and none is missing or extra. Probe: logits of the reload, computed in ``compute_dtype`` as
+    the live model computes, within :func:`hf_fsdp2.export.probe_limit` of the live logits. Every rank
+    must call it (collective forward); rank 0 runs the reload.
 
     Args:
         model: the live (sharded) PEFT model.
-        adapter_dir: the folder written by :func:`save_adapter`.
+        adapter_dir: the (staged) adapter folder.
         base_model: the base model's hub id or folder (as trained from).
+        adapter: the gathered adapter state dict that was written (PEFT's names, fp32).
         compute_dtype: dtype the live model computes in (the reload uses it too).
-        atol: largest accepted difference; None = the export module's default for the dtypes.
+        atol: largest accepted probe difference; None = the default limit.
 
     Returns:
-        The largest probe-logit difference.
+        The report.
 
     Raises:
-        LoraError: the reload failed or its logits differ by more than ``atol``.
+        ExportVerificationError: a check failed (nothing has been published).
     """
-    return _compare_on_rank0(
-        model,
-        _ADAPTER_RELOAD,
-        [str(base_model), str(adapter_dir)],
-        compute_dtype=compute_dtype,
-        atol=atol,
-        what=f"the adapter in {adapter_dir}",
-    )
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.export.verify import digest, live_logits, probe_ids, probe_limit, reload_in_subprocess
+
+    ids = probe_ids(int(model.config.vocab_size))  # type: ignore[union-attr,arg-type]
+    live = live_logits(model, ids)  # every rank
+    report = VerifyReport(reload_dtype=str(compute_dtype).removeprefix("torch."), reload_devices=["cpu"])
+    report.logit_scale = float(live.abs().max())
+    report.atol = atol if atol is not None else probe_limit(compute_dtype, report.logit_scale)
+    found: dict[str, Any] = {}
+    if collectives.rank() == 0:
+        request = {
+            "base": str(base_model),
+            "adapter": str(adapter_dir),
+            "compute_dtype": report.reload_dtype,
+            "ids": ids,
+            "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
+        }
+        found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=_ADAPTER_RELOAD)
+        problems = [found["error"]] if "error" in found else []
+        if not problems:
+            if found["mismatched"] or found["extra"]:
+                problems.append(
+                    f"the reloaded adapter differs from the trained one: {(found['mismatched'] + found['extra'])[:3]}"
+                )
+            if found["hf_fsdp2"]:
+                problems.append("the reload imported hf_fsdp2; it must load with plain PEFT")
+            diff = float((found["logits"] - live).abs().max())
+            found["max_diff"] = diff
+            if not diff <= report.atol:
+                problems.append(f"probe logits differ by {diff:.4g} > limit {report.atol:.3g}")
+        found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
+                 "compared": found.get("compared", 0)}  # fmt: skip
+    found = collectives.broadcast_object(found)
+    report.problems = found["problems"]
+    report.max_logit_diff = found["max_diff"]
+    report.reloaded_tensors = report.tensors = int(found["compared"])
+    if not report.ok:
+        raise ExportVerificationError(
+            f"the adapter in {adapter_dir} does not reproduce the live LoRA model: " + "; ".join(report.problems)
+        )
+    return report
+
+
+def _peft_key(name: str) -> str:
+    """A gathered adapter name as ``PeftModel.state_dict()`` of a reloaded model spells it."""
+    return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -576,7 +517,9 @@ def merge_adapter_offline(
     base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
-    ids = probe_ids(base)
+    from hf_fsdp2.export.verify import probe_ids
+
+    ids = probe_ids(int(base.config.vocab_size))
     with torch.no_grad():
         unmerged = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
     merged = peft_model.merge_and_unload()
@@ -611,14 +554,30 @@ def merge_adapter_offline(
     }
 
 
+ADAPTER_STAGE_NAME = ".adapter-incomplete"
+
+
 @dataclass
 class LoraExport:
     """What :func:`export_lora` wrote."""
 
     adapter_dir: Path
-    adapter_logit_diff: float
+    adapter_report: VerifyReport | None
     merged_dir: Path | None = None
-    merged_logit_diff: float | None = None
+    merged_report: VerifyReport | None = None
+
+
+def _publish_adapter(stage: Path, out: Path) -> None:
+    """Rank 0: move the verified adapter files into ``out``, the weights last (what PEFT opens)."""
+    import os
+    import shutil
+
+    for item in sorted(stage.iterdir(), key=lambda p: p.name == ADAPTER_WEIGHTS_NAME):
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    stage.rmdir()
 
 
 def export_lora(
@@ -639,7 +598,8 @@ def export_lora(
     is_main_process: bool,
 ) -> LoraExport:
     """The end-of-training LoRA export: the adapter in ``out_dir`` and, with ``merge``, the merged model
-    in ``out_dir/merged``, each verified by probe logits against the live model. Every rank must call it.
+    in ``out_dir/merged``. Each is written to a staging folder, verified, and only then published: a
+    rejected adapter or merged model is never left looking finished. Every rank must call it.
 
     Args:
         model: the FSDP2-sharded PEFT model.
@@ -653,37 +613,41 @@ def export_lora(
         max_shard_bytes: largest merged safetensors file.
         compute_dtype: dtype the live model computes in.
         verify: run the reload checks.
-        verify_atol: largest probe-logit difference accepted; None = the export module's default.
+        verify_atol: largest probe-logit difference accepted; None = the default limit.
         model_card: README.md text for the adapter folder (PEFT's own card otherwise).
         is_main_process: whether this rank writes the small files.
 
     Returns:
-        The folders and their probe-logit differences (NaN when not verified).
+        The folders and their verification reports (None when not verified).
 
     Raises:
-        LoraError / ExportError: a check failed.
+        ExportVerificationError / ExportError / LoraError: a check failed; nothing of it was published.
     """
-    from hf_fsdp2.export import export_model
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.export import ExportError, export_model
 
     out = Path(out_dir)
-    save_adapter(model, out, is_main_process=is_main_process)  # every rank
+    stage = out / ADAPTER_STAGE_NAME
+    adapter = save_adapter(model, stage, is_main_process=is_main_process)  # every rank
     if is_main_process:
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(out))
+            tokenizer.save_pretrained(str(stage))
         if model_card is not None:
-            (out / "README.md").write_text(model_card)
-    if dist.is_initialized():
-        dist.barrier()  # every rank: the adapter files are on disk before the reload
-    diff = float("nan")
+            (stage / "README.md").write_text(model_card)
+    collectives.barrier()  # every rank: the adapter files are on disk before the reload
+    report = None
     if verify:
-        diff = verify_adapter(model, out, base_model, compute_dtype=compute_dtype, atol=verify_atol)
-        logger.info("adapter verified: fresh-process PEFT reload within %.3g of the live logits", diff)
-    result = LoraExport(adapter_dir=out, adapter_logit_diff=diff)
+        report = verify_adapter(model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol)
+        logger.info("adapter %s", report.summary())
+    collectives.run_on_all(
+        "publishing the adapter", lambda: _publish_adapter(stage, out) if is_main_process else None, ExportError
+    )
+    result = LoraExport(adapter_dir=out, adapter_report=report)
     if not merge:
         return result
     twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy)  # every rank
     merged_dir = out / MERGED_DIR_NAME
-    export_model(
+    merged = export_model(
         twin,
         merged_dir,
         config=twin.config,
@@ -695,17 +659,6 @@ def export_lora(
         verify_atol=verify_atol,
         compute_dtype=compute_dtype,
     )
-    result.merged_dir = merged_dir
+    result.merged_dir, result.merged_report = merged_dir, merged.verify
     del twin
-    if verify:
-        # The written merged folder must compute what the live LoRA model computes: rank 0 reloads it with
-        # plain transformers in a fresh process; the live logits come from every rank's forward.
-        result.merged_logit_diff = _verify_merged(
-            model, merged_dir, compute_dtype=compute_dtype, atol=verify_atol, dtype=dtype
-        )
-        logger.info(
-            "merged model in %s: fresh-process reload within %.3g of the live LoRA model's logits",
-            merged_dir,
-            result.merged_logit_diff,
-        )
     return result

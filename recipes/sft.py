@@ -59,7 +59,7 @@ from hf_fsdp2.distributed import (
 )
 from hf_fsdp2.evaluate import Evaluator
 from hf_fsdp2.export import ExportError, export_model, last_metrics
-from hf_fsdp2.hub import (
+from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
     CheckpointPusher,
     HubError,

@@ -32,7 +32,7 @@ import pytest
 import yaml
 from huggingface_hub import constants as hub_constants
 
-from hf_fsdp2.hub import (
+from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
     CheckpointPusher,
     HubError,

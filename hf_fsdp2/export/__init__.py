@@ -1,0 +1,30 @@
+"""The consolidated HF folder: naming, the gather-free writer, verification, offline export, the hub.
+
+``export_model`` is the entry point a recipe calls (every rank); ``export_checkpoint`` the offline one.
+"""
+
+from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError, VerifyReport
+from hf_fsdp2.export.naming import checkpoint_layout, clean_name, tied_targets
+from hf_fsdp2.export.offline import export_checkpoint, last_metrics, load_checkpoint_model
+from hf_fsdp2.export.verify import probe_limit, verify_export
+from hf_fsdp2.export.writer import EXPORT_DTYPES, STAGE_NAME, check_export_dir, export_model, make_plan
+
+__all__ = [
+    "EXPORT_DTYPES",
+    "STAGE_NAME",
+    "ExportError",
+    "ExportResult",
+    "ExportVerificationError",
+    "VerifyReport",
+    "check_export_dir",
+    "checkpoint_layout",
+    "clean_name",
+    "export_checkpoint",
+    "export_model",
+    "last_metrics",
+    "load_checkpoint_model",
+    "make_plan",
+    "probe_limit",
+    "tied_targets",
+    "verify_export",
+]

@@ -1,0 +1,66 @@
+"""What an export reports: its errors, the verification's findings, the published folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be written; the message says why and what to do."""
+
+
+class ExportVerificationError(ExportError):
+    """The written folder does not reproduce the live model (keys, shapes, dtypes, values, config or logits)."""
+
+
+@dataclass
+class VerifyReport:
+    """What the verification checked, and what it found wrong (empty ``problems`` = verified)."""
+
+    tensors: int = 0
+    bytes_compared: int = 0
+    reloaded_tensors: int = 0
+    config_keys: int = 0
+    max_logit_diff: float = float("nan")
+    logit_scale: float = 0.0
+    atol: float = 0.0
+    reload_dtype: str = ""
+    reload_devices: list[str] = field(default_factory=list)  # ["cpu"], or ["cpu", "disk"] when streamed
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def margin(self) -> str:
+        """How far under the probe limit the difference stayed ("40x under the limit")."""
+        if self.max_logit_diff == 0:
+            return "exactly equal"
+        if not self.max_logit_diff > 0:
+            return "not measured"
+        return f"{self.atol / self.max_logit_diff:.0f}x under the limit"
+
+    def summary(self) -> str:
+        if not self.ok:
+            return "FAILED: " + "; ".join(self.problems)
+        return (
+            f"verified: {self.tensors} tensors bit-exact on disk ({self.bytes_compared / 1e6:.1f} MB read back by "
+            f"the ranks that own them); reloaded with plain transformers (weights on "
+            f"{'+'.join(self.reload_devices)}): no missing or unexpected keys, {self.reloaded_tensors} reloaded "
+            f"tensor slices bit-exact, config.json equal to the live config ({self.config_keys} keys); probe logits in "
+            f"{self.reload_dtype} from the same rounded weights: max |diff| {self.max_logit_diff:.3g} "
+            f"(logit scale {self.logit_scale:.3g}, limit {self.atol:.3g}: {self.margin()})"
+        )
+
+
+@dataclass
+class ExportResult:
+    """The published folder: its weight files, their total size and dtype, and the verification."""
+
+    out_dir: Path
+    files: list[str]
+    total_bytes: int
+    dtype: str
+    seconds: float
+    verify: VerifyReport | None

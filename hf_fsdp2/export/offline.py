@@ -1,0 +1,180 @@
+"""Offline export: a sharded training checkpoint -> the same consolidated folder, in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hf_fsdp2.export.errors import ExportError, ExportResult
+from hf_fsdp2.export.writer import check_export_dir, export_model, single_process_dcp
+
+
+def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any] | None:
+    """The last metrics.jsonl record of a run (at or before ``up_to_step``), or None."""
+    from hf_fsdp2.metrics import METRICS_FILE, read_metrics
+
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return None
+    rows = [r for r in read_metrics(path) if up_to_step is None or r.get("step", 0) <= up_to_step]
+    return rows[-1] if rows else None
+
+
+def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict[str, Any], int]:
+    """Build the run's model from its config and fill it with a checkpoint's weights (one process).
+
+    The architecture, tokenizer and base files come from ``model_name_or_path`` in the checkpoint's
+    ``hf_fsdp2_config.yaml``; the weights, in the dtype they were trained in, from its DCP shards.
+
+    Returns:
+        (model, the run's resolved config, the checkpoint's step).
+
+    Raises:
+        ExportError: an incomplete checkpoint, or one whose tensors do not fit the named model.
+    """
+    import yaml
+    from accelerate.utils import set_module_tensor_to_device
+
+    from hf_fsdp2.checkpoint import CONFIG_FILE, STATE_FILE
+    from hf_fsdp2.model import load_model
+
+    ckpt = Path(checkpoint).expanduser()
+    if not ckpt.is_dir():
+        raise ExportError(
+            f"{checkpoint}: no such checkpoint folder; give a <output_dir>/checkpoint-<step> folder"
+        )
+    missing = [n for n in (".metadata", STATE_FILE, CONFIG_FILE) if not (ckpt / n).is_file()]
+    if missing:
+        raise ExportError(
+            f"{ckpt} is incomplete (no {', '.join(missing)}): its save was interrupted or it is not an hf_fsdp2 "
+            "checkpoint; export an earlier checkpoint-<step> of the run"
+        )
+    cfg = yaml.safe_load((ckpt / CONFIG_FILE).read_text())
+    step = int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))
+    metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    stored = {k[len("model.") :]: v for k, v in metadata.items() if k.startswith("model.")}
+    model: Any = load_model(
+        cfg["model_name_or_path"],
+        dtype="float32",
+        attn_implementation=cfg.get("attn_implementation") or "auto",
+        revision=cfg.get("model_revision"),
+        trust_remote_code=bool(cfg.get("trust_remote_code")),
+        empty_weights=True,  # parameters on meta: the checkpoint fills them, nothing is read twice
+    )
+    if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
+        emb = model.get_input_embeddings().weight
+        emb_name = next(n for n, p in model.named_parameters() if p is emb)
+        rows = tuple(getattr(stored.get(emb_name), "size", ()))[:1]
+        if rows and rows[0] != emb.shape[0]:
+            model.resize_token_embeddings(rows[0])
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(getattr(v, "size", ())) for k, v in stored.items()}
+    absent = sorted(set(expected) - set(got))
+    foreign = sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+    if absent or foreign or wrong:
+        details = []
+        if absent:
+            details.append(f"the model has {len(absent)} tensors the checkpoint lacks (e.g. {absent[:3]})")
+        if foreign:
+            details.append(f"the checkpoint has {len(foreign)} the model lacks (e.g. {foreign[:3]})")
+        if wrong:
+            details.append(
+                f"shapes differ for {len(wrong)} (e.g. {wrong[0]}: model {expected[wrong[0]]}, checkpoint {got[wrong[0]]})"
+            )
+        raise ExportError(
+            f"{ckpt} does not hold weights of {cfg['model_name_or_path']!r} (the model named in its {CONFIG_FILE}): "
+            + "; ".join(details)
+            + ". Is it a checkpoint of another run, or was that config edited?"
+        )
+    for name, param in list(model.named_parameters()):
+        dtype = getattr(getattr(stored[name], "properties", None), "dtype", None) or torch.float32
+        set_module_tensor_to_device(model, name, "cpu", value=torch.empty(param.shape, dtype=dtype))
+    model.tie_weights()
+    state = model.state_dict()
+    with single_process_dcp():
+        dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    model.eval()
+    return model, cfg, step
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    verify_atol: float | None = None,
+) -> ExportResult:
+    """``hf-fsdp2 export``: the consolidated folder of a sharded checkpoint, without training hardware.
+
+    One process: the model is rebuilt from the run's config, filled from the checkpoint's shards, and
+    written and verified as at the end of training (verification computes in the weights' dtype).
+
+    Args:
+        checkpoint: a ``checkpoint-<step>`` folder.
+        out_dir: the export folder; must be empty unless ``overwrite``.
+        dtype: export dtype; default the run's ``export_dtype``.
+        max_shard_bytes: largest file; default the run's ``max_shard_size``.
+        overwrite: replace the export files of a non-empty ``out_dir``.
+        verify: verify before publishing.
+        verify_atol: probe-logit tolerance (None: by dtype).
+
+    Returns:
+        The published folder's description.
+
+    Raises:
+        ExportError: a non-empty ``out_dir``, an incomplete or foreign checkpoint, or a failed write.
+        ExportVerificationError: the written folder does not reproduce the checkpoint's model.
+    """
+    from transformers import GenerationConfig
+
+    from hf_fsdp2.config import parse_size
+    from hf_fsdp2.export.hub import render_model_card
+    from hf_fsdp2.model import load_tokenizer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ExportError(
+            "hf-fsdp2 export runs as one process (it needs no GPU and no process group); run it without "
+            "torchrun / accelerate launch"
+        )
+    out = Path(out_dir).expanduser()
+    check_export_dir(out, overwrite=overwrite)
+    ckpt = Path(checkpoint).expanduser()
+    if ckpt.resolve() == out.resolve() or ckpt.resolve() in out.resolve().parents:
+        raise ExportError(f"OUT_DIR {out} is inside the checkpoint {ckpt}; choose a folder outside it")
+    model: Any
+    model, cfg, step = load_checkpoint_model(ckpt)
+    name = cfg.get("tokenizer_name_or_path") or cfg["model_name_or_path"]
+    tokenizer = load_tokenizer(
+        name, revision=cfg.get("model_revision"), trust_remote_code=bool(cfg.get("trust_remote_code"))
+    )
+    try:
+        generation_config = GenerationConfig.from_pretrained(
+            cfg["model_name_or_path"], revision=cfg.get("model_revision") or "main"
+        )
+    except OSError:  # the base model has no generation_config.json: derive one, as transformers does
+        generation_config = None
+    card_cfg = dict(cfg)
+    card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
+    world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
+    card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
+    return export_model(
+        model,
+        out,
+        config=model.config,
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        dtype=card_cfg["export_dtype"],
+        max_shard_bytes=max_shard_bytes or parse_size(str(cfg.get("max_shard_size", "5GB"))),
+        model_card=card,
+        verify=verify,
+        verify_atol=verify_atol,
+    )

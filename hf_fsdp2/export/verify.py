@@ -1,0 +1,496 @@
+"""Verification of an exported folder against the live model, before it is published.
+
+It separates rounding from mistakes without a tolerance to tune per model. Every check but the last is
+exact:
+
+1. headers: every expected tensor is in a file, with its global shape and the export dtype; no extra
+   tensor; the index maps each tensor to the file that holds it; file sizes add up;
+2. bytes: each rank reads back the slices it owns and compares them bit for bit with its shards cast
+   to the export dtype (no rank reads the model);
+3. reload: rank 0 loads the folder in a fresh Python process with plain transformers. Its loading
+   report must have no missing, unexpected or mismatched keys; every reloaded tensor, by name, must
+   equal the live model's shards bit for bit (each rank sends a digest of its own slices; fused MoE
+   experts come back through transformers' own merge); config.json must equal the live config (but
+   for ``dtype``, ``use_cache`` and ``architectures``, which the export sets); tied embeddings tied;
+4. probe: logits on a fixed batch from the reload must match the live model's, where the live model
+   computes with its weights rounded to the export dtype (for the duration of the probe only) and
+   both compute in the same dtype: the expected difference is kernel noise, and the limit
+   (:func:`probe_limit`) is far above it. The log says how far.
+
+The reload keeps at most ``reload_ram_bytes`` of weights in memory; the rest stays on disk and streams
+through the forward (accelerate's offload), so no process holds a large model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.dtypes import dtype_name
+from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
+from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
+from hf_fsdp2.export.naming import clean_name, tied_targets
+from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config
+
+RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
+# Config keys an export sets itself (or that describe the file, not the model).
+_CONFIG_KEYS_SET = {"dtype", "torch_dtype", "use_cache", "architectures", "transformers_version", "_name_or_path"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1-2. Headers and bytes
+# ---------------------------------------------------------------------------------------------------
+
+
+def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's part of ``tensor`` and where it sits in the full tensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple(slice(0, s) for s in tensor.shape)
+    local = tensor.to_local()
+    chunks = tensor.__create_chunk_list__()  # the chunk DCP writes for this rank (one per placement)
+    if len(chunks) != 1:
+        raise ExportError(f"a DTensor with {len(chunks)} local chunks cannot be read back here")
+    offsets = chunks[0].offsets
+    return local, tuple(slice(o, o + s) for o, s in zip(offsets, local.shape, strict=True))
+
+
+def check_headers(plan: ExportPlan, folder: Path) -> list[str]:
+    """Key set, shapes and dtypes of every file against the plan (headers only; cheap)."""
+    problems: list[str] = []
+    found: dict[str, tuple[list[int], str, str]] = {}
+    for name in plan.names:
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        try:
+            header, data_start = read_header(path)
+        except ExportError as err:
+            problems.append(str(err))
+            continue
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if path.stat().st_size != data_start + end:
+            problems.append(f"{name} is {path.stat().st_size} bytes, its header says {data_start + end}")
+        for k, v in header.items():
+            if k != "__metadata__":
+                found[k] = (v["shape"], v["dtype"], name)
+    if len(plan.names) > 1:
+        try:
+            weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            problems.append(f"{INDEX_NAME} is missing or unreadable ({err})")
+        else:
+            wrong = sorted(k for k in found if weight_map.get(k) != found[k][2])
+            if wrong or set(weight_map) != set(found):
+                problems.append(
+                    f"{INDEX_NAME} does not match the files (e.g. {(wrong or sorted(set(weight_map) ^ set(found)))[:3]})"
+                )
+    missing, extra = sorted(set(plan.shapes) - set(found)), sorted(set(found) - set(plan.shapes))
+    if missing:
+        problems.append(f"tensors missing from the files: {missing[:5]}")
+    if extra:
+        problems.append(f"unexpected tensors in the files: {extra[:5]}")
+    for k in sorted(set(found) & set(plan.shapes)):
+        shape, code, _ = found[k]
+        if tuple(shape) != plan.shapes[k] or code != code_of(plan.dtypes[k]):
+            problems.append(
+                f"{k}: file says {code}{shape}, the model has {code_of(plan.dtypes[k])}{list(plan.shapes[k])}"
+            )
+    return problems
+
+
+def _file_of(plan: ExportPlan) -> dict[str, str]:
+    return {k: name for name, keys in zip(plan.names, plan.files, strict=True) for k in keys}
+
+
+def readback(plan: ExportPlan, folder: Path) -> tuple[int, int, list[str]]:
+    """Every rank: read its own slices back from the final files, one tensor at a time, and compare
+    them bit for bit with its shards in the export dtype (no rank reads more than it owns)."""
+    problems: list[str] = []
+    count = 0
+    headers: dict[str, tuple[dict[str, Any], int]] = {}
+    file_of = _file_of(plan)
+
+    def compare(key: str, want: torch.Tensor, where: tuple[slice, ...]) -> None:
+        nonlocal count
+        name = file_of[key]
+        if name not in headers:
+            headers[name] = read_header(folder / name)
+        header, data_start = headers[name]
+        got = read_slice(folder / name, header, data_start, key, where)
+        count += want.numel() * want.element_size()
+        if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else "?"
+            problems.append(
+                f"{key}: the bytes on disk differ from the model's (max |diff| {diff}) on rank {collectives.rank()}"
+            )
+
+    for key in plan.sources:
+        want, where = local_slices(plan.cast(key))
+        if want.numel():
+            compare(key, want, where)
+    for module_name in plan.expert_sources:
+        for key, want in plan.local_experts(module_name).items():
+            compare(key, want, tuple(slice(0, s) for s in want.shape))
+    return len(plan.shapes), count, problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. The reload, in a fresh interpreter: plain transformers, no hf_fsdp2, as a user would load the folder
+# ---------------------------------------------------------------------------------------------------
+
+_RELOAD = r"""
+import hashlib, json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+request = torch.load(sys.argv[1])
+folder, out = request["folder"], sys.argv[2]
+def load(dtype):
+    kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"])
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs)
+model, info = load(request["load_dtype"])
+def tensor(name):
+    module_name, _, leaf = name.rpartition(".")
+    param = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+    if param.device.type != "meta":
+        return param.detach()
+    hook = getattr(model.get_submodule(module_name), "_hf_hook", None)
+    return hook.weights_map[leaf]
+mismatched, compared = [], 0
+for name, boxes in request["boxes"].items():
+    try:
+        full = tensor(name).cpu()
+    except Exception as err:
+        mismatched.append(f"{name}: not in the reloaded model ({type(err).__name__})")
+        continue
+    for offsets, sizes, digest in boxes:
+        part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].contiguous()
+        compared += 1
+        if hashlib.sha256(part.view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
+            mismatched.append(f"{name}[{', '.join(f'{o}:{o + s}' for o, s in zip(offsets, sizes))}]")
+config = {k: v for k, v in model.config.to_dict().items() if k not in request["ignore"]}
+config_diff = sorted(k for k in set(config) | set(request["config"]) if config.get(k) != request["config"].get(k))
+config_diff = [f"{k}: live {request['config'].get(k)!r}, reloaded {config.get(k)!r}" for k in config_diff]
+head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+tied = head is not None and head.weight is emb.weight
+devices = sorted(set(map(str, (getattr(model, "hf_device_map", None) or {"": "cpu"}).values())))
+if request["compute_dtype"] != request["load_dtype"]:
+    # Loaded again rather than cast: buffers computed at init (rotary frequencies) follow the load dtype.
+    del model
+    model, _ = load(request["compute_dtype"])
+model.eval()
+ids = request["ids"]
+with torch.no_grad():
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+torch.save({
+    "logits": logits,
+    "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
+    "mismatched": mismatched, "compared": compared,
+    "config_diff": config_diff, "config_keys": len(config),
+    "tied": tied, "devices": devices,
+    "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
+}, out)
+"""
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (contiguous, on the host)."""
+    return hashlib.sha256(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def live_boxes(
+    model: torch.nn.Module, load_dtypes: dict[str, torch.dtype], names: set[str]
+) -> dict[str, list[tuple[list[int], list[int], str]]]:
+    """This rank's slices of the named tensors, as the reload should hold them: module name ->
+    [(offsets, sizes, digest)], each slice cast to its reload dtype (replicas: the first one only)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out: dict[str, list[tuple[list[int], list[int], str]]] = {}
+    for name, value in get_model_state_dict(model).items():
+        if name not in names or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor) and not _first_replica(value):
+            continue
+        local, where = local_slices(value)
+        if local.numel() == 0:
+            continue
+        box = ([sl.start for sl in where], [sl.stop - sl.start for sl in where])
+        out.setdefault(name, []).append((*box, digest(local.to(load_dtypes[name]))))
+    return out
+
+
+def reload_in_subprocess(request: dict[str, Any], offload: Path, script: str = _RELOAD) -> dict[str, Any]:
+    """Run ``script`` (default :data:`_RELOAD`) on ``request`` in a fresh CPU process; its findings, or
+    ``{"error": ...}``."""
+    with tempfile.TemporaryDirectory(prefix="hf_fsdp2-verify-") as tmp:
+        req, out = Path(tmp) / "request.pt", Path(tmp) / "out.pt"
+        torch.save({**request, "offload": str(offload)}, req)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", script, str(req), str(out)], capture_output=True, text=True, env=env
+            )
+        finally:
+            shutil.rmtree(offload, ignore_errors=True)
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"error": f"from_pretrained in a fresh process failed: {' | '.join(tail)}"}
+        return dict(torch.load(out))
+
+
+def comparable_config(config: Any) -> dict[str, Any]:
+    """A config as a dict, without the keys an export sets itself."""
+    return {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_SET}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. The probe: the live model with its weights rounded as the export rounded them
+# ---------------------------------------------------------------------------------------------------
+
+
+def probe_ids(vocab_size: int) -> torch.Tensor:
+    """A fixed probe batch: 2 x 16 token ids drawn with a fixed seed (the same on every rank)."""
+    return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(1234))
+
+
+def probe_limit(compute_dtype: torch.dtype, logit_scale: float) -> float:
+    """The largest probe-logit difference accepted when the reload uses the live model's rounded weights
+    and compute dtype: only kernels differ (another device, another summation order, another attention
+    kernel). Relative to the logit scale (at least 1): 1e-3 in fp32, 5e-2 in bf16/fp16, where one
+    rounding of an activation is already 4e-3. Mapping mistakes are caught exactly by checks 1-3."""
+    rel = 1e-3 if compute_dtype in (torch.float32, torch.float64) else 5e-2
+    return rel * max(1.0, logit_scale)
+
+
+def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules whose forward brackets the use of their own parameters: FSDP2 units, else the root."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return units or [model]
+
+
+@contextmanager
+def rounded_weights(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> Iterator[None]:
+    """For the forwards inside, each named parameter holds its value rounded to ``dtypes[name]``.
+
+    Under FSDP2 the rounding is applied to each unit's gathered (unsharded) parameters right after FSDP2
+    gathers them, so the sharded master weights are never touched; every unit is resharded afterwards
+    so no rounded gathered copy survives. Without FSDP2 the parameters are rounded in place before the
+    forward and restored bit for bit after it.
+
+    Args:
+        model: the live model (sharded or not).
+        dtypes: parameter name (clean) -> the dtype its export holds; names not given are left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = _units(model)
+    sharded = isinstance(units[0], FSDPModule)
+    unit_names = {id(u): clean_name(n) for n, u in model.named_modules() if any(u is v for v in units)}
+    owner: dict[str, torch.nn.Module] = {}
+    for unit in sorted(units, key=lambda u: -len(unit_names[id(u)])):  # innermost first
+        prefix = unit_names[id(unit)]
+        for name, _ in unit.named_parameters():
+            full = clean_name(f"{prefix}.{name}" if prefix else name)
+            owner.setdefault(full, unit)
+    todo: dict[int, list[tuple[str, torch.dtype]]] = {}
+    for name, p in model.named_parameters():
+        name = clean_name(name)
+        want = dtypes.get(name)
+        if want is not None and p.is_floating_point() and want != p.dtype and name in owner:
+            unit = owner[name]
+            prefix = unit_names[id(unit)]
+            todo.setdefault(id(unit), []).append((name[len(prefix) + 1 :] if prefix else name, want))
+    saved: dict[int, list[torch.Tensor]] = {}
+
+    def params(unit: torch.nn.Module) -> list[tuple[torch.Tensor, torch.dtype]]:
+        named = {clean_name(n): p for n, p in unit.named_parameters()}
+        return [(named[rel], want) for rel, want in todo[id(unit)]]
+
+    def pre(unit: torch.nn.Module, args: Any) -> None:
+        with torch.no_grad():
+            items = params(unit)
+            if not sharded:
+                saved[id(unit)] = [p.detach().clone() for p, _ in items]
+            for p, want in items:
+                if isinstance(p, DTensor):  # FSDP2 did not gather it: nothing computes with this copy
+                    continue
+                p.copy_(p.to(want))
+
+    def post(unit: torch.nn.Module, args: Any, output: Any) -> None:
+        if sharded:
+            return
+        with torch.no_grad():
+            for (p, _), old in zip(params(unit), saved.pop(id(unit)), strict=True):
+                p.copy_(old)
+
+    handles = []
+    for unit in units:
+        if id(unit) in todo:
+            # Registered after fully_shard's own pre-forward hook: runs once FSDP2 has gathered the unit.
+            handles.append(unit.register_forward_pre_hook(pre, prepend=not sharded))
+            handles.append(unit.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def live_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The live model's logits on ``ids`` (every rank: FSDP2's forward gathers one unit at a time)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            out = model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device))
+        logits = out.logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits.detach().float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def compute_dtype_of(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the live model computes in: the given one, else its first floating parameter's."""
+    if compute_dtype is not None:
+        return compute_dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# All of it
+# ---------------------------------------------------------------------------------------------------
+
+
+def verify_export(
+    model: torch.nn.Module,
+    folder: str | Path,
+    *,
+    plan: ExportPlan,
+    atol: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reload_ram_bytes: int = RELOAD_RAM_BYTES,
+) -> VerifyReport:
+    """Check an exported folder against the live model (see the module docstring); raise on any mismatch.
+
+    Every rank must call it (collective).
+
+    Args:
+        model: the live model the folder was exported from.
+        folder: the exported (or staged) folder.
+        plan: the export's plan (from ``writer.make_plan``).
+        atol: largest probe-logit difference accepted; None = :func:`probe_limit`.
+        compute_dtype: dtype the live model computes in; None = its weights' dtype.
+        reload_ram_bytes: weights the reload keeps in memory.
+
+    Returns:
+        The report (``ok`` is true: a failed check raises).
+
+    Raises:
+        ExportVerificationError: naming every check that failed.
+    """
+    folder = Path(folder)
+    report = VerifyReport()
+    report.problems = check_headers(plan, folder)
+    if report.ok:
+        try:
+            tensors, nbytes, problems = readback(plan, folder)
+        except Exception as err:
+            tensors, nbytes, problems = 0, 0, [f"reading the files back failed: {type(err).__name__}: {err}"]
+        gathered = collectives.gather_objects((tensors, nbytes, problems))
+        report.tensors = gathered[0][0]
+        report.bytes_compared = sum(g[1] for g in gathered)
+        report.problems = [p for g in gathered for p in g[2]]
+    compute = compute_dtype_of(model, compute_dtype)
+    load_dtype = plan.weights_dtype
+    module_dtypes = {plan.module_names[k]: d for k, d in plan.dtypes.items()}
+    load_dtypes = {n: (load_dtype if d.is_floating_point else d) for n, d in module_dtypes.items()}
+    boxes = collectives.gather_objects(live_boxes(model, load_dtypes, set(module_dtypes)))
+    # The probe runs on every rank (a collective forward) whatever the findings so far.
+    config: Any = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab <= 0:
+        raise ExportVerificationError("verification needs model.config.vocab_size for its probe batch")
+    ids = probe_ids(vocab)
+    with rounded_weights(model, module_dtypes):
+        live = live_logits(model, ids)
+    report.reload_dtype = dtype_name(compute)
+    report.logit_scale = float(live.abs().max())
+    report.atol = atol if atol is not None else probe_limit(compute, report.logit_scale)
+    found: dict[str, Any] = {}
+    if collectives.rank() == 0 and report.ok:
+        merged: dict[str, list[Any]] = {}
+        for per_rank in boxes:
+            for name, items in per_rank.items():
+                merged.setdefault(name, []).extend(items)
+        request = {
+            "folder": str(folder),
+            "load_dtype": dtype_name(load_dtype),
+            "compute_dtype": dtype_name(compute),
+            "ids": ids,
+            "boxes": merged,
+            "config": comparable_config(export_config(config, plan.weights_dtype, "")),
+            "ignore": sorted(_CONFIG_KEYS_SET),
+            "ram": reload_ram_bytes,
+        }
+        found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
+        found["reload_problems"], found["max_diff"] = _compare_reload(found, model, live, report.atol)
+        found.pop("logits", None)
+    found = collectives.broadcast_object(found)  # every rank: rank 0's findings
+    report.problems += found.get("reload_problems", [])
+    report.max_logit_diff = found.get("max_diff", float("nan"))
+    report.reload_devices = list(found.get("devices", []))
+    report.reloaded_tensors = int(found.get("compared", 0))
+    report.config_keys = int(found.get("config_keys", 0))
+    if not report.ok:
+        raise ExportVerificationError(
+            f"the export in {folder} does not reproduce the model: " + "; ".join(report.problems[:8])
+        )
+    return report
+
+
+def _compare_reload(
+    found: dict[str, Any], model: torch.nn.Module, live: torch.Tensor, atol: float
+) -> tuple[list[str], float]:
+    if "error" in found:
+        return [found["error"]], float("nan")
+    problems = [f"from_pretrained reported {k}: {v[:5]}" for k, v in found["problems"].items()]
+    if found["hf_fsdp2"]:
+        problems.append("the reload imported hf_fsdp2; it must load with plain transformers")
+    if found["mismatched"]:
+        problems.append(
+            f"{len(found['mismatched'])} reloaded tensor slices differ from the live model's "
+            f"(e.g. {found['mismatched'][:3]})"
+        )
+    if found["config_diff"]:
+        problems.append(f"config.json differs from the live config: {found['config_diff'][:3]}")
+    tied = bool(tied_targets(model))
+    if found["tied"] != tied:
+        problems.append(f"tied embeddings: live model {tied}, reloaded {found['tied']}")
+    logits = found["logits"]
+    if logits.shape != live.shape:
+        problems.append(f"probe logits shape {list(logits.shape)} vs live {list(live.shape)}")
+        return problems, float("nan")
+    max_diff = float((logits - live).abs().max())
+    if not max_diff <= atol:  # also catches NaN
+        problems.append(f"probe logits differ from the live model's by up to {max_diff:.4g} > limit {atol:.3g}")
+    return problems, max_diff

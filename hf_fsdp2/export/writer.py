@@ -1,0 +1,404 @@
+"""Writing the consolidated HF folder: every rank writes its own shards, no rank gathers the model.
+
+1. each rank takes its own shards of the parameters (``get_model_state_dict``, no all-gather), casts
+   them to the export dtype and names them as the checkpoint format does (:mod:`.naming`);
+2. ``torch.distributed.checkpoint.save`` with ``HuggingFaceStorageWriter(save_distributed=True)``:
+   each rank writes its shards as safetensors part files, tagged with their offsets; fused expert
+   tensors are split per expert on the rank that holds them and written as part files of the same form;
+3. each rank assembles some of the final ``model-*.safetensors`` files from the part files on disk
+   (file ``i`` by rank ``i % world``), copying one shard's bytes at a time;
+4. verification (:mod:`.verify`) before anything is published.
+
+Files are written to ``<out>/.export-incomplete`` and moved into place only once all of them are
+complete and verified, the index (or the single weights file) last, so a crash or a failed
+verification never leaves a folder that looks loadable but is not. A shared file system is assumed
+across nodes, as for checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers.generation import GenerationConfig
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.dtypes import dtype_name, dtype_named
+from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError
+from hf_fsdp2.export.files import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    assemble_file,
+    file_names,
+    index_parts,
+    is_supported,
+    nbytes,
+    plan_files,
+    write_part_file,
+)
+from hf_fsdp2.export.naming import CheckpointLayout, checkpoint_layout, split_local_experts, tied_targets
+
+logger = logging.getLogger("hf_fsdp2")
+
+EXPORT_DTYPES = ("bfloat16", "float32", "float16")
+STAGE_NAME = ".export-incomplete"
+PARTS_NAME = ".parts"
+MODEL_CARD_NAME = "README.md"
+PART_BYTES = 256 * 2**20  # per rank and DCP save: bounds the writer's host memory (see _write_weights)
+
+
+def run_on_all(phase: str, fn):  # type: ignore[no-untyped-def]
+    """:func:`hf_fsdp2.collectives.run_on_all` raising :class:`ExportError` (collective)."""
+    return collectives.run_on_all(phase, fn, ExportError)
+
+
+@contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """DCP warns on every single-process save/load; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def resolve_dtype(dtype: str) -> torch.dtype | None:
+    """The torch dtype of ``export_dtype``; None for ``training`` (each tensor keeps its own dtype).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if dtype == "training":
+        return None
+    return dtype_named(dtype, "export_dtype", (*EXPORT_DTYPES, "training"))
+
+
+def _first_replica(tensor: DTensor) -> bool:
+    """True on the ranks that write a DTensor's local shard: coordinate 0 of every replicated mesh dim."""
+    coords = list(tensor.device_mesh.get_coordinate() or [])
+    return all(c == 0 for c, p in zip(coords, tensor.placements, strict=False) if isinstance(p, Replicate))
+
+
+def _row_offset(tensor: torch.Tensor) -> int:
+    """The global index of this rank's first row of a dim-0-sharded tensor (0 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 0
+    chunks = tensor.__create_chunk_list__()
+    return int(chunks[0].offsets[0]) if chunks else 0
+
+
+@dataclass
+class ExportPlan:
+    """Everything every rank agrees on before writing: names, global shapes, dtypes, files.
+
+    ``sources`` holds this rank's own data: checkpoint name -> its (sharded) tensor as trained; fused
+    expert tensors are in ``expert_sources`` (module name -> sharded tensor) and become their checkpoint
+    tensors only when written (:meth:`local_experts`).
+    """
+
+    sources: dict[str, torch.Tensor]
+    expert_sources: dict[str, torch.Tensor]
+    layout: CheckpointLayout
+    module_names: dict[str, str]  # checkpoint name -> module name
+    shapes: dict[str, tuple[int, ...]]  # checkpoint name -> global shape
+    dtypes: dict[str, torch.dtype]  # checkpoint name -> export dtype
+    files: list[list[str]]
+    names: list[str]
+    weights_dtype: torch.dtype  # the dtype config.json states
+    model: torch.nn.Module
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes(self.shapes[k], self.dtypes[k]) for k in self.shapes)
+
+    def cast(self, key: str) -> torch.Tensor:
+        """This rank's shard of ``key`` in the export dtype (a copy only when the dtype changes)."""
+        return self.sources[key].detach().to(self.dtypes[key])
+
+    def local_experts(self, module_name: str) -> dict[str, torch.Tensor]:
+        """This rank's experts of a fused tensor, per checkpoint name, in the export dtype (whole tensors)."""
+        source = self.expert_sources[module_name]
+        if isinstance(source, DTensor) and not _first_replica(source):
+            return {}  # another replica writes these experts
+        local = source.to_local() if isinstance(source, DTensor) else source
+        keys = self.layout.splits[module_name].targets
+        dtype = self.dtypes[next(iter(keys))]
+        return split_local_experts(self.model, module_name, local.detach().to(dtype), _row_offset(source))
+
+
+def make_plan(model: torch.nn.Module, dtype: str, max_shard_bytes: int) -> ExportPlan:
+    """This rank's tensors to write and the layout of the files (no communication).
+
+    Raises:
+        ExportError: nothing to export, a dtype safetensors cannot hold, or a checkpoint format the export
+            cannot write shard by shard.
+        ValueError: an unknown ``dtype``.
+    """
+    raw = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    skip = tied_targets(model)
+    raw = {k: v for k, v in raw.items() if k not in skip}
+    if not raw:
+        raise ExportError("nothing to export: the model has no tensors")
+    torch_dtype = resolve_dtype(dtype)
+    module_shapes = {k: tuple(v.shape) for k, v in raw.items()}  # DTensor.shape is the global shape
+    layout = checkpoint_layout(model, module_shapes)
+    shapes = layout.shapes(module_shapes)
+    module_of = layout.module_of()
+    sources = {layout.renames[k]: v for k, v in raw.items() if k in layout.renames}
+    expert_sources = {k: v for k, v in raw.items() if k in layout.splits}
+    dtypes = {}
+    for key in shapes:
+        trained = raw[module_of[key]]
+        dtypes[key] = torch_dtype if torch_dtype is not None and trained.is_floating_point() else trained.dtype
+    unsupported = sorted({str(d) for d in dtypes.values() if not is_supported(d)})
+    if unsupported:
+        raise ExportError(f"tensors of dtype {unsupported} cannot be written as safetensors here")
+    sizes = {k: nbytes(shapes[k], dtypes[k]) for k in shapes}
+    files = plan_files(sizes, max_shard_bytes)
+    floating = [d for d in dtypes.values() if d.is_floating_point]
+    weights_dtype = torch_dtype or (max(set(floating), key=floating.count) if floating else torch.float32)
+    return ExportPlan(
+        sources=sources,
+        expert_sources=expert_sources,
+        layout=layout,
+        module_names=module_of,
+        shapes=shapes,
+        dtypes=dtypes,
+        files=files,
+        names=file_names(len(files)),
+        weights_dtype=weights_dtype,
+        model=model,
+    )
+
+
+def _write_weights(plan: ExportPlan, stage: Path) -> None:
+    """Every rank: write its shards as part files, then assemble files i with i % world == rank.
+
+    The shards go out in groups of about ``PART_BYTES`` per rank, one ``dcp.save`` each: DCP's
+    safetensors writer builds each part file in memory, and a group is cast to the export dtype only
+    when it is written, so the extra host memory of a rank stays near 2 x PART_BYTES whatever the
+    model size (a single larger tensor shard is its own group). Fused expert tensors are converted and
+    written one at a time, each rank its own experts.
+    """
+    parts = stage / PARTS_NAME
+    sizes = {k: nbytes(plan.shapes[k], plan.dtypes[k]) for k in plan.sources}
+    for index, keys in enumerate(plan_files(sizes, PART_BYTES * collectives.world()), start=1):
+
+        def cast(keys: list[str] = keys) -> dict[str, torch.Tensor]:
+            return {k: plan.cast(k) for k in keys}
+
+        group = run_on_all(f"casting part {index}", cast)
+        writer = HuggingFaceStorageWriter(
+            path=str(parts), fqn_to_index_mapping=dict.fromkeys(keys, index), save_distributed=True
+        )
+
+        def save(group: dict[str, torch.Tensor] = group, writer: HuggingFaceStorageWriter = writer) -> None:
+            with single_process_dcp():  # collective: every rank writes its own shards of the group
+                dcp.save(group, storage_writer=writer, no_dist=not dist.is_initialized())
+
+        run_on_all(f"writing part {index} of each rank's shards", save)
+        del group
+    for number, name in enumerate(plan.expert_sources):
+
+        def write_experts(name: str = name, number: int = number) -> None:
+            experts = plan.local_experts(name)
+            if experts:
+                parts.mkdir(parents=True, exist_ok=True)
+                path = parts / f"experts-{number:05d}-rank{collectives.rank():05d}.safetensors"
+                write_part_file(path, {k: (v, [0] * v.dim()) for k, v in experts.items()})
+
+        run_on_all(f"writing the experts of {name}", write_experts)
+
+    def assemble() -> None:
+        chunks = index_parts(parts)
+        for i, (name, keys) in enumerate(zip(plan.names, plan.files, strict=True)):
+            if i % collectives.world() == collectives.rank():
+                assemble_file(stage / name, keys, plan.shapes, plan.dtypes, chunks)
+
+    run_on_all("assembling the safetensors files", assemble)
+
+
+def _write_metadata(
+    plan: ExportPlan,
+    stage: Path,
+    *,
+    config: PretrainedConfig,
+    architecture: str,
+    tokenizer: PreTrainedTokenizerBase | None,
+    generation_config: GenerationConfig | None,
+    model_card: str | None,
+) -> None:
+    """Rank 0: index, config (dtype and inference defaults), generation config, tokenizer, card."""
+    shutil.rmtree(stage / PARTS_NAME, ignore_errors=True)
+    if len(plan.files) > 1:
+        weight_map = {k: name for name, keys in zip(plan.names, plan.files, strict=True) for k in keys}
+        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    export_config(config, plan.weights_dtype, architecture).save_pretrained(stage)
+    gen = generation_config or GenerationConfig.from_model_config(config)
+    gen.save_pretrained(stage)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(stage)
+    if model_card is not None:
+        (stage / MODEL_CARD_NAME).write_text(model_card)
+
+
+def export_config(config: PretrainedConfig, weights_dtype: torch.dtype, architecture: str) -> PretrainedConfig:
+    """The config.json an export writes: the live config with the weights' dtype, the KV cache on for
+    inference, and the architecture that loads it."""
+    out = config.__class__.from_dict(config.to_dict())
+    out.dtype = weights_dtype
+    out.use_cache = True
+    out.architectures = [architecture]
+    return out
+
+
+def publish(stage: Path, out: Path, first: str) -> None:
+    """Rank 0: move the staged files into ``out``; ``first`` (the file a loader opens first) goes last.
+
+    Files of a previous export that the new one does not have are removed first, so the folder never
+    points at a mix of old and new files.
+    """
+    names = {p.name for p in stage.iterdir()}
+    for old in (out / INDEX_NAME, out / WEIGHTS_NAME, out / first):
+        if old.is_file():
+            old.unlink()
+    for old in out.glob("model*.safetensors"):
+        if old.name not in names:
+            old.unlink()
+    for item in sorted(stage.iterdir(), key=lambda p: p.name == first):
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    stage.rmdir()
+
+
+def check_export_dir(out_dir: str | Path, *, overwrite: bool) -> None:
+    """Refuse to export into a folder that holds anything, unless asked to overwrite.
+
+    Raises:
+        ExportError: the path is a file, or a non-empty folder and ``overwrite`` is off.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a folder; choose another OUT_DIR")
+    if out.is_dir() and any(p.name != STAGE_NAME for p in out.iterdir()) and not overwrite:
+        found = sorted(p.name for p in out.iterdir())[:5]
+        raise ExportError(
+            f"{out} is not empty ({', '.join(found)}, ...); choose an empty or new OUT_DIR, or pass --overwrite "
+            "to replace the export files in it"
+        )
+
+
+def export_model(
+    model: torch.nn.Module,
+    out_dir: str | Path,
+    *,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    generation_config: GenerationConfig | None,
+    dtype: str,
+    max_shard_bytes: int,
+    model_card: str | None = None,
+    verify: bool = True,
+    verify_atol: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> ExportResult:
+    """Write, verify and publish the consolidated HF folder of a (sharded) model; no rank gathers it.
+
+    Every rank must call it (collective); a failure on any rank raises on every rank.
+
+    Args:
+        model: the FSDP2-sharded model (or a plain one in a single process).
+        out_dir: the folder; export files already there are replaced, other files are kept.
+        config: model config; config.json states the export dtype and ``use_cache: true``.
+        tokenizer: saved alongside (chat template included) when given.
+        generation_config: saved as generation_config.json (derived from the config when None).
+        dtype: ``bfloat16``, ``float32``, ``float16`` or ``training`` (the dtype the weights have).
+        max_shard_bytes: largest safetensors file (a single larger tensor gets its own file).
+        model_card: README.md text (see ``hf_fsdp2.export.hub.render_model_card``), or None for none.
+        verify: check the folder before publishing it (see :func:`hf_fsdp2.export.verify.verify_export`).
+        verify_atol: probe-logit limit relative to the logit scale; None = the default.
+        compute_dtype: dtype the live model computes in (bf16 under mixed precision); None = its weights'.
+
+    Returns:
+        The published folder's description (the same on every rank).
+
+    Raises:
+        ExportError: writing failed (the previous export, if any, is left as it was).
+        ExportVerificationError: the written folder does not reproduce the model; nothing is published.
+        ValueError: an unknown dtype.
+    """
+    from hf_fsdp2.export.verify import verify_export
+
+    start = time.perf_counter()
+    out = Path(out_dir)
+    stage = out / STAGE_NAME
+    plan = run_on_all("planning the files", lambda: make_plan(model, dtype, max_shard_bytes))
+
+    def prepare() -> None:
+        if collectives.rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if stage.exists():
+                shutil.rmtree(stage)
+            stage.mkdir()
+
+    run_on_all("preparing the staging folder", prepare)
+    _write_weights(plan, stage)
+    architecture = type(model).__name__.removeprefix("FSDP")
+
+    def metadata() -> None:
+        if collectives.rank() == 0:
+            _write_metadata(
+                plan,
+                stage,
+                config=config,
+                architecture=architecture,
+                tokenizer=tokenizer,
+                generation_config=generation_config,
+                model_card=model_card,
+            )
+
+    run_on_all("writing config, tokenizer and index", metadata)
+    report = None
+    if verify:
+        try:
+            report = verify_export(model, stage, plan=plan, atol=verify_atol, compute_dtype=compute_dtype)
+        except ExportVerificationError as err:
+            raise ExportVerificationError(
+                f"{err}. Nothing was published: {out} is as it was; the rejected files are kept in {stage}"
+            ) from None
+        logger.info("export %s", report.summary())
+    first = INDEX_NAME if len(plan.names) > 1 else WEIGHTS_NAME
+    run_on_all("publishing", lambda: publish(stage, out, first) if collectives.rank() == 0 else None)
+    seconds = time.perf_counter() - start
+    logger.info(
+        "exported %d file(s), %.1f MB in %s, to %s in %.1fs",
+        len(plan.names),
+        plan.total_bytes / 1e6,
+        dtype_name(plan.weights_dtype),
+        out,
+        seconds,
+    )
+    return ExportResult(
+        out_dir=out,
+        files=plan.names,
+        total_bytes=plan.total_bytes,
+        dtype=dtype_name(plan.weights_dtype),
+        seconds=seconds,
+        verify=report,
+    )
