@@ -139,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
     from hf_fsdp2.export import export_model
     from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-    from hf_fsdp2.optim import build_adamw, param_groups
+    from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(
         ShardingPlan(cpu_ram_efficient_loading=True), mixed_precision="bf16", compile_plan=CompilePlan()

@@ -53,7 +53,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def loss_fn(model: Any, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum
+    from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 
     labels = ids.clone()
     return causal_lm_loss_sum(model, {"input_ids": ids}, labels, LossPlan(chunk_tokens)) / labels[:, 1:].numel()
@@ -101,7 +101,7 @@ def sharding_worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
-    from hf_fsdp2.optim import build_adamw, param_groups
+    from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     model = build_model(args)

@@ -38,7 +38,7 @@ def check_liger_available(on_gpu: bool) -> None:
 def apply_liger_kernels(model: torch.nn.Module) -> None:
     """Patch ``model``'s RMSNorm, SwiGLU MLP and rotary embeddings with Liger's kernels, in place.
 
-    Liger's own loss paths are left off: the loss is computed by ``hf_fsdp2.loss`` from the hidden
+    Liger's own loss paths are left off: the loss is computed by ``hf_fsdp2.train.loss`` from the hidden
     states, chunk by chunk.
 
     Raises:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_fsdp2.loss import IGNORE_INDEX
+from hf_fsdp2.train.loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -48,7 +48,6 @@ from hf_fsdp2.distributed import (
     ACPlan,
     CompilePlan,
     ShardingPlan,
-    all_reduce_sum,
     build_accelerator,
     describe_policy,
     has_accelerator_device,
@@ -69,7 +68,6 @@ from hf_fsdp2.export.hub import (
 )
 from hf_fsdp2.kernels import KernelError, apply_liger_kernels, check_liger_available
 from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
-from hf_fsdp2.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
 from hf_fsdp2.metrics import (
     MetricsWriter,
     Progress,
@@ -94,9 +92,17 @@ from hf_fsdp2.model import (
     load_tokenizer,
     resize_embeddings,
 )
-from hf_fsdp2.optim import build_adamw, build_scheduler, param_groups, restore_scheduler, warmup_steps_for
 from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.train.loss import plan_loss
+from hf_fsdp2.train.optim import (
+    build_adamw,
+    build_scheduler,
+    param_groups,
+    restore_scheduler,
+    warmup_steps_for,
+)
+from hf_fsdp2.train.step import StepSettings, train_step
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     loss_plan = plan_loss(model, t.ce_chunk_tokens)
     for note in loss_plan.notes:
         logger.info("loss: %s", note)
+    step_settings = StepSettings(loss_plan, t.max_grad_norm, f.fsdp_sync_each_microbatch)
     logger.info(
         "activation checkpointing %s%s; torch.compile %s",
         plan.ac.mode,
@@ -456,68 +463,31 @@ def main(argv: list[str] | None = None) -> None:
         meter.start_step()
         micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
         meter.count(micro_batches)  # non-pad tokens and FLOPs, on the host
-        local_tokens = sum(count_target_tokens(b["labels"]) for b in micro_batches)
-        local_processed = sum(b["input_ids"].numel() for b in micro_batches)
-        # Every rank: the step's target-token count over all micro-batches and ranks normalises the loss;
-        # over the tokens processed (padding included) it is the step's padding efficiency.
-        counts = all_reduce_sum(
-            torch.tensor([local_tokens, local_processed], dtype=torch.long, device=accelerator.device)
-        )
-        global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
-        scale = backward_scale(global_tokens, world)
-        # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
-        aux_scale = loss_plan.router_aux_coef / t.gradient_accumulation_steps
-        loss_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
-        aux_sum = torch.zeros((), dtype=torch.float32, device=accelerator.device)
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # Reduce-scatter on every micro-batch keeps gradients sharded; skipping it until the last
-            # keeps full-size unsharded gradients in memory (less traffic, more memory).
-            model.set_requires_gradient_sync(f.fsdp_sync_each_microbatch or last)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
-            # or padding-free ones, which transformers honours only without a KV cache.
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            out = causal_lm_loss(model, inputs, batch["labels"], loss_plan)
-            total = out.ce_sum * scale
-            if out.aux_loss is not None:
-                total = total + out.aux_loss * aux_scale
-                aux_sum += out.aux_loss.detach().float()
-            accelerator.backward(total)
-            loss_sum += out.ce_sum.detach()
-            del out, total
-        if global_tokens == 0:
+        out = train_step(model, optimizer, scheduler, micro_batches, step_settings, accelerator.device)
+        if out.target_tokens == 0:
             logger.warning("step %d has no target token on any rank: its gradient is zero", step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-        )
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         eval_now = evaluator is not None and (
             step == total_steps or (o.eval_steps and step % o.eval_steps == 0)
         )
         log_now = step % t.logging_steps == 0 or step == total_steps or eval_now
-        meter.end_step(global_tokens, sync=log_now)
+        meter.end_step(out.target_tokens, sync=log_now)
         profiler.end_step(step)
         progress.step()
         if log_now:
-            stats = meter.collect(step, loss_sum)  # every rank: one all_gather of a few numbers
+            stats = meter.collect(step, out.loss_sum)  # every rank: one all_gather of a few numbers
             record = {
                 "step": step,
-                "loss": stats.pop("loss_sum") / max(global_tokens, 1),
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "target_tokens": global_tokens,
-                "padding_efficiency": global_tokens / max(global_processed, 1),
+                "loss": stats.pop("loss_sum") / max(out.target_tokens, 1),
+                "lr": out.lr,
+                "grad_norm": float(out.grad_norm),
+                "target_tokens": out.target_tokens,
+                "padding_efficiency": out.target_tokens / max(out.processed_tokens, 1),
                 **stats,
                 "epoch": sampler.epoch,
             }
-            if loss_plan.router_aux_coef:  # every rank: the step's mean router loss, logged apart
-                aux_total = all_reduce_sum(aux_sum.reshape(1).clone())
-                record["aux_loss"] = float(aux_total[0]) / (world * t.gradient_accumulation_steps)
+            aux = out.aux_loss(t.gradient_accumulation_steps)  # every rank (collective when MoE)
+            if aux is not None:  # the router loss, logged apart from the token loss
+                record["aux_loss"] = aux
             compiled = compile_watch.take()  # seconds spent compiling inside these steps, recompiles so far
             if compiled:
                 compile_totals["compile_s"] += compiled["compile_s"]

@@ -17,7 +17,7 @@ def test_liger_kernels_give_the_plain_loss_and_gradients():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_fsdp2.kernels import apply_liger_kernels
-    from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum
+    from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,

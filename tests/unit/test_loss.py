@@ -1,4 +1,4 @@
-"""Unit tests for hf_fsdp2.loss: target counting, summed CE, global-token normalisation."""
+"""Unit tests for hf_fsdp2.train.loss: target counting, summed CE, global-token normalisation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.numerics import assert_same_maths
 
-from hf_fsdp2.loss import IGNORE_INDEX, backward_scale, count_target_tokens, cross_entropy_sum
+from hf_fsdp2.train.loss import IGNORE_INDEX, backward_scale, count_target_tokens, cross_entropy_sum
 
 X = IGNORE_INDEX
 
@@ -215,7 +215,7 @@ import pytest as _pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from hf_fsdp2.loss import LossPlan, causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
+from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.data import PaddingCollator
 from hf_fsdp2.evaluate import eval_batches, evaluate_loss, generate_samples
-from hf_fsdp2.loss import LossPlan
+from hf_fsdp2.train.loss import LossPlan
 
 EXAMPLES = [
     {"input_ids": list(range(3, 3 + n)), "labels": [-100] * (n // 2) + list(range(3 + n // 2, 3 + n))}

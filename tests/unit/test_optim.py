@@ -1,4 +1,4 @@
-"""Unit tests for hf_fsdp2.optim: parameter groups, AdamW, LR schedules, warmup length."""
+"""Unit tests for hf_fsdp2.train.optim: parameter groups, AdamW, LR schedules, warmup length."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_fsdp2.optim import build_adamw, build_scheduler, lr_lambda, param_groups, warmup_steps_for
+from hf_fsdp2.train.optim import build_adamw, build_scheduler, lr_lambda, param_groups, warmup_steps_for
 
 
 class Toy(torch.nn.Module):

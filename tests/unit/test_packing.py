@@ -26,7 +26,7 @@ from hf_fsdp2.data import (
     build_sft_datasets,
     tokenize_dataset,
 )
-from hf_fsdp2.loss import count_target_tokens, cross_entropy_sum
+from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum
 from hf_fsdp2.metrics import read_metrics
 from hf_fsdp2.packing import (
     PackedCollator,

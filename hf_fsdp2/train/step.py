@@ -1,0 +1,159 @@
+"""The training step every recipe, bench and test calls: token-normalised accumulation, clip, step.
+
+One optimizer step over ``gradient_accumulation_steps`` micro-batches on every rank:
+
+1. one all-reduce of (target tokens, processed tokens) over every micro-batch of every rank;
+2. per micro-batch: forward + loss by the run's :class:`~hf_fsdp2.train.loss.LossPlan` (never chosen per
+   batch), backward of ``summed CE x world / global target tokens`` (FSDP2 averages over ranks, so the
+   accumulated gradient is the gradient of the step's global token mean), plus the MoE router loss
+   when the plan has one; FSDP2 reduce-scatters on every micro-batch or only the last;
+3. gradient clipping over the sharded gradients, optimizer and scheduler step.
+
+Every rank runs the same collectives in the same order whatever its data: micro-batches of any size,
+with or without target tokens, take the same path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.train.loss import LossPlan, backward_scale, causal_lm_loss, count_target_tokens
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How a step runs (from the train config section).
+
+    Attributes:
+        loss: the run's loss plan (:func:`~hf_fsdp2.train.loss.plan_loss`).
+        max_grad_norm: clip the global gradient norm to this; 0 = no clipping (the norm is still measured).
+        sync_each_microbatch: reduce-scatter gradients after every micro-batch (sharded gradients in
+            memory) rather than only after the last (less traffic, full-size unsharded gradients kept).
+    """
+
+    loss: LossPlan
+    max_grad_norm: float = 1.0
+    sync_each_microbatch: bool = True
+
+
+@dataclass
+class StepOutput:
+    """What a step did. Tensors stay on the device: reading them waits for the device (log steps only).
+
+    Attributes:
+        loss_sum: this rank's summed CE over its target tokens (all micro-batches).
+        aux_sum: this rank's summed router loss over its micro-batches (None without one).
+        target_tokens: target tokens of the step over all ranks and micro-batches.
+        processed_tokens: tokens fed to the model (padding included) over all ranks and micro-batches.
+        grad_norm: global gradient norm before clipping.
+        lr: learning rate the step used.
+    """
+
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor | None
+    target_tokens: int
+    processed_tokens: int
+    grad_norm: torch.Tensor
+    lr: float
+
+    def loss(self) -> float:
+        """The step's loss: summed CE over every rank / target tokens (collective: every rank calls it)."""
+        total = collectives.all_reduce_sum(self.loss_sum.detach().double().reshape(1).clone())
+        return float(total[0]) / max(self.target_tokens, 1)
+
+    def aux_loss(self, micro_batches: int) -> float | None:
+        """The step's mean router loss over every micro-batch of every rank (collective), or None."""
+        if self.aux_sum is None:
+            return None
+        total = collectives.all_reduce_sum(self.aux_sum.detach().double().reshape(1).clone())
+        return float(total[0]) / (micro_batches * collectives.world())
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    settings: StepSettings,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """Forward and backward of one step's micro-batches; gradients accumulate in the model.
+
+    Returns:
+        (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
+    """
+    local = torch.tensor(
+        [sum(count_target_tokens(b["labels"]) for b in micro_batches), sum(b["input_ids"].numel() for b in micro_batches)],
+        dtype=torch.long,
+        device=device,
+    )
+    # Every rank: the step's target-token count normalises the loss; with the processed count it gives
+    # the step's padding efficiency.
+    counts = collectives.all_reduce_sum(local)
+    global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
+    scale = backward_scale(global_tokens, collectives.world())
+    # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
+    aux_scale = settings.loss.router_aux_coef / len(micro_batches)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    aux_sum = torch.zeros((), dtype=torch.float32, device=device) if settings.loss.router_aux_coef else None
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        set_sync = getattr(model, "set_requires_gradient_sync", None)
+        if callable(set_sync):  # FSDP2: every rank makes the same choice
+            set_sync(settings.sync_each_microbatch or last)
+        batch = _to_device(batch, device)
+        # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
+        # or padding-free ones, which transformers honours only without a KV cache.
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = causal_lm_loss(model, inputs, batch["labels"], settings.loss)
+        total = out.ce_sum * scale
+        if out.aux_loss is not None and aux_sum is not None:
+            total = total + out.aux_loss * aux_scale
+            aux_sum += out.aux_loss.detach().float()
+        total.backward()
+        loss_sum += out.ce_sum.detach().float()
+        del out, total
+    return loss_sum, aux_sum, global_tokens, global_processed
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    settings: StepSettings,
+    device: torch.device,
+) -> StepOutput:
+    """One optimizer step over ``micro_batches`` (every rank calls it, with its own micro-batches).
+
+    Args:
+        model: the (FSDP2-sharded) causal LM, in train mode.
+        optimizer: its optimizer.
+        scheduler: the learning-rate schedule, stepped after the optimizer (None: constant).
+        micro_batches: this rank's micro-batches of the step (collated, on the host or the device).
+        settings: loss plan, clipping, gradient sync.
+        device: where the model computes.
+
+    Returns:
+        The :class:`StepOutput`.
+    """
+    loss_sum, aux_sum, tokens, processed = forward_backward(model, micro_batches, settings, device)
+    grad_norm = clip_grad_norm(model, settings.max_grad_norm)
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss_sum, aux_sum, tokens, processed, grad_norm, lr)
