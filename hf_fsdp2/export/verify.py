@@ -43,7 +43,7 @@ from hf_fsdp2.dtypes import dtype_name
 from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import clean_name, tied_targets
-from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config
+from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config, make_plan
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).
@@ -385,7 +385,8 @@ def verify_export(
     model: torch.nn.Module,
     folder: str | Path,
     *,
-    plan: ExportPlan,
+    plan: ExportPlan | None = None,
+    dtype: str = "bfloat16",
     atol: float | None = None,
     compute_dtype: torch.dtype | None = None,
     reload_ram_bytes: int = RELOAD_RAM_BYTES,
@@ -397,7 +398,9 @@ def verify_export(
     Args:
         model: the live model the folder was exported from.
         folder: the exported (or staged) folder.
-        plan: the export's plan (from ``writer.make_plan``).
+        plan: the export's plan (from ``writer.make_plan``); rebuilt from ``dtype`` and the folder's index
+            when None (a folder exported earlier).
+        dtype: the export dtype, used when ``plan`` is None.
         atol: largest probe-logit difference accepted; None = :func:`probe_limit`.
         compute_dtype: dtype the live model computes in; None = its weights' dtype.
         reload_ram_bytes: weights the reload keeps in memory.
@@ -409,6 +412,13 @@ def verify_export(
         ExportVerificationError: naming every check that failed.
     """
     folder = Path(folder)
+    if plan is None:
+        plan = make_plan(model, dtype, max_shard_bytes=2**62)
+        index = folder / INDEX_NAME
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            plan.names = sorted(set(weight_map.values()))
+            plan.files = [[k for k, v in weight_map.items() if v == n] for n in plan.names]
     report = VerifyReport()
     report.problems = check_headers(plan, folder)
     if report.ok:

@@ -19,25 +19,30 @@ from safetensors.torch import load_file, save_file
 from support.tiny import make_tiny_llama_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
-import hf_fsdp2.export as export_module
+import hf_fsdp2.export.writer as writer_module
 from hf_fsdp2.export import (
-    INDEX_NAME,
     STAGE_NAME,
-    WEIGHTS_NAME,
     ExportError,
     ExportVerificationError,
-    _Chunk,
-    _write_tensor,
-    assemble_file,
     check_export_dir,
-    checkpoint_names,
-    default_atol,
+    checkpoint_layout,
     export_model,
-    file_names,
     load_checkpoint_model,
-    plan_files,
+    probe_limit,
     tied_targets,
     verify_export,
+)
+from hf_fsdp2.export.files import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    Chunk,
+    _write_tensor,
+    assemble_file,
+    file_names,
+    index_parts,
+    plan_files,
+    read_header,
+    read_slice,
 )
 from hf_fsdp2.model import load_model, load_tokenizer
 
@@ -210,7 +215,7 @@ def test_checkpoint_names_differ_from_module_names_and_round_trip(neox: Path, tm
     model = load_model(str(neox))
     assert "lm_head.weight" in model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    names = checkpoint_names(model, shapes)
+    names = checkpoint_layout(model, shapes).renames
     assert names["lm_head.weight"] == "embed_out.weight"
     assert sum(k != v for k, v in names.items()) == 1
     result = export_model(
@@ -302,20 +307,20 @@ def test_verification_catches_a_config_that_changes_the_model(untied: Tiny, tmp_
     config = json.loads((tmp_path / "config.json").read_text())
     config["rms_norm_eps"] = 0.5  # same tensors, another function
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportVerificationError, match="probe logits differ"):
+    with pytest.raises(ExportVerificationError, match="config.json differs from the live config: .*rms_norm_eps"):
         verify_export(untied.model, tmp_path, dtype="float32")
 
 
 def test_a_failed_verification_publishes_nothing(untied: Tiny, tmp_path: Path, monkeypatch) -> None:
     export(untied, tmp_path, dtype="float32")  # an earlier, good export
     before = (tmp_path / WEIGHTS_NAME).read_bytes()
-    write_metadata = export_module._write_metadata
+    write_metadata = writer_module._write_metadata
 
     def write_then_corrupt(plan, stage, **kwargs):
         write_metadata(plan, stage, **kwargs)
         flip_bytes(stage / WEIGHTS_NAME, "model.norm.weight")
 
-    monkeypatch.setattr(export_module, "_write_metadata", write_then_corrupt)
+    monkeypatch.setattr(writer_module, "_write_metadata", write_then_corrupt)
     with pytest.raises(ExportVerificationError, match="Nothing was published"):
         export(untied, tmp_path, dtype="bfloat16", verify=True)
     assert (tmp_path / WEIGHTS_NAME).read_bytes() == before  # the earlier export is untouched
@@ -334,11 +339,10 @@ def test_verification_streams_a_model_larger_than_its_ram_budget_from_disk(
     assert not (tmp_path / "export.verify-offload").exists()  # the offload folder is removed
 
 
-def test_default_tolerance_is_tight_when_the_export_is_lossless() -> None:
-    assert default_atol(torch.float32, torch.float32, 30.0) == pytest.approx(0.03)
-    assert default_atol(torch.float32, torch.bfloat16, 30.0) == pytest.approx(0.6)
-    assert default_atol(torch.bfloat16, torch.bfloat16, 0.2) == pytest.approx(0.02)  # scale at least 1
-    assert default_atol(torch.bfloat16, torch.float32, 30.0) == pytest.approx(1.5)  # rounding shows
+def test_probe_limit_is_relative_to_the_logit_scale_and_the_compute_dtype() -> None:
+    assert probe_limit(torch.float32, 30.0) == pytest.approx(0.03)
+    assert probe_limit(torch.float32, 0.2) == pytest.approx(1e-3)  # scale at least 1
+    assert probe_limit(torch.bfloat16, 30.0) == pytest.approx(1.5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -384,7 +388,7 @@ def test_assemble_row_and_column_chunks_and_an_int_tensor(tmp_path: Path) -> Non
         {"rows": rows[4:], "cols": cols[:, 2:].contiguous(), "steps": steps, "scalar": scalar},
         {"rows": [4, 0], "cols": [0, 2], "steps": [0], "scalar": []},
     )
-    chunks = export_module._index_parts(parts)
+    chunks = index_parts(parts)
     shapes = {"rows": (7, 5), "cols": (3, 4), "steps": (3,), "scalar": ()}
     dtypes = {"rows": torch.bfloat16, "cols": torch.float32, "steps": torch.int64, "scalar": torch.float32}
     assemble_file(tmp_path / "out.safetensors", list(shapes), shapes, dtypes, chunks)
@@ -396,25 +400,25 @@ def test_assemble_row_and_column_chunks_and_an_int_tensor(tmp_path: Path) -> Non
 def test_read_slice_rows_and_columns(tmp_path: Path) -> None:
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
     save_file({"a": torch.zeros(3), "w": full}, str(tmp_path / "f.safetensors"))
-    header, start = export_module._read_header(tmp_path / "f.safetensors")
+    header, start = read_header(tmp_path / "f.safetensors")
     rows = (slice(1, 3), slice(0, 6))  # a dim-0 shard: one plain read
     cols = (slice(0, 4), slice(2, 5))  # a column shard: through safetensors
     for where in (rows, cols):
-        got = export_module._read_slice(tmp_path / "f.safetensors", header, start, "w", where)
+        got = read_slice(tmp_path / "f.safetensors", header, start, "w", where)
         assert torch.equal(got, full[where]), where
 
 
 def test_assemble_refuses_a_missing_shard(tmp_path: Path) -> None:
     rows = torch.zeros(6, 2)
     write_part(tmp_path / "r0.safetensors", {"w": rows[:3]}, {"w": [0, 0]})  # rank 1 never wrote rows 3-5
-    chunks = export_module._index_parts(tmp_path)
+    chunks = index_parts(tmp_path)
     with open(tmp_path / "out", "wb") as dst, pytest.raises(ExportError, match="hold 6 of its 12 elements"):
         _write_tensor("w", (6, 2), "F32", chunks["w"], dst)
 
 
 def test_assemble_refuses_shards_that_do_not_tile(tmp_path: Path) -> None:
-    chunk = _Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")
-    other = _Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")  # both claim rows 2-3, none rows 0-1
+    chunk = Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")
+    other = Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")  # both claim rows 2-3, none rows 0-1
     with open(tmp_path / "out", "wb") as dst, pytest.raises(ExportError, match="do not tile"):
         _write_tensor("w", (4, 2), "F32", [chunk, other], dst)
 
