@@ -243,7 +243,11 @@ for name, digest in request["digests"].items():
     elif hashlib.sha256(got.detach().float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
         mismatched.append(f"{name}: differs")
 extra = sorted(set(state) - set(request["digests"]))
-model = model.to(getattr(torch, request["compute_dtype"]))
+# The adapter (PEFT keeps it in fp32) computes in the live model's dtype too; the base is loaded in it.
+# Parameters only: a whole-model .to() would also round buffers computed at init (rotary frequencies).
+for name, param in model.named_parameters():
+    if ".lora_" in name or ".modules_to_save." in name:
+        param.data = param.data.to(getattr(torch, request["compute_dtype"]))
 model.eval()
 ids = request["ids"]
 with torch.no_grad():

@@ -286,71 +286,90 @@ def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def rounded_weights(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> Iterator[None]:
     """For the forwards inside, each named parameter holds its value rounded to ``dtypes[name]``.
 
-    Under FSDP2 the rounding is applied to each unit's gathered (unsharded) parameters right after FSDP2
-    gathers them, so the sharded master weights are never touched; every unit is resharded afterwards
-    so no rounded gathered copy survives. Without FSDP2 the parameters are rounded in place before the
-    forward and restored bit for bit after it.
+    Each unit's own parameters are rounded in place just before its forward (before FSDP2 gathers them,
+    so a mixed-precision cast then rounds the rounded value, as a reload of the export does) and
+    restored bit for bit right after it: at most one unit's shards (and the root's) are kept twice.
+    FSDP2 units are resharded afterwards, so no rounded gathered copy survives.
 
     Args:
-        model: the live model (sharded or not).
+        model: the live model (FSDP2-sharded or not).
         dtypes: parameter name (clean) -> the dtype its export holds; names not given are left alone.
     """
     from torch.distributed.fsdp import FSDPModule
 
+    for module in model.modules():  # the masters registered, not a gathered copy left by an earlier call
+        if isinstance(module, FSDPModule):
+            module.reshard()
     units = _units(model)
-    sharded = isinstance(units[0], FSDPModule)
-    unit_names = {id(u): clean_name(n) for n, u in model.named_modules() if any(u is v for v in units)}
+    unit_ids = {id(u) for u in units}
+    prefixes = {id(u): clean_name(n) for n, u in model.named_modules() if id(u) in unit_ids}
+    # fully_shard([norm, lm_head]) makes one group of several modules, gathered when the first one runs.
+    group_of = {id(u): _group_key(u) for u in units}
+    members: dict[int, list[torch.nn.Module]] = {}
+    for unit in units:
+        members.setdefault(group_of[id(unit)], []).append(unit)
     owner: dict[str, torch.nn.Module] = {}
-    for unit in sorted(units, key=lambda u: -len(unit_names[id(u)])):  # innermost first
-        prefix = unit_names[id(unit)]
+    for unit in sorted(units, key=lambda u: -len(prefixes[id(u)])):  # innermost first
+        prefix = prefixes[id(unit)]
         for name, _ in unit.named_parameters():
-            full = clean_name(f"{prefix}.{name}" if prefix else name)
-            owner.setdefault(full, unit)
-    todo: dict[int, list[tuple[str, torch.dtype]]] = {}
+            owner.setdefault(clean_name(f"{prefix}.{name}" if prefix else name), unit)
+    todo: dict[int, list[tuple[torch.nn.Module, str, torch.dtype]]] = {}
     for name, p in model.named_parameters():
         name = clean_name(name)
         want = dtypes.get(name)
         if want is not None and p.is_floating_point() and want != p.dtype and name in owner:
             unit = owner[name]
-            prefix = unit_names[id(unit)]
-            todo.setdefault(id(unit), []).append((name[len(prefix) + 1 :] if prefix else name, want))
-    saved: dict[int, list[torch.Tensor]] = {}
+            prefix = prefixes[id(unit)]
+            todo.setdefault(group_of[id(unit)], []).append((unit, name[len(prefix) + 1 :] if prefix else name, want))
+    saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    pending: dict[int, int] = {}
 
-    def params(unit: torch.nn.Module) -> list[tuple[torch.Tensor, torch.dtype]]:
-        named = {clean_name(n): p for n, p in unit.named_parameters()}
-        return [(named[rel], want) for rel, want in todo[id(unit)]]
+    def restore(key: int) -> None:
+        with torch.no_grad():
+            for t, old in saved.pop(key, []):
+                t.copy_(old)
 
     def pre(unit: torch.nn.Module, args: Any) -> None:
+        key = group_of[id(unit)]
+        if key in saved:  # another module of the group already rounded it
+            return
+        pairs = []
         with torch.no_grad():
-            items = params(unit)
-            if not sharded:
-                saved[id(unit)] = [p.detach().clone() for p, _ in items]
-            for p, want in items:
-                if isinstance(p, DTensor):  # FSDP2 did not gather it: nothing computes with this copy
-                    continue
-                p.copy_(p.to(want))
+            for owner_unit, rel, want in todo[key]:
+                p = dict(owner_unit.named_parameters())[rel]
+                t = p.to_local() if isinstance(p, DTensor) else p  # the master shard, or a plain tensor
+                pairs.append((t, t.clone()))
+                t.copy_(t.to(want))
+        saved[key], pending[key] = pairs, len(members[key])
 
     def post(unit: torch.nn.Module, args: Any, output: Any) -> None:
-        if sharded:
-            return
-        with torch.no_grad():
-            for (p, _), old in zip(params(unit), saved.pop(id(unit)), strict=True):
-                p.copy_(old)
+        key = group_of[id(unit)]
+        pending[key] = pending.get(key, 1) - 1
+        if pending[key] <= 0:
+            restore(key)
 
     handles = []
     for unit in units:
-        if id(unit) in todo:
-            # Registered after fully_shard's own pre-forward hook: runs once FSDP2 has gathered the unit.
-            handles.append(unit.register_forward_pre_hook(pre, prepend=not sharded))
+        if group_of[id(unit)] in todo:
+            # prepend: before fully_shard's own pre-forward hook gathers the unit
+            handles.append(unit.register_forward_pre_hook(pre, prepend=True))
             handles.append(unit.register_forward_hook(post))
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for key in list(saved):
+            restore(key)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+
+def _group_key(unit: torch.nn.Module) -> int:
+    """Modules that FSDP2 gathers together (one ``fully_shard`` call) share a key."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    return id(get_state()) if callable(get_state) else id(unit)
 
 
 def live_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
