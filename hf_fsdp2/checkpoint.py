@@ -151,6 +151,34 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
+def checkpoint_problems(path: Path) -> list[str]:
+    """What is wrong with a checkpoint folder's files (empty: every file DCP's index names is there,
+    at least as long as the index says). Cheap: sizes only, no tensor is read.
+    """
+    problems = []
+    for name in (STATE_FILE, ".metadata", CONFIG_FILE):
+        if not (path / name).is_file():
+            problems.append(f"{name} is missing")
+    if problems:
+        return problems
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a truncated or garbled index
+        return [f".metadata cannot be read ({type(err).__name__}: {err})"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"{rel} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{rel} is {file.stat().st_size} bytes, its index needs {size} (truncated)")
+    return problems
+
+
 def resolve_resume(output_dir: str | Path, value: str) -> Path:
     """The checkpoint folder that ``resume_from_checkpoint`` names.
 
@@ -165,17 +193,30 @@ def resolve_resume(output_dir: str | Path, value: str) -> Path:
         CheckpointError: no checkpoint, or an incomplete one.
     """
     if value == "latest":
+        complete = list_checkpoints(output_dir)
         pointer = Path(output_dir) / LATEST
         if pointer.is_file():
-            path = checkpoint_dir(output_dir, int(pointer.read_text().strip()))
-        else:
-            complete = list_checkpoints(output_dir)
-            if not complete:
-                raise CheckpointError(
-                    f"resume_from_checkpoint=latest but {output_dir} holds no complete checkpoint; "
-                    "train without resume_from_checkpoint, or give a checkpoint path"
-                )
-            path = complete[-1]
+            named = checkpoint_dir(output_dir, int(pointer.read_text().strip()))
+            complete = [p for p in complete if p != named] + ([named] if named.is_dir() else [])
+        if not complete:
+            raise CheckpointError(
+                f"resume_from_checkpoint=latest but {output_dir} holds no complete checkpoint; "
+                "train without resume_from_checkpoint, or give a checkpoint path"
+            )
+        # The newest checkpoint whose files are all there; a damaged one is named and skipped.
+        for path in reversed(complete):
+            problems = checkpoint_problems(path)
+            if not problems:
+                return path
+            logger.warning(
+                "resume_from_checkpoint=latest: skipping %s, which is damaged (%s); trying an earlier one",
+                path,
+                "; ".join(problems[:3]),
+            )
+        raise CheckpointError(
+            f"resume_from_checkpoint=latest: every checkpoint in {output_dir} is damaged "
+            f"({', '.join(p.name for p in complete)}); start a new run or restore the files"
+        )
     else:
         path = Path(value).expanduser()
     if not path.is_dir():
@@ -184,6 +225,12 @@ def resolve_resume(output_dir: str | Path, value: str) -> Path:
         raise CheckpointError(
             f"resume_from_checkpoint: {path} is incomplete (no {STATE_FILE} or .metadata: the save was "
             "interrupted); resume from an earlier checkpoint-<step> or from 'latest'"
+        )
+    problems = checkpoint_problems(path)
+    if problems:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} is damaged: {'; '.join(problems[:3])}. Resume from an earlier "
+            "checkpoint-<step>, or from 'latest' (which skips damaged checkpoints)"
         )
     return path
 
@@ -350,6 +397,14 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, step: int) -> None:
         _barrier()  # every rank has written its shard files
+
+        def check() -> None:  # rank 0: never publish a checkpoint without all its files
+            if self.is_main:
+                problems = checkpoint_problems(tmp)
+                if problems:
+                    raise CheckpointError(f"the written files are incomplete: {'; '.join(problems[:3])}")
+
+        self._agree(check, step, tmp)
         if self.is_main:
             if final.exists():
                 shutil.rmtree(final)
@@ -380,7 +435,13 @@ class Checkpointer:
         model_sd = get_model_state_dict(model)
         optim_sd = get_optimizer_state_dict(model, optimizer)
         # DCP loads in place into these (sharded) state dicts, resharding to this world size.
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        try:
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(
+                f"cannot load the checkpoint {path}: {_first_line(err)}. Its files may be damaged: resume from an "
+                "earlier checkpoint-<step>"
+            ) from err
         set_model_state_dict(model, model_sd)
         set_optimizer_state_dict(model, optimizer, optim_sd)
         rng_file = path / "rng" / f"rank{_rank()}.pt"
@@ -389,6 +450,15 @@ class Checkpointer:
             set_rng_state(torch.load(rng_file, weights_only=False))
         self.protected = path
         return state
+
+
+def _first_line(err: BaseException) -> str:
+    """The gist of an error (DCP wraps each rank's traceback into one long message)."""
+    text = str(err)
+    for line in text.splitlines():
+        if "Error" in line and "Traceback" not in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 class StopRequest:

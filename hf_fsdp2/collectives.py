@@ -121,3 +121,59 @@ def run_on_all(phase: str, fn: Callable[[], T], error_type: type[Exception]) -> 
     if failed is not None:
         raise error_type(f"failed while {phase} (rank {failed[0]}): {failed[1]}")
     return result  # type: ignore[no-any-return]
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (to send it to other ranks), else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def rank0_first(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0, then on the other ranks (rank 0 fills a cache the others then read).
+
+    A failure on rank 0 is raised on every rank as the same exception (the others never start ``fn``);
+    a failure on another rank is raised on every rank too. One error per failure, never a rank left
+    waiting in a collective that a failed rank skipped.
+
+    Returns:
+        ``fn()``'s result on this rank.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    if rank() == 0:
+        try:
+            result = fn()
+        except Exception as err:
+            error = err
+    first = broadcast_object(None if error is None else _portable(error))
+    if first is not None:
+        raise error if error is not None else first
+    later: BaseException | None = None
+    if rank() != 0:
+        try:
+            result = fn()
+        except Exception as err:
+            later = err
+    failures = [e for e in gather_objects(None if later is None else _portable(later)) if e is not None]
+    if failures:
+        raise later if later is not None else failures[0]
+    return result  # type: ignore[no-any-return]
+
+
+def rank0_decides(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on rank 0 only; if it raises, raise the same exception on every rank."""
+    error: BaseException | None = None
+    if rank() == 0:
+        try:
+            fn()
+        except Exception as err:
+            error = err
+    sent = broadcast_object(None if error is None else _portable(error))
+    if sent is not None:
+        raise error if error is not None else sent

@@ -20,6 +20,8 @@ from typing import Any, Literal, NoReturn
 import yaml
 from transformers import HfArgumentParser
 
+CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
+
 
 class ConfigError(ValueError):
     """A configuration value or key a user must fix; the message says what and how."""
@@ -739,27 +741,3 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False))
     return p
-
-
-def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = False) -> None:
-    """Refuse to train into a folder that holds a previous run, unless asked to overwrite or resume.
-
-    Args:
-        output_dir: the run folder (created later if missing).
-        overwrite: ``overwrite_output_dir``; the previous run's files are then replaced as the new
-            run writes its own.
-        resume: ``resume_from_checkpoint`` is set: the previous run is the one being continued.
-
-    Raises:
-        ConfigError: the folder is not empty and overwrite is off, or the path is a file.
-    """
-    p = Path(output_dir)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"output_dir={str(p)!r} is a file, not a folder; choose another output_dir")
-    if p.is_dir() and any(p.iterdir()) and not overwrite and not resume:
-        found = sorted(x.name for x in p.iterdir())[:5]
-        raise ConfigError(
-            f"output_dir={str(p)!r} already holds a previous run ({', '.join(found)}, ...); "
-            "choose a new output_dir, pass --overwrite_output_dir true, or continue it with "
-            "--resume_from_checkpoint latest"
-        )

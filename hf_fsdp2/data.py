@@ -33,6 +33,8 @@ unless ``on_bad_record="skip"``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import re
@@ -386,12 +388,83 @@ def _paragraphs(batch: dict[str, list[str]]) -> dict[str, list[str]]:
     return {"text": [text for text in texts if text]}
 
 
+def _json_document(path: str) -> bool:
+    """True when a .json file is one JSON document (an array of records), not JSON Lines."""
+    with open(path, "rb") as fh:
+        head = fh.read(1 << 16).lstrip()
+    if not head.startswith(b"["):
+        return False
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return isinstance(json.load(fh), list)
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def scan_json_lines(files: Sequence[str]) -> list[str]:
+    """Lines of JSON Lines files that are not a JSON object in UTF-8: ``"file:line: problem"`` each."""
+    bad: list[str] = []
+    for path in files:
+        if path.endswith(".json") and _json_document(path):
+            continue
+        with open(path, "rb") as fh:
+            for number, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    bad.append(f"{path}:{number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})")
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as err:
+                    bad.append(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})")
+                    continue
+                if not isinstance(record, dict):
+                    bad.append(f"{path}:{number}: a JSON {type(record).__name__}, not an object (a record)")
+    return bad
+
+
+def _good_json_records(files: list[str], stamps: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    """The records of JSON Lines files, skipping the lines :func:`scan_json_lines` reports
+    (``stamps``, each file's size and mtime, key the datasets cache)."""
+    del stamps
+    for path in files:
+        if path.endswith(".json") and _json_document(path):
+            with open(path, encoding="utf-8") as fh:
+                yield from json.load(fh)
+            continue
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    continue
+                if isinstance(record, dict):
+                    yield record
+
+
+def _first_undecodable(files: Sequence[str]) -> str | None:
+    """``"file:line"`` of the first line that is not UTF-8, if any."""
+    for path in files:
+        with open(path, "rb") as fh:
+            for number, raw in enumerate(fh, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    return f"{path}:{number} (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+    return None
+
+
 def load_raw_dataset(
     name_or_path: str,
     *,
     split: str = "train",
     config_name: str | None = None,
     revision: str | None = None,
+    on_bad_record: str = "error",
+    bad_lines: list[str] | None = None,
 ) -> datasets.Dataset:
     """Load an untokenized dataset from a local file or folder, or from the hub.
 
@@ -407,6 +480,9 @@ def load_raw_dataset(
         split: Split to load, with optional slicing (``"train[:5%]"``).
         config_name: Hub dataset configuration (subset) name; hub datasets only.
         revision: Hub branch, tag or commit; hub datasets only.
+        on_bad_record: local JSON Lines files: ``"error"`` refuses a line that is not a UTF-8 JSON object,
+            naming the file and line; ``"skip"`` leaves such lines out.
+        bad_lines: where the skipped lines are reported (``"file:line: problem"``).
 
     Returns:
         The loaded ``datasets.Dataset``.
@@ -449,7 +525,38 @@ def load_raw_dataset(
             # The split key must be the bare name: "train[:100]" selects from the split called "train".
             split_name = re.split(r"[\[+]", split, maxsplit=1)[0]
             kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-            loaded = datasets.load_dataset(builder, data_files={split_name: files}, split=split, **kwargs)
+            bad = scan_json_lines(files) if builder == "json" else []
+            if bad and on_bad_record != "skip":
+                raise ValueError(
+                    f"{bad[0]}; {len(bad)} such line(s) in {name_or_path!r}. Fix or remove them, or set "
+                    "on_bad_record=skip to skip them (they are counted)."
+                )
+            try:
+                if bad:
+                    stamps = [(os.path.getsize(f), int(os.path.getmtime(f))) for f in files]
+                    loaded = datasets.Dataset.from_generator(
+                        _good_json_records, gen_kwargs={"files": files, "stamps": stamps}, split=split_name
+                    )
+                    if split != split_name:
+                        loaded = datasets.load_dataset(  # the slice of a split, as for any local data
+                            "arrow", data_files={split_name: [c["filename"] for c in loaded.cache_files]},
+                            split=split,
+                        )  # fmt: skip
+                    if bad_lines is not None:
+                        bad_lines.extend(bad)
+                else:
+                    loaded = datasets.load_dataset(builder, data_files={split_name: files}, split=split, **kwargs)
+            except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as err:
+                cause: BaseException | None = err
+                while cause is not None and not isinstance(cause, UnicodeDecodeError):
+                    cause = cause.__cause__ or cause.__context__
+                if cause is None:
+                    raise ValueError(f"{name_or_path!r} could not be read: {err.__cause__ or err}") from None
+                where = _first_undecodable(files)
+                raise ValueError(
+                    f"{where or name_or_path}: not UTF-8 text; convert the file to UTF-8 "
+                    "(e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             if builder == "text":
                 # Paragraph splitting leaves stray newlines and whitespace-only records around long gaps.
                 loaded = loaded.map(_paragraphs, batched=True, desc="Splitting paragraphs")
@@ -468,10 +575,17 @@ def load_raw_dataset(
     return loaded
 
 
-def load_source(source: DataSource) -> datasets.Dataset:
+def load_source(
+    source: DataSource, *, on_bad_record: str = "error", bad_lines: list[str] | None = None
+) -> datasets.Dataset:
     """`load_raw_dataset` for a `DataSource`."""
     return load_raw_dataset(
-        source.name, split=source.split, config_name=source.subset, revision=source.revision
+        source.name,
+        split=source.split,
+        config_name=source.subset,
+        revision=source.revision,
+        on_bad_record=on_bad_record,
+        bad_lines=bad_lines,
     )
 
 
@@ -1330,8 +1444,12 @@ def build_sft_datasets(
         raise ValueError(f"eval_split_fraction={eval_split_fraction} must be in [0, 1).")
 
     def tokenized(source: DataSource) -> tuple[datasets.Dataset, TokenizeStats]:
-        raw = apply_column_mapping(load(source), column_mapping or {}, source.describe())
-        return tokenize_dataset(
+        bad_lines: list[str] = []
+        loaded = load(source) if load is not load_source else load_source(
+            source, on_bad_record=on_bad_record, bad_lines=bad_lines
+        )
+        raw = apply_column_mapping(loaded, column_mapping or {}, source.describe())
+        examples, stats = tokenize_dataset(
             raw,
             tokenizer,
             max_length=max_length,
@@ -1343,6 +1461,16 @@ def build_sft_datasets(
             source=source.describe(),
             num_proc=num_proc,
         )
+        if bad_lines:  # lines that were not records at all: skipped before tokenizing, counted here
+            skipped = dict(stats.skipped)
+            skipped["unreadable line"] = skipped.get("unreadable line", 0) + len(bad_lines)
+            stats = dataclasses.replace(
+                stats,
+                num_records=stats.num_records + len(bad_lines),
+                skipped=skipped,
+                skipped_examples=(*bad_lines[:3], *stats.skipped_examples)[:3],
+            )
+        return examples, stats
 
     parts, eval_parts, all_stats, counts = [], [], [], []
     for salt, source in enumerate(sources):

@@ -357,13 +357,28 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def _check_mergeable(layer: Any, adapter: str) -> None:
+def _check_mergeable(layer: Any, adapter: str, name: str = "") -> None:
+    where = f" ({name})" if name else ""
     if getattr(layer, "use_dora", {}).get(adapter, False):
-        raise LoraError("DoRA adapters are not merged here; train without use_dora")
+        raise LoraError(f"DoRA adapters are not merged here{where}; train without use_dora or set merge_adapter=false")
     if getattr(layer, "fan_in_fan_out", False):
-        raise LoraError("fan_in_fan_out LoRA layers (Conv1D models) are not merged here")
+        raise LoraError(f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false")
     if not isinstance(layer.get_base_layer(), torch.nn.Linear):
-        raise LoraError(f"only LoRA on nn.Linear is merged here, not {type(layer.get_base_layer()).__name__}")
+        raise LoraError(
+            f"only LoRA on nn.Linear is merged here, not on {type(layer.get_base_layer()).__name__}{where} (fused "
+            "MoE experts); set merge_adapter=false (the adapter is still exported), or list lora_target_modules "
+            "without the experts"
+        )
+
+
+def check_mergeable(model: torch.nn.Module, adapter: str = "default") -> None:
+    """Refuse, before training, an adapter that the merged export could not merge.
+
+    Raises:
+        LoraError: naming the first LoRA layer that cannot be merged, and the fix.
+    """
+    for name, layer in _lora_modules(model).items():
+        _check_mergeable(layer, adapter, name)
 
 
 def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:

@@ -22,9 +22,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
@@ -34,10 +36,12 @@ from hf_fsdp2.checkpoint import (
     StopRequest,
     TrainerState,
     check_config_compatible,
+    checkpoint_dir,
     resolve_resume,
 )
+from hf_fsdp2.collectives import rank0_decides, rank0_first
 from hf_fsdp2.compiling import CompileWatch
-from hf_fsdp2.config import ConfigError, ac_mode, check_output_dir, parse_config, parse_size, save_config
+from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, ac_mode, parse_config, parse_size, save_config
 from hf_fsdp2.data import (
     PaddingCollator,
     ShardedSampler,
@@ -67,7 +71,15 @@ from hf_fsdp2.export.hub import (
     render_model_card,
 )
 from hf_fsdp2.kernels import KernelError, apply_liger_kernels, check_liger_available
-from hf_fsdp2.lora import LoraSettings, apply_lora, export_lora, format_memory_report, memory_report
+from hf_fsdp2.lora import (
+    LoraError,
+    LoraSettings,
+    apply_lora,
+    check_mergeable,
+    export_lora,
+    format_memory_report,
+    memory_report,
+)
 from hf_fsdp2.metrics import (
     MetricsWriter,
     Progress,
@@ -94,6 +106,7 @@ from hf_fsdp2.model import (
 )
 from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.run_dir import RunLock, check_output_dir
 from hf_fsdp2.train.loss import plan_loss
 from hf_fsdp2.train.optim import (
     build_adamw,
@@ -192,10 +205,51 @@ def main(argv: list[str] | None = None) -> None:
             m.torch_dtype,
             m.torch_dtype,
         )
+    # Rank 0 takes the run folder (an exclusive lock) before anything is written, then checks it again:
+    # another run may have used it since the first check. Its refusal is raised on every rank.
+    run_lock = RunLock(output_dir)
+    resume = t.resume_from_checkpoint is not None
+    rank0_decides(lambda: claim_output_dir(run_lock, overwrite=t.overwrite_output_dir, resume=resume))
+    try:
+        _train(
+            cfg,
+            accelerator,
+            plan=plan,
+            compile_plan=compile_plan,
+            model_config=model_config,
+            hub_token=hub_token,
+            run_start=run_start,
+        )
+    finally:
+        run_lock.release()
+
+
+def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
+    """Rank 0: lock the run folder, then check it holds no other run; the lock is dropped on refusal."""
+    lock.acquire()
+    try:
+        check_output_dir(lock.path.parent, overwrite=overwrite, resume=resume)
+    except ConfigError:
+        lock.release()
+        raise
+
+
+def _train(
+    cfg: Config,
+    accelerator: Accelerator,
+    *,
+    plan: ShardingPlan,
+    compile_plan: CompilePlan,
+    model_config: Any,
+    hub_token: str | None,
+    run_start: float,
+) -> None:
+    m, d, t, f, e, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export, cfg.observe
+    output_dir = Path(t.output_dir or "")
     world = accelerator.num_processes
-    accelerator.wait_for_everyone()  # every rank checked output_dir before rank 0 writes into it
+    compile_on = compile_plan.enabled
     if accelerator.is_main_process:
-        save_config(cfg, output_dir / "hf_fsdp2_config.yaml")
+        save_config(cfg, output_dir / CONFIG_NAME)
     if o.distributed_debug == "detail":
         (output_dir / "debug").mkdir(parents=True, exist_ok=True)  # every rank (node): flight-recorder dumps
     set_seed(t.seed)
@@ -213,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     vocab_note = check_vocab(len(tokenizer), model_config, resize=m.resize_token_embeddings)
     # Rank 0 tokenizes and writes the datasets cache; the other ranks then load it instead of tokenizing.
-    with accelerator.main_process_first():
-        data = build_sft_datasets_from_config(d, tokenizer, seed=t.seed)
+    # A failure (a missing file, a bad record) is raised on every rank as one error.
+    data = rank0_first(lambda: build_sft_datasets_from_config(d, tokenizer, seed=t.seed))
     for line in data.summary_lines(d.max_length):
         logger.info(line)
     # Packed once, deterministically, before sampling: the sampler indexes rows, so resume stays O(1).
@@ -288,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
             ),
             seed=t.seed,
         )
+        if lora.merge_adapter:  # what the merged export cannot merge is refused now, not after training
+            check_mergeable(model)
         logger.info(format_memory_report(memory_report(model), world))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
@@ -532,37 +588,50 @@ def main(argv: list[str] | None = None) -> None:
             world_size=world,
             repo_id=e.hub_model_id if e.push_to_hub else None,
         )
-    if lora.use_peft:  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
-        export_lora(
-            model,
-            output_dir,
-            base_model=m.model_name_or_path,
-            tokenizer=tokenizer,
-            merge=lora.merge_adapter,
-            layer_cls_names=layer_cls,
-            mp_policy=accelerator.state.fsdp_plugin.mixed_precision_policy,
-            dtype=e.export_dtype,
-            max_shard_bytes=parse_size(e.max_shard_size),
-            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
-            verify=e.export_verify,
-            verify_atol=e.export_verify_atol,
-            model_card=card,
-            is_main_process=accelerator.is_main_process,
-        )
-    else:
-        export_model(
-            model,
-            output_dir,
-            config=unwrapped.config,
-            tokenizer=tokenizer,
-            generation_config=getattr(unwrapped, "generation_config", None),
-            dtype=e.export_dtype,
-            max_shard_bytes=parse_size(e.max_shard_size),
-            model_card=card,
-            verify=e.export_verify,
-            verify_atol=e.export_verify_atol,
-            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
-        )
+    # A failure here (a rejected export, a full disk) never loses the run: the final state is saved as a
+    # sharded checkpoint first (every rank: the failure was raised on every rank), and the error says
+    # how to export it offline.
+    try:
+        if lora.use_peft:  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
+            export_lora(
+                model,
+                output_dir,
+                base_model=m.model_name_or_path,
+                tokenizer=tokenizer,
+                merge=lora.merge_adapter,
+                layer_cls_names=layer_cls,
+                mp_policy=accelerator.state.fsdp_plugin.mixed_precision_policy,
+                dtype=e.export_dtype,
+                max_shard_bytes=parse_size(e.max_shard_size),
+                compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+                verify=e.export_verify,
+                verify_atol=e.export_verify_atol,
+                model_card=card,
+                is_main_process=accelerator.is_main_process,
+            )
+        else:
+            export_model(
+                model,
+                output_dir,
+                config=unwrapped.config,
+                tokenizer=tokenizer,
+                generation_config=getattr(unwrapped, "generation_config", None),
+                dtype=e.export_dtype,
+                max_shard_bytes=parse_size(e.max_shard_size),
+                model_card=card,
+                verify=e.export_verify,
+                verify_atol=e.export_verify_atol,
+                compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
+            )
+    except (ExportError, LoraError, OSError) as err:
+        saved_final = checkpoint_dir(output_dir, total_steps)
+        if not (saved_final / "trainer_state.json").is_file():
+            save(total_steps)
+            checkpointer.wait()
+        raise ExportError(
+            f"{err}\nThe trained weights are safe in {saved_final} (a sharded checkpoint). Export them offline "
+            f"with: hf-fsdp2 export {saved_final} OUT_DIR"
+        ) from err
     summary = run_summary(
         meter,
         first_step=first_step,
@@ -600,11 +669,13 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, CheckpointError, ExportError, HubError, KernelError, FileNotFoundError, ValueError) as err:
-        # Bad input: one clear line per rank instead of a traceback (HF_FSDP2_DEBUG=1 shows it).
+    except (ConfigError, CheckpointError, ExportError, HubError, KernelError, LoraError, FileNotFoundError, ValueError) as err:
+        # Bad input: one clear line instead of a traceback (HF_FSDP2_DEBUG=1 shows it). Every rank raised the
+        # same error; rank 0 says it once.
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
-        print(f"hf_fsdp2 error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hf_fsdp2 error: {err}", file=sys.stderr)
         sys.exit(2)
     # Everything is written and every process group destroyed. Leave without interpreter finalization:
     # on gloo, C++ worker threads can still hold tensors of finished collectives whose destruction

@@ -75,3 +75,26 @@ def make_family_dir(path: Path, family: str, *, seed: int = 0, initializer_range
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# The data of the family matrix: per step and rank, two micro-batches of very different sizes, so that
+# one rank's micro-batch holds fewer target positions than CHUNK and another's more (the case where
+# ranks once took different loss paths and deadlocked). Padded, with an attention mask.
+CHUNK = 24
+STEPS = 3
+LR = 2e-3
+
+
+def family_batches(step: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    """Rank ``rank``'s micro-batches of ``step``: [1 x 12] (11 targets) and [2 x 20] with 5 pads."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for rows, length in ((1, 12), (2, 20)) if rank % 2 == 0 else ((2, 20), (1, 12)):
+        ids = torch.randint(3, 1000, (rows, length), generator=gen)
+        mask = torch.ones_like(ids)
+        if rows == 2:
+            mask[1, -5:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :2] = -100  # a prompt: no loss on the first tokens
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out

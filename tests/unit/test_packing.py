@@ -26,7 +26,6 @@ from hf_fsdp2.data import (
     build_sft_datasets,
     tokenize_dataset,
 )
-from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum
 from hf_fsdp2.metrics import read_metrics
 from hf_fsdp2.packing import (
     PackedCollator,
@@ -34,6 +33,7 @@ from hf_fsdp2.packing import (
     expected_padding_efficiency,
     pack_examples,
 )
+from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum
 
 # ---------------------------------------------------------------------------------------------------
 # best-fit decreasing

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from hf_fsdp2.checkpoint import Checkpointer, TrainerState
 from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
 from hf_fsdp2.export import EXPORT_DTYPES, ExportVerificationError, export_model, verify_export
-from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
+from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 

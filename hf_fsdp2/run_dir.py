@@ -1,0 +1,130 @@
+"""The run folder (``output_dir``): one run owns it at a time, and a previous run is never overwritten by
+accident.
+
+A run takes an exclusive lock (``.hf_fsdp2.lock``, created with O_EXCL, holding host, pid and start
+time) before it writes anything, and removes it when it ends. A lock whose process is gone (same host,
+pid not alive) is stale and taken over; a live one refuses the second run with its owner named.
+A folder that holds only what a run writes before its first step (its resolved config, the lock, tracker
+and debug folders) is reused: a failed start never blocks the same command run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from hf_fsdp2.config import CONFIG_NAME, ConfigError
+
+logger = logging.getLogger("hf_fsdp2")
+
+LOCK_NAME = ".hf_fsdp2.lock"
+# What a run writes before its first training step; a folder holding nothing else has no run to keep.
+START_FILES = {CONFIG_NAME, LOCK_NAME, "debug", "tensorboard", "profile", ".export-incomplete"}
+
+
+def previous_run(output_dir: Path) -> list[str]:
+    """Names of the entries that show a run got past its start (sorted); empty when there is none."""
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for entry in output_dir.iterdir():
+        if entry.name in START_FILES:
+            continue
+        found.append(entry.name)
+    return sorted(found)
+
+
+def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = False) -> None:
+    """Refuse to train into a folder that holds a previous run, unless asked to overwrite or resume.
+
+    Args:
+        output_dir: the run folder (created later if missing).
+        overwrite: ``overwrite_output_dir``; the previous run's files are then replaced as the new run
+            writes its own.
+        resume: ``resume_from_checkpoint`` is set: the previous run is the one being continued.
+
+    Raises:
+        ConfigError: the folder holds a previous run and neither is set, or the path is a file.
+    """
+    p = Path(output_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output_dir={str(p)!r} is a file, not a folder; choose another output_dir")
+    found = previous_run(p)
+    if not found or overwrite or resume:
+        return
+    has_checkpoint = any(name.startswith("checkpoint-") for name in found)
+    fixes = "choose a new output_dir, or pass --overwrite_output_dir true"
+    if has_checkpoint:
+        fixes += ", or continue it with --resume_from_checkpoint latest"
+    raise ConfigError(
+        f"output_dir={str(p)!r} already holds a previous run ({', '.join(found[:5])}"
+        f"{', ...' if len(found) > 5 else ''}); {fixes}"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """The exclusive ownership of a run folder by one run (taken and released by its rank 0)."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock, replacing a stale one.
+
+        Raises:
+            ConfigError: another live run holds it (named with its host, pid and start time).
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder.get("host") == owner["host"] and not _alive(int(holder.get("pid", -1))):
+                    logger.warning(
+                        "output_dir lock %s was left by pid %s, which is gone; taking it over", self.path, holder.get("pid")
+                    )
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise ConfigError(
+                    f"output_dir={str(self.path.parent)!r} is in use by another run (pid {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to end or choose "
+                    f"another output_dir. If that run is dead (another host cannot be checked from here), delete "
+                    f"{self.path}"
+                ) from None
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(owner))
+            self.held = True
+            return
+        raise ConfigError(f"could not take the output_dir lock {self.path}; delete it if no run is using the folder")
+
+    def _holder(self) -> dict[str, str | int]:
+        try:
+            data = json.loads(self.path.read_text() or "{}")
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it (idempotent)."""
+        if self.held:
+            holder = self._holder()
+            if holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
