@@ -97,8 +97,8 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) -> dict[str, Any]:
     from hf_fsdp2.compiling import CompileWatch
     from hf_fsdp2.distributed import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
-    from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
     from hf_fsdp2.metrics import flops_model, non_embedding_params
+    from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     scope, ac, loss_path = item.split(":")
