@@ -318,3 +318,64 @@ def test_the_loss_path_never_depends_on_the_batch(tmp_path) -> None:
     hook.remove()
     assert head_inputs == [(1, 1, 64), (1, 8, 64)]  # chunked: the head itself ran on one position
     assert_same_maths(small, plain, terms=model.config.vocab_size, name="loss")
+
+
+# ---- the model's logit post-processing inside the chunked loss; the loss plan ---------------------
+
+from hf_fsdp2.train.loss import LogitTransform, logit_transform_for, plan_loss  # noqa: E402
+
+
+@_pytest.mark.parametrize(
+    "transform", [LogitTransform(softcap=3.0), LogitTransform(scale=0.25), LogitTransform(scale=2.0, softcap=5.0)]
+)
+def test_chunked_loss_applies_the_heads_post_processing(transform: LogitTransform) -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(29, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    targets = torch.randint(0, 50, (29,), generator=gen)
+    targets[::5] = IGNORE_INDEX
+    logits = transform.apply(hidden @ weight.t())
+    plain = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    gh, gw = torch.autograd.grad(plain, (hidden, weight))
+    chunked = chunked_linear_cross_entropy_sum(hidden, weight, targets, 8, transform)
+    ch, cw = torch.autograd.grad(chunked, (hidden, weight))
+    assert_same_maths(chunked, plain, terms=29 * 50, name="loss")
+    assert_same_maths(ch, gh, terms=50, name="grad hidden")
+    assert_same_maths(cw, gw, terms=29, name="grad weight")
+    # Without the transform the loss is another number: the chunked path must know the head's transform.
+    untransformed = chunked_linear_cross_entropy_sum(hidden, weight, targets, 8)
+    assert abs(float(untransformed - plain)) > 1e-3 * abs(float(plain))
+
+
+def test_logit_transform_from_family_configs() -> None:
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
+
+    assert logit_transform_for(Gemma2Config()) == LogitTransform(softcap=30.0)
+    assert logit_transform_for(GraniteConfig(logits_scaling=8.0)) == LogitTransform(scale=0.125)
+    assert logit_transform_for(CohereConfig(logit_scale=0.0625)) == LogitTransform(scale=0.0625)
+    assert logit_transform_for(LlamaConfig()) == LogitTransform()
+
+
+class _DoublingLlama(__import__("transformers").LlamaForCausalLM):
+    """A head post-processing that no config declares: the probe must notice it."""
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_plan_loss_probes_the_head_and_falls_back_for_unknown_post_processing(tmp_path) -> None:
+    from support.tiny import make_tiny_llama_dir
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_llama_dir(tmp_path / "m")
+    plain_model = AutoModelForCausalLM.from_pretrained(path)
+    plan = plan_loss(plain_model, 64)
+    assert plan.chunk_tokens == 64 and "chunked cross entropy" in plan.notes[-1]
+    doubling = _DoublingLlama.from_pretrained(path).train()
+    plan = plan_loss(doubling, 64)
+    assert plan.chunk_tokens == 0
+    assert "not the head's output after the known post-processing" in plan.notes[-1]
+    assert doubling.training  # the probe leaves the mode as it was
+    assert plan_loss(plain_model, 0).notes[-1] == "loss on the full logits (ce_chunk_tokens=0)"

@@ -201,3 +201,34 @@ def test_count_parameters() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].weight.requires_grad_(False)
     assert count_parameters(model) == (4 * 3 + 3 + 3 * 2 + 2, 4 * 3 + 3 + 2)
+
+
+def test_default_attention_is_what_the_model_supports(tmp_path) -> None:
+    """Gemma-2 refuses sdpa in transformers: the default ``auto`` lets transformers choose (eager)."""
+    from support.families import make_family_dir
+
+    from hf_fsdp2.model import load_model
+
+    gemma = load_model(str(make_family_dir(tmp_path / "gemma2", "gemma2")))
+    assert gemma.config._attn_implementation == "eager"
+    llama = load_model(str(make_family_dir(tmp_path / "llama", "llama_tied")))
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_or_resized(tmp_path) -> None:
+    from support.families import make_family_dir
+    from transformers import AutoConfig
+
+    from hf_fsdp2.model import check_vocab, load_model, resize_embeddings
+
+    path = make_family_dir(tmp_path / "m", "llama3_untied")
+    config = AutoConfig.from_pretrained(path)
+    rows = config.vocab_size
+    assert check_vocab(rows, config, resize=False) is None
+    with pytest.raises(ValueError, match=f"the tokenizer has {rows + 3} tokens but the model's embedding has {rows} rows.*resize_token_embeddings=true"):
+        check_vocab(rows + 3, config, resize=False)
+    assert f"from {rows} to {rows + 3} rows" in (check_vocab(rows + 3, config, resize=True) or "")
+    model = load_model(str(path))
+    resize_embeddings(model, rows + 3)
+    assert model.get_input_embeddings().weight.shape[0] == rows + 3
+    assert model.get_output_embeddings().weight.shape[0] == rows + 3 and model.config.vocab_size == rows + 3
