@@ -1,0 +1,163 @@
+"""Reliability at the edges, end to end on 2 gloo ranks: no run lost, no output folder corrupted, one clear
+error per failure.
+
+* two runs started into one output_dir: one owns it, the other is refused naming the owner;
+* a damaged checkpoint: named, and ``latest`` falls back to the newest one that is whole;
+* a failed export: the final state is saved as a checkpoint first, which exports offline to the bytes
+  the run would have written;
+* a failed start (a missing dataset): one error line, and the same command works once the data exists;
+* unreadable JSON lines: named with file and line, or skipped and counted;
+* a tokenizer larger than the embedding: refused before any work, or resized.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support.launch import REPO, SFT, _env, free_port, python, torchrun
+from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+
+from hf_fsdp2.checkpoint import checkpoint_problems
+from hf_fsdp2.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("edges")
+    return make_tiny_llama_dir(root / "model", seed=4), write_chat_jsonl(root / "chat.jsonl", 32, seed=9)
+
+
+def _recipe(path: Path, model: Path, data: Path | str, out: Path, **overrides: object) -> Path:
+    values = {
+        "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(out), "max_steps": 4,
+        "per_device_train_batch_size": 2, "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3,
+        "mixed_precision": "no", **overrides,
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _sft(recipe: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return torchrun(SFT, ["--config", str(recipe), *extra], nproc=2, timeout=600, check=check)
+
+
+def _one_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The run failed with exactly one ``hf_fsdp2 error`` line and no traceback from any rank (torchrun's
+    own report of a failed child, which names no rank, is torchrun's)."""
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hf_fsdp2 error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank")], proc.stderr[-3000:]
+    assert "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_two_runs_into_one_output_dir_one_owns_it(assets, tmp_path: Path) -> None:
+    model, data = assets
+    out = tmp_path / "run"
+    procs = []
+    for seed in (11, 12):
+        recipe = _recipe(tmp_path / f"r{seed}.yaml", model, data, out, seed=seed, save_steps=2)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(0.3)
+    results = [(p.wait(timeout=600), p.communicate()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes[0] == 0 and codes[1] != 0, [r[1][1][-2000:] for r in results]
+    winner = 11 if results[0][0] == 0 else 12
+    loser_err = next(err for code, (_, err) in results if code != 0)
+    assert "is in use by another run (pid" in loser_err
+    assert yaml.safe_load((out / "hf_fsdp2_config.yaml").read_text())["seed"] == winner  # its own config
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]  # one run's steps, once
+    for step in (2, 4):
+        assert checkpoint_problems(out / f"checkpoint-{step}") == []
+    assert not (out / ".hf_fsdp2.lock").exists()  # released at the end
+
+
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back(assets, tmp_path: Path) -> None:
+    model, data = assets
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out, save_steps=2)
+    _sft(recipe)
+    shard = sorted((out / "checkpoint-4").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    proc = _sft(recipe, "--resume_from_checkpoint", str(out / "checkpoint-4"), check=False)
+    error = _one_error(proc)
+    assert "checkpoint-4 is damaged" in error and shard.name in error and "truncated" in error
+    proc = _sft(recipe, "--resume_from_checkpoint", "latest", "--max_steps", "6")
+    log = proc.stdout + proc.stderr
+    assert "skipping" in log and "checkpoint-4, which is damaged" in log and shard.name in log
+    assert "resumed from" in log and "checkpoint-2 at step 2" in log
+
+
+def test_a_failed_export_keeps_the_weights_and_they_export_offline_to_the_same_bytes(assets, tmp_path: Path) -> None:
+    model, data = assets
+    good = tmp_path / "good"
+    _sft(_recipe(tmp_path / "good.yaml", model, data, good))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ".export-incomplete").write_text("a file where the export stages its folder")  # the export fails
+    proc = _sft(_recipe(tmp_path / "broken.yaml", model, data, broken), check=False)
+    error = _one_error(proc)
+    assert "The trained weights are safe in" in proc.stderr and "hf-fsdp2 export" in proc.stderr, error
+    ckpt = broken / "checkpoint-4"
+    assert checkpoint_problems(ckpt) == []
+    assert not (broken / "model.safetensors").exists()
+    offline = tmp_path / "offline"
+    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(ckpt), str(offline)])
+    assert (offline / "model.safetensors").read_bytes() == (good / "model.safetensors").read_bytes()
+
+
+def test_a_failed_start_says_it_once_and_the_same_command_then_works(assets, tmp_path: Path) -> None:
+    model, _ = assets
+    out = tmp_path / "run"
+    missing = tmp_path / "later.jsonl"
+    recipe = _recipe(tmp_path / "r.yaml", model, missing, out)
+    error = _one_error(_sft(recipe, check=False))
+    assert "later.jsonl" in error and "does not exist" in error
+    assert "resume_from_checkpoint" not in error
+    write_chat_jsonl(missing, 32, seed=1)
+    _sft(recipe)  # the folder of the failed start is reused
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    again = _one_error(_sft(recipe, check=False))  # now it holds a run: refused, and resume is not offered
+    assert "already holds a previous run" in again and "resume_from_checkpoint" not in again
+
+
+def test_unreadable_json_lines_are_named_or_skipped_and_counted(assets, tmp_path: Path) -> None:
+    model, data = assets
+    lines = data.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(("\n".join(lines[:5]) + "\n{\"messages\": [oops\n").encode() + b'{"x": "\xff"}\n'
+                    + ("\n".join(lines[5:]) + "\n").encode())  # fmt: skip
+    error = _one_error(_sft(_recipe(tmp_path / "e.yaml", model, bad, tmp_path / "e"), check=False))
+    assert f"{bad}:6: not valid JSON" in error and "2 such line(s)" in error and "on_bad_record=skip" in error
+    proc = _sft(_recipe(tmp_path / "s.yaml", model, bad, tmp_path / "s", on_bad_record="skip"))
+    log = proc.stdout + proc.stderr
+    assert "2 bad records skipped (2 unreadable line)" in log
+    assert f"{bad}:7: not UTF-8 text (byte 0xff" in log
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_resized(assets, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model, data = assets
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(["<extra_a>", "<extra_b>"])
+    tokenizer.save_pretrained(tmp_path / "tok")
+    out = tmp_path / "refused"
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out, tokenizer_name_or_path=str(tmp_path / "tok"))
+    error = _one_error(_sft(recipe, check=False))
+    rows = len(tokenizer) - 2
+    assert f"the tokenizer has {rows + 2} tokens but the model's embedding has {rows} rows" in error
+    assert not (out / "metrics.jsonl").exists()
+    resized = tmp_path / "resized"
+    _sft(_recipe(tmp_path / "ok.yaml", model, data, resized, tokenizer_name_or_path=str(tmp_path / "tok"),
+                 resize_token_embeddings=True))  # fmt: skip
+    assert json.loads((resized / "config.json").read_text())["vocab_size"] == rows + 2
