@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
@@ -459,10 +460,11 @@ def build_merged_twin(
     with torch.device("meta"):
         twin = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(merged.values())).dtype)
     kwargs: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
-    for module in twin.modules():
-        if type(module).__name__ in layer_cls_names:
-            fully_shard(module, **kwargs)
-    fully_shard(twin, **kwargs)
+    if dist.is_initialized():  # sharded like the live model; one process (offline export): a plain model
+        for module in twin.modules():
+            if type(module).__name__ in layer_cls_names:
+                fully_shard(module, **kwargs)
+        fully_shard(twin, **kwargs)
     twin.to_empty(device=device)
     with torch.no_grad():
         for name, param in twin.named_parameters():
@@ -642,18 +644,28 @@ def export_lora(
     Raises:
         ExportVerificationError / ExportError / LoraError: a check failed; nothing of it was published.
     """
+    import shutil
+
     from hf_fsdp2 import collectives
     from hf_fsdp2.export import ExportError, export_model
 
     out = Path(out_dir)
     stage = out / ADAPTER_STAGE_NAME
-    adapter = save_adapter(model, stage, is_main_process=is_main_process)  # every rank
-    if is_main_process:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(stage))
-        if model_card is not None:
-            (stage / "README.md").write_text(model_card)
-    collectives.barrier()  # every rank: the adapter files are on disk before the reload
+    adapter = gather_adapter_state_dict(model)  # every rank
+
+    def write() -> None:  # rank 0 writes; its failure is raised on every rank (no rank left waiting)
+        if is_main_process:
+            if stage.exists():
+                shutil.rmtree(stage)
+            stage.mkdir(parents=True)
+            # With state_dict given, PEFT only renames and writes: nothing reads the sharded parameters.
+            model.save_pretrained(str(stage), state_dict=adapter, safe_serialization=True)  # type: ignore[operator]
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(stage))
+            if model_card is not None:
+                (stage / "README.md").write_text(model_card)
+
+    collectives.run_on_all("writing the adapter", write, ExportError)  # the files are on disk after it
     report = None
     if verify:
         report = verify_adapter(model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol)

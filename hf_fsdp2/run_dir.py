@@ -23,7 +23,7 @@ logger = logging.getLogger("hf_fsdp2")
 
 LOCK_NAME = ".hf_fsdp2.lock"
 # What a run writes before its first training step; a folder holding nothing else has no run to keep.
-START_FILES = {CONFIG_NAME, LOCK_NAME, "debug", "tensorboard", "profile", ".export-incomplete"}
+START_FILES = {CONFIG_NAME, LOCK_NAME, "debug", "tensorboard", "profile", ".export-incomplete", ".adapter-incomplete"}
 
 
 def previous_run(output_dir: Path) -> list[str]:

@@ -623,15 +623,19 @@ def _train(
                 verify_atol=e.export_verify_atol,
                 compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
             )
-    except (ExportError, LoraError, OSError) as err:
+    except Exception as err:  # whatever it was; a bug's traceback is kept, after the weights are safe
         saved_final = checkpoint_dir(output_dir, total_steps)
         if not (saved_final / "trainer_state.json").is_file():
             save(total_steps)
             checkpointer.wait()
-        raise ExportError(
-            f"{err}\nThe trained weights are safe in {saved_final} (a sharded checkpoint). Export them offline "
-            f"with: hf-fsdp2 export {saved_final} OUT_DIR"
-        ) from err
+        rescue = (
+            f"The trained weights are safe in {saved_final} (a sharded checkpoint). Export them offline with: "
+            f"hf-fsdp2 export {saved_final} OUT_DIR"
+        )
+        if isinstance(err, (ExportError, LoraError, OSError)):
+            raise ExportError(f"{err}\n{rescue}") from err
+        logger.error("the export failed: %s", rescue)
+        raise
     summary = run_summary(
         meter,
         first_step=first_step,

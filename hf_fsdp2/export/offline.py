@@ -25,6 +25,20 @@ def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any]
     return rows[-1] if rows else None
 
 
+def lora_settings(cfg: dict[str, Any]) -> Any:
+    """The LoRA settings of a run, from its resolved config."""
+    from hf_fsdp2.lora import LoraSettings
+
+    return LoraSettings(
+        r=int(cfg.get("lora_r", 16)),
+        alpha=int(cfg.get("lora_alpha", 32)),
+        dropout=float(cfg.get("lora_dropout", 0.05)),
+        target_modules=cfg.get("lora_target_modules") or "all-linear",
+        modules_to_save=cfg.get("lora_modules_to_save") or None,
+        use_rslora=bool(cfg.get("use_rslora", False)),
+    )
+
+
 def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict[str, Any], int]:
     """Build the run's model from its config and fill it with a checkpoint's weights (one process).
 
@@ -66,6 +80,10 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict
         trust_remote_code=bool(cfg.get("trust_remote_code")),
         empty_weights=True,  # parameters on meta: the checkpoint fills them, nothing is read twice
     )
+    if cfg.get("use_peft"):  # a LoRA run: its checkpoint holds the PEFT model's tensors
+        from hf_fsdp2.lora import apply_lora
+
+        model = apply_lora(model, lora_settings(cfg))
     if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
         emb = model.get_input_embeddings().weight
         emb_name = next(n for n, p in model.named_parameters() if p is emb)
@@ -166,6 +184,28 @@ def export_checkpoint(
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
     card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
+    if cfg.get("use_peft"):  # the adapter in OUT_DIR and, if the run merged, the merged model in OUT_DIR/merged
+        from hf_fsdp2.lora import export_lora
+
+        lora = export_lora(
+            model,
+            out,
+            base_model=cfg["model_name_or_path"],
+            tokenizer=tokenizer,
+            merge=bool(cfg.get("merge_adapter")),
+            layer_cls_names=(),
+            mp_policy=None,
+            dtype=card_cfg["export_dtype"],
+            max_shard_bytes=max_shard_bytes or parse_size(str(cfg.get("max_shard_size", "5GB"))),
+            compute_dtype=torch.float32,
+            verify=verify,
+            verify_atol=verify_atol,
+            model_card=card,
+            is_main_process=True,
+        )
+        report = lora.merged_report or lora.adapter_report
+        return ExportResult(out_dir=out, files=["adapter_model.safetensors"], total_bytes=0, dtype="float32",
+                            seconds=0.0, verify=report)  # fmt: skip
     return export_model(
         model,
         out,

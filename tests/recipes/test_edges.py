@@ -161,3 +161,20 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_res
     _sft(_recipe(tmp_path / "ok.yaml", model, data, resized, tokenizer_name_or_path=str(tmp_path / "tok"),
                  resize_token_embeddings=True))  # fmt: skip
     assert json.loads((resized / "config.json").read_text())["vocab_size"] == rows + 2
+
+
+def test_a_lora_run_whose_export_fails_exports_offline_to_the_same_adapter_and_merge(assets, tmp_path: Path) -> None:
+    model, data = assets
+    lora = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "merge_adapter": True, "learning_rate": 1e-2}
+    good = tmp_path / "good"
+    _sft(_recipe(tmp_path / "good.yaml", model, data, good, **lora))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ".adapter-incomplete").write_text("a file where the adapter is staged")  # the adapter save fails
+    proc = _sft(_recipe(tmp_path / "broken.yaml", model, data, broken, **lora), check=False)
+    assert "writing the adapter" in _one_error(proc)
+    assert f"The trained weights are safe in {broken / 'checkpoint-4'}" in proc.stderr and "hf-fsdp2 export" in proc.stderr
+    offline = tmp_path / "offline"
+    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(broken / "checkpoint-4"), str(offline)])
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        assert (offline / name).read_bytes() == (good / name).read_bytes(), name
