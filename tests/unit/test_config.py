@@ -19,7 +19,6 @@ from hf_fsdp2.config import (
     ModelArgs,
     PeftArgs,
     TrainArgs,
-    check_output_dir,
     known_keys,
     parse_config,
     parse_size,
@@ -451,37 +450,6 @@ def test_to_flat_dict_has_one_entry_per_field() -> None:
     )
     assert len(flat) == n_fields  # no two sections share a key name
     assert flat["output_dir"] == "out"
-
-
-# ---------------------------------------------------------------------------------------------------
-# check_output_dir
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_check_output_dir_accepts_missing_and_empty(tmp_path: Path) -> None:
-    check_output_dir(tmp_path / "missing", overwrite=False)
-    assert not (tmp_path / "missing").exists()  # it checks, it does not create
-    (tmp_path / "empty").mkdir()
-    check_output_dir(tmp_path / "empty", overwrite=False)
-
-
-def test_check_output_dir_refuses_non_empty_unless_overwrite(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError) as err:
-        check_output_dir(run, overwrite=False)
-    assert "metrics.jsonl" in str(err.value)
-    assert "overwrite_output_dir" in str(err.value)
-    check_output_dir(run, overwrite=True)
-    assert (run / "metrics.jsonl").exists()  # nothing deleted by the check
-
-
-def test_check_output_dir_refuses_a_file(tmp_path: Path) -> None:
-    path = tmp_path / "file"
-    path.write_text("x")
-    with pytest.raises(ConfigError, match="is a file"):
-        check_output_dir(path, overwrite=True)
 
 
 # ---------------------------------------------------------------------------------------------------

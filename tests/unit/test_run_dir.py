@@ -1,0 +1,80 @@
+"""The run folder: refusing a previous run, reusing the folder of a failed start, the ownership lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.run_dir import LOCK_NAME, RunLock, check_output_dir, previous_run
+
+
+def test_accepts_missing_and_empty(tmp_path: Path) -> None:
+    check_output_dir(tmp_path / "missing", overwrite=False)
+    assert not (tmp_path / "missing").exists()  # it checks, it does not create
+    (tmp_path / "empty").mkdir()
+    check_output_dir(tmp_path / "empty", overwrite=False)
+
+
+def test_refuses_a_previous_run_unless_overwrite_and_offers_resume_only_with_a_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(run, overwrite=False)
+    assert "metrics.jsonl" in str(err.value) and "overwrite_output_dir" in str(err.value)
+    assert "resume_from_checkpoint" not in str(err.value)  # nothing to resume from
+    (run / "checkpoint-2").mkdir()
+    with pytest.raises(ConfigError, match="--resume_from_checkpoint latest"):
+        check_output_dir(run, overwrite=False)
+    check_output_dir(run, overwrite=True)
+    check_output_dir(run, overwrite=False, resume=True)
+    assert (run / "metrics.jsonl").exists()  # nothing deleted by the check
+
+
+def test_a_folder_left_by_a_failed_start_is_reused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "hf_fsdp2_config.yaml").write_text("seed: 1\n")
+    (run / "tensorboard" / "events.out").write_text("x")
+    assert previous_run(run) == []
+    check_output_dir(run, overwrite=False)
+
+
+def test_refuses_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_output_dir(path, overwrite=True)
+
+
+def test_lock_is_exclusive_and_released(tmp_path: Path) -> None:
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    first.acquire()
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {os.getpid()} on"):
+        second.acquire()
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    second.acquire()
+    second.release()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "started": "x"}))
+    lock = RunLock(tmp_path)
+    lock.acquire()  # the pid is gone: stale
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "another-host", "pid": 1, "started": "x"}))
+    with pytest.raises(ConfigError, match="another-host.*delete"):
+        RunLock(tmp_path).acquire()  # another host cannot be checked: refused, with the fix
