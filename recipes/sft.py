@@ -61,7 +61,7 @@ from hf_fsdp2.distributed import (
     sharded_units,
 )
 from hf_fsdp2.evaluate import Evaluator
-from hf_fsdp2.export import ExportError, export_model, last_metrics
+from hf_fsdp2.export import ExportError, checkpoint_layout, export_model, last_metrics
 from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
     CheckpointPusher,
@@ -320,6 +320,14 @@ def _train(
     if vocab_note:
         logger.info(vocab_note)
         resize_embeddings(model, len(tokenizer))
+    # The export's checkpoint layout (names, per-expert splits of fused MoE tensors), planned now: a format the
+    # export cannot write is refused before training, not after it.
+    layout = checkpoint_layout(model, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    if layout.splits:
+        logger.info(
+            "export: %d fused expert tensors will be written per expert, as transformers saves them",
+            len(layout.splits),
+        )
     attn = model.config._attn_implementation
     logger.info("attention implementation %s%s", attn, " (chosen by transformers)" if m.attn_implementation == "auto" else "")
     if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from hf_fsdp2.checkpoint import Checkpointer, TrainerState
 from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
-from hf_fsdp2.export import EXPORT_DTYPES, ExportVerificationError, export_model, verify_export
+from hf_fsdp2.dtypes import DTYPES
+from hf_fsdp2.export import ExportVerificationError, export_model, verify_export
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
 from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
@@ -84,7 +85,7 @@ def main() -> None:
             (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        dtype = EXPORT_DTYPES.get(args.dtype)
+        dtype = DTYPES.get(args.dtype)
         torch.save({k: v.to(dtype) if dtype else v for k, v in full.items()}, out / "reference.pt")
     del full
     unwrapped = acc.unwrap_model(model)
