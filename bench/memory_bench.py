@@ -6,7 +6,7 @@ loss path, the speed each mode costs, and parameter/gradient/optimizer bytes per
     python bench/memory_bench.py --part sharding --worlds 1,2,4
 
 Activations (one process, no sharding): a random-init Llama of the SmolLM2-135M shape (hidden 576,
-30 layers, vocab 49152) by default. For each mode, ``hf_fsdp2.activations.activation_bytes`` counts
+30 layers, vocab 49152) by default. For each mode, ``hf_fsdp2.parallel.activations.activation_bytes`` counts
 the bytes the forward leaves alive for backward: every storage created during the forward, weakly
 referenced, still alive when it returns (parameters excluded). It does not depend on an allocator, so
 the figure is exact and repeatable on CPU; it is the activation memory a GPU would hold too (same ops,
@@ -60,7 +60,7 @@ def loss_fn(model: Any, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
 
 
 def activations(args: argparse.Namespace) -> dict[str, Any]:
-    from hf_fsdp2.activations import ACPlan, activation_bytes, apply_activation_checkpointing
+    from hf_fsdp2.parallel.activations import ACPlan, activation_bytes, apply_activation_checkpointing
 
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     chunk = 1024 if args.loss == "chunked" else 0
@@ -100,7 +100,7 @@ def sharding_worker(args: argparse.Namespace) -> None:
     """One rank of the sharding measurement (under torchrun)."""
     from torch.distributed.tensor import DTensor
 
-    from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+    from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())

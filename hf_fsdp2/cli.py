@@ -20,7 +20,7 @@ _Subparsers = argparse._SubParsersAction
 
 
 def _run_convert_smollm2(args: argparse.Namespace) -> int:
-    from hf_fsdp2.assets import ensure_smollm2
+    from hf_fsdp2.demo.assets import ensure_smollm2
 
     print(ensure_smollm2(args.cache_dir, force=args.force))
     return 0
@@ -47,7 +47,7 @@ def _register_convert_smollm2(subparsers: _Subparsers) -> None:
 
 
 def _run_demo_data(args: argparse.Namespace) -> int:
-    from hf_fsdp2.tasks import make_task_records, write_jsonl
+    from hf_fsdp2.demo.tasks import make_task_records, write_jsonl
 
     out_dir: Path = args.out_dir
     train = write_jsonl(make_task_records(args.n_train, args.seed, "train"), out_dir / "train.jsonl")
@@ -77,7 +77,7 @@ def _register_demo_data(subparsers: _Subparsers) -> None:
 
 
 def _run_eval_task(args: argparse.Namespace) -> int:
-    from hf_fsdp2.tasks import evaluate_folder, read_jsonl
+    from hf_fsdp2.demo.tasks import evaluate_folder, read_jsonl
 
     records = read_jsonl(args.eval_jsonl)
     score = evaluate_folder(

@@ -567,7 +567,7 @@ def validate(cfg: Config) -> None:
     _check(
         _parse_size(e.max_shard_size) > 0, f"max_shard_size={e.max_shard_size!r} must be a size such as '5GB'"
     )
-    from hf_fsdp2.activations import AC_MODES
+    from hf_fsdp2.parallel.activations import AC_MODES
 
     _check(
         f.activation_checkpointing is None or f.activation_checkpointing in AC_MODES,

@@ -40,25 +40,12 @@ from hf_fsdp2.checkpoint import (
     resolve_resume,
 )
 from hf_fsdp2.collectives import rank0_decides, rank0_first
-from hf_fsdp2.compiling import CompileWatch
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, ac_mode, parse_config, parse_size, save_config
 from hf_fsdp2.data import (
     PaddingCollator,
     ShardedSampler,
     build_dataloader,
     build_sft_datasets_from_config,
-)
-from hf_fsdp2.distributed import (
-    ACPlan,
-    CompilePlan,
-    ShardingPlan,
-    build_accelerator,
-    describe_policy,
-    has_accelerator_device,
-    launcher_overrides,
-    prepare_fsdp2,
-    setup_logging,
-    sharded_units,
 )
 from hf_fsdp2.evaluate import Evaluator
 from hf_fsdp2.export import ExportError, checkpoint_layout, export_model, last_metrics
@@ -70,7 +57,6 @@ from hf_fsdp2.export.hub import (
     push_folder,
     render_model_card,
 )
-from hf_fsdp2.kernels import KernelError, apply_liger_kernels, check_liger_available
 from hf_fsdp2.lora import (
     LoraError,
     LoraSettings,
@@ -105,6 +91,20 @@ from hf_fsdp2.model import (
     resize_embeddings,
 )
 from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
+from hf_fsdp2.parallel.accelerator import (
+    ACPlan,
+    CompilePlan,
+    ShardingPlan,
+    build_accelerator,
+    describe_policy,
+    has_accelerator_device,
+    launcher_overrides,
+    prepare_fsdp2,
+    setup_logging,
+    sharded_units,
+)
+from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.parallel.kernels import KernelError, apply_liger_kernels, check_liger_available
 from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
 from hf_fsdp2.run_dir import RunLock, check_output_dir
 from hf_fsdp2.train.loss import plan_loss

@@ -43,7 +43,7 @@ def test_every_export_of_a_correct_run_is_verified(big_logits: Path, tmp_path: P
 
 @pytest.mark.slow
 def test_smollm2_bf16_run_and_fp32_run_export_verified(tmp_path: Path) -> None:
-    from hf_fsdp2.assets import ensure_smollm2
+    from hf_fsdp2.demo.assets import ensure_smollm2
 
     model = ensure_smollm2()
     for mixed_precision in ("bf16", "no"):

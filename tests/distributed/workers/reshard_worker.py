@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hf_fsdp2.checkpoint import Checkpointer
-from hf_fsdp2.distributed import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
 from hf_fsdp2.model import decoder_layer_classes, load_model
+from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 

@@ -25,8 +25,8 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from hf_fsdp2.activations import ACPlan, apply_activation_checkpointing
-from hf_fsdp2.compiling import CompilePlan, compile_model, compile_regions
+from hf_fsdp2.parallel.activations import ACPlan, apply_activation_checkpointing
+from hf_fsdp2.parallel.compiling import CompilePlan, compile_model, compile_regions
 
 logger = logging.getLogger("hf_fsdp2")
 

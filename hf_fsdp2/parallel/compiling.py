@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.activations import decoder_layers
+from hf_fsdp2.parallel.activations import decoder_layers
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -85,7 +85,7 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
         position = name.replace("._checkpoint_wrapped_module", "")
         module = model.get_submodule(position)
         # The forward only: FSDP2's hooks (installed later, run by nn.Module.__call__) stay outside the
-        # graph, and the checkpoint (hf_fsdp2.activations wraps the forward) inside it, traced as one
+        # graph, and the checkpoint (hf_fsdp2.parallel.activations wraps the forward) inside it, traced as one
         # region, selective policy included. With FSDP2's hooks inside a checkpointed region (a
         # checkpoint_wrapper module around an FSDP unit) dynamo compiles nothing at all (measured).
         module.forward = torch.compile(module.forward, **plan.kwargs())

@@ -1,0 +1,1 @@
+"""Parallelism: the accelerator and FSDP2 sharding, activation checkpointing, compile, kernels."""
