@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_fsdp2 import cli, tasks
+from hf_fsdp2 import cli
+from hf_fsdp2.demo import tasks
 
 
 def _date(record: dict[str, Any]) -> str:
