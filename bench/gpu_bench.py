@@ -95,7 +95,7 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) -> dict[str, Any]:
-    from hf_fsdp2.metrics import flops_model, non_embedding_params
+    from hf_fsdp2.observe.flops import flops_model, non_embedding_params
     from hf_fsdp2.parallel.accelerator import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum

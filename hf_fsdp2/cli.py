@@ -407,7 +407,7 @@ def _register_show_data(subparsers: _Subparsers) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from hf_fsdp2.metrics import plot_run
+    from hf_fsdp2.observe.plot import plot_run
 
     try:
         written = plot_run(args.run_dir, args.out_dir)

@@ -599,8 +599,8 @@ def ac_mode(f: FSDPArgs) -> str:
 
 def _validate_observe(o: ObserveArgs, *, has_eval: bool) -> None:
     """Trackers (known and installed), eval, profiling ranges, MFU peak."""
-    from hf_fsdp2.metrics import build_trackers
-    from hf_fsdp2.profiling import parse_step_range
+    from hf_fsdp2.observe.profiling import parse_step_range
+    from hf_fsdp2.observe.trackers import build_trackers
 
     try:
         build_trackers(o.report_to, ".", project=o.tracker_project, run_name="check")  # names + installed

@@ -47,7 +47,6 @@ from hf_fsdp2.data import (
     build_dataloader,
     build_sft_datasets_from_config,
 )
-from hf_fsdp2.evaluate import Evaluator
 from hf_fsdp2.export import ExportError, checkpoint_layout, export_model, last_metrics
 from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
@@ -66,20 +65,6 @@ from hf_fsdp2.lora import (
     format_memory_report,
     memory_report,
 )
-from hf_fsdp2.metrics import (
-    MetricsWriter,
-    Progress,
-    StepMeter,
-    build_trackers,
-    flops_model,
-    format_summary,
-    non_embedding_params,
-    peak_flops_for,
-    run_summary,
-    tracker_config,
-    tracker_values,
-    write_summary,
-)
 from hf_fsdp2.model import (
     check_max_length,
     check_vocab,
@@ -90,6 +75,13 @@ from hf_fsdp2.model import (
     load_tokenizer,
     resize_embeddings,
 )
+from hf_fsdp2.observe.evaluate import Evaluator
+from hf_fsdp2.observe.flops import flops_model, non_embedding_params, peak_flops_for
+from hf_fsdp2.observe.logs import MetricsWriter, Progress
+from hf_fsdp2.observe.meter import StepMeter
+from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
+from hf_fsdp2.observe.trackers import build_trackers, tracker_config, tracker_values
 from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.parallel.accelerator import (
     ACPlan,
@@ -105,7 +97,6 @@ from hf_fsdp2.parallel.accelerator import (
 )
 from hf_fsdp2.parallel.compiling import CompileWatch
 from hf_fsdp2.parallel.kernels import KernelError, apply_liger_kernels, check_liger_available
-from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
 from hf_fsdp2.run_dir import RunLock, check_output_dir
 from hf_fsdp2.train.loss import plan_loss
 from hf_fsdp2.train.optim import (

@@ -16,7 +16,7 @@ from hf_fsdp2.export.writer import check_export_dir, export_model, single_proces
 
 def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any] | None:
     """The last metrics.jsonl record of a run (at or before ``up_to_step``), or None."""
-    from hf_fsdp2.metrics import METRICS_FILE, read_metrics
+    from hf_fsdp2.observe.logs import METRICS_FILE, read_metrics
 
     path = run_dir / METRICS_FILE
     if not path.is_file():

@@ -168,7 +168,7 @@ def build_accelerator(
         compile_plan: regional compile settings.
         timeout_s: collective timeout of the process group, in seconds (``ddp_timeout``).
         force_cpu: run on CPU even when a GPU is visible (tests).
-        log_with: accelerate trackers (``hf_fsdp2.metrics.build_trackers``) that ``init_trackers`` starts.
+        log_with: accelerate trackers (``hf_fsdp2.observe.trackers.build_trackers``) that ``init_trackers`` starts.
 
     Returns:
         The Accelerator. On CPU its process group is gloo and its distributed type is FSDP.

@@ -15,7 +15,7 @@ import pytest
 from support.launch import REPO, SFT, _env, free_port, torchrun
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 
 # 40 records, 2 ranks x batch 2 x accumulation 2: 10 micro-batches per rank per epoch, 5 steps an
 # epoch; checkpoint-3 is mid-epoch (6 of 10 micro-batches), and steps 6-8 run in the second epoch.

@@ -18,7 +18,7 @@ import yaml
 from support.launch import SFT, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 
 
 def _records(n: int, seed: int, longest: int = 60) -> list[dict]:

@@ -108,7 +108,7 @@ def test_rank0_loading_trains_exactly_like_loading_everywhere(models, tmp_path: 
     from support.launch import SFT
     from support.tiny import write_chat_jsonl
 
-    from hf_fsdp2.metrics import read_metrics
+    from hf_fsdp2.observe.logs import read_metrics
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16, seed=1)
     losses = {}

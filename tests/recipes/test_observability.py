@@ -16,7 +16,7 @@ import yaml
 from support.launch import SFT, accelerate_launch, python
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 
 STEPS = 4
 

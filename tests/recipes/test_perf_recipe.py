@@ -11,7 +11,7 @@ import yaml
 from support.launch import SFT, torchrun
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from support.launch import REPO, SFT, accelerate_launch, python
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.config import parse_config
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 
 RELOAD = r"""
 import json, sys, torch

@@ -12,24 +12,22 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_fsdp2 import metrics
 from hf_fsdp2.cli import main as cli_main
-from hf_fsdp2.metrics import (
+from hf_fsdp2.observe import logs, trackers
+from hf_fsdp2.observe import meter as meter_module
+from hf_fsdp2.observe.flops import (
     FlopsModel,
-    MetricsWriter,
-    StepMeter,
-    build_trackers,
     flops_model,
-    format_log_line,
     non_embedding_params,
-    parse_report_to,
     peak_flops_for,
-    plot_run,
-    read_metrics,
-    run_summary,
     sequence_lengths,
 )
-from hf_fsdp2.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.observe.logs import MetricsWriter, format_log_line, read_metrics
+from hf_fsdp2.observe.meter import StepMeter
+from hf_fsdp2.observe.plot import plot_run
+from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.observe.summary import run_summary
+from hf_fsdp2.observe.trackers import build_trackers, parse_report_to, tracker_values
 
 LLAMA3_8B = LlamaConfig(
     vocab_size=128256,
@@ -108,7 +106,7 @@ class FakeClock:
 
 def test_meter_tokens_per_second_excludes_padding(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    monkeypatch.setattr(meter_module.time, "perf_counter", clock)
     fm = FlopsModel(non_embedding_params=1000, layers=2, heads=4, head_dim=8)
     meter = StepMeter(flops=fm, world_size=1, device=torch.device("cpu"), total_steps=10, peak_flops=1e6,
                       pad_token_id=0)
@@ -176,11 +174,11 @@ def test_report_to_values() -> None:
 
 
 def test_missing_tracker_names_the_pip_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(metrics, "_installed", lambda package: package == "tensorboard")
+    monkeypatch.setattr(trackers, "_installed", lambda package: package == "tensorboard")
     with pytest.raises(ValueError, match="pip install wandb trackio"):
         build_trackers("tensorboard,wandb,trackio", tmp_path, project="p", run_name="r")
     assert [t.name for t in build_trackers("all", tmp_path, project="p", run_name="r")] == ["tensorboard"]
-    monkeypatch.setattr(metrics, "_installed", lambda package: False)
+    monkeypatch.setattr(trackers, "_installed", lambda package: False)
     with pytest.raises(ValueError, match="pip install tensorboard"):
         build_trackers("all", tmp_path, project="p", run_name="r")
 
@@ -190,11 +188,11 @@ def test_tensorboard_tracker_events_read_back(tmp_path: Path) -> None:
     from accelerate import Accelerator
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trackers = build_trackers("tensorboard", tmp_path / "tb", project="p", run_name="run")
-    accelerator = Accelerator(cpu=True, log_with=trackers)
+    built = build_trackers("tensorboard", tmp_path / "tb", project="p", run_name="run")
+    accelerator = Accelerator(cpu=True, log_with=built)
     accelerator.init_trackers("p", config={"learning_rate": 1e-3, "report_to": "tensorboard"})
     for step in (1, 2):
-        accelerator.log(metrics.tracker_values({"step": step, "loss": 3.0 - step, "tokens_per_s": 10.0 * step}),
+        accelerator.log(tracker_values({"step": step, "loss": 3.0 - step, "tokens_per_s": 10.0 * step}),
                         step=step)
     accelerator.end_training()
     events = EventAccumulator(str(tmp_path / "tb" / "run"))
@@ -316,16 +314,16 @@ def test_observe_config_errors(args: list[str], message: str) -> None:
 def test_progress_bar_when_interactive(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     record = {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.0, "target_tokens": 3, "target_tokens_per_s": 3.0,
               "step_time_s": 1.0, "tokens_per_s": 12.0, "tokens_per_s_per_device": 6.0, "eval_loss": 2.0}
-    bar = metrics.Progress(4, 1, enabled=True, interactive=True)
+    bar = logs.Progress(4, 1, enabled=True, interactive=True)
     bar.step()
     bar.log(record)
     bar.close()
     err = capsys.readouterr().err
     assert "1/4" in err and "loss=2.5000" in err
     with caplog.at_level("INFO", logger="hf_fsdp2"):
-        lines = metrics.Progress(4, 1, enabled=True, interactive=False)
+        lines = logs.Progress(4, 1, enabled=True, interactive=False)
         lines.log(record)
-        metrics.Progress(4, 1, enabled=False, interactive=False).log(record)
+        logs.Progress(4, 1, enabled=False, interactive=False).log(record)
     assert [r.getMessage() for r in caplog.records] == [format_log_line(record, 4)]  # one line, rank 0 only
 
 

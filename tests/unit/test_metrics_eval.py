@@ -10,7 +10,7 @@ from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.data import PaddingCollator
-from hf_fsdp2.evaluate import eval_batches, evaluate_loss, generate_samples
+from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
 from hf_fsdp2.train.loss import LossPlan
 
 EXAMPLES = [

@@ -26,7 +26,7 @@ from hf_fsdp2.data import (
     build_sft_datasets,
     tokenize_dataset,
 )
-from hf_fsdp2.metrics import read_metrics
+from hf_fsdp2.observe.logs import read_metrics
 from hf_fsdp2.packing import (
     PackedCollator,
     best_fit_decreasing,

@@ -1,0 +1,167 @@
+"""FLOPs per token and MFU (torchtitan / nanoGPT conventions, docs/observability.md).
+
+A sequence of ``s`` real tokens costs ``s * (6 * N + 12 * L * H * Q * s)`` where ``N`` is the parameter count
+without the input embedding table, ``L`` layers, ``H`` attention heads, ``Q`` head dim; ``T = s`` is each
+sequence's own non-pad length (a packed row holds several sequences). Forward + backward only:
+activation-checkpointing recompute is never counted. MFU = achieved FLOP/s per device / the device's peak
+dense bf16 FLOP/s (``PEAK_FLOPS`` or the ``peak_flops`` key); without a known peak only the achieved FLOP/s
+is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_fsdp2.train.loss import IGNORE_INDEX
+
+# Peak dense bf16 tensor-core FLOP/s per device (no sparsity), matched against
+# torch.cuda.get_device_name() in order: the first name contained in it wins, so the specific
+# variants come before the generic ones. The same numbers as torchtitan's get_peak_flops.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("GH200", 989e12),
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device from ``PEAK_FLOPS``, or None when it is not listed."""
+    for name, flops in PEAK_FLOPS:
+        if name in device_name:
+            return flops
+    return None
+
+
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """FLOPs of forward + backward: ``6 * N`` per token plus ``12 * L * H * Q`` per token and unit of length.
+
+    Attributes:
+        non_embedding_params: ``N``: every parameter except the input embedding table (an output head
+            is a matmul and counts; a head tied to the embeddings counts once, as the head).
+        layers: ``L``, decoder layers.
+        heads: ``H``, attention (query) heads.
+        head_dim: ``Q``, dimension of each head.
+    """
+
+    non_embedding_params: int
+    layers: int
+    heads: int
+    head_dim: int
+
+    def per_token(self, seq_len: int) -> float:
+        """``6 * N + 12 * L * H * Q * T`` for a token of a sequence of ``T = seq_len`` tokens."""
+        return 6.0 * self.non_embedding_params + 12.0 * self.layers * self.heads * self.head_dim * seq_len
+
+    def for_sequences(self, lengths: Sequence[int]) -> float:
+        """FLOPs of sequences of these non-pad lengths: ``sum(s * per_token(s))``."""
+        total = sum(lengths)
+        squares = sum(s * s for s in lengths)
+        return (
+            6.0 * self.non_embedding_params * total
+            + 12.0 * self.layers * self.heads * self.head_dim * squares
+        )
+
+
+def non_embedding_params(model: torch.nn.Module) -> int:
+    """Parameters of ``model`` minus its input embedding table (works on meta and unsharded models).
+
+    A tied output head shares the table's tensor: it is then counted once, as the head's matmul.
+    """
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    get_input, get_output = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
+    embeddings = get_input() if callable(get_input) else None
+    head = get_output() if callable(get_output) else None
+    if isinstance(embeddings, torch.nn.Module):
+        table = getattr(embeddings, "weight", None)
+        head_weight = getattr(head, "weight", None) if head is not None else None
+        if table is not None and table is not head_weight:
+            total -= table.numel()
+    return total
+
+
+def flops_model(model_config: Any, non_embedding: int) -> FlopsModel:
+    """The :class:`FlopsModel` of an HF decoder config (``num_hidden_layers``, ``num_attention_heads``, ...).
+
+    Args:
+        model_config: the model's ``PretrainedConfig`` (its text config for multimodal models).
+        non_embedding: ``N`` from :func:`non_embedding_params`.
+
+    Returns:
+        The FLOPs model; ``head_dim`` is the config's, else ``hidden_size // num_attention_heads``.
+    """
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return FlopsModel(non_embedding, int(config.num_hidden_layers), heads, int(head_dim))
+
+
+def sequence_lengths(batch: Mapping[str, torch.Tensor], pad_token_id: int | None) -> list[int]:
+    """Non-pad lengths of the sequences of a collated batch (what FLOPs and ``tokens`` count).
+
+    A padded batch (``attention_mask``) holds one sequence per row. A batch with ``position_ids``
+    (packed or padding-free) holds a sequence wherever the positions restart at 0; a row's trailing
+    run of pad ids without labels is its padding, not a sequence.
+
+    Args:
+        batch: ``input_ids`` and optionally ``attention_mask``, ``position_ids``, ``labels``.
+        pad_token_id: the pad id (None: no padding detection in packed rows).
+
+    Returns:
+        One length per real sequence.
+    """
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    labels = batch.get("labels")
+    if positions is None:
+        if mask is None:
+            return [int(ids.shape[1])] * int(ids.shape[0])
+        return [int(n) for n in mask.sum(dim=1).tolist()]
+    lengths: list[int] = []
+    width = int(ids.shape[1])
+    for row in range(int(ids.shape[0])):
+        starts = (positions[row] == 0).nonzero().flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0, *starts]
+        bounds = [*starts, width]
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            n = int(mask[row, a:b].sum()) if mask is not None else b - a
+            last = i == len(bounds) - 2
+            if mask is None and last and i > 0 and pad_token_id is not None:
+                is_pad = bool((ids[row, a:b] == pad_token_id).all()) and (
+                    labels is None or bool((labels[row, a:b] == IGNORE_INDEX).all())
+                )
+                if is_pad:
+                    continue
+            if n:
+                lengths.append(n)
+    return lengths

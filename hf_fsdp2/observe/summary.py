@@ -1,0 +1,116 @@
+"""The run summary: throughput, MFU, memory, compile time and the last eval, logged and written as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hf_fsdp2.observe.logs import format_duration
+from hf_fsdp2.observe.meter import StepMeter
+
+SUMMARY_FILE = "summary.json"
+
+
+
+
+def run_summary(
+    meter: StepMeter,
+    *,
+    first_step: int,
+    last_step: int,
+    wall_seconds: float,
+    last_record: Mapping[str, Any] | None,
+    last_eval: Mapping[str, Any] | None,
+    export_dir: str | Path | None,
+    compile_stats: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """What the run did, for the log and ``summary.json``.
+
+    Args:
+        meter: the loop's meter (its totals over the logged intervals).
+        first_step: first step this process ran.
+        last_step: last step it ran.
+        wall_seconds: time from the start of the recipe to now.
+        last_record: the last metrics record (final training loss), or None.
+        last_eval: the last eval results (``eval_loss``, ``eval_perplexity``), or None.
+        export_dir: where the consolidated HF folder went, or None.
+        compile_stats: with torch.compile, ``compile_s`` (seconds compiling inside the steps, rank 0),
+            ``compiled_graphs`` and ``recompiles``; the summary then also gives the throughput without
+            the compile time.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    t = meter.totals
+    extra: dict[str, Any] = {}
+    if compile_stats is not None:
+        compile_s = float(compile_stats.get("compile_s", 0.0))
+        steady = max(t["step_time_s"] - compile_s, 1e-9)
+        extra = {
+            "compile_time_s": compile_s,
+            "compiled_graphs": int(compile_stats.get("compiled_graphs", 0)),
+            "recompiles": int(compile_stats.get("recompiles", 0)),
+            "tokens_per_s_excluding_compile": t["tokens"] / steady,
+        }
+    return {
+        "steps": last_step - first_step + 1 if last_step >= first_step else 0,
+        "first_step": first_step,
+        "last_step": last_step,
+        "tokens": int(t["tokens"]),
+        "target_tokens": int(t["target_tokens"]),
+        "wall_time_s": wall_seconds,
+        "train_time_s": t["step_time_s"],
+        "data_wait_s": t["data_wait_s"],
+        **meter.mean_throughput(),
+        "peak_memory_gib": t["peak_memory_gib"],
+        "peak_memory_kind": "cuda_allocated" if meter.device.type == "cuda" else "host_rss",
+        "world_size": meter.world_size,
+        "final_loss": last_record.get("loss") if last_record else None,
+        "final_eval_loss": last_eval.get("eval_loss") if last_eval else None,
+        "final_eval_perplexity": last_eval.get("eval_perplexity") if last_eval else None,
+        "export_dir": str(export_dir) if export_dir is not None else None,
+        **extra,
+    }
+
+
+def format_summary(summary: Mapping[str, Any]) -> list[str]:
+    """Log lines of a :func:`run_summary`."""
+    mfu = summary.get("mfu")
+    lines = [
+        f"summary: {summary['steps']} steps ({summary['first_step']}..{summary['last_step']}) in "
+        f"{format_duration(summary['wall_time_s'])} wall, {format_duration(summary['train_time_s'])} in steps "
+        f"({format_duration(summary['data_wait_s'])} waiting for data)",
+        f"summary: {summary['tokens']} tokens ({summary['target_tokens']} target) at "
+        f"{summary['tokens_per_s']:.1f} tok/s ({summary['tokens_per_s_per_device']:.1f} per device), "
+        f"{summary['tflops_per_device']:.3g} TFLOP/s per device"
+        + (f", MFU {mfu:.1%}" if mfu is not None else " (no MFU: unknown peak; set peak_flops)"),
+        f"summary: peak memory {summary['peak_memory_gib']:.2f} GiB ({summary['peak_memory_kind']}, max over ranks)",
+    ]
+    if summary.get("compile_time_s") is not None:
+        lines.append(
+            f"summary: torch.compile {format_duration(summary['compile_time_s'])} compiling inside the steps, "
+            f"{summary['compiled_graphs']} graphs, {summary['recompiles']} recompiles; "
+            f"{summary['tokens_per_s_excluding_compile']:.1f} tok/s without the compile time"
+        )
+    losses = []
+    if summary.get("final_loss") is not None:
+        losses.append(f"final loss {summary['final_loss']:.4f}")
+    if summary.get("final_eval_loss") is not None:
+        losses.append(
+            f"eval loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_perplexity']:.3f})"
+        )
+    if losses:
+        lines.append("summary: " + ", ".join(losses))
+    lines.append(
+        f"summary: export in {summary['export_dir']}" if summary.get("export_dir") else "summary: no export"
+    )
+    return lines
+
+
+def write_summary(summary: Mapping[str, Any], output_dir: str | Path) -> Path:
+    """Write ``<output_dir>/summary.json``; returns its path."""
+    path = Path(output_dir) / SUMMARY_FILE
+    path.write_text(json.dumps(dict(summary), indent=2) + "\n")
+    return path
