@@ -40,8 +40,10 @@ import torch
 import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from hf_fsdp2.data import IGNORE_INDEX, PaddingCollator, ShardedSampler, build_dataloader, tokenize_dataset
-from hf_fsdp2.packing import PackedCollator, pack_examples
+from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
+from hf_fsdp2.data.packing import PackedCollator, pack_examples
+from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.data.tokenize import tokenize_dataset
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

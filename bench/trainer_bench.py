@@ -103,7 +103,7 @@ def shared_settings(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def tokenized_examples(settings: dict[str, Any]) -> Any:
     """The recipe's tokenized training examples (the same call the recipe makes)."""
     from hf_fsdp2.config import DataArgs
-    from hf_fsdp2.data import build_sft_datasets_from_config
+    from hf_fsdp2.data.mixture import build_sft_datasets_from_config
     from hf_fsdp2.model import load_tokenizer
 
     tokenizer = load_tokenizer(settings["model_name_or_path"])
@@ -113,7 +113,7 @@ def tokenized_examples(settings: dict[str, Any]) -> Any:
 
 def recipe_order(n: int, seed: int) -> list[int]:
     """The order in which the recipe (one rank) visits the examples in its first epoch."""
-    from hf_fsdp2.data import ShardedSampler
+    from hf_fsdp2.data.loader import ShardedSampler
 
     return list(iter(ShardedSampler(n, rank=0, world_size=1, seed=seed)))
 

@@ -318,14 +318,11 @@ def _run_show_data(args: argparse.Namespace) -> int:
     import datasets
 
     from hf_fsdp2.config import ConfigError, parse_config
-    from hf_fsdp2.data import (
-        DataSource,
-        build_sft_datasets_from_config,
-        format_trained_spans,
-        load_source,
-    )
+    from hf_fsdp2.data.loading import load_source
+    from hf_fsdp2.data.mixture import build_sft_datasets_from_config, format_trained_spans
+    from hf_fsdp2.data.packing import layout_summary, pack_examples
+    from hf_fsdp2.data.sources import DataSource
     from hf_fsdp2.model import load_tokenizer
-    from hf_fsdp2.packing import layout_summary, pack_examples
 
     # output_dir is required by the recipe but unused here: a placeholder keeps recipes without it working.
     argv = (["--config", str(args.config)] if args.config else []) + [

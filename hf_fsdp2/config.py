@@ -661,8 +661,8 @@ def _validate_hub(e: ExportArgs, save_steps: int) -> None:
 
 
 def _validate_data(d: DataArgs, attn_implementation: str) -> None:
-    from hf_fsdp2.data import parse_column_mapping, parse_source, resolve_sources
-    from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS
+    from hf_fsdp2.data.packing import PACKED_ATTENTION_IMPLEMENTATIONS
+    from hf_fsdp2.data.sources import parse_column_mapping, parse_source, resolve_sources
 
     try:
         resolve_sources(

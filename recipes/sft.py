@@ -41,11 +41,13 @@ from hf_fsdp2.checkpoint import (
 )
 from hf_fsdp2.collectives import rank0_decides, rank0_first
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, ac_mode, parse_config, parse_size, save_config
-from hf_fsdp2.data import (
-    PaddingCollator,
-    ShardedSampler,
-    build_dataloader,
-    build_sft_datasets_from_config,
+from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
+from hf_fsdp2.data.mixture import build_sft_datasets_from_config
+from hf_fsdp2.data.packing import (
+    PACKED_ATTENTION_IMPLEMENTATIONS,
+    PackedCollator,
+    layout_summary,
+    pack_examples,
 )
 from hf_fsdp2.export import ExportError, checkpoint_layout, export_model, last_metrics
 from hf_fsdp2.export.hub import (
@@ -82,7 +84,6 @@ from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug, parse_step_range
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.observe.trackers import build_trackers, tracker_config, tracker_values
-from hf_fsdp2.packing import PACKED_ATTENTION_IMPLEMENTATIONS, PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.parallel.accelerator import (
     ACPlan,
     CompilePlan,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-IGNORE_INDEX = -100
+from hf_fsdp2.data.records import IGNORE_INDEX
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

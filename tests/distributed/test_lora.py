@@ -22,7 +22,8 @@ from support.reference import pad_batch, step_micro_batches
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-from hf_fsdp2.data import load_raw_dataset, tokenize_dataset
+from hf_fsdp2.data.loading import load_raw_dataset
+from hf_fsdp2.data.tokenize import tokenize_dataset
 from hf_fsdp2.observe.logs import read_metrics
 
 WORLD, SEED, LR, STEPS, MAX_LEN, BS, ACCUM = 2, 7, 3e-3, 6, 96, 2, 2

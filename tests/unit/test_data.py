@@ -18,16 +18,10 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hf_fsdp2.data import (
-    IGNORE_INDEX,
-    PaddingCollator,
-    RecordError,
-    ShardedSampler,
-    build_dataloader,
-    detect_format,
-    load_raw_dataset,
-    tokenize_dataset,
-)
+from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
+from hf_fsdp2.data.loading import load_raw_dataset
+from hf_fsdp2.data.records import IGNORE_INDEX, RecordError, detect_format
+from hf_fsdp2.data.tokenize import tokenize_dataset
 
 T, F = True, False  # is the token a loss target?
 

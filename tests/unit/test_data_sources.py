@@ -13,20 +13,17 @@ import datasets
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from hf_fsdp2.data import (
-    IGNORE_INDEX,
+from hf_fsdp2.data.loading import load_raw_dataset
+from hf_fsdp2.data.mixture import build_sft_datasets, format_trained_spans
+from hf_fsdp2.data.records import IGNORE_INDEX, RecordError
+from hf_fsdp2.data.sources import (
     DataSource,
-    RecordError,
     apply_column_mapping,
-    build_sft_datasets,
-    format_trained_spans,
-    load_raw_dataset,
     parse_column_mapping,
     parse_source,
     resolve_sources,
-    tokenize_dataset,
-    tokenizer_fingerprint,
 )
+from hf_fsdp2.data.tokenize import tokenize_dataset, tokenizer_fingerprint
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

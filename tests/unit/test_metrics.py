@@ -331,7 +331,7 @@ def test_progress_bar_when_interactive(capsys: pytest.CaptureFixture[str], caplo
 def test_sequence_lengths_of_real_packed_batches(padding_free: bool) -> None:
     import datasets
 
-    from hf_fsdp2.packing import PackedCollator, pack_examples
+    from hf_fsdp2.data.packing import PackedCollator, pack_examples
 
     lengths = [5, 9, 3, 7, 4, 6, 2, 8]
     examples = datasets.Dataset.from_dict({

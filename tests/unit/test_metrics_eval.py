@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_fsdp2.data import PaddingCollator
+from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
 from hf_fsdp2.train.loss import LossPlan
 

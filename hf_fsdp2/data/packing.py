@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from hf_fsdp2.data import IGNORE_INDEX, ShardedSampler
+from hf_fsdp2.data.loader import ShardedSampler
+from hf_fsdp2.data.records import IGNORE_INDEX
 
 PACKED_ATTENTION_IMPLEMENTATIONS = (
     "sdpa",
@@ -129,7 +130,7 @@ def pack_examples(examples: datasets.Dataset, max_length: int) -> PackedDataset:
     """Pack tokenized examples into rows of at most ``max_length`` tokens (`best_fit_decreasing`).
 
     Args:
-        examples: Output of `hf_fsdp2.data.tokenize_dataset` / `build_sft_datasets` (needs ``length``
+        examples: Output of `hf_fsdp2.data.tokenize.tokenize_dataset` / `build_sft_datasets` (needs ``length``
             and ``num_targets`` columns); every example at most ``max_length`` tokens.
         max_length: Row capacity.
 
