@@ -193,7 +193,8 @@ def _register_export(subparsers: _Subparsers) -> None:
 def _run_merge_adapter(args: argparse.Namespace) -> int:
     from hf_fsdp2.config import ConfigError, parse_size
     from hf_fsdp2.export import ExportError
-    from hf_fsdp2.lora import LoraError, merge_adapter_offline
+    from hf_fsdp2.lora.adapter import LoraError
+    from hf_fsdp2.lora.merge import merge_adapter_offline
 
     try:
         result = merge_adapter_offline(

@@ -58,15 +58,9 @@ from hf_fsdp2.export.hub import (
     push_folder,
     render_model_card,
 )
-from hf_fsdp2.lora import (
-    LoraError,
-    LoraSettings,
-    apply_lora,
-    check_mergeable,
-    export_lora,
-    format_memory_report,
-    memory_report,
-)
+from hf_fsdp2.lora.adapter import LoraError, LoraSettings, apply_lora, format_memory_report, memory_report
+from hf_fsdp2.lora.merge import check_mergeable
+from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import (
     check_max_length,
     check_vocab,

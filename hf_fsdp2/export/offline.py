@@ -27,7 +27,7 @@ def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any]
 
 def lora_settings(cfg: dict[str, Any]) -> Any:
     """The LoRA settings of a run, from its resolved config."""
-    from hf_fsdp2.lora import LoraSettings
+    from hf_fsdp2.lora.adapter import LoraSettings
 
     return LoraSettings(
         r=int(cfg.get("lora_r", 16)),
@@ -81,7 +81,7 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict
         empty_weights=True,  # parameters on meta: the checkpoint fills them, nothing is read twice
     )
     if cfg.get("use_peft"):  # a LoRA run: its checkpoint holds the PEFT model's tensors
-        from hf_fsdp2.lora import apply_lora
+        from hf_fsdp2.lora.adapter import apply_lora
 
         model = apply_lora(model, lora_settings(cfg))
     if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
@@ -185,7 +185,7 @@ def export_checkpoint(
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
     card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
     if cfg.get("use_peft"):  # the adapter in OUT_DIR and, if the run merged, the merged model in OUT_DIR/merged
-        from hf_fsdp2.lora import export_lora
+        from hf_fsdp2.lora.save import export_lora
 
         lora = export_lora(
             model,

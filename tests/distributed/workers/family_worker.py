@@ -18,7 +18,9 @@ import torch
 from support.families import CHUNK, LR, STEPS, family_batches
 
 from hf_fsdp2.export import export_model
-from hf_fsdp2.lora import LoraError, LoraSettings, apply_lora, check_mergeable, export_lora
+from hf_fsdp2.lora.adapter import LoraError, LoraSettings, apply_lora
+from hf_fsdp2.lora.merge import check_mergeable
+from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
 from hf_fsdp2.parallel.accelerator import (
     CompilePlan,

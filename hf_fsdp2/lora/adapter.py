@@ -1,0 +1,157 @@
+"""LoRA through PEFT: the settings, wrapping a model before sharding, and the memory it takes.
+
+The frozen base keeps its loaded dtype (bf16 with ``torch_dtype: bfloat16``); the trainable adapter
+parameters are fp32 master copies (PEFT's ``autocast_adapter_dtype`` and accelerate's fp32 upcast of
+trainable parameters under mixed precision). Both live in the same FSDP2 unit: under
+``mixed_precision=bf16`` the policy casts every parameter to bf16 for the all-gather and the compute,
+so the unit's all-gather is uniform, and only the adapter has gradients (reduced in fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+MERGED_DIR_NAME = "merged"
+
+
+class LoraError(RuntimeError):
+    """A LoRA setting or adapter that cannot be used; the message says why and what to do."""
+
+
+@dataclass
+class LoraSettings:
+    """The LoRA knobs of the recipe (see ``config.PeftArgs``)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"
+    modules_to_save: list[str] | None = None
+    use_rslora: bool = False
+
+
+def lora_config(settings: LoraSettings) -> Any:
+    """The ``peft.LoraConfig`` for a causal LM.
+
+    Args:
+        settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA.
+
+    Returns:
+        A ``peft.LoraConfig`` with ``task_type=CAUSAL_LM``.
+    """
+    from peft import LoraConfig
+
+    targets: list[str] | str = settings.target_modules
+    if isinstance(targets, list) and targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
+        use_rslora=settings.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | None = None) -> torch.nn.Module:
+    """Wrap a loaded (unsharded) causal LM with PEFT LoRA; the base is frozen, the adapter fp32.
+
+    Call it after loading and before sharding (``prepare_fsdp2``), then build the optimizer on the
+    result (``optim.param_groups`` keeps only trainable parameters).
+
+    Args:
+        model: the HF causal LM (on CPU, GPU or meta for rank-0-only loading).
+        settings: the LoRA settings.
+        seed: seeds the adapter's initialisation alone (a forked RNG), so that it depends on the seed and
+            not on what ran before; every rank then starts from the same adapter. None = the global RNG.
+
+    Returns:
+        The ``PeftModelForCausalLM``.
+
+    Raises:
+        LoraError: a target module name that matches nothing in the model.
+    """
+    from peft import get_peft_model
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            peft_model = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
+    except ValueError as err:
+        names = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise LoraError(
+            f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
+            f"the model's linear module names are {names} (or use all-linear)"
+        ) from err
+    for param in peft_model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()  # fp32 master copies of what trains (modules_to_save too)
+    return peft_model
+
+
+def memory_report(model: torch.nn.Module) -> dict[str, float]:
+    """Trainable vs total parameters and the AdamW state size (global, unsharded sizes).
+
+    Args:
+        model: the (PEFT-wrapped) model, before or after sharding (DTensor sizes are global).
+
+    Returns:
+        ``total_params``, ``trainable_params``, ``trainable_fraction``, ``param_bytes`` (all
+        parameters in their dtypes), ``trainable_bytes`` and ``optimizer_state_bytes`` (AdamW: two
+        moments per trainable parameter in its dtype).
+    """
+    total = trainable = param_bytes = trainable_bytes = 0
+    for p in model.parameters():
+        n = p.numel()
+        total += n
+        param_bytes += n * p.element_size()
+        if p.requires_grad:
+            trainable += n
+            trainable_bytes += n * p.element_size()
+    return {
+        "total_params": total,
+        "trainable_params": trainable,
+        "trainable_fraction": trainable / max(total, 1),
+        "param_bytes": param_bytes,
+        "trainable_bytes": trainable_bytes,
+        "optimizer_state_bytes": 2 * trainable_bytes,
+    }
+
+
+def format_memory_report(report: dict[str, float], world_size: int) -> str:
+    """One log line from :func:`memory_report`."""
+    return (
+        f"LoRA: {report['trainable_params'] / 1e6:.2f}M trainable of {report['total_params'] / 1e6:.1f}M parameters "
+        f"({100 * report['trainable_fraction']:.2f}%); parameters {report['param_bytes'] / 2**20:.1f} MiB, "
+        f"trainable fp32 {report['trainable_bytes'] / 2**20:.2f} MiB, AdamW state "
+        f"{report['optimizer_state_bytes'] / 2**20:.2f} MiB in all, "
+        f"{report['optimizer_state_bytes'] / world_size / 2**20:.2f} MiB per rank (sharded over {world_size})"
+    )
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Return every FSDP2 unit to its sharded state (no communication).
+
+    Units kept unsharded after a forward (the root and the tail group use ``reshard_after_forward=False``)
+    expose full plain tensors as their parameters; readers of local shards need the sharded DTensors.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

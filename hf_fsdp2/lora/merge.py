@@ -1,0 +1,255 @@
+"""Merging an adapter into its base without gathering the base, and offline merging of an adapter folder.
+
+A LoRA linear's ``W`` ([out, in]) and ``B`` ([out, r]) are both sharded on dim 0 in the same row chunks,
+so this rank's rows of ``W + scale * B @ A`` are its ``W`` rows plus ``scale * B_rows @ A`` with only the
+small ``A`` ([r, in]) gathered. The merged rows go into a sharded twin of the plain base architecture
+(same mesh, same per-layer units), which the export module writes with its gather-free, verified
+consolidated export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hf_fsdp2.export.naming import clean_name
+from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
+
+
+def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
+    """``{clean base-model prefix: LoraLayer}`` for every LoRA-wrapped linear, base-model relative names."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            out[_base_name(clean_name(name))] = module
+    return out
+
+
+def _base_name(name: str) -> str:
+    """A PEFT model name -> the plain base model's name (``base_model.model.`` and ``.base_layer`` dropped)."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer", "")
+
+
+def _check_mergeable(layer: Any, adapter: str, name: str = "") -> None:
+    where = f" ({name})" if name else ""
+    if getattr(layer, "use_dora", {}).get(adapter, False):
+        raise LoraError(f"DoRA adapters are not merged here{where}; train without use_dora or set merge_adapter=false")
+    if getattr(layer, "fan_in_fan_out", False):
+        raise LoraError(f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false")
+    if not isinstance(layer.get_base_layer(), torch.nn.Linear):
+        raise LoraError(
+            f"only LoRA on nn.Linear is merged here, not on {type(layer.get_base_layer()).__name__}{where} (fused "
+            "MoE experts); set merge_adapter=false (the adapter is still exported), or list lora_target_modules "
+            "without the experts"
+        )
+
+
+def check_mergeable(model: torch.nn.Module, adapter: str = "default") -> None:
+    """Refuse, before training, an adapter that the merged export could not merge.
+
+    Raises:
+        LoraError: naming the first LoRA layer that cannot be merged, and the fix.
+    """
+    for name, layer in _lora_modules(model).items():
+        _check_mergeable(layer, adapter, name)
+
+
+def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """This rank's rows of every weight of the merged model, by plain base-model name; no base gather.
+
+    For a LoRA linear: ``W_rows + scaling * B_rows @ A`` computed in fp32 (fp64 for fp64 weights) then cast to ``W``'s dtype,
+    with ``A`` gathered (small). modules_to_save copies replace their originals. Every rank must call it.
+
+    Args:
+        model: the FSDP2-sharded (or plain) PEFT model.
+        adapter: the adapter name.
+
+    Returns:
+        ``{base-model parameter name: local tensor}`` (this rank's shard; the full tensor in one process).
+    """
+    reshard(model)
+    layers = _lora_modules(model)
+    for layer in layers.values():
+        _check_mergeable(layer, adapter)
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for raw, param in params.items():
+        name = clean_name(raw)
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        if ".modules_to_save." in name:
+            name = name.replace(f".modules_to_save.{adapter}.", ".")
+        base = _base_name(name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        out[base] = local.detach()
+    for prefix, layer in layers.items():
+        w_name = f"{prefix}.weight"
+        a = layer.lora_A[adapter].weight
+        b = layer.lora_B[adapter].weight
+        a_full = a.full_tensor() if isinstance(a, DTensor) else a  # every rank, in module order
+        b_local = b.to_local() if isinstance(b, DTensor) else b
+        w_local = out[w_name]
+        if b_local.shape[0] != w_local.shape[0]:
+            raise LoraError(
+                f"{prefix}: lora_B has {b_local.shape[0]} local rows but the weight has {w_local.shape[0]}; "
+                "the adapter and the base must be sharded alike (dim 0)"
+            )
+        acc = torch.promote_types(w_local.dtype, torch.float32)  # fp32, or fp64 for fp64 weights
+        delta = (b_local.to(acc) @ a_full.to(acc)) * float(layer.scaling[adapter])
+        out[w_name] = (w_local.to(acc) + delta).to(w_local.dtype)
+    return out
+
+
+def build_merged_twin(
+    model: Any,
+    *,
+    layer_cls_names: tuple[str, ...],
+    mp_policy: Any | None,
+    adapter: str = "default",
+) -> Any:
+    """A plain base-architecture model holding the merged weights, sharded like ``model``; no base gather.
+
+    The twin is built on meta from the base config, sharded with ``fully_shard`` per decoder layer and at
+    the root on the default mesh (the same row chunks as the live model), materialised, and filled with
+    this rank's merged rows. It costs one more sharded copy of the model on each rank, never a full one.
+    Every rank must call it.
+
+    Args:
+        model: the FSDP2-sharded PEFT model.
+        layer_cls_names: decoder-layer class names (one FSDP unit each, as in training).
+        mp_policy: the training run's ``MixedPrecisionPolicy`` (the twin computes like the live model).
+        adapter: the adapter name.
+
+    Returns:
+        The sharded twin (an HF ``PreTrainedModel``), ready for ``export.export_model``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    merged = merged_local_weights(model, adapter)  # every rank
+    base = model.get_base_model()
+    device = next(iter(merged.values())).device
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(merged.values())).dtype)
+    kwargs: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if dist.is_initialized():  # sharded like the live model; one process (offline export): a plain model
+        for module in twin.modules():
+            if type(module).__name__ in layer_cls_names:
+                fully_shard(module, **kwargs)
+        fully_shard(twin, **kwargs)
+    twin.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in twin.named_parameters():
+            src = merged.get(name)
+            if src is None:
+                raise LoraError(f"merged weights lack {name}: the twin and the trained model differ")
+            dst = param.to_local() if isinstance(param, DTensor) else param
+            if dst.shape != src.shape:
+                raise LoraError(
+                    f"{name}: local shard {tuple(dst.shape)} in the twin vs {tuple(src.shape)} trained"
+                )
+            dst.copy_(src.to(dst.dtype))
+        # Buffers (rotary inv_freq) are not in the state dict; recompute them as from_pretrained does.
+        for name, buf in base.named_buffers():
+            twin_buf = twin.get_buffer(clean_name(name)) if clean_name(name) in dict(twin.named_buffers()) else None
+            if twin_buf is not None:
+                twin_buf.copy_(buf.to(twin_buf.device, twin_buf.dtype))
+    twin.tie_weights()
+    twin.generation_config = getattr(base, "generation_config", None) or twin.generation_config
+    return twin
+
+
+def merge_adapter_offline(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    base_model: str | Path | None = None,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Merge a PEFT LoRA adapter into its base in this process and write a consolidated HF folder.
+
+    The merge runs in fp32 (base loaded in fp32, ``W + scale * B @ A``), then the export module writes
+    and verifies the folder (fresh-process reload, probe logits).
+
+    Args:
+        adapter_dir: the adapter folder (adapter_config.json + adapter_model.safetensors).
+        out_dir: the output folder (new or empty unless ``overwrite``).
+        base_model: the base model's hub id or folder; None = adapter_config.json's base_model_name_or_path.
+        dtype: export dtype (``bfloat16``, ``float32``, ``float16``).
+        max_shard_bytes: largest safetensors file.
+        overwrite: write into a non-empty ``out_dir``.
+        verify: check the folder against the merged model.
+
+    Returns:
+        ``{"out_dir", "base_model", "files", "merge_logit_diff"}``; the last is the largest probe-logit
+        difference of the merged model against base + adapter unmerged (fp32).
+
+    Raises:
+        LoraError: not a PEFT LoRA adapter folder, a DoRA adapter, or no base model known.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fsdp2.export import check_export_dir, export_model
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_CONFIG_NAME).is_file():
+        raise LoraError(f"{adapter_dir} has no {ADAPTER_CONFIG_NAME}: not a PEFT adapter folder")
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG_NAME).read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise LoraError(f"{adapter_dir} holds a {cfg.get('peft_type')} adapter; only LoRA is merged here")
+    if cfg.get("use_dora"):
+        raise LoraError("DoRA adapters are not merged here")
+    base_model = base_model or cfg.get("base_model_name_or_path")
+    if not base_model:
+        raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG_NAME} names no base model; give --base-model")
+    check_export_dir(out_dir, overwrite=overwrite)
+    base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
+    peft_model.eval()
+    from hf_fsdp2.export.verify import probe_ids
+
+    ids = probe_ids(int(base.config.vocab_size))
+    with torch.no_grad():
+        unmerged = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        got = merged(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    diff = float((got - unmerged).abs().max())
+    if not diff <= 1e-3 * max(1.0, float(unmerged.abs().max())):
+        raise LoraError(f"the merged model's logits differ from base + adapter by {diff:.4g}")
+    tokenizer = None
+    for source in (adapter_dir, Path(str(base_model))):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
+            break
+        except (OSError, ValueError):
+            continue
+    result = export_model(
+        merged,
+        out_dir,
+        config=merged.config,
+        tokenizer=tokenizer,
+        generation_config=getattr(merged, "generation_config", None),
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        verify=verify,
+        compute_dtype=torch.float32,
+    )
+    return {
+        "out_dir": str(result.out_dir),
+        "base_model": str(base_model),
+        "files": list(result.files),
+        "merge_logit_diff": diff,
+    }

@@ -1,0 +1,281 @@
+"""The end-of-training LoRA export: the adapter gathered, staged, verified with plain PEFT in a fresh
+process, then published; the merged model through the export module.
+
+Why the adapter export gathers every rank's slice: FSDP2 shards each adapter matrix on dim 0 across
+ranks like any other parameter. Saving ``model.state_dict()`` (or a FULL_STATE_DICT taken on one rank
+without a collective) keeps only rank 0's rows, and a resume from it silently reverts the rest
+(accelerate PR #4206, peft PR #3251). Here every rank takes part in ``full_tensor()`` for each adapter
+tensor (small: r x (in + out) per module), and rank 0 writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
+from hf_fsdp2.export.naming import clean_name
+from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, MERGED_DIR_NAME, reshard
+from hf_fsdp2.lora.merge import build_merged_twin
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+def _is_adapter_name(name: str) -> bool:
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full adapter tensors (every rank's slice), as fp32 CPU tensors; only the adapter is gathered.
+
+    Every rank must call it (collective: one ``full_tensor`` per adapter tensor, in the same order).
+
+    Args:
+        model: the FSDP2-sharded (or plain) PEFT model.
+
+    Returns:
+        ``{state-dict name: full tensor}`` for LoRA and modules_to_save tensors, on every rank.
+    """
+    reshard(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if not _is_adapter_name(name):
+            continue
+        full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank
+        out[clean_name(name)] = full.detach().float().cpu().clone()
+    return out
+
+
+# Runs in a fresh interpreter with plain transformers + peft, as a user would load the adapter.
+_ADAPTER_RELOAD = r"""
+import hashlib, sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+request = torch.load(sys.argv[1])
+out = sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, request["compute_dtype"]))
+model = PeftModel.from_pretrained(model, request["adapter"])
+state = {k: v for k, v in model.state_dict().items() if ".lora_" in k or ".modules_to_save." in k}
+mismatched = []
+for name, digest in request["digests"].items():
+    got = state.get(name)
+    if got is None:
+        mismatched.append(f"{name}: not in the reloaded model")
+    elif hashlib.sha256(got.detach().float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
+        mismatched.append(f"{name}: differs")
+extra = sorted(set(state) - set(request["digests"]))
+# The adapter (PEFT keeps it in fp32) computes in the live model's dtype too; the base is loaded in it.
+# Parameters only: a whole-model .to() would also round buffers computed at init (rotary frequencies).
+for name, param in model.named_parameters():
+    if ".lora_" in name or ".modules_to_save." in name:
+        param.data = param.data.to(getattr(torch, request["compute_dtype"]))
+model.eval()
+ids = request["ids"]
+with torch.no_grad():
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+torch.save({"logits": logits, "mismatched": mismatched, "extra": extra, "compared": len(request["digests"]),
+            "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
+"""
+
+
+def verify_adapter(
+    model: torch.nn.Module,
+    adapter_dir: str | Path,
+    base_model: str,
+    adapter: dict[str, torch.Tensor],
+    *,
+    compute_dtype: torch.dtype,
+    atol: float | None = None,
+) -> VerifyReport:
+    """Reload base + adapter with plain PEFT in a fresh process and check it against the live model.
+
+    Exact: every adapter tensor of the reloaded PeftModel, by name, equals the live (gathered) adapter bit
+    for bit, and none is missing or extra. Probe: logits of the reload, computed in ``compute_dtype`` as
+    the live model computes, within :func:`hf_fsdp2.export.probe_limit` of the live logits. Every rank
+    must call it (collective forward); rank 0 runs the reload.
+
+    Args:
+        model: the live (sharded) PEFT model.
+        adapter_dir: the (staged) adapter folder.
+        base_model: the base model's hub id or folder (as trained from).
+        adapter: the gathered adapter state dict that was written (PEFT's names, fp32).
+        compute_dtype: dtype the live model computes in (the reload uses it too).
+        atol: largest accepted probe difference; None = the default limit.
+
+    Returns:
+        The report.
+
+    Raises:
+        ExportVerificationError: a check failed (nothing has been published).
+    """
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.export.verify import digest, live_logits, probe_ids, probe_limit, reload_in_subprocess
+
+    ids = probe_ids(int(model.config.vocab_size))  # type: ignore[union-attr,arg-type]
+    live = live_logits(model, ids)  # every rank
+    report = VerifyReport(reload_dtype=str(compute_dtype).removeprefix("torch."), reload_devices=["cpu"])
+    report.logit_scale = float(live.abs().max())
+    report.atol = atol if atol is not None else probe_limit(compute_dtype, report.logit_scale)
+    found: dict[str, Any] = {}
+    if collectives.rank() == 0:
+        request = {
+            "base": str(base_model),
+            "adapter": str(adapter_dir),
+            "compute_dtype": report.reload_dtype,
+            "ids": ids,
+            "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
+        }
+        found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=_ADAPTER_RELOAD)
+        problems = [found["error"]] if "error" in found else []
+        if not problems:
+            if found["mismatched"] or found["extra"]:
+                problems.append(
+                    f"the reloaded adapter differs from the trained one: {(found['mismatched'] + found['extra'])[:3]}"
+                )
+            if found["hf_fsdp2"]:
+                problems.append("the reload imported hf_fsdp2; it must load with plain PEFT")
+            diff = float((found["logits"] - live).abs().max())
+            found["max_diff"] = diff
+            if not diff <= report.atol:
+                problems.append(f"probe logits differ by {diff:.4g} > limit {report.atol:.3g}")
+        found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
+                 "compared": found.get("compared", 0)}  # fmt: skip
+    found = collectives.broadcast_object(found)
+    report.problems = found["problems"]
+    report.max_logit_diff = found["max_diff"]
+    report.reloaded_tensors = report.tensors = int(found["compared"])
+    if not report.ok:
+        raise ExportVerificationError(
+            f"the adapter in {adapter_dir} does not reproduce the live LoRA model: " + "; ".join(report.problems)
+        )
+    return report
+
+
+def _peft_key(name: str) -> str:
+    """A gathered adapter name as ``PeftModel.state_dict()`` of a reloaded model spells it."""
+    return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
+
+
+ADAPTER_STAGE_NAME = ".adapter-incomplete"
+
+
+@dataclass
+class LoraExport:
+    """What :func:`export_lora` wrote."""
+
+    adapter_dir: Path
+    adapter_report: VerifyReport | None
+    merged_dir: Path | None = None
+    merged_report: VerifyReport | None = None
+
+
+def _publish_adapter(stage: Path, out: Path) -> None:
+    """Rank 0: move the verified adapter files into ``out``, the weights last (what PEFT opens)."""
+    import os
+    import shutil
+
+    for item in sorted(stage.iterdir(), key=lambda p: p.name == ADAPTER_WEIGHTS_NAME):
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    stage.rmdir()
+
+
+def export_lora(
+    model: torch.nn.Module,
+    out_dir: str | Path,
+    *,
+    base_model: str,
+    tokenizer: Any | None,
+    merge: bool,
+    layer_cls_names: tuple[str, ...],
+    mp_policy: Any | None,
+    dtype: str,
+    max_shard_bytes: int,
+    compute_dtype: torch.dtype,
+    verify: bool = True,
+    verify_atol: float | None = None,
+    model_card: str | None = None,
+    is_main_process: bool,
+) -> LoraExport:
+    """The end-of-training LoRA export: the adapter in ``out_dir`` and, with ``merge``, the merged model
+    in ``out_dir/merged``. Each is written to a staging folder, verified, and only then published: a
+    rejected adapter or merged model is never left looking finished. Every rank must call it.
+
+    Args:
+        model: the FSDP2-sharded PEFT model.
+        out_dir: the run folder (the adapter is written in it, as TRL does with ``use_peft``).
+        base_model: the base model's hub id or folder (recorded in adapter_config.json; the reload uses it).
+        tokenizer: saved beside the adapter and in the merged folder.
+        merge: also write the merged full model (gather-free) to ``out_dir/merged``.
+        layer_cls_names: decoder-layer classes (the merged twin is sharded like training).
+        mp_policy: the run's ``MixedPrecisionPolicy``.
+        dtype: export dtype of the merged model (the adapter is saved in fp32).
+        max_shard_bytes: largest merged safetensors file.
+        compute_dtype: dtype the live model computes in.
+        verify: run the reload checks.
+        verify_atol: largest probe-logit difference accepted; None = the default limit.
+        model_card: README.md text for the adapter folder (PEFT's own card otherwise).
+        is_main_process: whether this rank writes the small files.
+
+    Returns:
+        The folders and their verification reports (None when not verified).
+
+    Raises:
+        ExportVerificationError / ExportError / LoraError: a check failed; nothing of it was published.
+    """
+    import shutil
+
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.export import ExportError, export_model
+
+    out = Path(out_dir)
+    stage = out / ADAPTER_STAGE_NAME
+    adapter = gather_adapter_state_dict(model)  # every rank
+
+    def write() -> None:  # rank 0 writes; its failure is raised on every rank (no rank left waiting)
+        if is_main_process:
+            if stage.exists():
+                shutil.rmtree(stage)
+            stage.mkdir(parents=True)
+            # With state_dict given, PEFT only renames and writes: nothing reads the sharded parameters.
+            model.save_pretrained(str(stage), state_dict=adapter, safe_serialization=True)  # type: ignore[operator]
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(stage))
+            if model_card is not None:
+                (stage / "README.md").write_text(model_card)
+
+    collectives.run_on_all("writing the adapter", write, ExportError)  # the files are on disk after it
+    report = None
+    if verify:
+        report = verify_adapter(model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol)
+        logger.info("adapter %s", report.summary())
+    collectives.run_on_all(
+        "publishing the adapter", lambda: _publish_adapter(stage, out) if is_main_process else None, ExportError
+    )
+    result = LoraExport(adapter_dir=out, adapter_report=report)
+    if not merge:
+        return result
+    twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy)  # every rank
+    merged_dir = out / MERGED_DIR_NAME
+    merged = export_model(
+        twin,
+        merged_dir,
+        config=twin.config,
+        tokenizer=tokenizer,
+        generation_config=twin.generation_config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        verify=verify,
+        verify_atol=verify_atol,
+        compute_dtype=compute_dtype,
+    )
+    result.merged_dir, result.merged_report = merged_dir, merged.verify
+    del twin
+    return result
