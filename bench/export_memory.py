@@ -136,9 +136,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hf_fsdp2.config import parse_size
+    from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
     from hf_fsdp2.export import export_model
     from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-    from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+    from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(

@@ -95,8 +95,9 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) -> dict[str, Any]:
+    from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
     from hf_fsdp2.observe.flops import flops_model, non_embedding_params
-    from hf_fsdp2.parallel.accelerator import ACPlan, CompilePlan, ShardingPlan, prepare_fsdp2
+    from hf_fsdp2.parallel.accelerator import prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
     from hf_fsdp2.train.optim import build_adamw, param_groups
@@ -180,7 +181,8 @@ def main() -> None:
     if args.smoke:
         args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
     sys.path.insert(0, str(REPO))
-    from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator
+    from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+    from hf_fsdp2.parallel.accelerator import build_accelerator
 
     acc = build_accelerator(
         ShardingPlan(), mixed_precision="no" if args.cpu else "bf16", compile_plan=CompilePlan(), force_cpu=args.cpu

@@ -60,7 +60,8 @@ def loss_fn(model: Any, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
 
 
 def activations(args: argparse.Namespace) -> dict[str, Any]:
-    from hf_fsdp2.parallel.activations import ACPlan, activation_bytes, apply_activation_checkpointing
+    from hf_fsdp2.config.plans import ACPlan
+    from hf_fsdp2.parallel.activations import activation_bytes, apply_activation_checkpointing
 
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     chunk = 1024 if args.loss == "chunked" else 0
@@ -100,7 +101,8 @@ def sharding_worker(args: argparse.Namespace) -> None:
     """One rank of the sharding measurement (under torchrun)."""
     from torch.distributed.tensor import DTensor
 
-    from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+    from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+    from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())

@@ -119,11 +119,16 @@ def _user_error(command: str, err: Exception) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from hf_fsdp2.config import ConfigError, parse_size
-    from hf_fsdp2.export import ExportError, export_checkpoint
+    import yaml
 
+    from hf_fsdp2.config import CONFIG_NAME, ConfigError, parse_size
+    from hf_fsdp2.export import ExportError, export_checkpoint
+    from hf_fsdp2.lora.offline import export_lora_checkpoint
+
+    config = Path(args.checkpoint) / CONFIG_NAME
+    lora = config.is_file() and bool((yaml.safe_load(config.read_text()) or {}).get("use_peft"))
     try:
-        result = export_checkpoint(
+        result = (export_lora_checkpoint if lora else export_checkpoint)(
             args.checkpoint,
             args.out_dir,
             dtype=args.dtype,
@@ -319,10 +324,10 @@ def _run_show_data(args: argparse.Namespace) -> int:
     import datasets
 
     from hf_fsdp2.config import ConfigError, parse_config
+    from hf_fsdp2.config.sources import DataSource
     from hf_fsdp2.data.loading import load_source
     from hf_fsdp2.data.mixture import build_sft_datasets_from_config, format_trained_spans
     from hf_fsdp2.data.packing import layout_summary, pack_examples
-    from hf_fsdp2.data.sources import DataSource
     from hf_fsdp2.model import load_tokenizer
 
     # output_dir is required by the recipe but unused here: a placeholder keeps recipes without it working.

@@ -40,15 +40,18 @@ from hf_fsdp2.checkpoint import (
     resolve_resume,
 )
 from hf_fsdp2.collectives import rank0_decides, rank0_first
-from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, ac_mode, parse_config, parse_size, save_config
+from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, parse_config, parse_size, save_config
+from hf_fsdp2.config.plans import (
+    PACKED_ATTENTION_IMPLEMENTATIONS,
+    ACPlan,
+    CompilePlan,
+    LoraSettings,
+    ShardingPlan,
+    parse_step_range,
+)
 from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.mixture import build_sft_datasets_from_config
-from hf_fsdp2.data.packing import (
-    PACKED_ATTENTION_IMPLEMENTATIONS,
-    PackedCollator,
-    layout_summary,
-    pack_examples,
-)
+from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.export import ExportError, checkpoint_layout, export_model, last_metrics
 from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
@@ -58,7 +61,7 @@ from hf_fsdp2.export.hub import (
     push_folder,
     render_model_card,
 )
-from hf_fsdp2.lora.adapter import LoraError, LoraSettings, apply_lora, format_memory_report, memory_report
+from hf_fsdp2.lora.adapter import LoraError, apply_lora, format_memory_report, memory_report
 from hf_fsdp2.lora.merge import check_mergeable
 from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import (
@@ -75,13 +78,10 @@ from hf_fsdp2.observe.evaluate import Evaluator
 from hf_fsdp2.observe.flops import flops_model, non_embedding_params, peak_flops_for
 from hf_fsdp2.observe.logs import MetricsWriter, Progress
 from hf_fsdp2.observe.meter import StepMeter
-from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.observe.trackers import build_trackers, tracker_config, tracker_values
 from hf_fsdp2.parallel.accelerator import (
-    ACPlan,
-    CompilePlan,
-    ShardingPlan,
     build_accelerator,
     describe_policy,
     has_accelerator_device,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         reshard_after_forward=f.fsdp_reshard_after_forward,
         cpu_offload=f.fsdp_cpu_offload,
         cpu_ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
-        activation_checkpointing=ACPlan(ac_mode(f), f.ac_every_k, pin_memory=has_accelerator_device()),
+        activation_checkpointing=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=has_accelerator_device()),
         reduce_dtype=f.fsdp_reduce_dtype,
     )
     compile_plan = CompilePlan(

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import datasets
 import pyarrow.parquet
 
-from hf_fsdp2.data.sources import DataSource
+from hf_fsdp2.config.sources import DataSource
 
 if TYPE_CHECKING:
     pass
@@ -294,3 +294,32 @@ def load_source(
         on_bad_record=on_bad_record,
         bad_lines=bad_lines,
     )
+
+
+def apply_column_mapping(
+    dataset: datasets.Dataset, mapping: Mapping[str, str], source: str
+) -> datasets.Dataset:
+    """Rename the columns of ``mapping`` that the dataset has.
+
+    A mapped column the dataset lacks is an error unless the dataset already has the target column
+    (a mixture of sources, some already in the expected names).
+
+    Raises:
+        ValueError: A mapped column is missing, or its target already exists.
+    """
+    columns = list(dataset.column_names)
+    renames = {}
+    for old, new in mapping.items():
+        if old in columns:
+            if new in columns:
+                raise ValueError(
+                    f"{source}: dataset_column_mapping {old}={new}, but the dataset already has a column "
+                    f"{new!r} (columns: {columns}); drop that entry or map the other column."
+                )
+            renames[old] = new
+        elif new not in columns:
+            raise ValueError(
+                f"{source}: dataset_column_mapping maps column {old!r}, which the dataset lacks "
+                f"(columns: {columns}). Fix the mapping."
+            )
+    return dataset.rename_columns(renames) if renames else dataset

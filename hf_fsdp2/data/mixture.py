@@ -20,15 +20,9 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from hf_fsdp2.data.loading import load_source
+from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
+from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.records import IGNORE_INDEX
-from hf_fsdp2.data.sources import (
-    DataSource,
-    apply_column_mapping,
-    parse_column_mapping,
-    parse_source,
-    resolve_sources,
-)
 from hf_fsdp2.data.tokenize import TokenizeStats, tokenize_dataset
 
 if TYPE_CHECKING:

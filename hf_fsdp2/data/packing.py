@@ -34,13 +34,6 @@ from torch.utils.data import Dataset as TorchDataset
 from hf_fsdp2.data.loader import ShardedSampler
 from hf_fsdp2.data.records import IGNORE_INDEX
 
-PACKED_ATTENTION_IMPLEMENTATIONS = (
-    "sdpa",
-    "eager",
-    "flex_attention",
-    "flash_attention_2",
-    "flash_attention_3",
-)
 """Attention implementations that honour packed ``position_ids`` in transformers: a block-diagonal mask
 (sdpa, eager, flex_attention: proven by the equivalence tests) or variable-length kernels
 (flash_attention_2/3: transformers' own path, not testable on CPU)."""

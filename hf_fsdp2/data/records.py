@@ -58,18 +58,6 @@ _FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
 }
-CANONICAL_COLUMNS = (
-    "messages",
-    "conversations",
-    "prompt",
-    "completion",
-    "instruction",
-    "input",
-    "output",
-    "system",
-    "text",
-)
-"""Column names a ``dataset_column_mapping`` may map to."""
 
 
 def detect_format(column_names: Sequence[str]) -> str:

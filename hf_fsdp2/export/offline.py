@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +27,18 @@ def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any]
     return rows[-1] if rows else None
 
 
-def lora_settings(cfg: dict[str, Any]) -> Any:
-    """The LoRA settings of a run, from its resolved config."""
-    from hf_fsdp2.lora.adapter import LoraSettings
-
-    return LoraSettings(
-        r=int(cfg.get("lora_r", 16)),
-        alpha=int(cfg.get("lora_alpha", 32)),
-        dropout=float(cfg.get("lora_dropout", 0.05)),
-        target_modules=cfg.get("lora_target_modules") or "all-linear",
-        modules_to_save=cfg.get("lora_modules_to_save") or None,
-        use_rslora=bool(cfg.get("use_rslora", False)),
-    )
-
-
-def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict[str, Any], int]:
+def load_checkpoint_model(
+    checkpoint: str | Path, *, wrap: Callable[[Any, dict[str, Any]], Any] | None = None
+) -> tuple[torch.nn.Module, dict[str, Any], int]:
     """Build the run's model from its config and fill it with a checkpoint's weights (one process).
 
     The architecture, tokenizer and base files come from ``model_name_or_path`` in the checkpoint's
     ``hf_fsdp2_config.yaml``; the weights, in the dtype they were trained in, from its DCP shards.
+
+    Args:
+        checkpoint: a ``checkpoint-<step>`` folder.
+        wrap: turns the base model into the trained one before loading (a LoRA run's PEFT wrapping), given
+            the model and the run's config.
 
     Returns:
         (model, the run's resolved config, the checkpoint's step).
@@ -80,10 +75,8 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict
         trust_remote_code=bool(cfg.get("trust_remote_code")),
         empty_weights=True,  # parameters on meta: the checkpoint fills them, nothing is read twice
     )
-    if cfg.get("use_peft"):  # a LoRA run: its checkpoint holds the PEFT model's tensors
-        from hf_fsdp2.lora.adapter import apply_lora
-
-        model = apply_lora(model, lora_settings(cfg))
+    if wrap is not None:
+        model = wrap(model, cfg)
     if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
         emb = model.get_input_embeddings().weight
         emb_name = next(n for n, p in model.named_parameters() if p is emb)
@@ -121,36 +114,35 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, dict
     return model, cfg, step
 
 
-def export_checkpoint(
+@dataclass
+class OfflineExport:
+    """What an offline export writes: the checkpoint's model and the run's files beside it."""
+
+    model: Any
+    cfg: dict[str, Any]
+    out: Path
+    tokenizer: Any
+    generation_config: Any
+    card: str
+    dtype: str
+    max_shard_bytes: int
+
+
+def prepare_offline_export(
     checkpoint: str | Path,
     out_dir: str | Path,
     *,
-    dtype: str | None = None,
-    max_shard_bytes: int | None = None,
-    overwrite: bool = False,
-    verify: bool = True,
-    verify_atol: float | None = None,
-) -> ExportResult:
-    """``hf-fsdp2 export``: the consolidated folder of a sharded checkpoint, without training hardware.
-
-    One process: the model is rebuilt from the run's config, filled from the checkpoint's shards, and
-    written and verified as at the end of training (verification computes in the weights' dtype).
-
-    Args:
-        checkpoint: a ``checkpoint-<step>`` folder.
-        out_dir: the export folder; must be empty unless ``overwrite``.
-        dtype: export dtype; default the run's ``export_dtype``.
-        max_shard_bytes: largest file; default the run's ``max_shard_size``.
-        overwrite: replace the export files of a non-empty ``out_dir``.
-        verify: verify before publishing.
-        verify_atol: probe-logit tolerance (None: by dtype).
-
-    Returns:
-        The published folder's description.
+    dtype: str | None,
+    max_shard_bytes: int | None,
+    overwrite: bool,
+    wrap: Callable[[Any, dict[str, Any]], Any] | None = None,
+) -> OfflineExport:
+    """Check the folders, rebuild the checkpoint's model, and gather the run's tokenizer, generation
+    config and model card (one process).
 
     Raises:
-        ExportError: a non-empty ``out_dir``, an incomplete or foreign checkpoint, or a failed write.
-        ExportVerificationError: the written folder does not reproduce the checkpoint's model.
+        ExportError: under a multi-process launcher, a non-empty ``out_dir``, ``out_dir`` inside the
+            checkpoint, or an incomplete or foreign checkpoint.
     """
     from transformers import GenerationConfig
 
@@ -168,8 +160,7 @@ def export_checkpoint(
     ckpt = Path(checkpoint).expanduser()
     if ckpt.resolve() == out.resolve() or ckpt.resolve() in out.resolve().parents:
         raise ExportError(f"OUT_DIR {out} is inside the checkpoint {ckpt}; choose a folder outside it")
-    model: Any
-    model, cfg, step = load_checkpoint_model(ckpt)
+    model, cfg, step = load_checkpoint_model(ckpt, wrap=wrap)
     name = cfg.get("tokenizer_name_or_path") or cfg["model_name_or_path"]
     tokenizer = load_tokenizer(
         name, revision=cfg.get("model_revision"), trust_remote_code=bool(cfg.get("trust_remote_code"))
@@ -184,37 +175,62 @@ def export_checkpoint(
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
     card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
-    if cfg.get("use_peft"):  # the adapter in OUT_DIR and, if the run merged, the merged model in OUT_DIR/merged
-        from hf_fsdp2.lora.save import export_lora
-
-        lora = export_lora(
-            model,
-            out,
-            base_model=cfg["model_name_or_path"],
-            tokenizer=tokenizer,
-            merge=bool(cfg.get("merge_adapter")),
-            layer_cls_names=(),
-            mp_policy=None,
-            dtype=card_cfg["export_dtype"],
-            max_shard_bytes=max_shard_bytes or parse_size(str(cfg.get("max_shard_size", "5GB"))),
-            compute_dtype=torch.float32,
-            verify=verify,
-            verify_atol=verify_atol,
-            model_card=card,
-            is_main_process=True,
-        )
-        report = lora.merged_report or lora.adapter_report
-        return ExportResult(out_dir=out, files=["adapter_model.safetensors"], total_bytes=0, dtype="float32",
-                            seconds=0.0, verify=report)  # fmt: skip
-    return export_model(
-        model,
-        out,
-        config=model.config,
+    return OfflineExport(
+        model=model,
+        cfg=cfg,
+        out=out,
         tokenizer=tokenizer,
         generation_config=generation_config,
+        card=card,
         dtype=card_cfg["export_dtype"],
         max_shard_bytes=max_shard_bytes or parse_size(str(cfg.get("max_shard_size", "5GB"))),
-        model_card=card,
+    )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    verify_atol: float | None = None,
+) -> ExportResult:
+    """``hf-fsdp2 export`` of a full-model run's checkpoint: the consolidated folder, without training
+    hardware (a LoRA run's: ``hf_fsdp2.lora.offline``).
+
+    One process: the model is rebuilt from the run's config, filled from the checkpoint's shards, and
+    written and verified as at the end of training (verification computes in the weights' dtype).
+
+    Args:
+        checkpoint: a ``checkpoint-<step>`` folder.
+        out_dir: the export folder; must be empty unless ``overwrite``.
+        dtype: export dtype; default the run's ``export_dtype``.
+        max_shard_bytes: largest file; default the run's ``max_shard_size``.
+        overwrite: replace the export files of a non-empty ``out_dir``.
+        verify: verify before publishing.
+        verify_atol: probe-logit limit (None: by dtype).
+
+    Returns:
+        The published folder's description.
+
+    Raises:
+        ExportError: a non-empty ``out_dir``, an incomplete or foreign checkpoint, or a failed write.
+        ExportVerificationError: the written folder does not reproduce the checkpoint's model.
+    """
+    job = prepare_offline_export(
+        checkpoint, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    )
+    return export_model(
+        job.model,
+        job.out,
+        config=job.model.config,
+        tokenizer=job.tokenizer,
+        generation_config=job.generation_config,
+        dtype=job.dtype,
+        max_shard_bytes=job.max_shard_bytes,
+        model_card=job.card,
         verify=verify,
         verify_atol=verify_atol,
     )

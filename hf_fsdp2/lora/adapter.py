@@ -10,10 +10,11 @@ so the unit's all-gather is uniform, and only the adapter has gradients (reduced
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hf_fsdp2.config.plans import LoraSettings
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -25,18 +26,6 @@ MERGED_DIR_NAME = "merged"
 
 class LoraError(RuntimeError):
     """A LoRA setting or adapter that cannot be used; the message says why and what to do."""
-
-
-@dataclass
-class LoraSettings:
-    """The LoRA knobs of the recipe (see ``config.PeftArgs``)."""
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: list[str] | str = "all-linear"
-    modules_to_save: list[str] | None = None
-    use_rslora: bool = False
 
 
 def lora_config(settings: LoraSettings) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +22,6 @@ import torch
 logger = logging.getLogger("hf_fsdp2")
 
 PROFILE_DIR = "profile"
-
-
-def parse_step_range(value: str | None, key: str) -> tuple[int, int] | None:
-    """``"a-b"`` (or ``"a"``) -> ``(a, b)``; None or empty -> None.
-
-    Raises:
-        ValueError: not a range of steps ``1 <= a <= b``.
-    """
-    if value is None or not value.strip():
-        return None
-    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", value)
-    if not match:
-        raise ValueError(f"{key}={value!r} is not a step range; write 'a-b' (e.g. '5-7') or one step 'a'")
-    start = int(match.group(1))
-    end = int(match.group(2)) if match.group(2) else start
-    if not 1 <= start <= end:
-        raise ValueError(f"{key}={value!r}: need 1 <= first step <= last step")
-    return start, end
 
 
 # Variables each distributed_debug level sets (unless the environment already sets them).

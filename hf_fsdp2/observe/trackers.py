@@ -7,40 +7,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_fsdp2.config import plans
+from hf_fsdp2.config.plans import TRACKERS, parse_report_to
+
 logger = logging.getLogger("hf_fsdp2")
-
-TRACKERS = ("tensorboard", "wandb", "trackio")
-_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-
-
-def parse_report_to(report_to: str) -> tuple[str, ...]:
-    """``none``, ``all`` or a comma list of tensorboard, wandb, trackio -> the names asked for.
-
-    ``all`` stays ``("all",)``: which trackers it means depends on what is installed (see
-    :func:`build_trackers`).
-
-    Raises:
-        ValueError: an unknown name, or none/all mixed with names.
-    """
-    names = tuple(dict.fromkeys(n.strip().lower() for n in report_to.split(",") if n.strip()))
-    if names in ((), ("none",)):
-        return ()
-    if names == ("all",):
-        return names
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown or "none" in names or "all" in names:
-        raise ValueError(
-            f"report_to={report_to!r}: use none, all, or a comma list of {', '.join(TRACKERS)} "
-            f"(unknown: {', '.join(unknown) or 'none/all mixed with names'})"
-        )
-    return names
-
-
-def _installed(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
-
 
 def build_trackers(report_to: str, log_dir: str | Path, *, project: str, run_name: str) -> list[Any]:
     """Accelerate trackers for ``report_to``, ready to pass as ``Accelerator(log_with=...)``.
@@ -61,20 +31,10 @@ def build_trackers(report_to: str, log_dir: str | Path, *, project: str, run_nam
     from accelerate.tracking import TensorBoardTracker, TrackioTracker, WandBTracker
 
     names = parse_report_to(report_to)
+    plans.check_trackers_installed(names)
     if names == ("all",):
-        names = tuple(n for n in TRACKERS if _installed(_TRACKER_PACKAGES[n]))
-        if not names:
-            raise ValueError(
-                "report_to=all but none of tensorboard, wandb, trackio is installed; "
-                "pip install tensorboard (or wandb, trackio), or set report_to=none"
-            )
+        names = tuple(n for n in TRACKERS if plans.tracker_installed(n))
         logger.info("report_to=all: %s", ", ".join(names))
-    missing = [n for n in names if not _installed(_TRACKER_PACKAGES[n])]
-    if missing:
-        raise ValueError(
-            f"report_to={report_to!r} needs {', '.join(missing)}, which is not installed: "
-            f"pip install {' '.join(_TRACKER_PACKAGES[n] for n in missing)} (or drop it from report_to)"
-        )
     trackers: list[Any] = []
     for name in names:
         if name == "tensorboard":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,37 +24,14 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from hf_fsdp2.parallel.activations import ACPlan, apply_activation_checkpointing
-from hf_fsdp2.parallel.compiling import CompilePlan, compile_model, compile_regions
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.parallel.activations import apply_activation_checkpointing
+from hf_fsdp2.parallel.compiling import compile_model, compile_regions
 
 logger = logging.getLogger("hf_fsdp2")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """What :func:`build_accelerator` and :func:`prepare_fsdp2` apply; every field is explicit.
-
-    ``activation_checkpointing`` takes an :class:`ACPlan`; ``True``/``False`` mean ``full``/``none``.
-    """
-
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    cpu_ram_efficient_loading: bool = False
-    activation_checkpointing: ACPlan | bool = False
-    reduce_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.activation_checkpointing, bool):
-            mode = "full" if self.activation_checkpointing else "none"
-            object.__setattr__(self, "activation_checkpointing", ACPlan(mode))
-
-    @property
-    def ac(self) -> ACPlan:
-        assert isinstance(self.activation_checkpointing, ACPlan)  # __post_init__ made it one
-        return self.activation_checkpointing
 
 
 def has_accelerator_device() -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-AC_MODES = ("none", "full", "every_k", "selective", "offload")
+from hf_fsdp2.config.plans import ACPlan
 
 _aten = torch.ops.aten
 # Outputs the selective mode keeps: everything expensive to recompute (FLOPs grow with the sequence or
@@ -52,35 +51,6 @@ _SAVED_OPS = {
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-
-
-@dataclass(frozen=True)
-class ACPlan:
-    """Which decoder layers are checkpointed, and how.
-
-    Attributes:
-        mode: one of :data:`AC_MODES`.
-        every_k: for ``every_k``, checkpoint layers whose index is a multiple of k.
-        pin_memory: for ``offload``, copy to pinned host memory (needs CUDA; False on CPU-only machines).
-    """
-
-    mode: str = "none"
-    every_k: int = 2
-    pin_memory: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in AC_MODES:
-            raise ValueError(f"activation_checkpointing={self.mode!r} is not one of {', '.join(AC_MODES)}")
-        if self.every_k < 1:
-            raise ValueError(f"ac_every_k={self.every_k} must be >= 1 (1 checkpoints every layer, as full)")
-
-    def wraps(self, index: int) -> bool:
-        """Whether decoder layer ``index`` (0-based) is checkpointed."""
-        if self.mode == "none":
-            return False
-        if self.mode == "every_k":
-            return index % self.every_k == 0
-        return True
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

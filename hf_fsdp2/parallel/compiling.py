@@ -19,42 +19,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from hf_fsdp2.config.plans import CompilePlan
 from hf_fsdp2.parallel.activations import decoder_layers
 
 logger = logging.getLogger("hf_fsdp2")
 
-COMPILE_SCOPES = ("regional", "model")
 # dynamo writes one record to this logger per recompilation (with the failed guards) once the
 # "recompiles" artifact is on.
 _RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
-
-
-@dataclass(frozen=True)
-class CompilePlan:
-    """torch.compile settings; ``enabled=False`` means eager."""
-
-    enabled: bool = False
-    scope: str = "regional"
-    mode: str | None = None
-    dynamic: bool | None = None
-    fullgraph: bool = False
-
-    def __post_init__(self) -> None:
-        if self.scope not in COMPILE_SCOPES:
-            raise ValueError(f"torch_compile_scope={self.scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``nn.Module.compile``."""
-        out: dict[str, Any] = {"backend": "inductor", "fullgraph": self.fullgraph}
-        if self.mode not in (None, "default"):
-            out["mode"] = self.mode
-        if self.dynamic is not None:
-            out["dynamic"] = self.dynamic
-        return out
 
 
 def _configure_dynamo() -> None:

@@ -87,8 +87,8 @@ def test_tensorboard_events_match_the_jsonl(run):
 def test_eval_loss_equals_single_process_evaluation_of_the_export(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_fsdp2.config.sources import resolve_sources
     from hf_fsdp2.data.mixture import build_sft_datasets
-    from hf_fsdp2.data.sources import resolve_sources
 
     out, eval_file, _ = run
     final = read_metrics(out / "metrics.jsonl")[-1]

@@ -7,7 +7,8 @@ import torch
 from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_fsdp2.parallel.activations import AC_MODES, ACPlan, activation_bytes, apply_activation_checkpointing
+from hf_fsdp2.config.plans import AC_MODES, ACPlan
+from hf_fsdp2.parallel.activations import activation_bytes, apply_activation_checkpointing
 
 LAYER = ("LlamaDecoderLayer",)
 

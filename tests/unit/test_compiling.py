@@ -7,8 +7,9 @@ import torch
 from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_fsdp2.parallel.activations import ACPlan, apply_activation_checkpointing
-from hf_fsdp2.parallel.compiling import CompilePlan, CompileWatch, compile_regions
+from hf_fsdp2.config.plans import ACPlan, CompilePlan
+from hf_fsdp2.parallel.activations import apply_activation_checkpointing
+from hf_fsdp2.parallel.compiling import CompileWatch, compile_regions
 
 
 def test_plan_validation_and_kwargs():

@@ -13,7 +13,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fsdp2.cli import main as cli_main
-from hf_fsdp2.observe import logs, trackers
+from hf_fsdp2.config import plans
+from hf_fsdp2.config.plans import parse_report_to, parse_step_range
+from hf_fsdp2.observe import logs
 from hf_fsdp2.observe import meter as meter_module
 from hf_fsdp2.observe.flops import (
     FlopsModel,
@@ -25,9 +27,9 @@ from hf_fsdp2.observe.flops import (
 from hf_fsdp2.observe.logs import MetricsWriter, format_log_line, read_metrics
 from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.plot import plot_run
-from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug, parse_step_range
+from hf_fsdp2.observe.profiling import StepProfiler, apply_distributed_debug
 from hf_fsdp2.observe.summary import run_summary
-from hf_fsdp2.observe.trackers import build_trackers, parse_report_to, tracker_values
+from hf_fsdp2.observe.trackers import build_trackers, tracker_values
 
 LLAMA3_8B = LlamaConfig(
     vocab_size=128256,
@@ -174,11 +176,11 @@ def test_report_to_values() -> None:
 
 
 def test_missing_tracker_names_the_pip_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(trackers, "_installed", lambda package: package == "tensorboard")
+    monkeypatch.setattr(plans, "tracker_installed", lambda name: name == "tensorboard")
     with pytest.raises(ValueError, match="pip install wandb trackio"):
         build_trackers("tensorboard,wandb,trackio", tmp_path, project="p", run_name="r")
     assert [t.name for t in build_trackers("all", tmp_path, project="p", run_name="r")] == ["tensorboard"]
-    monkeypatch.setattr(trackers, "_installed", lambda package: False)
+    monkeypatch.setattr(plans, "tracker_installed", lambda name: False)
     with pytest.raises(ValueError, match="pip install tensorboard"):
         build_trackers("all", tmp_path, project="p", run_name="r")
 

@@ -17,6 +17,7 @@ from support.numerics import assert_same_maths
 from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from hf_fsdp2.config.sources import DataSource
 from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.mixture import build_sft_datasets
 from hf_fsdp2.data.packing import (
@@ -26,7 +27,6 @@ from hf_fsdp2.data.packing import (
     pack_examples,
 )
 from hf_fsdp2.data.records import IGNORE_INDEX
-from hf_fsdp2.data.sources import DataSource
 from hf_fsdp2.data.tokenize import tokenize_dataset
 from hf_fsdp2.observe.logs import read_metrics
 from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum

@@ -7,19 +7,19 @@ import importlib.util
 import pytest
 from test_config import parse_cli
 
-from hf_fsdp2.config import ConfigError, ac_mode
-from hf_fsdp2.parallel.accelerator import ShardingPlan, build_accelerator
-from hf_fsdp2.parallel.compiling import CompilePlan
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.parallel.kernels import KernelError, check_liger_available
 
 
 def test_activation_checkpointing_resolves_from_either_key():
-    assert ac_mode(parse_cli().fsdp) == "none"
-    assert ac_mode(parse_cli("--gradient_checkpointing", "true").fsdp) == "full"
-    assert ac_mode(parse_cli("--activation_checkpointing", "selective").fsdp) == "selective"
-    assert ac_mode(parse_cli("--gradient_checkpointing", "true", "--activation_checkpointing", "full").fsdp) == "full"
+    assert parse_cli().fsdp.ac_mode() == "none"
+    assert parse_cli("--gradient_checkpointing", "true").fsdp.ac_mode() == "full"
+    assert parse_cli("--activation_checkpointing", "selective").fsdp.ac_mode() == "selective"
+    assert parse_cli("--gradient_checkpointing", "true", "--activation_checkpointing", "full").fsdp.ac_mode() == "full"
     cfg = parse_cli("--activation_checkpointing", "every_k", "--ac_every_k", "3")
-    assert (ac_mode(cfg.fsdp), cfg.fsdp.ac_every_k) == ("every_k", 3)
+    assert (cfg.fsdp.ac_mode(), cfg.fsdp.ac_every_k) == ("every_k", 3)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_offload_is_refused_on_a_cpu_run(monkeypatch):
 
 
 def ac_plan(mode: str):  # type: ignore[no-untyped-def]
-    from hf_fsdp2.parallel.activations import ACPlan
+    from hf_fsdp2.config.plans import ACPlan
 
     return ACPlan(mode, pin_memory=False)
 

@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.export import export_model
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 

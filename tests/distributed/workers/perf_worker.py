@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import ACPlan, CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.parallel.compiling import CompileWatch
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups

@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hf_fsdp2.checkpoint import Checkpointer
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
+from hf_fsdp2.config.plans import CompilePlan, LoraSettings, ShardingPlan
 from hf_fsdp2.export import export_model
-from hf_fsdp2.lora.adapter import LoraSettings, apply_lora
+from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.merge import build_merged_twin
 from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import CompilePlan, ShardingPlan, build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.optim import build_adamw, param_groups
 from hf_fsdp2.train.step import StepSettings, train_step

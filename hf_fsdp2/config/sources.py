@@ -1,19 +1,25 @@
-"""Where training records come from: a dataset name or path, or a weighted mixture, and column mappings."""
+"""Where training records come from, as configured: a dataset name or path, or a weighted mixture, and
+column mappings (parsed and checked here; read by ``hf_fsdp2.data.loading``)."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import datasets
-
-from hf_fsdp2.data.records import CANONICAL_COLUMNS
-
-if TYPE_CHECKING:
-    pass
+CANONICAL_COLUMNS = (
+    "messages",
+    "conversations",
+    "prompt",
+    "completion",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "text",
+)
+"""Column names a ``dataset_column_mapping`` may map to."""
 
 
 @dataclass(frozen=True)
@@ -166,32 +172,3 @@ def parse_column_mapping(entries: str | Sequence[str]) -> dict[str, str]:
             raise ValueError(f"dataset_column_mapping maps {old!r} or to {new!r} twice: {entries!r}.")
         mapping[old] = new
     return mapping
-
-
-def apply_column_mapping(
-    dataset: datasets.Dataset, mapping: Mapping[str, str], source: str
-) -> datasets.Dataset:
-    """Rename the columns of ``mapping`` that the dataset has.
-
-    A mapped column the dataset lacks is an error unless the dataset already has the target column
-    (a mixture of sources, some already in the expected names).
-
-    Raises:
-        ValueError: A mapped column is missing, or its target already exists.
-    """
-    columns = list(dataset.column_names)
-    renames = {}
-    for old, new in mapping.items():
-        if old in columns:
-            if new in columns:
-                raise ValueError(
-                    f"{source}: dataset_column_mapping {old}={new}, but the dataset already has a column "
-                    f"{new!r} (columns: {columns}); drop that entry or map the other column."
-                )
-            renames[old] = new
-        elif new not in columns:
-            raise ValueError(
-                f"{source}: dataset_column_mapping maps column {old!r}, which the dataset lacks "
-                f"(columns: {columns}). Fix the mapping."
-            )
-    return dataset.rename_columns(renames) if renames else dataset

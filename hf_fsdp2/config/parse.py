@@ -1,0 +1,198 @@
+"""Parsing a recipe: YAML plus command-line overrides into a validated :class:`Config`, and saving it.
+
+Precedence is CLI > YAML > defaults. The YAML file is turned into ``--key value`` arguments placed
+before the command line's own, so both go through the same argparse types and choices
+(transformers.HfArgumentParser) and the last occurrence, the command line's, wins. Unknown keys are
+errors that name the key and its closest known names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from transformers import HfArgumentParser
+
+from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
+from hf_fsdp2.config.plans import ConfigError, check
+from hf_fsdp2.config.sections import DataArgs, ModelArgs
+from hf_fsdp2.config.training import FSDPArgs, PeftArgs, TrainArgs
+
+CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
+
+SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs)
+
+
+@dataclass
+class Config:
+    """All settings of one run, one attribute per concern."""
+
+    model: ModelArgs
+    data: DataArgs
+    train: TrainArgs
+    fsdp: FSDPArgs
+    peft: PeftArgs
+    export: ExportArgs
+    observe: ObserveArgs
+
+    def validate(self) -> None:
+        """Every section validates itself; then the keys of different sections that must agree.
+
+        Raises:
+            ConfigError: naming the key, its value, what is allowed and the fix.
+        """
+        m, d, t, f, p = self.model, self.data, self.train, self.fsdp, self.peft
+        m.validate()
+        d.validate(m.attn_implementation)
+        t.validate()
+        f.validate()
+        p.validate()
+        self.export.validate(t.save_steps)
+        self.observe.validate(has_eval=d.has_eval())
+        check(
+            not (m.resize_token_embeddings and f.fsdp_cpu_ram_efficient_loading),
+            "resize_token_embeddings=true with fsdp_cpu_ram_efficient_loading=true is not supported (the new rows "
+            "are initialised from the weights, which only rank 0 holds then); resize once offline with "
+            "model.resize_token_embeddings(len(tokenizer)) and save_pretrained, or turn the loading option off",
+        )
+        # Accelerate maps the optimizer's parameters to the sharded ones by data_ptr, which is 0 for every meta
+        # parameter of the non-zero ranks: their optimizer then steps the wrong adapter tensors (docs/lora.md).
+        check(
+            not (p.use_peft and f.fsdp_cpu_ram_efficient_loading),
+            "use_peft=true with fsdp_cpu_ram_efficient_loading=true is not supported (the non-zero ranks' "
+            "optimizer would hold the wrong adapter parameters); set fsdp_cpu_ram_efficient_loading=false",
+        )
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Every key with its resolved value, in the flat form the YAML recipes use."""
+        flat: dict[str, Any] = {}
+        for section in (self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe):
+            flat.update(dataclasses.asdict(section))
+        return flat
+
+
+def known_keys() -> dict[str, dataclasses.Field[Any]]:
+    """All config keys, mapped to their dataclass field."""
+    return {f.name: f for cls in SECTIONS for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known_keys()), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; run the recipe with --help for all keys"
+    return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
+    """Turn YAML values into ``--key value`` arguments so argparse checks them like CLI ones."""
+    fields = known_keys()
+    argv: list[str] = []
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown_key_error(key, path)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            if not value:
+                factory = fields[key].default_factory
+                if callable(factory) and factory() == []:
+                    continue  # an empty list is this key's default
+                raise ConfigError(f"{key}: an empty list in {path}; give at least one value or remove the key")
+            argv.append(f"--{key}")
+            argv.extend(str(v) for v in value)
+        elif isinstance(value, bool):
+            argv.append(f"--{key}={'true' if value else 'false'}")
+        elif isinstance(value, dict):
+            raise ConfigError(f"{key}: a mapping in {path} where a single value is expected: {value!r}")
+        else:
+            # --key=value, so that a negative number is not read as a flag.
+            argv.append(f"--{key}={value}")
+    return argv
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a recipe YAML file into a flat dict.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a flat mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        values = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path} is not valid YAML: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must be a mapping of key: value, got {type(values).__name__}")
+    return values
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """Parse ``[--config recipe.yaml] [--key value ...]`` into a validated :class:`Config`.
+
+    Args:
+        argv: command-line arguments without the program name; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The resolved configuration (CLI > YAML > defaults).
+
+    Raises:
+        ConfigError: unknown keys or values that cannot work, with the key, value and fix.
+        SystemExit: argparse's own exit for ``--help`` and for a value of the wrong type or choice.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    yaml_argv: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config":
+                if i + 1 >= len(args):
+                    raise ConfigError("--config needs a path to a YAML recipe")
+                path = args[i + 1]
+                del args[i : i + 2]
+            else:
+                path = arg.split("=", 1)[1]
+                del args[i]
+            yaml_argv = _yaml_to_argv(load_yaml(path), path)
+            break
+    parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
+    parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
+
+    def _error(message: str) -> NoReturn:
+        # argparse prints the whole usage and exits; a ConfigError carries just the key and the allowed values.
+        raise ConfigError(message)
+
+    parser.error = _error  # type: ignore[method-assign,assignment]
+    for arg in args:
+        if arg.startswith("--") and arg != "--help":
+            key = arg[2:].split("=", 1)[0]
+            if key not in known_keys():
+                raise _unknown_key_error(key, "the command line")
+    parsed = parser.parse_args_into_dataclasses(args=yaml_argv + args, return_remaining_strings=True)
+    # HfArgumentParser returns one object per section, then a namespace for the extra --config
+    # argument, then the strings it could not place.
+    sections, remaining = parsed[: len(SECTIONS)], parsed[-1]
+    if remaining:
+        raise ConfigError(f"unexpected command-line arguments {remaining}; every value needs a --key before it")
+    cfg = Config(*sections)
+    cfg.validate()
+    return cfg
+
+
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as a flat YAML recipe that ``--config`` accepts again.
+
+    Returns:
+        The path written.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False))
+    return p

@@ -1,0 +1,234 @@
+"""The settings objects the config sections build, and the parsers of their values.
+
+Each is a small frozen dataclass or a pure function that checks its own values; the modules that apply a
+setting (``parallel``, ``lora``, ``observe``, ``data``) import it from here, and nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or key a user must fix; the message says what and how."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)
+
+
+AC_MODES = ("none", "full", "every_k", "selective", "offload")
+
+
+@dataclass(frozen=True)
+class ACPlan:
+    """Which decoder layers are checkpointed, and how.
+
+    Attributes:
+        mode: one of :data:`AC_MODES`.
+        every_k: for ``every_k``, checkpoint layers whose index is a multiple of k.
+        pin_memory: for ``offload``, copy to pinned host memory (needs CUDA; False on CPU-only machines).
+    """
+
+    mode: str = "none"
+    every_k: int = 2
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in AC_MODES:
+            raise ValueError(f"activation_checkpointing={self.mode!r} is not one of {', '.join(AC_MODES)}")
+        if self.every_k < 1:
+            raise ValueError(f"ac_every_k={self.every_k} must be >= 1 (1 checkpoints every layer, as full)")
+
+    def wraps(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based) is checkpointed."""
+        if self.mode == "none":
+            return False
+        if self.mode == "every_k":
+            return index % self.every_k == 0
+        return True
+
+
+COMPILE_SCOPES = ("regional", "model")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """torch.compile settings; ``enabled=False`` means eager."""
+
+    enabled: bool = False
+    scope: str = "regional"
+    mode: str | None = None
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scope not in COMPILE_SCOPES:
+            raise ValueError(f"torch_compile_scope={self.scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``nn.Module.compile``."""
+        out: dict[str, Any] = {"backend": "inductor", "fullgraph": self.fullgraph}
+        if self.mode not in (None, "default"):
+            out["mode"] = self.mode
+        if self.dynamic is not None:
+            out["dynamic"] = self.dynamic
+        return out
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What :func:`build_accelerator` and :func:`prepare_fsdp2` apply; every field is explicit.
+
+    ``activation_checkpointing`` takes an :class:`ACPlan`; ``True``/``False`` mean ``full``/``none``.
+    """
+
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: ACPlan | bool = False
+    reduce_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):
+            mode = "full" if self.activation_checkpointing else "none"
+            object.__setattr__(self, "activation_checkpointing", ACPlan(mode))
+
+    @property
+    def ac(self) -> ACPlan:
+        assert isinstance(self.activation_checkpointing, ACPlan)  # __post_init__ made it one
+        return self.activation_checkpointing
+
+
+@dataclass
+class LoraSettings:
+    """The LoRA knobs of the recipe (see ``config.PeftArgs``)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"
+    modules_to_save: list[str] | None = None
+    use_rslora: bool = False
+
+
+def parse_step_range(value: str | None, key: str) -> tuple[int, int] | None:
+    """``"a-b"`` (or ``"a"``) -> ``(a, b)``; None or empty -> None.
+
+    Raises:
+        ValueError: not a range of steps ``1 <= a <= b``.
+    """
+    if value is None or not value.strip():
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", value)
+    if not match:
+        raise ValueError(f"{key}={value!r} is not a step range; write 'a-b' (e.g. '5-7') or one step 'a'")
+    start = int(match.group(1))
+    end = int(match.group(2)) if match.group(2) else start
+    if not 1 <= start <= end:
+        raise ValueError(f"{key}={value!r}: need 1 <= first step <= last step")
+    return start, end
+
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+def parse_report_to(report_to: str) -> tuple[str, ...]:
+    """``none``, ``all`` or a comma list of tensorboard, wandb, trackio -> the names asked for.
+
+    ``all`` stays ``("all",)``: which trackers it means depends on what is installed (see
+    :func:`build_trackers`).
+
+    Raises:
+        ValueError: an unknown name, or none/all mixed with names.
+    """
+    names = tuple(dict.fromkeys(n.strip().lower() for n in report_to.split(",") if n.strip()))
+    if names in ((), ("none",)):
+        return ()
+    if names == ("all",):
+        return names
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown or "none" in names or "all" in names:
+        raise ValueError(
+            f"report_to={report_to!r}: use none, all, or a comma list of {', '.join(TRACKERS)} "
+            f"(unknown: {', '.join(unknown) or 'none/all mixed with names'})"
+        )
+    return names
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether the package of tracker ``name`` is importable (checked without importing it)."""
+    return importlib.util.find_spec(_TRACKER_PACKAGES[name]) is not None
+
+
+def check_trackers_installed(names: tuple[str, ...]) -> None:
+    """Refuse trackers that are not installed, naming the pip command; ``all`` needs at least one.
+
+    Raises:
+        ValueError: a missing package, or ``all`` with none installed.
+    """
+    if names == ("all",):
+        if not any(tracker_installed(n) for n in TRACKERS):
+            raise ValueError(
+                "report_to=all but none of tensorboard, wandb, trackio is installed; "
+                "pip install tensorboard (or wandb, trackio), or set report_to=none"
+            )
+        return
+    missing = [n for n in names if not tracker_installed(n)]
+    if missing:
+        raise ValueError(
+            f"report_to names {', '.join(missing)}, which is not installed: "
+            f"pip install {' '.join(_TRACKER_PACKAGES[n] for n in missing)} (or drop it from report_to)"
+        )
+
+
+PACKED_ATTENTION_IMPLEMENTATIONS = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size_or_none(size: str) -> int | None:
+    """Bytes in a size string, or None when it is not a positive size."""
+    value = _parse_size(size)
+    return value if value > 0 else None
+
+
+def _parse_size(size: str) -> int:
+    text = size.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: -len(unit)].strip()
+            try:
+                return int(float(number) * _UNITS[unit])
+            except (ValueError, OverflowError):
+                return -1
+    try:
+        return int(text)
+    except (ValueError, OverflowError):
+        return -1
+
+
+def parse_size(size: str) -> int:
+    """Bytes in a size string such as ``"5GB"``, ``"500MB"`` or ``"2GiB"``.
+
+    Raises:
+        ConfigError: the string is not a positive size.
+    """
+    value = _parse_size(size)
+    if value <= 0:
+        raise ConfigError(f"max_shard_size={size!r} must be a positive size such as '5GB' or '500MB'")
+    return value

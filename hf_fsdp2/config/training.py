@@ -1,0 +1,258 @@
+"""The training sections of a recipe (optimisation, FSDP2 sharding and compile, LoRA): each validates
+itself and builds the settings object its module applies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hf_fsdp2.config.plans import (
+    AC_MODES,
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    ACPlan,
+    CompilePlan,
+    ConfigError,
+    LoraSettings,
+    ShardingPlan,
+    check,
+)
+
+
+@dataclass
+class TrainArgs:
+    """The optimisation loop, its schedule and where outputs go."""
+
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Run folder: export, metrics.jsonl, resolved config (required)."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow an output_dir that holds a previous run (its files are replaced)."}
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 uses num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs when max_steps is -1."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Examples per micro-batch per rank."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay of matrices (embeddings included); none on biases and norm weights."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = field(
+        default="cosine", metadata={"help": "Decay after warmup: cosine, linear or constant."}
+    )
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Fraction of steps of linear warmup."})
+    warmup_steps: int = field(default=0, metadata={"help": "Warmup steps; overrides warmup_ratio when > 0."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
+    seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
+    logging_steps: int = field(default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."})
+    save_steps: int = field(
+        default=0,
+        metadata={"help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end; 0 = none."},
+    )
+    save_total_limit: int = field(
+        default=3, metadata={"help": "Keep the last K checkpoints (0 keeps all); the one resumed from is never deleted."}
+    )
+    save_async: bool = field(
+        default=False, metadata={"help": "Write checkpoints in the background while training continues."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."}
+    )
+    mixed_precision: Literal["bf16", "fp16", "no"] = field(
+        default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
+    )
+    ce_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Cross entropy over chunks of this many tokens, never the full [tokens x vocab] fp32 "
+            "logits (used when a micro-batch has more tokens); 0 = plain logits."
+        },
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Liger's fused RMSNorm/SwiGLU/RoPE kernels (GPU, pip install liger-kernel)."},
+    )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
+    )
+
+    def validate(self) -> None:
+        """Raises ConfigError for a value argparse cannot refuse."""
+        check(self.output_dir is not None, "output_dir is required: the folder for the export, metrics and config")
+        check(
+            self.per_device_train_batch_size >= 1,
+            f"per_device_train_batch_size={self.per_device_train_batch_size} must be >= 1",
+        )
+        check(
+            self.gradient_accumulation_steps >= 1,
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps} must be >= 1",
+        )
+        check(self.max_steps == -1 or self.max_steps > 0, f"max_steps={self.max_steps} must be -1 (use epochs) or > 0")
+        check(
+            self.max_steps > 0 or (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)),
+            f"num_train_epochs={self.num_train_epochs} must be > 0 when max_steps=-1",
+        )
+        check(
+            self.learning_rate > 0 and math.isfinite(self.learning_rate),
+            f"learning_rate={self.learning_rate} must be > 0",
+        )
+        check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+        check(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        check(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
+        check(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
+        check(self.ce_chunk_tokens >= 0, f"ce_chunk_tokens={self.ce_chunk_tokens} must be >= 0 (0 = plain logits)")
+        check(self.ddp_timeout > 0, f"ddp_timeout={self.ddp_timeout} must be > 0 seconds")
+        check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
+        check(self.save_total_limit >= 0, f"save_total_limit={self.save_total_limit} must be >= 0 (0 keeps all)")
+        if self.mixed_precision == "fp16":
+            raise ConfigError(
+                "mixed_precision='fp16' needs a gradient scaler that FSDP2 training here does not use; "
+                "use 'bf16' (GPUs since Ampere) or 'no' (fp32)"
+            )
+
+
+
+@dataclass
+class FSDPArgs:
+    """How FSDP2 shards the model, activation checkpointing and torch.compile."""
+
+    fsdp_layer_cls_to_wrap: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Decoder-layer class names, one FSDP unit each; empty = model._no_split_modules."},
+    )
+    fsdp_reshard_after_forward: bool = field(
+        default=True, metadata={"help": "Free gathered layer weights after forward (ZeRO-3) or keep (ZeRO-2)."}
+    )
+    fsdp_cpu_offload: bool = field(
+        default=False, metadata={"help": "Keep sharded params, grads and optimizer state in host memory."}
+    )
+    fsdp_cpu_ram_efficient_loading: bool = field(
+        default=False, metadata={"help": "Only rank 0 reads the weights; the others start on meta and get shards."}
+    )
+    fsdp_reduce_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "dtype of the gradient reduce-scatter (fp32 unless you accept bf16)."}
+    )
+    fsdp_sync_each_microbatch: bool = field(
+        default=True,
+        metadata={
+            "help": "Reduce-scatter gradients after every micro-batch (sharded grads, low memory); false "
+            "keeps unsharded grads until the last micro-batch (less traffic, full-size grads in memory)."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Activation checkpointing around each decoder layer (activation_checkpointing=full)."},
+    )
+    activation_checkpointing: str | None = field(
+        default=None,
+        metadata={
+            "help": "none, full, every_k, selective (keep matmul/attention outputs, recompute the rest) or "
+            "offload (full, layer inputs in host memory; GPU); unset = full if gradient_checkpointing else none."
+        },
+    )
+    ac_every_k: int = field(
+        default=2, metadata={"help": "With activation_checkpointing=every_k: checkpoint layers 0, k, 2k, ..."}
+    )
+    torch_compile: bool | None = field(
+        default=None, metadata={"help": "torch.compile the model; default on with a GPU, off on CPU."}
+    )
+    torch_compile_scope: Literal["regional", "model"] = field(
+        default="regional",
+        metadata={"help": "regional: each decoder layer, one shared graph (default); model: the whole model."},
+    )
+    torch_compile_mode: str | None = field(
+        default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune..."}
+    )
+    torch_compile_dynamic: bool | None = field(default=None, metadata={"help": "torch.compile dynamic shapes."})
+    torch_compile_fullgraph: bool = field(default=False, metadata={"help": "torch.compile fullgraph."})
+
+    def ac_mode(self) -> str:
+        """The activation-checkpointing mode: ``activation_checkpointing``, else from gradient_checkpointing."""
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing
+        return "full" if self.gradient_checkpointing else "none"
+
+    def sharding_plan(self, *, on_gpu: bool) -> ShardingPlan:
+        """What FSDP2 applies (offloaded activations are pinned only with a GPU)."""
+        return ShardingPlan(
+            reshard_after_forward=self.fsdp_reshard_after_forward,
+            cpu_offload=self.fsdp_cpu_offload,
+            cpu_ram_efficient_loading=self.fsdp_cpu_ram_efficient_loading,
+            activation_checkpointing=ACPlan(self.ac_mode(), self.ac_every_k, pin_memory=on_gpu),
+            reduce_dtype=self.fsdp_reduce_dtype,
+        )
+
+    def compile_plan(self, *, on_gpu: bool) -> CompilePlan:
+        """torch.compile settings; compile defaults to on with a GPU, off on CPU."""
+        return CompilePlan(
+            enabled=self.torch_compile if self.torch_compile is not None else on_gpu,
+            scope=self.torch_compile_scope,
+            mode=self.torch_compile_mode,
+            dynamic=self.torch_compile_dynamic,
+            fullgraph=self.torch_compile_fullgraph,
+        )
+
+    def validate(self) -> None:
+        """Raises ConfigError for a value argparse cannot refuse."""
+        check(
+            self.activation_checkpointing is None or self.activation_checkpointing in AC_MODES,
+            f"activation_checkpointing={self.activation_checkpointing!r} is not one of {', '.join(AC_MODES)}",
+        )
+        check(
+            not (self.gradient_checkpointing and self.activation_checkpointing not in (None, "full")),
+            f"gradient_checkpointing=true and activation_checkpointing={self.activation_checkpointing!r} disagree; "
+            "set only activation_checkpointing",
+        )
+        check(self.ac_every_k >= 1, f"ac_every_k={self.ac_every_k} must be >= 1")
+        check(
+            self.torch_compile_scope in COMPILE_SCOPES,
+            f"torch_compile_scope={self.torch_compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}",
+        )
+        check(
+            self.torch_compile_mode in COMPILE_MODES,
+            f"torch_compile_mode={self.torch_compile_mode!r} is not one of {', '.join(m for m in COMPILE_MODES if m)}",
+        )
+
+
+
+@dataclass
+class PeftArgs:
+    """LoRA through PEFT (docs/lora.md): the adapter goes to output_dir, the merged model to output_dir/merged."""
+
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"], metadata={"help": "Module names, or all-linear."}
+    )
+    lora_modules_to_save: list[str] = field(
+        default_factory=list, metadata={"help": "Modules trained in full beside the adapter (e.g. lm_head)."}
+    )
+    use_rslora: bool = field(default=False, metadata={"help": "rsLoRA scaling alpha/sqrt(r) instead of alpha/r."})
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "Also export the merged full model to <output_dir>/merged."}
+    )
+
+    def lora_settings(self) -> LoraSettings:
+        return LoraSettings(
+            r=self.lora_r,
+            alpha=self.lora_alpha,
+            dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules,
+            modules_to_save=self.lora_modules_to_save or None,
+            use_rslora=self.use_rslora,
+        )
+
+    def validate(self) -> None:
+        """Raises ConfigError for a value argparse cannot refuse."""
+        check(self.lora_r >= 1, f"lora_r={self.lora_r} must be >= 1")
+        check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        check(bool(self.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
+        check(not self.merge_adapter or self.use_peft, "merge_adapter=true needs use_peft=true")

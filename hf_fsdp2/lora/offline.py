@@ -1,0 +1,75 @@
+"""Offline export of a LoRA run's checkpoint: the adapter and, if the run merged, the merged model, as the
+run would have written them at the end (``hf-fsdp2 export`` dispatches here for LoRA runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_fsdp2.config.plans import LoraSettings
+from hf_fsdp2.export.errors import ExportResult
+from hf_fsdp2.export.offline import prepare_offline_export
+from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, apply_lora
+from hf_fsdp2.lora.save import export_lora
+
+
+def lora_settings(cfg: dict[str, Any]) -> LoraSettings:
+    """The LoRA settings of a run, from its resolved config."""
+    return LoraSettings(
+        r=int(cfg.get("lora_r", 16)),
+        alpha=int(cfg.get("lora_alpha", 32)),
+        dropout=float(cfg.get("lora_dropout", 0.05)),
+        target_modules=cfg.get("lora_target_modules") or "all-linear",
+        modules_to_save=cfg.get("lora_modules_to_save") or None,
+        use_rslora=bool(cfg.get("use_rslora", False)),
+    )
+
+
+def export_lora_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    verify_atol: float | None = None,
+) -> ExportResult:
+    """The adapter of a LoRA run's checkpoint in ``out_dir``, and the merged model in ``out_dir/merged`` when
+    the run had ``merge_adapter``; both verified as at the end of training (one process, fp32).
+
+    Raises:
+        ExportError: as :func:`hf_fsdp2.export.offline.prepare_offline_export`, or a failed write.
+        ExportVerificationError: a written folder does not reproduce the checkpoint's model.
+    """
+    job = prepare_offline_export(
+        checkpoint,
+        out_dir,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        wrap=lambda model, cfg: apply_lora(model, lora_settings(cfg)),
+    )
+    done = export_lora(
+        job.model,
+        job.out,
+        base_model=job.cfg["model_name_or_path"],
+        tokenizer=job.tokenizer,
+        merge=bool(job.cfg.get("merge_adapter")),
+        layer_cls_names=(),
+        mp_policy=None,
+        dtype=job.dtype,
+        max_shard_bytes=job.max_shard_bytes,
+        compute_dtype=torch.float32,
+        verify=verify,
+        verify_atol=verify_atol,
+        model_card=job.card,
+        is_main_process=True,
+    )
+    files = [ADAPTER_WEIGHTS_NAME] + (["merged/"] if done.merged_dir else [])
+    return ExportResult(
+        out_dir=job.out, files=files, total_bytes=0, dtype="float32", seconds=0.0,
+        verify=done.merged_report or done.adapter_report,
+    )  # fmt: skip
