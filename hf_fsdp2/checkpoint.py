@@ -39,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hf_fsdp2 import collectives
+
 logger = logging.getLogger("hf_fsdp2")
 
 PREFIX = "checkpoint-"
@@ -97,20 +99,6 @@ class TrainerState:
     @classmethod
     def from_json(cls, text: str) -> TrainerState:
         return cls(**json.loads(text))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _collective_device() -> torch.device:
-    """Where a small tensor for a collective must live: NCCL takes CUDA tensors only."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def rng_state() -> dict[str, Any]:
@@ -270,7 +258,7 @@ def _fault_point(phase: str, step: int) -> None:
     spec = os.environ.get("HF_FSDP2_FAULT", "")
     if spec.startswith(phase + ":"):
         _, fault_step, fault_rank = spec.split(":")
-        if int(fault_step) == step and int(fault_rank) == _rank():
+        if int(fault_step) == step and int(fault_rank) == collectives.rank():
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -308,7 +296,7 @@ class Checkpointer:
                 if p.name.startswith(TMP_PREFIX):
                     logger.warning("removing %s: an interrupted checkpoint save", p)
                     shutil.rmtree(p, ignore_errors=True)
-        _barrier()
+        collectives.barrier()
 
     def save(
         self,
@@ -335,7 +323,7 @@ class Checkpointer:
                 (tmp / "rng").mkdir(parents=True)
 
         def write() -> None:
-            torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+            torch.save(rng_state(), tmp / "rng" / f"rank{collectives.rank()}.pt")
             tensors = {
                 "model": get_model_state_dict(model),
                 "optim": get_optimizer_state_dict(model, optimizer),
@@ -362,23 +350,16 @@ class Checkpointer:
 
     def _agree(self, phase: Callable[[], None], step: int, tmp: Path) -> None:
         """Run ``phase`` on every rank; if it fails anywhere, clean up and raise on every rank."""
-        failure: BaseException | None = None
         try:
-            phase()
-        except (Exception, CheckpointException) as err:  # OSError, or DCP's CheckpointException (a BaseException)
-            failure = err
-        ok = torch.tensor(0 if failure else 1, device=_collective_device())
-        if dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank
-        if int(ok) == 0:
+            collectives.run_on_all(f"saving checkpoint-{step}", phase, CheckpointError)
+        except CheckpointError as err:
             self._pending = None
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
-                f"saving checkpoint-{step} in {self.output_dir} failed ({failure or 'on another rank'}); "
-                "the previous checkpoint and 'latest' are kept. Free disk space or fix permissions, then "
+                f"{err}; the previous checkpoint and 'latest' are kept. Free disk space or fix permissions, then "
                 "resume with --resume_from_checkpoint latest"
-            ) from failure
+            ) from None
 
     def wait(self) -> None:
         """Finish a pending async save and publish it (every rank)."""
@@ -396,7 +377,7 @@ class Checkpointer:
         self._publish(tmp, final, step)
 
     def _publish(self, tmp: Path, final: Path, step: int) -> None:
-        _barrier()  # every rank has written its shard files
+        collectives.barrier()  # every rank has written its shard files
 
         def check() -> None:  # rank 0: never publish a checkpoint without all its files
             if self.is_main:
@@ -412,7 +393,7 @@ class Checkpointer:
             _write_text_atomic(self.output_dir / LATEST, f"{step}\n")
             self._prune()
             logger.info("saved %s", final)
-        _barrier()
+        collectives.barrier()
         _fault_point("kill_after_save", step)
 
     def _prune(self) -> None:
@@ -444,8 +425,8 @@ class Checkpointer:
             ) from err
         set_model_state_dict(model, model_sd)
         set_optimizer_state_dict(model, optimizer, optim_sd)
-        rng_file = path / "rng" / f"rank{_rank()}.pt"
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        rng_file = path / "rng" / f"rank{collectives.rank()}.pt"
+        world = collectives.world()
         if state.world_size == world and rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
         self.protected = path
@@ -477,7 +458,4 @@ class StopRequest:
 
     def should_stop(self) -> bool:
         """True on every rank when any rank got SIGTERM (collective: every rank calls it each step)."""
-        flag = torch.tensor(1 if self.requested else 0, device=_collective_device())
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return not collectives.all_ranks_true(not self.requested)

@@ -69,6 +69,16 @@ def all_reduce_max(values: Sequence[float]) -> list[float]:
     return [float(v) for v in tensor.cpu()]
 
 
+def gather_rows(values: Sequence[float], device: torch.device | None = None) -> torch.Tensor:
+    """Every rank's ``values`` as the rows of a ``[world, len(values)]`` float64 tensor on the host."""
+    local = torch.tensor(list(values), dtype=torch.float64, device=device or _device())
+    if not (initialized() and world() > 1):
+        return local[None].cpu()
+    rows = [torch.empty_like(local) for _ in range(world())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu()
+
+
 def broadcast_object(value: T, src: int = 0) -> T:
     """Rank ``src``'s ``value`` on every rank (a picklable object)."""
     if not (initialized() and world() > 1):

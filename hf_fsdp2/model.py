@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -15,9 +16,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hf_fsdp2.dtypes import dtype_named
+
 logger = logging.getLogger("hf_fsdp2")
 
-_LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+_LOAD_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _looks_local(name: str) -> bool:
@@ -127,7 +130,7 @@ def load_model(
     """
     config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     name_or_path = _check_source(name_or_path, "model_name_or_path")
-    torch_dtype = _LOAD_DTYPES[dtype]
+    torch_dtype: Any = "auto" if dtype == "auto" else dtype_named(dtype, "torch_dtype", _LOAD_DTYPES)
     attn = None if attn_implementation == "auto" else attn_implementation
     if empty_weights:
         with init_empty_weights(include_buffers=False):

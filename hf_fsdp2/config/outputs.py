@@ -13,6 +13,7 @@ from hf_fsdp2.config.plans import (
     parse_report_to,
     parse_size_or_none,
     parse_step_range,
+    repo_id_problem,
 )
 
 
@@ -71,13 +72,8 @@ class ExportArgs:
                 not on or bool(self.hub_model_id),
                 f"{key} needs hub_model_id, the repo to push to (e.g. --hub_model_id my-org/my-model)",
             )
-        if self.hub_model_id:
-            from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-            try:
-                validate_repo_id(self.hub_model_id)
-            except HFValidationError as err:
-                raise ConfigError(f"hub_model_id={self.hub_model_id!r} is not a valid repo id: {err}") from err
+        problem = repo_id_problem(self.hub_model_id) if self.hub_model_id else None
+        check(problem is None, problem or "")
         if self.push_checkpoints_to_branch:
             check(
                 save_steps > 0,

@@ -232,3 +232,14 @@ def parse_size(size: str) -> int:
     if value <= 0:
         raise ConfigError(f"max_shard_size={size!r} must be a positive size such as '5GB' or '500MB'")
     return value
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why ``repo_id`` is not a valid hub repo id (``namespace/name``), or None when it is."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        return f"hub_model_id={repo_id!r} is not a valid repo id: {err}"
+    return None

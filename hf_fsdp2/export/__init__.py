@@ -4,7 +4,7 @@
 """
 
 from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError, VerifyReport
-from hf_fsdp2.export.naming import checkpoint_layout, clean_name, tied_targets
+from hf_fsdp2.export.naming import checkpoint_layout, tied_targets
 from hf_fsdp2.export.offline import export_checkpoint, last_metrics, load_checkpoint_model
 from hf_fsdp2.export.verify import probe_limit, verify_export
 from hf_fsdp2.export.writer import EXPORT_DTYPES, STAGE_NAME, check_export_dir, export_model, make_plan
@@ -18,7 +18,6 @@ __all__ = [
     "VerifyReport",
     "check_export_dir",
     "checkpoint_layout",
-    "clean_name",
     "export_checkpoint",
     "export_model",
     "last_metrics",

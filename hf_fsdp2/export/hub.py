@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from hf_fsdp2.config.plans import repo_id_problem
+
 logger = logging.getLogger("hf_fsdp2")
 
 # What a run folder holds that is not the model: sharded checkpoints, staging folders, pointers.
@@ -107,14 +109,12 @@ def check_can_push(repo_id: str | None, token: str | None = None) -> str:
         HubError: no repo id, an invalid one, offline mode, or no token.
     """
     from huggingface_hub import constants
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not repo_id:
         raise HubError("pushing needs a repo id: set hub_model_id (e.g. 'my-org/llama3-8b-sft')")
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise HubError(f"hub_model_id={repo_id!r} is not a valid repo id: {err}") from err
+    problem = repo_id_problem(repo_id)
+    if problem:
+        raise HubError(problem)
     if constants.is_offline_mode():
         raise HubError(
             "HF_HUB_OFFLINE=1 is set, so nothing can be pushed; unset it, or set push_to_hub=false"
@@ -378,13 +378,7 @@ def _looks_like_hub_id(name: str | None) -> bool:
         return False
     if Path(name).expanduser().exists():
         return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return name.count("/") == 1
+    return repo_id_problem(name) is None and name.count("/") == 1
 
 
 def render_model_card(

@@ -20,16 +20,7 @@ import torch
 
 from hf_fsdp2.export.errors import ExportError
 
-# Module-name fragments of wrappers that state_dict() hides (activation checkpointing, compile, FSDP1).
-_WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _EXPERT_INDEX = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the wrapper fragments that ``state_dict()`` hides."""
-    for fragment in _WRAPPER_FRAGMENTS:
-        name = name.replace(fragment, "")
-    return name
 
 
 def tied_targets(model: torch.nn.Module) -> set[str]:
@@ -41,7 +32,7 @@ def tied_targets(model: torch.nn.Module) -> set[str]:
     declared: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(clean_name(name))
+        groups.setdefault(id(param), []).append(name)
     drop: set[str] = set()
     for names in groups.values():
         if len(names) < 2:

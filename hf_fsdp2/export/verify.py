@@ -42,7 +42,7 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.dtypes import dtype_name
 from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
-from hf_fsdp2.export.naming import clean_name, tied_targets
+from hf_fsdp2.export.naming import tied_targets
 from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config, make_plan
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
@@ -302,7 +302,7 @@ def rounded_weights(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> I
             module.reshard()
     units = _units(model)
     unit_ids = {id(u) for u in units}
-    prefixes = {id(u): clean_name(n) for n, u in model.named_modules() if id(u) in unit_ids}
+    prefixes = {id(u): n for n, u in model.named_modules() if id(u) in unit_ids}
     # fully_shard([norm, lm_head]) makes one group of several modules, gathered when the first one runs.
     group_of = {id(u): _group_key(u) for u in units}
     members: dict[int, list[torch.nn.Module]] = {}
@@ -312,10 +312,10 @@ def rounded_weights(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> I
     for unit in sorted(units, key=lambda u: -len(prefixes[id(u)])):  # innermost first
         prefix = prefixes[id(unit)]
         for name, _ in unit.named_parameters():
-            owner.setdefault(clean_name(f"{prefix}.{name}" if prefix else name), unit)
+            owner.setdefault(f"{prefix}.{name}" if prefix else name, unit)
     todo: dict[int, list[tuple[torch.nn.Module, str, torch.dtype]]] = {}
     for name, p in model.named_parameters():
-        name = clean_name(name)
+        name = name
         want = dtypes.get(name)
         if want is not None and p.is_floating_point() and want != p.dtype and name in owner:
             unit = owner[name]

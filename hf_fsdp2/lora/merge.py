@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hf_fsdp2.export.naming import clean_name
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
 
 
@@ -28,7 +27,7 @@ def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            out[_base_name(clean_name(name))] = module
+            out[_base_name(name)] = module
     return out
 
 
@@ -82,7 +81,7 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
     for raw, param in params.items():
-        name = clean_name(raw)
+        name = raw
         if ".lora_" in name or ".original_module." in name:
             continue
         if ".modules_to_save." in name:
@@ -159,7 +158,7 @@ def build_merged_twin(
             dst.copy_(src.to(dst.dtype))
         # Buffers (rotary inv_freq) are not in the state dict; recompute them as from_pretrained does.
         for name, buf in base.named_buffers():
-            twin_buf = twin.get_buffer(clean_name(name)) if clean_name(name) in dict(twin.named_buffers()) else None
+            twin_buf = twin.get_buffer(name) if name in dict(twin.named_buffers()) else None
             if twin_buf is not None:
                 twin_buf.copy_(buf.to(twin_buf.device, twin_buf.dtype))
     twin.tie_weights()

@@ -19,7 +19,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
-from hf_fsdp2.export.naming import clean_name
 from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, MERGED_DIR_NAME, reshard
 from hf_fsdp2.lora.merge import build_merged_twin
 
@@ -47,7 +46,7 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
         if not _is_adapter_name(name):
             continue
         full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank
-        out[clean_name(name)] = full.detach().float().cpu().clone()
+        out[name] = full.detach().float().cpu().clone()
     return out
 
 

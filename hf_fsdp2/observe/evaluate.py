@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.parallel.accelerator import all_reduce_sum
+from hf_fsdp2.collectives import all_reduce_sum
 from hf_fsdp2.train.loss import IGNORE_INDEX, LossPlan, causal_lm_loss_sum, count_target_tokens
 
 logger = logging.getLogger("hf_fsdp2")

@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.observe.flops import FlopsModel, sequence_lengths
 
 GIB = 2**30
@@ -149,7 +149,7 @@ class StepMeter:
         local[_LOSS] = float(loss_sum.detach().float().item())
         local[_ALLOC], local[_RESERVED] = device_memory_bytes(self.device)
         local[_RSS], local[_PEAK_RSS] = host_rss_bytes()
-        table = gather_rows(local, self.device)  # [world, fields]
+        table = collectives.gather_rows(local, self.device)  # [world, fields]
         sums, maxes = table.sum(dim=0).tolist(), table.max(dim=0).values.tolist()
         steps = max(self._interval_steps, 1)
         seconds = max(maxes[_STEP_TIME], 1e-9)
@@ -199,13 +199,3 @@ class StepMeter:
             "tflops_per_device": per_device_flops / 1e12,
             "mfu": per_device_flops / self.peak_flops if self.peak_flops else None,
         }
-
-
-def gather_rows(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    """Every rank's ``values`` as rows of a ``[world, len(values)]`` float64 tensor (all ranks call it)."""
-    local = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local[None].cpu()
-    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, local)  # every rank: a few floats each
-    return torch.stack(rows).cpu()

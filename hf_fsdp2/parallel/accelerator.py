@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DistributedType,
@@ -25,13 +24,13 @@ from accelerate.utils import (
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
 
 logger = logging.getLogger("hf_fsdp2")
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
-_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def has_accelerator_device() -> bool:
@@ -55,17 +54,16 @@ def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrec
     Raises:
         ValueError: for an unknown mixed_precision or reduce_dtype.
     """
-    if mixed_precision not in _DTYPES:
-        raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {sorted(_DTYPES)}")
-    if reduce_dtype not in _REDUCE_DTYPES:
-        raise ValueError(f"fsdp_reduce_dtype={reduce_dtype!r} is not one of {sorted(_REDUCE_DTYPES)}")
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {sorted(MIXED_PRECISION)}")
+    reduce = dtype_named(reduce_dtype, "fsdp_reduce_dtype", _REDUCE_DTYPES)
     if mixed_precision == "no":
         # Everything stays in the parameters' own dtype (fp32 master weights): the policy is a no-op
         # except for an explicit reduce dtype.
-        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPES[reduce_dtype])
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce)
     return MixedPrecisionPolicy(
-        param_dtype=_DTYPES[mixed_precision],
-        reduce_dtype=_REDUCE_DTYPES[reduce_dtype],
+        param_dtype=MIXED_PRECISION[mixed_precision],
+        reduce_dtype=reduce,
         output_dtype=None,
         cast_forward_inputs=True,
     )
@@ -268,11 +266,6 @@ def prepare_fsdp2(
     return model, optimizer
 
 
-def _canonical(name: str) -> str:
-    """A parameter name without the wrappers AC and compile insert."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def _repoint_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]
 ) -> None:
@@ -286,14 +279,14 @@ def _repoint_optimizer(
     Raises:
         RuntimeError: a name of the optimizer groups is not a parameter of the sharded model.
     """
-    sharded = {_canonical(name): p for name, p in model.named_parameters()}
+    sharded = dict(model.named_parameters())
     for group, wanted in zip(optimizer.param_groups, group_names, strict=True):
-        missing = [n for n in wanted if _canonical(n) not in sharded]
+        missing = [n for n in wanted if n not in sharded]
         if missing:
             raise RuntimeError(
                 f"parameters {missing[:5]} are not in the sharded model; cannot build the optimizer"
             )
-        group["params"] = [sharded[_canonical(n)] for n in wanted]
+        group["params"] = [sharded[n] for n in wanted]
 
 
 def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -338,10 +331,3 @@ def setup_logging(is_main_process: bool) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
-
-
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks (every rank takes part); a no-op without a process group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value

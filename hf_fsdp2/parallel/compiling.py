@@ -56,15 +56,13 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
     _configure_dynamo()
     names = []
     for name, _ in layers:
-        # The position in the model: an activation-checkpointing wrapper, if any, is what gets compiled.
-        position = name.replace("._checkpoint_wrapped_module", "")
-        module = model.get_submodule(position)
+        module = model.get_submodule(name)
         # The forward only: FSDP2's hooks (installed later, run by nn.Module.__call__) stay outside the
         # graph, and the checkpoint (hf_fsdp2.parallel.activations wraps the forward) inside it, traced as one
         # region, selective policy included. With FSDP2's hooks inside a checkpointed region (a
         # checkpoint_wrapper module around an FSDP unit) dynamo compiles nothing at all (measured).
         module.forward = torch.compile(module.forward, **plan.kwargs())
-        names.append(position)
+        names.append(name)
     return names
 
 
