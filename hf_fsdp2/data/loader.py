@@ -173,27 +173,16 @@ class ShardedSampler(Sampler[int]):
             self.position += 1
             yield index
 
-    def state_dict(self) -> dict[str, int]:
-        """Return ``{"epoch", "position"}``; ``position`` = indices this rank has yielded this epoch."""
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume from a `state_dict` (O(1): the yielded indices are skipped, not replayed).
-
-        Args:
-            state: ``{"epoch": int, "position": int}``.
+    def start_at(self, epoch: int, position: int) -> None:
+        """Start ``epoch`` at this rank's index ``position`` (O(1): earlier indices are skipped, not replayed).
 
         Raises:
-            ValueError: Missing keys, or a position outside ``[0, len(self)]`` (e.g. the dataset or the
-                number of ranks changed since the state was saved).
+            ValueError: a position outside ``[0, len(self)]`` (e.g. the dataset or the number of ranks changed
+                since the position was saved).
         """
-        missing = [key for key in ("epoch", "position") if key not in state]
-        if missing:
-            raise ValueError(f"Sampler state lacks {missing}; got keys {sorted(state)}.")
-        epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= len(self):
             raise ValueError(
-                f"Sampler state epoch={epoch} position={position} does not fit this sampler "
+                f"data position epoch={epoch} position={position} does not fit this sampler "
                 f"({len(self)} indices per rank: {self.num_examples} examples over {self.world_size} ranks). "
                 "Resume with the same dataset, max_length, packing and number of processes as the saved run."
             )
@@ -242,3 +231,29 @@ def build_dataloader(
         num_workers=num_workers,
         drop_last=True,
     )
+
+
+class DataStream:
+    """Micro-batches across epochs, and the one record of where the run is in its data.
+
+    The position counts micro-batches *consumed* (handed to the training loop), not indices the sampler has
+    yielded: a DataLoader with workers prefetches ahead. Each epoch reshuffles with ``seed + epoch``.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ShardedSampler, batch_size: int) -> None:
+        self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
+        self.epoch = 0
+        self.batches_in_epoch = 0
+
+    def start_at(self, epoch: int, batches_in_epoch: int) -> None:
+        """Continue from a saved position (before iterating)."""
+        self.sampler.start_at(epoch, batches_in_epoch * self.batch_size)
+        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            self.sampler.set_epoch(self.epoch)  # the same epoch keeps a resumed position
+            for batch in self.loader:
+                self.batches_in_epoch += 1
+                yield batch
+            self.epoch, self.batches_in_epoch = self.epoch + 1, 0

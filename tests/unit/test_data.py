@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
+from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import load_raw_dataset
 from hf_fsdp2.data.records import IGNORE_INDEX, RecordError, detect_format
 from hf_fsdp2.data.tokenize import tokenize_dataset
@@ -689,21 +689,14 @@ def test_sampler_set_epoch_and_no_shuffle() -> None:
     assert list(unshuffled) == [1, 4]
 
 
-def test_sampler_resumes_mid_epoch_exactly() -> None:
+def test_sampler_starts_mid_epoch_exactly() -> None:
     sampler = ShardedSampler(50, rank=1, world_size=3, seed=7)
     sampler.set_epoch(2)
     full_epoch = sampler.global_order(2)[1::3]
-    iterator = iter(sampler)
-    consumed = [next(iterator) for _ in range(6)]
-    state = sampler.state_dict()
-    assert state == {"epoch": 2, "position": 6}
-
     resumed = ShardedSampler(50, rank=1, world_size=3, seed=7)
-    resumed.load_state_dict(state)
+    resumed.start_at(2, 6)
     resumed.set_epoch(2)  # a recipe re-entering the same epoch keeps the position
-    rest = list(resumed)
-    assert consumed + rest == full_epoch
-    assert resumed.state_dict() == {"epoch": 2, "position": len(full_epoch)}
+    assert list(resumed) == full_epoch[6:]
     assert list(resumed) == []  # exhausted until the next epoch
     resumed.set_epoch(3)
     assert list(resumed) == sampler.global_order(3)[1::3]
@@ -716,9 +709,7 @@ def test_sampler_rejects_bad_arguments() -> None:
         ShardedSampler(3, rank=0, world_size=4, seed=0)
     sampler = ShardedSampler(10, rank=0, world_size=2, seed=0)
     with pytest.raises(ValueError, match="position=6 does not fit"):
-        sampler.load_state_dict({"epoch": 0, "position": 6})
-    with pytest.raises(ValueError, match=r"lacks \['position'\]"):
-        sampler.load_state_dict({"epoch": 0})
+        sampler.start_at(0, 6)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -741,15 +732,19 @@ def test_dataloader_batches_and_resume(llama2_tokenizer: PreTrainedTokenizerBase
         assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
         assert batch["input_ids"].shape[0] == 3
 
+    # The stream counts consumed micro-batches; a new one started there gives the rest of the epoch, then the
+    # next epoch.
     sampler = ShardedSampler(len(tokenized), rank=0, world_size=2, seed=0)
-    iterator = iter(loader(sampler))
-    first = next(iterator)
-    state = sampler.state_dict()  # num_workers=0: the sampler has yielded exactly the consumed batch
-    assert state["position"] == 3
+    stream = iter(DataStream(loader(sampler), sampler, batch_size=3))
+    first = next(stream)
     resumed_sampler = ShardedSampler(len(tokenized), rank=0, world_size=2, seed=0)
-    resumed_sampler.load_state_dict(state)
-    resumed = list(loader(resumed_sampler))
-    assert [b["input_ids"].tolist() for b in [first, *resumed]] == [b["input_ids"].tolist() for b in batches]
+    resumed_stream = DataStream(loader(resumed_sampler), resumed_sampler, batch_size=3)
+    resumed_stream.start_at(0, 1)
+    rest = [b for _, b in zip(range(2), resumed_stream, strict=False)]
+    assert [b["input_ids"].tolist() for b in [first, *rest]] == [b["input_ids"].tolist() for b in batches]
+    assert (resumed_stream.epoch, resumed_stream.batches_in_epoch) == (0, 3)
+    next(iter(resumed_stream))
+    assert (resumed_stream.epoch, resumed_stream.batches_in_epoch) == (1, 1)
 
     with pytest.raises(ValueError, match="fewer than batch_size=11"):
         build_dataloader(tokenized, batch_size=11, collator=collator, sampler=sampler)
@@ -761,7 +756,7 @@ def test_dataloader_order_does_not_depend_on_workers(llama2_tokenizer: PreTraine
 
     def batches(num_workers: int, position: int = 0) -> list[list[list[int]]]:
         sampler = ShardedSampler(len(tokenized), rank=1, world_size=2, seed=9)
-        sampler.load_state_dict({"epoch": 1, "position": position})
+        sampler.start_at(1, position)
         loader = build_dataloader(
             tokenized,
             batch_size=3,

@@ -1,0 +1,160 @@
+"""The end of a run: the verified export (full model, or LoRA adapter and merge), the summary, the push.
+
+A failure of the export (a rejected verification, a full disk, a bug) never loses the run: the final state is
+first saved as a sharded checkpoint (every rank: export failures are raised on every rank), and the error
+says how to export it offline. The hub push runs on rank 0 alone once the other ranks are released (an
+upload can outlast any collective timeout); a failed push leaves the local export as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from hf_fsdp2.checkpoint import CheckpointError
+from hf_fsdp2.config import ConfigError, parse_size
+from hf_fsdp2.export.errors import ExportError
+from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, render_model_card
+from hf_fsdp2.export.offline import last_metrics
+from hf_fsdp2.export.writer import export_model
+from hf_fsdp2.lora.adapter import LoraError
+from hf_fsdp2.lora.save import export_lora
+from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
+from hf_fsdp2.parallel.kernels import KernelError
+from hf_fsdp2.trainer.model import TrainModel
+from hf_fsdp2.trainer.observer import Observer
+from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.trainer.state import RunState
+
+logger = logging.getLogger("hf_fsdp2")
+
+# What a recipe reports as bad input (exit status 2, one line); anything else is a bug (a traceback).
+USER_ERRORS = (ConfigError, CheckpointError, ExportError, HubError, KernelError, LoraError, FileNotFoundError, ValueError)
+
+
+def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int) -> None:
+    """The consolidated export in the run folder, written by every rank (none gathers the model), verified
+    against the live model, then published; a model card from the run. Every rank calls it.
+
+    Raises:
+        ExportError: the export failed; the final state was saved first and the message says where.
+    """
+    cfg, e = session.cfg, session.cfg.export
+    module = model.module
+    unwrapped = session.accelerator.unwrap_model(module)
+    card = None
+    if session.is_main:
+        card = render_model_card(
+            cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
+            repo_id=e.hub_model_id if e.push_to_hub else None,
+        )  # fmt: skip
+    try:
+        if cfg.peft.use_peft:  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
+            export_lora(
+                module,
+                session.output_dir,
+                base_model=cfg.model.model_name_or_path or "",
+                tokenizer=tokenizer,
+                merge=cfg.peft.merge_adapter,
+                layer_cls_names=model.layer_cls,
+                mp_policy=session.accelerator.state.fsdp_plugin.mixed_precision_policy,
+                dtype=e.export_dtype,
+                max_shard_bytes=parse_size(e.max_shard_size),
+                compute_dtype=session.compute_dtype or torch.float32,
+                verify=e.export_verify,
+                verify_atol=e.export_verify_atol,
+                model_card=card,
+                is_main_process=session.is_main,
+            )
+        else:
+            export_model(
+                module,
+                session.output_dir,
+                config=unwrapped.config,
+                tokenizer=tokenizer,
+                generation_config=getattr(unwrapped, "generation_config", None),
+                dtype=e.export_dtype,
+                max_shard_bytes=parse_size(e.max_shard_size),
+                model_card=card,
+                verify=e.export_verify,
+                verify_atol=e.export_verify_atol,
+                compute_dtype=session.compute_dtype,
+            )
+    except Exception as err:  # whatever it was; a bug's traceback is kept, after the weights are safe
+        saved = state.ensure_saved(last_step)
+        rescue = (
+            f"The trained weights are safe in {saved} (a sharded checkpoint). Export them offline with: "
+            f"hf-fsdp2 export {saved} OUT_DIR"
+        )
+        if isinstance(err, (ExportError, LoraError, OSError)):
+            raise ExportError(f"{err}\n{rescue}") from err
+        logger.error("the export failed: %s", rescue)
+        raise
+
+
+def finish(
+    session: Session, model: TrainModel, tokenizer: Any, state: RunState, observer: Observer, *, first_step: int,
+    last_step: int, recipe: str,
+) -> None:  # fmt: skip
+    """Wait for checkpoints, export, write the summary, release the ranks, push (every rank calls it)."""
+    e = session.cfg.export
+    state.wait()
+    observer.close()
+    export_run(session, model, tokenizer, state, last_step)
+    summary = run_summary(
+        observer.meter,
+        first_step=first_step,
+        last_step=last_step,
+        wall_seconds=time.perf_counter() - session.started,
+        last_record=observer.record,
+        last_eval=observer.eval_fields,
+        export_dir=session.output_dir,
+        compile_stats=observer.compile_totals if session.compile_plan.enabled else None,
+    )
+    for line in format_summary(summary):
+        logger.info(line)
+    if session.is_main:
+        write_summary(summary, session.output_dir)
+    session.accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if session.is_main and e.push_to_hub and e.hub_model_id:
+        push_folder(
+            session.output_dir,
+            e.hub_model_id,
+            token=session.hub_token,
+            private=e.hub_private_repo,
+            revision=e.hub_revision,
+            commit_message=e.hub_commit_message or f"hf_fsdp2 {recipe}: {last_step} steps",
+            ignore_patterns=RUN_FOLDER_IGNORE,
+        )
+    if state.pusher is not None:
+        state.pusher.wait()  # raises HubError naming each checkpoint whose upload failed
+
+
+def run_recipe(main: Any) -> None:
+    """Run a recipe's ``main()`` as a script: bad input is one clear line (rank 0) and exit status 2.
+
+    Every rank raised the same error (the library agrees failures across ranks); rank 0 says it once.
+    ``HF_FSDP2_DEBUG=1`` shows the traceback. After a successful run the process leaves without interpreter
+    finalization: on gloo, C++ worker threads can still hold tensors of finished collectives whose
+    destruction during finalization aborts the process (SIGABRT, "terminate called without an active
+    exception") after a successful run; pytorch/pytorch#179291 describes it.
+    """
+    try:
+        main()
+    except USER_ERRORS as err:
+        if os.environ.get("HF_FSDP2_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hf_fsdp2 error: {err}", file=sys.stderr)
+        sys.exit(2)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,154 @@
+"""The model of a run: tokenizer, weights, LoRA, FSDP2 sharding per decoder layer, the optimizer and schedule,
+and the loss plan, all from the config sections. Every refusal here happens before the first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
+from hf_fsdp2.export.naming import checkpoint_layout
+from hf_fsdp2.lora.adapter import apply_lora, format_memory_report, memory_report
+from hf_fsdp2.lora.merge import check_mergeable
+from hf_fsdp2.model import (
+    check_vocab,
+    count_parameters,
+    decoder_layer_classes,
+    load_model,
+    load_tokenizer,
+    resize_embeddings,
+)
+from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
+from hf_fsdp2.parallel.accelerator import prepare_fsdp2, sharded_units
+from hf_fsdp2.parallel.kernels import apply_liger_kernels
+from hf_fsdp2.train.loss import LossPlan, plan_loss
+from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+def load_run_tokenizer(session: Session) -> Any:
+    """The run's tokenizer, refused before any work when it has more tokens than the model's embedding
+    (unless ``resize_token_embeddings``)."""
+    m = session.cfg.model
+    tokenizer = load_tokenizer(
+        m.tokenizer_name_or_path or m.model_name_or_path or "",
+        revision=m.model_revision,
+        trust_remote_code=m.trust_remote_code,
+    )
+    check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
+    return tokenizer
+
+
+@dataclass
+class TrainModel:
+    """The sharded model and what the loop needs to know about it."""
+
+    module: torch.nn.Module
+    layer_cls: tuple[str, ...]
+    loss_plan: LossPlan
+    flops: FlopsModel
+    peak_flops: float | None
+
+
+def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.optim.Optimizer]:
+    """Load, wrap (LoRA), shard (FSDP2, activation checkpointing, compile) and plan the loss of the run's model.
+
+    Every rank takes part (sharding, the loss probe).
+
+    Returns:
+        The model and its optimizer (built on the unsharded parameters, re-pointed at the shards).
+
+    Raises:
+        ConfigError / ExportError / LoraError: a model the run cannot train or export, before any step.
+    """
+    cfg, accelerator = session.cfg, session.accelerator
+    m, d, t, f, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.observe
+    model = load_model(
+        m.model_name_or_path or "",
+        dtype=m.torch_dtype,
+        attn_implementation=m.attn_implementation,
+        revision=m.model_revision,
+        trust_remote_code=m.trust_remote_code,
+        # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
+        empty_weights=f.fsdp_cpu_ram_efficient_loading and session.rank != 0,
+    )
+    note = check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
+    if note:
+        logger.info(note)
+        resize_embeddings(model, len(tokenizer))
+    # The export's checkpoint layout (names, per-expert splits of fused MoE tensors), planned now: a format
+    # the export cannot write is refused before training, not after it.
+    layout = checkpoint_layout(model, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    if layout.splits:
+        logger.info("export: %d fused expert tensors will be written per expert, as transformers saves them",
+                    len(layout.splits))  # fmt: skip
+    attn = getattr(model.config, "_attn_implementation", None)
+    logger.info("attention implementation %s%s", attn, " (chosen by transformers)" if m.attn_implementation == "auto" else "")
+    if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
+            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
+            f"{attn!r}: set attn_implementation to one of them or turn packing off"
+        )
+    if cfg.peft.use_peft:  # LoRA: the base frozen as loaded, the adapter in fp32; wrapped before sharding
+        model = apply_lora(model, cfg.peft.lora_settings(), seed=t.seed)
+        if cfg.peft.merge_adapter:  # what the merged export cannot merge is refused now, not after training
+            check_mergeable(model)
+        logger.info(format_memory_report(memory_report(model), session.world))
+    layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
+    n_total, n_trainable = count_parameters(model)
+    logger.info("model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6)
+    # MFU: FLOPs from the unsharded model's config; the peak from the GPU's name unless peak_flops is given.
+    flops = flops_model(model.config, non_embedding_params(model))
+    on_cuda = session.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(session.device) if on_cuda else "cpu"
+    peak = o.peak_flops or (peak_flops_for(device_name) if on_cuda else None)
+    logger.info(
+        "FLOPs per token 6N + 12LHQT = %.3g at T=max_length=%d (N=%.1fM non-embedding, L=%d, H=%d, Q=%d; T is "
+        "each sequence's own length); MFU against %s",
+        flops.per_token(d.max_length), d.max_length, flops.non_embedding_params / 1e6, flops.layers, flops.heads,
+        flops.head_dim, f"{peak:.4g} FLOP/s per device ({device_name})" if peak
+        else f"nothing: no known peak for {device_name} (set peak_flops); achieved TFLOP/s are reported",
+    )  # fmt: skip
+    optimizer: torch.optim.Optimizer = build_adamw(
+        param_groups(model, t.weight_decay),
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        device_type=session.device.type,
+    )
+    if t.use_liger_kernel:
+        apply_liger_kernels(model)
+        logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
+    plan, compile_plan = session.sharding, session.compile_plan
+    model, optimizer = prepare_fsdp2(accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan)
+    for name, (units, params) in sharded_units(model).items():
+        logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
+    loss_plan = plan_loss(model, t.ce_chunk_tokens)
+    for line in loss_plan.notes:
+        logger.info("loss: %s", line)
+    logger.info(
+        "activation checkpointing %s%s; torch.compile %s",
+        plan.ac.mode,
+        f" (k={plan.ac.every_k})" if plan.ac.mode == "every_k" else "",
+        f"{compile_plan.scope} (compile time reported apart from step time, as compile_s)"
+        if compile_plan.enabled
+        else "off",
+    )
+    return TrainModel(model, layer_cls, loss_plan, flops, peak), optimizer
+
+
+def build_schedule(session: Session, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """The learning-rate schedule over ``total_steps`` (warmup, then cosine, linear or constant)."""
+    t = session.cfg.train
+    warmup = warmup_steps_for(total_steps, t.warmup_steps, t.warmup_ratio)
+    logger.info("warmup %d steps, schedule %s", warmup, t.lr_scheduler_type)
+    return build_scheduler(optimizer, t.lr_scheduler_type, warmup, total_steps)

@@ -1,0 +1,166 @@
+"""A training run's session: the accelerator, the run folder it owns, logging, and what is checked before
+any work. Every recipe starts one.
+
+``Session.start`` does, in order: the hub token and repo (before any work, no network), the run folder
+(refused when it holds another run), the model config against ``max_length``, the distributed debug
+variables and trackers (checked installed), the accelerator (FSDP2 through Accelerate, on GPU or
+CPU/gloo), the run-folder lock (rank 0, before anything is written; its refusal raised on every rank),
+the resolved config written into the folder, and the seed. Leaving the ``with`` block releases the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from hf_fsdp2.collectives import rank0_decides
+from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.export.hub import check_can_push
+from hf_fsdp2.model import check_max_length, load_model_config
+from hf_fsdp2.observe.profiling import apply_distributed_debug
+from hf_fsdp2.observe.trackers import build_trackers
+from hf_fsdp2.parallel.accelerator import (
+    build_accelerator,
+    describe_policy,
+    has_accelerator_device,
+    launcher_overrides,
+    setup_logging,
+)
+from hf_fsdp2.parallel.kernels import check_liger_available
+from hf_fsdp2.run_dir import RunLock, check_output_dir
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
+    """Rank 0: lock the run folder, then check it holds no other run; the lock is dropped on refusal."""
+    lock.acquire()
+    try:
+        check_output_dir(lock.path.parent, overwrite=overwrite, resume=resume)
+    except ConfigError:
+        lock.release()
+        raise
+
+
+@dataclass
+class Session:
+    """One run: its config, accelerator, run folder (owned), and plans. Create with :meth:`start`."""
+
+    cfg: Config
+    accelerator: Accelerator
+    output_dir: Path
+    sharding: ShardingPlan
+    compile_plan: CompilePlan
+    model_config: Any
+    hub_token: str | None
+    lock: RunLock
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, cfg: Config) -> Session:
+        """Check everything that can be checked before any work, build the accelerator, own the run folder.
+
+        Raises:
+            ConfigError / HubError / KernelError / FileNotFoundError: bad input, before any work.
+        """
+        started = time.perf_counter()
+        m, d, t, f, e, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export, cfg.observe
+        # Hub: repo id, offline mode and token are checked before any work (every rank, no network).
+        pushes = e.push_to_hub or e.push_checkpoints_to_branch
+        hub_token = check_can_push(e.hub_model_id, e.hub_token) if pushes else None
+        e.hub_token = None  # never written to disk: resolved config, checkpoints, model card
+        output_dir = Path(t.output_dir or "")
+        check_output_dir(output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None)
+        model_config = load_model_config(
+            m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
+        )
+        check_max_length(d.max_length, model_config)
+        # Debug variables before the process group exists; trackers (checked installed) before any work.
+        debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
+        trackers = build_trackers(
+            o.report_to, output_dir / "tensorboard", project=o.tracker_project, run_name=o.run_name or output_dir.name
+        )
+        on_gpu = has_accelerator_device()
+        if t.use_liger_kernel:  # package and GPU checked before any work
+            check_liger_available(on_gpu)
+        sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+        accelerator = build_accelerator(
+            sharding,
+            mixed_precision=t.mixed_precision,
+            compile_plan=compile_plan,
+            timeout_s=t.ddp_timeout,
+            log_with=trackers,
+        )
+        setup_logging(accelerator.is_main_process)
+        logger.info(
+            "collective timeout ddp_timeout=%ds; debug variables: %s",
+            t.ddp_timeout,
+            ", ".join(debug_env) or "none (distributed_debug=off)",
+        )
+        for note in launcher_overrides(sharding, t.mixed_precision):
+            logger.info("the recipe's value is used over accelerate launch's: %s", note)
+        if t.mixed_precision == "no" and m.torch_dtype != "float32":
+            logger.warning(
+                "mixed_precision=no with torch_dtype=%s trains in %s throughout (no fp32 master weights); "
+                "use mixed_precision=bf16 for bf16 compute with fp32 master weights",
+                m.torch_dtype,
+                m.torch_dtype,
+            )
+        # Rank 0 takes the run folder (an exclusive lock) before anything is written, then checks it again:
+        # another run may have used it since the first check. Its refusal is raised on every rank.
+        lock = RunLock(output_dir)
+        resume = t.resume_from_checkpoint is not None
+        rank0_decides(lambda: claim_output_dir(lock, overwrite=t.overwrite_output_dir, resume=resume))
+        session = cls(cfg, accelerator, output_dir, sharding, compile_plan, model_config, hub_token, lock, started)
+        try:
+            if accelerator.is_main_process:
+                save_config(cfg, output_dir / CONFIG_NAME)
+            if o.distributed_debug == "detail":
+                (output_dir / "debug").mkdir(parents=True, exist_ok=True)  # every rank (node): flight recorder
+            set_seed(t.seed)
+            logger.info("world size %d on %s; mixed precision %s", session.world, session.device, t.mixed_precision)
+            logger.info(
+                "FSDP2 mixed-precision policy: %s", describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
+            )
+        except BaseException:
+            lock.release()
+            raise
+        return session
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock.release()
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the model computes in under the run's mixed precision (None: its weights' dtype)."""
+        return torch.bfloat16 if self.cfg.train.mixed_precision == "bf16" else None

@@ -1,0 +1,83 @@
+"""The SFT recipe's data: sources -> tokenized examples (rank 0 first, cached) -> packed rows or padding-free
+batches when asked -> the sharded sampler and the stream of micro-batches, and the step count."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hf_fsdp2.collectives import rank0_first
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
+from hf_fsdp2.data.mixture import build_sft_datasets_from_config
+from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+@dataclass
+class TrainData:
+    """What the loop reads: the stream of micro-batches, the eval set, and how many steps the run takes."""
+
+    stream: DataStream
+    collator: Any
+    eval_set: Any
+    steps_per_epoch: int
+    total_steps: int
+    examples_per_step: int
+
+
+def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
+    """Tokenize the run's sources and build the stream of micro-batches (every rank; rank 0 tokenizes first).
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
+    """
+    cfg = session.cfg
+    d, t = cfg.data, cfg.train
+    # Rank 0 tokenizes and writes the datasets cache; the other ranks then load it instead of tokenizing.
+    # A failure (a missing file, a bad record) is raised on every rank as one error.
+    data = rank0_first(lambda: build_sft_datasets_from_config(d, tokenizer, seed=t.seed))
+    for line in data.summary_lines(d.max_length):
+        logger.info(line)
+    # Packed once, deterministically, before sampling: the sampler indexes rows, so resume stays O(1).
+    dataset = pack_examples(data.train, d.max_length) if d.packing else data.train
+    collator = (
+        PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=d.padding_free)
+        if d.packing or d.padding_free
+        else PaddingCollator(pad_token_id=tokenizer.pad_token_id)
+    )
+    logger.info(
+        layout_summary(
+            data.train,
+            dataset if d.packing else None,
+            batch_size=t.per_device_train_batch_size,
+            world_size=session.world,
+            seed=t.seed,
+            padding_free=d.padding_free,
+        )
+    )
+    per_step = session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if len(dataset) < per_step:
+        unit = "packed rows" if d.packing else "examples"
+        raise ConfigError(
+            f"one optimizer step needs world_size({session.world}) x per_device_train_batch_size"
+            f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
+            f"= {per_step} {unit} but the dataset has {len(dataset)}; lower the batch size or the accumulation"
+        )
+    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed)
+    loader = build_dataloader(
+        dataset,
+        batch_size=t.per_device_train_batch_size,
+        collator=collator,
+        sampler=sampler,
+        num_workers=d.dataloader_num_workers,
+    )
+    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
+    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    logger.info("training %d steps (%d per epoch), %d examples per step", total_steps, steps_per_epoch, per_step)
+    stream = DataStream(loader, sampler, t.per_device_train_batch_size)
+    return TrainData(stream, collator, data.eval, steps_per_epoch, total_steps, per_step)

@@ -1,0 +1,136 @@
+"""Checkpoints of a run: resume first, then a sharded checkpoint every ``save_steps`` and at the end, on
+SIGTERM, and (by :mod:`.finish`) whenever the final export fails; each one optionally pushed to a hub branch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import yaml
+
+from hf_fsdp2.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    Checkpointer,
+    StopRequest,
+    TrainerState,
+    check_config_compatible,
+    checkpoint_dir,
+    resolve_resume,
+)
+from hf_fsdp2.data.loader import DataStream
+from hf_fsdp2.export.hub import CheckpointPusher
+from hf_fsdp2.train.optim import restore_scheduler
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+class RunState:
+    """The run's checkpoints and the step it starts from; every rank holds one and calls it at every step.
+
+    Args:
+        session: the run.
+        model: the sharded model.
+        optimizer: its optimizer.
+        scheduler: its learning-rate schedule.
+        stream: the data stream (its position is saved and restored).
+    """
+
+    def __init__(
+        self, session: Session, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+        stream: DataStream,
+    ) -> None:  # fmt: skip
+        cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
+        self.session, self.model, self.optimizer, self.scheduler, self.stream = session, model, optimizer, scheduler, stream
+        self.checkpointer = Checkpointer(
+            session.output_dir, keep_last=t.save_total_limit, async_save=t.save_async, is_main_process=session.is_main
+        )
+        self.checkpointer.clean_stale()
+        self.pusher = None  # rank 0 uploads each published checkpoint to a hub branch, in the background
+        if e.push_checkpoints_to_branch and e.hub_model_id and session.hub_token and session.is_main:
+            self.pusher = CheckpointPusher(
+                session.output_dir, e.hub_model_id, e.push_checkpoints_to_branch, token=session.hub_token,
+                private=e.hub_private_repo,
+            )  # fmt: skip
+        self.config_yaml = yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False)
+        self.first_step = 1
+        self.last_saved = 0
+        if t.resume_from_checkpoint:
+            self._resume(t.resume_from_checkpoint)
+        self.stop = StopRequest().install()
+
+    def _resume(self, value: str) -> None:
+        session, t = self.session, self.session.cfg.train
+        path = resolve_resume(session.output_dir, value)
+        saved_cfg = yaml.safe_load((path / CONFIG_FILE).read_text())
+        for note in check_config_compatible(saved_cfg, session.cfg.to_flat_dict()):
+            logger.info("resuming with a changed setting: %s", note)
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        restore_scheduler(self.scheduler, state.scheduler, t.learning_rate)
+        self.first_step, self.last_saved = state.step + 1, state.step
+        # The data position in examples of the epoch; with another world size or batch size the same
+        # number of examples is skipped, in the new layout (see docs: resume on a different world size).
+        examples = state.batches_in_epoch * state.per_device_train_batch_size * state.world_size
+        per_batch = t.per_device_train_batch_size * session.world
+        self.stream.start_at(state.epoch, examples // per_batch)
+        if state.world_size != session.world or examples % per_batch:
+            logger.warning(
+                "resuming on %d ranks from a checkpoint of %d: weights and optimizer state are the same, the "
+                "order of the remaining examples of this epoch is not",
+                session.world,
+                state.world_size,
+            )
+        logger.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            path, state.step, self.stream.epoch, self.stream.batches_in_epoch,
+        )  # fmt: skip
+
+    def save(self, step: int) -> None:
+        """Write ``checkpoint-<step>`` (every rank; collective)."""
+        t = self.session.cfg.train
+        state = TrainerState(
+            step=step,
+            epoch=self.stream.epoch,
+            batches_in_epoch=self.stream.batches_in_epoch,
+            world_size=self.session.world,
+            scheduler=self.scheduler.state_dict(),
+            per_device_train_batch_size=t.per_device_train_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+        )
+        self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml)
+        self.last_saved = step
+        if self.pusher is not None:
+            self.pusher.push_new()
+
+    def after_step(self, step: int, total_steps: int) -> bool:
+        """Save on the cadence (every ``save_steps`` and at the last step); True when the run must stop now
+        (SIGTERM on any rank: the state is saved first). Every rank calls it at every step."""
+        t = self.session.cfg.train
+        if t.save_steps and (step % t.save_steps == 0 or step == total_steps):
+            self.save(step)
+        if self.stop.should_stop():  # every rank: SIGTERM on any rank stops all at this step boundary
+            if self.last_saved != step:
+                self.save(step)
+            self.checkpointer.wait()
+            logger.warning(
+                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest", step
+            )
+            return True
+        return False
+
+    def ensure_saved(self, step: int) -> str:
+        """The final state as a checkpoint, written unless it exists (every rank); returns its folder."""
+        final = checkpoint_dir(self.session.output_dir, step)
+        if not (final / STATE_FILE).is_file():
+            self.save(step)
+            self.checkpointer.wait()
+        return str(final)
+
+    def wait(self) -> None:
+        """Finish pending saves and uploads of checkpoints (every rank)."""
+        self.checkpointer.wait()
+        if self.pusher is not None:
+            self.pusher.push_new()
