@@ -99,8 +99,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
     from hf_fsdp2.observe.flops import flops_model, non_embedding_params
     from hf_fsdp2.parallel.accelerator import prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch
-    from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
+    from hf_fsdp2.train.loss import plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
+    from hf_fsdp2.train.step import StepSettings, train_step
 
     scope, ac, loss_path = item.split(":")
     device = acc.device
@@ -111,20 +112,13 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
     compile_plan = CompilePlan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
     model, opt = prepare_fsdp2(acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan)
-    chunk = 1024 if loss_path == "chunked" else 0
+    settings = StepSettings(plan_loss(model, 1024 if loss_path == "chunked" else 0), max_grad_norm=1.0)
     watch = CompileWatch(enabled=scope != "eager").start()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step(i: int) -> None:
-        batch = {k: v.to(device) for k, v in packed_batch(args, model.config.vocab_size, i).items()}
-        targets = int((batch["labels"][:, 1:] != -100).sum())
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        loss = causal_lm_loss_sum(model, inputs, batch["labels"], LossPlan(chunk)) / targets
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(i: int) -> None:  # the library's own step: the one every recipe runs
+        train_step(model, opt, None, [packed_batch(args, model.config.vocab_size, i)], settings, device)
 
     start = time.perf_counter()
     for i in range(args.warmup):

@@ -8,7 +8,8 @@ run), the same tokenized examples (the recipe's own pipeline: chat template, ass
 the same order, batches of the same examples, fp32, AdamW with the same settings, constant learning
 rate, gradient clipping at 1.0, one process (hf_fsdp2 runs FSDP2 at world size 1). Runners:
 
-* ``hf_fsdp2``           the recipe (``recipes/sft.py``), padded batches, chunked cross entropy (default);
+* ``hf_fsdp2``           the SFT recipe's pieces and loop (``hf_fsdp2.trainer``, the library's ``train_step``),
+                         padded batches, chunked cross entropy (default);
 * ``hf_fsdp2_plain_ce``  the same with ``ce_chunk_tokens: 0`` (the full [tokens x vocab] logits);
 * ``hf_fsdp2_pf``        the recipe with ``padding_free: true`` (each batch flattened into one row);
 * ``trainer``            ``transformers.Trainer`` with ``DataCollatorForSeq2Seq`` (padded batches);
@@ -20,7 +21,8 @@ over rounds, and ratios to ``trainer``. Per run:
 * ``target_tok_s``: target (trained) tokens of steps ``warmup+1..steps`` over the wall time between the
   end of step ``warmup`` and the end of the last step (the same clock for every runner: the time each
   step's end is reported);
-* ``peak_rss_gib``: the process's peak resident memory when the last step ends (``ru_maxrss``);
+* ``peak_rss_gib``: the process's peak resident memory over the training steps (Linux ``VmHWM``, reset
+  when training starts, so model building and tokenizing are left out; ``ru_maxrss`` elsewhere);
 * ``padding_eff``: target tokens / positions processed over all steps;
 * ``final_loss``: the loss of the last step (mean over its target tokens).
 """
@@ -28,6 +30,7 @@ over rounds, and ratios to ``trainer``. Per run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -42,7 +45,21 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("hf_fsdp2", "hf_fsdp2_plain_ce", "hf_fsdp2_pf", "trainer", "trl")
 
 
+def reset_peak_rss() -> None:
+    """Start the peak-memory count now (Linux: VmHWM is reset by writing 5 to /proc/self/clear_refs), so
+    that the peak is the training steps', not the set-up's (model building, tokenizing)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_rss_gib() -> float:
+    """The process's peak resident memory since :func:`reset_peak_rss` (VmHWM), else since its start."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
@@ -122,23 +139,17 @@ def recipe_order(n: int, seed: int) -> list[int]:
 
 
 def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """The SFT recipe's own pieces and loop (hf_fsdp2.trainer, hf_fsdp2.train.step.train_step), timed at each
+    step's end; the metrics file and log line are written as in a recipe run."""
     import yaml
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sft  # the recipe itself
+    from hf_fsdp2.config import parse_config
+    from hf_fsdp2.train.step import StepSettings, train_step
+    from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
+    from hf_fsdp2.trainer.observer import Observer
+    from hf_fsdp2.trainer.session import Session
+    from hf_fsdp2.trainer.sft_data import build_sft_data
 
-    from hf_fsdp2 import metrics
-
-    ends: list[float] = []
-    write = metrics.MetricsWriter.write
-
-    def timed_write(self: Any, record: dict[str, Any]) -> None:
-        ends.append(time.perf_counter())  # logging_steps 1: once per step, right after the step
-        peaks.append(peak_rss_gib())
-        write(self, record)
-
-    peaks: list[float] = []
-    metrics.MetricsWriter.write = timed_write  # type: ignore[method-assign]
     config = {
         **settings,
         "output_dir": str(out_dir),
@@ -146,22 +157,42 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         "mixed_precision": "no",
         "logging_steps": 1,
         "save_steps": 0,
-        "export_dtype": "float32",
         "export_verify": False,
         **extra,
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     path = out_dir.parent / f"{out_dir.name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    sft.main(["--config", str(path)])
-    rows = metrics.read_metrics(out_dir / "metrics.jsonl")
-    return {
-        "step_ends": ends,
-        "targets": [r["target_tokens"] for r in rows],
-        "processed": [r["target_tokens"] / r["padding_efficiency"] for r in rows],
-        "losses": [r["loss"] for r in rows],
-        "peak_rss_gib": peaks[-1],
-    }
+    cfg = parse_config(["--config", str(path)])
+    ends: list[float] = []
+    losses: list[float] = []
+    targets: list[int] = []
+    processed: list[int] = []
+    with Session.start(cfg) as session:
+        tokenizer = load_run_tokenizer(session)
+        data = build_sft_data(session, tokenizer)
+        model, optimizer = build_model(session, tokenizer)
+        scheduler = build_schedule(session, optimizer, data.total_steps)
+        observer = Observer(session, model, tokenizer, eval_set=None, collator=data.collator, first_step=1,
+                            total_steps=data.total_steps)  # fmt: skip
+        step_settings = StepSettings(model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
+        batches = observer.timed(data.stream)
+        model.module.train()
+        reset_peak_rss()
+        for step in range(1, data.total_steps + 1):
+            observer.start_step(step)
+            micro_batches = [next(batches) for _ in range(cfg.train.gradient_accumulation_steps)]
+            out = train_step(model.module, optimizer, scheduler, micro_batches, step_settings, session.device)
+            record = observer.end_step(step, micro_batches, out, model.module, epoch=data.stream.epoch)
+            ends.append(time.perf_counter())
+            assert record is not None  # logging_steps 1
+            losses.append(record["loss"])
+            targets.append(out.target_tokens)
+            processed.append(out.processed_tokens)
+        peak = peak_rss_gib()
+        observer.close()
+        session.accelerator.end_training()
+    return {"step_ends": ends, "targets": targets, "processed": processed, "losses": losses, "peak_rss_gib": peak}
 
 
 def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> dict[str, Any]:
@@ -177,6 +208,9 @@ def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> di
     peaks: list[float] = []
 
     class StepEnds(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            reset_peak_rss()
+
         def on_step_end(self, *a: Any, **k: Any) -> None:
             ends.append(time.perf_counter())
             peaks.append(peak_rss_gib())
