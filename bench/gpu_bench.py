@@ -111,7 +111,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
     opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
     compile_plan = CompilePlan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
-    model, opt = prepare_fsdp2(acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan)
+    model, opt = prepare_fsdp2(
+        acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan
+    )
     settings = StepSettings(plan_loss(model, 1024 if loss_path == "chunked" else 0), max_grad_norm=1.0)
     watch = CompileWatch(enabled=scope != "eager").start()
     if device.type == "cuda":
@@ -134,7 +136,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = args.steps * args.seq
-    achieved = flops.per_token(args.seq) * tokens / seconds  # 6N + 12LHQT at T = seq (upper bound: packed docs are shorter)
+    achieved = (
+        flops.per_token(args.seq) * tokens / seconds
+    )  # 6N + 12LHQT at T = seq (upper bound: packed docs are shorter)
     result = {
         "config": item,
         "tokens_per_s": tokens / seconds,
@@ -142,7 +146,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str, peak_mm: float) ->
         "tflops": achieved / 1e12,
         "mfu_vs_989": achieved / H200_BF16_DENSE if device.type == "cuda" else None,
         "mfu_vs_measured_matmul": achieved / peak_mm if peak_mm == peak_mm else None,
-        "max_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "max_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
         "compile_s": compiled.get("compile_s", 0.0),
         # recompiles during the timed steps (their time is in step_s): should be 0
         "recompiles_timed": watch.take().get("recompiles", 0.0) - compiled.get("recompiles", 0.0),
@@ -169,7 +175,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU visible")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.smoke:
@@ -179,11 +187,16 @@ def main() -> None:
     from hf_fsdp2.parallel.accelerator import build_accelerator
 
     acc = build_accelerator(
-        ShardingPlan(), mixed_precision="no" if args.cpu else "bf16", compile_plan=CompilePlan(), force_cpu=args.cpu
+        ShardingPlan(),
+        mixed_precision="no" if args.cpu else "bf16",
+        compile_plan=CompilePlan(),
+        force_cpu=args.cpu,
     )
     device = acc.device
     if device.type != "cuda" and not args.cpu:
-        sys.exit("no GPU visible: add --cpu (e.g. --cpu --shape small --seq 1024), or --smoke to check the script")
+        sys.exit(
+            "no GPU visible: add --cpu (e.g. --cpu --shape small --seq 1024), or --smoke to check the script"
+        )
     peak_mm = matmul_peak(device, 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}; measured bf16 matmul {peak_mm / 1e12:.0f} TFLOP/s; seq {args.seq}; "

@@ -56,7 +56,9 @@ def loss_fn(model: Any, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 
     labels = ids.clone()
-    return causal_lm_loss_sum(model, {"input_ids": ids}, labels, LossPlan(chunk_tokens)) / labels[:, 1:].numel()
+    return (
+        causal_lm_loss_sum(model, {"input_ids": ids}, labels, LossPlan(chunk_tokens)) / labels[:, 1:].numel()
+    )
 
 
 def activations(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,7 +123,9 @@ def sharding_worker(args: argparse.Namespace) -> None:
     held = {
         "params": sum(local(p) for p in model.parameters()),
         "grads": sum(local(p.grad) for p in model.parameters() if p.grad is not None),
-        "optimizer": sum(local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        "optimizer": sum(
+            local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ),
     }
     table = torch.tensor([held["params"], held["grads"], held["optimizer"]], dtype=torch.float64)
     gathered = [torch.zeros_like(table) for _ in range(acc.num_processes)]
@@ -197,7 +201,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
-    print(f"model: Llama shape hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; fp32", flush=True)
+    print(
+        f"model: Llama shape hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; fp32", flush=True
+    )
     if args.part in ("all", "activations"):
         report["activations"] = act = activations(args)
         print(f"\nactivation memory, batch {args.batch} x seq {args.seq} ({act['tokens']} tokens), "
@@ -206,7 +212,10 @@ def main() -> None:
         for mode, row in act["modes"].items():
             print(f"{mode:10s} {row['activation_mib']:10.1f} {row['vs_none']:7.2f} {row['step_s']:8.2f} "
                   f"{row['time_vs_none']:7.2f}")  # fmt: skip
-        print("loss path, no checkpointing: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in act["loss_paths_mib"].items()))
+        print(
+            "loss path, no checkpointing: "
+            + ", ".join(f"{k} {v:.1f} MiB" for k, v in act["loss_paths_mib"].items())
+        )
     if args.part in ("all", "sharding"):
         report["sharding"] = rows = sharding(args, work)
         print("\nper rank after one AdamW step (fp32 params, grads, exp_avg + exp_avg_sq), max over ranks")

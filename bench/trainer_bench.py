@@ -97,7 +97,12 @@ def prepare(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     n_params = sum(p.numel() for p in model.parameters())
-    return {"tokenizer": tokenizer_name, "examples": len(records), "params": n_params, "vocab": len(tokenizer)}
+    return {
+        "tokenizer": tokenizer_name,
+        "examples": len(records),
+        "params": n_params,
+        "vocab": len(tokenizer),
+    }
 
 
 def shared_settings(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -175,7 +180,9 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         scheduler = build_schedule(session, optimizer, data.total_steps)
         observer = Observer(session, model, tokenizer, eval_set=None, collator=data.collator, first_step=1,
                             total_steps=data.total_steps)  # fmt: skip
-        step_settings = StepSettings(model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
+        step_settings = StepSettings(
+            model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch
+        )
         batches = observer.timed(data.stream)
         model.module.train()
         reset_peak_rss()
@@ -192,7 +199,13 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         peak = peak_rss_gib()
         observer.close()
         session.accelerator.end_training()
-    return {"step_ends": ends, "targets": targets, "processed": processed, "losses": losses, "peak_rss_gib": peak}
+    return {
+        "step_ends": ends,
+        "targets": targets,
+        "processed": processed,
+        "losses": losses,
+        "peak_rss_gib": peak,
+    }
 
 
 def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> dict[str, Any]:
@@ -254,7 +267,9 @@ def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> di
         def _get_train_sampler(self, *a: Any, **k: Any) -> Any:
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    trainer = InOrder(model=model, args=trainer_args, train_dataset=examples, callbacks=[StepEnds()], **kwargs)
+    trainer = InOrder(
+        model=model, args=trainer_args, train_dataset=examples, callbacks=[StepEnds()], **kwargs
+    )
     # The positions each batch processes, from the trainer's own collator on the same batches.
     collate = trainer.data_collator
     size = settings["per_device_train_batch_size"]
@@ -266,7 +281,13 @@ def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> di
         processed.append(labels.numel())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"step_ends": ends, "targets": targets, "processed": processed, "losses": losses, "peak_rss_gib": peaks[-1]}
+    return {
+        "step_ends": ends,
+        "targets": targets,
+        "processed": processed,
+        "losses": losses,
+        "peak_rss_gib": peaks[-1],
+    }
 
 
 def child(runner: str, work: Path, out: Path, args: argparse.Namespace) -> None:
@@ -283,7 +304,9 @@ def child(runner: str, work: Path, out: Path, args: argparse.Namespace) -> None:
     w = args.warmup
     ends, targets = result["step_ends"], result["targets"]
     if len(ends) != args.steps or len(result["losses"]) != args.steps:
-        raise RuntimeError(f"{runner}: {len(ends)} step ends and {len(result['losses'])} losses for {args.steps} steps")
+        raise RuntimeError(
+            f"{runner}: {len(ends)} step ends and {len(result['losses'])} losses for {args.steps} steps"
+        )
     summary = {
         "runner": runner,
         "target_tok_s": sum(targets[w:]) / (ends[-1] - ends[w - 1]),
@@ -347,7 +370,9 @@ def main() -> None:
                 cwd=REPO, env=env, capture_output=True, text=True,
             )  # fmt: skip
             if proc.returncode != 0 or not out.exists():
-                sys.exit(f"{runner} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+                sys.exit(
+                    f"{runner} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+                )
             result = json.loads(out.read_text())
             results[runner].append(result)
             print(f"round {round_ + 1} {runner:18s} {result['target_tok_s']:8.1f} target tok/s  "

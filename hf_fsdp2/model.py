@@ -61,7 +61,9 @@ def load_tokenizer(
         ValueError: the tokenizer has neither a pad nor an EOS token.
     """
     name_or_path = _check_source(name_or_path, "tokenizer_name_or_path")
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code
+    )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -84,7 +86,9 @@ def load_model_config(
     name_or_path = _check_source(name_or_path, "model_name_or_path")
     path = Path(name_or_path)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model_name_or_path={name_or_path!r} has no config.json; is it an HF model folder?")
+        raise FileNotFoundError(
+            f"model_name_or_path={name_or_path!r} has no config.json; is it an HF model folder?"
+        )
     return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
 
 
@@ -232,7 +236,9 @@ def check_vocab(tokenizer_size: int, config: PretrainedConfig, *, resize: bool) 
             f"ids {rows}..{tokenizer_size - 1} would index past it. Use the model's own tokenizer, or set "
             "resize_token_embeddings=true to grow the embedding (the new rows start untrained)"
         )
-    return f"resizing the token embeddings from {rows} to {tokenizer_size} rows (resize_token_embeddings=true)"
+    return (
+        f"resizing the token embeddings from {rows} to {tokenizer_size} rows (resize_token_embeddings=true)"
+    )
 
 
 def resize_embeddings(model: torch.nn.Module, tokenizer_size: int) -> None:

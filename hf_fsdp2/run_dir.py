@@ -23,7 +23,15 @@ logger = logging.getLogger("hf_fsdp2")
 
 LOCK_NAME = ".hf_fsdp2.lock"
 # What a run writes before its first training step; a folder holding nothing else has no run to keep.
-START_FILES = {CONFIG_NAME, LOCK_NAME, "debug", "tensorboard", "profile", ".export-incomplete", ".adapter-incomplete"}
+START_FILES = {
+    CONFIG_NAME,
+    LOCK_NAME,
+    "debug",
+    "tensorboard",
+    "profile",
+    ".export-incomplete",
+    ".adapter-incomplete",
+}
 
 
 def previous_run(output_dir: Path) -> list[str]:
@@ -90,7 +98,11 @@ class RunLock:
             ConfigError: another live run holds it (named with its host, pid and start time).
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -98,7 +110,9 @@ class RunLock:
                 holder = self._holder()
                 if holder.get("host") == owner["host"] and not _alive(int(holder.get("pid", -1))):
                     logger.warning(
-                        "output_dir lock %s was left by pid %s, which is gone; taking it over", self.path, holder.get("pid")
+                        "output_dir lock %s was left by pid %s, which is gone; taking it over",
+                        self.path,
+                        holder.get("pid"),
                     )
                     self.path.unlink(missing_ok=True)
                     continue
@@ -112,7 +126,9 @@ class RunLock:
                 fh.write(json.dumps(owner))
             self.held = True
             return
-        raise ConfigError(f"could not take the output_dir lock {self.path}; delete it if no run is using the folder")
+        raise ConfigError(
+            f"could not take the output_dir lock {self.path}; delete it if no run is using the folder"
+        )
 
     def _holder(self) -> dict[str, str | int]:
         try:

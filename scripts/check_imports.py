@@ -29,7 +29,9 @@ def edges() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "hf_fsdp2"]
+                names = [node.module] + [
+                    f"{node.module}.{a.name}" for a in node.names if node.module == "hf_fsdp2"
+                ]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:

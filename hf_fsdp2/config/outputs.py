@@ -23,9 +23,13 @@ class ExportArgs:
 
     export_dtype: Literal["bfloat16", "float32", "float16", "training"] = field(
         default="bfloat16",
-        metadata={"help": "dtype of the exported safetensors; training = the dtype the weights were trained in."},
+        metadata={
+            "help": "dtype of the exported safetensors; training = the dtype the weights were trained in."
+        },
     )
-    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard, as in save_pretrained."})
+    max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors shard, as in save_pretrained."}
+    )
     export_verify: bool = field(
         default=True,
         metadata={
@@ -34,15 +38,21 @@ class ExportArgs:
         },
     )
     export_verify_atol: float | None = field(
-        default=None, metadata={"help": "Largest probe-logit difference accepted; default by dtype (docs/export.md)."}
+        default=None,
+        metadata={"help": "Largest probe-logit difference accepted; default by dtype (docs/export.md)."},
     )
     push_to_hub: bool = field(
-        default=False, metadata={"help": "Upload the export (with metrics and resolved config) to hub_model_id."}
+        default=False,
+        metadata={"help": "Upload the export (with metrics and resolved config) to hub_model_id."},
     )
-    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo id to push to (namespace/name)."})
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Hub repo id to push to (namespace/name)."}
+    )
     hub_private_repo: bool | None = field(
         default=None,
-        metadata={"help": "Create the repo private (true) or public (false); default the namespace's default."},
+        metadata={
+            "help": "Create the repo private (true) or public (false); default the namespace's default."
+        },
     )
     hub_revision: str | None = field(
         default=None, metadata={"help": "Branch to push the export to (created if missing); default main."}
@@ -52,11 +62,15 @@ class ExportArgs:
     )
     hub_token: str | None = field(
         default=None,
-        metadata={"help": "Hub token; default HF_TOKEN, then the `hf auth login` token. Never written to disk."},
+        metadata={
+            "help": "Hub token; default HF_TOKEN, then the `hf auth login` token. Never written to disk."
+        },
     )
     push_checkpoints_to_branch: str | None = field(
         default=None,
-        metadata={"help": "Also upload each checkpoint to last-checkpoint/ on this branch, in the background."},
+        metadata={
+            "help": "Also upload each checkpoint to last-checkpoint/ on this branch, in the background."
+        },
     )
 
     def validate(self, save_steps: int) -> None:
@@ -67,7 +81,10 @@ class ExportArgs:
             self.export_verify_atol is None or self.export_verify_atol > 0,
             f"export_verify_atol={self.export_verify_atol} must be > 0 (or unset for the default by dtype)",
         )
-        for key, on in (("push_to_hub", self.push_to_hub), ("push_checkpoints_to_branch", self.push_checkpoints_to_branch)):
+        for key, on in (
+            ("push_to_hub", self.push_to_hub),
+            ("push_checkpoints_to_branch", self.push_checkpoints_to_branch),
+        ):
             check(
                 not on or bool(self.hub_model_id),
                 f"{key} needs hub_model_id, the repo to push to (e.g. --hub_model_id my-org/my-model)",
@@ -86,7 +103,6 @@ class ExportArgs:
             )
 
 
-
 @dataclass
 class ObserveArgs:
     """What the run reports: trackers, evaluation, profiling, debug switches (docs/observability.md)."""
@@ -98,14 +114,19 @@ class ObserveArgs:
             "comma list of tensorboard, wandb, trackio."
         },
     )
-    run_name: str | None = field(default=None, metadata={"help": "Run name in trackers; default output_dir's name."})
+    run_name: str | None = field(
+        default=None, metadata={"help": "Run name in trackers; default output_dir's name."}
+    )
     tracker_project: str = field(default="hf_fsdp2", metadata={"help": "wandb / trackio project."})
     eval_steps: int = field(
         default=0,
-        metadata={"help": "Evaluate every N steps (and at the end) when an eval set is given; 0 = at the end only."},
+        metadata={
+            "help": "Evaluate every N steps (and at the end) when an eval set is given; 0 = at the end only."
+        },
     )
     per_device_eval_batch_size: int | None = field(
-        default=None, metadata={"help": "Eval examples per batch per rank; default per_device_train_batch_size."}
+        default=None,
+        metadata={"help": "Eval examples per batch per rank; default per_device_train_batch_size."},
     )
     eval_prompts: list[str] = field(
         default_factory=list,
@@ -118,15 +139,21 @@ class ObserveArgs:
     )
     profile_steps: str | None = field(
         default=None,
-        metadata={"help": "Trace steps 'a-b' with torch.profiler; one Chrome trace per rank in output_dir/profile."},
+        metadata={
+            "help": "Trace steps 'a-b' with torch.profiler; one Chrome trace per rank in output_dir/profile."
+        },
     )
     memory_snapshot_steps: str | None = field(
         default=None,
-        metadata={"help": "CUDA only: record allocations over steps 'a-b' and dump a memory snapshot per rank."},
+        metadata={
+            "help": "CUDA only: record allocations over steps 'a-b' and dump a memory snapshot per rank."
+        },
     )
     distributed_debug: Literal["off", "info", "detail"] = field(
         default="off",
-        metadata={"help": "Set TORCH_DISTRIBUTED_DEBUG / NCCL_DEBUG (info), plus the NCCL flight recorder (detail)."},
+        metadata={
+            "help": "Set TORCH_DISTRIBUTED_DEBUG / NCCL_DEBUG (info), plus the NCCL flight recorder (detail)."
+        },
     )
 
     def validate(self, *, has_eval: bool) -> None:
@@ -137,7 +164,9 @@ class ObserveArgs:
             parse_step_range(self.memory_snapshot_steps, "memory_snapshot_steps")
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        check(self.eval_steps >= 0, f"eval_steps={self.eval_steps} must be >= 0 (0 = evaluate at the end only)")
+        check(
+            self.eval_steps >= 0, f"eval_steps={self.eval_steps} must be >= 0 (0 = evaluate at the end only)"
+        )
         check(
             self.eval_steps == 0 or has_eval,
             f"eval_steps={self.eval_steps} but there is no eval set; give eval_dataset_name or eval_split_fraction "

@@ -102,7 +102,9 @@ def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
                 factory = fields[key].default_factory
                 if callable(factory) and factory() == []:
                     continue  # an empty list is this key's default
-                raise ConfigError(f"{key}: an empty list in {path}; give at least one value or remove the key")
+                raise ConfigError(
+                    f"{key}: an empty list in {path}; give at least one value or remove the key"
+                )
             argv.append(f"--{key}")
             argv.extend(str(v) for v in value)
         elif isinstance(value, bool):
@@ -178,12 +180,12 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     # argument, then the strings it could not place.
     sections, remaining = parsed[: len(SECTIONS)], parsed[-1]
     if remaining:
-        raise ConfigError(f"unexpected command-line arguments {remaining}; every value needs a --key before it")
+        raise ConfigError(
+            f"unexpected command-line arguments {remaining}; every value needs a --key before it"
+        )
     cfg = Config(*sections)
     cfg.validate()
     return cfg
-
-
 
 
 def save_config(cfg: Config, path: str | Path) -> Path:

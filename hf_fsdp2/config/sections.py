@@ -21,7 +21,9 @@ class ModelArgs:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hub model id or local folder of an HF causal LM (required)."}
     )
-    model_revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit)."})
+    model_revision: str | None = field(
+        default=None, metadata={"help": "Hub revision (branch, tag or commit)."}
+    )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer id or folder; defaults to model_name_or_path."}
     )
@@ -52,8 +54,10 @@ class ModelArgs:
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
-        check(self.model_name_or_path is not None, "model_name_or_path is required: a hub id or a local model folder")
-
+        check(
+            self.model_name_or_path is not None,
+            "model_name_or_path is required: a hub id or a local model folder",
+        )
 
 
 @dataclass
@@ -69,7 +73,9 @@ class DataArgs:
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset subset."})
     dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset to train on."})
-    dataset_revision: str | None = field(default=None, metadata={"help": "Hub dataset branch, tag or commit."})
+    dataset_revision: str | None = field(
+        default=None, metadata={"help": "Hub dataset branch, tag or commit."}
+    )
     dataset_mixture: list[str] = field(
         default_factory=list,
         metadata={
@@ -77,31 +83,41 @@ class DataArgs:
             "weight 0.5 takes a seeded half of a source's records, 2 every record twice."
         },
     )
-    dataset_format: Literal["auto", "messages", "conversations", "prompt_completion", "alpaca", "text"] = field(
-        default="auto", metadata={"help": "Record format; auto detects it from the columns of each source."}
+    dataset_format: Literal["auto", "messages", "conversations", "prompt_completion", "alpaca", "text"] = (
+        field(
+            default="auto",
+            metadata={"help": "Record format; auto detects it from the columns of each source."},
+        )
     )
     dataset_column_mapping: list[str] = field(
         default_factory=list,
         metadata={"help": "Rename columns before format detection: 'question=prompt,answer=completion'."},
     )
     dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Processes that tokenize (datasets.map num_proc); the result is cached."}
+        default=None,
+        metadata={"help": "Processes that tokenize (datasets.map num_proc); the result is cached."},
     )
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Eval source: hub id or local path, optionally 'id?subset=S&split=T'."}
+        default=None,
+        metadata={"help": "Eval source: hub id or local path, optionally 'id?subset=S&split=T'."},
     )
     eval_dataset_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name."})
     eval_split_fraction: float = field(
-        default=0.0, metadata={"help": "Hold out this fraction of every training source for eval (seeded); 0 = none."}
+        default=0.0,
+        metadata={"help": "Hold out this fraction of every training source for eval (seeded); 0 = none."},
     )
     max_length: int = field(default=1024, metadata={"help": "Tokens per example (and per packed row)."})
     long_examples: Literal["truncate", "drop", "error"] = field(
         default="truncate",
-        metadata={"help": "Examples longer than max_length: truncate, drop (counted), or error (a bad record)."},
+        metadata={
+            "help": "Examples longer than max_length: truncate, drop (counted), or error (a bad record)."
+        },
     )
     on_bad_record: Literal["error", "skip"] = field(
         default="error",
-        metadata={"help": "Malformed records: error (names source and index) or skip (counted in the summary)."},
+        metadata={
+            "help": "Malformed records: error (names source and index) or skip (counted in the summary)."
+        },
     )
     chat_loss: Literal["assistant", "last_assistant", "all"] | None = field(
         default=None,
@@ -126,7 +142,9 @@ class DataArgs:
     )
     padding_free: bool = field(
         default=False,
-        metadata={"help": "Flatten each micro-batch into one row without padding (position_ids mark examples)."},
+        metadata={
+            "help": "Flatten each micro-batch into one row without padding (position_ids mark examples)."
+        },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
 
@@ -160,7 +178,10 @@ class DataArgs:
             "dataset_name is required: a hub dataset id, a local file or folder (or give dataset_mixture)",
         )
         check(self.max_length > 0, f"max_length={self.max_length} must be > 0")
-        check(self.dataloader_num_workers >= 0, f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0")
+        check(
+            self.dataloader_num_workers >= 0,
+            f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0",
+        )
         try:
             self.sources()
             parse_column_mapping(self.dataset_column_mapping)
@@ -172,7 +193,10 @@ class DataArgs:
             f"eval_dataset_name={self.eval_dataset_name!r} and eval_split_fraction={self.eval_split_fraction}: give "
             "one eval source, a separate dataset or a fraction held out from train",
         )
-        check(0 <= self.eval_split_fraction < 1, f"eval_split_fraction={self.eval_split_fraction} must be in [0, 1)")
+        check(
+            0 <= self.eval_split_fraction < 1,
+            f"eval_split_fraction={self.eval_split_fraction} must be in [0, 1)",
+        )
         check(
             self.dataset_num_proc is None or self.dataset_num_proc >= 1,
             f"dataset_num_proc={self.dataset_num_proc} must be >= 1 (or unset: tokenize in the main process)",

@@ -28,15 +28,23 @@ class TrainArgs:
         default=None, metadata={"help": "Run folder: export, metrics.jsonl, resolved config (required)."}
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Allow an output_dir that holds a previous run (its files are replaced)."}
+        default=False,
+        metadata={"help": "Allow an output_dir that holds a previous run (its files are replaced)."},
     )
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 uses num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs when max_steps is -1."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Examples per micro-batch per rank."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Examples per micro-batch per rank."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches per optimizer step."}
+    )
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
     weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW weight decay of matrices (embeddings included); none on biases and norm weights."}
+        default=0.0,
+        metadata={
+            "help": "AdamW weight decay of matrices (embeddings included); none on biases and norm weights."
+        },
     )
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
@@ -48,19 +56,27 @@ class TrainArgs:
     warmup_steps: int = field(default=0, metadata={"help": "Warmup steps; overrides warmup_ratio when > 0."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
     seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
-    logging_steps: int = field(default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."})
+    logging_steps: int = field(
+        default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."}
+    )
     save_steps: int = field(
         default=0,
-        metadata={"help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end; 0 = none."},
+        metadata={
+            "help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end; 0 = none."
+        },
     )
     save_total_limit: int = field(
-        default=3, metadata={"help": "Keep the last K checkpoints (0 keeps all); the one resumed from is never deleted."}
+        default=3,
+        metadata={
+            "help": "Keep the last K checkpoints (0 keeps all); the one resumed from is never deleted."
+        },
     )
     save_async: bool = field(
         default=False, metadata={"help": "Write checkpoints in the background while training continues."}
     )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."}
+        default=None,
+        metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."},
     )
     mixed_precision: Literal["bf16", "fp16", "no"] = field(
         default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
@@ -77,12 +93,16 @@ class TrainArgs:
         metadata={"help": "Liger's fused RMSNorm/SwiGLU/RoPE kernels (GPU, pip install liger-kernel)."},
     )
     ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."}
+        default=1800,
+        metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."},
     )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
-        check(self.output_dir is not None, "output_dir is required: the folder for the export, metrics and config")
+        check(
+            self.output_dir is not None,
+            "output_dir is required: the folder for the export, metrics and config",
+        )
         check(
             self.per_device_train_batch_size >= 1,
             f"per_device_train_batch_size={self.per_device_train_batch_size} must be >= 1",
@@ -91,7 +111,10 @@ class TrainArgs:
             self.gradient_accumulation_steps >= 1,
             f"gradient_accumulation_steps={self.gradient_accumulation_steps} must be >= 1",
         )
-        check(self.max_steps == -1 or self.max_steps > 0, f"max_steps={self.max_steps} must be -1 (use epochs) or > 0")
+        check(
+            self.max_steps == -1 or self.max_steps > 0,
+            f"max_steps={self.max_steps} must be -1 (use epochs) or > 0",
+        )
         check(
             self.max_steps > 0 or (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)),
             f"num_train_epochs={self.num_train_epochs} must be > 0 when max_steps=-1",
@@ -101,21 +124,30 @@ class TrainArgs:
             f"learning_rate={self.learning_rate} must be > 0",
         )
         check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
-        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+        check(
+            0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+            "adam_beta1 and adam_beta2 must be in [0, 1)",
+        )
         check(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         check(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
-        check(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
-        check(self.ce_chunk_tokens >= 0, f"ce_chunk_tokens={self.ce_chunk_tokens} must be >= 0 (0 = plain logits)")
+        check(
+            self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)"
+        )
+        check(
+            self.ce_chunk_tokens >= 0,
+            f"ce_chunk_tokens={self.ce_chunk_tokens} must be >= 0 (0 = plain logits)",
+        )
         check(self.ddp_timeout > 0, f"ddp_timeout={self.ddp_timeout} must be > 0 seconds")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
-        check(self.save_total_limit >= 0, f"save_total_limit={self.save_total_limit} must be >= 0 (0 keeps all)")
+        check(
+            self.save_total_limit >= 0, f"save_total_limit={self.save_total_limit} must be >= 0 (0 keeps all)"
+        )
         if self.mixed_precision == "fp16":
             raise ConfigError(
                 "mixed_precision='fp16' needs a gradient scaler that FSDP2 training here does not use; "
                 "use 'bf16' (GPUs since Ampere) or 'no' (fp32)"
             )
-
 
 
 @dataclass
@@ -127,16 +159,19 @@ class FSDPArgs:
         metadata={"help": "Decoder-layer class names, one FSDP unit each; empty = model._no_split_modules."},
     )
     fsdp_reshard_after_forward: bool = field(
-        default=True, metadata={"help": "Free gathered layer weights after forward (ZeRO-3) or keep (ZeRO-2)."}
+        default=True,
+        metadata={"help": "Free gathered layer weights after forward (ZeRO-3) or keep (ZeRO-2)."},
     )
     fsdp_cpu_offload: bool = field(
         default=False, metadata={"help": "Keep sharded params, grads and optimizer state in host memory."}
     )
     fsdp_cpu_ram_efficient_loading: bool = field(
-        default=False, metadata={"help": "Only rank 0 reads the weights; the others start on meta and get shards."}
+        default=False,
+        metadata={"help": "Only rank 0 reads the weights; the others start on meta and get shards."},
     )
     fsdp_reduce_dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", metadata={"help": "dtype of the gradient reduce-scatter (fp32 unless you accept bf16)."}
+        default="float32",
+        metadata={"help": "dtype of the gradient reduce-scatter (fp32 unless you accept bf16)."},
     )
     fsdp_sync_each_microbatch: bool = field(
         default=True,
@@ -147,7 +182,9 @@ class FSDPArgs:
     )
     gradient_checkpointing: bool = field(
         default=False,
-        metadata={"help": "Activation checkpointing around each decoder layer (activation_checkpointing=full)."},
+        metadata={
+            "help": "Activation checkpointing around each decoder layer (activation_checkpointing=full)."
+        },
     )
     activation_checkpointing: str | None = field(
         default=None,
@@ -164,12 +201,16 @@ class FSDPArgs:
     )
     torch_compile_scope: Literal["regional", "model"] = field(
         default="regional",
-        metadata={"help": "regional: each decoder layer, one shared graph (default); model: the whole model."},
+        metadata={
+            "help": "regional: each decoder layer, one shared graph (default); model: the whole model."
+        },
     )
     torch_compile_mode: str | None = field(
         default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune..."}
     )
-    torch_compile_dynamic: bool | None = field(default=None, metadata={"help": "torch.compile dynamic shapes."})
+    torch_compile_dynamic: bool | None = field(
+        default=None, metadata={"help": "torch.compile dynamic shapes."}
+    )
     torch_compile_fullgraph: bool = field(default=False, metadata={"help": "torch.compile fullgraph."})
 
     def ac_mode(self) -> str:
@@ -220,7 +261,6 @@ class FSDPArgs:
         )
 
 
-
 @dataclass
 class PeftArgs:
     """LoRA through PEFT (docs/lora.md): the adapter goes to output_dir, the merged model to output_dir/merged."""
@@ -235,7 +275,9 @@ class PeftArgs:
     lora_modules_to_save: list[str] = field(
         default_factory=list, metadata={"help": "Modules trained in full beside the adapter (e.g. lm_head)."}
     )
-    use_rslora: bool = field(default=False, metadata={"help": "rsLoRA scaling alpha/sqrt(r) instead of alpha/r."})
+    use_rslora: bool = field(
+        default=False, metadata={"help": "rsLoRA scaling alpha/sqrt(r) instead of alpha/r."}
+    )
     merge_adapter: bool = field(
         default=False, metadata={"help": "Also export the merged full model to <output_dir>/merged."}
     )

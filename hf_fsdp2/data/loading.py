@@ -121,7 +121,9 @@ def scan_json_lines(files: Sequence[str]) -> list[str]:
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    bad.append(f"{path}:{number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})")
+                    bad.append(
+                        f"{path}:{number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                    )
                     continue
                 try:
                     record = json.loads(text)
@@ -252,7 +254,9 @@ def load_raw_dataset(
                     if bad_lines is not None:
                         bad_lines.extend(bad)
                 else:
-                    loaded = datasets.load_dataset(builder, data_files={split_name: files}, split=split, **kwargs)
+                    loaded = datasets.load_dataset(
+                        builder, data_files={split_name: files}, split=split, **kwargs
+                    )
             except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as err:
                 cause: BaseException | None = err
                 while cause is not None and not isinstance(cause, UnicodeDecodeError):

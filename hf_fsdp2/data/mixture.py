@@ -132,8 +132,10 @@ def build_sft_datasets(
 
     def tokenized(source: DataSource) -> tuple[datasets.Dataset, TokenizeStats]:
         bad_lines: list[str] = []
-        loaded = load(source) if load is not load_source else load_source(
-            source, on_bad_record=on_bad_record, bad_lines=bad_lines
+        loaded = (
+            load(source)
+            if load is not load_source
+            else load_source(source, on_bad_record=on_bad_record, bad_lines=bad_lines)
         )
         raw = apply_column_mapping(loaded, column_mapping or {}, source.describe())
         examples, stats = tokenize_dataset(
@@ -200,7 +202,6 @@ def build_sft_datasets(
             f"The eval set ({description}) has no example; raise eval_split_fraction or fix the source."
         )
     return SFTData(train, eval_set, all_stats, counts, description)
-
 
 
 _GREEN, _RESET = "\x1b[42;30m", "\x1b[0m"

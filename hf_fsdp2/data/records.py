@@ -241,8 +241,6 @@ def _check_role_order(
         )
 
 
-
-
 @dataclass
 class _Chat:
     """A conversation and the indices of the assistant turns to train on (None: every token)."""

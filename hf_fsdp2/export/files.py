@@ -97,8 +97,6 @@ def file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-
-
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's JSON header and the byte offset where its data starts."""
     with open(path, "rb") as fh:
@@ -232,7 +230,6 @@ def assemble_file(
             _write_tensor(k, shapes[k], _ST_CODES[dtypes[k]], chunks[k], dst)
 
 
-
 def write_part_file(path: Path, tensors: dict[str, tuple[torch.Tensor, list[int]]]) -> None:
     """Write this rank's chunks of some tensors as a part file the assembler reads like DCP's.
 
@@ -274,4 +271,3 @@ def read_slice(
 
     with safe_open(str(path), framework="pt") as f:
         return f.get_slice(key)[where] if shape else f.get_tensor(key)
-

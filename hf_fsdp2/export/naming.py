@@ -151,7 +151,9 @@ def checkpoint_layout(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]
         layout.splits[name] = ExpertSplit(name, targets)
     written = layout.shapes(shapes)
     if len(written) != len(layout.renames) + sum(len(s.targets) for s in layout.splits.values()):
-        raise ExportError("two tensors of the model map onto one checkpoint name; the export cannot write both")
+        raise ExportError(
+            "two tensors of the model map onto one checkpoint name; the export cannot write both"
+        )
     return layout
 
 

@@ -71,7 +71,9 @@ def run_on_all(phase: str, fn):  # type: ignore[no-untyped-def]
 def single_process_dcp() -> Iterator[None]:
     """DCP warns on every single-process save/load; one process is a supported case here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield
 
 
@@ -162,7 +164,9 @@ def make_plan(model: torch.nn.Module, dtype: str, max_shard_bytes: int) -> Expor
     dtypes = {}
     for key in shapes:
         trained = raw[module_of[key]]
-        dtypes[key] = torch_dtype if torch_dtype is not None and trained.is_floating_point() else trained.dtype
+        dtypes[key] = (
+            torch_dtype if torch_dtype is not None and trained.is_floating_point() else trained.dtype
+        )
     unsupported = sorted({str(d) for d in dtypes.values() if not is_supported(d)})
     if unsupported:
         raise ExportError(f"tensors of dtype {unsupported} cannot be written as safetensors here")
@@ -256,7 +260,9 @@ def _write_metadata(
         (stage / MODEL_CARD_NAME).write_text(model_card)
 
 
-def export_config(config: PretrainedConfig, weights_dtype: torch.dtype, architecture: str) -> PretrainedConfig:
+def export_config(
+    config: PretrainedConfig, weights_dtype: torch.dtype, architecture: str
+) -> PretrainedConfig:
     """The config.json an export writes: the live config with the weights' dtype, the KV cache on for
     inference, and the architecture that loads it."""
     out = config.__class__.from_dict(config.to_dict())

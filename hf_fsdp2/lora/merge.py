@@ -40,9 +40,13 @@ def _base_name(name: str) -> str:
 def _check_mergeable(layer: Any, adapter: str, name: str = "") -> None:
     where = f" ({name})" if name else ""
     if getattr(layer, "use_dora", {}).get(adapter, False):
-        raise LoraError(f"DoRA adapters are not merged here{where}; train without use_dora or set merge_adapter=false")
+        raise LoraError(
+            f"DoRA adapters are not merged here{where}; train without use_dora or set merge_adapter=false"
+        )
     if getattr(layer, "fan_in_fan_out", False):
-        raise LoraError(f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false")
+        raise LoraError(
+            f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false"
+        )
     if not isinstance(layer.get_base_layer(), torch.nn.Linear):
         raise LoraError(
             f"only LoRA on nn.Linear is merged here, not on {type(layer.get_base_layer()).__name__}{where} (fused "
@@ -217,7 +221,7 @@ def merge_adapter_offline(
     base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
-    from hf_fsdp2.export.verify import probe_ids
+    from hf_fsdp2.export.probe import probe_ids
 
     ids = probe_ids(int(base.config.vocab_size))
     with torch.no_grad():

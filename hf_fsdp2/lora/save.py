@@ -113,7 +113,8 @@ def verify_adapter(
         ExportVerificationError: a check failed (nothing has been published).
     """
     from hf_fsdp2 import collectives
-    from hf_fsdp2.export.verify import digest, live_logits, probe_ids, probe_limit, reload_in_subprocess
+    from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit
+    from hf_fsdp2.export.verify import digest, reload_in_subprocess
 
     ids = probe_ids(int(model.config.vocab_size))  # type: ignore[union-attr,arg-type]
     live = live_logits(model, ids)  # every rank
@@ -150,7 +151,8 @@ def verify_adapter(
     report.reloaded_tensors = report.tensors = int(found["compared"])
     if not report.ok:
         raise ExportVerificationError(
-            f"the adapter in {adapter_dir} does not reproduce the live LoRA model: " + "; ".join(report.problems)
+            f"the adapter in {adapter_dir} does not reproduce the live LoRA model: "
+            + "; ".join(report.problems)
         )
     return report
 
@@ -253,10 +255,14 @@ def export_lora(
     collectives.run_on_all("writing the adapter", write, ExportError)  # the files are on disk after it
     report = None
     if verify:
-        report = verify_adapter(model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol)
+        report = verify_adapter(
+            model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol
+        )
         logger.info("adapter %s", report.summary())
     collectives.run_on_all(
-        "publishing the adapter", lambda: _publish_adapter(stage, out) if is_main_process else None, ExportError
+        "publishing the adapter",
+        lambda: _publish_adapter(stage, out) if is_main_process else None,
+        ExportError,
     )
     result = LoraExport(adapter_dir=out, adapter_report=report)
     if not merge:

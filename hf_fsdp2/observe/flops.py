@@ -50,8 +50,6 @@ def peak_flops_for(device_name: str) -> float | None:
     return None
 
 
-
-
 @dataclass(frozen=True)
 class FlopsModel:
     """FLOPs of forward + backward: ``6 * N`` per token plus ``12 * L * H * Q`` per token and unit of length.

@@ -14,8 +14,6 @@ logger = logging.getLogger("hf_fsdp2")
 METRICS_FILE = "metrics.jsonl"
 
 
-
-
 class MetricsWriter:
     """Appends one JSON object per logged optimizer step to ``<output_dir>/metrics.jsonl``.
 
@@ -88,8 +86,6 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
     if "eta_s" in record:
         line += f" eta {format_duration(record['eta_s'])}"
     return line
-
-
 
 
 class Progress:

@@ -16,8 +16,6 @@ from hf_fsdp2.observe.flops import FlopsModel, sequence_lengths
 GIB = 2**30
 
 
-
-
 def host_rss_bytes() -> tuple[int, int]:
     """(current, peak) resident set size of this process in bytes."""
     import psutil  # a dependency of accelerate
@@ -33,7 +31,6 @@ def device_memory_bytes(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return 0, 0
     return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
-
 
 
 # Layout of the vector every rank contributes at a logged step (the one collective of logging).

@@ -13,8 +13,6 @@ from hf_fsdp2.observe.meter import StepMeter
 SUMMARY_FILE = "summary.json"
 
 
-
-
 def run_summary(
     meter: StepMeter,
     *,

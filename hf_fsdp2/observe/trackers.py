@@ -12,6 +12,7 @@ from hf_fsdp2.config.plans import TRACKERS, parse_report_to
 
 logger = logging.getLogger("hf_fsdp2")
 
+
 def build_trackers(report_to: str, log_dir: str | Path, *, project: str, run_name: str) -> list[Any]:
     """Accelerate trackers for ``report_to``, ready to pass as ``Accelerator(log_with=...)``.
 

@@ -252,9 +252,7 @@ def prepare_fsdp2(
     group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     wrapped = apply_activation_checkpointing(model, sharding.ac, layer_cls_names)
     if wrapped:
-        logger.info(
-            "activation checkpointing %s on %d decoder layers", sharding.ac.mode, len(wrapped)
-        )
+        logger.info("activation checkpointing %s on %d decoder layers", sharding.ac.mode, len(wrapped))
     if compile_plan.enabled and compile_plan.scope == "regional":
         compiled = compile_regions(model, layer_cls_names, compile_plan)
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))

@@ -99,7 +99,9 @@ def checkpointed_forward(
                     context_fn=_SELECTIVE_CONTEXT,
                     **kwargs,
                 )
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+            return checkpoint(
+                forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+            )
 
         if plan.mode == "offload":
             # What the checkpoint keeps (the layer's input) is saved through these hooks: to host memory.
@@ -111,7 +113,9 @@ def checkpointed_forward(
     return run
 
 
-def decoder_layers(model: torch.nn.Module, layer_cls_names: tuple[str, ...]) -> list[tuple[str, torch.nn.Module]]:
+def decoder_layers(
+    model: torch.nn.Module, layer_cls_names: tuple[str, ...]
+) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, module)`` of each decoder layer, in forward order (outermost match only)."""
     found: list[tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():

@@ -55,5 +55,10 @@ def apply_liger_kernels(model: torch.nn.Module) -> None:
             f"{sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)[:12]}...; set use_liger_kernel=false"
         )
     _apply_liger_kernel_to_instance(
-        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+        model=model,
+        rope=True,
+        rms_norm=True,
+        swiglu=True,
+        cross_entropy=False,
+        fused_linear_cross_entropy=False,
     )

@@ -131,7 +131,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         acc = accumulation_dtype(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        )
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, hidden.size(0), chunk):
             h = hidden[start : start + chunk]
@@ -197,7 +199,9 @@ def chunked_linear_cross_entropy_sum(
     Returns:
         A scalar tensor (fp32, fp64 for fp64 inputs) whose gradients match the plain computation's.
     """
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, transform or LogitTransform())
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, targets, chunk_tokens, transform or LogitTransform()
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,7 +365,9 @@ def causal_lm_loss(
     extra = {"output_router_logits": True} if plan.router_aux_coef else {}
     if plan.chunk_tokens <= 0:
         out = model(**inputs, **extra, use_cache=False)
-        return LossOutput(cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None)
+        return LossOutput(
+            cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None
+        )
     head = model.get_output_embeddings()  # type: ignore[operator]
     result: list[torch.Tensor] = []
     targets = labels[:, 1:].reshape(-1)

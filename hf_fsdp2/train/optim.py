@@ -55,7 +55,9 @@ def build_adamw(
         The optimizer.
     """
     fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(list(groups), lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        list(groups), lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True
+    )
 
 
 def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -89,7 +91,9 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
     return fn
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int, total_steps: int) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int, total_steps: int
+) -> LambdaLR:
     """A LambdaLR over :func:`lr_lambda`; call ``step()`` once per optimizer step."""
     return LambdaLR(optimizer, lr_lambda(kind, warmup_steps, total_steps))
 

@@ -89,7 +89,10 @@ def forward_backward(
         (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
     """
     local = torch.tensor(
-        [sum(count_target_tokens(b["labels"]) for b in micro_batches), sum(b["input_ids"].numel() for b in micro_batches)],
+        [
+            sum(count_target_tokens(b["labels"]) for b in micro_batches),
+            sum(b["input_ids"].numel() for b in micro_batches),
+        ],
         dtype=torch.long,
         device=device,
     )

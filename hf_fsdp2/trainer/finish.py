@@ -34,7 +34,16 @@ from hf_fsdp2.trainer.state import RunState
 logger = logging.getLogger("hf_fsdp2")
 
 # What a recipe reports as bad input (exit status 2, one line); anything else is a bug (a traceback).
-USER_ERRORS = (ConfigError, CheckpointError, ExportError, HubError, KernelError, LoraError, FileNotFoundError, ValueError)
+USER_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    ExportError,
+    HubError,
+    KernelError,
+    LoraError,
+    FileNotFoundError,
+    ValueError,
+)
 
 
 def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int) -> None:
@@ -54,7 +63,9 @@ def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunSt
             repo_id=e.hub_model_id if e.push_to_hub else None,
         )  # fmt: skip
     try:
-        if cfg.peft.use_peft:  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
+        if (
+            cfg.peft.use_peft
+        ):  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
             export_lora(
                 module,
                 session.output_dir,

@@ -90,7 +90,11 @@ def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.opt
         logger.info("export: %d fused expert tensors will be written per expert, as transformers saves them",
                     len(layout.splits))  # fmt: skip
     attn = getattr(model.config, "_attn_implementation", None)
-    logger.info("attention implementation %s%s", attn, " (chosen by transformers)" if m.attn_implementation == "auto" else "")
+    logger.info(
+        "attention implementation %s%s",
+        attn,
+        " (chosen by transformers)" if m.attn_implementation == "auto" else "",
+    )
     if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(
             f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
@@ -104,7 +108,9 @@ def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.opt
         logger.info(format_memory_report(memory_report(model), session.world))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
-    logger.info("model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6)
+    logger.info(
+        "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
+    )
     # MFU: FLOPs from the unsharded model's config; the peak from the GPU's name unless peak_flops is given.
     flops = flops_model(model.config, non_embedding_params(model))
     on_cuda = session.device.type == "cuda"
@@ -128,7 +134,9 @@ def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.opt
         apply_liger_kernels(model)
         logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
     plan, compile_plan = session.sharding, session.compile_plan
-    model, optimizer = prepare_fsdp2(accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan)
+    model, optimizer = prepare_fsdp2(
+        accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan
+    )
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
     # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).

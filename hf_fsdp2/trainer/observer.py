@@ -71,7 +71,9 @@ class Observer:
             last_step=total_steps,
         )  # fmt: skip
         self.metrics = MetricsWriter(
-            session.output_dir, enabled=session.is_main, resume_step=first_step - 1 if first_step > 1 else None
+            session.output_dir,
+            enabled=session.is_main,
+            resume_step=first_step - 1 if first_step > 1 else None,
         )
         self.progress = Progress(total_steps, first_step, enabled=session.is_main)
         self.compile_watch = CompileWatch(enabled=session.compile_plan.enabled).start()

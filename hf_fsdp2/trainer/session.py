@@ -79,7 +79,9 @@ class Session:
         hub_token = check_can_push(e.hub_model_id, e.hub_token) if pushes else None
         e.hub_token = None  # never written to disk: resolved config, checkpoints, model card
         output_dir = Path(t.output_dir or "")
-        check_output_dir(output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None)
+        check_output_dir(
+            output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None
+        )
         model_config = load_model_config(
             m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
         )
@@ -87,7 +89,10 @@ class Session:
         # Debug variables before the process group exists; trackers (checked installed) before any work.
         debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
         trackers = build_trackers(
-            o.report_to, output_dir / "tensorboard", project=o.tracker_project, run_name=o.run_name or output_dir.name
+            o.report_to,
+            output_dir / "tensorboard",
+            project=o.tracker_project,
+            run_name=o.run_name or output_dir.name,
         )
         on_gpu = has_accelerator_device()
         if t.use_liger_kernel:  # package and GPU checked before any work
@@ -120,16 +125,23 @@ class Session:
         lock = RunLock(output_dir)
         resume = t.resume_from_checkpoint is not None
         rank0_decides(lambda: claim_output_dir(lock, overwrite=t.overwrite_output_dir, resume=resume))
-        session = cls(cfg, accelerator, output_dir, sharding, compile_plan, model_config, hub_token, lock, started)
+        session = cls(
+            cfg, accelerator, output_dir, sharding, compile_plan, model_config, hub_token, lock, started
+        )
         try:
             if accelerator.is_main_process:
                 save_config(cfg, output_dir / CONFIG_NAME)
             if o.distributed_debug == "detail":
-                (output_dir / "debug").mkdir(parents=True, exist_ok=True)  # every rank (node): flight recorder
+                (output_dir / "debug").mkdir(
+                    parents=True, exist_ok=True
+                )  # every rank (node): flight recorder
             set_seed(t.seed)
-            logger.info("world size %d on %s; mixed precision %s", session.world, session.device, t.mixed_precision)
             logger.info(
-                "FSDP2 mixed-precision policy: %s", describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
+                "world size %d on %s; mixed precision %s", session.world, session.device, t.mixed_precision
+            )
+            logger.info(
+                "FSDP2 mixed-precision policy: %s",
+                describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy),
             )
         except BaseException:
             lock.release()

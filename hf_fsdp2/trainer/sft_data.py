@@ -78,6 +78,8 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
     )
     steps_per_epoch = len(loader) // t.gradient_accumulation_steps
     total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
-    logger.info("training %d steps (%d per epoch), %d examples per step", total_steps, steps_per_epoch, per_step)
+    logger.info(
+        "training %d steps (%d per epoch), %d examples per step", total_steps, steps_per_epoch, per_step
+    )
     stream = DataStream(loader, sampler, t.per_device_train_batch_size)
     return TrainData(stream, collator, data.eval, steps_per_epoch, total_steps, per_step)

@@ -44,9 +44,18 @@ class RunState:
         stream: DataStream,
     ) -> None:  # fmt: skip
         cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
-        self.session, self.model, self.optimizer, self.scheduler, self.stream = session, model, optimizer, scheduler, stream
+        self.session, self.model, self.optimizer, self.scheduler, self.stream = (
+            session,
+            model,
+            optimizer,
+            scheduler,
+            stream,
+        )
         self.checkpointer = Checkpointer(
-            session.output_dir, keep_last=t.save_total_limit, async_save=t.save_async, is_main_process=session.is_main
+            session.output_dir,
+            keep_last=t.save_total_limit,
+            async_save=t.save_async,
+            is_main_process=session.is_main,
         )
         self.checkpointer.clean_stale()
         self.pusher = None  # rank 0 uploads each published checkpoint to a hub branch, in the background
@@ -116,7 +125,8 @@ class RunState:
                 self.save(step)
             self.checkpointer.wait()
             logger.warning(
-                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest", step
+                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest",
+                step,
             )
             return True
         return False

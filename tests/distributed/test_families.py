@@ -62,7 +62,9 @@ def reference(model_dir: Path, *, lora: bool = False) -> tuple[list[float], torc
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+            )
             model = get_peft_model(model, config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -76,7 +78,9 @@ def reference(model_dir: Path, *, lora: bool = False) -> tuple[list[float], torc
         for b in micro:
             out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
             logits = out.logits[:, :-1].float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum")
+            ce = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum"
+            )
             loss = ce / tokens + (coef * out.aux_loss / len(micro) if coef else 0.0)
             loss.backward()
             ce_total += float(ce)
@@ -135,7 +139,9 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
         assert family == "qwen3_moe" and "Qwen3MoeExperts" in result["lora_merge_refused"]
         assert not (out / family / "lora" / "merged").exists()
         return
-    merged = AutoModelForCausalLM.from_pretrained(out / family / "lora" / "merged", dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(
+        out / family / "lora" / "merged", dtype=torch.float32
+    ).eval()
     assert float((_probe(merged) - expected).abs().max()) <= limit
 
 

@@ -63,7 +63,9 @@ def test_each_rank_holds_half_of_every_parameter_and_reduces_in_fp32(models, tmp
             assert p["dtensor"], name
             assert p["dtype"] == "torch.float32", name  # fp32 master weights
             # dim-0 sharding: ceil(rows / 2) rows on rank 0, the rest on rank 1.
-            assert abs(p["local"] - p["global"] / 2) <= p["global"] / p["local"] if p["local"] else False, name
+            assert abs(p["local"] - p["global"] / 2) <= p["global"] / p["local"] if p["local"] else False, (
+                name
+            )
     for name in r0["params"]:
         assert r0["params"][name]["local"] + r1["params"][name]["local"] == r0["params"][name]["global"]
     assert r0["grad_norm"] == pytest.approx(r1["grad_norm"])
@@ -80,8 +82,14 @@ def test_each_rank_holds_half_of_every_parameter_and_reduces_in_fp32(models, tmp
 
 def test_tied_embeddings_compile_and_rank0_loading_round_trip(models, tmp_path: Path):
     r0, r1 = _run(
-        tmp_path, models["tied"], "--compile", "--ram_efficient", "--export_dtype", "float32",
-        "--max_shard_bytes", "100000",
+        tmp_path,
+        models["tied"],
+        "--compile",
+        "--ram_efficient",
+        "--export_dtype",
+        "float32",
+        "--max_shard_bytes",
+        "100000",
     )
     # Rank 1 read no weights (its parameters were on meta), yet after prepare its shards came from
     # rank 0 and the gathered model equals the checkpoint.
@@ -114,10 +122,28 @@ def test_rank0_loading_trains_exactly_like_loading_everywhere(models, tmp_path: 
     losses = {}
     for flag in ("false", "true"):
         out = tmp_path / flag
-        torchrun(SFT, [
-            "--model_name_or_path", str(models["untied"]), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "3e-3",
-            "--mixed_precision", "no", "--fsdp_cpu_ram_efficient_loading", flag, "--export_verify", "false",
-        ])
+        torchrun(
+            SFT,
+            [
+                "--model_name_or_path",
+                str(models["untied"]),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "3",
+                "--per_device_train_batch_size",
+                "2",
+                "--learning_rate",
+                "3e-3",
+                "--mixed_precision",
+                "no",
+                "--fsdp_cpu_ram_efficient_loading",
+                flag,
+                "--export_verify",
+                "false",
+            ],
+        )
         losses[flag] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
     assert losses["true"] == losses["false"]

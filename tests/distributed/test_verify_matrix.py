@@ -18,7 +18,16 @@ DTYPES = ("bfloat16", "float32", "float16", "training")
 def _run(model: Path, out: Path, mixed_precision: str, dtypes: tuple[str, ...] = DTYPES) -> dict:
     torchrun(
         WORKER,
-        ["--model", str(model), "--out", str(out), "--mixed_precision", mixed_precision, "--dtypes", ",".join(dtypes)],
+        [
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--mixed_precision",
+            mixed_precision,
+            "--dtypes",
+            ",".join(dtypes),
+        ],
         nproc=2,
     )
     return json.loads((out / "reports.json").read_text())
@@ -30,7 +39,9 @@ def big_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_every_export_of_a_correct_run_is_verified(big_logits: Path, tmp_path: Path, mixed_precision: str) -> None:
+def test_every_export_of_a_correct_run_is_verified(
+    big_logits: Path, tmp_path: Path, mixed_precision: str
+) -> None:
     reports = _run(big_logits, tmp_path, mixed_precision)
     assert set(reports) == {"adapter"} | {f"{kind}-{d}" for kind in ("full", "merged") for d in DTYPES}
     for name, r in reports.items():

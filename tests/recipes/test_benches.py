@@ -23,7 +23,9 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     # Same model, examples, order, batches and optimizer: the same loss after the last step.
     for name, loss in losses.items():
         assert abs(loss - losses["trainer"]) < 1e-3 * losses["trainer"], (name, losses)
-    assert abs(table["hf_fsdp2"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9  # same padded batches
+    assert (
+        abs(table["hf_fsdp2"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9
+    )  # same padded batches
     assert table["hf_fsdp2_pf"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]
     # The full [tokens x vocab] fp32 logits (vocab 49152) are what chunked cross entropy never builds.
     assert table["hf_fsdp2"]["peak_rss_gib"] < table["hf_fsdp2_plain_ce"]["peak_rss_gib"]
@@ -40,8 +42,14 @@ def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: P
     )  # fmt: skip
     report = json.loads(out.read_text())
     modes = report["activations"]["modes"]
-    assert modes["full"]["activation_mib"] < modes["every_k"]["activation_mib"] < modes["none"]["activation_mib"]
-    assert modes["full"]["activation_mib"] < modes["selective"]["activation_mib"] < modes["none"]["activation_mib"]
+    assert (
+        modes["full"]["activation_mib"] < modes["every_k"]["activation_mib"] < modes["none"]["activation_mib"]
+    )
+    assert (
+        modes["full"]["activation_mib"]
+        < modes["selective"]["activation_mib"]
+        < modes["none"]["activation_mib"]
+    )
     loss_paths = report["activations"]["loss_paths_mib"]
     assert loss_paths["chunked_1024"] < loss_paths["plain"]
     sharding = report["sharding"]

@@ -66,7 +66,11 @@ def test_two_runs_into_one_output_dir_one_owns_it(assets, tmp_path: Path) -> Non
         recipe = _recipe(tmp_path / f"r{seed}.yaml", model, data, out, seed=seed, save_steps=2)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
         time.sleep(0.3)
     results = [(p.wait(timeout=600), p.communicate()) for p in procs]
     codes = sorted(code for code, _ in results)
@@ -97,13 +101,17 @@ def test_a_damaged_checkpoint_is_named_and_latest_falls_back(assets, tmp_path: P
     assert "resumed from" in log and "checkpoint-2 at step 2" in log
 
 
-def test_a_failed_export_keeps_the_weights_and_they_export_offline_to_the_same_bytes(assets, tmp_path: Path) -> None:
+def test_a_failed_export_keeps_the_weights_and_they_export_offline_to_the_same_bytes(
+    assets, tmp_path: Path
+) -> None:
     model, data = assets
     good = tmp_path / "good"
     _sft(_recipe(tmp_path / "good.yaml", model, data, good))
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / ".export-incomplete").write_text("a file where the export stages its folder")  # the export fails
+    (broken / ".export-incomplete").write_text(
+        "a file where the export stages its folder"
+    )  # the export fails
     proc = _sft(_recipe(tmp_path / "broken.yaml", model, data, broken), check=False)
     error = _one_error(proc)
     assert "The trained weights are safe in" in proc.stderr and "hf-fsdp2 export" in proc.stderr, error
@@ -144,7 +152,9 @@ def test_unreadable_json_lines_are_named_or_skipped_and_counted(assets, tmp_path
     assert f"{bad}:7: not UTF-8 text (byte 0xff" in log
 
 
-def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_resized(assets, tmp_path: Path) -> None:
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_resized(
+    assets, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
     model, data = assets
@@ -163,17 +173,24 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_res
     assert json.loads((resized / "config.json").read_text())["vocab_size"] == rows + 2
 
 
-def test_a_lora_run_whose_export_fails_exports_offline_to_the_same_adapter_and_merge(assets, tmp_path: Path) -> None:
+def test_a_lora_run_whose_export_fails_exports_offline_to_the_same_adapter_and_merge(
+    assets, tmp_path: Path
+) -> None:
     model, data = assets
     lora = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "merge_adapter": True, "learning_rate": 1e-2}
     good = tmp_path / "good"
     _sft(_recipe(tmp_path / "good.yaml", model, data, good, **lora))
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / ".adapter-incomplete").write_text("a file where the adapter is staged")  # the adapter save fails
+    (broken / ".adapter-incomplete").write_text(
+        "a file where the adapter is staged"
+    )  # the adapter save fails
     proc = _sft(_recipe(tmp_path / "broken.yaml", model, data, broken, **lora), check=False)
     assert "writing the adapter" in _one_error(proc)
-    assert f"The trained weights are safe in {broken / 'checkpoint-4'}" in proc.stderr and "hf-fsdp2 export" in proc.stderr
+    assert (
+        f"The trained weights are safe in {broken / 'checkpoint-4'}" in proc.stderr
+        and "hf-fsdp2 export" in proc.stderr
+    )
     offline = tmp_path / "offline"
     python(REPO / "hf_fsdp2" / "cli.py", ["export", str(broken / "checkpoint-4"), str(offline)])
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):

@@ -53,10 +53,25 @@ def test_metrics_jsonl_has_every_field(run):
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
-        for key in ("loss", "lr", "grad_norm", "target_tokens", "target_tokens_per_s", "step_time_s", "epoch",
-                    "padding_efficiency", "tokens", "tokens_per_s", "tokens_per_s_per_device",
-                    "target_tokens_per_s_per_device", "tflops_per_device", "data_wait_s", "host_rss_gib",
-                    "host_peak_rss_gib", "eta_s"):
+        for key in (
+            "loss",
+            "lr",
+            "grad_norm",
+            "target_tokens",
+            "target_tokens_per_s",
+            "step_time_s",
+            "epoch",
+            "padding_efficiency",
+            "tokens",
+            "tokens_per_s",
+            "tokens_per_s_per_device",
+            "target_tokens_per_s_per_device",
+            "tflops_per_device",
+            "data_wait_s",
+            "host_rss_gib",
+            "host_peak_rss_gib",
+            "eta_s",
+        ):
             assert key in r, key
         assert "mfu" not in r  # CPU: achieved FLOP/s only
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2)
@@ -93,7 +108,9 @@ def test_eval_loss_equals_single_process_evaluation_of_the_export(run):
     out, eval_file, _ = run
     final = read_metrics(out / "metrics.jsonl")[-1]
     tokenizer = AutoTokenizer.from_pretrained(out)
-    examples = build_sft_datasets(resolve_sources(dataset_name=str(eval_file)), tokenizer, max_length=64, seed=0).train
+    examples = build_sft_datasets(
+        resolve_sources(dataset_name=str(eval_file)), tokenizer, max_length=64, seed=0
+    ).train
     assert len(examples) == 7
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     total, count = 0.0, 0
@@ -139,8 +156,21 @@ def test_plot_command_on_the_run(run):
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_missing_tracker_is_a_clear_error(tmp_path: Path):
-    proc = python(SFT, ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir",
-                        str(tmp_path / "run"), "--report_to", "tensorboard,wandb"], check=False, timeout=120)
+    proc = python(
+        SFT,
+        [
+            "--model_name_or_path",
+            "m",
+            "--dataset_name",
+            "d.jsonl",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--report_to",
+            "tensorboard,wandb",
+        ],
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "pip install wandb" in proc.stderr
     assert not (tmp_path / "run").exists()

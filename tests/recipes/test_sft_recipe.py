@@ -37,9 +37,16 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _recipe(tmp: Path, model: Path, data: Path, **overrides: object) -> Path:
     values = {
-        "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(tmp / "run"),
-        "max_steps": 3, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-        "learning_rate": 1e-3, "max_length": 64, "logging_steps": 1, "gradient_checkpointing": True,
+        "model_name_or_path": str(model),
+        "dataset_name": str(data),
+        "output_dir": str(tmp / "run"),
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-3,
+        "max_length": 64,
+        "logging_steps": 1,
+        "gradient_checkpointing": True,
         "warmup_ratio": 0.34,
     }
     values.update(overrides)
@@ -52,7 +59,9 @@ def test_accelerate_launch_trains_and_exports_a_loadable_folder(assets, tmp_path
     model, data = assets
     recipe = _recipe(tmp_path, model, data)
     # CLI beats YAML: 4 steps instead of 3.
-    proc = accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", SFT, ["--config", str(recipe), "--max_steps", "4"])
+    proc = accelerate_launch(
+        "accelerate_configs/fsdp2_cpu.yaml", SFT, ["--config", str(recipe), "--max_steps", "4"]
+    )
     log = proc.stdout + proc.stderr
     assert "world size 2" in log
     assert "gradient reduction float32" in log  # the policy is logged at start
@@ -66,11 +75,22 @@ def test_accelerate_launch_trains_and_exports_a_loadable_folder(assets, tmp_path
     saved = yaml.safe_load((run / "hf_fsdp2_config.yaml").read_text())
     assert saved["max_steps"] == 4 and saved["gradient_checkpointing"] is True
     assert parse_config(["--config", str(run / "hf_fsdp2_config.yaml")]).train.max_steps == 4
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ):
         assert (run / name).is_file(), name
     assert json.loads((run / "config.json").read_text())["dtype"] == "bfloat16"
     reload = json.loads(python("-c", [RELOAD, str(run)]).stdout.strip().splitlines()[-1])
-    assert reload == {"dtype": "torch.bfloat16", "finite": True, "hf_fsdp2": False, "params": reload["params"]}
+    assert reload == {
+        "dtype": "torch.bfloat16",
+        "finite": True,
+        "hf_fsdp2": False,
+        "params": reload["params"],
+    }
     assert reload["params"] > 4_000_000
 
 
@@ -82,8 +102,17 @@ def _fails(tmp: Path, args: list[str]) -> str:
 
 def test_missing_model_path_is_a_clear_error(assets, tmp_path: Path):
     _, data = assets
-    err = _fails(tmp_path, ["--model_name_or_path", str(tmp_path / "nope"), "--dataset_name", str(data),
-                            "--output_dir", str(tmp_path / "run")])
+    err = _fails(
+        tmp_path,
+        [
+            "--model_name_or_path",
+            str(tmp_path / "nope"),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert "model_name_or_path=" in err and "nope" in err and "no such folder" in err
     assert not (tmp_path / "run").exists()
 
@@ -92,8 +121,17 @@ def test_record_without_expected_columns_names_index_and_columns(assets, tmp_pat
     model, _ = assets
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": null, "other": 1}\n')
-    err = _fails(tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(bad),
-                            "--output_dir", str(tmp_path / "run")])
+    err = _fails(
+        tmp_path,
+        [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert "1" in err and "other" in err and "text" in err
 
 
@@ -101,23 +139,55 @@ def test_wrong_columns_everywhere(assets, tmp_path: Path):
     model, _ = assets
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a", "answer": "b"}\n')
-    err = _fails(tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(bad),
-                            "--output_dir", str(tmp_path / "run")])
+    err = _fails(
+        tmp_path,
+        [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert "question" in err and "answer" in err and "messages" in err
 
 
 def test_max_length_above_model_limit(assets, tmp_path: Path):
     model, data = assets
-    err = _fails(tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(data),
-                            "--output_dir", str(tmp_path / "run"), "--max_length", "4096"])
+    err = _fails(
+        tmp_path,
+        [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_length",
+            "4096",
+        ],
+    )
     assert "max_length=4096" in err and "max_position_embeddings=2048" in err
 
 
 def test_batch_settings_that_do_not_fit(assets, tmp_path: Path):
     model, data = assets
-    err = _fails(tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(data),
-                            "--output_dir", str(tmp_path / "run"), "--per_device_train_batch_size", "16",
-                            "--gradient_accumulation_steps", "4"])
+    err = _fails(
+        tmp_path,
+        [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--per_device_train_batch_size",
+            "16",
+            "--gradient_accumulation_steps",
+            "4",
+        ],
+    )
     assert "64 examples" in err and "32" in err and "gradient_accumulation_steps(4)" in err
 
 
@@ -126,7 +196,9 @@ def test_output_dir_with_a_previous_run_is_refused(assets, tmp_path: Path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
-    err = _fails(tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(run)])
+    err = _fails(
+        tmp_path, ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(run)]
+    )
     assert "previous run" in err and "--overwrite_output_dir" in err
     assert (run / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
 

@@ -34,17 +34,31 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_neox": ("GPTNeoXConfig", {"tie_word_embeddings": False}),
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "output_router_logits": True, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False},
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.01,
+            "tie_word_embeddings": False,
+        },
     ),  # fmt: skip
     "mixtral": (
         "MixtralConfig",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": False, "tie_word_embeddings": False},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 
 
-def make_family_dir(path: Path, family: str, *, seed: int = 0, initializer_range: float | None = None) -> Path:
+def make_family_dir(
+    path: Path, family: str, *, seed: int = 0, initializer_range: float | None = None
+) -> Path:
     """Save a tiny random-init model of ``family`` with the Llama-2 tokenizer (ChatML template) to ``path``.
 
     Args:

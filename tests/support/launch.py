@@ -40,17 +40,35 @@ def _run(cmd: list[str], timeout: int, check: bool) -> subprocess.CompletedProce
 def torchrun(script: Path | str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True):
     """``torchrun --nproc_per_node N script args`` on a free port."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *args,
     ]
     return _run(cmd, timeout, check)
 
 
-def accelerate_launch(config_file: str, script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
+def accelerate_launch(
+    config_file: str, script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True
+):
     """``accelerate launch --config_file F script args`` on a free port."""
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / config_file),
-        "--main_process_port", str(free_port()), str(script), *args,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / config_file),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *args,
     ]
     return _run(cmd, timeout, check)
 

@@ -62,7 +62,9 @@ def assert_same_maths(
         AssertionError: the tensors are not float64 (a float32 bound would depend on the CPU), differ
             in shape, or differ by more than the bound.
     """
-    assert got.dtype == want.dtype == torch.float64, f"{name}: compare in float64, got {got.dtype}/{want.dtype}"
+    assert got.dtype == want.dtype == torch.float64, (
+        f"{name}: compare in float64, got {got.dtype}/{want.dtype}"
+    )
     assert got.shape == want.shape, f"{name}: shapes {tuple(got.shape)} vs {tuple(want.shape)}"
     got, want = got.detach(), want.detach()
     scale = float(torch.maximum(got.abs().max(), want.abs().max())) if want.numel() else 0.0

@@ -10,10 +10,45 @@ import torch
 from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "red", "green", "blue", "one", "two", "three"]
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "red",
+    "green",
+    "blue",
+    "one",
+    "two",
+    "three",
+]
 
 
-def make_tiny_llama_dir(path: Path, *, tie_word_embeddings: bool = False, seed: int = 0, layers: int = 2) -> Path:
+def make_tiny_llama_dir(
+    path: Path, *, tie_word_embeddings: bool = False, seed: int = 0, layers: int = 2
+) -> Path:
     """Save a 2-layer, 64-wide Llama with the Llama-2 tokenizer (ChatML template) to ``path``."""
     tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
     tokenizer.pad_token = tokenizer.eos_token

@@ -44,7 +44,9 @@ def test_every_mode_gives_the_plain_gradients_and_keeps_names(mode):
     reference = _grads(ref_model, IDS)
     model = _model(dtype=F64)
     wrapped = apply_activation_checkpointing(model, ACPlan(mode, every_k=2, pin_memory=False), LAYER)
-    assert wrapped == (["model.layers.0", "model.layers.2"] if mode == "every_k" else [f"model.layers.{i}" for i in range(4)])
+    assert wrapped == (
+        ["model.layers.0", "model.layers.2"] if mode == "every_k" else [f"model.layers.{i}" for i in range(4)]
+    )
     assert list(model.state_dict()) == list(ref_model.state_dict())  # no wrapper prefix anywhere
     grads = _grads(model, IDS)
     for name, g in reference.items():

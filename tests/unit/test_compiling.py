@@ -48,7 +48,9 @@ def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
     # The logits (transformers' own loss upcasts to fp32). Llama's RMSNorm and rotary tables compute in
     # fp32 whatever the model dtype, and inductor fuses them differently from eager: fp32 rounding over
     # the longest of those reductions, the 32-wide hidden state and the 64-wide MLP.
-    assert_same_maths(out.logits, reference(input_ids=ids).logits, terms=64, rounding=torch.float32, name="logits")
+    assert_same_maths(
+        out.logits, reference(input_ids=ids).logits, terms=64, rounding=torch.float32, name="logits"
+    )
     model(input_ids=ids, labels=ids).loss.backward()  # same shape: no compile
     again = watch.take()
     assert again["compile_s"] == 0 and again["compiled_graphs"] == graphs

@@ -311,7 +311,10 @@ def test_fp16_is_refused_with_the_alternatives() -> None:
         (("--save_total_limit=-2",), "save_total_limit"),
         (("--use_peft", "true", "--lora_r", "0"), "lora_r"),
         (("--merge_adapter", "true"), "merge_adapter"),
-        (("--use_peft", "true", "--fsdp_cpu_ram_efficient_loading", "true"), "fsdp_cpu_ram_efficient_loading"),
+        (
+            ("--use_peft", "true", "--fsdp_cpu_ram_efficient_loading", "true"),
+            "fsdp_cpu_ram_efficient_loading",
+        ),
         (("--push_to_hub", "true"), "push_to_hub"),
         (("--report_to", "mlflow"), "report_to"),
         (("--torch_compile_mode", "fast"), "torch_compile_mode"),
@@ -445,9 +448,7 @@ def test_yaml_empty_list_where_empty_is_the_default(tmp_path: Path) -> None:
 def test_to_flat_dict_has_one_entry_per_field() -> None:
     cfg = parse_cli()
     flat = cfg.to_flat_dict()
-    n_fields = sum(
-        len(dataclasses.fields(s)) for s in SECTIONS
-    )
+    n_fields = sum(len(dataclasses.fields(s)) for s in SECTIONS)
     assert len(flat) == n_fields  # no two sections share a key name
     assert flat["output_dir"] == "out"
 

@@ -307,7 +307,9 @@ def test_verification_catches_a_config_that_changes_the_model(untied: Tiny, tmp_
     config = json.loads((tmp_path / "config.json").read_text())
     config["rms_norm_eps"] = 0.5  # same tensors, another function
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportVerificationError, match="config.json differs from the live config: .*rms_norm_eps"):
+    with pytest.raises(
+        ExportVerificationError, match="config.json differs from the live config: .*rms_norm_eps"
+    ):
         verify_export(untied.model, tmp_path, dtype="float32")
 
 

@@ -39,7 +39,9 @@ def _export(path: Path, out: Path, dtype: str, verify: bool = True):  # type: ig
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "training"])
-def test_no_rejection_with_large_logits_in_any_export_dtype(big_logits: Path, tmp_path: Path, dtype: str) -> None:
+def test_no_rejection_with_large_logits_in_any_export_dtype(
+    big_logits: Path, tmp_path: Path, dtype: str
+) -> None:
     model, result = _export(big_logits, tmp_path / "out", dtype)
     report = result.verify
     assert report is not None and report.ok
@@ -51,7 +53,9 @@ def test_no_rejection_with_large_logits_in_any_export_dtype(big_logits: Path, tm
     # when the export rounds, which is why the reference must round too.
     if dtype in ("bfloat16", "float16"):
         reloaded = type(model).from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1234))
+        ids = torch.randint(
+            0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1234)
+        )
         with torch.no_grad():
             unrounded = model.eval()(input_ids=ids).logits
             got = reloaded(input_ids=ids).logits
@@ -101,7 +105,13 @@ def test_rejects_a_transposed_weight(exported) -> None:  # type: ignore[no-untyp
     _rewrite(folder, lambda t: t.__setitem__(key, t[key].t().contiguous()))
     _rejects(model, folder, rf"{key}: file says BF16\[128, 64\], the model has BF16\[64, 128\]")
     square = "model.layers.0.self_attn.q_proj.weight"  # [64, 64]: transposed it keeps its shape
-    _rewrite(folder, lambda t: (t.__setitem__(key, t[key].t().contiguous()), t.__setitem__(square, t[square].t().contiguous())))
+    _rewrite(
+        folder,
+        lambda t: (
+            t.__setitem__(key, t[key].t().contiguous()),
+            t.__setitem__(square, t[square].t().contiguous()),
+        ),
+    )
     _rejects(model, folder, rf"{square}: the bytes on disk differ")
 
 

@@ -312,7 +312,9 @@ def test_the_loss_path_never_depends_on_the_batch(tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(make_tiny_llama_dir(tmp_path / "m")).double()
     ids = torch.randint(3, 1000, (1, 8))
     head_inputs: list[tuple[int, ...]] = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, o: head_inputs.append(tuple(a[0].shape)))
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, a, o: head_inputs.append(tuple(a[0].shape))
+    )
     small = causal_lm_loss_sum(model, {"input_ids": ids}, ids, LossPlan(64))  # 8 tokens, chunks of 64
     plain = causal_lm_loss_sum(model, {"input_ids": ids}, ids, LossPlan(0))
     hook.remove()
@@ -326,7 +328,8 @@ from hf_fsdp2.train.loss import LogitTransform, logit_transform_for, plan_loss  
 
 
 @_pytest.mark.parametrize(
-    "transform", [LogitTransform(softcap=3.0), LogitTransform(scale=0.25), LogitTransform(scale=2.0, softcap=5.0)]
+    "transform",
+    [LogitTransform(softcap=3.0), LogitTransform(scale=0.25), LogitTransform(scale=2.0, softcap=5.0)],
 )
 def test_chunked_loss_applies_the_heads_post_processing(transform: LogitTransform) -> None:
     gen = torch.Generator().manual_seed(0)

@@ -59,15 +59,24 @@ def test_llama3_8b_flops_per_token_by_hand() -> None:
     assert hand_per_token == 57_914_449_920
     assert fm.per_token(8192) == hand_per_token
     # torchtitan's published anchor: 5,762 tok/s per H100 at seq 8192 is 33.7% MFU.
-    assert 5762 * fm.per_token(8192) / peak_flops_for("NVIDIA H100 80GB HBM3") == pytest.approx(0.337, abs=5e-4)
+    assert 5762 * fm.per_token(8192) / peak_flops_for("NVIDIA H100 80GB HBM3") == pytest.approx(
+        0.337, abs=5e-4
+    )
     # One sequence of s tokens costs s * per_token(s); two sequences are two such terms.
     assert fm.for_sequences([8192]) == 8192 * hand_per_token
     assert fm.for_sequences([100, 50]) == 100 * fm.per_token(100) + 50 * fm.per_token(50)
 
 
 def test_tied_head_is_counted_once_as_the_head() -> None:
-    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
     assert non_embedding_params(model) == sum(p.numel() for p in model.parameters())
 
@@ -110,8 +119,9 @@ def test_meter_tokens_per_second_excludes_padding(monkeypatch: pytest.MonkeyPatc
     clock = FakeClock()
     monkeypatch.setattr(meter_module.time, "perf_counter", clock)
     fm = FlopsModel(non_embedding_params=1000, layers=2, heads=4, head_dim=8)
-    meter = StepMeter(flops=fm, world_size=1, device=torch.device("cpu"), total_steps=10, peak_flops=1e6,
-                      pad_token_id=0)
+    meter = StepMeter(
+        flops=fm, world_size=1, device=torch.device("cpu"), total_steps=10, peak_flops=1e6, pad_token_id=0
+    )
     batch = {  # 3 + 2 real tokens in a 2 x 6 padded batch: 7 pad tokens are not counted
         "input_ids": torch.tensor([[5, 6, 7, 0, 0, 0], [5, 6, 0, 0, 0, 0]]),
         "attention_mask": torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]]),
@@ -144,12 +154,21 @@ def test_meter_tokens_per_second_excludes_padding(monkeypatch: pytest.MonkeyPatc
     assert record["eta_s"] == pytest.approx(8 * 2.0)
     assert record["host_rss_gib"] > 0 and record["host_peak_rss_gib"] >= record["host_rss_gib"]
     assert "mem_allocated_gib" not in record  # CPU: host memory only
-    summary = run_summary(meter, first_step=1, last_step=2, wall_seconds=9.0, last_record={"loss": 2.0},
-                          last_eval={"eval_loss": 1.5, "eval_perplexity": math.exp(1.5)}, export_dir="out")
+    summary = run_summary(
+        meter,
+        first_step=1,
+        last_step=2,
+        wall_seconds=9.0,
+        last_record={"loss": 2.0},
+        last_eval={"eval_loss": 1.5, "eval_perplexity": math.exp(1.5)},
+        export_dir="out",
+    )
     assert summary["tokens"] == 10 and summary["target_tokens"] == 6 and summary["steps"] == 2
     assert summary["tokens_per_s"] == pytest.approx(2.5) and summary["mfu"] == pytest.approx(record["mfu"])
     assert summary["final_eval_loss"] == 1.5 and summary["export_dir"] == "out"
-    line = format_log_line({"step": 2, "loss": 2.0, "lr": 1e-4, "grad_norm": 1.0, "target_tokens": 3, **record}, 10)
+    line = format_log_line(
+        {"step": 2, "loss": 2.0, "lr": 1e-4, "grad_norm": 1.0, "target_tokens": 3, **record}, 10
+    )
     for part in ("step 2/10", "all tok/s 2.5", "mfu", "data_wait 0.500s", "eta 16s", "rss"):
         assert part in line
 
@@ -194,8 +213,9 @@ def test_tensorboard_tracker_events_read_back(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, log_with=built)
     accelerator.init_trackers("p", config={"learning_rate": 1e-3, "report_to": "tensorboard"})
     for step in (1, 2):
-        accelerator.log(tracker_values({"step": step, "loss": 3.0 - step, "tokens_per_s": 10.0 * step}),
-                        step=step)
+        accelerator.log(
+            tracker_values({"step": step, "loss": 3.0 - step, "tokens_per_s": 10.0 * step}), step=step
+        )
     accelerator.end_training()
     events = EventAccumulator(str(tmp_path / "tb" / "run"))
     events.Reload()
@@ -207,8 +227,14 @@ def test_plot_command_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[
     pytest.importorskip("matplotlib")
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3, 4):
-        record = {"step": step, "loss": 2.0 / step, "lr": 1e-4 * step, "tokens_per_s": 100.0 + step,
-                  "target_tokens_per_s": 50.0, "host_peak_rss_gib": 1.0 + step / 10}
+        record = {
+            "step": step,
+            "loss": 2.0 / step,
+            "lr": 1e-4 * step,
+            "tokens_per_s": 100.0 + step,
+            "target_tokens_per_s": 50.0,
+            "host_peak_rss_gib": 1.0 + step / 10,
+        }
         if step % 2 == 0:
             record["eval_loss"] = 2.5 / step
         writer.write(record)
@@ -235,8 +261,15 @@ def test_step_ranges() -> None:
 
 
 def test_profiler_writes_a_trace_on_cpu(tmp_path: Path) -> None:
-    prof = StepProfiler(profile_steps=(2, 3), memory_steps=None, output_dir=tmp_path, rank=0,
-                        device=torch.device("cpu"), first_step=1, last_step=5)
+    prof = StepProfiler(
+        profile_steps=(2, 3),
+        memory_steps=None,
+        output_dir=tmp_path,
+        rank=0,
+        device=torch.device("cpu"),
+        first_step=1,
+        last_step=5,
+    )
     x = torch.randn(32, 32)
     for step in range(1, 6):
         prof.start_step(step)
@@ -254,11 +287,20 @@ def test_profiler_writes_a_trace_on_cpu(tmp_path: Path) -> None:
 
 def test_memory_snapshot_needs_cuda(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="memory_snapshot_steps=2-3 needs a CUDA device"):
-        StepProfiler(profile_steps=None, memory_steps=(2, 3), output_dir=tmp_path, rank=0,
-                     device=torch.device("cpu"), first_step=1, last_step=5)
+        StepProfiler(
+            profile_steps=None,
+            memory_steps=(2, 3),
+            output_dir=tmp_path,
+            rank=0,
+            device=torch.device("cpu"),
+            first_step=1,
+            last_step=5,
+        )
 
 
-def test_distributed_debug_sets_env_without_overriding(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_distributed_debug_sets_env_without_overriding(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     for name in ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_CPP_LOG_LEVEL", "NCCL_DEBUG_SUBSYS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
@@ -284,11 +326,32 @@ REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_
 def test_observe_config_keys() -> None:
     from hf_fsdp2.config import parse_config
 
-    cfg = parse_config([*REQUIRED, "--report_to", "tensorboard", "--eval_split_fraction", "0.05", "--eval_steps",
-                        "10", "--eval_prompts", "hi", "there", "--profile_steps", "3-5", "--peak_flops", "989e12"])
+    cfg = parse_config(
+        [
+            *REQUIRED,
+            "--report_to",
+            "tensorboard",
+            "--eval_split_fraction",
+            "0.05",
+            "--eval_steps",
+            "10",
+            "--eval_prompts",
+            "hi",
+            "there",
+            "--profile_steps",
+            "3-5",
+            "--peak_flops",
+            "989e12",
+        ]
+    )
     o = cfg.observe
     assert (o.report_to, o.eval_steps, o.eval_prompts, o.profile_steps, o.peak_flops) == (
-        "tensorboard", 10, ["hi", "there"], "3-5", 989e12)
+        "tensorboard",
+        10,
+        ["hi", "there"],
+        "3-5",
+        989e12,
+    )
     assert cfg.to_flat_dict()["report_to"] == "tensorboard"
 
 
@@ -313,9 +376,21 @@ def test_observe_config_errors(args: list[str], message: str) -> None:
     assert message in str(err.value)
 
 
-def test_progress_bar_when_interactive(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    record = {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.0, "target_tokens": 3, "target_tokens_per_s": 3.0,
-              "step_time_s": 1.0, "tokens_per_s": 12.0, "tokens_per_s_per_device": 6.0, "eval_loss": 2.0}
+def test_progress_bar_when_interactive(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    record = {
+        "step": 1,
+        "loss": 2.5,
+        "lr": 1e-4,
+        "grad_norm": 1.0,
+        "target_tokens": 3,
+        "target_tokens_per_s": 3.0,
+        "step_time_s": 1.0,
+        "tokens_per_s": 12.0,
+        "tokens_per_s_per_device": 6.0,
+        "eval_loss": 2.0,
+    }
     bar = logs.Progress(4, 1, enabled=True, interactive=True)
     bar.step()
     bar.log(record)
@@ -336,12 +411,14 @@ def test_sequence_lengths_of_real_packed_batches(padding_free: bool) -> None:
     from hf_fsdp2.data.packing import PackedCollator, pack_examples
 
     lengths = [5, 9, 3, 7, 4, 6, 2, 8]
-    examples = datasets.Dataset.from_dict({
-        "input_ids": [[7] * n for n in lengths],  # pad id 0 never appears in real tokens...
-        "labels": [[-100] + [7] * (n - 1) for n in lengths],
-        "length": lengths,
-        "num_targets": [n - 1 for n in lengths],
-    })
+    examples = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[7] * n for n in lengths],  # pad id 0 never appears in real tokens...
+            "labels": [[-100] + [7] * (n - 1) for n in lengths],
+            "length": lengths,
+            "num_targets": [n - 1 for n in lengths],
+        }
+    )
     packed = pack_examples(examples, max_length=12)
     batch = PackedCollator(pad_token_id=0, padding_free=padding_free)([packed[i] for i in range(len(packed))])
     got = sequence_lengths(batch, pad_token_id=0)

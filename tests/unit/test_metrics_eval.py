@@ -21,16 +21,25 @@ EXAMPLES = [
 
 def _tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).double().eval()  # float64: batched vs one-by-one sums in other orders
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_eval_batches_cover_every_example_once_with_equal_counts(world: int) -> None:
     collator = PaddingCollator(pad_token_id=0)
-    per_rank = [list(eval_batches(EXAMPLES, rank=r, world_size=world, batch_size=2, collator=collator))
-                for r in range(world)]
+    per_rank = [
+        list(eval_batches(EXAMPLES, rank=r, world_size=world, batch_size=2, collator=collator))
+        for r in range(world)
+    ]
     assert len({len(b) for b in per_rank}) == 1  # the same number of forward passes on every rank
     targets = sum(int((b["labels"][:, 1:] != -100).sum()) for batches in per_rank for b in batches)
     assert targets == sum(sum(1 for t in e["labels"][1:] if t != -100) for e in EXAMPLES)
@@ -39,8 +48,11 @@ def test_eval_batches_cover_every_example_once_with_equal_counts(world: int) -> 
 def test_eval_loss_is_token_weighted_over_all_examples() -> None:
     model = _tiny_model()
     collator = PaddingCollator(pad_token_id=0)
-    result = evaluate_loss(model, eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
-                           torch.device("cpu"))
+    result = evaluate_loss(
+        model,
+        eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
+        torch.device("cpu"),
+    )
     total, count = 0.0, 0
     with torch.no_grad():
         for e in EXAMPLES:  # one example at a time, no padding
@@ -54,10 +66,16 @@ def test_eval_loss_is_token_weighted_over_all_examples() -> None:
     assert_same_maths(torch.tensor(result.perplexity, dtype=torch.float64), want.exp(), terms=40, name="ppl")
     assert model.training is False  # mode restored
     # The chunked cross entropy of training (ce_chunk_tokens) gives the same eval loss.
-    chunked = evaluate_loss(model, eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
-                            torch.device("cpu"), plan=LossPlan(4))
+    chunked = evaluate_loss(
+        model,
+        eval_batches(EXAMPLES, rank=0, world_size=1, batch_size=3, collator=collator),
+        torch.device("cpu"),
+        plan=LossPlan(4),
+    )
     assert chunked.tokens == count
-    assert_same_maths(torch.tensor(chunked.loss, dtype=torch.float64), want, terms=40, name="chunked eval loss")
+    assert_same_maths(
+        torch.tensor(chunked.loss, dtype=torch.float64), want, terms=40, name="chunked eval loss"
+    )
 
 
 class _Tok:
@@ -81,7 +99,13 @@ def test_samples_equal_transformers_greedy_generation() -> None:
     model.eval()
     for prompt, text in zip(prompts, texts, strict=True):
         ids = torch.tensor([[int(t) for t in prompt.split()]])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                             eos_token_id=2, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )[0, ids.shape[1] :].tolist()
         expected = out[: out.index(2)] if 2 in out else out
         assert text == " ".join(map(str, expected))

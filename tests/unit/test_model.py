@@ -225,7 +225,10 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_or_resized(tmp_path) -
     config = AutoConfig.from_pretrained(path)
     rows = config.vocab_size
     assert check_vocab(rows, config, resize=False) is None
-    with pytest.raises(ValueError, match=f"the tokenizer has {rows + 3} tokens but the model's embedding has {rows} rows.*resize_token_embeddings=true"):
+    with pytest.raises(
+        ValueError,
+        match=f"the tokenizer has {rows + 3} tokens but the model's embedding has {rows} rows.*resize_token_embeddings=true",
+    ):
         check_vocab(rows + 3, config, resize=False)
     assert f"from {rows} to {rows + 3} rows" in (check_vocab(rows + 3, config, resize=True) or "")
     model = load_model(str(path))

@@ -252,7 +252,9 @@ def test_packed_and_padding_free_losses_equal_each_example_alone(
     assert len(packed) < len(chat_examples) and max(len(row) for row in packed.rows) >= 3
     alone = alone_losses
     reference = tiny_llama(len(chatml_tokenizer), "sdpa")  # the weights the reference ran with
-    assert all(torch.equal(a.double(), b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert all(
+        torch.equal(a.double(), b) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
 
     vocab = len(chatml_tokenizer)
     # sdpa runs in the inputs' float64; eager takes the attention softmax in float32 whatever the inputs,
@@ -302,7 +304,9 @@ def test_packed_and_padding_free_losses_equal_each_example_alone(
     first, second = packed.rows[0][:2]
     n0 = len(chat_examples[first]["input_ids"])
     with pytest.raises(AssertionError, match="not the same maths"):
-        assert_same_maths(crossed[0, n0 : n0 + len(alone[second])], alone[second], terms=terms, rounding=rounding)
+        assert_same_maths(
+            crossed[0, n0 : n0 + len(alone[second])], alone[second], terms=terms, rounding=rounding
+        )
 
 
 def test_padded_batch_equals_examples_alone(
@@ -319,7 +323,9 @@ def test_padded_batch_equals_examples_alone(
             alone = per_token_losses(model(input_ids=ids).logits, torch.tensor([chat_examples[i]["labels"]]))[
                 0
             ]
-            assert_same_maths(losses[i, : len(alone)], alone, terms=len(chatml_tokenizer), name=f"example {i}")
+            assert_same_maths(
+                losses[i, : len(alone)], alone, terms=len(chatml_tokenizer), name=f"example {i}"
+            )
 
 
 def test_packed_dataloader_order_is_seeded_and_worker_independent(chat_examples: datasets.Dataset) -> None:

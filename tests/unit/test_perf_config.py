@@ -17,7 +17,10 @@ def test_activation_checkpointing_resolves_from_either_key():
     assert parse_cli().fsdp.ac_mode() == "none"
     assert parse_cli("--gradient_checkpointing", "true").fsdp.ac_mode() == "full"
     assert parse_cli("--activation_checkpointing", "selective").fsdp.ac_mode() == "selective"
-    assert parse_cli("--gradient_checkpointing", "true", "--activation_checkpointing", "full").fsdp.ac_mode() == "full"
+    assert (
+        parse_cli("--gradient_checkpointing", "true", "--activation_checkpointing", "full").fsdp.ac_mode()
+        == "full"
+    )
     cfg = parse_cli("--activation_checkpointing", "every_k", "--ac_every_k", "3")
     assert (cfg.fsdp.ac_mode(), cfg.fsdp.ac_every_k) == ("every_k", 3)
 
@@ -25,7 +28,10 @@ def test_activation_checkpointing_resolves_from_either_key():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--activation_checkpointing", "sometimes"], "activation_checkpointing='sometimes' is not one of none, full"),
+        (
+            ["--activation_checkpointing", "sometimes"],
+            "activation_checkpointing='sometimes' is not one of none, full",
+        ),
         (["--gradient_checkpointing", "true", "--activation_checkpointing", "selective"], "disagree"),
         (["--activation_checkpointing", "every_k", "--ac_every_k", "0"], "ac_every_k=0 must be >= 1"),
     ],

@@ -21,7 +21,9 @@ def test_accepts_missing_and_empty(tmp_path: Path) -> None:
     check_output_dir(tmp_path / "empty", overwrite=False)
 
 
-def test_refuses_a_previous_run_unless_overwrite_and_offers_resume_only_with_a_checkpoint(tmp_path: Path) -> None:
+def test_refuses_a_previous_run_unless_overwrite_and_offers_resume_only_with_a_checkpoint(
+    tmp_path: Path,
+) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
@@ -67,10 +69,14 @@ def test_lock_is_exclusive_and_released(tmp_path: Path) -> None:
 
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     import socket
 
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "started": "x"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "started": "x"})
+    )
     lock = RunLock(tmp_path)
     lock.acquire()  # the pid is gone: stale
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()

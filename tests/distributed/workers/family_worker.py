@@ -54,7 +54,9 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
     result: dict = {}
     tokenizer = load_tokenizer(model_dir)
     for name, chunk in (("chunked", CHUNK), ("plain", 0)):
-        model, _, result[name] = train(acc, model_dir, chunk=chunk, mixed_precision="no", lora=False, steps=STEPS, lr=LR)
+        model, _, result[name] = train(
+            acc, model_dir, chunk=chunk, mixed_precision="no", lora=False, steps=STEPS, lr=LR
+        )
         if name == "chunked":
             done = export_model(
                 model, out / "export", config=model.config, tokenizer=tokenizer, generation_config=None,
@@ -76,10 +78,14 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
             mp_policy=acc.state.fsdp_plugin.mixed_precision_policy, dtype="float32", max_shard_bytes=10**9,
             compute_dtype=torch.float32, is_main_process=acc.is_main_process,
         )  # fmt: skip
-        reports = (done_lora.adapter_report, done_lora.merged_report) if merge else (done_lora.adapter_report,)
+        reports = (
+            (done_lora.adapter_report, done_lora.merged_report) if merge else (done_lora.adapter_report,)
+        )
         result["lora_export"] = [r.summary() if r else None for r in reports]
         del model
-    model, _, result["bf16"] = train(acc, model_dir, chunk=CHUNK, mixed_precision="bf16", lora=False, steps=6, lr=1e-2)
+    model, _, result["bf16"] = train(
+        acc, model_dir, chunk=CHUNK, mixed_precision="bf16", lora=False, steps=6, lr=1e-2
+    )
     del model
     return result
 

@@ -27,7 +27,9 @@ from hf_fsdp2.train.optim import build_adamw, param_groups
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights (every rank takes part; rank 0 gets them): the test's reference only."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {k: v for k, v in get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)}
+    return {
+        k: v for k, v in get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)
+    }
 
 
 def main() -> None:
@@ -97,9 +99,14 @@ def main() -> None:
     trained = gather_full_state_dict(model)
     unwrapped = acc.unwrap_model(model)
     names = export_model(
-        model, out / "export", config=unwrapped.config, tokenizer=tokenizer,
-        generation_config=unwrapped.generation_config, dtype=args.export_dtype,
-        max_shard_bytes=args.max_shard_bytes, compute_dtype=torch.bfloat16,
+        model,
+        out / "export",
+        config=unwrapped.config,
+        tokenizer=tokenizer,
+        generation_config=unwrapped.generation_config,
+        dtype=args.export_dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        compute_dtype=torch.bfloat16,
     ).files
     if rank == 0:
         torch.save(trained, out / "trained_fp32.pt")

@@ -46,7 +46,9 @@ def run(acc, model_dir: str, ac: str, scope: str | None, steps: int) -> dict:  #
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plan = ShardingPlan(activation_checkpointing=ACPlan(ac, every_k=2, pin_memory=False))
     compile_plan = CompilePlan(enabled=scope is not None, scope=scope or "regional")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model), sharding=plan, compile_plan=compile_plan)
+    model, opt = prepare_fsdp2(
+        acc, model, opt, decoder_layer_classes(model), sharding=plan, compile_plan=compile_plan
+    )
     watch = CompileWatch(enabled=scope is not None).start()
     rank = acc.process_index
     out: dict = {"losses": [], "grad_norms": [], "events": [], "compile": []}
@@ -71,7 +73,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", required=True, help="comma-separated ac:scope pairs, scope eager|regional|model")
+    ap.add_argument(
+        "--configs", required=True, help="comma-separated ac:scope pairs, scope eager|regional|model"
+    )
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     _record_unshards()
