@@ -61,13 +61,6 @@ class Config:
             "are initialised from the weights, which only rank 0 holds then); resize once offline with "
             "model.resize_token_embeddings(len(tokenizer)) and save_pretrained, or turn the loading option off",
         )
-        # Accelerate maps the optimizer's parameters to the sharded ones by data_ptr, which is 0 for every meta
-        # parameter of the non-zero ranks: their optimizer then steps the wrong adapter tensors (docs/lora.md).
-        check(
-            not (p.use_peft and f.fsdp_cpu_ram_efficient_loading),
-            "use_peft=true with fsdp_cpu_ram_efficient_loading=true is not supported (the non-zero ranks' "
-            "optimizer would hold the wrong adapter parameters); set fsdp_cpu_ram_efficient_loading=false",
-        )
 
     def to_flat_dict(self) -> dict[str, Any]:
         """Every key with its resolved value, in the flat form the YAML recipes use."""

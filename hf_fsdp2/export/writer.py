@@ -272,17 +272,17 @@ def export_config(
     return out
 
 
-def publish(stage: Path, out: Path, first: str) -> None:
+def publish(stage: Path, out: Path, first: str, *, stale: str | None = "model*.safetensors") -> None:
     """Rank 0: move the staged files into ``out``; ``first`` (the file a loader opens first) goes last.
 
-    Files of a previous export that the new one does not have are removed first, so the folder never
-    points at a mix of old and new files.
+    Files matching ``stale`` that the new export does not have are removed first, with ``first`` and the
+    index, so the folder never points at a mix of old and new files.
     """
     names = {p.name for p in stage.iterdir()}
     for old in (out / INDEX_NAME, out / WEIGHTS_NAME, out / first):
         if old.is_file():
             old.unlink()
-    for old in out.glob("model*.safetensors"):
+    for old in out.glob(stale) if stale else ():
         if old.name not in names:
             old.unlink()
     for item in sorted(stage.iterdir(), key=lambda p: p.name == first):

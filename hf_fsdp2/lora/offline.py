@@ -3,11 +3,13 @@ run would have written them at the end (``hf-fsdp2 export`` dispatches here for 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hf_fsdp2.config import PeftArgs
 from hf_fsdp2.config.plans import LoraSettings
 from hf_fsdp2.export.errors import ExportResult
 from hf_fsdp2.export.offline import prepare_offline_export
@@ -16,15 +18,9 @@ from hf_fsdp2.lora.save import export_lora
 
 
 def lora_settings(cfg: dict[str, Any]) -> LoraSettings:
-    """The LoRA settings of a run, from its resolved config."""
-    return LoraSettings(
-        r=int(cfg.get("lora_r", 16)),
-        alpha=int(cfg.get("lora_alpha", 32)),
-        dropout=float(cfg.get("lora_dropout", 0.05)),
-        target_modules=cfg.get("lora_target_modules") or "all-linear",
-        modules_to_save=cfg.get("lora_modules_to_save") or None,
-        use_rslora=bool(cfg.get("use_rslora", False)),
-    )
+    """The LoRA settings of a run, from its resolved config (as the run built them)."""
+    keys = {f.name for f in dataclasses.fields(PeftArgs)}
+    return PeftArgs(**{k: v for k, v in cfg.items() if k in keys}).lora_settings()
 
 
 def export_lora_checkpoint(

@@ -175,19 +175,6 @@ class LoraExport:
     merged_report: VerifyReport | None = None
 
 
-def _publish_adapter(stage: Path, out: Path) -> None:
-    """Rank 0: move the verified adapter files into ``out``, the weights last (what PEFT opens)."""
-    import os
-    import shutil
-
-    for item in sorted(stage.iterdir(), key=lambda p: p.name == ADAPTER_WEIGHTS_NAME):
-        target = out / item.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(item, target)
-    stage.rmdir()
-
-
 def export_lora(
     model: torch.nn.Module,
     out_dir: str | Path,
@@ -235,6 +222,7 @@ def export_lora(
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.export import ExportError, export_model
+    from hf_fsdp2.export.writer import publish
 
     out = Path(out_dir)
     stage = out / ADAPTER_STAGE_NAME
@@ -261,7 +249,7 @@ def export_lora(
         logger.info("adapter %s", report.summary())
     collectives.run_on_all(
         "publishing the adapter",
-        lambda: _publish_adapter(stage, out) if is_main_process else None,
+        lambda: publish(stage, out, ADAPTER_WEIGHTS_NAME, stale=None) if is_main_process else None,
         ExportError,
     )
     result = LoraExport(adapter_dir=out, adapter_report=report)

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from support.launch import SFT, torchrun
-from support.reference import pad_batch, step_micro_batches
+from support.reference import reference_steps
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -49,23 +48,19 @@ def reference_run(
     opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=LR, foreach=True)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    out = []
-    for micro in step_micro_batches(
-        len(data), world=WORLD, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS
-    ):
-        padded = [pad_batch([data[i] for i in idx], pad_id) for idx in micro]
-        total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
-        loss_sum = 0.0
-        for ids, mask, lab in padded:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), reduction="sum")
-            (ce / total_tokens).backward()
-            loss_sum += ce.item()
-        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        out.append({"loss": loss_sum / total_tokens, "grad_norm": float(norm), "target_tokens": total_tokens})
+    out = reference_steps(
+        model,
+        opt,
+        sched,
+        trainable,
+        data,
+        pad_id,
+        world=WORLD,
+        batch_size=BS,
+        accum=ACCUM,
+        seed=SEED,
+        steps=STEPS,
+    )
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     model.eval()
     return out, adapter, model
@@ -214,3 +209,22 @@ def test_frozen_bf16_base_with_fp32_adapter_in_one_fsdp_unit(setup, tmp_path: Pa
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_rank0_only_loading_trains_the_same_adapter(setup, lora_run: Path, tmp_path: Path):
+    """fsdp_cpu_ram_efficient_loading with LoRA: the other ranks build the PEFT model on meta and get rank 0's
+    weights and adapter init; the optimizer is re-pointed by name, so the run is the same run."""
+    model_dir, data_file, _ = setup
+    out = tmp_path / "rank0"
+    torchrun(
+        SFT,
+        _recipe_args(
+            model_dir, data_file, out, "--merge_adapter", "true", "--fsdp_cpu_ram_efficient_loading", "true"
+        ),
+        nproc=WORLD,
+    )
+    assert [r["loss"] for r in read_metrics(out / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(lora_run / "metrics.jsonl")
+    ]
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        assert (out / name).read_bytes() == (lora_run / name).read_bytes(), name

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from support.launch import SFT, torchrun
-from support.reference import pad_batch, step_micro_batches
+from support.reference import reference_steps
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -40,24 +39,20 @@ def reference_run(
     )
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    out = []
-    for micro in step_micro_batches(
-        len(data), world=WORLD, batch_size=bs, accum=accum, seed=SEED, steps=STEPS
-    ):
-        padded = [pad_batch([data[i] for i in idx], pad_id) for idx in micro]
-        total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
-        loss_sum = 0.0
-        for ids, mask, lab in padded:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), reduction="sum")
-            (ce / total_tokens).backward()
-            loss_sum += ce.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        out.append({"loss": loss_sum / total_tokens, "grad_norm": float(norm), "target_tokens": total_tokens})
-    return out
+    params = list(model.parameters())
+    return reference_steps(
+        model,
+        opt,
+        sched,
+        params,
+        data,
+        pad_id,
+        world=WORLD,
+        batch_size=bs,
+        accum=accum,
+        seed=SEED,
+        steps=STEPS,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_record_without_expected_columns_names_index_and_columns(assets, tmp_pat
             str(tmp_path / "run"),
         ],
     )
-    assert "1" in err and "other" in err and "text" in err
+    assert f"{bad} record 1:" in err and "'other'" in err and "'text'" in err and "on_bad_record=skip" in err
 
 
 def test_wrong_columns_everywhere(assets, tmp_path: Path):

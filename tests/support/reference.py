@@ -48,3 +48,45 @@ def step_micro_batches(
             micro.extend(batches[r][cursor] for r in range(world))
             cursor += 1
         yield micro
+
+
+def reference_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    params: list[torch.nn.Parameter],
+    data: list[dict],
+    pad_id: int,
+    *,
+    world: int,
+    batch_size: int,
+    accum: int,
+    seed: int,
+    steps: int,
+) -> list[dict]:
+    """The single-process loop of the parity tests: every rank's micro-batches of a step, the summed CE over
+    the step's target tokens divided by their count, clipping at 1.0, one optimizer and scheduler step.
+
+    Returns:
+        Per step: the loss (mean over target tokens), the gradient norm and the target-token count.
+    """
+    import torch.nn.functional as F
+
+    out = []
+    for micro in step_micro_batches(
+        len(data), world=world, batch_size=batch_size, accum=accum, seed=seed, steps=steps
+    ):
+        padded = [pad_batch([data[i] for i in idx], pad_id) for idx in micro]
+        total_tokens = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in padded)
+        loss_sum = 0.0
+        for ids, mask, lab in padded:
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), reduction="sum")
+            (ce / total_tokens).backward()
+            loss_sum += ce.item()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        out.append({"loss": loss_sum / total_tokens, "grad_norm": float(norm), "target_tokens": total_tokens})
+    return out

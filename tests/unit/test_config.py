@@ -312,7 +312,7 @@ def test_fp16_is_refused_with_the_alternatives() -> None:
         (("--use_peft", "true", "--lora_r", "0"), "lora_r"),
         (("--merge_adapter", "true"), "merge_adapter"),
         (
-            ("--use_peft", "true", "--fsdp_cpu_ram_efficient_loading", "true"),
+            ("--resize_token_embeddings", "true", "--fsdp_cpu_ram_efficient_loading", "true"),
             "fsdp_cpu_ram_efficient_loading",
         ),
         (("--push_to_hub", "true"), "push_to_hub"),

@@ -353,7 +353,6 @@ def test_packed_dataloader_order_is_seeded_and_worker_independent(chat_examples:
 
 @pytest.mark.slow  # a 2-rank recipe run (~15 s); padding-free batches take the same path (tested above)
 def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
-    padding_free = False
     model_dir = make_tiny_llama_dir(tmp_path / "model", seed=2)
     data_file = write_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=4)
     out = tmp_path / "run"
@@ -362,7 +361,7 @@ def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
         [
             "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
             "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "96", "--seed", "11",
-            "--packing", "true", "--padding_free", str(padding_free).lower(), "--mixed_precision", "no",
+            "--packing", "true", "--mixed_precision", "no",
             "--export_dtype", "float32",
         ],
         nproc=2,
@@ -389,7 +388,7 @@ def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
                 loss_sum += cross_entropy_sum(model(input_ids=ids).logits, labels).item()
                 tokens += count_target_tokens(labels)
         widths = [int(packed.row_lengths[row]) for row in rows]
-        processed = sum(widths) if padding_free else 2 * (max(widths[:2]) + max(widths[2:]))
+        processed = 2 * (max(widths[:2]) + max(widths[2:]))  # each rank pads its 2 rows to the longer
     assert record["target_tokens"] == tokens
     assert record["loss"] == pytest.approx(loss_sum / tokens, rel=1e-5)
     assert record["padding_efficiency"] == pytest.approx(tokens / processed)
