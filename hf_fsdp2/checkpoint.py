@@ -282,6 +282,7 @@ class Checkpointer:
         self.async_save = async_save
         self.is_main = is_main_process
         self.protected: Path | None = None  # the checkpoint resumed from is never deleted
+        self.rank_data: dict[str, Any] | None = None  # this rank's data position, from the checkpoint loaded
         self._pending: tuple[Future, Path, Path, int] | None = None
         self._async_group: Any = None
         if async_save and dist.is_initialized():
@@ -305,8 +306,12 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         state: TrainerState,
         config_yaml: str,
+        rank_data: dict[str, Any] | None = None,
     ) -> None:
         """Write ``checkpoint-<step>`` (every rank; collective).
+
+        ``rank_data`` is this rank's own data position (a streamed corpus: each rank reads its own slice),
+        saved beside its RNG state.
 
         Raises:
             CheckpointError: writing failed (disk full, permissions...); the temporary folder is
@@ -323,7 +328,7 @@ class Checkpointer:
                 (tmp / "rng").mkdir(parents=True)
 
         def write() -> None:
-            torch.save(rng_state(), tmp / "rng" / f"rank{collectives.rank()}.pt")
+            torch.save({**rng_state(), "data": rank_data}, tmp / "rng" / f"rank{collectives.rank()}.pt")
             tensors = {
                 "model": get_model_state_dict(model),
                 "optim": get_optimizer_state_dict(model, optimizer),
@@ -427,8 +432,11 @@ class Checkpointer:
         set_optimizer_state_dict(model, optimizer, optim_sd)
         rng_file = path / "rng" / f"rank{collectives.rank()}.pt"
         world = collectives.world()
+        self.rank_data = None
         if state.world_size == world and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            saved = torch.load(rng_file, weights_only=False)
+            set_rng_state(saved)
+            self.rank_data = saved.get("data")
         self.protected = path
         return state
 

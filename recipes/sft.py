@@ -15,23 +15,31 @@ schedule -> checkpoints (resume) -> loop -> export.
 
 from __future__ import annotations
 
-from hf_fsdp2.config import parse_config
+from collections.abc import Callable
+from typing import Any
+
+from hf_fsdp2.config import Config, parse_config
 from hf_fsdp2.train.step import StepSettings, train_step
 from hf_fsdp2.trainer.finish import finish, run_recipe
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import build_sft_data
+from hf_fsdp2.trainer.sft_data import TrainData, build_sft_data
 from hf_fsdp2.trainer.state import RunState
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Config (YAML + CLI, validated), then everything checkable before any work; the session owns the run folder.
-    cfg = parse_config(argv)
+    # Config (YAML + CLI, validated); the recipe's data: chat / prompt-completion / text examples with loss masks.
+    run(parse_config(argv), build_sft_data, recipe="sft")
+
+
+def run(cfg: Config, build_data: Callable[[Session, Any], TrainData], *, recipe: str) -> None:
+    """Train with ``cfg`` on the micro-batches ``build_data`` makes (every rank), then export."""
+    # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
         t = cfg.train
         tokenizer = load_run_tokenizer(session)
-        data = build_sft_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
+        data = build_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
         model, optimizer = build_model(session, tokenizer)  # LoRA, AC, compile, FSDP2 per decoder layer
         scheduler = build_schedule(session, optimizer, data.total_steps)
         state = RunState(session, model.module, optimizer, scheduler, data.stream)  # resume, if asked
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         # The verified export (the final state saved first if it fails), the summary, the push.
         finish(
             session, model, tokenizer, state, observer, first_step=state.first_step, last_step=data.total_steps,
-            recipe="sft",
+            recipe=recipe,
         )  # fmt: skip
 
 

@@ -147,6 +147,31 @@ class DataArgs:
         },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+    text_unit: Literal["paragraph", "document", "line"] = field(
+        default="paragraph",
+        metadata={"help": "What one record of a .txt file is: a paragraph (blank-line separated), the whole file, "
+                  "or a line."},
+    )  # fmt: skip
+    corpus_layout: Literal["concat", "best_fit"] = field(
+        default="concat",
+        metadata={
+            "help": "Continued pre-training rows: concat (documents end to end, rows exactly max_length, a cut "
+            "document continues in the next row) or best_fit (documents cut to max_length, packed by best fit)."
+        },
+    )
+    cross_document_attention: bool = field(
+        default=False,
+        metadata={"help": "Continued pre-training: let documents in one row attend to each other (one sequence per "
+                  "row); false restarts positions per document, as packing does."},
+    )  # fmt: skip
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Continued pre-training: stream the corpus (datasets iterable), tokenized on the fly, each "
+                  "rank its own slice; needs max_steps. The position is saved in checkpoints."},
+    )  # fmt: skip
+    text_column: str = field(
+        default="text", metadata={"help": "Continued pre-training: the column with the text."}
+    )
 
     def resolved_chat_loss(self) -> str:
         """``chat_loss``, or what ``assistant_only_loss`` means when it is unset."""
@@ -205,6 +230,14 @@ class DataArgs:
             self.assistant_only_loss or self.chat_loss in (None, "all"),
             f"chat_loss={self.chat_loss!r} trains on assistant turns but assistant_only_loss=false asks for every "
             "token; unset one of them",
+        )
+        check(
+            not (self.cross_document_attention and self.corpus_layout == "best_fit"),
+            "cross_document_attention=true needs corpus_layout=concat (best_fit packs pieces of documents apart)",
+        )
+        check(
+            not (self.streaming and self.corpus_layout == "best_fit"),
+            "streaming=true needs corpus_layout=concat (best_fit needs every document's length up front)",
         )
         if (self.packing or self.padding_free) and attn_implementation != "auto":  # auto: checked once loaded
             check(

@@ -174,6 +174,7 @@ def load_raw_dataset(
     revision: str | None = None,
     on_bad_record: str = "error",
     bad_lines: list[str] | None = None,
+    text_unit: str = "paragraph",
 ) -> datasets.Dataset:
     """Load an untokenized dataset from a local file or folder, or from the hub.
 
@@ -192,6 +193,8 @@ def load_raw_dataset(
         on_bad_record: local JSON Lines files: ``"error"`` refuses a line that is not a UTF-8 JSON object,
             naming the file and line; ``"skip"`` leaves such lines out.
         bad_lines: where the skipped lines are reported (``"file:line: problem"``).
+        text_unit: what one record of a ``.txt`` file is: ``paragraph``, ``document`` (the whole file) or
+            ``line``.
 
     Returns:
         The loaded ``datasets.Dataset``.
@@ -233,7 +236,7 @@ def load_raw_dataset(
                 )
             # The split key must be the bare name: "train[:100]" selects from the split called "train".
             split_name = re.split(r"[\[+]", split, maxsplit=1)[0]
-            kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+            kwargs = {"sample_by": text_unit} if builder == "text" else {}
             bad = scan_json_lines(files) if builder == "json" else []
             if bad and on_bad_record != "skip":
                 raise ValueError(
@@ -270,7 +273,7 @@ def load_raw_dataset(
                 ) from None
             if builder == "text":
                 # Paragraph splitting leaves stray newlines and whitespace-only records around long gaps.
-                loaded = loaded.map(_paragraphs, batched=True, desc="Splitting paragraphs")
+                loaded = loaded.map(_paragraphs, batched=True, desc="Dropping empty records")
     else:
         loaded = datasets.load_dataset(name_or_path, config_name, split=split, revision=revision)
 
@@ -287,7 +290,11 @@ def load_raw_dataset(
 
 
 def load_source(
-    source: DataSource, *, on_bad_record: str = "error", bad_lines: list[str] | None = None
+    source: DataSource,
+    *,
+    on_bad_record: str = "error",
+    bad_lines: list[str] | None = None,
+    text_unit: str = "paragraph",
 ) -> datasets.Dataset:
     """`load_raw_dataset` for a `DataSource`."""
     return load_raw_dataset(
@@ -297,6 +304,31 @@ def load_source(
         revision=source.revision,
         on_bad_record=on_bad_record,
         bad_lines=bad_lines,
+        text_unit=text_unit,
+    )
+
+
+def stream_source(source: DataSource, *, text_unit: str = "paragraph") -> Any:
+    """A ``datasets.IterableDataset`` of a source's records, read as they are consumed (``streaming``).
+
+    Local files stream with the same builders as :func:`load_raw_dataset`; a hub id streams from the hub.
+
+    Raises:
+        FileNotFoundError: a path that does not exist or a folder without data files.
+    """
+    if _looks_like_path(source.name):
+        path = Path(source.name).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"Dataset path {source.name!r} does not exist (resolved to {str(path.resolve())!r})."
+            )
+        builder, files = _local_data_files(path)
+        kwargs = {"sample_by": text_unit} if builder == "text" else {}
+        return datasets.load_dataset(
+            builder, data_files={"train": files}, split="train", streaming=True, **kwargs
+        )
+    return datasets.load_dataset(
+        source.name, source.subset, split=source.split, revision=source.revision, streaming=True
     )
 
 

@@ -14,13 +14,13 @@ from hf_fsdp2.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
     Checkpointer,
+    CheckpointError,
     StopRequest,
     TrainerState,
     check_config_compatible,
     checkpoint_dir,
     resolve_resume,
 )
-from hf_fsdp2.data.loader import DataStream
 from hf_fsdp2.export.hub import CheckpointPusher
 from hf_fsdp2.train.optim import restore_scheduler
 from hf_fsdp2.trainer.session import Session
@@ -36,12 +36,13 @@ class RunState:
         model: the sharded model.
         optimizer: its optimizer.
         scheduler: its learning-rate schedule.
-        stream: the data stream (its position is saved and restored).
+        stream: the data stream (its position is saved and restored): a ``DataStream`` (epoch and micro-batches
+            consumed), or a stream with a per-rank ``state_dict`` (a streamed corpus).
     """
 
     def __init__(
         self, session: Session, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        stream: DataStream,
+        stream: Any,
     ) -> None:  # fmt: skip
         cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
         self.session, self.model, self.optimizer, self.scheduler, self.stream = (
@@ -84,7 +85,15 @@ class RunState:
         # number of examples is skipped, in the new layout (see docs: resume on a different world size).
         examples = state.batches_in_epoch * state.per_device_train_batch_size * state.world_size
         per_batch = t.per_device_train_batch_size * session.world
-        self.stream.start_at(state.epoch, examples // per_batch)
+        if hasattr(self.stream, "load_state_dict"):  # a streamed corpus: each rank's own position
+            if self.checkpointer.rank_data is None:
+                raise CheckpointError(
+                    f"{path} was written by {state.world_size} ranks; a streamed corpus resumes on the same number "
+                    f"of ranks (each reads its own slice), not {session.world}"
+                )
+            self.stream.load_state_dict(self.checkpointer.rank_data)
+        else:
+            self.stream.start_at(state.epoch, examples // per_batch)
         if state.world_size != session.world or examples % per_batch:
             logger.warning(
                 "resuming on %d ranks from a checkpoint of %d: weights and optimizer state are the same, the "
@@ -109,7 +118,8 @@ class RunState:
             per_device_train_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
         )
-        self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml)
+        rank_data = self.stream.state_dict() if hasattr(self.stream, "state_dict") else None
+        self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
         self.last_saved = step
         if self.pusher is not None:
             self.pusher.push_new()

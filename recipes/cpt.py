@@ -1,0 +1,31 @@
+"""Continued pre-training of an HF causal LM on plain-text documents with FSDP2 through Accelerate.
+
+Loss on every token; no document is truncated or dropped: documents are concatenated (each ending with EOS)
+and cut into rows of exactly ``max_length`` tokens, or cut and packed by best fit (``corpus_layout``);
+positions restart per document unless ``cross_document_attention: true``; ``streaming: true`` reads a corpus
+larger than memory or disk cache, each rank its own slice, resumable exactly (hf_fsdp2/data/corpus.py).
+
+GPU node (8 GPUs):
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/cpt.py \
+        --config recipes/configs/llama3_8b_cpt.yaml
+CPU machine (2 gloo processes):
+    torchrun --nproc_per_node 2 recipes/cpt.py --config recipes/configs/cpt_cpu_demo.yaml
+
+The loop, the checkpoints and the export are the SFT recipe's (``run`` in recipes/sft.py); only the data differs.
+"""
+
+from __future__ import annotations
+
+from hf_fsdp2.recipes.sft import run
+
+from hf_fsdp2.config import parse_config
+from hf_fsdp2.trainer.cpt_data import build_cpt_data
+from hf_fsdp2.trainer.finish import run_recipe
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_config(argv), build_cpt_data, recipe="cpt")
+
+
+if __name__ == "__main__":
+    run_recipe(main)
