@@ -8,8 +8,9 @@ with the token before it as context (not a target), so no target is lost at a cu
 
 Rows, by ``corpus_layout``:
 
-* ``concat``: documents in order, end to end; a row is filled to exactly ``max_length`` tokens and a cut
-  document continues at the start of the next row (every row is full but the last);
+* ``concat``: documents in order, end to end; a row is filled to ``max_length`` tokens and a cut document
+  continues at the start of the next row (every row is full but the last, or one short when only a
+  document's first token would fit: it is no target, and its document starts the next row with it);
 * ``best_fit``: documents cut into pieces of at most ``max_length`` tokens, then packed by best-fit
   decreasing (fewer cuts, a little padding; map-style datasets only).
 
