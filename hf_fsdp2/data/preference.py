@@ -1,0 +1,238 @@
+"""Preference pairs for DPO: ``prompt`` / ``chosen`` / ``rejected`` records -> token ids with the prompt shared
+and a loss mask on the completions only, and the collator that puts chosen and rejected rows in one batch.
+
+Formats (detected per record, as TRL's ``DPOTrainer`` reads them):
+
+* strings: ``prompt`` + ``chosen`` / ``rejected`` are concatenated as text (the dataset carries any leading
+  space) and EOS is appended to each completion unless it ends with it;
+* message lists: ``prompt`` is rendered with the chat template and the generation prompt, each completion as
+  the continuation of ``prompt + chosen`` (what the template emits, end of turn included);
+* no ``prompt`` column: the prompt is the longest common prefix of ``chosen`` and ``rejected`` (whole messages
+  for message lists), as in Anthropic-HH style data;
+* ``conversations``-style ShareGPT turns are accepted in the message lists (``from``/``value``).
+
+The prompt tokens are the common prefix of the prompt's tokens and each full sequence's (a token merged
+across the boundary belongs to the completion). Sequences longer than ``max_length`` keep their start
+(``long_examples: truncate``), or are dropped or refused; a pair whose prompt alone fills ``max_length`` has
+no completion left and is dropped (counted). Bad records name their source and index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_fsdp2.data.records import IGNORE_INDEX, SHAREGPT_ROLES, RecordError
+
+PREFERENCE_COLUMNS = ("chosen", "rejected")
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping)
+
+
+def _messages(value: list[Any], where: str, column: str) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(value):
+        role = m.get("role", SHAREGPT_ROLES.get(str(m.get("from")), m.get("from")))
+        content = m.get("content", m.get("value"))
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise RecordError(
+                f"{where}: {column} message {i} needs a role (system/user/assistant) and text content, got {m!r:.200}",
+                "bad message",
+            )
+        out.append({"role": str(role), "content": content})
+    return out
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_prompt(record: Mapping[str, Any], where: str) -> tuple[Any, Any, Any]:
+    """``(prompt, chosen, rejected)`` of a record, the prompt extracted as their common prefix when absent.
+
+    Raises:
+        RecordError: a missing or empty completion, or mixed types, naming the record.
+    """
+    chosen: Any = record.get("chosen")
+    rejected: Any = record.get("rejected")
+    for column, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise RecordError(
+                f"{where}: column {column!r} is missing or None (columns: {list(record)})", "missing field"
+            )
+        if isinstance(value, str) and not value.strip():
+            raise RecordError(f"{where}: an empty {column} completion: nothing to prefer", "empty completion")
+        if isinstance(value, list) and not value:
+            raise RecordError(f"{where}: an empty {column} completion: nothing to prefer", "empty completion")
+    prompt = record.get("prompt")
+    if prompt is None:
+        if _is_messages(chosen) and _is_messages(rejected):
+            n = _common_prefix(chosen, rejected)
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        elif isinstance(chosen, str) and isinstance(rejected, str):
+            n = _common_prefix(chosen, rejected)
+            if 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+                n -= 1  # the space before the answers belongs to the completions (as TRL splits them)
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not chosen or not rejected:
+            raise RecordError(
+                f"{where}: chosen and rejected are the same: nothing to prefer", "empty completion"
+            )
+    if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(
+        rejected, str
+    ):
+        raise RecordError(
+            f"{where}: prompt, chosen and rejected must all be strings or all message lists", "mixed types"
+        )
+    return prompt, chosen, rejected
+
+
+@dataclass(frozen=True)
+class PreferenceStats:
+    """What tokenizing the pairs did: counts for the start-of-run summary."""
+
+    pairs: int
+    kept: int
+    truncated: int
+    dropped: int
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def describe(self, source: str) -> str:
+        skipped = sum(self.skipped.values())
+        parts = [
+            f"{self.pairs} pairs",
+            f"{self.truncated} truncated",
+            f"{self.dropped} dropped (no room for a completion)",
+        ]
+        if skipped:
+            parts.append(
+                f"{skipped} bad records skipped ({', '.join(f'{n} {r}' for r, n in sorted(self.skipped.items()))})"
+            )
+        return f"preference data {source}: {', '.join(parts)} -> {self.kept} pairs"
+
+
+def tokenize_pair(
+    tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, where: str
+) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, chosen_ids, rejected_ids)``: the shared prompt and each completion's tokens."""
+    if isinstance(chosen, str):
+        eos = tokenizer.eos_token or ""
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        full_chosen = tokenizer(prompt + chosen)["input_ids"]
+        full_rejected = tokenizer(prompt + rejected)["input_ids"]
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecordError(
+                f"{where}: message lists need a tokenizer with a chat template", "no chat template"
+            )
+        prompt = _messages(prompt, where, "prompt")
+        chosen = _messages(chosen, where, "chosen")
+        rejected = _messages(rejected, where, "rejected")
+
+        def render(messages: list[dict[str, str]], generation: bool) -> list[int]:
+            out = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation, tokenize=True, return_dict=True
+            )
+            return list(out["input_ids"])
+
+        prompt_ids = render(prompt, True) if prompt else []
+        full_chosen, full_rejected = render(prompt + chosen, False), render(prompt + rejected, False)
+    n = min(_common_prefix(prompt_ids, full_chosen), _common_prefix(prompt_ids, full_rejected))
+    return list(prompt_ids[:n]), list(full_chosen[n:]), list(full_rejected[n:])
+
+
+def tokenize_pairs(
+    records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
+    source: str = "",
+) -> tuple[list[dict[str, Any]], PreferenceStats]:  # fmt: skip
+    """Tokenize every record of ``records`` (a ``datasets.Dataset`` or a list of dicts) into pairs.
+
+    Returns:
+        Pairs ``{"prompt_ids", "chosen_ids", "rejected_ids", "index"}`` (index: the pair's position among the
+        kept ones) and the counts.
+
+    Raises:
+        RecordError: a bad record (``on_bad_record=error``) or a pair longer than ``max_length``
+            (``long_examples=error``), naming the source and the record.
+    """
+    pairs: list[dict[str, Any]] = []
+    truncated = dropped = 0
+    skipped: dict[str, int] = {}
+    total = 0
+    for index, record in enumerate(records):
+        total += 1
+        where = f"{source} record {index}" if source else f"record {index}"
+        try:
+            prompt_ids, chosen_ids, rejected_ids = tokenize_pair(
+                tokenizer, *split_prompt(record, where), where
+            )
+        except RecordError as err:
+            if on_bad_record != "skip":
+                raise
+            skipped[err.reason] = skipped.get(err.reason, 0) + 1
+            continue
+        longest = len(prompt_ids) + max(len(chosen_ids), len(rejected_ids))
+        if longest > max_length:
+            if long_examples == "error":
+                raise RecordError(
+                    f"{where}: {longest} tokens, more than max_length={max_length}; raise max_length, or set "
+                    "long_examples=truncate (keep the start) or drop",
+                    "too long",
+                )
+            if long_examples == "drop" or len(prompt_ids) >= max_length:
+                dropped += 1
+                continue
+            truncated += 1
+        pairs.append({"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids,
+                      "index": len(pairs)})  # fmt: skip
+    return pairs, PreferenceStats(total, len(pairs), truncated, dropped, skipped)
+
+
+@dataclass
+class PreferenceCollator:
+    """Chosen rows then rejected rows of a micro-batch in one right-padded batch, cut to ``max_length`` each
+    (keeping the start), with ``completion_mask`` on the completion tokens only and the pairs' indices.
+
+    Returns ``input_ids``, ``attention_mask``, ``labels`` (completion tokens, ``IGNORE_INDEX`` elsewhere),
+    ``completion_mask`` (``[2B, L]``) and ``pair_index`` (``[B]``).
+    """
+
+    pad_token_id: int
+    max_length: int
+
+    def __call__(self, pairs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        rows, masks = [], []
+        for key in ("chosen_ids", "rejected_ids"):
+            for pair in pairs:
+                ids = (list(pair["prompt_ids"]) + list(pair[key]))[: self.max_length]
+                mask = ([0] * len(pair["prompt_ids"]) + [1] * len(pair[key]))[: self.max_length]
+                rows.append(ids)
+                masks.append(mask)
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        completion = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (ids, mask) in enumerate(zip(rows, masks, strict=True)):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+            completion[i, : len(mask)] = torch.tensor(mask)
+        labels = input_ids.masked_fill(completion == 0, IGNORE_INDEX)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "labels": labels,
+            "completion_mask": completion,
+            "pair_index": torch.tensor([int(p["index"]) for p in pairs], dtype=torch.long),
+        }
