@@ -54,6 +54,7 @@ CONFIG_FILE = "hf_fsdp2_config.yaml"
 # (logging, save cadence, export settings...): the change is logged.
 MUST_MATCH = (
     "model_name_or_path",
+    "ref_model_name_or_path",
     "tokenizer_name_or_path",
     "dataset_name",
     "dataset_config_name",
@@ -74,6 +75,7 @@ MUST_MATCH = (
     "on_bad_record",
     "eval_split_fraction",
     "padding_free",
+    "train_sampling_strategy",
 )
 
 

@@ -248,3 +248,23 @@ def resize_embeddings(model: torch.nn.Module, tokenizer_size: int) -> None:
     ``config.vocab_size`` follows, so the export's config matches its weights.
     """
     model.resize_token_embeddings(tokenizer_size)  # type: ignore[operator]
+
+
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "hidden_dropout", "resid_dropout")
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout of ``model`` to 0: ``nn.Dropout`` modules (LoRA's included) and the float rates that
+    attention modules read in their forward (``attention_dropout`` ...), so its log-probs do not depend on
+    the train/eval mode (DPO's policy and reference). Returns how many were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+        for name in _DROPOUT_ATTRIBUTES:
+            value = getattr(module, name, None)
+            if isinstance(value, float) and not isinstance(value, bool):
+                changed += value > 0
+                setattr(module, name, 0.0)
+    return changed

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_fsdp2.config import Config, parse_config
-from hf_fsdp2.train.step import StepSettings, train_step
 from hf_fsdp2.trainer.finish import finish, run_recipe
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
+from hf_fsdp2.trainer.objective import SFT, Objective
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.sft_data import TrainData, build_sft_data
@@ -33,30 +33,34 @@ def main(argv: list[str] | None = None) -> None:
     run(parse_config(argv), build_sft_data, recipe="sft")
 
 
-def run(cfg: Config, build_data: Callable[[Session, Any], TrainData], *, recipe: str) -> None:
-    """Train with ``cfg`` on the micro-batches ``build_data`` makes (every rank), then export."""
+def run(
+    cfg: Config, build_data: Callable[[Session, Any], TrainData], *, recipe: str, objective: Objective = SFT
+) -> None:
+    """Train ``objective`` with ``cfg`` on the micro-batches ``build_data`` makes (every rank), then export."""
     # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
         t = cfg.train
         tokenizer = load_run_tokenizer(session)
         data = build_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
-        model, optimizer = build_model(session, tokenizer)  # LoRA, AC, compile, FSDP2 per decoder layer
+        # LoRA, AC, compile, FSDP2 per decoder layer
+        model, optimizer = build_model(session, tokenizer, no_dropout=objective.no_dropout)
         scheduler = build_schedule(session, optimizer, data.total_steps)
+        # The step function (SFT: token-normalised CE; DPO: the reference built or precomputed now).
+        train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
         state = RunState(session, model.module, optimizer, scheduler, data.stream)  # resume, if asked
         observer = Observer(
             session, model, tokenizer, eval_set=data.eval_set, collator=data.collator,
-            first_step=state.first_step, total_steps=data.total_steps,
+            first_step=state.first_step, total_steps=data.total_steps, evaluator=evaluator,
         )  # fmt: skip
-        settings = StepSettings(model.loss_plan, t.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
         batches = observer.timed(data.stream)
 
-        # The loop: one optimizer step over gradient_accumulation_steps micro-batches per rank (token-normalised
-        # loss, clip, step), then metrics and eval, then checkpoints and SIGTERM.
+        # The loop: one optimizer step over gradient_accumulation_steps micro-batches per rank (the objective's
+        # normalised loss, clip, step), then metrics and eval, then checkpoints and SIGTERM.
         model.module.train()
         for step in range(state.first_step, data.total_steps + 1):
             observer.start_step(step)
             micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
-            out = train_step(model.module, optimizer, scheduler, micro_batches, settings, session.device)
+            out = train_step(micro_batches)
             observer.end_step(step, micro_batches, out, model.module, epoch=data.stream.epoch)
             if state.after_step(step, data.total_steps):  # SIGTERM: saved, stop here
                 observer.close()

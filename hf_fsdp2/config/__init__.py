@@ -16,7 +16,7 @@ from hf_fsdp2.config.parse import (
 )
 from hf_fsdp2.config.plans import ConfigError, parse_size
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
-from hf_fsdp2.config.training import FSDPArgs, PeftArgs, TrainArgs
+from hf_fsdp2.config.training import FSDPArgs, PeftArgs, PreferenceArgs, TrainArgs
 
 __all__ = [
     "CONFIG_NAME",
@@ -29,6 +29,7 @@ __all__ = [
     "ModelArgs",
     "ObserveArgs",
     "PeftArgs",
+    "PreferenceArgs",
     "TrainArgs",
     "known_keys",
     "load_yaml",

@@ -22,11 +22,13 @@ from transformers import HfArgumentParser
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.plans import ConfigError, check
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
-from hf_fsdp2.config.training import FSDPArgs, PeftArgs, TrainArgs
+from hf_fsdp2.config.training import FSDPArgs, PeftArgs, PreferenceArgs, TrainArgs
 
 CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
 
-SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs)
+SECTIONS: tuple[type, ...] = (
+    ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs, PreferenceArgs,
+)  # fmt: skip
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Config:
     peft: PeftArgs
     export: ExportArgs
     observe: ObserveArgs
+    preference: PreferenceArgs = dataclasses.field(default_factory=PreferenceArgs)
 
     def validate(self) -> None:
         """Every section validates itself; then the keys of different sections that must agree.
@@ -55,6 +58,7 @@ class Config:
         p.validate()
         self.export.validate(t.save_steps)
         self.observe.validate(has_eval=d.has_eval())
+        self.preference.validate()
         check(
             not (m.resize_token_embeddings and f.fsdp_cpu_ram_efficient_loading),
             "resize_token_embeddings=true with fsdp_cpu_ram_efficient_loading=true is not supported (the new rows "
@@ -65,7 +69,9 @@ class Config:
     def to_flat_dict(self) -> dict[str, Any]:
         """Every key with its resolved value, in the flat form the YAML recipes use."""
         flat: dict[str, Any] = {}
-        for section in (self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe):
+        for section in (
+            self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe, self.preference,
+        ):  # fmt: skip
             flat.update(dataclasses.asdict(section))
         return flat
 

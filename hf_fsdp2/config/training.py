@@ -56,6 +56,13 @@ class TrainArgs:
     warmup_steps: int = field(default=0, metadata={"help": "Warmup steps; overrides warmup_ratio when > 0."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
     seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
+    train_sampling_strategy: Literal["random", "sequential"] = field(
+        default="random",
+        metadata={
+            "help": "Order of the training examples: random (reshuffled each epoch from the seed) or sequential "
+            "(dataset order, ranks taking turns)."
+        },
+    )
     logging_steps: int = field(
         default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."}
     )
@@ -298,3 +305,71 @@ class PeftArgs:
         check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         check(bool(self.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
         check(not self.merge_adapter or self.use_peft, "merge_adapter=true needs use_peft=true")
+
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge")
+
+
+@dataclass
+class PreferenceArgs:
+    """Direct preference optimisation (recipes/dpo.py; TRL's key names). Other recipes ignore this section."""
+
+    beta: float = field(
+        default=0.1,
+        metadata={
+            "help": "DPO beta: how far the policy may move from the reference (IPO: tau, target 1/(2 beta))."
+        },
+    )
+    loss_type: str = field(
+        default="sigmoid",
+        metadata={"help": f"Preference loss: one of {', '.join(DPO_LOSS_TYPES)} (TRL's names)."},
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "Probability that a pair's labels are flipped: conservative DPO (cDPO) with sigmoid, "
+            "robust DPO with robust; in [0, 0.5)."
+        },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs of every pair in one pass before training (no reference model "
+            "in memory while training)."
+        },
+    )
+    precompute_ref_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Pairs per rank per batch of that pass; default per_device_train_batch_size."},
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Reference model folder or hub id; default the model being trained (its weights as loaded). "
+            "Ignored with LoRA, whose reference is the base with the adapter disabled."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout of the policy and reference to 0 (TRL's default), so log-probs are exact."
+        },
+    )
+
+    def validate(self) -> None:
+        """Raises ConfigError for a value argparse cannot refuse."""
+        check(
+            self.loss_type in DPO_LOSS_TYPES,
+            f"loss_type={self.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}",
+        )
+        check(self.beta > 0, f"beta={self.beta} must be > 0")
+        check(0 <= self.label_smoothing < 0.5, f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        check(
+            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "robust"),
+            f"label_smoothing={self.label_smoothing} applies to loss_type sigmoid (cDPO) or robust, not "
+            f"{self.loss_type!r}; set it to 0",
+        )
+        check(
+            self.precompute_ref_batch_size is None or self.precompute_ref_batch_size >= 1,
+            f"precompute_ref_batch_size={self.precompute_ref_batch_size} must be >= 1",
+        )

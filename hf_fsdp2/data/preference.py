@@ -9,6 +9,8 @@ Formats (detected per record, as TRL's ``DPOTrainer`` reads them):
   the continuation of ``prompt + chosen`` (what the template emits, end of turn included);
 * no ``prompt`` column: the prompt is the longest common prefix of ``chosen`` and ``rejected`` (whole messages
   for message lists), as in Anthropic-HH style data;
+* a text ``prompt`` with message-list completions that repeat it (UltraFeedback-binarized style): the shared
+  leading messages are the prompt; completions without shared messages follow the text as a user turn;
 * ``conversations``-style ShareGPT turns are accepted in the message lists (``from``/``value``).
 
 The prompt tokens are the common prefix of the prompt's tokens and each full sequence's (a token merged
@@ -75,6 +77,14 @@ def split_prompt(record: Mapping[str, Any], where: str) -> tuple[Any, Any, Any]:
         if isinstance(value, list) and not value:
             raise RecordError(f"{where}: an empty {column} completion: nothing to prefer", "empty completion")
     prompt = record.get("prompt")
+    if isinstance(prompt, str) and _is_messages(chosen) and _is_messages(rejected):
+        # UltraFeedback-style: a text prompt, and conversations that already start with it; the shared
+        # messages are the prompt. Otherwise the text is the user's turn before the completions.
+        shared = _common_prefix(chosen, rejected)
+        if shared:
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        else:
+            prompt = [{"role": "user", "content": prompt}]
     if prompt is None:
         if _is_messages(chosen) and _is_messages(rejected):
             n = _common_prefix(chosen, rejected)
@@ -84,10 +94,8 @@ def split_prompt(record: Mapping[str, Any], where: str) -> tuple[Any, Any, Any]:
             if 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
                 n -= 1  # the space before the answers belongs to the completions (as TRL splits them)
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        if not chosen or not rejected:
-            raise RecordError(
-                f"{where}: chosen and rejected are the same: nothing to prefer", "empty completion"
-            )
+    if not chosen or not rejected:
+        raise RecordError(f"{where}: chosen and rejected are the same: nothing to prefer", "empty completion")
     if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(
         rejected, str
     ):

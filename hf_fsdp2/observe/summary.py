@@ -68,6 +68,7 @@ def run_summary(
         "final_loss": last_record.get("loss") if last_record else None,
         "final_eval_loss": last_eval.get("eval_loss") if last_eval else None,
         "final_eval_perplexity": last_eval.get("eval_perplexity") if last_eval else None,
+        "final_eval_accuracy": last_eval.get("eval_rewards/accuracies") if last_eval else None,
         "export_dir": str(export_dir) if export_dir is not None else None,
         **extra,
     }
@@ -96,9 +97,14 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
     if summary.get("final_loss") is not None:
         losses.append(f"final loss {summary['final_loss']:.4f}")
     if summary.get("final_eval_loss") is not None:
-        losses.append(
-            f"eval loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_perplexity']:.3f})"
+        detail = (
+            f"perplexity {summary['final_eval_perplexity']:.3f}"
+            if summary.get("final_eval_perplexity") is not None
+            else f"preference accuracy {summary['final_eval_accuracy']:.3f}"
+            if summary.get("final_eval_accuracy") is not None
+            else ""
         )
+        losses.append(f"eval loss {summary['final_eval_loss']:.4f}" + (f" ({detail})" if detail else ""))
     if losses:
         lines.append("summary: " + ", ".join(losses))
     lines.append(

@@ -60,6 +60,16 @@ class StepOutput:
     grad_norm: torch.Tensor
     lr: float
 
+    @property
+    def loss_count(self) -> int:
+        """What the summed loss is divided by: the step's target tokens."""
+        return self.target_tokens
+
+    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
+        """The router loss when the model has one (collective when it has: every rank calls it)."""
+        aux = self.aux_loss(micro_batches)
+        return {} if aux is None else {"aux_loss": aux}
+
     def loss(self) -> float:
         """The step's loss: summed CE over every rank / target tokens (collective: every rank calls it)."""
         total = collectives.all_reduce_sum(self.loss_sum.detach().double().reshape(1).clone())

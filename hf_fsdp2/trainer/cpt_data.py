@@ -145,7 +145,9 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
             f"one optimizer step needs {per_step} rows of max_length={d.max_length} but the corpus makes "
             f"{len(dataset)}; lower max_length, the batch size or the accumulation"
         )
-    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed)
+    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed,
+        shuffle=t.train_sampling_strategy == "random",
+    )  # fmt: skip
     loader = build_dataloader(
         dataset,  # type: ignore[arg-type]
         batch_size=t.per_device_train_batch_size,

@@ -19,6 +19,7 @@ from hf_fsdp2.model import (
     check_vocab,
     count_parameters,
     decoder_layer_classes,
+    disable_dropout,
     load_model,
     load_tokenizer,
     resize_embeddings,
@@ -57,10 +58,12 @@ class TrainModel:
     peak_flops: float | None
 
 
-def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.optim.Optimizer]:
+def build_model(
+    session: Session, tokenizer: Any, *, no_dropout: bool = False
+) -> tuple[TrainModel, torch.optim.Optimizer]:
     """Load, wrap (LoRA), shard (FSDP2, activation checkpointing, compile) and plan the loss of the run's model.
 
-    Every rank takes part (sharding, the loss probe).
+    Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).
 
     Returns:
         The model and its optimizer (built on the unsharded parameters, re-pointed at the shards).
@@ -106,6 +109,8 @@ def build_model(session: Session, tokenizer: Any) -> tuple[TrainModel, torch.opt
         if cfg.peft.merge_adapter:  # what the merged export cannot merge is refused now, not after training
             check_mergeable(model)
         logger.info(format_memory_report(memory_report(model), session.world))
+    if no_dropout:
+        logger.info("dropout disabled: %d non-zero dropout rates set to 0", disable_dropout(model))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
     logger.info(

@@ -17,7 +17,6 @@ from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.profiling import StepProfiler
 from hf_fsdp2.observe.trackers import tracker_config, tracker_values
 from hf_fsdp2.parallel.compiling import CompileWatch
-from hf_fsdp2.train.step import StepOutput
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
 
@@ -35,16 +34,18 @@ class Observer:
         collator: the training collator (eval batches the same way).
         first_step: the first step this process runs (after a resume, the one after the checkpoint's).
         total_steps: the run's last step.
+        evaluator: the recipe's own evaluator (``run(model, step, log) -> metrics``); default the SFT one on
+            ``eval_set``.
     """
 
     def __init__(
         self, session: Session, model: TrainModel, tokenizer: Any, *, eval_set: Any, collator: Any, first_step: int,
-        total_steps: int,
+        total_steps: int, evaluator: Any = None,
     ) -> None:  # fmt: skip
         cfg, o, t = session.cfg, session.cfg.observe, session.cfg.train
         self.session, self.total_steps = session, total_steps
-        self.evaluator = None
-        if eval_set is not None:
+        self.evaluator = evaluator
+        if eval_set is not None and evaluator is None:
             self.evaluator = Evaluator(
                 eval_set,
                 collator=collator,
@@ -90,7 +91,7 @@ class Observer:
         self.meter.start_step()
 
     def end_step(
-        self, step: int, micro_batches: list[dict[str, torch.Tensor]], out: StepOutput, model: torch.nn.Module,
+        self, step: int, micro_batches: list[dict[str, torch.Tensor]], out: Any, model: torch.nn.Module,
         epoch: int,
     ) -> dict[str, Any] | None:  # fmt: skip
         """Count, log (every ``logging_steps``, the last step and eval steps) and evaluate; every rank calls it.
@@ -114,7 +115,7 @@ class Observer:
         stats = self.meter.collect(step, out.loss_sum)  # every rank: one all_gather of a few numbers
         record: dict[str, Any] = {
             "step": step,
-            "loss": stats.pop("loss_sum") / max(out.target_tokens, 1),
+            "loss": stats.pop("loss_sum") / max(out.loss_count, 1),
             "lr": out.lr,
             "grad_norm": float(out.grad_norm),
             "target_tokens": out.target_tokens,
@@ -122,9 +123,9 @@ class Observer:
             **stats,
             "epoch": epoch,
         }
-        aux = out.aux_loss(len(micro_batches))  # every rank (collective when MoE)
-        if aux is not None:  # the router loss, logged apart from the token loss
-            record["aux_loss"] = aux
+        # Every rank (collective when there is any): the router loss, logged apart from the token loss; DPO's
+        # rewards, accuracy, margins and log-probs.
+        record.update(out.extra_metrics(len(micro_batches)))
         compiled = self.compile_watch.take()  # seconds spent compiling inside these steps, recompiles so far
         if compiled:
             self.compile_totals["compile_s"] += compiled["compile_s"]

@@ -28,6 +28,7 @@ class TrainData:
     steps_per_epoch: int
     total_steps: int
     examples_per_step: int
+    train_set: Any = None  # the training examples (the DPO recipe's reference pass reads them)
 
 
 def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
@@ -68,7 +69,9 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
             f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
             f"= {per_step} {unit} but the dataset has {len(dataset)}; lower the batch size or the accumulation"
         )
-    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed)
+    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed,
+        shuffle=t.train_sampling_strategy == "random",
+    )  # fmt: skip
     loader = build_dataloader(
         dataset,
         batch_size=t.per_device_train_batch_size,

@@ -1,0 +1,418 @@
+"""Direct preference optimisation: per-sequence log-probs of the completions, the preference losses, the
+reference (a frozen sharded copy, precomputed log-probs, or the LoRA base), and the DPO step.
+
+A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.preference.
+PreferenceCollator`), and goes through the policy in one forward. A row's log-prob is the SUM of the log-probs of
+its completion tokens (TRL's definition). With ``Δ = (π_c − ref_c) − (π_r − ref_r)``:
+
+* ``sigmoid``: ``−(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)`` (ε = ``label_smoothing``: conservative DPO; ε = 0 is DPO);
+* ``ipo``: ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²`` with the log-ratios per completion token (n = completion length);
+* ``robust``: ``[−(1−ε)·logσ(βΔ) + ε·logσ(−βΔ)] / (1−2ε)``;
+* ``hinge``: ``relu(1 − βΔ)``.
+
+The step's loss is the mean over every pair of every micro-batch of every rank: each micro-batch's summed pair
+losses are scaled by ``world / global pairs`` before backward (FSDP2 averages over ranks). Every rank runs the same
+forwards whatever its data: the reference forward (or table lookup) and the policy forward of each micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.train.loss import LossPlan, accumulation_dtype
+from hf_fsdp2.train.step import clip_grad_norm
+
+# Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    """How a DPO step runs (from the preference and train config sections).
+
+    Attributes:
+        loss: the run's loss plan: the model's logit post-processing is applied by the model itself; with
+            ``chunk_tokens > 0`` the head runs on the completion positions only (no logits for the prompts).
+        beta: DPO's beta (IPO's tau).
+        loss_type: sigmoid, ipo, robust or hinge.
+        label_smoothing: ε of cDPO (sigmoid) and robust DPO.
+        max_grad_norm: clip the global gradient norm (0 = measured only).
+        sync_each_microbatch: reduce-scatter after every micro-batch, or only after the last.
+    """
+
+    loss: LossPlan
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    max_grad_norm: float = 1.0
+    sync_each_microbatch: bool = True
+
+
+def completion_logps(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row, the summed log-prob of its completion tokens (``labels != -100``), and the router loss.
+
+    With ``plan.chunk_tokens > 0`` (the plan's probe showed the logits are the head's output after elementwise
+    post-processing) a pre-hook on the output head hands it the completion positions only, so logits exist for
+    completion tokens only; otherwise the full logits are computed and the completion positions picked.
+
+    Returns:
+        ``[rows]`` log-probs (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
+    """
+    extra = {"output_router_logits": True} if plan.router_aux_coef else {}
+    targets = labels[:, 1:]
+    valid = targets != IGNORE_INDEX
+    rows = valid.nonzero()[:, 0]
+    picked_targets = targets[valid]
+    if plan.chunk_tokens > 0:
+        head = model.get_output_embeddings()  # type: ignore[operator]
+
+        def completions_only(module: torch.nn.Module, args: tuple) -> tuple:
+            full = args[0]
+            return (full[:, :-1][valid.to(full.device)][None], *args[1:])
+
+        handle = head.register_forward_pre_hook(completions_only)
+        try:
+            out = model(**inputs, **extra, use_cache=False)
+        finally:
+            handle.remove()
+        logits = out.logits[0]
+    else:
+        out = model(**inputs, **extra, use_cache=False)
+        logits = out.logits[:, :-1][valid.to(out.logits.device)]
+    logits = logits.to(accumulation_dtype(logits.dtype))
+    picked = logits.gather(-1, picked_targets.to(logits.device)[:, None]).squeeze(-1)
+    per_token = picked - torch.logsumexp(logits, dim=-1)
+    sums = torch.zeros(labels.size(0), dtype=per_token.dtype, device=per_token.device)
+    sums = sums.index_add(0, rows.to(per_token.device), per_token)
+    return sums, getattr(out, "aux_loss", None) if extra else None
+
+
+def pair_losses(
+    policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, settings: DPOSettings
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair, the preference loss and the chosen / rejected rewards ``β·(π − ref)``.
+
+    Args:
+        policy: ``[2B]`` the policy's completion log-probs, chosen rows then rejected rows.
+        reference: ``[2B]`` the reference's, same layout (no gradient).
+        lengths: ``[2B]`` completion tokens per row (IPO's normalisation; at least 1).
+        settings: beta, loss type, label smoothing.
+
+    Returns:
+        ``(losses [B], chosen rewards [B], rejected rewards [B])``; the rewards are detached.
+    """
+    b = policy.size(0) // 2
+    ratios = policy - reference.to(policy.dtype)
+    chosen, rejected = ratios[:b], ratios[b:]
+    beta, eps = settings.beta, settings.label_smoothing
+    delta = chosen - rejected
+    if settings.loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+    elif settings.loss_type == "ipo":
+        n = lengths.to(policy.dtype).clamp(min=1)
+        losses = (chosen / n[:b] - rejected / n[b:] - 1 / (2 * beta)) ** 2
+    elif settings.loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    elif settings.loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    else:
+        raise ValueError(f"loss_type={settings.loss_type!r} is not one of sigmoid, ipo, robust, hinge")
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def metric_sums(
+    policy: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
+) -> torch.Tensor:
+    """The :data:`METRICS` of a micro-batch summed over its pairs (fp64, ``[len(METRICS)]``)."""
+    b = policy.size(0) // 2
+    p = policy.detach().double()
+    c, r = chosen_rewards.double(), rejected_rewards.double()
+    return torch.stack([c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(), p[:b].sum(), p[b:].sum()])
+
+
+# ---------------------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------------------
+
+
+class Reference(Protocol):
+    """Where a micro-batch's reference log-probs come from; every rank calls it on every micro-batch."""
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[2B]`` reference completion log-probs of a (device) micro-batch, without gradient."""
+        ...
+
+
+def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def _eval_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: LossPlan) -> torch.Tensor:
+    """Completion log-probs in eval mode (no dropout), without gradient; the mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logps, _ = completion_logps(model, _inputs(batch), batch["labels"], plan)
+    finally:
+        model.train(was_training)
+    return logps
+
+
+@dataclass
+class FrozenModel:
+    """A second, frozen model (FSDP2-sharded like the policy, no optimizer state) run without gradient."""
+
+    model: torch.nn.Module
+    plan: LossPlan
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _eval_logps(self.model, batch, self.plan)
+
+
+@dataclass
+class AdapterDisabled:
+    """The LoRA policy with its adapter disabled: the base model it was loaded as, with no second copy."""
+
+    model: torch.nn.Module
+    plan: LossPlan
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.model.disable_adapter():  # type: ignore[operator]
+            return _eval_logps(self.model, batch, self.plan)
+
+
+@dataclass
+class Precomputed:
+    """Reference log-probs looked up by pair index in a table computed before training (``[pairs, 2]``)."""
+
+    table: torch.Tensor
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        index = batch["pair_index"].to(self.table.device)
+        rows = self.table[index]
+        device = batch["input_ids"].device
+        return torch.cat([rows[:, 0], rows[:, 1]]).to(device)
+
+
+def even_batches(
+    pairs: Sequence[Any], *, rank: int, world_size: int, batch_size: int, collator: Any
+) -> Iterable[tuple[dict[str, torch.Tensor], bool]]:
+    """This rank's batches of pairs ``rank, rank + world_size, ...``, the same number on every rank.
+
+    Yields:
+        ``(collated batch, real)``: after this rank's share, copies of its last batch with ``real=False``
+        (run so that every rank takes part in every forward, their results unused).
+    """
+    n = len(pairs)
+    if n == 0 or batch_size < 1:
+        raise ValueError(f"needs pairs and batch_size >= 1 (got {n} pairs, batch_size={batch_size})")
+    mine = list(range(rank, n, world_size))
+    per_rank = math.ceil(math.ceil(n / world_size) / batch_size)
+    last = None
+    for b in range(per_rank):
+        indices = mine[b * batch_size : (b + 1) * batch_size]
+        if indices:
+            last = collator([pairs[i] for i in indices])
+            yield last, True
+        else:
+            yield (last if last is not None else collator([pairs[0]])), False
+
+
+def precompute_reference(
+    reference: Reference, pairs: Sequence[Any], *, collator: Any, batch_size: int, device: torch.device
+) -> Precomputed:
+    """Every pair's reference log-probs in one pass, the pairs split over the ranks (every rank calls it).
+
+    Returns:
+        The table of every pair (``[pairs, 2]``: chosen, rejected; fp64), the same on every rank.
+    """
+    table = torch.zeros((len(pairs), 2), dtype=torch.float64, device=device)
+    for batch, real in even_batches(
+        pairs,
+        rank=collectives.rank(),
+        world_size=collectives.world(),
+        batch_size=batch_size,
+        collator=collator,
+    ):
+        on_device = {k: v.to(device) for k, v in batch.items()}
+        logps = reference.logps(on_device).double()
+        if real:
+            b = on_device["pair_index"].numel()
+            table[on_device["pair_index"], 0] = logps[:b]
+            table[on_device["pair_index"], 1] = logps[b:]
+    return Precomputed(collectives.all_reduce_sum(table))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DPOStepOutput:
+    """What a DPO step did (tensors stay on the device until logged).
+
+    Attributes:
+        loss_sum: this rank's summed pair losses.
+        pairs: pairs of the step over every rank and micro-batch (the loss's denominator).
+        sums: this rank's :data:`METRICS` sums.
+        aux_sum: this rank's summed router loss (None without one).
+        target_tokens: completion tokens of the step over every rank (the tokens that carry the loss).
+        processed_tokens: tokens fed to the policy (padding included) over every rank.
+        grad_norm: global gradient norm before clipping.
+        lr: learning rate the step used.
+    """
+
+    loss_sum: torch.Tensor
+    pairs: int
+    sums: torch.Tensor
+    aux_sum: torch.Tensor | None
+    target_tokens: int
+    processed_tokens: int
+    grad_norm: torch.Tensor
+    lr: float
+
+    @property
+    def loss_count(self) -> int:
+        """What the summed loss is divided by: the step's pairs."""
+        return self.pairs
+
+    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
+        """Rewards, accuracy, margins and log-probs as means over the step's pairs, and the router loss
+        (collective: every rank calls it)."""
+        values = [self.sums.double()]
+        if self.aux_sum is not None:
+            values.append(self.aux_sum.detach().double().reshape(1))
+        total = collectives.all_reduce_sum(torch.cat(values))
+        out = {name: float(total[i]) / max(self.pairs, 1) for i, name in enumerate(METRICS)}
+        if self.aux_sum is not None:
+            out["aux_loss"] = float(total[len(METRICS)]) / (micro_batches * collectives.world())
+        return out
+
+
+def dpo_forward_backward(
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    reference: Reference,
+    settings: DPOSettings,
+    device: torch.device,
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None, int, int]:
+    """Forward and backward of one DPO step's micro-batches; gradients accumulate in the model.
+
+    Returns:
+        (summed pair losses, global pairs, metric sums, summed router loss or None, global completion
+        tokens, global processed tokens).
+    """
+    local = torch.tensor(
+        [
+            sum(int(b["pair_index"].numel()) for b in micro_batches),
+            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
+            sum(b["input_ids"].numel() for b in micro_batches),
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    counts = collectives.all_reduce_sum(local)
+    pairs, tokens, processed = (int(v) for v in counts.tolist())
+    scale = collectives.world() / pairs if pairs else 0.0
+    aux_scale = settings.loss.router_aux_coef / len(micro_batches)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+    aux_sum = torch.zeros((), dtype=torch.float32, device=device) if settings.loss.router_aux_coef else None
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        set_sync = getattr(model, "set_requires_gradient_sync", None)
+        if callable(set_sync):  # FSDP2: every rank makes the same choice
+            set_sync(settings.sync_each_microbatch or last)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        ref = reference.logps(batch)  # first, without gradient: the same forwards on every rank
+        policy, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
+        lengths = batch["completion_mask"].sum(dim=1)
+        losses, chosen, rejected = pair_losses(policy, ref, lengths, settings)
+        total = losses.sum() * scale
+        if aux is not None and aux_sum is not None:
+            total = total + aux * aux_scale
+            aux_sum += aux.detach().float()
+        total.backward()
+        loss_sum += losses.detach().double().sum()
+        sums += metric_sums(policy, chosen, rejected)
+        del total, policy, losses
+    return loss_sum, pairs, sums, aux_sum, tokens, processed
+
+
+def dpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    reference: Reference,
+    settings: DPOSettings,
+    device: torch.device,
+) -> DPOStepOutput:
+    """One optimizer step of DPO over this rank's ``micro_batches`` (every rank calls it)."""
+    loss_sum, pairs, sums, aux_sum, tokens, processed = dpo_forward_backward(
+        model, micro_batches, reference, settings, device
+    )
+    grad_norm = clip_grad_norm(model, settings.max_grad_norm)
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return DPOStepOutput(loss_sum, pairs, sums, aux_sum, tokens, processed, grad_norm, lr)
+
+
+def evaluate_preferences(
+    model: torch.nn.Module,
+    reference: Reference,
+    pairs: Sequence[Any],
+    *,
+    collator: Any,
+    batch_size: int,
+    settings: DPOSettings,
+    device: torch.device,
+) -> dict[str, float]:
+    """The DPO loss and metrics of every eval pair, each once (every rank calls it; the mode is restored).
+
+    Returns:
+        ``eval_loss``, ``eval_rewards/chosen`` ... (means over the eval pairs) and ``eval_pairs``.
+    """
+    sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
+    for batch, real in even_batches(
+        pairs,
+        rank=collectives.rank(),
+        world_size=collectives.world(),
+        batch_size=batch_size,
+        collator=collator,
+    ):
+        on_device = {k: v.to(device) for k, v in batch.items()}
+        ref = reference.logps(on_device)
+        policy = _eval_logps(model, on_device, settings.loss)
+        losses, chosen, rejected = pair_losses(policy, ref, on_device["completion_mask"].sum(dim=1), settings)
+        if real:
+            sums[0] += losses.double().sum()
+            sums[1] += losses.numel()
+            sums[2:] += metric_sums(policy, chosen, rejected)
+    total = collectives.all_reduce_sum(sums)
+    n = max(float(total[1]), 1.0)
+    out = {"eval_loss": float(total[0]) / n, "eval_pairs": int(total[1])}
+    out.update({f"eval_{name}": float(total[2 + i]) / n for i, name in enumerate(METRICS)})
+    return out

@@ -1,0 +1,128 @@
+"""The DPO recipe's data: preference sources -> tokenized pairs (prompt shared, loss masks on the completions) ->
+the sharded sampler and the stream of micro-batches (chosen rows then rejected rows), the eval pairs, the step
+count. Every rank tokenizes (rank 0 first, so a bad record is one error on every rank)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from hf_fsdp2.collectives import rank0_first
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.sources import DataSource, parse_column_mapping
+from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
+from hf_fsdp2.data.loading import apply_column_mapping, load_source
+from hf_fsdp2.data.mixture import _weighted_indices
+from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, tokenize_pairs
+from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.trainer.sft_data import TrainData
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+class PairList(list):  # type: ignore[type-arg]
+    """Tokenized pairs, indexable like a dataset (each pair's ``index`` is its position)."""
+
+
+def _tokenized(
+    source: DataSource, session: Session, tokenizer: Any
+) -> tuple[list[dict[str, Any]], PreferenceStats]:
+    d = session.cfg.data
+    raw = load_source(source, on_bad_record=d.on_bad_record)
+    mapping = parse_column_mapping(d.dataset_column_mapping)
+    if mapping:
+        raw = apply_column_mapping(raw, mapping, source.describe())
+    missing = [c for c in ("chosen", "rejected") if c not in raw.column_names]
+    if missing:
+        raise ValueError(
+            f"{source.describe()}: preference data needs 'chosen' and 'rejected' columns (and optionally 'prompt'); "
+            f"missing {missing} (columns: {raw.column_names}); rename them with dataset_column_mapping"
+        )
+    return tokenize_pairs(
+        raw, tokenizer, max_length=d.max_length, long_examples=d.long_examples, on_bad_record=d.on_bad_record,
+        source=source.describe(),
+    )  # fmt: skip
+
+
+def _reindexed(pairs: list[dict[str, Any]]) -> PairList:
+    return PairList({**pair, "index": i} for i, pair in enumerate(pairs))
+
+
+def load_pairs(session: Session, tokenizer: Any) -> tuple[PairList, PairList | None]:
+    """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None).
+
+    Raises:
+        ValueError / ConfigError / FileNotFoundError: bad data or settings, naming the source and record.
+    """
+    d, t = session.cfg.data, session.cfg.train
+    train: list[dict[str, Any]] = []
+    held_out: list[dict[str, Any]] = []
+    for salt, source in enumerate(d.sources()):
+        pairs, stats = _tokenized(source, session, tokenizer)
+        logger.info(stats.describe(source.describe()))
+        if not pairs:
+            raise ValueError(f"{source.describe()}: no pair left to train on; see the counts above")
+        if d.eval_split_fraction > 0:
+            n_eval = round(d.eval_split_fraction * len(pairs))
+            if n_eval >= len(pairs):
+                raise ValueError(
+                    f"eval_split_fraction={d.eval_split_fraction} holds out all {len(pairs)} pairs of "
+                    f"{source.describe()}; lower it"
+                )
+            order = np.random.default_rng([t.seed, salt, 1]).permutation(len(pairs))
+            held_out.extend(pairs[i] for i in np.sort(order[:n_eval]))
+            pairs = [pairs[i] for i in np.sort(order[n_eval:])]
+        train.extend(pairs[i] for i in _weighted_indices(len(pairs), source.weight, t.seed, salt))
+    eval_pairs: list[dict[str, Any]] | None = held_out or None
+    eval_source = d.eval_source()
+    if eval_source is not None:
+        eval_pairs, stats = _tokenized(eval_source, session, tokenizer)
+        logger.info(stats.describe(eval_source.describe()))
+        if not eval_pairs:
+            raise ValueError(f"{eval_source.describe()}: no eval pair left; see the counts above")
+    return _reindexed(train), _reindexed(eval_pairs) if eval_pairs else None
+
+
+def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
+    """Tokenize the run's preference pairs and build the stream of micro-batches (every rank).
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
+    """
+    d, t = session.cfg.data, session.cfg.train
+    if d.packing or d.padding_free:
+        raise ConfigError(
+            f"packing={d.packing}, padding_free={d.padding_free}: the DPO recipe batches each pair's chosen and "
+            "rejected rows padded side by side; set both to false"
+        )
+    train, eval_pairs = rank0_first(lambda: load_pairs(session, tokenizer))
+    collator = PreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length)
+    per_step = session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if len(train) < per_step:
+        raise ConfigError(
+            f"one optimizer step needs world_size({session.world}) x per_device_train_batch_size"
+            f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
+            f"= {per_step} pairs but the data has {len(train)}; lower the batch size or the accumulation"
+        )
+    sampler = ShardedSampler(len(train), rank=session.rank, world_size=session.world, seed=t.seed,
+        shuffle=t.train_sampling_strategy == "random",
+    )  # fmt: skip
+    loader = build_dataloader(
+        train,  # type: ignore[arg-type]
+        batch_size=t.per_device_train_batch_size,
+        collator=collator,
+        sampler=sampler,
+        num_workers=d.dataloader_num_workers,
+    )
+    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
+    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    logger.info(
+        "DPO data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)",
+        len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
+        steps_per_epoch, per_step, 2 * per_step,
+    )  # fmt: skip
+    stream = DataStream(loader, sampler, t.per_device_train_batch_size)
+    return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
