@@ -1,0 +1,60 @@
+"""Run TRL's ``DPOTrainer`` deterministically (fp32, dataset order, constant LR, a log line per step) and write
+its per-step metrics as JSON: the reference the DPO recipe's parity test compares against.
+
+    python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --batch 2 --accum 2 --steps 3 --lr 1e-2 \
+        --beta 0.1 --loss_type sigmoid [--precompute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("data")
+    parser.add_argument("out")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--loss_type", default="sigmoid")
+    parser.add_argument("--label_smoothing", type=float, default=0.0)
+    parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--precompute", action="store_true")
+    args = parser.parse_args()
+
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data = datasets.load_dataset("json", data_files=args.data, split="train")
+    with tempfile.TemporaryDirectory() as tmp:
+        config = DPOConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            train_sampling_strategy="sequential", per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=args.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+            beta=args.beta, loss_type=[args.loss_type], label_smoothing=args.label_smoothing,
+            max_length=args.max_length, precompute_ref_log_probs=args.precompute, disable_dropout=True,
+            report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+        )  # fmt: skip
+        # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
+        trainer = DPOTrainer(model=args.model, args=config, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        history = [row for row in trainer.state.log_history if "loss" in row and "step" in row]
+    with open(args.out, "w") as fh:
+        json.dump(history, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
