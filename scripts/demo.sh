@@ -4,6 +4,9 @@
 # words. Prints the exact-match accuracy on 100 held-out dates before and after training.
 # `scripts/demo.sh --lora` trains a LoRA adapter instead (recipes/configs/demo_smollm2_lora.yaml) and
 # scores the merged model it exports to <run>/merged.
+# `scripts/demo.sh --dpo` aligns the model with DPO on preference pairs of the same task (chosen: the exact
+# answer; rejected: a typical wrong one) and prints how often it prefers the right answer of 50 held-out
+# pairs before and after (recipes/configs/dpo_cpu_demo.yaml).
 set -euo pipefail
 CONFIG=recipes/configs/demo_smollm2.yaml RUN=run SCORED=""
 if [[ "${1:-}" == "--lora" ]]; then
@@ -17,6 +20,26 @@ OUT=${DEMO_OUT:-outputs/demo}
 start=$(date +%s)
 
 model=$($HF convert-smollm2 | tail -n 1)
+if [[ "${1:-}" == "--dpo" ]]; then
+    $HF demo-data "$OUT/data" --preference --n-train 400 --n-eval 50 > /dev/null
+    echo "== base model $model: preferred answer more likely than the wrong one, 50 held-out pairs"
+    before=$($HF eval-preference "$model" "$OUT/data/pairs_eval.jsonl" | tail -n 1)
+    echo "$before"
+    echo "== DPO with FSDP2 on 2 CPU processes (accelerate launch; reference: a frozen sharded copy)"
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/dpo.py \
+        --config recipes/configs/dpo_cpu_demo.yaml \
+        --model_name_or_path "$model" --dataset_name "$OUT/data/pairs_train.jsonl" --output_dir "$OUT/dpo"
+    echo "== aligned model $OUT/dpo on the same 50 pairs"
+    after=$($HF eval-preference "$OUT/dpo" "$OUT/data/pairs_eval.jsonl" | tail -n 1)
+    echo "$after"
+    .venv/bin/python - "$before" "$after" "$(( $(date +%s) - start ))" <<'PY'
+import json, sys
+before, after, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+print(f"win rate before: {before['win_rate']:.0%} (margin {before['mean_margin']:+.2f})   after: "
+      f"{after['win_rate']:.0%} (margin {after['mean_margin']:+.2f})   ({before['n']} held-out pairs, {seconds} s in all)")
+PY
+    exit 0
+fi
 $HF demo-data "$OUT/data" --n-train 2000 --n-eval 100 > /dev/null
 echo "== base model $model: exact match on 100 held-out dates"
 before=$($HF eval-task "$model" "$OUT/data/eval.jsonl" | tail -n 1)

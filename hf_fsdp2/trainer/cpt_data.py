@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 
 from hf_fsdp2.collectives import rank0_first
@@ -39,8 +40,10 @@ def _documents(
     on_bad_record: str,
     seed: int,
     salt: int,
-) -> tuple[list[list[int]], int]:
-    """A source's documents, tokenized (cached), weight-selected; and how many empty records were skipped.
+    hold_out: float = 0.0,
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """A source's documents, tokenized (cached), a seeded ``hold_out`` fraction set apart for eval first, the
+    rest weight-selected; and how many empty records were skipped.
 
     Raises:
         ValueError: no ``text_column`` (naming the columns found), or (``on_bad_record=error``) a record without
@@ -68,7 +71,18 @@ def _documents(
         desc=f"Tokenizing {source.describe()}",
     )
     ids = tokenized["ids"]
-    return [ids[i] for i in _weighted_indices(len(ids), source.weight, seed, salt)], len(empty)
+    held: list[list[int]] = []
+    if hold_out > 0:
+        n_eval = round(hold_out * len(ids))
+        if not 0 < n_eval < len(ids):
+            raise ValueError(
+                f"eval_split_fraction={hold_out} holds out {n_eval} of the {len(ids)} documents of "
+                f"{source.describe()}; it must leave at least one for each side"
+            )
+        order = np.random.default_rng([seed, salt, 1]).permutation(len(ids))
+        held = [ids[i] for i in np.sort(order[:n_eval])]
+        ids = [ids[i] for i in np.sort(order[n_eval:])]
+    return [ids[i] for i in _weighted_indices(len(ids), source.weight, seed, salt)], held, len(empty)
 
 
 class StreamingBatches:
@@ -109,19 +123,32 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     if d.streaming:
         return _streamed(session, tokenizer, collator)
 
-    def load() -> tuple[list[list[int]], int]:
+    def load() -> tuple[list[list[int]], list[list[int]], int]:
         docs: list[list[int]] = []
+        held: list[list[int]] = []
         skipped = 0
         for salt, source in enumerate(d.sources()):
-            part, empty = _documents(
+            part, out, empty = _documents(
                 source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
-                on_bad_record=d.on_bad_record, seed=t.seed, salt=salt,
+                on_bad_record=d.on_bad_record, seed=t.seed, salt=salt, hold_out=d.eval_split_fraction,
             )  # fmt: skip
             docs.extend(part)
+            held.extend(out)
             skipped += empty
-        return docs, skipped
+        eval_source = d.eval_source()
+        if eval_source is not None:
+            held, _, _ = _documents(
+                eval_source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
+                on_bad_record=d.on_bad_record, seed=t.seed, salt=len(d.sources()),
+            )  # fmt: skip
+        return docs, held, skipped
 
-    docs, skipped = rank0_first(load)
+    docs, held, skipped = rank0_first(load)
+    # Eval: the held-out documents cut into rows the same way (every document whole, loss on every token).
+    eval_set = RowsDataset(concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention)) \
+        if held else None  # fmt: skip
+    if eval_set is not None:
+        logger.info("eval corpus: %d documents -> %d rows", len(held), len(eval_set))
     if not docs:
         raise ConfigError("the corpus has no document with text; check dataset_name and text_column")
     if d.corpus_layout == "concat":
@@ -158,7 +185,7 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     steps_per_epoch = len(loader) // t.gradient_accumulation_steps
     total = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
     logger.info("training %d steps (%d per epoch), %d rows per step", total, steps_per_epoch, per_step)
-    return TrainData(DataStream(loader, sampler, t.per_device_train_batch_size), collator, None, steps_per_epoch,
+    return TrainData(DataStream(loader, sampler, t.per_device_train_batch_size), collator, eval_set, steps_per_epoch,
                      total, per_step)  # fmt: skip
 
 
@@ -190,4 +217,21 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
         ", ".join(s.describe() for s in sources), d.max_length, t.max_steps, per_step,
     )  # fmt: skip
     stream = StreamingBatches(rows, collator, t.per_device_train_batch_size)
-    return TrainData(stream, collator, None, 0, t.max_steps, per_step)  # type: ignore[arg-type]
+    if d.eval_split_fraction > 0:
+        raise ConfigError(
+            "streaming=true cannot hold documents out of a stream (eval_split_fraction); give a separate "
+            "eval_dataset_name"
+        )
+    eval_set = None
+    eval_source = d.eval_source()
+    if eval_source is not None:  # read whole (an eval set is small), cut into rows like the training stream
+        held, _, _ = rank0_first(
+            lambda: _documents(
+                eval_source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
+                on_bad_record=d.on_bad_record, seed=t.seed, salt=len(sources),
+            )
+        )  # fmt: skip
+        eval_set = RowsDataset(
+            concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention)
+        )
+    return TrainData(stream, collator, eval_set, 0, t.max_steps, per_step)  # type: ignore[arg-type]
