@@ -40,7 +40,8 @@ CORPUS_LAYOUTS = ("concat", "best_fit")
 
 def document_ids(tokenizer: Any, text: str) -> list[int]:
     """A document's tokens: the tokenizer's encoding (with its BOS, if it adds one) and EOS."""
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    # verbose=False: a document longer than the model's context is expected here (it is cut into rows).
+    ids = list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
     if tokenizer.eos_token_id is None:
         raise ValueError("continued pre-training needs a tokenizer with an EOS token to end documents")
     return [*ids, tokenizer.eos_token_id]

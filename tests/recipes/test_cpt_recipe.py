@@ -36,11 +36,13 @@ def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True):  
 
 def test_cpt_trains_every_token_and_exports(corpus, tmp_path: Path) -> None:
     model, docs = corpus
-    proc = _cpt(model, docs, tmp_path / "run", "--num_train_epochs", "1")
+    proc = _cpt(model, docs, tmp_path / "run", "--num_train_epochs", "1", "--eval_split_fraction", "0.1")
     log = proc.stdout + proc.stderr
-    assert "corpus: 40 documents (0 empty skipped)" in log and "cut into pieces" in log
+    assert "corpus: 36 documents (0 empty skipped)" in log and "cut into pieces" in log
+    assert "eval corpus: 4 documents" in log  # held out whole, before the training rows are cut
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows[-1]["padding_efficiency"] > 0.9  # full rows
+    assert 0 < rows[-1]["eval_loss"] < 20 and rows[-1]["eval_tokens"] > 0
     assert "export verified" in log and (tmp_path / "run" / "model.safetensors").is_file()
 
 
