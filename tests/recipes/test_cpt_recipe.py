@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from support.launch import REPO, torchrun
+from support.launch import REPO, accelerate_launch, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
 from hf_fsdp2.observe.logs import read_metrics
@@ -27,16 +27,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_llama_dir(root / "model", seed=2), docs
 
 
-def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True):  # type: ignore[no-untyped-def]
+def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True, accelerate: bool = False):  # type: ignore[no-untyped-def]
     args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
             "--per_device_train_batch_size", "2", "--max_length", "32", "--logging_steps", "1",
             "--mixed_precision", "no", *extra]  # fmt: skip
+    if accelerate:  # the end-to-end launcher users run
+        return accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", CPT, args, check=check)
     return torchrun(CPT, args, nproc=2, check=check)
 
 
 def test_cpt_trains_every_token_and_exports(corpus, tmp_path: Path) -> None:
     model, docs = corpus
-    proc = _cpt(model, docs, tmp_path / "run", "--num_train_epochs", "1", "--eval_split_fraction", "0.1")
+    proc = _cpt(model, docs, tmp_path / "run", "--num_train_epochs", "1", "--eval_split_fraction", "0.1",
+                accelerate=True)  # fmt: skip
     log = proc.stdout + proc.stderr
     assert "corpus: 36 documents (0 empty skipped)" in log and "cut into pieces" in log
     assert "eval corpus: 4 documents" in log  # held out whole, before the training rows are cut
