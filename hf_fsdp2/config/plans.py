@@ -82,6 +82,121 @@ class CompilePlan:
         return out
 
 
+# What cannot run yet, and why (checked on this project's versions: accelerate 1.15, transformers 5.24, torch 2.13).
+TP_REFUSAL = (
+    "tensor parallel is not available in this version: accelerate 1.15 prepares a tp_size>1 model by importing "
+    "transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5.24 removed, so "
+    "accelerator.prepare fails with ImportError; composing transformers' apply_tensor_parallelism with "
+    "fully_shard by hand needs private APIs, and the chunked loss and the gather-free export would need "
+    "2-D (tensor x data) shards. Use HSDP (dp_replicate_size x dp_shard_size) or flat FSDP2 with "
+    "fsdp_cpu_offload / activation checkpointing for large models"
+)
+CP_REFUSAL = (
+    "context parallel is not available in this version: torch 2.13 shards attention over the sequence only "
+    "inside CUDA SDPA kernels (flash / memory-efficient / cuDNN; on CPU its forward fails with "
+    "'aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy'), and the recipe's loss, "
+    "sampler and metrics do not yet shard the sequence; for long sequences use activation checkpointing "
+    "(activation_checkpointing=full or offload) and ce_chunk_tokens"
+)
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The device mesh of a run, in Accelerate's ``ParallelismConfig`` names: ``dp_replicate`` x ``dp_shard``
+    (x ``tp`` x ``cp``) = world size. ``dp_replicate > 1`` is HSDP: parameters sharded over the ``dp_shard``
+    ranks of a replica group (one node) and replicated over the groups (across nodes)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_replicate > 1
+
+    def describe(self) -> str:
+        if self.hybrid:
+            return (
+                f"HSDP: {self.dp_replicate} replica groups x {self.dp_shard} shards (parameters sharded within a "
+                f"group, gradients all-reduced across groups)"
+            )
+        return f"flat FSDP2 over {self.dp_shard} ranks"
+
+
+def _size(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name}={value} must be >= 1")
+    return value
+
+
+def resolve_mesh(
+    world: int, *, dp_replicate: int | None, dp_shard: int | None, tp: int | None, cp: int | None
+) -> MeshPlan:
+    """The mesh for ``world`` ranks from the configured sizes (None: 1, and ``dp_shard`` the rest).
+
+    Raises:
+        ConfigError: sizes that do not multiply to the world size (with the numbers), or TP / CP > 1 (see
+            :data:`TP_REFUSAL`, :data:`CP_REFUSAL`).
+    """
+    r = _size(dp_replicate, "dp_replicate_size") or 1
+    t = _size(tp, "tp_size") or 1
+    c = _size(cp, "cp_size") or 1
+    s = _size(dp_shard, "dp_shard_size")
+    if s is None:
+        if world % (r * t * c):
+            raise ConfigError(
+                f"dp_replicate_size({r}) x tp_size({t}) x cp_size({c}) = {r * t * c} does not divide the world size "
+                f"{world}; choose sizes whose product divides the number of processes"
+            )
+        s = world // (r * t * c)
+    mesh = MeshPlan(r, s, t, c)
+    if r > 1 and s == 1:
+        raise ConfigError(
+            f"dp_replicate_size={r} with dp_shard_size=1 replicates whole parameters on every rank (DDP), which "
+            "FSDP2 through Accelerate does not run; shard within each group (dp_shard_size >= 2)"
+        )
+    if mesh.world != world:
+        raise ConfigError(
+            f"dp_replicate_size({r}) x dp_shard_size({s}) x tp_size({t}) x cp_size({c}) = {mesh.world}, but the "
+            f"run has {world} processes; the sizes must multiply to the world size (leave dp_shard_size unset to "
+            "take the rest)"
+        )
+    return mesh
+
+
+def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_length: int) -> None:
+    """Refuse a mesh the model or this version cannot run, before any work.
+
+    Tensor parallel splits attention heads (a rank needs whole KV heads: ``tp_size`` must divide both head
+    counts); context parallel splits each sequence into ``2 x cp_size`` chunks (load balancing of causal
+    attention): ``max_length`` must be a multiple. Then TP / CP > 1 are refused (:data:`TP_REFUSAL`,
+    :data:`CP_REFUSAL`).
+
+    Raises:
+        ConfigError: naming the sizes and the numbers that do not fit.
+    """
+    if mesh.tp > 1:
+        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count is not None and count % mesh.tp:
+                raise ConfigError(
+                    f"tp_size={mesh.tp} does not divide the model's {name}={count}: each tensor-parallel rank "
+                    "needs whole heads; choose a tp_size that divides it"
+                )
+        raise ConfigError(f"tp_size={mesh.tp}: {TP_REFUSAL}")
+    if mesh.cp > 1:
+        if max_length % (2 * mesh.cp):
+            raise ConfigError(
+                f"cp_size={mesh.cp} needs max_length divisible by 2 x cp_size = {2 * mesh.cp} (each sequence is cut "
+                f"into {2 * mesh.cp} chunks), got max_length={max_length}"
+            )
+        raise ConfigError(f"cp_size={mesh.cp}: {CP_REFUSAL}")
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     """What :func:`build_accelerator` and :func:`prepare_fsdp2` apply; every field is explicit.

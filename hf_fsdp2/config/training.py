@@ -15,8 +15,10 @@ from hf_fsdp2.config.plans import (
     CompilePlan,
     ConfigError,
     LoraSettings,
+    MeshPlan,
     ShardingPlan,
     check,
+    resolve_mesh,
 )
 
 
@@ -187,6 +189,27 @@ class FSDPArgs:
             "keeps unsharded grads until the last micro-batch (less traffic, full-size grads in memory)."
         },
     )
+    dp_replicate_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "HSDP: replica groups (typically the number of nodes); parameters are sharded within a group "
+            "and gradients all-reduced across groups. Unset: 1 (flat FSDP2), or the launcher's parallelism_config."
+        },
+    )
+    dp_shard_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ranks a parameter is sharded over (typically GPUs per node); unset: the rest of the world."
+        },
+    )
+    tp_size: int | None = field(
+        default=None,
+        metadata={"help": "Tensor-parallel size (not available in this version: refused if > 1)."},
+    )
+    cp_size: int | None = field(
+        default=None,
+        metadata={"help": "Context-parallel size (not available in this version: refused if > 1)."},
+    )
     gradient_checkpointing: bool = field(
         default=False,
         metadata={
@@ -246,8 +269,27 @@ class FSDPArgs:
             fullgraph=self.torch_compile_fullgraph,
         )
 
+    def mesh_plan(self, world: int, launcher: dict[str, int] | None = None) -> MeshPlan:
+        """The device mesh for ``world`` ranks: these keys, else the launcher's ``parallelism_config`` values
+        (``launcher``: accelerate launch's PARALLELISM_CONFIG_* variables), else flat FSDP2.
+
+        Raises:
+            ConfigError: sizes that do not multiply to ``world``.
+        """
+        launcher = launcher or {}
+
+        def pick(key: str) -> int | None:
+            value = getattr(self, key)
+            return value if value is not None else launcher.get(key)
+
+        return resolve_mesh(world, dp_replicate=pick("dp_replicate_size"), dp_shard=pick("dp_shard_size"),
+                            tp=pick("tp_size"), cp=pick("cp_size"))  # fmt: skip
+
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
+        for key in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"{key}={value} must be >= 1")
         check(
             self.activation_checkpointing is None or self.activation_checkpointing in AC_MODES,
             f"activation_checkpointing={self.activation_checkpointing!r} is not one of {', '.join(AC_MODES)}",

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import (
     DistributedType,
     FullyShardedDataParallelPlugin,
@@ -23,7 +24,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.config.plans import CompilePlan, MeshPlan, ShardingPlan
 from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
@@ -125,6 +126,27 @@ def _ensure_process_group_env() -> None:
     )
 
 
+_LAUNCHER_MESH = {
+    "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+    "tp_size": "PARALLELISM_CONFIG_TP_SIZE",
+    "cp_size": "PARALLELISM_CONFIG_CP_SIZE",
+}
+
+
+def launcher_mesh() -> dict[str, int]:
+    """The mesh sizes ``accelerate launch`` passed (a ``parallelism_config:`` section of its config file or
+    ``--parallelism_config_*`` flags), as config keys; empty when it passed none."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() not in ("1", "true"):
+        return {}
+    return {key: int(os.environ[var]) for key, var in _LAUNCHER_MESH.items() if os.environ.get(var)}
+
+
+def world_size() -> int:
+    """The number of processes of the launch (before the process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def build_accelerator(
     plan: ShardingPlan,
     *,
@@ -133,6 +155,7 @@ def build_accelerator(
     timeout_s: int = 1800,
     force_cpu: bool = False,
     log_with: list[Any] | None = None,
+    mesh: MeshPlan | None = None,
 ) -> Accelerator:
     """Build an Accelerator whose ``prepare`` shards the model with FSDP2, on GPU or on CPU/gloo.
 
@@ -143,6 +166,8 @@ def build_accelerator(
         timeout_s: collective timeout of the process group, in seconds (``ddp_timeout``).
         force_cpu: run on CPU even when a GPU is visible (tests).
         log_with: accelerate trackers (``hf_fsdp2.observe.trackers.build_trackers``) that ``init_trackers`` starts.
+        mesh: the device mesh; HSDP (``dp_replicate > 1``) goes to Accelerate as a ``ParallelismConfig``, whose
+            2-D mesh every ``fully_shard`` then receives. None or flat: the default 1-D mesh over every rank.
 
     Returns:
         The Accelerator. On CPU its process group is gloo and its distributed type is FSDP.
@@ -181,18 +206,28 @@ def build_accelerator(
     )
     dynamo = TorchDynamoPlugin(backend="no")
     timeout = timedelta(seconds=timeout_s)
+    # The mesh is the recipe's (resolved from its keys or the launcher's, checked against the world size):
+    # Accelerate must not build another one from the launcher's variables behind it.
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    parallelism = None
+    if mesh is not None and mesh.hybrid:
+        parallelism = ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard)
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
         # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py.
         state = PartialState(cpu=True, timeout=timeout)
         state._shared_state["distributed_type"] = DistributedType.FSDP
+        # The plugin too: with a parallelism config, Accelerator() validates the mesh against it (is_fsdp2)
+        # before returning, and on CPU only the shared state can hold it by then.
+        state._shared_state["fsdp_plugin"] = plugin
         accelerator = Accelerator(
             fsdp_plugin=plugin,
             mixed_precision=mixed_precision,
             cpu=True,
             dynamo_plugin=dynamo,
             log_with=log_with,
+            parallelism_config=parallelism,
         )
         accelerator.state.fsdp_plugin = plugin
     else:
@@ -206,6 +241,7 @@ def build_accelerator(
             dynamo_plugin=dynamo,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
             log_with=log_with,
+            parallelism_config=parallelism,
         )
     if accelerator.distributed_type != DistributedType.FSDP:
         raise RuntimeError(
@@ -256,7 +292,10 @@ def prepare_fsdp2(
     if compile_plan.enabled and compile_plan.scope == "regional":
         compiled = compile_regions(model, layer_cls_names, compile_plan)
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with warnings.catch_warnings():
+        # Accelerate slices its flattened dp_shard_cp dim for HSDP's 2-D mesh; torch warns about a future change.
+        warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
+        model, optimizer = accelerator.prepare(model, optimizer)
     _repoint_optimizer(model, optimizer, group_names)
     if compile_plan.enabled and compile_plan.scope == "model":
         compile_model(model, compile_plan)
@@ -285,6 +324,22 @@ def _repoint_optimizer(
                 f"parameters {missing[:5]} are not in the sharded model; cannot build the optimizer"
             )
         group["params"] = [sharded[n] for n in wanted]
+
+
+def describe_layout(model: torch.nn.Module) -> str:
+    """How the first sharded parameter is laid out: its placements on its mesh (``(Shard(dim=0),)`` on a flat
+    mesh; ``(Replicate(), Shard(dim=0))`` on HSDP's replicate x shard mesh), local and global shapes."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            dims = ", ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
+            return (
+                f"{name} {tuple(param.placements)} on mesh ({dims or mesh.shape}), local "
+                f"{tuple(param.to_local().shape)} of {tuple(param.shape)}"
+            )
+    return "no sharded parameter"
 
 
 def sharded_units(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

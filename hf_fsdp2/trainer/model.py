@@ -25,7 +25,7 @@ from hf_fsdp2.model import (
     resize_embeddings,
 )
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
-from hf_fsdp2.parallel.accelerator import prepare_fsdp2, sharded_units
+from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.train.loss import LossPlan, plan_loss
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
@@ -144,6 +144,7 @@ def build_model(
     )
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    logger.info("parameter layout: %s", describe_layout(model))
     # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
     loss_plan = plan_loss(model, t.ce_chunk_tokens)
     for line in loss_plan.notes:

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
-from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check_mesh
 from hf_fsdp2.export.hub import check_can_push
 from hf_fsdp2.model import check_max_length, load_model_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
@@ -32,8 +32,10 @@ from hf_fsdp2.parallel.accelerator import (
     build_accelerator,
     describe_policy,
     has_accelerator_device,
+    launcher_mesh,
     launcher_overrides,
     setup_logging,
+    world_size,
 )
 from hf_fsdp2.parallel.kernels import check_liger_available
 from hf_fsdp2.run_dir import RunLock, check_output_dir
@@ -98,12 +100,21 @@ class Session:
         if t.use_liger_kernel:  # package and GPU checked before any work
             check_liger_available(on_gpu)
         sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+        # The device mesh: its sizes against the world size and the model, before the process group exists.
+        mesh = f.mesh_plan(world_size(), launcher_mesh())
+        check_mesh(
+            mesh,
+            heads=getattr(model_config, "num_attention_heads", None),
+            kv_heads=getattr(model_config, "num_key_value_heads", None),
+            max_length=d.max_length,
+        )
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
             compile_plan=compile_plan,
             timeout_s=t.ddp_timeout,
             log_with=trackers,
+            mesh=mesh,
         )
         setup_logging(accelerator.is_main_process)
         logger.info(
@@ -111,6 +122,7 @@ class Session:
             t.ddp_timeout,
             ", ".join(debug_env) or "none (distributed_debug=off)",
         )
+        logger.info("device mesh: %s", mesh.describe())
         for note in launcher_overrides(sharding, t.mixed_precision):
             logger.info("the recipe's value is used over accelerate launch's: %s", note)
         if t.mixed_precision == "no" and m.torch_dtype != "float32":

@@ -1,0 +1,58 @@
+"""The device mesh keys: sizes resolved against the world size, the launcher's parallelism config, and every
+refusal before any work with the numbers (products, HSDP without sharding, TP heads, CP sequence length, TP /
+CP not available in this version)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_fsdp2.config import ConfigError, FSDPArgs
+from hf_fsdp2.config.plans import MeshPlan, check_mesh, resolve_mesh
+from hf_fsdp2.parallel.accelerator import launcher_mesh
+
+
+def test_sizes_resolve_to_the_world() -> None:
+    assert resolve_mesh(8, dp_replicate=None, dp_shard=None, tp=None, cp=None) == MeshPlan(1, 8, 1, 1)
+    assert resolve_mesh(16, dp_replicate=2, dp_shard=None, tp=None, cp=None) == MeshPlan(2, 8, 1, 1)
+    assert resolve_mesh(4, dp_replicate=2, dp_shard=2, tp=None, cp=None).hybrid
+
+
+@pytest.mark.parametrize(
+    "world, sizes, message",
+    [
+        (6, dict(dp_replicate=4), "dp_replicate_size(4) x tp_size(1) x cp_size(1) = 4 does not divide the world size 6"),
+        (8, dict(dp_replicate=2, dp_shard=2), "= 4, but the run has 8 processes"),
+        (4, dict(dp_replicate=4), "dp_replicate_size=4 with dp_shard_size=1 replicates whole parameters"),
+        (4, dict(dp_shard=0), "dp_shard_size=0 must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_sizes_are_refused_with_the_numbers(world: int, sizes: dict, message: str) -> None:
+    kwargs = dict(dp_replicate=None, dp_shard=None, tp=None, cp=None) | sizes
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_mesh(world, **kwargs)
+
+
+def test_tp_and_cp_are_checked_against_the_model_then_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_key_value_heads=2"):
+        check_mesh(MeshPlan(1, 2, 4, 1), heads=8, kv_heads=2, max_length=1024)
+    with pytest.raises(ConfigError, match="tp_size=2: tensor parallel is not available.*ReplicateParallel"):
+        check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)
+    with pytest.raises(
+        ConfigError, match="cp_size=4 needs max_length divisible by 2 x cp_size = 8 .*max_length=1020"
+    ):
+        check_mesh(MeshPlan(1, 2, 1, 4), heads=8, kv_heads=2, max_length=1020)
+    with pytest.raises(ConfigError, match="cp_size=2: context parallel is not available.*CUDA SDPA kernels"):
+        check_mesh(MeshPlan(1, 2, 1, 2), heads=8, kv_heads=2, max_length=1024)
+    check_mesh(MeshPlan(2, 4, 1, 1), heads=8, kv_heads=2, max_length=1000)  # HSDP: nothing to refuse
+
+
+def test_the_recipe_keys_win_over_the_launchers_parallelism_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "4")
+    launcher = launcher_mesh()
+    assert launcher == {"dp_replicate_size": 2, "dp_shard_size": 4}
+    assert FSDPArgs().mesh_plan(8, launcher) == MeshPlan(2, 4, 1, 1)
+    assert FSDPArgs(dp_replicate_size=1, dp_shard_size=8).mesh_plan(8, launcher) == MeshPlan(1, 8, 1, 1)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "false")
+    assert launcher_mesh() == {}
