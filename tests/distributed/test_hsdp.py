@@ -104,14 +104,15 @@ def test_a_flat_checkpoint_resumes_as_hsdp(assets, flat, single, tmp_path: Path)
 def test_two_machines_on_loopback_run_the_recipe_with_hsdp_across_them(
     assets, flat, single, tmp_path: Path
 ) -> None:
-    """Two `accelerate launch` processes, machine ranks 0 and 1, 2 processes each, static rendezvous on 127.0.0.1:
+    """Two `accelerate launch` processes with the shipped multi-node config, machine ranks 0 and 1, 2 processes
+    each, static rendezvous on 127.0.0.1:
     what each node of a 2-node job runs (gloo here, NCCL on GPUs). HSDP replicates across the "nodes"."""
     out = tmp_path / "multinode"
     port = str(free_port())
     launchers = []
     for machine in (1, 0):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / "fsdp2_cpu.yaml"), "--num_machines", "2", "--machine_rank",
+               str(REPO / "accelerate_configs" / "fsdp2_multinode.yaml"), "--num_machines", "2", "--machine_rank",
                str(machine), "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                str(SFT), *_args(assets, out, "--dp_replicate_size", "2", "--export_verify", "false")]  # fmt: skip
         launchers.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
