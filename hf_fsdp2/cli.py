@@ -492,8 +492,53 @@ def _register_plot(subparsers: _Subparsers) -> None:
     p.set_defaults(func=_run_plot)
 
 
+def _run_train(args: argparse.Namespace) -> int:
+    from hf_fsdp2.launch import run_train
+
+    if args.config is not None and not Path(args.config).is_file():
+        return _user_error("train", FileNotFoundError(f"--config {args.config}: no such file"))
+    recipe_args = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
+    try:
+        return run_train(
+            args.recipe, recipe_args, config_file=args.config_file, num_processes=args.num_processes,
+            num_machines=args.num_machines, machine_rank=args.machine_rank, main_process_ip=args.main_process_ip,
+            main_process_port=args.main_process_port,
+        )  # fmt: skip
+    except (FileNotFoundError, ValueError) as err:
+        return _user_error("train", err)
+
+
+def _register_train(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train with a recipe (sft, cpt, dpo) on every local device through accelerate launch",
+        description=(
+            "hf-fsdp2 train [sft|cpt|dpo] --config r.yaml [--key value ...] runs a packaged recipe with accelerate launch: the packaged FSDP2 accelerate config with one process "
+            "per GPU, or the CPU (gloo) config with 2 processes on a machine without a GPU. Any recipe key "
+            "follows: hf-fsdp2 train --config r.yaml --learning_rate 1e-5. Multi-node: run the same command on "
+            "every machine with --num_machines, --machine_rank and --main_process_ip."
+        ),
+    )
+    # `hf-fsdp2 train dpo --config ...` (as `trl dpo`): main() turns a leading recipe name into --recipe.
+    p.add_argument("--recipe", default="sft", choices=["sft", "cpt", "dpo"], help="the recipe (default sft)")
+    p.add_argument("--config", default=None, help="the recipe YAML")
+    p.add_argument(
+        "--config_file", default=None, help="an accelerate config file (default: the packaged one)"
+    )
+    p.add_argument(
+        "--num_processes", type=int, default=None, help="processes in all (default: local GPUs, or 2 on CPU)"
+    )
+    p.add_argument("--num_machines", type=int, default=1, help="machines of a multi-node run (default 1)")
+    p.add_argument("--machine_rank", type=int, default=0, help="this machine's rank (0 on the main one)")
+    p.add_argument("--main_process_ip", default=None, help="address of machine rank 0 (multi-node)")
+    p.add_argument("--main_process_port", type=int, default=None, help="its port (default: accelerate's)")
+    # Any other --key value pairs are recipe keys, collected by main() (parse_known_args).
+    p.set_defaults(func=_run_train, overrides=[])
+
+
 # The sub-command table, in help order.
 SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (
+    _register_train,
     _register_convert_smollm2,
     _register_demo_data,
     _register_eval_task,
@@ -514,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="hf-fsdp2",
-        description="hf_fsdp2 tools that are not training: asset conversion, demo data, evaluation, export, push.",
+        description="hf_fsdp2: train (accelerate launch of a packaged recipe), and the tools around a run: "
+        "asset conversion, demo data, evaluation, export, push, plots.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in SUBCOMMANDS:
@@ -532,9 +578,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit status.
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0] == "train" and argv[1] in ("sft", "cpt", "dpo"):
+        argv = ["train", "--recipe", argv[1], *argv[2:]]
     args, extra = parser.parse_known_args(argv)
     if extra:
-        # Only sub-commands that take recipe overrides (show-data) accept arguments they do not declare.
+        # Only sub-commands that take recipe overrides (train, show-data) accept arguments they do not declare.
         if not hasattr(args, "overrides"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]

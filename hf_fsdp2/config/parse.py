@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import yaml
 from transformers import HfArgumentParser
 
+from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.plans import ConfigError, check
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
@@ -82,7 +83,7 @@ def known_keys() -> dict[str, dataclasses.Field[Any]]:
 
 
 def _unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(known_keys()), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, [*known_keys(), *ALIASES], n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; run the recipe with --help for all keys"
     return ConfigError(f"unknown config key {key!r} in {where}{hint}")
 
@@ -159,8 +160,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             else:
                 path = arg.split("=", 1)[1]
                 del args[i]
-            yaml_argv = _yaml_to_argv(load_yaml(path), path)
+            # TRL / Trainer spellings (bf16, dtype, dataset_train_split, ...) read as hf_fsdp2's keys.
+            yaml_argv = _yaml_to_argv(apply_aliases(load_yaml(path), path), path)
             break
+    args = rewrite_argv(args)
     parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
     parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
 

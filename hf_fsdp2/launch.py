@@ -1,0 +1,88 @@
+"""`hf-fsdp2 train`: run a packaged recipe on every local device through `accelerate launch`.
+
+The launch is accelerate's own (never a home-made process layer): ``accelerate launch --config_file <config>
+--num_processes N [multi-node flags] -m hf_fsdp2.recipes.<recipe> --config recipe.yaml [--key value ...]``. The
+accelerate config is the packaged ``fsdp2.yaml`` with one process per visible GPU, or ``fsdp2_cpu.yaml`` (gloo,
+2 processes) on a machine without one, unless ``--config_file`` / ``--num_processes`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+RECIPES = ("sft", "cpt", "dpo")
+CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU configs are tuned for)
+
+
+def packaged_accelerate_config(name: str) -> Path:
+    """The path of a packaged accelerate config (``fsdp2.yaml``, ``fsdp2_cpu.yaml``, ``fsdp2_multinode.yaml``)."""
+    path = Path(str(importlib.resources.files("hf_fsdp2.accelerate_configs") / name))
+    if not path.is_file():
+        raise FileNotFoundError(f"the packaged accelerate config {name} is missing from {path.parent}")
+    return path
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch_command(
+    recipe: str,
+    recipe_args: Sequence[str],
+    *,
+    config_file: str | None = None,
+    num_processes: int | None = None,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+    gpus: int | None = None,
+) -> list[str]:
+    """The ``accelerate launch`` command line that runs ``recipe`` with ``recipe_args``.
+
+    Args:
+        recipe: sft, cpt or dpo.
+        recipe_args: the recipe's own arguments (``--config x.yaml --learning_rate 1e-5 ...``).
+        config_file: an accelerate config; default the packaged one for this machine.
+        num_processes: processes over all machines; default one per local GPU (x machines), 2 on CPU.
+        num_machines, machine_rank, main_process_ip, main_process_port: multi-node, passed through.
+        gpus: local GPUs (detected when None).
+
+    Raises:
+        ValueError: an unknown recipe or bad multi-node flags, naming the value.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
+    if num_machines > 1 and not main_process_ip:
+        raise ValueError(
+            f"--num_machines {num_machines} needs --main_process_ip (the address of machine rank 0)"
+        )
+    local = gpu_count() if gpus is None else gpus
+    if config_file is None:
+        name = "fsdp2_multinode.yaml" if num_machines > 1 else ("fsdp2.yaml" if local else "fsdp2_cpu.yaml")
+        config_file = str(packaged_accelerate_config(name))
+    if num_processes is None:
+        num_processes = (local or CPU_PROCESSES) * num_machines
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+           "--num_processes", str(num_processes), "--num_machines", str(num_machines)]  # fmt: skip
+    if num_machines > 1:
+        cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)]
+    if main_process_port is not None:
+        cmd += ["--main_process_port", str(main_process_port)]
+    return [*cmd, "-m", f"hf_fsdp2.recipes.{recipe}", *recipe_args]
+
+
+def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
+    """Run the launch (stdout/stderr pass through); returns its exit status."""
+    cmd = launch_command(recipe, recipe_args, **launch)  # type: ignore[arg-type]
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
+        raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
+    print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
