@@ -79,6 +79,27 @@ MUST_MATCH = (
 )
 
 
+README_FILE = "README.md"
+
+
+def checkpoint_readme(step: int, world_size: int) -> str:
+    """The README.md of ``checkpoint-<step>``: what the folder is and the commands that use it."""
+    return f"""# checkpoint-{step}: a training checkpoint of hf_fsdp2 (not a Hugging Face model folder)
+
+The model and optimizer state after step {step}, as PyTorch Distributed Checkpoint (DCP) shards written by
+{world_size} rank(s), with the RNG state of every rank, the data position and the run's config
+(`hf_fsdp2_config.yaml`). `from_pretrained` cannot open this folder.
+
+- Turn it into a Hugging Face folder (safetensors, config, tokenizer; a LoRA run gives the adapter):
+
+      hf-fsdp2 export {"checkpoint-" + str(step)} OUT_DIR
+
+- Continue training from it (on any number of ranks):
+
+      hf-fsdp2 train --config RECIPE.yaml --resume_from_checkpoint {"checkpoint-" + str(step)}   # or: latest
+"""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or resumed; the message says why and what to do."""
 
@@ -337,6 +358,7 @@ class Checkpointer:
             }
             if self.is_main:
                 (tmp / CONFIG_FILE).write_text(config_yaml)
+                (tmp / README_FILE).write_text(checkpoint_readme(step, state.world_size))
             if self.async_save:
                 future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group)
                 if self.is_main:

@@ -69,9 +69,10 @@ class TrainArgs:
         default=1, metadata={"help": "Log (and append to metrics.jsonl) every N steps."}
     )
     save_steps: int = field(
-        default=0,
+        default=500,
         metadata={
-            "help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end; 0 = none."
+            "help": "Sharded checkpoint to <output_dir>/checkpoint-<step> every N steps and at the end of training "
+            "(as the HF Trainer); 0 = none."
         },
     )
     save_total_limit: int = field(

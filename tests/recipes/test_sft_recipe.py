@@ -84,6 +84,11 @@ def test_accelerate_launch_trains_and_exports_a_loadable_folder(assets, tmp_path
     ):
         assert (run / name).is_file(), name
     assert json.loads((run / "config.json").read_text())["dtype"] == "bfloat16"
+    # Default save_steps (500): no step reached it, and the end of training saved a checkpoint all the same,
+    # with a README saying what it is and the command that exports it.
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4"]
+    readme = (run / "checkpoint-4" / "README.md").read_text()
+    assert "not a Hugging Face model folder" in readme and "hf-fsdp2 export checkpoint-4 OUT_DIR" in readme
     reload = json.loads(python("-c", [RELOAD, str(run)]).stdout.strip().splitlines()[-1])
     assert reload == {
         "dtype": "torch.bfloat16",
