@@ -136,9 +136,13 @@ def apply_aliases(values: Mapping[str, Any], where: str) -> dict[str, Any]:
 
     def put(key: str, value: Any, given_as: str) -> None:
         if key in out and out[key] != value:
+
+            def says(name: str, result: Any) -> str:
+                given = f"{name}={values[name]!r}"
+                return given if name == key else f"{given} (read as {key}={result!r})"
+
             raise ConfigError(
-                f"{where}: {given_as}={values[given_as]!r} sets {key}={value!r}, but {origin[key]}="
-                f"{values[origin[key]]!r} sets it to {out[key]!r}; keep one"
+                f"{where}: {says(origin[key], out[key])} and {says(given_as, value)} disagree; keep one"
             )
         out[key], origin[key] = value, given_as
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -499,3 +500,86 @@ def test_every_shipped_recipe_config_parses(recipe: Path) -> None:
     """Each YAML in recipes/configs names only known keys with valid values (the data is not read here)."""
     cfg = parse_config(["--config", str(recipe)])
     assert cfg.train.output_dir and cfg.model.model_name_or_path
+
+
+# Every alias of hf_fsdp2/config/aliases.py::ALIASES: (YAML key, value) -> the hf_fsdp2 keys it sets.
+ALIAS_CASES = [
+    ("bf16", True, {"mixed_precision": "bf16"}),
+    ("bf16", False, {"mixed_precision": "no"}),
+    ("fp16", False, {}),
+    ("dtype", "bfloat16", {"torch_dtype": "bfloat16"}),
+    ("dataset_train_split", "train_sft", {"dataset_split": "train_sft"}),
+    ("dataset_config", "en", {"dataset_config_name": "en"}),
+    ("max_seq_length", 512, {"max_length": 512}),
+    ("dataset_text_field", "content", {"text_column": "content"}),
+    ("eval_strategy", "steps", {}),
+    ("eval_strategy", "no", {}),
+    ("logging_strategy", "steps", {}),
+    ("save_strategy", "steps", {}),
+    ("save_strategy", "no", {"save_steps": 0}),
+    ("optim", "adamw_torch_fused", {}),
+    ("optim", "adamw_torch", {}),
+    ("base_model", "org/m", {"model_name_or_path": "org/m"}),
+    ("sequence_len", 256, {"max_length": 256}),
+    ("micro_batch_size", 4, {"per_device_train_batch_size": 4}),
+    ("num_epochs", 2, {"num_train_epochs": 2}),
+    ("sample_packing", True, {"packing": True}),
+    ("val_set_size", 0.05, {"eval_split_fraction": 0.05}),
+    ("flash_attention", True, {"attn_implementation": "flash_attention_2"}),
+]
+
+
+@pytest.mark.parametrize("key, value, want", ALIAS_CASES, ids=lambda v: str(v))
+def test_trl_trainer_and_axolotl_spellings_map_to_one_key(
+    key: str, value: Any, want: dict, tmp_path: Path
+) -> None:
+    from hf_fsdp2.config.aliases import ALIASES, apply_aliases
+
+    assert key in ALIASES
+    assert apply_aliases({key: value}, "r.yaml") == want
+    recipe = tmp_path / "r.yaml"
+    required = {k: v for k, v in REQUIRED.items() if k not in want}  # base_model gives model_name_or_path
+    recipe.write_text(yaml.safe_dump({**required, key: value}))
+    cfg = parse_config(["--config", str(recipe)]).to_flat_dict()
+    assert all(cfg[k] == v for k, v in want.items())
+
+
+def test_every_alias_is_in_the_test_table() -> None:
+    from hf_fsdp2.config.aliases import ALIASES
+
+    assert set(ALIASES) == {key for key, _, _ in ALIAS_CASES}
+
+
+def test_aliases_on_the_command_line_and_a_report_to_list() -> None:
+    cfg = parse_config(
+        [*REQUIRED_ARGV, "--bf16", "--dtype", "bfloat16", "--report_to", "tensorboard", "tensorboard"]
+    )
+    assert (cfg.train.mixed_precision, cfg.model.torch_dtype) == ("bf16", "bfloat16")
+    assert cfg.observe.report_to == "tensorboard,tensorboard"  # a list, joined (names deduplicated when read)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"optim": "adafactor"}, "optim='adafactor' has no equivalent here"),
+        ({"eval_strategy": "epoch"}, "eval_strategy='epoch' has no equivalent here"),
+        ({"save_strategy": "epoch"}, "save_strategy='epoch'"),
+        ({"bf16": True, "mixed_precision": "no"}, "bf16=True (read as mixed_precision='bf16') and mixed_precision='no' disagree"),
+        ({"val_set_size": 2000}, "val_set_size=2000 is a count"),
+        ({"bf16": "maybe"}, "bf16: expected true or false"),
+    ],
+)  # fmt: skip
+def test_alias_values_without_an_equivalent_and_conflicts_are_refused(
+    values: dict, message: str, tmp_path
+) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**REQUIRED, **values}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(["--config", str(recipe)])
+
+
+def test_an_unknown_key_still_fails_with_the_nearest_names_aliases_included(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**REQUIRED, "bf61": True}))
+    with pytest.raises(ConfigError, match="unknown config key 'bf61' .*did you mean bf16"):
+        parse_config(["--config", str(recipe)])
