@@ -18,21 +18,25 @@ Runners, in this order (TRL first: the baseline of every "x TRL"):
   TRL documents it, ``accelerate launch --config_file <trl>/accelerate_configs/fsdp2.yaml --num_processes 1
   --mixed_precision bf16 bench/gpu_bench.py --trl-child ...`` (TRL's own FSDP2 file: fsdp_version 2,
   transformer-based wrap, reshard after forward, cpu_ram_efficient_loading; one fresh process per runner).
-  The model is the same random init saved once to a temporary folder (fp32 safetensors + a small
-  tokenizer: the data are token ids already) and given to ``SFTTrainer`` as a path, loaded by TRL
-  (fp32, ``attn_implementation="sdpa"``). The data: the documents of rows ``0..warmup+steps-1`` as a
-  pre-tokenized dataset, packed by TRL itself (``packing=True``, ``packing_strategy="bfd"``,
-  ``max_length=seq``, which turns ``padding_free`` on: one flattened row per step,
-  ``per_device_train_batch_size=1``). SFTConfig: ``bf16=True``, ``gradient_checkpointing`` = ``<ac> ==
-  full`` (TRL's default is on; off is the faster setting when memory allows), ``use_liger_kernel`` =
-  ``<kernels> == liger`` (TRL applies Liger's RMSNorm/RoPE/SwiGLU kernels; its loss stays TRL's own fused
-  LM head, which never builds the full logits), the optimizer settings above with TRL's default
-  ``adamw_torch_fused``, ``logging_steps=1``, no saving, no reporting. Liger needs CUDA and
+  The model is the same random init saved once to a temporary folder (fp32 safetensors + a word-level
+  tokenizer naming the pad and eos tokens: the data are token ids) and given to ``SFTTrainer`` as a path,
+  loaded by TRL (fp32, ``attn_implementation="sdpa"``). The data: rows ``0..warmup+steps-1`` handed over
+  packed, in the two columns TRL's packing produces (``input_ids``, ``seq_lengths``), with
+  ``skip_prepare_dataset`` and ``train_sampling_strategy="sequential"``: TRL's step ``i`` trains on the
+  very row of the hf_fsdp2 runners' step ``i``, collated by TRL's own padding-free collator (position_ids
+  rebuilt from ``seq_lengths``). Left to pack the same documents itself (``packing_strategy="bfd"``), TRL
+  makes 14 rows of the 13 at seq 4096, the last of 281 tokens: one step would then be mostly overhead.
+  SFTConfig: ``packing=True``, ``packing_strategy="bfd"``, ``padding_free=True``, ``max_length=seq``,
+  ``per_device_train_batch_size=1``, ``bf16=True``, ``gradient_checkpointing`` = ``<ac> == full`` (TRL's
+  default is on; off is the faster setting when memory allows), ``use_liger_kernel`` = ``<kernels> ==
+  liger`` (Liger's RMSNorm/RoPE/SwiGLU kernels; the loss stays TRL's fused LM head, which never builds
+  the full logits), the optimizer settings above with TRL's default ``adamw_torch_fused``,
+  ``logging_steps=1``, no saving, no reporting; the JSON lists them all. Liger needs CUDA and
   ``liger-kernel``: without them the entry says why and has no numbers. TRL 1.16 marks
-  ``use_liger_kernel`` deprecated for Hub kernels (``model_init_kwargs={"use_kernels": True}``), which are
-  downloaded from the Hub: not measured here, nor flash-attention (TRL's advice for padding-free
-  batches; every runner here uses sdpa, which transformers gives a block-diagonal mask from the
-  position_ids).
+  ``use_liger_kernel`` deprecated for Hub kernels (``model_init_kwargs={"use_kernels": True}``), which
+  are downloaded from the Hub: not measured here, nor flash-attention (TRL's advice for padding-free
+  batches); every runner uses sdpa, to which transformers gives a block-diagonal mask from the
+  position_ids.
 * ``hf_fsdp2 <compile>:<ac>:<loss>`` (``--configs``): the library's own pieces in this process
   (``prepare_fsdp2``, ``train_step``; bf16 compute, fp32 reduction): eager vs regional compile,
   activation checkpointing none / full / offload, plain vs chunked cross entropy.
@@ -41,7 +45,7 @@ Measured per runner, over the ``--steps`` steps after ``--warmup`` (the clock ru
 ``warmup`` to the end of the last step, each end after a device synchronize; TRL's from its
 ``on_step_end`` callback): tokens/s (non-pad tokens), target tokens/s, step time, achieved TFLOP/s and
 MFU from the library's FLOP model (``6N + 12LHQT`` per token, ``T`` = each document's own length, the
-same documents for every runner) against the device's spec peak (989 TFLOP/s for an H200) and against a
+same rows for every runner) against the device's spec peak (989 TFLOP/s for an H200) and against a
 bf16 matmul measured once in this run (the same peak for every runner), ``torch.cuda.max_memory_allocated``
 over the training steps, the loss of the last step; each hf_fsdp2 configuration also as "x TRL" (its
 tokens/s over the best TRL runner's). TRL's token counts come from its own collated batches. On CPU
@@ -144,15 +148,16 @@ def packed_batch(seq: int, vocab: int, step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": position_ids, "labels": labels}
 
 
-def documents(seq: int, vocab: int, rows: int) -> list[list[int]]:
-    """The documents of rows ``0..rows-1`` of :func:`packed_batch`, in order (what TRL packs itself)."""
-    docs: list[list[int]] = []
+def trl_rows(seq: int, vocab: int, rows: int) -> dict[str, list[list[int]]]:
+    """Rows ``0..rows-1`` of :func:`packed_batch` in the columns TRL's own packing produces: ``input_ids``
+    and ``seq_lengths`` (its documents' lengths, from which TRL's collator rebuilds the position_ids)."""
+    columns: dict[str, list[list[int]]] = {"input_ids": [], "seq_lengths": []}
     for step in range(rows):
         batch = packed_batch(seq, vocab, step)
-        ids, starts = batch["input_ids"][0], (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
-        for a, b in zip(starts, [*starts[1:], seq], strict=True):
-            docs.append(ids[a:b].tolist())
-    return docs
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        columns["input_ids"].append(batch["input_ids"][0].tolist())
+        columns["seq_lengths"].append([b - a for a, b in zip(starts, [*starts[1:], seq], strict=True)])
+    return columns
 
 
 def llama_config(args: argparse.Namespace) -> Any:
@@ -185,13 +190,14 @@ def batch_counts(batch: dict[str, torch.Tensor], flops: Any) -> tuple[int, int, 
 
 def summarize(counts: list[tuple[int, int, float]], seconds: float) -> dict[str, float]:
     """Throughput of the timed steps: ``counts`` holds (tokens, targets, FLOPs) per timed step."""
-    tokens = sum(c[0] for c in counts)
+    tokens, targets = sum(c[0] for c in counts), sum(c[1] for c in counts)
     return {
         "tokens_per_s": tokens / seconds,
-        "target_tokens_per_s": sum(c[1] for c in counts) / seconds,
+        "target_tokens_per_s": targets / seconds,
         "step_s": seconds / len(counts),
         "tflops": sum(c[2] for c in counts) / seconds / 1e12,
         "timed_tokens": tokens,
+        "timed_targets": targets,
     }
 
 
@@ -369,12 +375,14 @@ def trl_child(args: argparse.Namespace) -> None:
         fsdp_on_gloo()
     vocab = SHAPES[args.shape]["vocab_size"]
     total = args.warmup + args.steps
-    dataset = Dataset.from_dict({"input_ids": documents(args.seq, vocab, total)})
+    dataset = Dataset.from_dict(trl_rows(args.seq, vocab, total))
     work = Path(args.trl_out).parent
     settings: dict[str, Any] = {
         "packing": True,
         "packing_strategy": "bfd",
         "padding_free": True,
+        "dataset_kwargs": {"skip_prepare_dataset": True},  # the rows come packed: the same for every runner
+        "train_sampling_strategy": "sequential",  # step i trains on row i, as the hf_fsdp2 runners do
         "max_length": args.seq,
         "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1,
@@ -431,7 +439,9 @@ def trl_child(args: argparse.Namespace) -> None:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if len(ends) != total or len(counts) < total or len(losses) != total:
-        raise RuntimeError(f"TRL ran {len(ends)} steps, {len(counts)} batches, {len(losses)} losses for {total}")
+        raise RuntimeError(
+            f"TRL ran {len(ends)} steps, {len(counts)} batches, {len(losses)} losses for {total}"
+        )
     w = args.warmup
     sharded = any(isinstance(p, DTensor) for p in trainer.model.parameters())
     result = {
@@ -443,7 +453,6 @@ def trl_child(args: argparse.Namespace) -> None:
             and trainer.accelerator.distributed_type == DistributedType.FSDP
             and trainer.accelerator.is_fsdp2
         ),
-        "packed_rows": len(trainer.train_dataset),
         "settings": {**settings, **placement},
     }
     Path(args.trl_out).write_text(json.dumps(result))
@@ -455,12 +464,16 @@ def run_trl(
     """Launch one TRL runner (a fresh ``accelerate launch`` process) and read its measurements back."""
     out = work / f"trl-{item.replace(':', '-')}.json"
     cmd = trl_launch_command(args, item, folder, out, free_port())
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCH_VARS and not k.startswith(("ACCELERATE_", "FSDP_"))
+    }
     env.update({"PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})  # fmt: skip
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    launch = "accelerate launch --config_file trl/accelerate_configs/fsdp2.yaml " + " ".join(cmd[6:])
+    launch = "accelerate launch " + " ".join(cmd[3:])
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -468,7 +481,10 @@ def run_trl(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its child: one process group
         proc.communicate()
-        return {"error": f"stopped at the time budget ({seconds_left:.0f} s left when it started)", "launch": launch}
+        return {
+            "error": f"stopped at the time budget ({seconds_left:.0f} s left when it started)",
+            "launch": launch,
+        }
     if proc.returncode != 0 or not out.exists():
         oom = "out of memory" in log.lower()
         error = "out of memory" if oom else f"exit code {proc.returncode}"
@@ -502,24 +518,34 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"| {r['name']} | {r.get('skipped') or r.get('error', '')[:120]} |")
             continue
         print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['target_tokens_per_s']:,.0f} | {r['step_s']:.3f} "
-              f"| {r['tflops']:.1f} | {num(r['mfu_vs_spec'], '.1%')} | {num(r['mfu_vs_measured_matmul'], '.1%')} "
+              f"| {r['tflops']:.3g} | {num(r['mfu_vs_spec'], '.1%')} | {num(r['mfu_vs_measured_matmul'], '.1%')} "
               f"| {num(r['max_mem_allocated_gib'], '.1f')} | {r['final_loss']:.4f} "
               f"| {num(r.get('x_trl'), '.2f')} |")  # fmt: skip
-    print(f"\nbest TRL runner: {report['trl_baseline']}; wall {report['wall_s']:.0f} s of {report['budget_s']:.0f} s")
+    print(
+        f"\nbest TRL runner: {report['trl_baseline']}; wall {report['wall_s']:.0f} s of {report['budget_s']:.0f} s"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="hf_fsdp2 runners, compile:ac:loss, comma-separated")
-    ap.add_argument("--trl", default=DEFAULT_TRL, help="TRL runners, kernels:ac (none|liger : none|full); '' for none")
+    ap.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help="hf_fsdp2 runners, compile:ac:loss, comma-separated"
+    )
+    ap.add_argument(
+        "--trl", default=DEFAULT_TRL, help="TRL runners, kernels:ac (none|liger : none|full); '' for none"
+    )
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU visible")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only"
+    )
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
-    ap.add_argument("--work", default=None, help="folder for the saved model and TRL's files (default: a temp dir)")
+    ap.add_argument(
+        "--work", default=None, help="folder for the saved model and TRL's files (default: a temp dir)"
+    )
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trl-model", default=None, help=argparse.SUPPRESS)
@@ -533,7 +559,9 @@ def main() -> None:
     if args.smoke:
         args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
     if args.warmup < 1 or args.steps < 1:
-        sys.exit("--warmup and --steps must be at least 1 (the clock starts at the end of the last warm-up step)")
+        sys.exit(
+            "--warmup and --steps must be at least 1 (the clock starts at the end of the last warm-up step)"
+        )
     started = time.perf_counter()
     deadline = started + args.budget_s
     from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
@@ -541,11 +569,16 @@ def main() -> None:
     from hf_fsdp2.parallel.accelerator import build_accelerator
 
     acc = build_accelerator(
-        ShardingPlan(), mixed_precision="no" if args.cpu else "bf16", compile_plan=CompilePlan(), force_cpu=args.cpu
+        ShardingPlan(),
+        mixed_precision="no" if args.cpu else "bf16",
+        compile_plan=CompilePlan(),
+        force_cpu=args.cpu,
     )
     device = acc.device
     if device.type != "cuda" and not args.cpu:
-        sys.exit("no GPU visible: add --cpu (e.g. --cpu --shape small --seq 1024), or --smoke to check the script")
+        sys.exit(
+            "no GPU visible: add --cpu (e.g. --cpu --shape small --seq 1024), or --smoke to check the script"
+        )
     peak_mm = matmul_peak(device, 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     spec = peak_flops_for(name) if device.type == "cuda" else None
@@ -571,7 +604,9 @@ def main() -> None:
                 print(json.dumps(entry), flush=True)
                 continue
         if left < max(longest, 1.0):
-            entry["skipped"] = f"time budget: {left:.0f} s left, the longest runner so far took {longest:.0f} s"
+            entry["skipped"] = (
+                f"time budget: {left:.0f} s left, the longest runner so far took {longest:.0f} s"
+            )
             print(json.dumps(entry), flush=True)
             continue
         if runner == "trl":
