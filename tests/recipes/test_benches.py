@@ -4,6 +4,7 @@ bench/README.md). What must hold at any size is checked: the same work, and what
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from support.launch import REPO, python
@@ -58,13 +59,46 @@ def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: P
     assert abs(sharding["2"]["vs_world_1"] - 0.5) < 0.01
 
 
-def test_gpu_bench_script_runs_on_cpu_with_smoke(tmp_path: Path):
+def test_gpu_bench_smoke_runs_hf_fsdp2_and_trl_on_the_same_rows(tmp_path: Path):
     out = tmp_path / "gpu.json"
     python(
         REPO / "bench" / "gpu_bench.py",
-        ["--smoke", "--configs", "eager:none:plain,eager:full:chunked", "--json", str(out)],
+        ["--smoke", "--configs", "eager:none:plain,eager:full:chunked", "--work", str(tmp_path / "work"),
+         "--out", str(out)],
         timeout=600,
-    )
+    )  # fmt: skip
     report = json.loads(out.read_text())
-    assert [r["config"] for r in report["results"]] == ["eager:none:plain", "eager:full:chunked"]
-    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["results"])
+    runs = {r["name"]: r for r in report["results"]}
+    assert list(runs) == [
+        "trl none:none",
+        "trl liger:none",
+        "hf_fsdp2 eager:none:plain",
+        "hf_fsdp2 eager:full:chunked",
+    ]
+    measured = [runs["trl none:none"], runs["hf_fsdp2 eager:none:plain"], runs["hf_fsdp2 eager:full:chunked"]]
+    for r in measured:
+        assert "error" not in r and "skipped" not in r, r
+        for key in ("tokens_per_s", "target_tokens_per_s", "step_s", "tflops", "x_trl"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["name"], key, r[key])
+        # Each document's first token has no target; every runner trains the same rows (seq 256, 1 timed step).
+        assert r["target_tokens_per_s"] < r["tokens_per_s"]
+        assert (r["timed_tokens"], r["timed_targets"]) == (256, measured[1]["timed_targets"])
+    trl, hf = runs["trl none:none"], runs["hf_fsdp2 eager:none:plain"]
+    # TRL ran through accelerate launch with TRL's FSDP2 file, sharded (on gloo here), with its packing knobs.
+    assert trl["fsdp2_sharded"] is True
+    assert "accelerate_configs/fsdp2.yaml --num_processes 1" in trl["launch"]
+    assert (
+        trl["settings"]["packing"]
+        and trl["settings"]["padding_free"]
+        and not trl["settings"]["use_liger_kernel"]
+    )
+    assert report["trl_baseline"] == "trl none:none" and trl["x_trl"] == 1.0
+    assert abs(hf["x_trl"] - hf["tokens_per_s"] / trl["tokens_per_s"]) < 1e-9
+    # The same init, rows, order and optimizer in fp32: the same loss after the last step.
+    assert abs(trl["final_loss"] - hf["final_loss"]) < 1e-5 * hf["final_loss"], (
+        trl["final_loss"],
+        hf["final_loss"],
+    )
+    # Liger needs CUDA and liger-kernel: listed with the reason, never with a number.
+    liger = runs["trl liger:none"]
+    assert "CUDA" in liger["skipped"] and "tokens_per_s" not in liger
