@@ -459,10 +459,12 @@ def trl_child(args: argparse.Namespace) -> None:
 
 
 def run_trl(
-    args: argparse.Namespace, item: str, folder: Path, work: Path, seconds_left: float
+    args: argparse.Namespace, item: str, folder: Path, work: Path, timeout_s: float
 ) -> dict[str, Any]:
-    """Launch one TRL runner (a fresh ``accelerate launch`` process) and read its measurements back."""
+    """Launch one TRL runner (a fresh ``accelerate launch`` process) and read its measurements back; the
+    process (the launcher and its child: one process group) is stopped after ``timeout_s``."""
     out = work / f"trl-{item.replace(':', '-')}.json"
+    out.unlink(missing_ok=True)
     cmd = trl_launch_command(args, item, folder, out, free_port())
     env = {
         k: v
@@ -477,14 +479,11 @@ def run_trl(
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
-        log, _ = proc.communicate(timeout=seconds_left)
+        log, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its child: one process group
-        proc.communicate()
-        return {
-            "error": f"stopped at the time budget ({seconds_left:.0f} s left when it started)",
-            "launch": launch,
-        }
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return {"error": f"stopped after {timeout_s:.0f} s: {log[-1000:]}", "launch": launch}
     if proc.returncode != 0 or not out.exists():
         oom = "out of memory" in log.lower()
         error = "out of memory" if oom else f"exit code {proc.returncode}"
@@ -542,7 +541,8 @@ def main() -> None:
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only"
     )
-    ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the runners")
+    ap.add_argument("--trl-timeout-s", type=float, default=180.0, help="a TRL runner is stopped after this")
     ap.add_argument(
         "--work", default=None, help="folder for the saved model and TRL's files (default: a temp dir)"
     )
@@ -612,7 +612,8 @@ def main() -> None:
         if runner == "trl":
             if not folder.exists():
                 save_model_folder(args, device, folder)
-            entry.update(run_trl(args, item, folder, work, deadline - time.perf_counter()))
+            timeout = min(args.trl_timeout_s, deadline - time.perf_counter())
+            entry.update(run_trl(args, item, folder, work, timeout))
         else:
             try:
                 entry.update(run_config(acc, args, item))
@@ -637,7 +638,7 @@ def main() -> None:
         "trl_baseline": add_ratios(results),
         "results": results,
     }
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder if args.work else work, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - started
     print_table(report)
     if args.out:

@@ -420,7 +420,7 @@ def _run_show_data(args: argparse.Namespace) -> int:
     packed = pack_examples(data.train, d.max_length) if d.packing else None
     print("# " + layout_summary(
         data.train, packed, batch_size=t.per_device_train_batch_size, world_size=1, seed=t.seed,
-        padding_free=d.padding_free,
+        padding_free=bool(d.padding_free),
     ))  # fmt: skip
     offset = 0
     for stats, count in zip(data.stats, data.train_counts, strict=False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,78 @@ def disable_dropout(model: torch.nn.Module) -> int:
                 changed += value > 0
                 setattr(module, name, 0.0)
     return changed
+
+
+# Attention kernels that keep the examples of a flattened row apart by position_ids without a mask to build
+# (varlen kernels); the others are checked by a probe forward.
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def padding_free_matches(
+    config: PretrainedConfig, attn_implementation: str = "auto", *, trust_remote_code: bool = False
+) -> tuple[bool, str]:
+    """Whether a padding-free batch (examples flattened into one row, ``position_ids`` restarting per example)
+    gives this model the same logits as the padded batch, and why.
+
+    Decided from the config alone, on CPU, deterministically (every rank decides the same): a random-init copy
+    of the model with its first two layers and small MLP / vocabulary (the masking and attention code are the
+    model's own) runs two examples padded and flattened; the logits of every real token must agree to fp32
+    rounding. Varlen flash-attention kernels take ``position_ids`` by design and are not probed (they need a GPU).
+
+    Returns:
+        ``(matches, reason)``.
+    """
+    from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
+
+    if attn_implementation in _VARLEN_ATTENTION:
+        return True, f"{attn_implementation} separates the examples of a row by position_ids (varlen kernels)"
+    if attn_implementation != "auto" and attn_implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        return False, f"attn_implementation={attn_implementation} does not separate examples by position_ids"
+    small = copy.deepcopy(config)
+    layers = min(2, int(getattr(small, "num_hidden_layers", 2) or 2))
+    small.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_only_layers"):
+        value = getattr(small, key, None)
+        if isinstance(value, list):
+            setattr(small, key, value[:layers])
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(small, key, None):
+            setattr(small, key, 32)
+    small.vocab_size = 64
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 64:
+            setattr(small, key, 0)
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+    if attn_implementation != "auto":
+        kwargs["attn_implementation"] = attn_implementation
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, **kwargs)
+    except Exception as err:  # a config the probe cannot shrink: keep padded batches
+        return False, f"the probe could not build the model ({type(err).__name__}: {err})"
+    finally:
+        torch.random.set_rng_state(state)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 64, (5,), generator=gen), torch.randint(3, 64, (9,), generator=gen)
+    ids = torch.zeros((2, 9), dtype=torch.long)
+    mask = torch.zeros((2, 9), dtype=torch.long)
+    ids[0, :5], mask[0, :5], ids[1], mask[1] = a, 1, b, 1
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        flat = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(9)])[None],
+                     use_cache=False).logits  # fmt: skip
+    want = torch.cat([padded[0, :5], padded[1]])
+    diff = float((flat[0] - want).abs().max())
+    scale = max(float(want.abs().max()), 1.0)
+    attn = getattr(model.config, "_attn_implementation", attn_implementation)
+    if diff <= 1e-4 * scale:  # fp32 rounding of the same maths (a different mask gives O(1) differences)
+        return (
+            True,
+            f"a probe forward with {attn} attention gives padded and padding-free batches the same logits",
+        )
+    return False, (
+        f"with {attn} attention its padding-free logits differ from the padded ones by {diff:.3g} (scale "
+        f"{scale:.3g}): this model's attention does not separate flattened examples"
+    )

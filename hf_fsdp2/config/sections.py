@@ -140,10 +140,12 @@ class DataArgs:
             "per example and no attention crosses examples."
         },
     )
-    padding_free: bool = field(
-        default=False,
+    padding_free: bool | None = field(
+        default=None,
         metadata={
-            "help": "Flatten each micro-batch into one row without padding (position_ids mark examples)."
+            "help": "Flatten each micro-batch into one row without padding (position_ids mark examples): no work "
+            "on padding. Unset: on for SFT when a probe forward shows the model gives padded and padding-free "
+            "batches the same logits (logged at start), else off."
         },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})

@@ -119,7 +119,7 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     """
     cfg = session.cfg
     d, t = cfg.data, cfg.train
-    collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=d.padding_free)
+    collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=bool(d.padding_free))
     if d.streaming:
         return _streamed(session, tokenizer, collator)
 

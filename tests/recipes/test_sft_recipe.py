@@ -65,6 +65,9 @@ def test_accelerate_launch_trains_and_exports_a_loadable_folder(assets, tmp_path
     log = proc.stdout + proc.stderr
     assert "world size 2" in log
     assert "gradient reduction float32" in log  # the policy is logged at start
+    assert (
+        "batches: padding-free (padding_free auto: a probe forward with sdpa attention" in log
+    )  # the default
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
