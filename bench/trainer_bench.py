@@ -8,15 +8,19 @@ run), the same tokenized examples (the recipe's own pipeline: chat template, ass
 the same order, batches of the same examples, fp32, AdamW with the same settings, constant learning
 rate, gradient clipping at 1.0, one process (hf_fsdp2 runs FSDP2 at world size 1). Runners:
 
-* ``hf_fsdp2``           the SFT recipe's pieces and loop (``hf_fsdp2.trainer``, the library's ``train_step``),
-                         padded batches, chunked cross entropy (default);
-* ``hf_fsdp2_plain_ce``  the same with ``ce_chunk_tokens: 0`` (the full [tokens x vocab] logits);
-* ``hf_fsdp2_pf``        the recipe with ``padding_free: true`` (each batch flattened into one row);
+* ``hf_fsdp2``           the SFT recipe's pieces and loop (``hf_fsdp2.trainer``, the library's ``train_step``) on
+                         its DEFAULT settings: padding-free batches (the start-up probe finds they give this model
+                         the padded logits), chunked cross entropy;
+* ``hf_fsdp2_padded``    the same with ``padding_free: false`` (padded batches, as the Trainer);
+* ``hf_fsdp2_plain_ce``  the defaults with ``ce_chunk_tokens: 0`` (the full [tokens x vocab] logits);
 * ``trainer``            ``transformers.Trainer`` with ``DataCollatorForSeq2Seq`` (padded batches);
 * ``trl``                ``trl.SFTTrainer`` on the same pre-tokenized examples (its default collator).
 
 Each run is a fresh process; the runs alternate (A B C D E, A B C D E, ...) and the table gives medians
-over rounds, and ratios to ``trainer``. Per run:
+over rounds, the ratio of the medians to ``trainer``'s and each round's own ratio (runs of one round are
+minutes apart, so a round's ratio is the least noisy comparison). Each round also times an fp32 matmul
+(``matmul_gflops``: the best of several 1024^3 products, same threads) and every runner's useful FLOP/s
+(6N + 12LHQT per real token of each example, the library's FLOP model) is given as a fraction of it. Per run:
 
 * ``target_tok_s``: target (trained) tokens of steps ``warmup+1..steps`` over the wall time between the
   end of step ``warmup`` and the end of the last step (the same clock for every runner: the time each
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNERS = ("hf_fsdp2", "hf_fsdp2_plain_ce", "hf_fsdp2_pf", "trainer", "trl")
+RUNNERS = ("hf_fsdp2", "hf_fsdp2_padded", "hf_fsdp2_plain_ce", "trainer", "trl")
 
 
 def reset_peak_rss() -> None:
@@ -138,6 +142,40 @@ def recipe_order(n: int, seed: int) -> list[int]:
     from hf_fsdp2.data.loader import ShardedSampler
 
     return list(iter(ShardedSampler(n, rank=0, world_size=1, seed=seed)))
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Achieved fp32 FLOP/s of an n x n x n matmul on this CPU (the best of ``repeats`` timed products)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def useful_flops(settings: dict[str, Any], first: int, last: int) -> float:
+    """The FLOPs of steps ``first+1..last`` that any runner must do: the library's FLOP model (6N + 12LHQT per
+    token, T each example's own length) over the real tokens of the examples of those steps (the same examples
+    in the same order for every runner)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_fsdp2.observe.flops import flops_model, non_embedding_params
+
+    config = AutoConfig.from_pretrained(settings["model_name_or_path"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    flops = flops_model(config, non_embedding_params(model))
+    _, examples = tokenized_examples(settings)
+    order = recipe_order(len(examples), settings["seed"])
+    size = settings["per_device_train_batch_size"]
+    lengths = [len(examples[i]["input_ids"]) for i in order[first * size : last * size]]
+    return float(flops.for_sequences(lengths))
 
 
 # ---------------------------------------------------------------------------------------------- runners
@@ -293,12 +331,15 @@ def run_hf_trainer(settings: dict[str, Any], out_dir: Path, use_trl: bool) -> di
 def child(runner: str, work: Path, out: Path, args: argparse.Namespace) -> None:
     settings = shared_settings(args, work)
     run_dir = work / "runs" / f"{runner}"
+    if runner == "matmul":
+        out.write_text(json.dumps({"runner": runner, "matmul_gflops": matmul_gflops() / 1e9}))
+        return
     if runner == "hf_fsdp2":
         result = run_hf_fsdp2(settings, run_dir, {})
+    elif runner == "hf_fsdp2_padded":
+        result = run_hf_fsdp2(settings, run_dir, {"padding_free": False})
     elif runner == "hf_fsdp2_plain_ce":
         result = run_hf_fsdp2(settings, run_dir, {"ce_chunk_tokens": 0})
-    elif runner == "hf_fsdp2_pf":
-        result = run_hf_fsdp2(settings, run_dir, {"padding_free": True})
     else:
         result = run_hf_trainer(settings, run_dir, use_trl=runner == "trl")
     w = args.warmup
@@ -307,9 +348,11 @@ def child(runner: str, work: Path, out: Path, args: argparse.Namespace) -> None:
         raise RuntimeError(
             f"{runner}: {len(ends)} step ends and {len(result['losses'])} losses for {args.steps} steps"
         )
+    seconds = ends[-1] - ends[w - 1]
     summary = {
         "runner": runner,
-        "target_tok_s": sum(targets[w:]) / (ends[-1] - ends[w - 1]),
+        "target_tok_s": sum(targets[w:]) / seconds,
+        "useful_gflops": useful_flops(settings, w, args.steps) / seconds / 1e9,
         "peak_rss_gib": result["peak_rss_gib"],
         "padding_eff": sum(targets) / sum(result["processed"]),
         "final_loss": result["losses"][-1],
@@ -360,9 +403,9 @@ def main() -> None:
         "--max-length", str(args.max_length), "--lr", str(args.lr), "--hidden", str(args.hidden),
         "--layers", str(args.layers), "--work", str(work),
     ]  # fmt: skip
-    results: dict[str, list[dict[str, Any]]] = {r: [] for r in runners}
+    results: dict[str, list[dict[str, Any]]] = {r: [] for r in [*runners, "matmul"]}
     for round_ in range(args.rounds):
-        for runner in runners:  # alternate: one run of each per round
+        for runner in [*runners, "matmul"]:  # alternate: one run of each per round
             out = work / f"{runner}.{round_}.json"
             start = time.perf_counter()
             proc = subprocess.run(
@@ -375,6 +418,9 @@ def main() -> None:
                 )
             result = json.loads(out.read_text())
             results[runner].append(result)
+            if runner == "matmul":
+                print(f"round {round_ + 1} fp32 matmul {result['matmul_gflops']:.1f} GFLOP/s", flush=True)
+                continue
             print(f"round {round_ + 1} {runner:18s} {result['target_tok_s']:8.1f} target tok/s  "
                   f"peak {result['peak_rss_gib']:.2f} GiB  loss {result['final_loss']:.4f}  "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
@@ -386,28 +432,52 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
 
-def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    table = {}
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Medians over rounds per runner, their ratios to the Trainer's, each round's own ratios, and the useful
+    FLOP/s as a fraction of the fp32 matmul timed in the same round."""
+    matmul = [r["matmul_gflops"] for r in results.get("matmul", [])]
+    table: dict[str, dict[str, Any]] = {}
     for runner, runs in results.items():
-        table[runner] = {
+        if runner == "matmul" or not runs:
+            continue
+        row: dict[str, Any] = {
             key: statistics.median(r[key] for r in runs)
-            for key in ("target_tok_s", "peak_rss_gib", "padding_eff", "final_loss")
+            for key in ("target_tok_s", "peak_rss_gib", "padding_eff", "final_loss", "useful_gflops")
         }
-    base = table.get("trainer")
-    for row in table.values():
-        if base:
+        if matmul:
+            row["matmul_fraction"] = statistics.median(
+                r["useful_gflops"] / m for r, m in zip(runs, matmul, strict=False)
+            )
+        table[runner] = row
+    base_runs = results.get("trainer")
+    if base_runs:
+        base = table["trainer"]
+        for runner, row in table.items():
             row["speed_vs_trainer"] = row["target_tok_s"] / base["target_tok_s"]
             row["memory_vs_trainer"] = row["peak_rss_gib"] / base["peak_rss_gib"]
+            pairs = list(zip(results[runner], base_runs, strict=False))
+            row["speed_vs_trainer_per_round"] = [r["target_tok_s"] / b["target_tok_s"] for r, b in pairs]
+            row["memory_vs_trainer_per_round"] = [r["peak_rss_gib"] / b["peak_rss_gib"] for r, b in pairs]
+    if matmul:
+        table["matmul"] = {"matmul_gflops": statistics.median(matmul), "per_round": matmul}
     return table
 
 
-def print_table(table: dict[str, dict[str, float]]) -> None:
-    print(f"\n{'runner':18s} {'target tok/s':>12s} {'x trainer':>9s} {'peak GiB':>9s} {'x trainer':>9s} "
-          f"{'pad eff':>8s} {'final loss':>10s}")  # fmt: skip
+def print_table(table: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'runner':18s} {'target tok/s':>12s} {'x trainer':>9s} {'per round':>14s} {'peak GiB':>9s} "
+          f"{'x trainer':>9s} {'pad eff':>8s} {'final loss':>10s} {'GFLOP/s':>8s} {'of matmul':>9s}")  # fmt: skip
     for runner, row in table.items():
+        if runner == "matmul":
+            continue
+        rounds = ",".join(f"{x:.2f}" for x in row.get("speed_vs_trainer_per_round", []))
         print(f"{runner:18s} {row['target_tok_s']:12.1f} {row.get('speed_vs_trainer', float('nan')):9.2f} "
-              f"{row['peak_rss_gib']:9.2f} {row.get('memory_vs_trainer', float('nan')):9.2f} "
-              f"{row['padding_eff']:8.1%} {row['final_loss']:10.4f}")  # fmt: skip
+              f"{rounds:>14s} {row['peak_rss_gib']:9.2f} {row.get('memory_vs_trainer', float('nan')):9.2f} "
+              f"{row['padding_eff']:8.1%} {row['final_loss']:10.4f} {row['useful_gflops']:8.1f} "
+              f"{row.get('matmul_fraction', float('nan')):9.1%}")  # fmt: skip
+    if "matmul" in table:
+        print(
+            f"fp32 matmul (1024^3, same threads): {table['matmul']['matmul_gflops']:.1f} GFLOP/s (median of rounds)"
+        )
 
 
 if __name__ == "__main__":

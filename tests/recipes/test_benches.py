@@ -19,17 +19,22 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
         timeout=900,
     )  # fmt: skip
     table = json.loads(out.read_text())["medians"]
-    assert set(table) == {"hf_fsdp2", "hf_fsdp2_plain_ce", "hf_fsdp2_pf", "trainer", "trl"}
-    losses = {name: row["final_loss"] for name, row in table.items()}
+    assert set(table) == {"hf_fsdp2", "hf_fsdp2_padded", "hf_fsdp2_plain_ce", "trainer", "trl", "matmul"}
+    losses = {name: row["final_loss"] for name, row in table.items() if name != "matmul"}
     # Same model, examples, order, batches and optimizer: the same loss after the last step.
     for name, loss in losses.items():
         assert abs(loss - losses["trainer"]) < 1e-3 * losses["trainer"], (name, losses)
     assert (
-        abs(table["hf_fsdp2"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9
+        abs(table["hf_fsdp2_padded"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9
     )  # same padded batches
-    assert table["hf_fsdp2_pf"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]
+    assert table["hf_fsdp2"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]  # the default: padding-free
     # The full [tokens x vocab] fp32 logits (vocab 49152) are what chunked cross entropy never builds.
     assert table["hf_fsdp2"]["peak_rss_gib"] < table["hf_fsdp2_plain_ce"]["peak_rss_gib"]
+    # Useful FLOP/s against an fp32 matmul timed in the same run: a fraction in (0, 1).
+    assert table["matmul"]["matmul_gflops"] > 0
+    for name in losses:
+        assert 0 < table[name]["matmul_fraction"] < 1, (name, table[name])
+        assert len(table[name]["speed_vs_trainer_per_round"]) == 1
 
 
 def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: Path):
