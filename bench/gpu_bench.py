@@ -27,7 +27,8 @@ Runners, in this order (TRL first: the baseline of every "x TRL"):
   rebuilt from ``seq_lengths``). Left to pack the same documents itself (``packing_strategy="bfd"``), TRL
   makes 14 rows of the 13 at seq 4096, the last of 281 tokens: one step would then be mostly overhead.
   SFTConfig: ``packing=True``, ``packing_strategy="bfd"``, ``padding_free=True``, ``max_length=seq``,
-  ``per_device_train_batch_size=1``, ``bf16=True``, ``gradient_checkpointing`` = ``<ac> == full`` (TRL's
+  ``per_device_train_batch_size=1``, ``bf16=True`` (Accelerate's FSDP2 policy for bf16: parameters,
+  gradient reduction and outputs in bf16 over fp32 sharded weights), ``gradient_checkpointing`` = ``<ac> == full`` (TRL's
   default is on; off is the faster setting when memory allows), ``use_liger_kernel`` = ``<kernels> ==
   liger`` (Liger's RMSNorm/RoPE/SwiGLU kernels; the loss stays TRL's fused LM head, which never builds
   the full logits), the optimizer settings above with TRL's default ``adamw_torch_fused``,
@@ -38,7 +39,7 @@ Runners, in this order (TRL first: the baseline of every "x TRL"):
   batches); every runner uses sdpa, to which transformers gives a block-diagonal mask from the
   position_ids.
 * ``hf_fsdp2 <compile>:<ac>:<loss>`` (``--configs``): the library's own pieces in this process
-  (``prepare_fsdp2``, ``train_step``; bf16 compute, fp32 reduction): eager vs regional compile,
+  (``prepare_fsdp2``, ``train_step``; bf16 compute, fp32 gradient reduction): eager vs regional compile,
   activation checkpointing none / full / offload, plain vs chunked cross entropy.
 
 Measured per runner, over the ``--steps`` steps after ``--warmup`` (the clock runs from the end of step
@@ -52,22 +53,26 @@ tokens/s over the best TRL runner's). TRL's token counts come from its own colla
 (``--cpu``, ``--smoke``) the TRL child is marked FSDP on gloo before the Trainer builds its Accelerator
 (Accelerate keeps FSDP for GPUs): the same FSDP2 prepare path, checked (``fsdp2_sharded``) after training.
 
-Time budget (``--budget-s``, default 420 s = 7 minutes), planned from the FLOP model (the fixed costs,
-compile and process starts, are measured by the run itself and printed per runner as ``wall_s``):
+Time budget: ``--budget-s`` (default 400 s) for the runners, which leaves the interpreter's start and
+the teardown inside 7 minutes. Planned from the FLOP model; the fixed costs (process starts, loading,
+compile) are measured by the run itself, per runner as ``wall_s``:
 
-* a step at seq 4096 is about 3.3e13 FLOPs (4096 tokens x (6 x 1.24e9 + attention)); even at 10% MFU of
-  989 TFLOP/s that is 0.33 s, so the 3 + 10 steps of a runner take at most ~4.3 s: the budget goes to
-  fixed costs;
-* per TRL runner: a fresh ``accelerate launch`` process (imports, CUDA and NCCL start), loading the 4.9 GB
-  fp32 folder, TRL's data preparation and FSDP2 prepare; the folder is written once;
+* a step at seq 4096 is 3.2e13 to 3.4e13 FLOPs by the library's model (4096 tokens x (6 x 1.236e9 +
+  attention over documents of 64 to 2047 tokens)); even at 10% of 989 TFLOP/s that is 0.34 s, so the
+  3 + 10 steps of a runner take at most ~4.4 s: the budget goes to the fixed costs;
+* per TRL runner: a fresh ``accelerate launch`` process (imports, CUDA and NCCL start), loading the
+  4.9 GB fp32 folder (written once, by the first TRL runner) and the FSDP2 prepare;
 * per hf_fsdp2 configuration: building the model on the GPU, and for regional compile the compile itself
   (reported as ``compile_s``; later configurations reuse Inductor's cache).
 
 The script enforces the budget: a runner starts only while the time left exceeds the longest runner so
-far, a TRL process is stopped at the deadline, and what did not fit is listed with the reason, never
-with a number. ``--smoke`` runs every runner that can run on CPU at a tiny size (2 layers, hidden 64,
-seq 256, 1 + 1 steps) and lists the Liger runner as skipped. Output: a table on stdout and, with
-``--out``, the JSON.
+far; a TRL process is stopped after ``--trl-timeout-s`` (180 s) or at the deadline, whichever comes
+first; what did not run says why, never with a number. ``--smoke`` runs every runner that can run on
+CPU at a tiny size (2 layers, hidden 64, vocab 4096, seq 256, 1 + 1 steps, fp32) and lists the Liger
+runner as skipped. On CPU the TRL process is given this process's torch thread count
+(``--num_cpu_threads_per_process``; accelerate's GPU-style launch would give it one). Output: a table on
+stdout and, with ``--out``, the JSON (every runner's entry, the device, the matmul and spec peaks, the
+best TRL runner).
 """
 
 from __future__ import annotations
@@ -337,6 +342,8 @@ def trl_launch_command(args: argparse.Namespace, item: str, folder: Path, out: P
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
         "--num_processes", "1", "--num_machines", "1", "--main_process_port", str(port),
         "--mixed_precision", "no" if args.cpu else "bf16", "--dynamo_backend", "no",
+        # CPU: the threads this process computes with (accelerate launch would give a GPU-style launch one)
+        *(["--num_cpu_threads_per_process", str(torch.get_num_threads())] if args.cpu else []),
         __file__, "--trl-child", item, "--trl-model", str(folder), "--trl-out", str(out),
         "--shape", args.shape, "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
         *(["--cpu"] if args.cpu else []),
@@ -454,6 +461,7 @@ def trl_child(args: argparse.Namespace) -> None:
             and trainer.accelerator.is_fsdp2
         ),
         "settings": {**settings, **placement},
+        "torch_threads": torch.get_num_threads(),
     }
     Path(args.trl_out).write_text(json.dumps(result))
 
@@ -635,6 +643,7 @@ def main() -> None:
         "warmup": args.warmup,
         "steps": args.steps,
         "budget_s": args.budget_s,
+        "torch_threads": torch.get_num_threads(),
         "trl_baseline": add_ratios(results),
         "results": results,
     }
