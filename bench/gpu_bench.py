@@ -32,7 +32,8 @@ Runners, in this order (TRL first: the baseline of every "x TRL"):
   default is on; off is the faster setting when memory allows), ``use_liger_kernel`` = ``<kernels> ==
   liger`` (Liger's RMSNorm/RoPE/SwiGLU kernels; the loss stays TRL's fused LM head, which never builds
   the full logits), the optimizer settings above with TRL's default ``adamw_torch_fused``,
-  ``logging_steps=1``, no saving, no reporting; the JSON lists them all. Liger needs CUDA and
+  ``logging_steps=1`` (the last step's loss; TRL reads its own metrics back every step anyway), no
+  saving, no reporting; the JSON lists them all. Liger needs CUDA and
   ``liger-kernel``: without them the entry says why and has no numbers. TRL 1.16 marks
   ``use_liger_kernel`` deprecated for Hub kernels (``model_init_kwargs={"use_kernels": True}``), which
   are downloaded from the Hub: not measured here, nor flash-attention (TRL's advice for padding-free
@@ -522,7 +523,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"| final loss | x TRL |\n|{'---|' * 10}")  # fmt: skip
     for r in report["results"]:
         if "tokens_per_s" not in r:
-            print(f"| {r['name']} | {r.get('skipped') or r.get('error', '')[:120]} |")
+            why = " ".join(str(r.get("skipped") or r.get("error", "")).split())
+            print(f"| {r['name']} | {why[:200]} |")
             continue
         print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['target_tokens_per_s']:,.0f} | {r['step_s']:.3f} "
               f"| {r['tflops']:.3g} | {num(r['mfu_vs_spec'], '.1%')} | {num(r['mfu_vs_measured_matmul'], '.1%')} "
@@ -594,6 +596,10 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps per runner; budget {args.budget_s:.0f} s",
           flush=True)  # fmt: skip
     runners = [("trl", item) for item in args.trl.split(",") if item]
+    bad = [item for _, item in runners if len(item.split(":")) != 2 or item.split(":")[0] not in ("none", "liger")
+           or item.split(":")[1] not in ("none", "full")]  # fmt: skip
+    if bad:
+        sys.exit(f"--trl {bad}: each TRL runner is kernels:ac, kernels none|liger, ac none|full")
     runners += [("hf_fsdp2", item) for item in args.configs.split(",") if item]
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_bench_"))
     work.mkdir(parents=True, exist_ok=True)
