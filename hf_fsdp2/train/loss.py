@@ -116,7 +116,9 @@ def logit_transform_for(config: Any) -> LogitTransform:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed CE of ``transform(hidden @ weight.T)`` over chunks of rows; gradients computed in forward.
 
-    Only one ``[chunk x vocab]`` block exists at a time; backward scales the saved gradients
+    Only the rows with a target are computed (with assistant-only or completion-only loss most positions have
+    none: their logits are never needed), and only one ``[chunk x vocab]`` block exists at a time, exponentiated
+    once: the softmax gives both the log-sum-exp and the gradient. Backward scales the saved gradients
     (``[tokens x hidden]`` and ``[vocab x hidden]``) by the incoming gradient.
     """
 
@@ -135,11 +137,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
         )
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        for start in range(0, hidden.size(0), chunk):
-            h = hidden[start : start + chunk]
-            t = targets[start : start + chunk]
-            valid = t != IGNORE_INDEX
-            safe = t.clamp(min=0)
+        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the positions with a target
+        # The head in the accumulation dtype for the hidden-state gradient, converted once (a no-op in fp32).
+        weight_acc = weight.to(acc) if grad_hidden is not None else weight
+        for start in range(0, rows.numel(), chunk):
+            index = rows[start : start + chunk]
+            h = hidden.index_select(0, index)
+            t = targets.index_select(0, index)
             logits = (h @ weight.t()).to(acc)
             capped = None
             if transform.scale != 1.0:
@@ -147,20 +151,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if transform.softcap:
                 capped = torch.tanh(logits / transform.softcap)
                 logits = capped * transform.softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
-            # d(sum CE)/d logits = softmax - one-hot, on target rows only; computed in place.
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
-            probs.mul_(valid[:, None])
+            picked = logits.gather(1, t[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
+            norm = probs.sum(dim=-1, keepdim=True)
+            total += ((top + norm.log()).squeeze(1) - picked).sum()
+            # d(sum CE)/d logits = softmax - one-hot, computed in place.
+            probs.div_(norm)
+            probs[torch.arange(probs.size(0), device=probs.device), t] -= 1.0
             # Back through the transform to the head's raw output.
             if capped is not None:
                 probs.mul_(1.0 - capped.square_())
             if transform.scale != 1.0:
                 probs.mul_(transform.scale)
             if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = (probs @ weight.to(acc)).to(hidden.dtype)
+                grad_hidden.index_copy_(0, index, (probs @ weight_acc).to(hidden.dtype))
             if grad_weight is not None:
                 grad_weight.addmm_(probs.t(), h.to(acc))
         ctx.save_for_backward(

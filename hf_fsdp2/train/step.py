@@ -10,7 +10,8 @@ One optimizer step over ``gradient_accumulation_steps`` micro-batches on every r
 3. gradient clipping over the sharded gradients, optimizer and scheduler step.
 
 Every rank runs the same collectives in the same order whatever its data: micro-batches of any size,
-with or without target tokens, take the same path.
+with or without target tokens, take the same path. The phases carry ``hf_fsdp2/<phase>`` labels in profiler
+traces (``profile_steps``; bench/step_profile.py sums them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.train.loss import LossPlan, backward_scale, causal_lm_loss, count_target_tokens
@@ -98,18 +100,19 @@ def forward_backward(
     Returns:
         (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
     """
-    local = torch.tensor(
-        [
-            sum(count_target_tokens(b["labels"]) for b in micro_batches),
-            sum(b["input_ids"].numel() for b in micro_batches),
-        ],
-        dtype=torch.long,
-        device=device,
-    )
-    # Every rank: the step's target-token count normalises the loss; with the processed count it gives
-    # the step's padding efficiency.
-    counts = collectives.all_reduce_sum(local)
-    global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
+    with record_function("hf_fsdp2/count_tokens"):
+        local = torch.tensor(
+            [
+                sum(count_target_tokens(b["labels"]) for b in micro_batches),
+                sum(b["input_ids"].numel() for b in micro_batches),
+            ],
+            dtype=torch.long,
+            device=device,
+        )
+        # Every rank: the step's target-token count normalises the loss; with the processed count it gives
+        # the step's padding efficiency.
+        counts = collectives.all_reduce_sum(local)
+        global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
     scale = backward_scale(global_tokens, collectives.world())
     # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
     aux_scale = settings.loss.router_aux_coef / len(micro_batches)
@@ -124,12 +127,14 @@ def forward_backward(
         # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
         # or padding-free ones, which transformers honours only without a KV cache.
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        out = causal_lm_loss(model, inputs, batch["labels"], settings.loss)
-        total = out.ce_sum * scale
-        if out.aux_loss is not None and aux_sum is not None:
-            total = total + out.aux_loss * aux_scale
-            aux_sum += out.aux_loss.detach().float()
-        total.backward()
+        with record_function("hf_fsdp2/forward_loss"):
+            out = causal_lm_loss(model, inputs, batch["labels"], settings.loss)
+            total = out.ce_sum * scale
+            if out.aux_loss is not None and aux_sum is not None:
+                total = total + out.aux_loss * aux_scale
+                aux_sum += out.aux_loss.detach().float()
+        with record_function("hf_fsdp2/backward"):
+            total.backward()
         loss_sum += out.ce_sum.detach().float()
         del out, total
     return loss_sum, aux_sum, global_tokens, global_processed
@@ -163,10 +168,12 @@ def train_step(
         The :class:`StepOutput`.
     """
     loss_sum, aux_sum, tokens, processed = forward_backward(model, micro_batches, settings, device)
-    grad_norm = clip_grad_norm(model, settings.max_grad_norm)
+    with record_function("hf_fsdp2/clip_grad_norm"):
+        grad_norm = clip_grad_norm(model, settings.max_grad_norm)
     lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function("hf_fsdp2/optimizer_step"):
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return StepOutput(loss_sum, aux_sum, tokens, processed, grad_norm, lr)

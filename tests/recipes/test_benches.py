@@ -27,7 +27,9 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     assert (
         abs(table["hf_fsdp2_padded"]["padding_eff"] - table["trainer"]["padding_eff"]) < 1e-9
     )  # same padded batches
-    assert table["hf_fsdp2"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]  # the default: padding-free
+    assert (
+        table["hf_fsdp2"]["padding_eff"] > 1.5 * table["trainer"]["padding_eff"]
+    )  # the default: padding-free
     # The full [tokens x vocab] fp32 logits (vocab 49152) are what chunked cross entropy never builds.
     assert table["hf_fsdp2"]["peak_rss_gib"] < table["hf_fsdp2_plain_ce"]["peak_rss_gib"]
     # Useful FLOP/s against an fp32 matmul timed in the same run: a fraction in (0, 1).
