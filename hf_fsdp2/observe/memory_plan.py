@@ -700,6 +700,8 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     Raises:
         PlanError: the model cannot run on the meta device (data-dependent code such as MoE routing).
     """
+    import torch.fx.experimental._config as fx_config
+
     from hf_fsdp2.parallel.activations import apply_activation_checkpointing, decoder_layers
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, logit_transform_for, router_aux_coef
 
@@ -726,7 +728,9 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     live = _LiveBytes(params)
     meter = SavedTensorMeter(model, layer_cls)
     try:
-        with _MetaForward(settings.device_type), live:
+        # Data-dependent sizes (nonzero: the rows with a target) read as "every element": the planned batch
+        # is full rows, every token a target.
+        with _MetaForward(settings.device_type), live, fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             ids = torch.zeros(shape, dtype=torch.long, device="meta")
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             with meter:
