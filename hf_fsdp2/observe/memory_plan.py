@@ -730,7 +730,7 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     try:
         # Data-dependent sizes (nonzero: the rows with a target) read as "every element": the planned batch
         # is full rows, every token a target.
-        with _MetaForward(settings.device_type), live, fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        with _MetaForward(settings.device_type), live, fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
             ids = torch.zeros(shape, dtype=torch.long, device="meta")
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             with meter:
