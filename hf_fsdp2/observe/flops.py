@@ -10,6 +10,7 @@ is reported.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,34 +19,54 @@ import torch
 
 from hf_fsdp2.train.loss import IGNORE_INDEX
 
-# Peak dense bf16 tensor-core FLOP/s per device (no sparsity), matched against
-# torch.cuda.get_device_name() in order: the first name contained in it wins, so the specific
-# variants come before the generic ones. The same numbers as torchtitan's get_peak_flops.
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM
-    ("H200", 989e12),
-    ("H20", 148e12),
-    ("GH200", 989e12),
-    ("B200", 2.25e15),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("RTX 4090", 165e12),
-    ("MI300X", 1307e12),
-    ("MI325X", 1307e12),
-    ("MI250X", 383e12),
+# Peak dense bf16 tensor-core FLOP/s of one device as torch sees it (no sparsity), from the vendors'
+# datasheets (their "with sparsity" figures halved). Matched against torch.cuda.get_device_name()
+# ("NVIDIA H100 80GB HBM3", "NVIDIA H200 NVL", "NVIDIA L40S", "AMD Instinct MI250X", ...) by
+# peak_flops_for: whole tokens only, the longest name first, so "L4" never matches "NVIDIA L40" nor
+# "H200" "NVIDIA GH200 480GB", and "H100 NVL" wins over "H100".
+PEAK_FLOPS: dict[str, float] = {
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H200 NVL": 835e12,  # the PCIe card, 600 W: 1,671 TFLOP/s with sparsity
+    "H200": 989e12,  # SXM
+    "GH200": 989e12,
+    "H20": 148e12,
+    "B200": 2.25e15,
+    "A100": 312e12,
+    "A800": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+    # Each of the package's two GCDs is a device of its own (torch sees 8 on a 4-package node): half of
+    # the 383 TFLOP/s AMD quotes per package.
+    "MI250X": 191.5e12,
+}
+# Longest first: the most specific name that matches wins.
+_PEAK_PATTERNS = tuple(
+    (re.compile(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])"), flops)
+    for name, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0]))
 )
 
 
 def peak_flops_for(device_name: str) -> float | None:
-    """Peak dense bf16 FLOP/s of a device from ``PEAK_FLOPS``, or None when it is not listed."""
-    for name, flops in PEAK_FLOPS:
-        if name in device_name:
+    """Peak dense bf16 FLOP/s of a device from ``PEAK_FLOPS``, or None when it is not listed.
+
+    Args:
+        device_name: what ``torch.cuda.get_device_name()`` reports, e.g. ``"NVIDIA H200 NVL"``.
+
+    Returns:
+        The entry of the longest table name found in ``device_name`` as whole tokens (delimited by
+        anything but a letter or digit: ``"A100"`` matches ``"NVIDIA A100-SXM4-80GB"``, ``"L4"`` does not
+        match ``"NVIDIA L40"``), or None (then the ``peak_flops`` key gives the peak, else no MFU).
+    """
+    for pattern, flops in _PEAK_PATTERNS:
+        if pattern.search(device_name):
             return flops
     return None
 

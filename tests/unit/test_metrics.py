@@ -81,14 +81,6 @@ def test_tied_head_is_counted_once_as_the_head() -> None:
     assert non_embedding_params(model) == sum(p.numel() for p in model.parameters())
 
 
-def test_peak_flops_table() -> None:
-    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops_for("NVIDIA H200") == 989e12
-    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops_for("Intel Xeon") is None
-
-
 def test_sequence_lengths_exclude_padding() -> None:
     padded = {
         "input_ids": torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]]),
