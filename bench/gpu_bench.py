@@ -186,12 +186,14 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def batch_counts(batch: dict[str, torch.Tensor], flops: Any) -> tuple[int, int, float]:
-    """(non-pad tokens, target tokens, FLOPs) of a collated batch, by the library's own counting."""
-    from hf_fsdp2.observe.flops import sequence_lengths
+    """(non-pad tokens, target tokens, FLOPs) of a collated batch: the recipe's meter's own counting
+    (``tokens_and_flops``: each document of a packed row at its own length, never ``T = seq``)."""
+    from hf_fsdp2.observe.flops import tokens_and_flops
     from hf_fsdp2.train.loss import count_target_tokens
 
-    lengths = sequence_lengths(batch, pad_token_id=None)
-    return sum(lengths), count_target_tokens(batch["labels"]), flops.for_sequences(lengths)
+    # No pad id: the rows are documents back to back, without padding (TRL's collated rows neither).
+    tokens, batch_flops = tokens_and_flops(batch, flops, pad_token_id=None)
+    return tokens, count_target_tokens(batch["labels"]), batch_flops
 
 
 def summarize(counts: list[tuple[int, int, float]], seconds: float) -> dict[str, float]:

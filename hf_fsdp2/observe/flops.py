@@ -184,3 +184,25 @@ def sequence_lengths(batch: Mapping[str, torch.Tensor], pad_token_id: int | None
             if n:
                 lengths.append(n)
     return lengths
+
+
+def tokens_and_flops(
+    batch: Mapping[str, torch.Tensor], flops: FlopsModel, pad_token_id: int | None
+) -> tuple[int, float]:
+    """Non-pad tokens and FLOPs of one collated micro-batch, each sequence at its own length.
+
+    What the training loop's meter charges a micro-batch (and the benches, so that their MFU is the
+    recipe's): :func:`sequence_lengths` then :meth:`FlopsModel.for_sequences`. A packed row of
+    documents of lengths ``s_i`` costs ``sum(s_i * (6N + 12LHQ * s_i))``, less than its width times
+    ``per_token(width)``.
+
+    Args:
+        batch: ``input_ids`` and optionally ``attention_mask``, ``position_ids``, ``labels`` (host tensors).
+        flops: the model's FLOPs model.
+        pad_token_id: the pad id (None: no padding detection in packed rows).
+
+    Returns:
+        (non-pad tokens, FLOPs of forward + backward).
+    """
+    lengths = sequence_lengths(batch, pad_token_id)
+    return sum(lengths), flops.for_sequences(lengths)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.observe.flops import FlopsModel, sequence_lengths
+from hf_fsdp2.observe.flops import FlopsModel, tokens_and_flops
 
 GIB = 2**30
 
@@ -95,9 +95,9 @@ class StepMeter:
     def count(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Add the non-pad tokens and FLOPs of this rank's micro-batches of the step (host tensors)."""
         for batch in micro_batches:
-            lengths = sequence_lengths(batch, self.pad_token_id)
-            self._interval[_TOKENS] += sum(lengths)
-            self._interval[_FLOPS] += self.flops.for_sequences(lengths)
+            tokens, flops = tokens_and_flops(batch, self.flops, self.pad_token_id)
+            self._interval[_TOKENS] += tokens
+            self._interval[_FLOPS] += flops
 
     def end_step(self, target_tokens: int, *, sync: bool) -> float:
         """Mark the end of an optimizer step.

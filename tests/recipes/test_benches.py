@@ -3,11 +3,26 @@ bench/README.md). What must hold at any size is checked: the same work, and what
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
+from types import ModuleType
 
+import torch
 from support.launch import REPO, python
+
+from hf_fsdp2.observe.flops import FlopsModel
+from hf_fsdp2.observe.meter import StepMeter
+
+
+def load_bench(name: str) -> ModuleType:
+    """A bench script imported as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
@@ -109,3 +124,30 @@ def test_gpu_bench_smoke_runs_hf_fsdp2_and_trl_on_the_same_rows(tmp_path: Path):
     # Liger needs CUDA and liger-kernel: listed with the reason, never with a number.
     liger = runs["trl liger:none"]
     assert "CUDA" in liger["skipped"] and "tokens_per_s" not in liger
+
+
+def test_gpu_bench_charges_each_document_at_its_own_length_as_the_recipe_meter():
+    bench = load_bench("gpu_bench")
+    # The 1B shape: N = 1.236e9 non-embedding parameters (tied head), 16 layers, 32 heads of 64.
+    fm = FlopsModel(non_embedding_params=1_235_814_400, layers=16, heads=32, head_dim=64)
+    seq = 4096
+    for step in range(3):
+        batch = bench.packed_batch(seq, 128256, step)
+        tokens, targets, flops = bench.batch_counts(batch, fm)
+        # What the recipe's meter charges for the same micro-batch.
+        meter = StepMeter(flops=fm, world_size=1, device=torch.device("cpu"), total_steps=1, peak_flops=None,
+                          pad_token_id=None)  # fmt: skip
+        meter.start_step()
+        meter.count([batch])
+        meter.end_step(target_tokens=targets, sync=False)
+        meter.collect(step=1, loss_sum=torch.tensor(0.0))
+        assert (tokens, flops) == (meter.totals["tokens"], meter.totals["flops"])
+        # ... which is the documents' own lengths, counted here from the position restarts.
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        lengths = [b - a for a, b in zip(starts, [*starts[1:], seq], strict=True)]
+        assert len(lengths) > 2 and sum(lengths) == tokens == seq
+        assert flops == fm.for_sequences(lengths)
+        assert targets == seq - len(lengths)  # no target across a document boundary
+        # Charging every token at T = seq (the old count) overstates the FLOPs by more than 10%.
+        at_seq = seq * fm.per_token(seq)
+        assert at_seq / flops > 1.10, at_seq / flops
