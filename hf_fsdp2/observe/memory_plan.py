@@ -21,12 +21,9 @@ The same :class:`SavedTensorMeter` measures a real run (tests/distributed/test_m
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -40,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hf_fsdp2.config.plans import ACPlan, ConfigError, LoraSettings, parse_size_or_none
+from hf_fsdp2.config.plans import ACPlan, ConfigError, LoraSettings
 from hf_fsdp2.dtypes import DTYPES, MIXED_PRECISION
 
 if TYPE_CHECKING:
@@ -170,18 +167,31 @@ class PlanSettings:
         )
 
     @classmethod
-    def from_config(cls, cfg: Config, *, world_size: int, device_type: str) -> PlanSettings:
+    def from_config(
+        cls,
+        cfg: Config,
+        *,
+        world_size: int,
+        device_type: str,
+        launcher: dict[str, int] | None = None,
+        recipe: str = "sft",
+    ) -> PlanSettings:
         """The settings of a parsed recipe for ``world_size`` processes on ``device_type``.
+
+        Args:
+            launcher: the mesh sizes accelerate launch passed (:func:`hf_fsdp2.parallel.accelerator.launcher_mesh`).
+            recipe: ``sft``, ``cpt`` (rows of ``max_length``) or ``dpo`` (one forward of the chosen and the
+                rejected row of each pair: twice the rows).
 
         Raises:
             ConfigError: a mesh the world size cannot hold.
         """
         m, d, t, f = cfg.model, cfg.data, cfg.train, cfg.fsdp
-        mesh = f.mesh_plan(world_size)
+        mesh = f.mesh_plan(world_size, launcher)
         return cls(
             world_size=world_size,
             dp_shard=mesh.dp_shard,
-            micro_batch=t.per_device_train_batch_size,
+            micro_batch=t.per_device_train_batch_size * (2 if recipe == "dpo" else 1),
             seq_len=d.max_length,
             ac=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=device_type == "cuda"),
             mixed_precision=t.mixed_precision,
@@ -265,6 +275,30 @@ def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Modu
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
     return model
+
+
+# Config keys of a mixture of experts (experts per layer), across the families transformers ships.
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_plannable(model_config: Any) -> None:
+    """Refuse a config whose activation memory the meta forward cannot predict.
+
+    A mixture of experts computes each expert on the tokens the router sends it: a data-dependent split that a
+    meta tensor has no values to make (the meta forward would send every token to every expert).
+
+    Raises:
+        PlanError: a MoE config, with the key that says so and what to do instead.
+    """
+    for key in _EXPERT_KEYS:
+        experts = getattr(model_config, key, None)
+        if isinstance(experts, int) and experts > 1:
+            raise PlanError(
+                f"{type(model_config).__name__} is a mixture of experts ({key}={experts}): which tokens each "
+                "expert computes depends on the data, so its activation memory cannot be planned from the config "
+                "and the planner does not plan MoE models; measure a short run instead (peak memory per step in "
+                "metrics.jsonl and summary.json; memory_snapshot_steps on a GPU)"
+            )
 
 
 def _layer_classes(model: torch.nn.Module, settings: PlanSettings) -> tuple[str, ...]:
@@ -705,6 +739,7 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     from hf_fsdp2.parallel.activations import apply_activation_checkpointing, decoder_layers
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, logit_transform_for, router_aux_coef
 
+    check_plannable(model_config)
     model = build_meta_model(model_config, settings)
     layer_cls = _layer_classes(model, settings)
     for _, layer in decoder_layers(model, layer_cls):
@@ -828,6 +863,7 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
     Raises:
         PlanError: a model or setting that cannot be planned, with the reason.
     """
+    check_plannable(model_config)
     model = build_meta_model(model_config, settings)
     per_rank = [state_bytes(model, settings, rank) for rank in range(settings.world_size)]
     units = fsdp_units(model, settings)
@@ -894,7 +930,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{'item':<36} {'rank ' + str(rank):>11}  note",
     ]
     for key, label in _ROWS:
-        lines.append(f"{label:<36} {human_bytes(items[key]):>11}  {notes[key]}")
+        lines.append(f"{label:<36} {human_bytes(items[key]):>11}  {notes[key]}".rstrip())
     spread = [plan.rank_total(r)["peak"] for r in range(len(plan.per_rank))]
     lines.append(
         f"{'peak':<36} {human_bytes(items['peak']):>11}  "
@@ -923,72 +959,104 @@ class Candidate:
     fits: bool
 
 
-def _ladder(settings: PlanSettings) -> Iterator[tuple[dict[str, Any], PlanSettings]]:
-    """Settings from the cheapest to the dearest in step time: as configured; chunked cross entropy (no
-    recompute); more activation checkpointing (every_k, selective, full: more recompute each); smaller
-    micro-batches under full checkpointing (gradient accumulation keeps the global batch; smaller matmuls);
-    activations offloaded to host memory; parameters and optimizer state offloaded to host memory."""
-    changes: dict[str, Any] = {}
-    current = settings
-    yield dict(changes), current
+def _changes(configured: PlanSettings, candidate: PlanSettings) -> dict[str, Any]:
+    """The recipe keys (and values) that turn ``configured`` into ``candidate``."""
+    out: dict[str, Any] = {}
+    if candidate.ac.mode != configured.ac.mode:
+        out["activation_checkpointing"] = candidate.ac.mode
+    if candidate.ce_chunk_tokens != configured.ce_chunk_tokens:
+        out["ce_chunk_tokens"] = candidate.ce_chunk_tokens
+    if candidate.micro_batch != configured.micro_batch:
+        out["per_device_train_batch_size"] = candidate.micro_batch
+        out["gradient_accumulation_steps"] = candidate.gradient_accumulation_steps
+    if candidate.cpu_offload != configured.cpu_offload:
+        out["fsdp_cpu_offload"] = candidate.cpu_offload
+    return out
+
+
+def _ladder(settings: PlanSettings) -> Iterator[PlanSettings]:
+    """Settings from the cheapest in step time to the dearest, whatever the recipe chose: no activation
+    checkpointing and no offload at the recipe's micro-batch; chunked cross entropy (no recompute); more
+    activation checkpointing (every_k, selective, full: less kept each); smaller micro-batches under full
+    checkpointing (gradient accumulation keeps the global batch; smaller matmuls); on a GPU, activations
+    offloaded to host memory, then parameters, gradients and optimizer state offloaded too."""
+    ac = settings.ac
+    current = settings.replace(ac=ACPlan("none", ac.every_k, pin_memory=ac.pin_memory), cpu_offload=False)
+    yield current
     if current.ce_chunk_tokens == 0:
-        changes["ce_chunk_tokens"] = 1024
         current = current.replace(ce_chunk_tokens=1024)
-        yield dict(changes), current
-    if current.ac.mode in _AC_LADDER:
-        for mode in _AC_LADDER[_AC_LADDER.index(current.ac.mode) + 1 :]:
-            changes["activation_checkpointing"] = mode
-            current = current.replace(ac=ACPlan(mode, current.ac.every_k, pin_memory=current.ac.pin_memory))
-            yield dict(changes), current
+        yield current
+    for mode in _AC_LADDER[1:]:
+        current = current.replace(ac=ACPlan(mode, ac.every_k, pin_memory=ac.pin_memory))
+        yield current
     while current.micro_batch > 1:
         batch = current.micro_batch // 2
         accumulation = current.gradient_accumulation_steps * current.micro_batch // batch
-        changes.update(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation)
         current = current.replace(micro_batch=batch, gradient_accumulation_steps=accumulation)
-        yield dict(changes), current
+        yield current
     if current.device_type != "cuda":
         return
-    if current.ac.mode != "offload":
-        changes["activation_checkpointing"] = "offload"
-        current = current.replace(ac=ACPlan("offload", current.ac.every_k, pin_memory=True))
-        yield dict(changes), current
-    if not current.cpu_offload:
-        changes["fsdp_cpu_offload"] = True
-        yield dict(changes), current.replace(cpu_offload=True)
+    current = current.replace(ac=ACPlan("offload", ac.every_k, pin_memory=True))
+    yield current
+    yield current.replace(cpu_offload=True)
 
 
 def recommend(
     model_config: Any, settings: PlanSettings, budget: int, headroom: float = 0.1
 ) -> list[Candidate]:
-    """Plans from the cheapest settings on, until one fits ``budget`` bytes per device.
+    """Plans from the cheapest settings on (:func:`_ladder`), until one fits ``budget`` bytes per device.
 
     A plan fits when its peak is at most ``(1 - headroom) x budget``: the CUDA context, NCCL's buffers and
     the caching allocator's fragmentation live outside the counted tensors.
 
     Returns:
-        The candidates tried, in order; the last one fits unless none does.
+        The candidates tried, in order, each with the recipe keys that differ from ``settings``; the last one
+        fits unless none does.
+
+    Raises:
+        PlanError: a model or setting that cannot be planned.
     """
     limit = budget * (1 - headroom)
     tried: list[Candidate] = []
-    for changes, candidate in _ladder(settings):
+    for candidate in _ladder(settings):
         plan = plan_memory(model_config, candidate)
-        tried.append(Candidate(changes, plan, plan.peak <= limit))
+        tried.append(Candidate(_changes(settings, candidate), plan, plan.peak <= limit))
         if tried[-1].fits:
             break
     return tried
 
 
 def format_recommendation(tried: list[Candidate], budget: int, headroom: float) -> str:
-    lines = [f"fits in {human_bytes(budget)} per device with {headroom:.0%} headroom "
-             f"(peak <= {human_bytes(budget * (1 - headroom))})?"]  # fmt: skip
+    """The ladder tried, one line each, and the recommendation (or why nothing fits)."""
+    limit = budget * (1 - headroom)
+    lines = [
+        f"cheapest settings that fit {human_bytes(budget)} per device with {headroom:.0%} headroom "
+        f"(peak <= {human_bytes(limit)}):"
+    ]
     for c in tried:
         keys = ", ".join(f"{k}={v}" for k, v in c.changes.items()) or "as configured"
-        lines.append(f"  {'yes' if c.fits else 'no ':<4} peak {human_bytes(c.plan.peak):>11}  {keys}")
+        lines.append(f"  {'fits' if c.fits else 'no':<4}  peak {human_bytes(c.plan.peak):>11}  {keys}")
     if tried and tried[-1].fits:
-        keys = ", ".join(f"--{k} {v}" for k, v in tried[-1].changes.items())
+        keys = " ".join(
+            f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in tried[-1].changes.items()
+        )
         lines.append(f"recommended: {keys or 'the recipe as it is'}")
-    else:
-        lines.append("nothing fits: more GPUs (world_size), a shorter max_length, or LoRA (use_peft)")
+    elif tried:
+        last = tried[-1].plan
+        items = last.rank_total(last.worst_rank)
+        labels = dict(_ROWS)
+        biggest = sorted((k for k in labels if items[k]), key=lambda k: -items[k])[:2]
+        state = items["params"] + items["grads"] + items["optimizer"]
+        lines.append(
+            f"does not fit: even the last settings tried peak at {human_bytes(last.peak)} > {human_bytes(limit)}; "
+            + ", ".join(f"{labels[k]} {human_bytes(items[k])}" for k in biggest)
+            + (
+                f" (sharded state alone {human_bytes(state)})"
+                if state
+                else " (the sharded state is in host memory)"
+            )
+            + ". More GPUs (--world_size), a shorter max_length or LoRA (--use_peft true) lower it"
+        )
     return "\n".join(lines)
 
 
@@ -997,141 +1065,103 @@ def format_recommendation(tried: list[Candidate], budget: int, headroom: float) 
 # ---------------------------------------------------------------------------------------------------
 
 
+def read_model_config(
+    model_name_or_path: str,
+    *,
+    model_config: str | Path | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """The config the plan is made from: ``model_config`` (a config.json file, or a folder holding one) when
+    given, else the recipe's ``model_name_or_path`` (a local folder, or a hub id read from the hub's cache).
+
+    Raises:
+        PlanError: no config can be read; the message names the source and the fix.
+    """
+    from transformers import AutoConfig
+
+    from hf_fsdp2.model import load_model_config
+
+    if model_config is not None:
+        path = Path(model_config).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise PlanError(
+                f"--model_config {str(model_config)!r}: no such file; give a model's config.json or a folder "
+                "holding one"
+            )
+        try:
+            return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as err:
+            raise PlanError(
+                f"--model_config {str(model_config)!r} is not a transformers config.json: {err}"
+            ) from err
+    try:
+        return load_model_config(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except FileNotFoundError as err:
+        raise PlanError(str(err)) from err
+    except (OSError, ValueError) as err:
+        raise PlanError(
+            f"model_name_or_path={model_name_or_path!r} is no local folder here, and read as a hub id its "
+            f"config.json could not be fetched ({str(err).splitlines()[0]}; offline: HF_HUB_OFFLINE=1, or no "
+            "network). Give the config another way: --model_config path/to/config.json (or a local model "
+            "folder), or --model_name_or_path <local folder>"
+        ) from err
+
+
+def recipe_notes(cfg: Config, recipe: str) -> list[str]:
+    """What the plan of ``recipe`` leaves out, one line each (empty for SFT and CPT)."""
+    if recipe == "dpo" and not (cfg.preference.precompute_ref_log_probs or cfg.peft.use_peft):
+        return [
+            "not planned: DPO's reference model (a frozen sharded copy of the policy, its gathered layers during "
+            "its forward); precompute_ref_log_probs: true or use_peft: true trains without one"
+        ]
+    return []
+
+
+def _describe_error(err: Exception) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return text if isinstance(err, (PlanError, ConfigError)) else f"{type(err).__name__}: {text}"
+
+
 def log_run_plan(
-    cfg: Config, model_config: Any, *, world_size: int, device: torch.device, ce_chunk_tokens: int
+    cfg: Config, model_config: Any, *, world_size: int, device: torch.device, recipe: str = "sft"
 ) -> MemoryPlan | None:
     """Log the plan of the run starting now, and warn when its peak exceeds the device's memory.
 
-    ``ce_chunk_tokens`` is the loss plan's (0 when the run fell back to plain logits). A model the planner
-    cannot handle is reported as a warning and the run goes on: the plan is advice, not a check.
+    Call it on rank 0 only: it runs no collective and reads no weight (a meta model at the run's shape), and the
+    global RNG state is restored after it. It never fails the run: anything that stops the plan is logged as one
+    warning line and ``None`` returned (the plan is advice, not a check). ``recipe="dpo"`` plans the policy's
+    forward of 2 rows per pair; the DPO reference model is not in the plan (the log says so).
+
+    Returns:
+        The plan, or None when it could not be made.
     """
+    from hf_fsdp2.parallel.accelerator import launcher_mesh
+
     try:
-        settings = PlanSettings.from_config(cfg, world_size=world_size, device_type=device.type).replace(
-            ce_chunk_tokens=ce_chunk_tokens
+        with torch.random.fork_rng(devices=[]):
+            settings = PlanSettings.from_config(
+                cfg, world_size=world_size, device_type=device.type, launcher=launcher_mesh(), recipe=recipe
+            )
+            plan = plan_memory(model_config, settings)
+    except Exception as err:  # noqa: BLE001 - advice only: the run goes on whatever the planner meets
+        logger.warning(
+            "memory plan unavailable (the run goes on; memory_plan: false skips it): %s", _describe_error(err)
         )
-        plan = plan_memory(model_config, settings)
-    except (PlanError, ConfigError) as err:
-        logger.warning("memory plan unavailable: %s", err)
         return None
-    for line in format_plan(plan).splitlines():
+    for line in [*format_plan(plan).splitlines(), *recipe_notes(cfg, recipe)]:
         logger.info(line)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         if plan.peak > total:
             logger.warning(
-                "the predicted peak %s exceeds this GPU's %s: the run will likely fail with out-of-memory; "
+                "the predicted peak %s per rank exceeds this GPU's %s: the run will likely fail with out-of-memory; "
                 "`hf-fsdp2 plan --config <recipe> --world_size %d --gpu_memory %dGiB` lists settings that fit",
                 human_bytes(plan.peak), human_bytes(total), world_size, total // GIB,
             )  # fmt: skip
     return plan
-
-
-def _user_error(err: Exception) -> int:
-    print(f"hf-fsdp2 plan: error: {err}", file=sys.stderr)
-    return 2
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    from hf_fsdp2.config import parse_config
-    from hf_fsdp2.model import load_model_config
-
-    argv = (["--config", str(args.config)] if args.config else []) + [
-        *args.overrides,
-        "--output_dir",
-        "unused",
-    ]
-    budget = None
-    try:
-        if args.gpu_memory is not None:
-            budget = parse_size_or_none(args.gpu_memory)
-            if budget is None:
-                raise PlanError(f"--gpu_memory {args.gpu_memory!r} is not a size such as 80GB or 141GiB")
-        if not 0 <= args.headroom < 1:
-            raise PlanError(f"--headroom {args.headroom} must be in [0, 1)")
-        if args.world_size < 1:
-            raise PlanError(f"--world_size {args.world_size} must be >= 1")
-        cfg = parse_config(argv)
-        m = cfg.model
-        model_config = load_model_config(
-            m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
-        )
-        settings = PlanSettings.from_config(cfg, world_size=args.world_size, device_type=args.device)
-        if budget is None and args.device == "cuda" and torch.cuda.is_available():
-            budget = torch.cuda.get_device_properties(0).total_memory
-        tried = recommend(model_config, settings, budget, args.headroom) if budget else []
-        plan = tried[0].plan if tried else plan_memory(model_config, settings)
-    except (PlanError, ConfigError, FileNotFoundError, OSError, ValueError) as err:
-        return _user_error(err)
-    if args.json:
-        out = plan.to_json()
-        if budget:
-            out["budget"] = budget
-            out["headroom"] = args.headroom
-            out["recommendation"] = [
-                {"changes": c.changes, "peak": c.plan.peak, "fits": c.fits} for c in tried
-            ]
-        print(json.dumps(out))
-        return 0
-    print(format_plan(plan))
-    if budget:
-        print(format_recommendation(tried, budget, args.headroom))
-    return 0
-
-
-def register_plan_command(subparsers: Any) -> None:
-    """Add ``hf-fsdp2 plan`` to the command's sub-parsers (``argparse``'s ``add_subparsers`` object)."""
-    p = subparsers.add_parser(
-        "plan",
-        help="per-rank memory of a recipe (parameters, gradients, optimizer, FSDP buffers, activations, peak) "
-        "and the cheapest settings that fit a GPU",
-        description=(
-            "Build the recipe's model from its config on the meta device (no weights read), compute what each "
-            "rank holds (sharded parameters, gradients and AdamW state, FSDP2 buffers) and run one forward + "
-            "backward at the micro-batch shape to count the activations the checkpointing mode keeps, the loss "
-            "and the working set; print the table and, given --gpu_memory, the cheapest settings that fit. Any "
-            "recipe key can be overridden after the options: hf-fsdp2 plan --config r.yaml --max_length 4096. "
-            "docs/memory-plan.md says what is exact and what is approximate."
-        ),
-    )
-    p.add_argument("--config", type=Path, default=None, help="the recipe YAML (as given to recipes/sft.py)")
-    p.add_argument(
-        "--world_size", "--world-size", dest="world_size", type=int, default=1, help="processes (default: 1)"
-    )
-    p.add_argument(
-        "--gpu_memory",
-        "--gpu-memory",
-        dest="gpu_memory",
-        default=None,
-        help="memory per GPU, e.g. 80GB or 141GiB: adds the recommendation (default: this machine's GPU, if any)",
-    )
-    p.add_argument(
-        "--headroom",
-        type=float,
-        default=0.1,
-        help="fraction of --gpu_memory kept free for the CUDA context, NCCL and allocator fragmentation "
-        "(default: 0.1)",
-    )
-    p.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default="cuda",
-        help="where the run computes: picks the attention kernel (default: cuda)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(func=_run_plan, overrides=[])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``hf-fsdp2 plan`` alone (until cli.py lists it): ``python -m hf_fsdp2.observe.memory_plan ...``."""
-    parser = argparse.ArgumentParser(prog="hf-fsdp2")
-    register_plan_command(parser.add_subparsers(dest="command", required=True))
-    args, extra = parser.parse_known_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    args.overrides = [*args.overrides, *extra]
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 __all__ = [
@@ -1144,6 +1174,7 @@ __all__ = [
     "SavedTensorMeter",
     "Unit",
     "build_meta_model",
+    "check_plannable",
     "compute_bytes",
     "format_plan",
     "format_recommendation",
@@ -1152,8 +1183,9 @@ __all__ = [
     "human_bytes",
     "log_run_plan",
     "plan_memory",
+    "read_model_config",
+    "recipe_notes",
     "recommend",
-    "register_plan_command",
     "shard_rows",
     "state_bytes",
 ]
