@@ -9,8 +9,8 @@ CPU machine (2 gloo processes; the same FSDP2 code path):
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/configs/demo_smollm2.yaml
 Any key of the YAML can be overridden on the command line: ``--learning_rate 1e-5``.
 
-Order: config -> session (accelerator, run folder) -> tokenizer -> data -> model (sharded) + optimizer ->
-schedule -> checkpoints (resume) -> loop -> export.
+Order: config -> session (accelerator, run folder) -> memory plan -> tokenizer -> data -> model (sharded) +
+optimizer -> schedule -> checkpoints (resume) -> loop -> export.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_fsdp2.config import Config, parse_config
+from hf_fsdp2.observe.memory_plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish, run_recipe
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.objective import SFT, Objective
@@ -40,6 +41,11 @@ def run(
     # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
         t = cfg.train
+        # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
+        if session.is_main:
+            log_run_plan(
+                cfg, session.model_config, world_size=session.world, device=session.device, recipe=recipe
+            )
         tokenizer = load_run_tokenizer(session)
         data = build_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
         # LoRA, AC, compile, FSDP2 per decoder layer

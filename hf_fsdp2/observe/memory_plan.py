@@ -689,8 +689,6 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 storage = value.untyped_storage()
@@ -698,7 +696,13 @@ class _LiveBytes(TorchDispatchMode):
                 if key not in self.exclude and key not in self.live:
                     self.live[key] = (StorageWeakRef(storage), storage.nbytes())
                     self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        # ``current`` still counts the storages that died since the last sweep, so it bounds the live total from
+        # above: only a bound over the peak needs the sweep (exact, and linear rather than quadratic in ops).
+        # A weak reference keeps its storage's address, so a dead entry's key is never reused meanwhile.
+        if self.current > self.peak:
+            for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+                self.current -= self.live.pop(key)[1]
+            self.peak = max(self.peak, self.current)
         return out
 
 
@@ -1147,9 +1151,7 @@ def log_run_plan(
             )
             plan = plan_memory(model_config, settings)
     except Exception as err:  # noqa: BLE001 - advice only: the run goes on whatever the planner meets
-        logger.warning(
-            "memory plan unavailable (the run goes on; memory_plan: false skips it): %s", _describe_error(err)
-        )
+        logger.warning("memory plan unavailable (the run goes on): %s", _describe_error(err))
         return None
     for line in [*format_plan(plan).splitlines(), *recipe_notes(cfg, recipe)]:
         logger.info(line)

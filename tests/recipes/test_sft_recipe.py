@@ -65,6 +65,10 @@ def test_accelerate_launch_trains_and_exports_a_loadable_folder(assets, tmp_path
     log = proc.stdout + proc.stderr
     assert "world size 2" in log
     assert "gradient reduction float32" in log  # the policy is logged at start
+    # The memory plan from the model config, logged once (rank 0) before the weights load.
+    assert log.count("memory plan: LlamaForCausalLM") == 1 and "world 2, micro-batch 2 x 64 tokens" in log
+    assert "activations kept for backward" in log and "activation_checkpointing=full" in log
+    assert "memory plan unavailable" not in log
     assert (
         "batches: padding-free (padding_free auto: a probe forward with sdpa attention" in log
     )  # the default
