@@ -120,6 +120,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     none: their logits are never needed), and only one ``[chunk x vocab]`` block exists at a time, exponentiated
     once: the softmax gives both the log-sum-exp and the gradient. Backward scales the saved gradients
     (``[tokens x hidden]`` and ``[vocab x hidden]``) by the incoming gradient.
+
+    Precision, as fused linear cross-entropy kernels do it: the three GEMMs (logits, gradient of the hidden
+    states, gradient of the head) take operands in the inputs' dtype (bf16 under mixed precision; the kernels
+    accumulate in fp32), and only the loss needs fp32: the log-sum-exp, the chunk's softmax and the head's
+    gradient accumulator. The softmax gradient is rounded to bf16 for its two GEMMs, as the plain path rounds
+    the logits' gradient (``tests/unit/test_loss.py`` bounds the difference). fp32 operands would run at a
+    fraction of a GPU's bf16 rate (TF32 is off by default) and need an fp32 copy of the head.
     """
 
     @staticmethod
@@ -132,19 +139,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         transform: LogitTransform,
     ) -> torch.Tensor:
         acc = accumulation_dtype(hidden.dtype)
+        operand = hidden.dtype  # of the GEMMs: bf16 under mixed precision, else fp32 (fp64 for fp64)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
         )
         total = torch.zeros((), dtype=acc, device=hidden.device)
         rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the positions with a target
-        # The head in the accumulation dtype for the hidden-state gradient, converted once (a no-op in fp32).
-        weight_acc = weight.to(acc) if grad_hidden is not None else weight
+        # The head in the GEMMs' dtype, cast once per call and only when it differs (never under FSDP2's policy).
+        head = weight if weight.dtype == operand else weight.to(operand)
         for start in range(0, rows.numel(), chunk):
             index = rows[start : start + chunk]
             h = hidden.index_select(0, index)
             t = targets.index_select(0, index)
-            logits = (h @ weight.t()).to(acc)
+            logits = (h @ head.t()).to(acc)
             capped = None
             if transform.scale != 1.0:
                 logits.mul_(transform.scale)
@@ -164,10 +172,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs.mul_(1.0 - capped.square_())
             if transform.scale != 1.0:
                 probs.mul_(transform.scale)
+            grad_logits = probs.to(operand)  # a no-op for fp32 inputs
+            del logits, probs, capped  # the fp32 block is not needed for the GEMMs (nor in the next chunk)
             if grad_hidden is not None:
-                grad_hidden.index_copy_(0, index, (probs @ weight_acc).to(hidden.dtype))
+                grad_hidden.index_copy_(0, index, grad_logits @ head)
             if grad_weight is not None:
-                grad_weight.addmm_(probs.t(), h.to(acc))
+                if operand == acc:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    # addmm_ wants its addend in the operands' dtype (on CPU; CUDA's out_dtype variant too, in
+                    # the torch sources read): the chunk's product is rounded to bf16 once (fp32 inside the
+                    # GEMM) and added to the fp32 accumulator, one [vocab x hidden] pass per chunk.
+                    grad_weight.add_(grad_logits.t() @ h)
         ctx.save_for_backward(
             grad_hidden if grad_hidden is not None else torch.empty(0),
             grad_weight if grad_weight is not None else torch.empty(0),

@@ -382,3 +382,183 @@ def test_plan_loss_probes_the_head_and_falls_back_for_unknown_post_processing(tm
     assert "not the head's output after the known post-processing" in plan.notes[-1]
     assert doubling.training  # the probe leaves the mode as it was
     assert plan_loss(plain_model, 0).notes[-1] == "loss on the full logits (ce_chunk_tokens=0)"
+
+
+# ---- bf16 operands in the chunked loss's GEMMs (issue 20 item 2) -----------------------------------
+
+# Matrix products as the dispatcher sees them (``@``/matmul arrive as mm or bmm), with their operands' positions.
+_aten = torch.ops.aten
+_GEMM_OPERANDS = {
+    _aten.mm: slice(0, 2),
+    _aten.bmm: slice(0, 2),
+    _aten.addmm: slice(1, 3),  # the first argument is the addend
+    _aten.addmm_: slice(1, 3),
+    _aten.baddbmm: slice(1, 3),
+    _aten.baddbmm_: slice(1, 3),
+}
+
+
+class _GemmOperands(TorchDispatchMode):
+    """Records the operand dtypes of every matrix product, and every op that turns the head weight into fp32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight_storage = weight.untyped_storage().data_ptr()
+        self.gemms: list[tuple[str, tuple[torch.dtype, ...]]] = []
+        self.weight_upcasts: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        operands = _GEMM_OPERANDS.get(func.overloadpacket)
+        if operands is not None:
+            self.gemms.append((str(func), tuple(t.dtype for t in args[operands])))
+        reads_weight = any(t.untyped_storage().data_ptr() == self.weight_storage for t in tensors)
+        if reads_weight and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.weight_upcasts.append(str(func))
+        return out
+
+
+@_pytest.mark.parametrize(
+    "transform", [LogitTransform(), LogitTransform(softcap=3.0)], ids=["plain", "softcap"]
+)
+def test_chunked_loss_multiplies_bf16_operands_and_never_upcasts_the_head(transform: LogitTransform) -> None:
+    """With bf16 hidden states and head, every GEMM of the chunked loss (logits, both gradients) takes bf16
+    operands, so a GPU runs it at its bf16 rate with fp32 accumulation inside the kernel; fp32 GEMMs run at a
+    fraction of that rate (TF32 is off by default) and an fp32 copy of a 128k x 4096 head is 2.1 GB."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 32, generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(96, 32, generator=gen) / 32**0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, 96, (40,), generator=gen)
+    spy = _GemmOperands(weight)
+    with spy:
+        loss = chunked_linear_cross_entropy_sum(hidden, weight, targets, 16, transform)
+        gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    assert loss.dtype == torch.float32  # the loss itself is still accumulated in fp32
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    # 3 chunks (16 + 16 + 8 rows), three GEMMs each: logits, gradient of the hidden states, of the head.
+    assert len(spy.gemms) == 9, spy.gemms
+    fp32 = [(op, dtypes) for op, dtypes in spy.gemms if torch.bfloat16 not in dtypes or len(set(dtypes)) > 1]
+    assert not fp32, f"GEMMs with non-bf16 operands: {fp32}"
+    assert not spy.weight_upcasts, f"the head weight was turned into fp32 by {spy.weight_upcasts}"
+
+
+def test_chunked_loss_keeps_fp32_gemms_for_fp32_inputs() -> None:
+    """fp32 inputs are multiplied in fp32 as before: nothing is rounded to a narrower dtype."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 32, generator=gen).requires_grad_()
+    weight = torch.randn(96, 32, generator=gen).requires_grad_()
+    targets = torch.randint(0, 96, (40,), generator=gen)
+    spy = _GemmOperands(weight)
+    with spy:
+        loss = chunked_linear_cross_entropy_sum(hidden, weight, targets, 16)
+        torch.autograd.grad(loss, (hidden, weight))
+    assert len(spy.gemms) == 9 and all(dtypes == (torch.float32,) * 2 for _, dtypes in spy.gemms), spy.gemms
+
+
+def _bf16_rounding_bounds(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, transform: LogitTransform
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Bounds on |chunked - plain| for the loss and, componentwise, the gradients of the hidden states and the head.
+
+    Both paths take bf16 GEMM operands with fp32 accumulation; they differ by where they round to bf16. With
+    ``x = scale * hidden @ weight.T``, ``z = transform(x)``, ``p = softmax(z)``, ``y`` the one-hot targets,
+    ``u = 2**-8`` (bf16's unit roundoff) and ``X`` the row's largest ``|x|``, to first order:
+
+    - logits: the plain path rounds the GEMM output, then each op of the transform in bf16 (scale, /cap,
+      tanh, *cap): each moves ``z`` by at most ``u * |x|`` (the tanh derivative is <= 1); the chunked path rounds
+      the GEMM output once and transforms in fp32. So ``|dz| <= 6 u X``, a row's loss (log-sum-exp minus the
+      target's logit) moves by at most ``2 * 6 u X`` and ``|dp_k| <= 2 p_k max|dz| = 12 u p_k X``.
+    - the gradient of the logits ``g = (p - y) * transform'``: the plain path rounds ``p - y`` to bf16, then each
+      backward op of the transform (cap, tanh, /cap, scale: 4), and its ``1 - tanh^2`` is off by at most
+      ``4 u`` (absolute; ``2 |t| |dt|`` with ``|v| sech(v)^2 tanh(v) <= 1/3``); the chunked path rounds ``g`` once.
+      With ``|g| <= scale * (p + y)``: ``|dg| <= scale * u * (10 (p + y) + 12 p X)``.
+    - each gradient is a GEMM over ``g`` (exact products, fp32 sums: ``2 n u32`` of the magnitudes), rounded to
+      bf16 once on each side; the chunked head gradient also rounds each chunk's product to bf16 before adding
+      it to its fp32 accumulator (``u`` of the magnitude once more).
+
+    The first-order bounds are doubled to cover second-order terms (products of two roundings).
+
+    Returns:
+        ``(loss bound, d hidden bound, d weight bound)``, the tensors in float64.
+    """
+    u, u32 = 2.0**-8, 2.0**-24
+    h, w = hidden.detach().double(), weight.detach().double()
+    x = (h @ w.t()) * transform.scale
+    z = torch.tanh(x / transform.softcap) * transform.softcap if transform.softcap else x
+    has = (targets != IGNORE_INDEX).double()[:, None]
+    p = torch.softmax(z, dim=-1) * has
+    y = F.one_hot(targets.clamp(min=0), z.size(1)).double() * has
+    big_x = x.abs().amax(dim=1, keepdim=True)
+    scale = abs(transform.scale)
+    d_g = scale * u * (10 * (p + y) + 12 * p * big_x)
+    mag_g = scale * (p + y)
+    mag_h, mag_w = mag_g @ w.abs(), mag_g.t() @ h.abs()
+    rows, vocab = z.shape
+    bound_loss = float((12 * u * big_x * has).sum())
+    bound_h = d_g @ w.abs() + (2 * u + 2 * vocab * u32) * mag_h
+    bound_w = d_g.t() @ h.abs() + (3 * u + 2 * rows * u32) * mag_w
+    return 2 * bound_loss, 2 * bound_h, 2 * bound_w
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> float:
+    """The largest ``|got - want| / bound`` (<= 1: within the bound)."""
+    diff = (got.double() - want.double()).abs()
+    return float((diff / bound.clamp(min=torch.finfo(torch.float64).tiny)).max())
+
+
+@_pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@_pytest.mark.parametrize(
+    "transform",
+    [LogitTransform(), LogitTransform(softcap=3.0), LogitTransform(scale=0.5, softcap=2.0)],
+    ids=["none", "softcap", "scale+softcap"],
+)
+def test_bf16_chunked_loss_gradients_equal_the_plain_bf16_path(tie: bool, transform: LogitTransform) -> None:
+    """bf16 inputs: the chunked loss and its gradients are the plain path's (full bf16 logits, the model's
+    transform in bf16 as Gemma-2 applies its softcap, F.cross_entropy in fp32) within the bound bf16 rounding of
+    either path explains (:func:`_bf16_rounding_bounds`). Tied: the head is also the embedding table the hidden
+    states come from, so its gradient adds both."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab, dim = 40, 96, 32
+    table = (torch.randn(vocab, dim, generator=gen) * 2 / dim**0.5).bfloat16()
+    noise = torch.randn(rows, dim, generator=gen).bfloat16()
+    ids = torch.randperm(vocab, generator=gen)[:rows]  # distinct rows: the embedding's backward adds nothing
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[::7] = IGNORE_INDEX
+
+    def run(
+        chunked: bool, targets: torch.Tensor = targets
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weight = table.clone().requires_grad_()
+        hidden = weight.index_select(0, ids) + noise if tie else noise.clone().requires_grad_()
+        hidden.retain_grad()
+        if chunked:
+            loss = chunked_linear_cross_entropy_sum(hidden, weight, targets, 16, transform)
+        else:
+            logits = transform.apply(hidden @ weight.t())
+            loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss.backward()
+        assert hidden.grad is not None and weight.grad is not None
+        return loss.detach(), hidden.grad, weight.grad
+
+    (loss_p, gh_p, gw_p), (loss_c, gh_c, gw_c) = run(chunked=False), run(chunked=True)
+    assert gh_c.dtype == gw_c.dtype == torch.bfloat16
+    hidden = table.index_select(0, ids) + noise if tie else noise
+    bound_loss, bound_h, bound_w = _bf16_rounding_bounds(hidden, table, targets, transform)
+    if (
+        tie
+    ):  # + the hidden states' gradient scattered to their rows, added to the head's in bf16 on both sides
+        bound_w = bound_w + torch.zeros_like(bound_w).index_add_(0, ids, bound_h)
+        bound_w = bound_w + 2.0**-8 * (gw_p.double().abs() + gw_c.double().abs())
+    assert abs(float(loss_c - loss_p)) <= bound_loss
+    assert _within(gh_c, gh_p, bound_h) <= 1.0, "grad hidden beyond its rounding bound"
+    assert _within(gw_c, gw_p, bound_w) <= 1.0, "grad weight beyond its rounding bound"
+    # The bounds are not vacuous: one target off, or the transform left out, moves the gradients beyond them.
+    wrong = targets.clone()
+    wrong[1] = (wrong[1] + 1) % vocab
+    _, gh_wrong, gw_wrong = run(chunked=True, targets=wrong)
+    assert _within(gh_wrong, gh_p, bound_h) > 1.0 and _within(gw_wrong, gw_p, bound_w) > 1.0
+    if transform != LogitTransform():
+        h, w = hidden.clone().requires_grad_(), table.clone().requires_grad_()
+        chunked_linear_cross_entropy_sum(h, w, targets, 16).backward()
+        assert _within(h.grad, gh_p, bound_h) > 1.0 and _within(w.grad, gw_p, bound_w) > 1.0
