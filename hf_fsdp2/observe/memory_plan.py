@@ -218,7 +218,7 @@ class PlanSettings:
 def _wrap_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     """PEFT LoRA on the meta model, as ``hf_fsdp2.lora.adapter.apply_lora`` wraps the real one: the base
     frozen in its dtype, the adapter (and ``modules_to_save``) fp32. (``observe`` sits below ``lora`` in the
-    package graph, so the few lines are repeated here; tests/unit/test_memory_plan.py compares the two.)"""
+    package graph, so the few lines are repeated here; tests/unit/test_memory_plan_cli.py compares the two.)"""
     from peft import LoraConfig, get_peft_model
 
     targets: list[str] | str = lora.target_modules
@@ -264,8 +264,12 @@ def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Modu
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=settings.trust_remote_code
             )
-    except (ValueError, ImportError, OSError) as err:
-        raise PlanError(f"cannot build {type(config).__name__} on the meta device: {err}") from err
+    except Exception as err:  # noqa: BLE001 - any model code's refusal (ValueError, AssertionError, ...) is the user's
+        raise PlanError(
+            f"cannot build {type(config).__name__} on the meta device with AutoModelForCausalLM.from_config "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); is it a causal LM whose "
+            "config loads in transformers?"
+        ) from err
     model.config.use_cache = False
     model.train()
     if settings.lora is not None:

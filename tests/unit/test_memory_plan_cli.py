@@ -1,0 +1,274 @@
+"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan.py, docs/memory-plan.md).
+
+The command on a local tiny Llama folder: the table's rows and figures, recipe overrides, the recommendation
+(a cheaper setting when the budget is small, "does not fit" with the reason when nothing fits), and the errors
+users can act on (a size that is not one, a MoE config, a hub id offline, a config that is not a causal LM).
+Every dense family of tests/support/families.py plans from its config alone; LoRA on the meta model is the
+adapter the run trains. ``log_run_plan`` never fails a run, restores the RNG and warns when a GPU is too small.
+The exactness against real runs is tests/distributed/test_memory_plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+import yaml
+from support.families import _COMMON, FAMILIES
+from support.launch import REPO
+from support.tiny import make_tiny_llama_dir
+
+from hf_fsdp2 import cli
+from hf_fsdp2.config import parse_config
+from hf_fsdp2.config.plans import ACPlan, LoraSettings
+from hf_fsdp2.observe.memory_plan import (
+    PlanError,
+    PlanSettings,
+    build_meta_model,
+    human_bytes,
+    log_run_plan,
+    plan_memory,
+    state_bytes,
+)
+
+MOE = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("plan") / "llama", seed=3)
+
+
+def _recipe(tmp: Path, model: Path | str, **overrides: object) -> Path:
+    values: dict[str, object] = {
+        "model_name_or_path": str(model),
+        "dataset_name": "data.jsonl",  # never read by the plan
+        "output_dir": str(tmp / "run"),
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "max_length": 128,
+        "mixed_precision": "bf16",
+    }
+    values.update(overrides)
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _family_config(name: str) -> transformers.PretrainedConfig:
+    kind, extra = FAMILIES[name]
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # inside the small vocabulary
+    return getattr(transformers, kind)(**{**_COMMON, "vocab_size": 1000, **ids, **extra})
+
+
+def test_table_has_every_item_and_the_plans_figures(model_dir, tmp_path, capsys):
+    recipe = _recipe(tmp_path, model_dir, gradient_checkpointing=True)
+    code, out, _ = _plan(capsys, "--config", str(recipe), "--world_size", "2", "--device", "cpu")
+    assert code == 0
+    cfg = parse_config(["--config", str(recipe)])
+    settings = PlanSettings.from_config(cfg, world_size=2, device_type="cpu")
+    plan = plan_memory(transformers.AutoConfig.from_pretrained(model_dir), settings)
+    items = plan.rank_total(plan.worst_rank)
+    assert out.splitlines()[0].startswith("memory plan: LlamaForCausalLM")
+    assert "world 2, micro-batch 4 x 128 tokens, mixed_precision=bf16, activation_checkpointing=full" in out
+    rows = {
+        "parameters (sharded)": "params",
+        "gradients (sharded)": "grads",
+        "optimizer state (AdamW)": "optimizer",
+        "FSDP buffers": "fsdp_buffers",
+        "activations kept for backward": "activations",
+        "loss and logits kept for backward": "loss_logits",
+        "transient (largest working set)": "transient",
+        "peak": "peak",
+    }
+    lines = {line[:36].strip(): line[36:48].strip() for line in out.splitlines()[2:]}
+    for label, key in rows.items():
+        assert lines[label] == human_bytes(items[key]), label
+    assert items["peak"] == sum(items[k] for k in rows.values() if k != "peak")
+    # fp32 masters sharded over 2 ranks: half of 4 bytes per parameter (dim 0 splits evenly here), AdamW twice that.
+    # fp32 masters sharded over 2 ranks (every dim 0 splits evenly here); AdamW: two moments and a step each.
+    tensors = len(list(build_meta_model(plan_config(model_dir), settings).parameters()))
+    assert items["params"] == items["grads"] == plan.total_params * 4 // 2
+    assert items["optimizer"] == 2 * items["params"] + 4 * tensors
+    assert "recommended" not in out and "fit" not in out  # no budget and no GPU: no recommendation
+
+
+def plan_config(model_dir: Path) -> transformers.PretrainedConfig:
+    return transformers.AutoConfig.from_pretrained(model_dir)
+
+
+def test_recipe_overrides_and_json(model_dir, tmp_path, capsys):
+    recipe = _recipe(tmp_path, model_dir)
+    argv = ["--config", str(recipe), "--device", "cpu", "--json"]
+    _, short, _ = _plan(capsys, *argv)
+    code, long, _ = _plan(capsys, *argv, "--max_length", "256", "--world_size", "4")
+    assert code == 0
+    short_plan, long_plan = json.loads(short), json.loads(long)
+    assert long_plan["settings"]["max_length"] == 256 and long_plan["settings"]["world_size"] == 4
+    assert len(long_plan["ranks"]) == 4
+    assert (
+        long_plan["ranks"][0]["activations"] == 2 * short_plan["ranks"][0]["activations"]
+    )  # linear in tokens
+    assert long_plan["ranks"][0]["params"] < short_plan["ranks"][0]["params"]  # 4 shards instead of 1
+
+
+def test_small_budget_recommends_more_checkpointing_and_big_one_none(model_dir, tmp_path, capsys):
+    recipe = _recipe(tmp_path, model_dir, gradient_checkpointing=True)
+    base = ["--config", str(recipe), "--world_size", "2", "--device", "cpu"]
+    code, out, _ = _plan(capsys, *base, "--gpu_memory", "64GiB")
+    assert code == 0
+    # Checkpointing costs recompute: with room to spare the cheapest setting is none, not the recipe's full.
+    assert "recommended: --activation_checkpointing none" in out
+    _, raw, _ = _plan(capsys, *base, "--gpu_memory", "64GiB", "--json")
+    none = json.loads(raw)["recommendation"][0]
+    full = json.loads(raw)["peak"]  # the recipe's own plan: full checkpointing
+    assert none["changes"] == {"activation_checkpointing": "none"} and none["peak"] > full
+    budget = (none["peak"] + full) // 2  # no headroom: fits full, not none
+    code, out, _ = _plan(capsys, *base, "--gpu_memory", str(budget), "--headroom", "0")
+    assert code == 0
+    tried = [line for line in out.splitlines() if line.startswith("  ")]
+    assert tried[0].startswith("  no ") and tried[-1].startswith("  fits")
+    last = out.splitlines()[-1]
+    assert last.startswith("recommended:") and "activation_checkpointing none" not in last
+
+
+def test_nothing_fits_says_why(model_dir, tmp_path, capsys):
+    recipe = _recipe(tmp_path, model_dir)
+    code, out, _ = _plan(capsys, "--config", str(recipe), "--device", "cpu", "--gpu_memory", "1MB")
+    assert code == 0
+    last = out.splitlines()[-1]
+    assert last.startswith("does not fit:") and f"> {human_bytes(900_000)}" in last  # 1e6 bytes less 10%
+    assert "sharded state alone" in last and "--world_size" in last and "max_length" in last
+    # Every rung was tried down to micro-batch 1 (CPU: no offload rungs).
+    assert "per_device_train_batch_size=1, gradient_accumulation_steps=8" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--gpu_memory", "eighty"], ["--gpu_memory 'eighty'", "80GB"]),
+        (["--gpu_memory", "80GB", "--headroom", "1.5"], ["--headroom 1.5", "[0, 1)"]),
+        (["--world_size", "0"], ["--world_size 0", ">= 1"]),
+        (["--world_size", "3", "--dp_shard_size", "2"], ["dp_shard_size", "3"]),
+        (["--model_config", "/nonexistent/config.json"], ["/nonexistent/config.json", "config.json"]),
+        (["--activation_checkpointing", "sometimes"], ["activation_checkpointing", "sometimes"]),
+    ],
+)
+def test_bad_inputs_name_value_and_fix(model_dir, tmp_path, capsys, argv, needles):
+    recipe = _recipe(tmp_path, model_dir)
+    code, out, err = _plan(capsys, "--config", str(recipe), "--device", "cpu", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("hf-fsdp2 plan: error: ") and len(err.strip().splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_moe_and_non_causal_configs_are_refused_with_the_reason(tmp_path, capsys):
+    for name in MOE:
+        folder = tmp_path / name
+        _family_config(name).save_pretrained(folder)  # config.json only: no weights needed
+        code, _, err = _plan(capsys, "--config", str(_recipe(tmp_path, folder)), "--device", "cpu")
+        assert code == 2
+        assert "mixture of experts" in err and "num_experts=4" in err
+        assert "measure a short run" in err
+    t5 = tmp_path / "t5"
+    transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100).save_pretrained(t5)
+    code, _, err = _plan(capsys, "--config", str(_recipe(tmp_path, t5)), "--device", "cpu")
+    assert code == 2 and "cannot build T5Config on the meta device" in err
+    # Model code that refuses its config (a pad token outside the vocabulary): the reason, not a traceback.
+    phi3 = tmp_path / "phi3"
+    transformers.Phi3Config(**{**_COMMON, "vocab_size": 1000, "pad_token_id": 32000}).save_pretrained(phi3)
+    code, _, err = _plan(capsys, "--config", str(_recipe(tmp_path, phi3)), "--device", "cpu")
+    assert (
+        code == 2 and "cannot build Phi3Config" in err and "Padding_idx must be within num_embeddings" in err
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in MOE])
+def test_every_dense_family_plans_from_its_config(name):
+    config = _family_config(name)
+    settings = PlanSettings(world_size=2, micro_batch=2, seq_len=32, ac=ACPlan("full", 2, pin_memory=False),
+                            device_type="cpu")  # fmt: skip
+    plan = plan_memory(config, settings)
+    items = plan.rank_total(0)
+    assert items["params"] > 0 and items["activations"] > 0 and items["loss_logits"] > 0
+    assert plan.peak == max(plan.rank_total(r)["peak"] for r in range(2))
+
+
+def test_meta_lora_is_the_adapter_the_run_trains(model_dir):
+    from hf_fsdp2.lora.adapter import apply_lora
+    from hf_fsdp2.model import load_model
+
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=None,
+                        use_rslora=False)  # fmt: skip
+    settings = PlanSettings(world_size=2, lora=lora, mixed_precision="bf16", load_dtype="bfloat16")
+    meta = build_meta_model(plan_config(model_dir), settings)
+    real = apply_lora(load_model(str(model_dir), dtype="bfloat16"), lora, seed=0)
+
+    def layout(model: torch.nn.Module) -> dict[str, tuple]:
+        return {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()}
+
+    assert layout(meta) == layout(real)
+    frozen = state_bytes(meta, settings, 0)
+    assert frozen["optimizer"] == sum(
+        2 * p.numel() * 4 // 2 + 4 for p in meta.parameters() if p.requires_grad
+    )
+
+
+def test_hub_id_offline_names_the_fix_and_model_config_plans_a_shipped_recipe(model_dir):
+    """The console script on the shipped Llama-3-8B recipe: offline its hub id cannot be read (the error names
+    --model_config); given a config.json it plans without any weight."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    recipe = REPO / "recipes" / "configs" / "llama3_8b_sft.yaml"
+    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "plan", "--config", str(recipe), "--world_size", "8"]
+    failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2
+    assert "meta-llama/Llama-3.1-8B-Instruct" in failed.stderr and "--model_config" in failed.stderr
+    done = subprocess.run([*cmd, "--model_config", str(model_dir / "config.json"), "--gpu_memory", "80GB"],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "world 8, micro-batch 2 x 4096 tokens" in done.stdout and "recommended:" in done.stdout
+
+
+def test_start_of_run_plan_never_fails_and_restores_the_rng(model_dir, tmp_path, caplog, monkeypatch):
+    cfg = parse_config(["--config", str(_recipe(tmp_path, model_dir))])
+    caplog.set_level(logging.INFO, logger="hf_fsdp2")
+    state = torch.get_rng_state()
+    plan = log_run_plan(cfg, plan_config(model_dir), world_size=2, device=torch.device("cpu"))
+    assert plan is not None and torch.equal(state, torch.get_rng_state())
+    assert "memory plan: LlamaForCausalLM" in caplog.text and "exceeds" not in caplog.text
+    # A model the planner refuses: one warning line, no exception.
+    caplog.clear()
+    assert log_run_plan(cfg, _family_config("mixtral"), world_size=2, device=torch.device("cpu")) is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "memory plan unavailable (the run goes on)" in warnings[0].getMessage()
+    assert "mixture of experts" in warnings[0].getMessage()
+    # A GPU smaller than the peak: the warning names both and the command that finds settings that fit.
+    caplog.clear()
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**20)
+    )
+    assert log_run_plan(cfg, plan_config(model_dir), world_size=2, device=torch.device("cuda", 0)) is not None
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "exceeds this GPU's 1.0 MiB" in warning and "hf-fsdp2 plan --config" in warning
+
+
+def test_plan_errors_are_plan_errors():
+    with pytest.raises(PlanError, match="world_size=0 must be >= 1"):
+        PlanSettings(world_size=0)
+    with pytest.raises(PlanError, match="fsdp_cpu_offload=true needs a GPU run"):
+        PlanSettings(device_type="cpu", cpu_offload=True)
