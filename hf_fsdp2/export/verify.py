@@ -124,19 +124,23 @@ def _file_of(plan: ExportPlan) -> dict[str, str]:
 
 def readback(plan: ExportPlan, folder: Path) -> tuple[int, int, list[str]]:
     """Every rank: read its own slices back from the final files, one tensor at a time, and compare
-    them bit for bit with its shards in the export dtype (no rank reads more than it owns)."""
+    them bit for bit with its shards in the export dtype (no rank reads more than it owns).
+
+    The file's slice is a host tensor and the shard lives where the model does (a GPU): each shard is
+    copied to the host before the comparison, one at a time, so the extra host memory is one shard."""
     problems: list[str] = []
     count = 0
     headers: dict[str, tuple[dict[str, Any], int]] = {}
     file_of = _file_of(plan)
 
-    def compare(key: str, want: torch.Tensor, where: tuple[slice, ...]) -> None:
+    def compare(key: str, shard: torch.Tensor, where: tuple[slice, ...]) -> None:
         nonlocal count
         name = file_of[key]
         if name not in headers:
             headers[name] = read_header(folder / name)
         header, data_start = headers[name]
         got = read_slice(folder / name, header, data_start, key, where)
+        want = shard.to(got.device)  # the device shard on the host (a no-op for a host shard)
         count += want.numel() * want.element_size()
         if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else "?"

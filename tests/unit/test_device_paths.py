@@ -1,0 +1,170 @@
+"""The export, LoRA merge, evaluation and DPO paths with the model on an accelerator, on a CPU-only machine.
+
+On a GPU the model's shards live on the GPU while files, collators and reloads hand back CPU tensors; an op that
+mixes the two raises there and passes unseen on CPU. Here the model is put on a fake ``cuda:0``
+(:class:`support.devices.FakeAccelerator`: a torch function mode enforcing torch's cross-device rules on marked
+CPU tensors), so each path meets exactly the device boundaries it meets on a GPU. docs/gpu-audit.md lists what
+each test covers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.devices import DEVICE, CrossDeviceError, FakeAccelerator
+from support.tiny import make_tiny_llama_dir
+
+from hf_fsdp2.export import ExportVerificationError, export_model, make_plan, verify_export
+from hf_fsdp2.export.files import WEIGHTS_NAME
+from hf_fsdp2.export.verify import readback
+from hf_fsdp2.model import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("device") / "model", seed=3)
+
+
+def _on_device(model_dir: Path) -> tuple[torch.nn.Module, FakeAccelerator]:
+    model = load_model(str(model_dir))
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    return model, mode
+
+
+def _export(model: torch.nn.Module, model_dir: Path, out: Path, *, verify: bool, dtype: str = "bfloat16"):  # type: ignore[no-untyped-def]
+    return export_model(
+        model, out, config=model.config, tokenizer=load_tokenizer(str(model_dir)), generation_config=None,
+        dtype=dtype, max_shard_bytes=10**9, verify=verify,
+    )  # fmt: skip
+
+
+def test_the_harness_raises_where_a_gpu_raises(model_dir: Path) -> None:
+    model, mode = _on_device(model_dir)
+    ids = torch.tensor([[1, 2, 3]])
+    with mode:
+        assert next(model.parameters()).device == DEVICE
+        with pytest.raises(CrossDeviceError):
+            model(input_ids=ids)  # ids left on the host
+        out = model(input_ids=ids.to(DEVICE)).logits
+        assert out.device == DEVICE and out.cpu().device.type == "cpu"
+        with pytest.raises(CrossDeviceError):
+            torch.equal(out, out.detach().cpu())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export: the byte read-back, the whole verification, the whole export
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_readback_compares_device_shards_with_the_host_files(
+    model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    model = load_model(str(model_dir))
+    _export(model, model_dir, tmp_path / "out", verify=False, dtype=dtype)
+    plan = make_plan(model, dtype, max_shard_bytes=10**9)
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        tensors, nbytes, problems = readback(plan, tmp_path / "out")
+    assert problems == [] and not mode.mismatches
+    assert tensors == len(plan.shapes) and nbytes == plan.total_bytes
+
+
+def test_readback_on_device_still_finds_a_changed_value(model_dir: Path, tmp_path: Path) -> None:
+    model = load_model(str(model_dir))
+    _export(model, model_dir, tmp_path / "out", verify=False)
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors = load_file(str(tmp_path / "out" / WEIGHTS_NAME))
+    tensors[key] = tensors[key].clone()
+    tensors[key][2, 3] += 1.0
+    save_file(tensors, str(tmp_path / "out" / WEIGHTS_NAME), metadata={"format": "pt"})
+    plan = make_plan(model, "bfloat16", max_shard_bytes=10**9)
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        _, _, problems = readback(plan, tmp_path / "out")
+    assert (
+        len(problems) == 1
+        and problems[0].startswith(f"{key}: the bytes on disk differ")
+        and "max |diff| 1" in problems[0]
+    )
+
+
+def test_export_of_a_model_on_the_device_is_verified_and_published(model_dir: Path, tmp_path: Path) -> None:
+    model, mode = _on_device(model_dir)
+    with mode:
+        result = _export(model, model_dir, tmp_path / "out", verify=True)
+    assert result.verify is not None and result.verify.ok, result.verify
+    assert not mode.mismatches
+    assert (tmp_path / "out" / WEIGHTS_NAME).is_file()
+
+
+def test_verification_of_a_model_on_the_device_still_rejects_swapped_layers(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    model, mode = _on_device(model_dir)
+    _export(model, model_dir, tmp_path / "out", verify=False)
+    tensors = load_file(str(tmp_path / "out" / WEIGHTS_NAME))
+    for key in [k for k in tensors if k.startswith("model.layers.0.")]:
+        other = key.replace("layers.0.", "layers.1.")
+        tensors[key], tensors[other] = tensors[other], tensors[key]
+    save_file(tensors, str(tmp_path / "out" / WEIGHTS_NAME), metadata={"format": "pt"})
+    with (
+        mode,
+        pytest.raises(ExportVerificationError, match=r"model\.layers\.[01]\..*: the bytes on disk differ"),
+    ):
+        verify_export(model, tmp_path / "out", dtype="bfloat16")
+    assert not mode.mismatches
+
+
+def test_readback_of_fused_experts_split_on_the_device(tmp_path: Path) -> None:
+    # The read-back only: transformers' MoE forward takes its GPU branch (histc on ints) when it sees cuda.
+    from support.families import make_family_dir
+
+    path = make_family_dir(tmp_path / "moe", "qwen3_moe")
+    model = load_model(str(path))
+    _export(model, path, tmp_path / "out", verify=False)
+    plan = make_plan(model, "bfloat16", max_shard_bytes=10**9)
+    assert plan.expert_sources
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        tensors, _, problems = readback(plan, tmp_path / "out")
+    assert problems == [] and tensors == len(plan.shapes) and not mode.mismatches
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA: the adapter (gathered, reloaded with PEFT) and the merged model (twin, export)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_lora_adapter_and_merged_exports_of_a_model_on_the_device(model_dir: Path, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from hf_fsdp2.config.plans import LoraSettings
+    from hf_fsdp2.lora.adapter import apply_lora
+    from hf_fsdp2.lora.save import export_lora
+
+    model = apply_lora(
+        LlamaForCausalLM.from_pretrained(model_dir), LoraSettings(r=4, alpha=8, dropout=0.0), seed=0
+    )
+    with torch.no_grad():  # a non-zero delta, as after training
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        result = export_lora(
+            model, tmp_path / "run", base_model=str(model_dir), tokenizer=load_tokenizer(str(model_dir)), merge=True,
+            layer_cls_names=("LlamaDecoderLayer",), mp_policy=None, dtype="bfloat16", max_shard_bytes=10**9,
+            compute_dtype=torch.float32, is_main_process=True,
+        )  # fmt: skip
+    assert result.adapter_report is not None and result.adapter_report.ok
+    assert result.merged_report is not None and result.merged_report.ok
+    assert not mode.mismatches
