@@ -9,8 +9,9 @@ Modes (config ``activation_checkpointing``, docs/performance.md has the measured
 - ``selective``: each decoder layer keeps the outputs of its matmuls and attention and recomputes the
   cheap rest (norms, activations, rotary embeddings, residual adds) in backward: most of ``full``'s
   saving of elementwise tensors at a fraction of its recompute cost.
-- ``offload``: ``full``, and the one tensor each layer keeps goes to host memory (pinned) until
-  backward needs it. Only meaningful with a GPU.
+- ``offload``: ``full``, and the one tensor each layer keeps (its input) goes to host memory (pinned)
+  until backward needs it; nothing else does, compiled or not (:class:`OffloadLayerInputs`). Only
+  meaningful with a GPU.
 
 Each selected layer's ``forward`` is replaced by the same forward under non-reentrant
 ``torch.utils.checkpoint``; the module itself is not wrapped. Parameter names, state dicts and DCP
@@ -75,6 +76,41 @@ def _needs_rng(model: torch.nn.Module, layer: torch.nn.Module) -> bool:
     )
 
 
+class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that send the layer's inputs to host memory and leave every other saved tensor alone.
+
+    Eager, the checkpoint saves only the layer's inputs through the hooks around it (what it saves inside goes
+    through its own hooks). Compiled (regional or whole-model), the checkpoint is part of the layer's graph and
+    the graph saves what its partitioner keeps for the recompute: the input, but also the layer's (unsharded)
+    parameters, the rotary tables and an RNG state, all through the hooks active when it runs. Plain
+    ``save_on_cpu`` therefore copied every layer's gathered weights to host memory and back (~14 GB per
+    micro-batch per GPU on an 8B model). A saved tensor is moved when it shares storage with one of the
+    layer's positional tensor arguments (a view of the input included), so eager and compiled runs move the
+    same bytes; the copy itself is ``save_on_cpu``'s (pinned, asynchronous).
+
+    Args:
+        inputs: the layer's positional arguments (the hidden states; kwargs are not saved by the checkpoint).
+        pin_memory: copy into pinned host memory, asynchronously (needs CUDA).
+    """
+
+    def __init__(self, inputs: tuple[Any, ...], pin_memory: bool) -> None:
+        host = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+        to_host, from_host = host.pack_hook, host.unpack_hook
+        # Storage identity, not data_ptr: meta storages all sit at address 0.
+        storages = {a.untyped_storage()._cdata for a in inputs if isinstance(a, torch.Tensor)}
+
+        def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
+            if tensor.untyped_storage()._cdata in storages:
+                return True, to_host(tensor)
+            return False, tensor
+
+        def unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+            moved, value = packed
+            return from_host(value) if moved else value
+
+        super().__init__(pack, unpack)
+
+
 def checkpointed_forward(
     forward: Callable[..., Any], plan: ACPlan, *, preserve_rng_state: bool
 ) -> Callable[..., Any]:
@@ -104,12 +140,15 @@ def checkpointed_forward(
             )
 
         if plan.mode == "offload":
-            # What the checkpoint keeps (the layer's input) is saved through these hooks: to host memory.
-            with torch.autograd.graph.save_on_cpu(pin_memory=plan.pin_memory):
+            with OffloadLayerInputs(args, plan.pin_memory):
                 return call()
         return call()
 
     run.__hf_fsdp2_checkpointed__ = plan.mode  # type: ignore[attr-defined]
+    if plan.mode == "offload":
+        # torch.compile skips this frame and compiles the checkpointed call inside it: the hooks are built from
+        # the real inputs and are active, outside the graph, when the compiled layer saves its tensors.
+        return torch.compiler.disable(run, recursive=False)
     return run
 
 

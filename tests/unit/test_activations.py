@@ -104,3 +104,48 @@ def test_every_k_selects_multiples_of_k():
     plan = ACPlan("every_k", every_k=3)
     assert [i for i in range(8) if plan.wraps(i)] == [0, 3, 6]
     assert not ACPlan("none").wraps(0) and ACPlan("selective").wraps(5)
+
+
+def test_offload_moves_only_the_layer_inputs_eager_and_compiled(monkeypatch):
+    """``offload`` sends each checkpointed layer's input to host memory and nothing else, also under regional
+    compile: there the checkpoint is part of the layer's graph, which saves the layer's parameters (and rotary
+    tables, RNG state) for its recompute through the same hooks; plain ``save_on_cpu`` copied all of them (every
+    layer's gathered weights, per micro-batch). A counting hook stands in for ``save_on_cpu``'s copy."""
+    from hf_fsdp2.config.plans import CompilePlan
+    from hf_fsdp2.parallel.compiling import compile_regions
+
+    moved: list[torch.Tensor] = []
+
+    class CountingSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+            super().__init__(lambda t: moved.append(t) or t, lambda t: t)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model.config.use_cache = False
+        apply_activation_checkpointing(model, ACPlan("offload", pin_memory=False), LAYER)
+        if compiled:
+            torch._dynamo.reset()
+            compile_regions(model, LAYER, CompilePlan(enabled=True, dynamic=False))
+        inputs: list[torch.Tensor] = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, args, seen=inputs: seen.append(args[0]))
+        moved.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        assert not [t.shape for t in moved if t.untyped_storage()._cdata in params], "parameters sent to host"
+        layer_inputs = {t.untyped_storage()._cdata for t in inputs}
+        assert all(t.untyped_storage()._cdata in layer_inputs for t in moved)
+        counted[compiled] = sum(t.numel() * t.element_size() for t in moved)
+        assert (
+            counted[compiled] == sum(t.numel() * t.element_size() for t in inputs) == 2 * ids.numel() * 32 * 4
+        )
+    assert counted[True] == counted[False]
