@@ -24,6 +24,7 @@ class VerifyReport:
     config_keys: int = 0
     max_logit_diff: float = float("nan")
     logit_scale: float = 0.0
+    logit_noise: float = float("nan")  # the reload's own rounding: its logits in the compute dtype vs float32
     atol: float = 0.0
     reload_dtype: str = ""
     reload_devices: list[str] = field(default_factory=list)  # ["cpu"], or ["cpu", "disk"] when streamed
@@ -41,6 +42,9 @@ class VerifyReport:
             return "not measured"
         return f"{self.atol / self.max_logit_diff:.0f}x under the limit"
 
+    def _noise(self) -> str:
+        return f", reload rounding noise {self.logit_noise:.3g}" if self.logit_noise > 0 else ""
+
     def summary(self) -> str:
         if not self.ok:
             return "FAILED: " + "; ".join(self.problems)
@@ -50,7 +54,7 @@ class VerifyReport:
             f"{'+'.join(self.reload_devices)}): no missing or unexpected keys, {self.reloaded_tensors} reloaded "
             f"tensor slices bit-exact, config.json equal to the live config ({self.config_keys} keys); probe logits in "
             f"{self.reload_dtype} from the same rounded weights: max |diff| {self.max_logit_diff:.3g} "
-            f"(logit scale {self.logit_scale:.3g}, limit {self.atol:.3g}: {self.margin()})"
+            f"(logit scale {self.logit_scale:.3g}{self._noise()}, limit {self.atol:.3g}: {self.margin()})"
         )
 
 

@@ -14,8 +14,11 @@ exact:
    for ``dtype``, ``use_cache`` and ``architectures``, which the export sets); tied embeddings tied;
 4. probe: logits on a fixed batch from the reload must match the live model's, where the live model
    computes with its weights rounded to the export dtype (for the duration of the probe only) and
-   both compute in the same dtype: the expected difference is kernel noise, and the limit
-   (:func:`probe_limit`) is far above it. The log says how far.
+   both compute in the same dtype: the expected difference is kernel noise. The limit
+   (:func:`probe_limit`) is the larger of a floor relative to the logit scale and a margin over the
+   reload's own rounding noise, measured by computing the probe again in float32 (bf16/fp16 compute):
+   the live model's kernels (a GPU's) round differently from the reload's (a CPU's) by about as much.
+   The log says how far under it the difference stayed.
 
 The reload keeps at most ``reload_ram_bytes`` of weights in memory; the rest stays on disk and streams
 through the forward (accelerate's offload), so no process holds a large model.
@@ -41,7 +44,14 @@ from hf_fsdp2.dtypes import dtype_name
 from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
-from hf_fsdp2.export.probe import compute_dtype_of, live_logits, probe_ids, probe_limit, rounded_weights
+from hf_fsdp2.export.probe import (
+    compute_dtype_of,
+    live_logits,
+    probe_ids,
+    probe_limit,
+    reference_dtype,
+    rounded_weights,
+)
 from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config, make_plan
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
@@ -200,12 +210,19 @@ if request["compute_dtype"] != request["load_dtype"]:
     # Loaded again rather than cast: buffers computed at init (rotary frequencies) follow the load dtype.
     del model
     model, _ = load(request["compute_dtype"])
-model.eval()
-ids = request["ids"]
-with torch.no_grad():
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+def probe(model):
+    model.eval()
+    ids = request["ids"]
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+logits, noise = probe(model), 0.0
+if request["reference_dtype"]:
+    # The same weights computed in a wider dtype: how much this process's own rounding moves the logits.
+    del model
+    model, _ = load(request["reference_dtype"])
+    noise = float((probe(model).double() - logits.double()).abs().max())
 torch.save({
-    "logits": logits,
+    "logits": logits, "noise": noise,
     "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
     "mismatched": mismatched, "compared": compared,
     "config_diff": config_diff, "config_keys": len(config),
@@ -334,7 +351,9 @@ def verify_export(
         live = live_logits(model, ids)
     report.reload_dtype = dtype_name(compute)
     report.logit_scale = float(live.abs().max())
+    # The floor until the reload has measured its own rounding noise (rank 0 then raises the limit).
     report.atol = atol if atol is not None else probe_limit(compute, report.logit_scale)
+    reference = reference_dtype(compute) if atol is None else None
     found: dict[str, Any] = {}
     if collectives.rank() == 0 and report.ok:
         merged: dict[str, list[Any]] = {}
@@ -345,6 +364,7 @@ def verify_export(
             "folder": str(folder),
             "load_dtype": dtype_name(load_dtype),
             "compute_dtype": dtype_name(compute),
+            "reference_dtype": dtype_name(reference) if reference is not None else None,
             "ids": ids,
             "boxes": merged,
             "config": comparable_config(export_config(config, plan.weights_dtype, "")),
@@ -352,10 +372,16 @@ def verify_export(
             "ram": reload_ram_bytes,
         }
         found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
-        found["reload_problems"], found["max_diff"] = _compare_reload(found, model, live, report.atol)
+        if atol is None and "noise" in found:
+            found["atol"] = probe_limit(compute, report.logit_scale, found["noise"])
+        found["reload_problems"], found["max_diff"] = _compare_reload(
+            found, model, live, found.get("atol", report.atol)
+        )
         found.pop("logits", None)
     found = collectives.broadcast_object(found)  # every rank: rank 0's findings
     report.problems += found.get("reload_problems", [])
+    report.atol = found.get("atol", report.atol)
+    report.logit_noise = found.get("noise", float("nan"))
     report.max_logit_diff = found.get("max_diff", float("nan"))
     report.reload_devices = list(found.get("devices", []))
     report.reloaded_tensors = int(found.get("compared", 0))

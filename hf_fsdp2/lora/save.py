@@ -57,8 +57,15 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 request = torch.load(sys.argv[1])
 out = sys.argv[2]
-model = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, request["compute_dtype"]))
-model = PeftModel.from_pretrained(model, request["adapter"])
+def load(dtype):
+    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, dtype))
+    return PeftModel.from_pretrained(base, request["adapter"])
+def probe(model):
+    model.eval()
+    ids = request["ids"]
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+model = load(request["compute_dtype"])
 state = {k: v for k, v in model.state_dict().items() if ".lora_" in k or ".modules_to_save." in k}
 mismatched = []
 for name, digest in request["digests"].items():
@@ -73,12 +80,13 @@ extra = sorted(set(state) - set(request["digests"]))
 for name, param in model.named_parameters():
     if ".lora_" in name or ".modules_to_save." in name:
         param.data = param.data.to(getattr(torch, request["compute_dtype"]))
-model.eval()
-ids = request["ids"]
-with torch.no_grad():
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-torch.save({"logits": logits, "mismatched": mismatched, "extra": extra, "compared": len(request["digests"]),
-            "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
+logits, noise = probe(model), 0.0
+if request["reference_dtype"]:
+    # The same weights computed in a wider dtype: how much this process's own rounding moves the logits.
+    del model
+    noise = float((probe(load(request["reference_dtype"])).double() - logits.double()).abs().max())
+torch.save({"logits": logits, "noise": noise, "mismatched": mismatched, "extra": extra,
+            "compared": len(request["digests"]), "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
 """
 
 
@@ -95,7 +103,8 @@ def verify_adapter(
 
     Exact: every adapter tensor of the reloaded PeftModel, by name, equals the live (gathered) adapter bit
     for bit, and none is missing or extra. Probe: logits of the reload, computed in ``compute_dtype`` as
-    the live model computes, within :func:`hf_fsdp2.export.probe_limit` of the live logits. Every rank
+    the live model computes, within :func:`hf_fsdp2.export.probe_limit` of the live logits (its floor, or
+    a margin over the reload's own rounding noise, measured again in float32 for bf16/fp16). Every rank
     must call it (collective forward); rank 0 runs the reload.
 
     Args:
@@ -113,20 +122,23 @@ def verify_adapter(
         ExportVerificationError: a check failed (nothing has been published).
     """
     from hf_fsdp2 import collectives
-    from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit
+    from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit, reference_dtype
     from hf_fsdp2.export.verify import digest, reload_in_subprocess
 
     ids = probe_ids(int(model.config.vocab_size))  # type: ignore[union-attr,arg-type]
     live = live_logits(model, ids)  # every rank
     report = VerifyReport(reload_dtype=str(compute_dtype).removeprefix("torch."), reload_devices=["cpu"])
     report.logit_scale = float(live.abs().max())
+    # The floor until the reload has measured its own rounding noise (rank 0 then raises the limit).
     report.atol = atol if atol is not None else probe_limit(compute_dtype, report.logit_scale)
+    reference = reference_dtype(compute_dtype) if atol is None else None
     found: dict[str, Any] = {}
     if collectives.rank() == 0:
         request = {
             "base": str(base_model),
             "adapter": str(adapter_dir),
             "compute_dtype": report.reload_dtype,
+            "reference_dtype": str(reference).removeprefix("torch.") if reference is not None else None,
             "ids": ids,
             "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
         }
@@ -139,14 +151,18 @@ def verify_adapter(
                 )
             if found["hf_fsdp2"]:
                 problems.append("the reload imported hf_fsdp2; it must load with plain PEFT")
+            if atol is None:
+                report.atol = probe_limit(compute_dtype, report.logit_scale, found["noise"])
             diff = float((found["logits"] - live).abs().max())
             found["max_diff"] = diff
             if not diff <= report.atol:
                 problems.append(f"probe logits differ by {diff:.4g} > limit {report.atol:.3g}")
         found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
-                 "compared": found.get("compared", 0)}  # fmt: skip
+                 "compared": found.get("compared", 0), "atol": report.atol,
+                 "noise": found.get("noise", float("nan"))}  # fmt: skip
     found = collectives.broadcast_object(found)
     report.problems = found["problems"]
+    report.atol, report.logit_noise = found["atol"], found["noise"]
     report.max_logit_diff = found["max_diff"]
     report.reloaded_tensors = report.tensors = int(found["compared"])
     if not report.ok:

@@ -143,3 +143,90 @@ def test_rejects_any_single_flipped_value(exported) -> None:  # type: ignore[no-
 
     _rewrite(folder, flip)
     _rejects(model, folder, rf"{key}: the bytes on disk differ")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The probe across kernels: the live model on a GPU, the reload on a CPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_probe_limit_grows_with_the_reload_rounding_noise() -> None:
+    from hf_fsdp2.export.probe import NOISE_MARGIN, probe_limit, reference_dtype
+
+    assert probe_limit(torch.bfloat16, 35.0) == pytest.approx(1.75)  # the floor: 5 % of the logit scale
+    assert probe_limit(torch.bfloat16, 35.0, noise=1.2) == pytest.approx(NOISE_MARGIN * 1.2)
+    assert probe_limit(torch.bfloat16, 35.0, noise=0.1) == pytest.approx(1.75)  # never under the floor
+    assert reference_dtype(torch.bfloat16) == reference_dtype(torch.float16) == torch.float32
+    assert reference_dtype(torch.float32) is None
+
+
+def test_bf16_compute_measures_the_reload_rounding_noise(big_logits: Path, tmp_path: Path) -> None:
+    model = load_model(str(big_logits), dtype="bfloat16")
+    result = export_model(
+        model, tmp_path / "out", config=model.config, tokenizer=None, generation_config=None, dtype="bfloat16",
+        max_shard_bytes=10**9,
+    )  # fmt: skip
+    report = result.verify
+    assert report is not None and report.ok
+    assert report.logit_noise > 0  # the bf16 reload against itself in float32
+    assert report.atol == pytest.approx(max(0.05 * report.logit_scale, 4 * report.logit_noise))
+    assert "reload rounding noise" in report.summary()
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    """SmolLM2-135M computing in bf16 (its weights are bf16) and its bf16 export, not verified yet."""
+    from hf_fsdp2.demo.assets import ensure_smollm2
+
+    model = load_model(str(ensure_smollm2()), dtype="bfloat16")
+    out = tmp_path_factory.mktemp("smollm2") / "out"
+    export_model(
+        model, out, config=model.config, tokenizer=None, generation_config=None, dtype="bfloat16",
+        max_shard_bytes=10**10, verify=False,
+    )  # fmt: skip
+    return model, out
+
+
+@pytest.mark.slow
+def test_a_correct_export_is_accepted_under_gpu_sized_kernel_noise(smollm2) -> None:  # type: ignore[no-untyped-def]
+    # The live model computes as a GPU would (each GEMM output off by up to 2 bf16 ulps, eager attention instead
+    # of the reload's SDPA); the reload runs the CPU's kernels. A correct export must pass.
+    from support.devices import other_kernels
+
+    from hf_fsdp2.export.probe import probe_limit
+
+    model, out = smollm2
+    with other_kernels(model, ulps=2, seed=0):
+        report = verify_export(model, out, dtype="bfloat16")
+    assert report.ok
+    # A limit relative to the logit scale alone (5 %) is under this noise: it rejected the correct export.
+    assert report.max_logit_diff > probe_limit(torch.bfloat16, report.logit_scale), report.summary()
+    assert report.max_logit_diff <= report.atol
+
+
+@pytest.mark.slow
+def test_the_probe_still_rejects_swapped_layers_under_kernel_noise(smollm2) -> None:  # type: ignore[no-untyped-def]
+    # The probe on its own (the byte checks catch a swap first): live logits of a model whose first two or last
+    # two layers run swapped, with the same GPU-sized noise, against the bf16 reload of the correct export.
+    from support.devices import other_kernels
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit
+
+    model, out = smollm2
+    ids = probe_ids(model.config.vocab_size)
+    reload = live_logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), ids)
+    exact = live_logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
+    limit = probe_limit(torch.bfloat16, float(reload.abs().max()), float((reload - exact).abs().max()))
+    with other_kernels(model, ulps=2, seed=1):
+        assert float((live_logits(model, ids) - reload).abs().max()) <= limit
+    layers = model.model.layers
+    n = len(layers)
+    for a, b in ((0, 1), (n - 2, n - 1)):
+        layers[a], layers[b] = layers[b], layers[a]
+        try:
+            with other_kernels(model, ulps=2, seed=1):
+                diff = float((live_logits(model, ids) - reload).abs().max())
+        finally:
+            layers[a], layers[b] = layers[b], layers[a]
+        assert diff > 3 * limit, (a, b, diff, limit)
