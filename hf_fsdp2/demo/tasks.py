@@ -356,7 +356,7 @@ def preference_win_rate(
         with torch.no_grad():
             for start in range(0, len(pairs), batch_size):
                 batch = collate(pairs[start : start + batch_size])
-                inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+                inputs = {k: batch[k].to(model.device) for k in ("input_ids", "attention_mask")}
                 logps, _ = completion_logps(model, inputs, batch["labels"], LossPlan())
                 b = logps.numel() // 2
                 margins += (logps[:b] - logps[b:]).tolist()

@@ -72,20 +72,22 @@ def completion_logps(
     post-processing) a pre-hook on the output head hands it the completion positions only, so logits exist for
     completion tokens only; otherwise the full logits are computed and the completion positions picked.
 
+    The completion positions are found where ``labels`` are: pass the host labels (the steps do) and no device
+    tensor is read back, the positions go to the device as integer indices.
+
     Returns:
         ``[rows]`` log-probs (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
     """
     extra = {"output_router_logits": True} if plan.router_aux_coef else {}
     targets = labels[:, 1:]
-    valid = targets != IGNORE_INDEX
-    rows = valid.nonzero()[:, 0]
-    picked_targets = targets[valid]
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # row-major: the order of a boolean mask
+    picked_targets = targets[rows, cols]
     if plan.chunk_tokens > 0:
         head = model.get_output_embeddings()  # type: ignore[operator]
 
         def completions_only(module: torch.nn.Module, args: tuple) -> tuple:
-            full = args[0]
-            return (full[:, :-1][valid.to(full.device)][None], *args[1:])
+            full = args[0]  # position t predicts token t + 1
+            return (full[rows.to(full.device), cols.to(full.device)][None], *args[1:])
 
         handle = head.register_forward_pre_hook(completions_only)
         try:
@@ -95,13 +97,19 @@ def completion_logps(
         logits = out.logits[0]
     else:
         out = model(**inputs, **extra, use_cache=False)
-        logits = out.logits[:, :-1][valid.to(out.logits.device)]
+        logits = out.logits[rows.to(out.logits.device), cols.to(out.logits.device)]
     logits = logits.to(accumulation_dtype(logits.dtype))
     picked = logits.gather(-1, picked_targets.to(logits.device)[:, None]).squeeze(-1)
     per_token = picked - torch.logsumexp(logits, dim=-1)
     sums = torch.zeros(labels.size(0), dtype=per_token.dtype, device=per_token.device)
     sums = sums.index_add(0, rows.to(per_token.device), per_token)
     return sums, getattr(out, "aux_loss", None) if extra else None
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated micro-batch on ``device``, but for its labels: they stay on the host, where
+    :func:`completion_logps` finds the completion positions without reading the device."""
+    return {k: v if k == "labels" else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def pair_losses(
@@ -156,7 +164,7 @@ class Reference(Protocol):
     """Where a micro-batch's reference log-probs come from; every rank calls it on every micro-batch."""
 
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[2B]`` reference completion log-probs of a (device) micro-batch, without gradient."""
+        """``[2B]`` reference completion log-probs of a micro-batch (:func:`to_device`), without gradient."""
         ...
 
 
@@ -252,7 +260,7 @@ def precompute_reference(
         batch_size=batch_size,
         collator=collator,
     ):
-        on_device = {k: v.to(device) for k, v in batch.items()}
+        on_device = to_device(batch, device)
         logps = reference.logps(on_device).double()
         if real:
             b = on_device["pair_index"].numel()
@@ -342,7 +350,7 @@ def dpo_forward_backward(
         set_sync = getattr(model, "set_requires_gradient_sync", None)
         if callable(set_sync):  # FSDP2: every rank makes the same choice
             set_sync(settings.sync_each_microbatch or last)
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         ref = reference.logps(batch)  # first, without gradient: the same forwards on every rank
         policy, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
         lengths = batch["completion_mask"].sum(dim=1)
@@ -403,7 +411,7 @@ def evaluate_preferences(
         batch_size=batch_size,
         collator=collator,
     ):
-        on_device = {k: v.to(device) for k, v in batch.items()}
+        on_device = to_device(batch, device)
         ref = reference.logps(on_device)
         policy = _eval_logps(model, on_device, settings.loss)
         losses, chosen, rejected = pair_losses(policy, ref, on_device["completion_mask"].sum(dim=1), settings)

@@ -110,9 +110,9 @@ def forward_backward(
             device=device,
         )
         # Every rank: the step's target-token count normalises the loss; with the processed count it gives
-        # the step's padding efficiency.
+        # the step's padding efficiency. Read once (one host sync per step, before any forward is queued).
         counts = collectives.all_reduce_sum(local)
-        global_tokens, global_processed = int(counts[0].item()), int(counts[1].item())
+        global_tokens, global_processed = (int(v) for v in counts.tolist())
     scale = backward_scale(global_tokens, collectives.world())
     # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
     aux_scale = settings.loss.router_aux_coef / len(micro_batches)

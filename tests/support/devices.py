@@ -163,7 +163,7 @@ class FakeAccelerator(TorchFunctionMode):
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
                 self.host_reads.append(("boolean-mask indexing", _where()))
         out = func(*args, **kwargs)
-        if marked and func not in _CROSS_DEVICE_OK | set(_HOST_READS):
+        if marked and func not in _CROSS_DEVICE_OK:  # nonzero() reads the host but returns a device tensor
             self._mark_outputs(out)
         return out
 

@@ -168,3 +168,97 @@ def test_lora_adapter_and_merged_exports_of_a_model_on_the_device(model_dir: Pat
     assert result.adapter_report is not None and result.adapter_report.ok
     assert result.merged_report is not None and result.merged_report.ok
     assert not mode.mismatches
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host syncs inside the steps
+# ---------------------------------------------------------------------------------------------------
+
+
+def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
+    """The host reads of device tensors made by hf_fsdp2's own code (transformers' own are not ours to change)."""
+    return [
+        (what, where)
+        for what, where in mode.host_reads
+        if where.split("/")[0] in ("train", "trainer", "observe")
+    ]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> None:
+    from hf_fsdp2.data.preference import PreferenceCollator
+    from hf_fsdp2.train.dpo import DPOSettings, FrozenModel, dpo_forward_backward
+    from hf_fsdp2.train.loss import LossPlan, plan_loss
+
+    model = load_model(str(model_dir))
+    plan = plan_loss(model, 8) if chunked else LossPlan()
+    assert (plan.chunk_tokens > 0) == chunked
+    pairs = [
+        {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9, 10, 11], "rejected_ids": [12, 13], "index": 0},
+        {"prompt_ids": [14, 15], "chosen_ids": [16], "rejected_ids": [17, 18, 19], "index": 1},
+    ]
+    batches = [PreferenceCollator(pad_token_id=0, max_length=16)(pairs)] * 2
+    reference = FrozenModel(model, plan)
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        loss_sum, count, *_ = dpo_forward_backward(model, batches, reference, DPOSettings(plan), DEVICE)
+        assert count == 4 and loss_sum.device == DEVICE and not mode.mismatches
+    # The one all-reduce of the step's pair and token counts; the completion positions come from the host labels.
+    assert [what for what, _ in _library_reads(mode)] == ["tolist()"], _library_reads(mode)
+
+
+def test_an_sft_step_reads_the_device_once_outside_the_loss(model_dir: Path) -> None:
+    from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.step import StepSettings, forward_backward
+
+    model = load_model(str(model_dir))
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        loss_sum, _, tokens, processed = forward_backward(
+            model, [batch, batch], StepSettings(LossPlan()), DEVICE
+        )
+        assert loss_sum.device == DEVICE and tokens == 2 * 2 * 11 and processed == 2 * 24
+    assert not mode.mismatches
+    # The step's token counts, all-reduced on the device and read once: they scale the loss before backward.
+    assert [what for what, where in _library_reads(mode) if where.startswith("train/step.py")] == ["tolist()"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_evaluation_of_a_model_on_the_device(model_dir: Path) -> None:
+    from hf_fsdp2.data.loader import PaddingCollator
+    from hf_fsdp2.observe.evaluate import Evaluator
+
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir))
+    examples = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (4, 7, 9)]
+    evaluator = Evaluator(
+        examples, collator=PaddingCollator(pad_token_id=0), batch_size=2, rank=0, world_size=1, device=DEVICE,
+        tokenizer=tokenizer, prompts=["hello"], max_new_tokens=3,
+    )  # fmt: skip
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        record = evaluator.run(model, step=1)
+    assert record["eval_tokens"] == 3 + 6 + 8 and not mode.mismatches
+
+
+def test_preference_win_rate_of_a_model_on_the_device(model_dir: Path) -> None:
+    from hf_fsdp2.demo.tasks import preference_win_rate
+
+    tokenizer = load_tokenizer(str(model_dir))
+    tokenizer.pad_token = tokenizer.eos_token
+    records = [{"prompt": "a question", "chosen": " yes yes", "rejected": " no"}] * 3
+    model = load_model(str(model_dir))
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        out = preference_win_rate(model, tokenizer, records, batch_size=2)
+    assert out["n"] == 3 and not mode.mismatches
