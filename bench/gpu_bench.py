@@ -1,6 +1,7 @@
 """One GPU (an H200), one command under 7 minutes: hf_fsdp2's performance switches beside TRL's SFTTrainer.
 
     python bench/gpu_bench.py --out bench/out/gpu_bench.json           # on the GPU machine
+    python bench/gpu_bench.py --quick --out /tmp/gpu_quick.json        # ~1-2 min: eager vs regional, no TRL
     python bench/gpu_bench.py --cpu --shape small --seq 1024 --warmup 2 --steps 3 --trl none:none \
         --configs eager:none:chunked,regional:none:chunked,model:none:chunked   # compile scopes on CPU (fp32)
     python bench/gpu_bench.py --smoke --out /tmp/gpu_bench.json        # any machine: tiny shape, CPU
@@ -537,7 +538,19 @@ def print_table(report: dict[str, Any]) -> None:
     )
 
 
-def main() -> None:
+# --quick: the smallest run that still says something about the GPU path (one H200, ~1-2 min): the 1B
+# shape at seq 4096, eager beside regional compile (chunked loss, no AC), 2 + 5 steps, no TRL runner.
+QUICK = {"configs": "eager:none:chunked,regional:none:chunked", "trl": "", "warmup": 2, "steps": 5,
+         "budget_s": 150.0}  # fmt: skip
+COMPILE_SCOPES, LOSS_PATHS = ("eager", "regional", "model"), ("plain", "chunked")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--smoke`` / ``--quick`` applied and every runner spec checked.
+
+    Raises:
+        SystemExit: on a bad flag or runner spec (argparse's usage error, exit code 2).
+    """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--configs", default=DEFAULT_CONFIGS, help="hf_fsdp2 runners, compile:ac:loss, comma-separated"
@@ -553,6 +566,11 @@ def main() -> None:
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shape on CPU, 1+1 steps: checks the script only"
     )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the smallest meaningful GPU run (~1-2 min): {QUICK} unless given explicitly",
+    )
     ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the runners")
     ap.add_argument("--trl-timeout-s", type=float, default=180.0, help="a TRL runner is stopped after this")
     ap.add_argument(
@@ -562,18 +580,42 @@ def main() -> None:
     ap.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trl-model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trl-out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
+    args = ap.parse_args(argv)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from hf_fsdp2.config.plans import AC_MODES
+
+    if args.quick:
+        for key, value in QUICK.items():
+            if getattr(args, key) == ap.get_default(key):  # a flag given explicitly wins
+                setattr(args, key, value)
+    if args.smoke:
+        args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
+    if args.warmup < 1 or args.steps < 1:
+        ap.error(
+            "--warmup and --steps must be at least 1 (the clock starts at the end of the last warm-up step)"
+        )
+    bad_trl = [item for item in args.trl.split(",") if item and (len(item.split(":")) != 2
+               or item.split(":")[0] not in ("none", "liger") or item.split(":")[1] not in ("none", "full"))]  # fmt: skip
+    if bad_trl:
+        ap.error(f"--trl {bad_trl}: each TRL runner is kernels:ac, kernels none|liger, ac none|full")
+    bad = [item for item in args.configs.split(",") if item and (len(item.split(":")) != 3
+           or item.split(":")[0] not in COMPILE_SCOPES or item.split(":")[1] not in AC_MODES
+           or item.split(":")[2] not in LOSS_PATHS)]  # fmt: skip
+    if bad:
+        ap.error(
+            f"--configs {bad}: each hf_fsdp2 runner is compile:ac:loss, compile {'|'.join(COMPILE_SCOPES)}, "
+            f"ac {'|'.join(AC_MODES)}, loss {'|'.join(LOSS_PATHS)}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.trl_child:
         trl_child(args)
         sys.stdout.flush()
         os._exit(0)  # no interpreter finalization after a distributed run
-    if args.smoke:
-        args.seq, args.warmup, args.steps, args.shape, args.cpu = min(args.seq, 256), 1, 1, "tiny", True
-    if args.warmup < 1 or args.steps < 1:
-        sys.exit(
-            "--warmup and --steps must be at least 1 (the clock starts at the end of the last warm-up step)"
-        )
     started = time.perf_counter()
     deadline = started + args.budget_s
     from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
@@ -598,10 +640,6 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps per runner; budget {args.budget_s:.0f} s",
           flush=True)  # fmt: skip
     runners = [("trl", item) for item in args.trl.split(",") if item]
-    bad = [item for _, item in runners if len(item.split(":")) != 2 or item.split(":")[0] not in ("none", "liger")
-           or item.split(":")[1] not in ("none", "full")]  # fmt: skip
-    if bad:
-        sys.exit(f"--trl {bad}: each TRL runner is kernels:ac, kernels none|liger, ac none|full")
     runners += [("hf_fsdp2", item) for item in args.configs.split(",") if item]
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_bench_"))
     work.mkdir(parents=True, exist_ok=True)

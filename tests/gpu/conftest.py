@@ -1,0 +1,159 @@
+"""The GPU checks (`bash scripts/gpu_check.sh`): skipped on a machine without CUDA.
+
+Options (given by scripts/gpu_check.sh):
+
+* ``--gpu-dry-run``: every check prepares its inputs and validates its commands (recipe configs parsed as the
+  recipe parses them, launch lines by accelerate's own parser, bench flags by the bench's) without running
+  them, on any machine;
+* ``--gpu-report PATH``: one JSON summary of the session's checks: per check its name, ok, seconds (setup
+  included: a fixture's run counts for the first check that uses it), key figures and the tail of its error.
+
+This folder is a package (``__init__.py``) so that this conftest does not take the module name
+``conftest`` from tests/conftest.py, which tests/support imports.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+NO_CUDA = (
+    "needs a CUDA device: bash scripts/gpu_check.sh on a GPU machine (--dry-run checks the commands anywhere)"
+)
+_RESULTS: dict[str, dict[str, Any]] = {}
+_STARTED = time.time()
+_ROOT = [Path.cwd()]  # pytest's rootdir, to which report paths are relative
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpu checks (tests/gpu)")
+    group.addoption(
+        "--gpu-dry-run",
+        action="store_true",
+        help="prepare each GPU check and validate its commands without running them (any machine)",
+    )
+    group.addoption("--gpu-report", default=None, help="write the GPU checks' JSON summary to this path")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpu: a check of scripts/gpu_check.sh (tests/gpu; skipped without CUDA)"
+    )
+    _ROOT[0] = config.rootpath
+
+
+def dry_run(config: pytest.Config) -> bool:
+    # default: this conftest may be loaded after the command line was parsed (pytest tests)
+    return bool(config.getoption("--gpu-dry-run", default=False))
+
+
+def _ours(path: str | Path) -> bool:
+    return (_ROOT[0] / path).resolve().is_relative_to(HERE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if dry_run(config) or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA)
+    for item in items:
+        if _ours(item.path):
+            item.add_marker(skip)
+
+
+@dataclass
+class Check:
+    """What a check test gets: whether this is a dry run, its folder, and the figures it reports."""
+
+    dry: bool
+    work: Path
+    figures: dict[str, Any]
+
+
+@pytest.fixture
+def check(request: pytest.FixtureRequest, tmp_path: Path) -> Check:
+    figures: dict[str, Any] = {}
+    # The report of each phase carries this dict: figures set before a failure are reported with it.
+    request.node.user_properties.append(("figures", figures))
+    return Check(dry_run(request.config), tmp_path, figures)
+
+
+def _name(nodeid: str) -> str:
+    return nodeid.split("::")[-1].removeprefix("test_")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _ours(report.fspath):
+        return
+    entry = _RESULTS.setdefault(
+        report.nodeid,
+        {"name": _name(report.nodeid), "ok": None, "seconds": 0.0, "figures": {}, "error_tail": None},
+    )
+    entry["seconds"] = round(entry["seconds"] + report.duration, 2)
+    for key, value in report.user_properties:
+        if key == "figures" and isinstance(value, dict):
+            entry["figures"].update(value)
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        entry["skipped"] = str(reason).removeprefix("Skipped: ")
+    elif report.failed:
+        entry["ok"] = False
+        crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "")
+        text = f"[{report.when}] {crash[:1000]}\n...\n{report.longreprtext[-2500:]}"
+        entry["error_tail"] = f"{entry['error_tail']}\n{text}" if entry["error_tail"] else text
+    elif report.when == "call" and entry["ok"] is None:
+        entry["ok"] = True
+
+
+def _device() -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["device_count"] = torch.cuda.device_count()
+        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    else:
+        info["device"] = "cpu (no CUDA device)"
+    return info
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = session.config.getoption("--gpu-report", default=None)
+    if not path:
+        return
+    checks = list(_RESULTS.values())
+    report = {
+        "dry_run": dry_run(session.config),
+        "finished": dt.datetime.now().isoformat(timespec="seconds"),
+        "wall_s": round(time.time() - _STARTED, 1),
+        **_device(),
+        "passed": sum(c["ok"] is True for c in checks),
+        "failed": sum(c["ok"] is False for c in checks),
+        "skipped": sum("skipped" in c and c["ok"] is None for c in checks),
+        "checks": checks,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1, default=str))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    # Shown when the checks were asked for (the summary, a dry run, a GPU), not in a CPU run of the suite.
+    asked = config.getoption("--gpu-report", default=None) or dry_run(config)
+    if not _RESULTS or not (asked or any(e["ok"] is not None for e in _RESULTS.values())):
+        return
+    terminalreporter.section(
+        "GPU checks" + (" (dry run: commands validated, nothing run)" if dry_run(config) else "")
+    )
+    for entry in _RESULTS.values():
+        state = {True: "ok", False: "FAILED", None: "skipped"}[entry["ok"]]
+        shown = {k: v for k, v in entry["figures"].items() if isinstance(v, int | float | bool)}
+        figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        terminalreporter.write_line(
+            f"{entry['name']:<28} {state:<8} {entry['seconds']:7.1f} s  {figures[:220]}"
+        )
