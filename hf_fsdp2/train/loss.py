@@ -137,6 +137,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         chunk: int,
         transform: LogitTransform,
+        rows: torch.Tensor | None,
     ) -> torch.Tensor:
         acc = accumulation_dtype(hidden.dtype)
         operand = hidden.dtype  # of the GEMMs: bf16 under mixed precision, else fp32 (fp64 for fp64)
@@ -145,7 +146,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
         )
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the positions with a target
+        if rows is None:  # the positions with a target (nonzero() waits for the device: pass them in)
+            rows = target_rows(targets)
         # The head in the GEMMs' dtype, cast once per call and only when it differs (never under FSDP2's policy).
         head = weight if weight.dtype == operand else weight.to(operand)
         for start in range(0, rows.numel(), chunk):
@@ -198,7 +200,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         has_h, has_w = ctx.has_grads  # type: ignore[attr-defined]
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def chunked_linear_cross_entropy_sum(
@@ -207,6 +209,7 @@ def chunked_linear_cross_entropy_sum(
     targets: torch.Tensor,
     chunk_tokens: int,
     transform: LogitTransform | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed CE of ``transform(hidden @ weight.T)`` against ``targets`` without the full logits.
 
@@ -216,13 +219,25 @@ def chunked_linear_cross_entropy_sum(
         targets: ``[tokens]`` next-token ids, ``-100`` where no loss.
         chunk_tokens: rows per chunk.
         transform: the model's logit post-processing (none by default).
+        rows: :func:`target_rows` of ``targets`` on ``hidden``'s device, found from host labels; None = found
+            here, which reads the device once (``nonzero``) on a GPU.
 
     Returns:
         A scalar tensor (fp32, fp64 for fp64 inputs) whose gradients match the plain computation's.
     """
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, chunk_tokens, transform or LogitTransform()
+        hidden, weight, targets, chunk_tokens, transform or LogitTransform(), rows
     )
+
+
+def target_rows(targets: torch.Tensor) -> torch.Tensor:
+    """The positions of ``[tokens]`` shifted targets that carry a loss (not ``-100``), in order."""
+    return (targets != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def shifted_target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """:func:`target_rows` of ``[batch, seq]`` labels as the chunked loss shifts them (``labels[:, 1:]``)."""
+    return target_rows(labels[:, 1:].reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,7 +378,11 @@ class LossOutput:
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    plan: LossPlan,
+    rows: torch.Tensor | None = None,
 ) -> LossOutput:
     """Run the model and return the summed next-token cross entropy over the target tokens.
 
@@ -379,6 +398,8 @@ def causal_lm_loss(
         inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
         labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
         plan: from :func:`plan_loss`.
+        rows: the chunked loss's target positions (:func:`shifted_target_rows` of the labels), computed from
+            host labels so that no device read is needed; None = found on the labels' device.
 
     Returns:
         The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
@@ -400,7 +421,12 @@ def causal_lm_loss(
         assert isinstance(weight, torch.Tensor)
         result.append(
             chunked_linear_cross_entropy_sum(
-                hidden, weight, targets.to(full.device), plan.chunk_tokens, plan.transform
+                hidden,
+                weight,
+                targets.to(full.device),
+                plan.chunk_tokens,
+                plan.transform,
+                None if rows is None else rows.to(full.device, non_blocking=True),
             )
         )
         return (full[:, -1:], *args[1:])

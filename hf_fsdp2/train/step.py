@@ -23,7 +23,13 @@ import torch
 from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.train.loss import LossPlan, backward_scale, causal_lm_loss, count_target_tokens
+from hf_fsdp2.train.loss import (
+    LossPlan,
+    backward_scale,
+    causal_lm_loss,
+    count_target_tokens,
+    shifted_target_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -123,12 +129,14 @@ def forward_backward(
         set_sync = getattr(model, "set_requires_gradient_sync", None)
         if callable(set_sync):  # FSDP2: every rank makes the same choice
             set_sync(settings.sync_each_microbatch or last)
+        # The chunked loss's target positions from the host labels: finding them on the device would wait for it.
+        rows = shifted_target_rows(batch["labels"]) if settings.loss.chunk_tokens > 0 else None
         batch = _to_device(batch, device)
         # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
         # or padding-free ones, which transformers honours only without a KV cache.
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with record_function("hf_fsdp2/forward_loss"):
-            out = causal_lm_loss(model, inputs, batch["labels"], settings.loss)
+            out = causal_lm_loss(model, inputs, batch["labels"], settings.loss, rows)
             total = out.ce_sum * scale
             if out.aux_loss is not None and aux_sum is not None:
                 total = total + out.aux_loss * aux_scale

@@ -208,23 +208,31 @@ def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> Non
     assert [what for what, _ in _library_reads(mode)] == ["tolist()"], _library_reads(mode)
 
 
-def test_an_sft_step_reads_the_device_once_outside_the_loss(model_dir: Path) -> None:
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_an_sft_step_reads_the_device_once(model_dir: Path, chunk: int) -> None:
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.step import StepSettings, forward_backward
 
     model = load_model(str(model_dir))
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    labels = ids.clone()
+    labels[0, :5] = -100  # target positions with gaps: the chunked loss must find them from the host labels
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     mode = FakeAccelerator()
     mode.put_module(model)
     with mode:
         loss_sum, _, tokens, processed = forward_backward(
-            model, [batch, batch], StepSettings(LossPlan()), DEVICE
+            model, [batch, batch], StepSettings(LossPlan(chunk_tokens=chunk)), DEVICE
         )
-        assert loss_sum.device == DEVICE and tokens == 2 * 2 * 11 and processed == 2 * 24
+        assert loss_sum.device == DEVICE and tokens == 2 * (2 * 11 - 4) and processed == 2 * 24
     assert not mode.mismatches
     # The step's token counts, all-reduced on the device and read once: they scale the loss before backward.
-    assert [what for what, where in _library_reads(mode) if where.startswith("train/step.py")] == ["tolist()"]
+    # The chunked loss's target positions come from the host labels (no nonzero() on the device).
+    assert [what for what, _ in _library_reads(mode)] == ["tolist()"], _library_reads(mode)
+    plain = forward_backward(
+        load_model(str(model_dir)), [batch, batch], StepSettings(LossPlan()), torch.device("cpu")
+    )
+    torch.testing.assert_close(loss_sum.cpu(), plain[0], rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------
