@@ -399,7 +399,7 @@ def causal_lm_loss(
         labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
         plan: from :func:`plan_loss`.
         rows: the chunked loss's target positions (:func:`shifted_target_rows` of the labels), computed from
-            host labels so that no device read is needed; None = found on the labels' device.
+            host labels so that no device read is needed; None = found here from ``labels``.
 
     Returns:
         The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
@@ -413,6 +413,10 @@ def causal_lm_loss(
     head = model.get_output_embeddings()  # type: ignore[operator]
     result: list[torch.Tensor] = []
     targets = labels[:, 1:].reshape(-1)
+    if rows is None:
+        # Found here, before the model runs: under whole-model compile a nonzero() inside the head's hook would
+        # break the graph there and recompile its remainder every step.
+        rows = target_rows(targets)
 
     def loss_inside_head(module: torch.nn.Module, args: tuple) -> tuple:
         full = args[0]
@@ -426,7 +430,7 @@ def causal_lm_loss(
                 targets.to(full.device),
                 plan.chunk_tokens,
                 plan.transform,
-                None if rows is None else rows.to(full.device, non_blocking=True),
+                rows.to(full.device, non_blocking=True),
             )
         )
         return (full[:, -1:], *args[1:])
