@@ -134,8 +134,10 @@ def test_a_failed_start_says_it_once_and_the_same_command_then_works(assets, tmp
     write_chat_jsonl(missing, 32, seed=1)
     _sft(recipe)  # the folder of the failed start is reused
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
-    again = _one_error(_sft(recipe, check=False))  # now it holds a run: refused, and resume is not offered
-    assert "already holds a previous run" in again and "resume_from_checkpoint" not in again
+    # Now it holds a finished run and its end-of-run checkpoint: refused, and resuming it is offered.
+    assert (out / "checkpoint-4").is_dir()
+    again = _one_error(_sft(recipe, check=False))
+    assert "already holds a previous run" in again and "--resume_from_checkpoint latest" in again
 
 
 def test_unreadable_json_lines_are_named_or_skipped_and_counted(assets, tmp_path: Path) -> None:
