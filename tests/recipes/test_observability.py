@@ -76,9 +76,11 @@ def test_metrics_jsonl_has_every_field(run):
         assert "mfu" not in r  # CPU: achieved FLOP/s only
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2)
         assert r["target_tokens"] < r["tokens"]  # prompts are not targets...
-        assert r["tokens"] < r["target_tokens"] / r["padding_efficiency"]  # ...and padding is not a token
+        # ...and padding-free batches (this model's default) process real tokens only: positions == tokens.
+        assert r["tokens"] == pytest.approx(r["target_tokens"] / r["padding_efficiency"], rel=1e-6)
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-6)
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert "batches: padding-free" in log
     assert "FLOPs per token 6N + 12LHQT" in log and "collective timeout ddp_timeout=1800s" in log
     assert "eval at step 2" in log and "summary: export in" in log
     assert "FSDP units: 2 x LlamaDecoderLayer" in log
