@@ -47,10 +47,14 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     )  # the default: padding-free
     # The full [tokens x vocab] fp32 logits (vocab 49152) are what chunked cross entropy never builds.
     assert table["hf_fsdp2"]["peak_rss_gib"] < table["hf_fsdp2_plain_ce"]["peak_rss_gib"]
-    # Useful FLOP/s against an fp32 matmul timed in the same run: a fraction in (0, 1).
+    # Useful FLOP/s against an fp32 matmul timed in the same run. The convention charges the output head at
+    # every real token: runners that compute it there stay under the matmul's rate; the chunked loss computes
+    # it at target positions only (this model is nearly all head), so its conventional fraction may pass 1,
+    # but not 1 / padding efficiency (the work it skips is at most the non-target positions).
     assert table["matmul"]["matmul_gflops"] > 0
     for name in losses:
-        assert 0 < table[name]["matmul_fraction"] < 1, (name, table[name])
+        bound = 1 / table[name]["padding_eff"] if name in ("hf_fsdp2", "hf_fsdp2_padded") else 1
+        assert 0 < table[name]["matmul_fraction"] < bound, (name, table[name])
         assert len(table[name]["speed_vs_trainer_per_round"]) == 1
 
 
