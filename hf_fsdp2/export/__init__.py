@@ -6,9 +6,10 @@
 from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.naming import checkpoint_layout, tied_targets
 from hf_fsdp2.export.offline import export_checkpoint, last_metrics, load_checkpoint_model
+from hf_fsdp2.export.plan import EXPORT_DTYPES, make_plan
 from hf_fsdp2.export.probe import probe_limit
 from hf_fsdp2.export.verify import verify_export
-from hf_fsdp2.export.writer import EXPORT_DTYPES, STAGE_NAME, check_export_dir, export_model, make_plan
+from hf_fsdp2.export.writer import STAGE_NAME, check_export_dir, export_model
 
 __all__ = [
     "EXPORT_DTYPES",

@@ -44,6 +44,7 @@ from hf_fsdp2.dtypes import dtype_name
 from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
+from hf_fsdp2.export.plan import ExportPlan, export_config, first_replica, make_plan
 from hf_fsdp2.export.probe import (
     compute_dtype_of,
     live_logits,
@@ -52,7 +53,6 @@ from hf_fsdp2.export.probe import (
     reference_dtype,
     rounded_weights,
 )
-from hf_fsdp2.export.writer import ExportPlan, _first_replica, export_config, make_plan
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).
@@ -248,7 +248,7 @@ def live_boxes(
     for name, value in get_model_state_dict(model).items():
         if name not in names or not isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, DTensor) and not _first_replica(value):
+        if isinstance(value, DTensor) and not first_replica(value):
             continue
         local, where = local_slices(value)
         if local.numel() == 0:
@@ -304,7 +304,7 @@ def verify_export(
     Args:
         model: the live model the folder was exported from.
         folder: the exported (or staged) folder.
-        plan: the export's plan (from ``writer.make_plan``); rebuilt from ``dtype`` and the folder's index
+        plan: the export's plan (from ``plan.make_plan``); rebuilt from ``dtype`` and the folder's index
             when None (a folder exported earlier).
         dtype: the export dtype, used when ``plan`` is None.
         atol: largest probe-logit difference accepted; None = :func:`probe_limit`.
