@@ -3,6 +3,15 @@
 Every function here is collective unless it says otherwise: every rank of the default process group
 calls it, in the same order. Each works without a process group (one process) as the identity, so
 library code calls them unconditionally and stays on one code path.
+
+Two groups carry the traffic. Device tensors (sums, maxima, gathers of numbers) go over the default group,
+NCCL on a GPU. Host values (a flag every rank must agree on, pickled objects, the waits behind rank 0's
+long work) go over the *host group*: a gloo group over the same ranks that :func:`init_host_group` creates
+once, right after the default group (``build_accelerator`` does). Over it a flag never becomes a device
+tensor, so agreeing on it does not wait for the GPU's queued work, and its timeout (``host_wait_timeout``,
+hours) is its own: a rank waiting while rank 0 tokenises a large dataset or reloads a 30B export in a
+subprocess is not killed by the NCCL watchdog after ``ddp_timeout``. A rank that really hangs is still
+caught: the others then wait in a device collective, whose watchdog (``ddp_timeout``) ends the job.
 """
 
 from __future__ import annotations
@@ -14,6 +23,14 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+# How long the host group waits by default (``host_wait_timeout``): a rank-0-only step of a large run (the
+# export's reload of a 30B+ model in a subprocess, tokenising a large dataset) takes tens of minutes to hours.
+HOST_WAIT_TIMEOUT_S = 6 * 3600
+
+# The host group, its timeout, and the default group it was made beside (a group of a destroyed default
+# group is never used again).
+_HOST: dict[str, Any] = {"group": None, "timeout_s": None, "default": None}
 
 
 def initialized() -> bool:
@@ -31,10 +48,68 @@ def world() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
+def init_host_group(timeout_s: int = HOST_WAIT_TIMEOUT_S) -> None:
+    """Create the host (gloo) group over every rank of the default group, with its own timeout.
+
+    Collective: every rank calls it once, at the same point, right after the default group exists (a
+    group's creation is itself a collective of the default group). A second call is a no-op, and so is a
+    call without a process group or with one rank (there is nothing to wait for).
+
+    Args:
+        timeout_s: seconds a wait over the host group may last (``host_wait_timeout``).
+
+    Raises:
+        ValueError: ``timeout_s`` is not positive.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"host_wait_timeout={timeout_s} must be > 0 seconds")
+    if _host() is not None or not initialized() or world() == 1:
+        return
+    from datetime import timedelta
+
+    # Even where the default group is gloo (CPU) or can take CPU tensors (``cpu:gloo,cuda:nccl`` under CPU
+    # offload), its timeout is ``ddp_timeout``: the host group is a group of its own for its own timeout.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    _HOST.update(group=group, timeout_s=timeout_s, default=dist.group.WORLD)
+
+
+def host_group_timeout() -> int | None:
+    """The host group's timeout in seconds; None when there is no host group (not collective)."""
+    return _HOST["timeout_s"] if _host() is not None else None
+
+
+def _host() -> Any:
+    """The group host values go over: the host group, else (no :func:`init_host_group` call: a process group
+    made by hand, as some tests do) None: the default group."""
+    if _HOST["group"] is not None and (not initialized() or _HOST["default"] is not dist.group.WORLD):
+        _HOST.update(group=None, timeout_s=None, default=None)  # its default group was destroyed
+    return _HOST["group"]
+
+
+def _host_device() -> torch.device:
+    """The device host-value collectives put their tensors on: the host, unless they fall back to an NCCL
+    default group."""
+    return torch.device("cpu") if _host() is not None else _device()
+
+
 def barrier() -> None:
-    """Wait for every rank."""
+    """Wait for every rank (over the default group; on NCCL on the current device, named so NCCL does not
+    guess it from the rank)."""
     if initialized() and world() > 1:
-        dist.barrier()
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+def host_barrier() -> None:
+    """Wait for every rank over the host group (``host_wait_timeout``): for a wait behind long host work."""
+    if initialized() and world() > 1:
+        group = _host()
+        if group is None:
+            barrier()
+        else:
+            dist.barrier(group=group)
 
 
 def _device() -> torch.device:
@@ -55,10 +130,15 @@ def all_ranks_true(flag: bool) -> bool:
     """True on every rank iff ``flag`` is true on every rank: one side of a branch for all of them.
 
     A choice that decides which collectives run next (the loss path, whether to evaluate) must be the
-    same on every rank; taking it through this function makes it so by construction.
+    same on every rank; taking it through this function makes it so by construction. The flag goes over
+    the host group as a host tensor: the answer never waits for the device's queued work. One process:
+    ``flag`` itself, no tensor at all.
     """
-    value = torch.tensor([0 if flag else 1], dtype=torch.int64, device=_device())
-    return int(all_reduce_sum(value).item()) == 0
+    if not (initialized() and world() > 1):
+        return flag
+    value = torch.tensor([0 if flag else 1], dtype=torch.int64, device=_host_device())
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=_host())
+    return int(value.item()) == 0
 
 
 def all_reduce_max(values: Sequence[float]) -> list[float]:
@@ -80,20 +160,21 @@ def gather_rows(values: Sequence[float], device: torch.device | None = None) -> 
 
 
 def broadcast_object(value: T, src: int = 0) -> T:
-    """Rank ``src``'s ``value`` on every rank (a picklable object)."""
+    """Rank ``src``'s ``value`` on every rank (a picklable object), over the host group: the other ranks may
+    wait here for rank ``src``'s long work (up to ``host_wait_timeout``)."""
     if not (initialized() and world() > 1):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_host())
     return box[0]  # type: ignore[no-any-return]
 
 
 def gather_objects(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
+    """Every rank's ``value``, in rank order, on every rank (over the host group, like broadcast_object)."""
     if not (initialized() and world() > 1):
         return [value]
     out: list[Any] = [None] * world()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=_host())
     return out
 
 

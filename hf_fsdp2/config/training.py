@@ -106,6 +106,13 @@ class TrainArgs:
         default=1800,
         metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."},
     )
+    host_wait_timeout: int = field(
+        default=6 * 3600,
+        metadata={
+            "help": "Seconds the other ranks may wait (on a CPU gloo group) for rank 0's long host work: "
+            "tokenising the dataset, the export's reload check."
+        },
+    )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
@@ -148,6 +155,10 @@ class TrainArgs:
             f"ce_chunk_tokens={self.ce_chunk_tokens} must be >= 0 (0 = plain logits)",
         )
         check(self.ddp_timeout > 0, f"ddp_timeout={self.ddp_timeout} must be > 0 seconds")
+        check(
+            self.host_wait_timeout > 0,
+            f"host_wait_timeout={self.host_wait_timeout} must be > 0 seconds (default {6 * 3600}: 6 hours)",
+        )
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
         check(
@@ -175,9 +186,12 @@ class FSDPArgs:
     fsdp_cpu_offload: bool = field(
         default=False, metadata={"help": "Keep sharded params, grads and optimizer state in host memory."}
     )
-    fsdp_cpu_ram_efficient_loading: bool = field(
-        default=False,
-        metadata={"help": "Only rank 0 reads the weights; the others start on meta and get shards."},
+    fsdp_cpu_ram_efficient_loading: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Only rank 0 reads the weights; the others start on meta and get shards. Unset: on when a "
+            "node runs more than one process (LOCAL_WORLD_SIZE > 1) and the embeddings are not resized."
+        },
     )
     fsdp_reduce_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32",
@@ -250,12 +264,36 @@ class FSDPArgs:
             return self.activation_checkpointing
         return "full" if self.gradient_checkpointing else "none"
 
+    def resolve_ram_efficient_loading(self, local_world: int, *, resize_embeddings: bool) -> str:
+        """Set an unset ``fsdp_cpu_ram_efficient_loading`` for this launch; returns the line for the log.
+
+        Off, every process of a node loads the whole model in host memory before sharding it (fp32 master
+        weights: 8 processes x 32 GB for an 8B model); on, only global rank 0 does. It is on by default where a
+        node runs more than one process, except with ``resize_token_embeddings`` (the new rows are initialised
+        from the weights, which only rank 0 would hold). It works on CPU/gloo as on NCCL (accelerate's
+        broadcast of rank 0's state dict), so the default does not depend on the device.
+
+        Args:
+            local_world: processes on this node (``LOCAL_WORLD_SIZE``; 1 without a launcher).
+            resize_embeddings: ``resize_token_embeddings``.
+        """
+        key = "fsdp_cpu_ram_efficient_loading"
+        if self.fsdp_cpu_ram_efficient_loading is not None:
+            return f"{key}={str(self.fsdp_cpu_ram_efficient_loading).lower()} (set by the recipe)"
+        if resize_embeddings:
+            self.fsdp_cpu_ram_efficient_loading = False
+            return f"{key}=false (default: resize_token_embeddings=true needs every rank's weights)"
+        self.fsdp_cpu_ram_efficient_loading = local_world > 1
+        if local_world > 1:
+            return f"{key}=true (default with {local_world} processes on this node: only rank 0 loads the weights)"
+        return f"{key}=false (default with one process per node: it loads the weights once anyway)"
+
     def sharding_plan(self, *, on_gpu: bool) -> ShardingPlan:
         """What FSDP2 applies (offloaded activations are pinned only with a GPU)."""
         return ShardingPlan(
             reshard_after_forward=self.fsdp_reshard_after_forward,
             cpu_offload=self.fsdp_cpu_offload,
-            cpu_ram_efficient_loading=self.fsdp_cpu_ram_efficient_loading,
+            cpu_ram_efficient_loading=bool(self.fsdp_cpu_ram_efficient_loading),
             activation_checkpointing=ACPlan(self.ac_mode(), self.ac_every_k, pin_memory=on_gpu),
             reduce_dtype=self.fsdp_reduce_dtype,
         )

@@ -378,7 +378,9 @@ def verify_export(
             found, model, live, found.get("atol", report.atol)
         )
         found.pop("logits", None)
-    found = collectives.broadcast_object(found)  # every rank: rank 0's findings
+    # Every rank: rank 0's findings. The others wait here through rank 0's reload (a large model's can outlast
+    # ddp_timeout), over the host (gloo) group and its host_wait_timeout, not under NCCL's watchdog.
+    found = collectives.broadcast_object(found)
     report.problems += found.get("reload_problems", [])
     report.atol = found.get("atol", report.atol)
     report.logit_noise = found.get("noise", float("nan"))

@@ -160,6 +160,7 @@ def verify_adapter(
         found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
                  "compared": found.get("compared", 0), "atol": report.atol,
                  "noise": found.get("noise", float("nan"))}  # fmt: skip
+    # The other ranks wait here through rank 0's reload, over the host (gloo) group (host_wait_timeout).
     found = collectives.broadcast_object(found)
     report.problems = found["problems"]
     report.atol, report.logit_noise = found["atol"], found["noise"]

@@ -24,6 +24,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import CompilePlan, MeshPlan, ShardingPlan
 from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
@@ -147,12 +148,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:
+    """The number of processes of the launch on this node (torchrun's and accelerate launch's
+    ``LOCAL_WORLD_SIZE``; 1 without a launcher)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def build_accelerator(
     plan: ShardingPlan,
     *,
     mixed_precision: str,
     compile_plan: CompilePlan,
     timeout_s: int = 1800,
+    host_timeout_s: int = collectives.HOST_WAIT_TIMEOUT_S,
     force_cpu: bool = False,
     log_with: list[Any] | None = None,
     mesh: MeshPlan | None = None,
@@ -164,6 +172,8 @@ def build_accelerator(
         mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"``; wins over the accelerate config file.
         compile_plan: regional compile settings.
         timeout_s: collective timeout of the process group, in seconds (``ddp_timeout``).
+        host_timeout_s: timeout of the host (gloo) group that flags, objects and the waits behind rank 0's
+            long work go over, in seconds (``host_wait_timeout``; see :mod:`hf_fsdp2.collectives`).
         force_cpu: run on CPU even when a GPU is visible (tests).
         log_with: accelerate trackers (``hf_fsdp2.observe.trackers.build_trackers``) that ``init_trackers`` starts.
         mesh: the device mesh; HSDP (``dp_replicate > 1``) goes to Accelerate as a ``ParallelismConfig``, whose
@@ -250,6 +260,8 @@ def build_accelerator(
         )
     # The plugin's policy must be ours even if Accelerator re-derived one from mixed_precision.
     accelerator.state.fsdp_plugin.mixed_precision_policy = policy
+    # Every rank, right after the default group exists and before any other collective of the run.
+    collectives.init_host_group(host_timeout_s)
     return accelerator
 
 

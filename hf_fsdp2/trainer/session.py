@@ -34,6 +34,7 @@ from hf_fsdp2.parallel.accelerator import (
     has_accelerator_device,
     launcher_mesh,
     launcher_overrides,
+    local_world_size,
     setup_logging,
     world_size,
 )
@@ -99,6 +100,10 @@ class Session:
         on_gpu = has_accelerator_device()
         if t.use_liger_kernel:  # package and GPU checked before any work
             check_liger_available(on_gpu)
+        # Before the plan and the model loads read it; the resolved value is what the saved config holds.
+        loading_note = f.resolve_ram_efficient_loading(
+            local_world_size(), resize_embeddings=m.resize_token_embeddings
+        )
         sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
         # The device mesh: its sizes against the world size and the model, before the process group exists.
         mesh = f.mesh_plan(world_size(), launcher_mesh())
@@ -113,15 +118,18 @@ class Session:
             mixed_precision=t.mixed_precision,
             compile_plan=compile_plan,
             timeout_s=t.ddp_timeout,
+            host_timeout_s=t.host_wait_timeout,
             log_with=trackers,
             mesh=mesh,
         )
         setup_logging(accelerator.is_main_process)
         logger.info(
-            "collective timeout ddp_timeout=%ds; debug variables: %s",
+            "collective timeout ddp_timeout=%ds, host waits (gloo) host_wait_timeout=%ds; debug variables: %s",
             t.ddp_timeout,
+            t.host_wait_timeout,
             ", ".join(debug_env) or "none (distributed_debug=off)",
         )
+        logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
         for note in launcher_overrides(sharding, t.mixed_precision):
             logger.info("the recipe's value is used over accelerate launch's: %s", note)

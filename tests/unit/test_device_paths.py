@@ -235,6 +235,54 @@ def test_an_sft_step_reads_the_device_once(model_dir: Path, chunk: int) -> None:
     torch.testing.assert_close(loss_sum.cpu(), plain[0], rtol=1e-5, atol=0)
 
 
+def test_a_training_step_with_its_stop_check_reads_the_device_once(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole per-step path the recipe runs: the step's forward/backward, then ``RunState.after_step`` (the
+    save cadence and the SIGTERM check). On a GPU the process group is NCCL even at world size 1, so the
+    collectives' device is the GPU: patched here to the fake one. The stop flag must never become a device
+    tensor: one host read per step, the step's token counts."""
+    import signal
+    from types import SimpleNamespace
+
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.config import parse_config
+    from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.step import StepSettings, forward_backward
+    from hf_fsdp2.trainer.state import RunState
+
+    monkeypatch.setattr(collectives, "_device", lambda: DEVICE)  # what NCCL's default group takes
+    cfg = parse_config(
+        ["--model_name_or_path", str(model_dir), "--dataset_name", "unused.jsonl", "--output_dir", str(tmp_path),
+         "--save_steps", "0"]
+    )  # fmt: skip
+    session = SimpleNamespace(cfg=cfg, output_dir=tmp_path, is_main=True, hub_token=None, world=1)
+    model = load_model(str(model_dir))
+    previous = signal.getsignal(signal.SIGTERM)
+    state = RunState(session, model, torch.optim.SGD(model.parameters(), lr=0.1), None, None)  # type: ignore[arg-type]
+    try:
+        ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        mode = FakeAccelerator()
+        mode.put_module(model)
+        reads_per_step = []
+        with mode:
+            for step in (1, 2, 3):
+                before = len(mode.host_reads)
+                forward_backward(model, [batch], StepSettings(LossPlan()), DEVICE)
+                assert state.after_step(step, 3) is False
+                reads_per_step.append(
+                    [
+                        w
+                        for w in mode.host_reads[before:]
+                        if w[1].split("/")[0] in ("hf_fsdp2", "train", "trainer")
+                    ]
+                )
+        assert [[what for what, _ in reads] for reads in reads_per_step] == [["tolist()"]] * 3, reads_per_step
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------------
