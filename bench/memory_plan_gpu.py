@@ -33,6 +33,7 @@ import gc
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,31 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def measure_mode(acc: Any, config: Any, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Build, shard and train the model under ``mode``; the measured items (see the module docstring)."""
+def release(acc: Any, device: torch.device) -> None:
+    """Free what a mode built before the next one starts, so that its peak counts its own model only.
+
+    ``del`` in :func:`measure_mode` is not enough: the accelerator keeps every model and optimizer it
+    prepared (``_models``, ``_optimizers``), so each later mode's peak would include the earlier modes'
+    parameters, gradients and AdamW state. The allocator's cache is emptied and its peak reset too.
+    """
+    acc._models.clear()
+    acc._optimizers.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_mode(
+    acc: Any, config: Any, mode: str, args: argparse.Namespace
+) -> tuple[dict[str, Any], weakref.ref[torch.nn.Module]]:
+    """Build, shard and train the model under ``mode``.
+
+    Returns:
+        The measured items (see the module docstring), and a weak reference to the mode's model: dead once
+        :func:`release` has run after this returns, which the next mode records (``previous_model_alive``).
+    """
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp2.model import decoder_layer_classes
@@ -143,11 +167,8 @@ def measure_mode(acc: Any, config: Any, mode: str, args: argparse.Namespace) -> 
     else:
         measured["peak"] = None  # no allocator statistics on CPU
     measured["step_s"] = (time.perf_counter() - start) / max(args.steps, 1)
-    del model, opt, state
-    gc.collect()
-    if on_cuda:
-        torch.cuda.empty_cache()
-    return measured
+    # The caller frees it (release) once this frame, whose locals (loss plan, meter) refer to it, is gone.
+    return measured, weakref.ref(model)
 
 
 def compare(predicted: dict[str, int], measured: dict[str, Any]) -> dict[str, float | None]:
@@ -214,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"memory plan vs measured on {report['device']}: {args.shape}, micro-batch {args.batch} x {args.seq}"
     )
+    previous: weakref.ref[torch.nn.Module] | None = None
     for mode in modes:
         settings = PlanSettings(
             world_size=1, micro_batch=args.batch, seq_len=args.seq, ac=ACPlan(mode, 2, pin_memory=not cpu),
@@ -222,7 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         plan = plan_memory(config, settings)
         predicted = {k: v for k, v in plan.rank_total(0).items() if k in ITEMS}
-        measured = measure_mode(acc, config, mode, args)
+        # The previous mode's model must be gone (freed by release()) before this mode measures its peak.
+        previous_alive = previous is not None and previous() is not None
+        if previous_alive:
+            print(
+                f"WARNING: the previous mode's model is still alive when {mode} starts: its peak includes it"
+            )
+        measured, previous = measure_mode(acc, config, mode, args)
+        release(acc, device)
+        measured["previous_model_alive"] = previous_alive
         report["modes"][mode] = {
             "predicted": predicted,
             "measured": measured,

@@ -26,5 +26,8 @@ def test_memory_plan_gpu_smoke_predicts_what_the_run_holds(tmp_path: Path):
             assert entry["ratio"][item] == 1.0
         assert measured["peak"] is None and measured["forward_allocated"] is None  # no allocator on CPU
         assert predicted["peak"] == sum(v for k, v in predicted.items() if k != "peak")
+    # Each mode's model is freed before the next builds its own (else later peaks include earlier models).
+    alive = {mode: entry["measured"]["previous_model_alive"] for mode, entry in report["modes"].items()}
+    assert alive == dict.fromkeys(MODES, False), alive
     acts = {mode: report["modes"][mode]["measured"]["activations"] for mode in MODES}
     assert acts["offload"] < acts["full"] < acts["selective"] < acts["every_k"] < acts["none"]
