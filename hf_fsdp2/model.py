@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +292,18 @@ def padding_free_matches(
     Returns:
         ``(matches, reason)``.
     """
+    key = (config.to_json_string(use_diff=False), attn_implementation, trust_remote_code)
+    if key not in _PROBED:  # the plan, the data and the model of a run ask the same: one probe per process
+        _PROBED[key] = _probe_padding_free(config, attn_implementation, trust_remote_code)
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, str, bool], tuple[bool, str]] = {}
+
+
+def _probe_padding_free(
+    config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool
+) -> tuple[bool, str]:
     from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 
     if attn_implementation in _VARLEN_ATTENTION:
@@ -343,4 +357,218 @@ def padding_free_matches(
     return False, (
         f"with {attn} attention its padding-free logits differ from the padded ones by {diff:.3g} (scale "
         f"{scale:.3g}): this model's attention does not separate flattened examples"
+    )
+
+
+# What makes a varlen kernel loadable: the flash-attn build itself, or the ``kernels`` package, from which
+# transformers loads kernels-community's build (from its cache, or the hub) when flash-attn is missing.
+_VARLEN_MODULES = {
+    "flash_attention_2": ("flash_attn", "kernels"),
+    "flash_attention_3": ("flash_attn_interface", "kernels"),
+}
+# Kernels that keep the documents of one row apart only through a dense ``[rows, 1, T, T]`` mask that
+# transformers' masking_utils materialises from position_ids (sdpa: bool; eager: the compute dtype).
+DENSE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def installed_attention_kernels() -> frozenset[str]:
+    """The varlen attention kernels importable in this environment (``flash_attention_2`` / ``_3``)."""
+    return frozenset(
+        name for name, modules in _VARLEN_MODULES.items() if any(importlib.util.find_spec(m) for m in modules)
+    )
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a run's micro-batches are laid out and which attention kernel keeps their documents apart.
+
+    Attributes:
+        padding_free: each micro-batch flattened into one row, ``position_ids`` restarting per document.
+        packing: rows hold several documents (packing, or continued pre-training's rows).
+        attn_implementation: what :func:`load_model` is given (``auto``: transformers picks).
+        kernel: the attention that runs: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` ...
+        dense_mask: transformers builds a dense ``[rows, 1, T, T]`` mask every forward to keep the documents of a
+            row apart (documents share rows under sdpa or eager); the memory plan counts it.
+        reason: why, for the start-up log.
+        warning: a cost the user chose explicitly (padding-free over a dense mask on a GPU), else None.
+    """
+
+    padding_free: bool
+    packing: bool
+    attn_implementation: str
+    kernel: str
+    dense_mask: bool
+    reason: str
+    warning: str | None = None
+
+    def describe(self) -> str:
+        """One line: layout, kernel, mask, why."""
+        rows = "packed rows" if self.packing else "padded rows"
+        layout = f"padding-free (each micro-batch one row{', of packed rows' if self.packing else ''})" \
+            if self.padding_free else rows  # fmt: skip
+        if self.padding_free or self.packing:
+            varlen = (
+                "block mask from position_ids"
+                if self.kernel == "flex_attention"
+                else "varlen, by position_ids"
+            )
+            mask = "dense [T x T] mask" if self.dense_mask else varlen
+        else:
+            mask = "padding mask, none when a micro-batch has no padding"
+        return f"batches: {layout}; attention {self.kernel} ({mask}); why: {self.reason}"
+
+
+def _causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (None: remote code, unknown here)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[no-any-return]
+    except KeyError:
+        return None
+
+
+def choose_attention_layout(
+    model_config: PretrainedConfig,
+    *,
+    device_type: str,
+    attn_implementation: str = "auto",
+    packing: bool = False,
+    padding_free: bool | None = None,
+    installed: frozenset[str] | None = None,
+    trust_remote_code: bool = False,
+) -> AttentionLayout:
+    """The batch layout and attention kernel of a run, decided from config and environment only.
+
+    Every rank (and the memory plan) decides the same. Documents flattened into one row are kept apart by
+    ``position_ids``: varlen flash kernels take the boundaries as they are, ``flex_attention`` gets a block mask
+    (``masking_utils.flex_attention_mask``), but sdpa and eager get a dense ``[rows, 1, T, T]`` mask
+    (``masking_utils.sdpa_mask`` / ``eager_mask``): over a flattened micro-batch T is all its tokens, so on a
+    GPU that is T^2 attention over all documents, no flash kernel and a T^2 bias per layer kept for backward,
+    slower and bigger than padded batches. So, with ``padding_free`` unset:
+
+    - a GPU (any device but ``cpu``): padding-free with ``flash_attention_2``/``_3`` or ``flex_attention``
+      (once the CPU probe shows the model's masks follow position_ids), padded batches with sdpa/eager;
+    - the CPU: padding-free where the CPU probe (:func:`padding_free_matches`) shows the same logits
+      (measured faster there: bench/trainer_bench.py);
+    - ``packing``: packed rows instead.
+
+    ``attn_implementation: auto`` keeps transformers' choice (sdpa, else eager), not flex_attention: transformers
+    runs flex through ``torch.compile`` (Triton and a host C compiler on the node, compile time in the first
+    step, a recompile as padding-free lengths vary) and refuses attention dropout in training; it is one key
+    away (``attn_implementation: flex_attention``) and the log says so.
+
+    Args:
+        model_config: the model's config.
+        device_type: ``cuda``, ``cpu``, ... (the run's device).
+        attn_implementation: the ``attn_implementation`` setting.
+        packing: rows hold several documents (``packing``, or continued pre-training's rows).
+        padding_free: the ``padding_free`` setting (None: decided here).
+        installed: varlen kernels importable (None: :func:`installed_attention_kernels`).
+        trust_remote_code: for the probe.
+
+    Returns:
+        The layout; ``warning`` set for ``padding_free: true`` over a dense mask on a GPU (allowed: asked for).
+
+    Raises:
+        ConfigError: flex_attention on a model class without it, or a flash kernel nothing here can load.
+    """
+    from hf_fsdp2.config.plans import ConfigError
+
+    cls = _causal_lm_class(model_config)
+    if attn_implementation == "auto":
+        kernel = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
+    else:
+        kernel = attn_implementation
+    name = cls.__name__ if cls is not None else type(model_config).__name__
+    if kernel == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
+        raise ConfigError(
+            f"attn_implementation=flex_attention: {name} does not support it (_supports_flex_attn is false in "
+            "this transformers); use sdpa (padded batches on a GPU) or flash_attention_2"
+        )
+    gpu = device_type != "cpu"
+    have = installed_attention_kernels() if installed is None else installed
+    if gpu and kernel in _VARLEN_MODULES and kernel not in have:
+        raise ConfigError(
+            f"attn_implementation={kernel} needs the {_VARLEN_MODULES[kernel][0]} package or the kernels package "
+            "(transformers then loads kernels-community's build from its cache or the hub); neither is importable "
+            "here. Install one, or set attn_implementation to flex_attention (block masks, no extra package) or sdpa"
+        )
+    dense = kernel in DENSE_MASK_ATTENTION
+    warning = None
+    if padding_free is False:
+        flat, why = False, "padding_free=false"
+    elif padding_free is None and packing:
+        flat, why = False, "packing=true packs rows instead"
+    elif padding_free:
+        flat, why = True, "padding_free=true"
+        if gpu and dense:
+            warning = (
+                f"padding_free=true with {kernel} attention on {device_type}: transformers builds a dense [T x T] "
+                "mask over each flattened micro-batch (T = all its tokens), so attention costs T^2 over all its "
+                "documents without the flash kernel and keeps a T^2 bias per layer for backward (the memory plan "
+                "counts it); set attn_implementation: flex_attention (block mask) or flash_attention_2, or "
+                "padding_free: false"
+            )
+    elif kernel in _VARLEN_ATTENTION:
+        flat, why = True, f"padding_free auto: {kernel} takes document boundaries from position_ids (varlen)"
+    elif gpu and kernel == "flex_attention":
+        probe = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
+        flat, probed = padding_free_matches(model_config, probe, trust_remote_code=trust_remote_code)
+        why = "padding_free auto: " + (
+            f"flex_attention keeps documents apart with a block mask from position_ids, no dense mask ({probed})"
+            if flat
+            else probed
+        )
+    elif gpu:
+        flat = False
+        better = " or ".join(["flex_attention"] * bool(getattr(cls, "_supports_flex_attn", False))
+                             + [f"{k} (installed)" for k in sorted(have & set(_VARLEN_ATTENTION))])  # fmt: skip
+        why = (
+            f"padding_free auto: {kernel} on {device_type} would keep the documents of a flattened micro-batch "
+            "apart with a dense [T x T] mask over all its tokens"
+            + (f"; set attn_implementation: {better} for padding-free batches" if better else "")
+        )
+        if attn_implementation == "auto":
+            why += (
+                " (auto keeps transformers' sdpa: flex_attention compiles Triton kernels at the first step)"
+            )
+    else:
+        flat, probed = padding_free_matches(
+            model_config, attn_implementation, trust_remote_code=trust_remote_code
+        )
+        why = f"padding_free auto on cpu: {probed}"
+    return AttentionLayout(
+        padding_free=flat,
+        packing=packing,
+        attn_implementation=attn_implementation,
+        kernel=kernel,
+        dense_mask=dense and (flat or packing),
+        reason=why,
+        warning=warning,
+    )
+
+
+def attention_layout_for(
+    cfg: Any, model_config: PretrainedConfig, *, device_type: str, recipe: str = "sft",
+    installed: frozenset[str] | None = None,
+) -> AttentionLayout:  # fmt: skip
+    """:func:`choose_attention_layout` for a recipe's config sections: ``sft`` (``packing``, ``padding_free``),
+    ``cpt`` (rows of several documents unless ``cross_document_attention``; full rows, so padding-free only when
+    asked) or ``dpo`` (padded pairs)."""
+    m, d = cfg.model, cfg.data
+    if recipe == "cpt":
+        packing, padding_free = not d.cross_document_attention, bool(d.padding_free)
+    elif recipe == "dpo":
+        packing, padding_free = False, False
+    else:
+        packing, padding_free = d.packing, d.padding_free
+    return choose_attention_layout(
+        model_config,
+        device_type=device_type,
+        attn_implementation=m.attn_implementation,
+        packing=packing,
+        padding_free=padding_free,
+        installed=installed,
+        trust_remote_code=m.trust_remote_code,
     )

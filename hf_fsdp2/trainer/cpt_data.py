@@ -25,6 +25,7 @@ from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import load_source, stream_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.packing import PackedCollator
+from hf_fsdp2.model import attention_layout_for
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.sft_data import TrainData
 
@@ -119,7 +120,13 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     """
     cfg = session.cfg
     d, t = cfg.data, cfg.train
-    collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=bool(d.padding_free))
+    # Rows of several documents (unless cross_document_attention), full already: padding-free only when asked,
+    # and then warned about where it builds a dense mask (the same decision as SFT's and the memory plan's).
+    layout = attention_layout_for(cfg, session.model_config, device_type=session.device.type, recipe="cpt")
+    logger.info(layout.describe())
+    if layout.warning:
+        logger.warning(layout.warning)
+    collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=layout.padding_free)
     if d.streaming:
         return _streamed(session, tokenizer, collator)
 

@@ -13,7 +13,7 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.mixture import build_sft_datasets_from_config
 from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
-from hf_fsdp2.model import padding_free_matches
+from hf_fsdp2.model import attention_layout_for
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
@@ -45,13 +45,13 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
     data = rank0_first(lambda: build_sft_datasets_from_config(d, tokenizer, seed=t.seed))
     for line in data.summary_lines(d.max_length):
         logger.info(line)
-    if d.padding_free is None:  # auto: decided once from the model config, the same on every rank
-        d.padding_free, why = (False, "packing=true packs rows instead") if d.packing else padding_free_matches(
-            session.model_config, cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code
-        )  # fmt: skip
-        logger.info(
-            "batches: %s (padding_free auto: %s)", "padding-free" if d.padding_free else "padded", why
-        )
+    # The batch layout and attention kernel: decided once from config + environment (the same on every rank, the
+    # same as the memory plan's), logged in one line; a dense-mask cost the user asked for is warned about.
+    layout = attention_layout_for(cfg, session.model_config, device_type=session.device.type, recipe="sft")
+    logger.info(layout.describe())
+    if layout.warning:
+        logger.warning(layout.warning)
+    d.padding_free = layout.padding_free
     # Packed once, deterministically, before sampling: the sampler indexes rows, so resume stays O(1).
     dataset = pack_examples(data.train, d.max_length) if d.packing else data.train
     collator = (
