@@ -259,17 +259,20 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
         return train_step(model, opt, None, [batches[i]], settings, device)
 
     start = time.perf_counter()
-    for i in range(args.warmup):
-        step(i)
+    outs = [step(i) for i in range(args.warmup)]  # compile happens here: not timed
     sync(device)
     warmup_s = time.perf_counter() - start
     compiled = watch.take()
     start = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
-        out = step(i)
+        outs.append(step(i))
     sync(device)
     seconds = time.perf_counter() - start
+    out = outs[-1]
     return {
+        # every step's loss, read after the clock stopped (a read waits for the device)
+        "losses": [o.loss() for o in outs],
+        "layers": model.config.num_hidden_layers,
         **summarize(counts, seconds),
         "max_mem_allocated_gib": max_mem_gib(device),
         "final_loss": out.loss(),

@@ -6,7 +6,13 @@ Options (given by scripts/gpu_check.sh):
   recipe parses them, launch lines by accelerate's own parser, bench flags by the bench's) without running
   them, on any machine;
 * ``--gpu-report PATH``: one JSON summary of the session's checks: per check its name, ok, seconds (setup
-  included: a fixture's run counts for the first check that uses it), key figures and the tail of its error.
+  included: a fixture's run counts for the first check that uses it), its budget, key figures and the tail of
+  its error; the interpreter and where the key packages came from (the node's, or the offline bundle's).
+
+Budgets: each check carries ``@pytest.mark.budget(seconds)``, its expected time on one H200 (all together at
+most 8 minutes). The summary prints it beside the measured time and flags ``over_budget``; a check is stopped
+and fails at :data:`OVER_BUDGET_FACTOR` times its budget (its subprocess timeouts are derived from it), since a
+check that slow is stuck or on the wrong path (CPU kernels, recompiling), not merely slow.
 
 This folder is a package (``__init__.py``) so that this conftest does not take the module name
 ``conftest`` from tests/conftest.py, which tests/support imports.
@@ -15,7 +21,10 @@ This folder is a package (``__init__.py``) so that this conftest does not take t
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
+import importlib.util
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +37,9 @@ HERE = Path(__file__).resolve().parent
 NO_CUDA = (
     "needs a CUDA device: bash scripts/gpu_check.sh on a GPU machine (--dry-run checks the commands anywhere)"
 )
+OVER_BUDGET_FACTOR = 3.0
+TOTAL_BUDGET_S = 480  # one H200, every check
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "datasets", "liger_kernel", "hf_fsdp2")
 _RESULTS: dict[str, dict[str, Any]] = {}
 _STARTED = time.time()
 _ROOT = [Path.cwd()]  # pytest's rootdir, to which report paths are relative
@@ -47,6 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "gpu: a check of scripts/gpu_check.sh (tests/gpu; skipped without CUDA)"
     )
+    config.addinivalue_line("markers", "budget(seconds): a GPU check's expected time on one H200")
     _ROOT[0] = config.rootpath
 
 
@@ -60,6 +73,12 @@ def _ours(path: str | Path) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _ours(item.path):
+            budget = budget_of(item)
+            item.user_properties.append(("budget_s", budget))
+            # pytest-timeout's limit, so that a stuck check stops and the others still run
+            item.add_marker(pytest.mark.timeout(OVER_BUDGET_FACTOR * budget + 30))
     if dry_run(config) or torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=NO_CUDA)
@@ -75,6 +94,18 @@ class Check:
     dry: bool
     work: Path
     figures: dict[str, Any]
+    budget_s: float = 60.0
+
+    def timeout(self, share: float = 1.0) -> float:
+        """The hard limit of a subprocess taking ``share`` of this check's budget: OVER_BUDGET_FACTOR times it."""
+        return OVER_BUDGET_FACTOR * self.budget_s * share
+
+
+def budget_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("budget")
+    if marker is None:
+        raise ValueError(f"{item.nodeid} has no @pytest.mark.budget(seconds): every GPU check needs one")
+    return float(marker.args[0])
 
 
 @pytest.fixture
@@ -82,7 +113,7 @@ def check(request: pytest.FixtureRequest, tmp_path: Path) -> Check:
     figures: dict[str, Any] = {}
     # The report of each phase carries this dict: figures set before a failure are reported with it.
     request.node.user_properties.append(("figures", figures))
-    return Check(dry_run(request.config), tmp_path, figures)
+    return Check(dry_run(request.config), tmp_path, figures, budget_of(request.node))
 
 
 def _name(nodeid: str) -> str:
@@ -100,6 +131,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "figures" and isinstance(value, dict):
             entry["figures"].update(value)
+        if key == "budget_s":
+            entry["budget_s"] = value
+    if "budget_s" in entry:
+        entry["over_budget"] = entry["seconds"] > entry["budget_s"]
     if report.skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         entry["skipped"] = str(reason).removeprefix("Skipped: ")
@@ -112,8 +147,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         entry["ok"] = True
 
 
+def _where(name: str) -> str | None:
+    """``version (folder)`` of an importable package, None when it is not installed."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    try:
+        version = importlib.metadata.version(name.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        version = "checkout"
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), "?")
+    return f"{version} ({Path(origin).parent})"
+
+
 def _device() -> dict[str, Any]:
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.executable}
+    info["packages"] = {name: _where(name) for name in PACKAGES}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
         info["device_count"] = torch.cuda.device_count()
@@ -136,6 +185,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "passed": sum(c["ok"] is True for c in checks),
         "failed": sum(c["ok"] is False for c in checks),
         "skipped": sum("skipped" in c and c["ok"] is None for c in checks),
+        "budget_s": sum(c.get("budget_s", 0) for c in checks),
+        "total_budget_s": TOTAL_BUDGET_S,
+        "over_budget": [c["name"] for c in checks if c.get("over_budget")],
         "checks": checks,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +206,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         state = {True: "ok", False: "FAILED", None: "skipped"}[entry["ok"]]
         shown = {k: v for k, v in entry["figures"].items() if isinstance(v, int | float | bool)}
         figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-        terminalreporter.write_line(
-            f"{entry['name']:<28} {state:<8} {entry['seconds']:7.1f} s  {figures[:220]}"
-        )
+        budget = entry.get("budget_s")
+        timing = f"{entry['seconds']:7.1f} s / {budget:5.0f} s" if budget else f"{entry['seconds']:7.1f} s"
+        flag = " OVER BUDGET" if entry.get("over_budget") and entry["ok"] is not None else ""
+        terminalreporter.write_line(f"{entry['name']:<28} {state:<8} {timing}{flag}  {figures[:220]}")
+    total = sum(e.get("budget_s", 0) for e in _RESULTS.values())
+    terminalreporter.write_line(
+        f"budgets: {total:.0f} s of {TOTAL_BUDGET_S} s (one H200); time / budget above"
+    )

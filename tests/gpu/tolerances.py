@@ -1,0 +1,25 @@
+"""The bf16 tolerance of the GPU checks' loss comparisons, derived from where the computation rounds.
+
+Two runs of the same maths whose kernels differ (eager vs compiled, activation offload vs not) round to bf16
+at different places. Along a token's path through a decoder-only model the values are rounded to bf16 at
+``depth`` places that matter for the loss: each decoder layer's output added to the residual stream, the
+final norm and the output head's logits (``depth = layers + 2``). Each rounding is within a relative
+``u = 2**-8`` (bf16's unit roundoff: 8 significant bits) of its value; to first order the errors add, so a
+logit moves by at most ``depth * u * scale``, and a token's cross entropy ``logsumexp(z) - z_y`` by at most
+twice that. The loss is a mean of such terms, so the same bound holds for it. ``scale`` is the size of the
+values compared (the loss itself: an upper bound on the mean cross entropy's terms for the checks' models).
+A wrong mask, a dropped layer, a stale saved activation or a NaN moves the loss by more; a fixed guess would
+pass on one model and fail on the next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bf16_loss_tolerance(scale: float, layers: int) -> float:
+    """Largest loss difference two bf16 roundings of the same maths give (see the module docstring)."""
+    if layers < 1:
+        raise ValueError(f"layers={layers}: a decoder-only model has at least one layer")
+    u = torch.finfo(torch.bfloat16).eps / 2
+    return 2 * (layers + 2) * u * abs(scale)
