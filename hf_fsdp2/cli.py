@@ -179,12 +179,21 @@ def _user_error(command: str, err: Exception) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     import yaml
 
+    from hf_fsdp2.checkpoint import STATE_FILE
     from hf_fsdp2.config import CONFIG_NAME, ConfigError, parse_size
     from hf_fsdp2.export import ExportError, export_checkpoint
     from hf_fsdp2.lora.offline import export_lora_checkpoint
+    from hf_fsdp2.observe.logs import last_metrics
 
-    config = Path(args.checkpoint) / CONFIG_NAME
+    ckpt = Path(args.checkpoint).expanduser()
+    config = ckpt / CONFIG_NAME
     lora = config.is_file() and bool((yaml.safe_load(config.read_text()) or {}).get("use_peft"))
+    # The model card's figures: the run's last logged step at or before the checkpoint's (none if unreadable).
+    try:
+        step = int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))
+        metrics = last_metrics(ckpt.parent, step)
+    except (OSError, ValueError):
+        metrics = None
     try:
         result = (export_lora_checkpoint if lora else export_checkpoint)(
             args.checkpoint,
@@ -194,6 +203,7 @@ def _run_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             verify=not args.no_verify,
             verify_atol=args.verify_atol,
+            metrics=metrics,
         )
     except (ExportError, ConfigError, FileNotFoundError) as err:
         return _user_error("export", err)

@@ -5,7 +5,7 @@
 
 from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.naming import checkpoint_layout, tied_targets
-from hf_fsdp2.export.offline import export_checkpoint, last_metrics, load_checkpoint_model
+from hf_fsdp2.export.offline import export_checkpoint, load_checkpoint_model
 from hf_fsdp2.export.plan import EXPORT_DTYPES, make_plan
 from hf_fsdp2.export.probe import probe_limit
 from hf_fsdp2.export.verify import verify_export
@@ -22,7 +22,6 @@ __all__ = [
     "checkpoint_layout",
     "export_checkpoint",
     "export_model",
-    "last_metrics",
     "load_checkpoint_model",
     "make_plan",
     "probe_limit",

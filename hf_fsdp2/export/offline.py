@@ -16,17 +16,6 @@ from hf_fsdp2.export.errors import ExportError, ExportResult
 from hf_fsdp2.export.writer import check_export_dir, export_model, single_process_dcp
 
 
-def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any] | None:
-    """The last metrics.jsonl record of a run (at or before ``up_to_step``), or None."""
-    from hf_fsdp2.observe.logs import METRICS_FILE, read_metrics
-
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return None
-    rows = [r for r in read_metrics(path) if up_to_step is None or r.get("step", 0) <= up_to_step]
-    return rows[-1] if rows else None
-
-
 def load_checkpoint_model(
     checkpoint: str | Path, *, wrap: Callable[[Any, dict[str, Any]], Any] | None = None
 ) -> tuple[torch.nn.Module, dict[str, Any], int]:
@@ -135,10 +124,12 @@ def prepare_offline_export(
     dtype: str | None,
     max_shard_bytes: int | None,
     overwrite: bool,
+    metrics: dict[str, Any] | None = None,
     wrap: Callable[[Any, dict[str, Any]], Any] | None = None,
 ) -> OfflineExport:
     """Check the folders, rebuild the checkpoint's model, and gather the run's tokenizer, generation
-    config and model card (one process).
+    config and model card (one process). ``metrics``: the run's last logged figures for the card (the
+    caller reads them: :func:`hf_fsdp2.observe.logs.last_metrics`), or None.
 
     Raises:
         ExportError: under a multi-process launcher, a non-empty ``out_dir``, ``out_dir`` inside the
@@ -160,7 +151,7 @@ def prepare_offline_export(
     ckpt = Path(checkpoint).expanduser()
     if ckpt.resolve() == out.resolve() or ckpt.resolve() in out.resolve().parents:
         raise ExportError(f"OUT_DIR {out} is inside the checkpoint {ckpt}; choose a folder outside it")
-    model, cfg, step = load_checkpoint_model(ckpt, wrap=wrap)
+    model, cfg, _ = load_checkpoint_model(ckpt, wrap=wrap)
     name = cfg.get("tokenizer_name_or_path") or cfg["model_name_or_path"]
     tokenizer = load_tokenizer(
         name, revision=cfg.get("model_revision"), trust_remote_code=bool(cfg.get("trust_remote_code"))
@@ -174,7 +165,7 @@ def prepare_offline_export(
     card_cfg = dict(cfg)
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
-    card = render_model_card(card_cfg, metrics=last_metrics(ckpt.parent, step), world_size=world)
+    card = render_model_card(card_cfg, metrics=metrics, world_size=world)
     return OfflineExport(
         model=model,
         cfg=cfg,
@@ -196,6 +187,7 @@ def export_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     verify_atol: float | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> ExportResult:
     """``hf-fsdp2 export`` of a full-model run's checkpoint: the consolidated folder, without training
     hardware (a LoRA run's: ``hf_fsdp2.lora.offline``).
@@ -211,6 +203,7 @@ def export_checkpoint(
         overwrite: replace the export files of a non-empty ``out_dir``.
         verify: verify before publishing.
         verify_atol: probe-logit limit (None: by dtype).
+        metrics: the run's last logged figures, for the model card (None: the card has none).
 
     Returns:
         The published folder's description.
@@ -220,7 +213,12 @@ def export_checkpoint(
         ExportVerificationError: the written folder does not reproduce the checkpoint's model.
     """
     job = prepare_offline_export(
-        checkpoint, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+        checkpoint,
+        out_dir,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        metrics=metrics,
     )
     return export_model(
         job.model,

@@ -32,6 +32,7 @@ def export_lora_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     verify_atol: float | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> ExportResult:
     """The adapter of a LoRA run's checkpoint in ``out_dir``, and the merged model in ``out_dir/merged`` when
     the run had ``merge_adapter``; both verified as at the end of training (one process, fp32).
@@ -46,6 +47,7 @@ def export_lora_checkpoint(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
+        metrics=metrics,
         wrap=lambda model, cfg: apply_lora(model, lora_settings(cfg)),
     )
     done = export_lora(

@@ -52,6 +52,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any] | None:
+    """The last metrics.jsonl record of a run (at or before ``up_to_step``), or None."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return None
+    rows = [r for r in read_metrics(path) if up_to_step is None or r.get("step", 0) <= up_to_step]
+    return rows[-1] if rows else None
+
+
 def format_duration(seconds: float) -> str:
     """``1h02m``, ``3m05s`` or ``12s``."""
     seconds = int(max(seconds, 0))

@@ -20,10 +20,10 @@ from hf_fsdp2.checkpoint import CheckpointError
 from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, render_model_card
-from hf_fsdp2.export.offline import last_metrics
 from hf_fsdp2.export.writer import export_model
 from hf_fsdp2.lora.adapter import LoraError
 from hf_fsdp2.lora.save import export_lora
+from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
 from hf_fsdp2.trainer.model import TrainModel

@@ -121,6 +121,10 @@ def test_a_failed_export_keeps_the_weights_and_they_export_offline_to_the_same_b
     offline = tmp_path / "offline"
     python(REPO / "hf_fsdp2" / "cli.py", ["export", str(ckpt), str(offline)])
     assert (offline / "model.safetensors").read_bytes() == (good / "model.safetensors").read_bytes()
+    # The card gets the run's figures of the checkpoint's step, read by the command and handed to the export.
+    last = read_metrics(broken / "metrics.jsonl")[-1]
+    card = (offline / "README.md").read_text()
+    assert "No metrics were recorded." not in card and f"| loss | {last['loss']:.6g} |" in card
 
 
 def test_a_failed_start_says_it_once_and_the_same_command_then_works(assets, tmp_path: Path) -> None:
