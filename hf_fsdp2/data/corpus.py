@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hf_fsdp2.data.packing import best_fit_decreasing
-from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 
 CORPUS_LAYOUTS = ("concat", "best_fit")
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data import Dataset as TorchDataset
 
-from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
     pass

@@ -22,8 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
-from hf_fsdp2.data.records import IGNORE_INDEX
 from hf_fsdp2.data.tokenize import TokenizeStats, tokenize_dataset
+from hf_fsdp2.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from hf_fsdp2.config import DataArgs

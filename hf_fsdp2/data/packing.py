@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import Dataset as TorchDataset
 
 from hf_fsdp2.data.loader import ShardedSampler
-from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 
 """Attention implementations that honour packed ``position_ids`` in transformers: a block-diagonal mask
 (sdpa, eager, flex_attention: proven by the equivalence tests) or variable-length kernels

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.data.records import IGNORE_INDEX, SHAREGPT_ROLES, RecordError
+from hf_fsdp2.data.records import SHAREGPT_ROLES, RecordError
+from hf_fsdp2.labels import IGNORE_INDEX
 
 PREFERENCE_COLUMNS = ("chosen", "rejected")
 

@@ -24,9 +24,6 @@ if TYPE_CHECKING:
     pass
 
 
-IGNORE_INDEX = -100
-"""Label of tokens without loss: the default ``ignore_index`` of ``torch.nn.functional.cross_entropy``."""
-
 DATASET_FORMATS = ("messages", "conversations", "prompt_completion", "alpaca", "text")
 """Record formats in the order `detect_format` tries them."""
 

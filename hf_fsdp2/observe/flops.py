@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.train.loss import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 
 # Peak dense bf16 tensor-core FLOP/s of one device as torch sees it (no sparsity), from the vendors'
 # datasheets (their "with sparsity" figures halved). Matched against torch.cuda.get_device_name()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.loss import LossPlan, accumulation_dtype
 from hf_fsdp2.train.step import clip_grad_norm
 
