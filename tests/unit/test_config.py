@@ -583,3 +583,48 @@ def test_an_unknown_key_still_fails_with_the_nearest_names_aliases_included(tmp_
     recipe.write_text(yaml.safe_dump({**REQUIRED, "bf61": True}))
     with pytest.raises(ConfigError, match="unknown config key 'bf61' .*did you mean bf16"):
         parse_config(["--config", str(recipe)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Defaults resolved at start: rank-0-only loading, the host group's timeout
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "local_world", "resize", "expected", "why"),
+    [
+        ((), 8, False, True, "default with 8 processes on this node"),
+        ((), 2, False, True, "default with 2 processes on this node"),
+        ((), 1, False, False, "one process per node"),
+        ((), 8, True, False, "resize_token_embeddings=true"),
+        (("--fsdp_cpu_ram_efficient_loading", "false"), 8, False, False, "set by the recipe"),
+        (("--fsdp_cpu_ram_efficient_loading", "true"), 1, False, True, "set by the recipe"),
+    ],
+)
+def test_rank0_only_loading_defaults_on_with_several_processes_per_node(
+    argv: tuple[str, ...], local_world: int, resize: bool, expected: bool, why: str
+) -> None:
+    cfg = parse_cli(*argv)
+    assert cfg.fsdp.fsdp_cpu_ram_efficient_loading == (None if not argv else argv[1] == "true")
+    note = cfg.fsdp.resolve_ram_efficient_loading(local_world, resize_embeddings=resize)
+    assert cfg.fsdp.fsdp_cpu_ram_efficient_loading is expected
+    assert note.startswith(f"fsdp_cpu_ram_efficient_loading={str(expected).lower()} (") and why in note
+    assert cfg.fsdp.sharding_plan(on_gpu=False).cpu_ram_efficient_loading is expected
+
+
+def test_the_session_resolves_rank0_only_loading_from_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_fsdp2.parallel.accelerator import local_world_size
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_world_size() == 1  # a plain `python recipe.py`
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun / accelerate launch --nproc_per_node 8
+    assert local_world_size() == 8
+
+
+def test_host_wait_timeout_default_and_range() -> None:
+    from hf_fsdp2 import collectives
+
+    assert parse_cli().train.host_wait_timeout == collectives.HOST_WAIT_TIMEOUT_S == 6 * 3600
+    assert parse_cli("--host_wait_timeout", "60").train.host_wait_timeout == 60
+    with pytest.raises(ConfigError, match=r"host_wait_timeout=0 must be > 0 seconds"):
+        parse_cli("--host_wait_timeout", "0")
