@@ -39,6 +39,9 @@ from .tolerances import bf16_loss_tolerance
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
+# Where the checks' processes start: scripts/gpu_check.sh --offline lays the checkout out as installed
+# (recipes inside hf_fsdp2) and names it here; `python -m` takes its working folder first on sys.path.
+CWD = Path(os.environ.get("HF_FSDP2_CHECKOUT") or REPO)
 # What every recipe check runs with: the GPU path end to end.
 GPU_KEYS: dict[str, Any] = {
     "mixed_precision": "bf16",
@@ -113,7 +116,7 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     out.update(extra or {})
     out.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-    out["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), out.get("PYTHONPATH", "")])
+    out["PYTHONPATH"] = os.pathsep.join([str(CWD), str(REPO), str(REPO / "tests"), out.get("PYTHONPATH", "")])
     return out
 
 
@@ -141,7 +144,7 @@ def run(
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env(extra_env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=CWD, env=env(extra_env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             code: int | None = proc.wait(timeout=timeout)
@@ -447,8 +450,20 @@ def test_liger(check: Check) -> None:
     """tests/unit/test_liger_gpu.py with ``HF_FSDP2_GPU_CHECK=1``: Liger's kernels give the plain loss and
     gradients. Fails (never skips) when liger-kernel (the offline bundle's) or CUDA is missing, or the kernels
     differ from the plain path."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_liger_gpu.py"]
-    check.figures["command"] = "HF_FSDP2_GPU_CHECK=1 " + " ".join(["python", *cmd[1:]])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(REPO),
+        "-c",
+        str(REPO / "pyproject.toml"),
+        str(REPO / "tests" / "unit" / "test_liger_gpu.py"),
+    ]
+    check.figures["command"] = "HF_FSDP2_GPU_CHECK=1 python -m pytest tests/unit/test_liger_gpu.py"
     assert (REPO / "tests" / "unit" / "test_liger_gpu.py").is_file()
     if check.dry:
         return

@@ -1,11 +1,16 @@
 """scripts/gpu_check.sh on a CPU machine: the dry run lists every GPU check and validates its commands (recipe
-configs, accelerate launch lines, bench flags) and writes the JSON summary; a real run refuses without CUDA."""
+configs, accelerate launch lines, bench flags) and writes the JSON summary; a real run refuses without CUDA;
+``--offline`` runs with the given Python from the checkout, installs a bundle with pip told there is no index."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.util
 import json
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -13,20 +18,24 @@ import torch
 from support.launch import REPO
 
 CHECKS = [
-    "sft_smollm2",
     "sft_tiny[tied]",
     "sft_tiny[untied]",
     "lora_merge",
     "activation_offload",
     "memory_snapshot",
     "gpu_bench_quick",
+    "memory_plan_1b",
+    "liger",
 ]
+RECIPE_CHECKS = ["sft_tiny[tied]", "sft_tiny[untied]", "lora_merge", "memory_snapshot"]
 
 
-def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def gpu_check(
+    *args: str, env: dict[str, str] | None = None, setup: bool = False
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--no-setup", *args],
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *([] if setup else ["--no-setup"]), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -48,13 +57,20 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
         assert check["ok"] is True and check["error_tail"] is None and check["seconds"] >= 0, check
     commands = {c["name"]: c["figures"]["command"] for c in report["checks"]}
     # Every recipe check: the SFT recipe through accelerate launch with the packaged FSDP2 config, one process.
-    for name in CHECKS[:-1]:
+    for name in RECIPE_CHECKS:
         assert commands[name].startswith("accelerate launch --config_file "), commands[name]
         assert (
             "fsdp2.yaml --num_processes 1 " in commands[name]
             and "-m hf_fsdp2.recipes.sft --config" in commands[name]
         )
     assert commands["gpu_bench_quick"].startswith("python bench/gpu_bench.py --quick")
+    assert commands["memory_plan_1b"].startswith("python bench/memory_plan_gpu.py --modes none,full")
+    assert commands["liger"].startswith("HF_FSDP2_GPU_CHECK=1 python -m pytest")
+    assert all(c["budget_s"] > 0 for c in report["checks"])
+    assert (
+        report["budget_s"] == sum(c["budget_s"] for c in report["checks"]) <= report["total_budget_s"] == 480
+    )
+    assert "time / budget" in proc.stdout
     # The recipes it would run hold the GPU path: bf16, regional compile, activation checkpointing, chunked CE.
     recipe = (out.parent / "summary.work").glob("test_sft_tiny_tied_0/sft/recipe.yaml")
     text = next(recipe).read_text()
@@ -75,3 +91,73 @@ def test_without_cuda_a_real_run_is_refused(tmp_path: Path):
 def test_bad_arguments_are_refused():
     proc = gpu_check("--frobnicate")
     assert proc.returncode == 2 and "unknown argument --frobnicate" in proc.stderr
+
+
+def probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (``gpucheck_probe 0.1``), written by hand: a bundle that needs no index."""
+    files = {
+        "gpucheck_probe/__init__.py": b"VALUE = 42\n",
+        "gpucheck_probe-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: gpucheck-probe\nVersion: 0.1\n",
+        "gpucheck_probe-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
+        for name, data in files.items()
+    ]
+    files["gpucheck_probe-0.1.dist-info/RECORD"] = (
+        "\n".join([*record, "gpucheck_probe-0.1.dist-info/RECORD,,"]) + "\n"
+    ).encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "gpucheck_probe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_offline_uses_the_given_python_from_the_checkout_and_installs_the_bundle_without_an_index(
+    tmp_path: Path,
+):
+    bundle = tmp_path / "bundle"
+    probe_wheel(bundle / "wheels")
+    (bundle / "requirements.txt").write_text("gpucheck-probe==0.1\n")
+    out = tmp_path / "offline" / "summary.json"
+    python = str(REPO / ".venv" / "bin" / "python")
+    # No .venv on PATH, pip told there is no index (and an index URL that refuses connections).
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHON": python,
+        "PIP_NO_INDEX": "1",
+        "PIP_INDEX_URL": "http://127.0.0.1:9/",
+    }
+    proc = gpu_check("--offline", "--bundle", str(bundle), "--dry-run", "--out", str(out), "-k", "liger", env=env,
+                     setup=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "setup.sh" not in proc.stdout + proc.stderr
+    pip_lines = [line for line in proc.stdout.splitlines() if " -m pip " in line]
+    assert len(pip_lines) == 1 and "--no-index --no-deps --target" in pip_lines[0], pip_lines
+    site = out.parent / "summary.site"
+    assert (site / "bundle" / "gpucheck_probe" / "__init__.py").is_file()
+    report = json.loads(out.read_text())
+    assert report["python"] == python
+    # hf_fsdp2 came from the checkout, laid out as installed (recipes inside), not from an install
+    assert report["packages"]["hf_fsdp2"].endswith(f"({site / 'checkout' / 'hf_fsdp2'})"), report["packages"]
+    assert (site / "checkout" / "hf_fsdp2" / "recipes" / "sft.py").resolve() == REPO / "recipes" / "sft.py"
+    assert [c["name"] for c in report["checks"]] == ["liger"] and report["passed"] == 1
+
+
+def test_offline_refuses_a_bundle_without_requirements(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    proc = gpu_check("--bundle", str(tmp_path / "empty"), "--dry-run", "--out", str(tmp_path / "s.json"),
+                     env={"PYTHON": str(REPO / ".venv" / "bin" / "python")})  # fmt: skip
+    assert proc.returncode == 1 and "requirements.txt is missing" in proc.stderr
+
+
+def test_the_liger_test_fails_not_skips_under_the_gpu_check_without_liger_or_cuda():
+    env = {**os.environ, "HF_FSDP2_GPU_CHECK": "1"}
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/unit/test_liger_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if torch.cuda.is_available() and importlib.util.find_spec("liger_kernel"):
+        pytest.skip("this machine has CUDA and liger-kernel: the test runs for real")
+    assert proc.returncode != 0 and "the GPU check runs the Liger test" in proc.stdout, proc.stdout[-2000:]
