@@ -87,7 +87,7 @@ def build_model(
         revision=m.model_revision,
         trust_remote_code=m.trust_remote_code,
         # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
-        empty_weights=f.fsdp_cpu_ram_efficient_loading and session.rank != 0,
+        empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
     )
     note = check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
     if note:

@@ -58,7 +58,7 @@ def load_reference(session: Session, plan: LossPlan, tokenizer_size: int | None)
         attn_implementation=m.attn_implementation,
         revision=None if p.ref_model_name_or_path else m.model_revision,
         trust_remote_code=m.trust_remote_code,
-        empty_weights=f.fsdp_cpu_ram_efficient_loading and session.rank != 0,
+        empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
     )
     if tokenizer_size is not None:
         resize_embeddings(model, tokenizer_size)
