@@ -36,6 +36,7 @@ while [ $# -gt 0 ]; do
 done
 OUT=${OUT:-outputs/gpu_check/summary-$(date +%Y%m%d-%H%M%S).json}
 case "$OUT" in /*) ;; *) OUT=$REPO/$OUT ;; esac
+[ -n "$DRY" ] && SETUP=0  # a dry run installs nothing (it passes with PIP_NO_INDEX=1)
 RUN_IN=$REPO
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
