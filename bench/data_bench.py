@@ -42,8 +42,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from hf_fsdp2.data.loader import PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.packing import PackedCollator, pack_examples
-from hf_fsdp2.data.records import IGNORE_INDEX
 from hf_fsdp2.data.tokenize import tokenize_dataset
+from hf_fsdp2.labels import IGNORE_INDEX
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -27,7 +27,6 @@ from hf_fsdp2.data.records import (
     BAD_RECORD_POLICIES,
     CHAT_LOSSES,
     DATASET_FORMATS,
-    IGNORE_INDEX,
     LONG_EXAMPLE_POLICIES,
     RecordError,
     _Chat,
@@ -36,6 +35,7 @@ from hf_fsdp2.data.records import (
     _record_error,
     detect_format,
 )
+from hf_fsdp2.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
     pass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from hf_fsdp2.data.records import IGNORE_INDEX
+from hf_fsdp2.labels import IGNORE_INDEX
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

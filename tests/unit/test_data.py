@@ -20,8 +20,9 @@ from transformers import PreTrainedTokenizerBase
 
 from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import load_raw_dataset
-from hf_fsdp2.data.records import IGNORE_INDEX, RecordError, detect_format
+from hf_fsdp2.data.records import RecordError, detect_format
 from hf_fsdp2.data.tokenize import tokenize_dataset
+from hf_fsdp2.labels import IGNORE_INDEX
 
 T, F = True, False  # is the token a loss target?
 

@@ -16,8 +16,9 @@ from transformers import PreTrainedTokenizerBase
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
 from hf_fsdp2.data.loading import apply_column_mapping, load_raw_dataset
 from hf_fsdp2.data.mixture import build_sft_datasets, format_trained_spans
-from hf_fsdp2.data.records import IGNORE_INDEX, RecordError
+from hf_fsdp2.data.records import RecordError
 from hf_fsdp2.data.tokenize import tokenize_dataset, tokenizer_fingerprint
+from hf_fsdp2.labels import IGNORE_INDEX
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -26,8 +26,8 @@ from hf_fsdp2.data.packing import (
     expected_padding_efficiency,
     pack_examples,
 )
-from hf_fsdp2.data.records import IGNORE_INDEX
 from hf_fsdp2.data.tokenize import tokenize_dataset
+from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.observe.logs import read_metrics
 from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum
 

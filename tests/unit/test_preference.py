@@ -12,7 +12,8 @@ import torch
 from support.families import make_family_dir
 
 from hf_fsdp2.data.preference import PreferenceCollator, split_prompt, tokenize_pair, tokenize_pairs
-from hf_fsdp2.data.records import IGNORE_INDEX, RecordError
+from hf_fsdp2.data.records import RecordError
+from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.model import disable_dropout, load_model
 from hf_fsdp2.train.dpo import (
     DPOSettings,
