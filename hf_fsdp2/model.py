@@ -401,21 +401,20 @@ class AttentionLayout:
     reason: str
     warning: str | None = None
 
-    def describe(self) -> str:
-        """One line: layout, kernel, mask, why."""
-        rows = "packed rows" if self.packing else "padded rows"
-        layout = f"padding-free (each micro-batch one row{', of packed rows' if self.packing else ''})" \
-            if self.padding_free else rows  # fmt: skip
-        if self.padding_free or self.packing:
-            varlen = (
-                "block mask from position_ids"
-                if self.kernel == "flex_attention"
-                else "varlen, by position_ids"
-            )
-            mask = "dense [T x T] mask" if self.dense_mask else varlen
+    def describe(self, *, why: bool = True) -> str:
+        """One line: the layout (and why), the kernel and how it keeps documents apart."""
+        layout = "padding-free" if self.padding_free else ("packed rows" if self.packing else "padded")
+        if not (self.padding_free or self.packing):
+            mask = "a padding mask, none for a micro-batch without padding"
+        elif self.dense_mask:
+            mask = "documents apart by a dense [T x T] mask"
+        elif self.kernel == "flex_attention":
+            mask = "documents apart by a block mask from position_ids"
         else:
-            mask = "padding mask, none when a micro-batch has no padding"
-        return f"batches: {layout}; attention {self.kernel} ({mask}); why: {self.reason}"
+            mask = "documents apart by position_ids (varlen)"
+        return (
+            f"batches: {layout}" + (f" ({self.reason})" if why else "") + f"; attention {self.kernel}, {mask}"
+        )
 
 
 def _causal_lm_class(config: PretrainedConfig) -> type | None:
@@ -537,7 +536,7 @@ def choose_attention_layout(
         flat, probed = padding_free_matches(
             model_config, attn_implementation, trust_remote_code=trust_remote_code
         )
-        why = f"padding_free auto on cpu: {probed}"
+        why = f"padding_free auto: {probed}"
     return AttentionLayout(
         padding_free=flat,
         packing=packing,
@@ -549,26 +548,29 @@ def choose_attention_layout(
     )
 
 
+def recipe_rows(data: Any, recipe: str) -> tuple[bool, bool | None]:
+    """``(packing, padding_free)`` of a recipe's data section as the layout decision reads them: ``sft`` as set;
+    ``cpt`` rows hold several documents unless ``cross_document_attention`` and are full already (padding-free
+    only when asked); ``dpo`` pairs are padded."""
+    if recipe == "cpt":
+        return not data.cross_document_attention, bool(data.padding_free)
+    if recipe == "dpo":
+        return False, False
+    return bool(data.packing), data.padding_free
+
+
 def attention_layout_for(
     cfg: Any, model_config: PretrainedConfig, *, device_type: str, recipe: str = "sft",
     installed: frozenset[str] | None = None,
 ) -> AttentionLayout:  # fmt: skip
-    """:func:`choose_attention_layout` for a recipe's config sections: ``sft`` (``packing``, ``padding_free``),
-    ``cpt`` (rows of several documents unless ``cross_document_attention``; full rows, so padding-free only when
-    asked) or ``dpo`` (padded pairs)."""
-    m, d = cfg.model, cfg.data
-    if recipe == "cpt":
-        packing, padding_free = not d.cross_document_attention, bool(d.padding_free)
-    elif recipe == "dpo":
-        packing, padding_free = False, False
-    else:
-        packing, padding_free = d.packing, d.padding_free
+    """:func:`choose_attention_layout` for a recipe's config sections (:func:`recipe_rows`)."""
+    packing, padding_free = recipe_rows(cfg.data, recipe)
     return choose_attention_layout(
         model_config,
         device_type=device_type,
-        attn_implementation=m.attn_implementation,
+        attn_implementation=cfg.model.attn_implementation,
         packing=packing,
         padding_free=padding_free,
         installed=installed,
-        trust_remote_code=m.trust_remote_code,
+        trust_remote_code=cfg.model.trust_remote_code,
     )

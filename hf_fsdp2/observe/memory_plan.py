@@ -42,6 +42,7 @@ from hf_fsdp2.dtypes import DTYPES, MIXED_PRECISION
 
 if TYPE_CHECKING:
     from hf_fsdp2.config import Config
+    from hf_fsdp2.model import AttentionLayout
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -53,6 +54,10 @@ _ADAM_STEP_BYTES = 4
 _AC_LADDER = ("none", "every_k", "selective", "full")
 # Kernels transformers cannot load without their GPU packages: planned as SDPA running the GPU flash kernel,
 # which saves the same tensors (query, key, value, output, logsumexp, RNG state).
+# The share of a GPU's memory a plan leaves free for what it does not count (the CUDA context, NCCL's buffers,
+# the caching allocator's fragmentation): `hf-fsdp2 plan --headroom`'s default, the recommender's "fits" and the
+# start-of-run warning all use it.
+DEFAULT_HEADROOM = 0.1
 _GPU_ONLY_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -83,6 +88,8 @@ class PlanSettings:
         cpu_offload: ``fsdp_cpu_offload`` (parameters, gradients, AdamW state in host memory).
         device_type: ``cuda`` or ``cpu``: picks the attention kernel the forward runs.
         attn_implementation: ``attn_implementation``.
+        packing: rows hold several documents (``packing``; continued pre-training's rows).
+        padding_free: ``padding_free`` (None: decided as the run decides, :meth:`layout`).
         lora: the LoRA settings when ``use_peft``.
         layer_cls: ``fsdp_layer_cls_to_wrap`` (empty: the model's ``_no_split_modules``).
         gradient_accumulation_steps: micro-batches per step (with ``sync_each_microbatch`` false the unsharded
@@ -104,6 +111,8 @@ class PlanSettings:
     cpu_offload: bool = False
     device_type: str = "cuda"
     attn_implementation: str = "auto"
+    packing: bool = False
+    padding_free: bool | None = False
     lora: LoraSettings | None = None
     layer_cls: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
@@ -151,6 +160,29 @@ class PlanSettings:
     def replace(self, **changes: Any) -> PlanSettings:
         return dataclasses.replace(self, **changes)
 
+    def layout(self, model_config: Any) -> AttentionLayout:
+        """The batch layout and attention kernel the run takes: the run's own decision
+        (:func:`hf_fsdp2.model.choose_attention_layout`), with the kernel the recipe names taken as installed
+        (the plan is for the machine the run goes to; the run itself refuses a kernel it cannot load).
+
+        Raises:
+            PlanError: a kernel the model cannot run (flex_attention on a model without it).
+        """
+        from hf_fsdp2.model import choose_attention_layout, installed_attention_kernels
+
+        try:
+            return choose_attention_layout(
+                model_config,
+                device_type=self.device_type,
+                attn_implementation=self.attn_implementation,
+                packing=self.packing,
+                padding_free=self.padding_free,
+                installed=installed_attention_kernels() | {self.attn_implementation},
+                trust_remote_code=self.trust_remote_code,
+            )
+        except ConfigError as err:
+            raise PlanError(str(err)) from err
+
     def describe(self) -> str:
         ac = self.ac.mode + (f" (k={self.ac.every_k})" if self.ac.mode == "every_k" else "")
         mesh = f"world {self.world_size}" + (
@@ -186,8 +218,11 @@ class PlanSettings:
         Raises:
             ConfigError: a mesh the world size cannot hold.
         """
+        from hf_fsdp2.model import recipe_rows
+
         m, d, t, f = cfg.model, cfg.data, cfg.train, cfg.fsdp
         mesh = f.mesh_plan(world_size, launcher)
+        packing, padding_free = recipe_rows(d, recipe)  # the rows the run's layout decision reads
         return cls(
             world_size=world_size,
             dp_shard=mesh.dp_shard,
@@ -202,6 +237,8 @@ class PlanSettings:
             cpu_offload=f.fsdp_cpu_offload,
             device_type=device_type,
             attn_implementation=m.attn_implementation,
+            packing=packing,
+            padding_free=padding_free,
             lora=cfg.peft.lora_settings() if cfg.peft.use_peft else None,
             layer_cls=tuple(f.fsdp_layer_cls_to_wrap),
             gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -652,6 +689,11 @@ class _MetaForward(TorchFunctionMode):
         enable_gqa: bool = False,
     ) -> torch.Tensor | None:
         aten = torch.ops.aten
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # As scaled_dot_product_attention does before any kernel: a new additive mask in the query's dtype,
+            # per call (the memory-efficient kernel keeps it for backward: one per layer).
+            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
         if self.device_type == "cpu":
             if dropout_p:
                 return None  # the CPU picks the math kernel with dropout, as the meta decomposition does
@@ -731,6 +773,27 @@ def _chunked_loss_possible(model: torch.nn.Module) -> bool:
     )
 
 
+def _param_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _planned_inputs(
+    ids: torch.Tensor, layout: AttentionLayout, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The forward's inputs for the planned rows. Rows of several documents carry restarting ``position_ids``
+    and no ``attention_mask``; on meta the packed-sequence check of transformers' masking_utils cannot read them
+    (no values), so where the run's kernel gets a dense mask it is handed here, the mask transformers builds:
+    ``[rows, 1, T, T]``, bool for sdpa (``sdpa_mask``), the compute dtype for eager (``eager_mask``)."""
+    if not (layout.padding_free or layout.packing):
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
+    if layout.dense_mask:
+        rows, tokens = ids.shape
+        mask_dtype = torch.bool if layout.kernel == "sdpa" else dtype
+        inputs["attention_mask"] = torch.zeros((rows, 1, tokens, tokens), dtype=mask_dtype, device=ids.device)
+    return inputs
+
+
 def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     """Run one forward + backward of the meta model at the run's micro-batch shape and count its memory.
 
@@ -767,7 +830,13 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     chunk = settings.ce_chunk_tokens if _chunked_loss_possible(model) else 0
     loss_plan = LossPlan(chunk, logit_transform_for(model.config), router_aux_coef(model.config))
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    shape = (settings.micro_batch, settings.seq_len)
+    layout = settings.layout(model_config)
+    # Padding-free: the micro-batch is one row of all its tokens (so a dense mask is [1, 1, T, T] over all of them).
+    shape = (
+        (1, settings.micro_batch * settings.seq_len)
+        if layout.padding_free
+        else (settings.micro_batch, settings.seq_len)
+    )
     live = _LiveBytes(params)
     meter = SavedTensorMeter(model, layer_cls)
     try:
@@ -775,7 +844,7 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
         # is full rows, every token a target.
         with _MetaForward(settings.device_type), live, fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
             ids = torch.zeros(shape, dtype=torch.long, device="meta")
-            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            inputs = _planned_inputs(ids, layout, compute or _param_dtype(model))
             with meter:
                 out = causal_lm_loss(model, inputs, ids, loss_plan)
             saved = meter.result(offload_layer_inputs=offload)
@@ -811,6 +880,7 @@ class MemoryPlan:
     fsdp_note: str
     compute: ComputeBytes
     units: list[Unit]
+    layout: AttentionLayout | None = None
 
     def rank_total(self, rank: int) -> dict[str, int]:
         """Every item of one rank, its peak included."""
@@ -857,6 +927,10 @@ class MemoryPlan:
                 "gradient_accumulation_steps": s.gradient_accumulation_steps,
                 "device": s.device_type,
                 "use_peft": s.lora is not None,
+                "packing": s.packing,
+                "padding_free": None if self.layout is None else self.layout.padding_free,
+                "attention": None if self.layout is None else self.layout.kernel,
+                "dense_mask": None if self.layout is None else self.layout.dense_mask,
             },
             "worst_rank": self.worst_rank,
             "peak": self.peak,
@@ -886,6 +960,7 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
         fsdp_note=note,
         compute=compute_bytes(model_config, settings),
         units=units,
+        layout=settings.layout(model_config),
     )
 
 
@@ -934,7 +1009,8 @@ def format_plan(plan: MemoryPlan) -> str:
             notes[key] = "in host memory (fsdp_cpu_offload)"
     lines = [
         f"memory plan: {plan.model_name}, {plan.total_params / 1e6:.1f}M parameters "
-        f"({plan.trainable_params / 1e6:.1f}M trainable); {s.describe()}",
+        f"({plan.trainable_params / 1e6:.1f}M trainable); {s.describe()}"
+        + (f"; {plan.layout.describe(why=False)}" if plan.layout else ""),
         f"{'item':<36} {'rank ' + str(rank):>11}  note",
     ]
     for key, label in _ROWS:
@@ -1010,7 +1086,7 @@ def _ladder(settings: PlanSettings) -> Iterator[PlanSettings]:
 
 
 def recommend(
-    model_config: Any, settings: PlanSettings, budget: int, headroom: float = 0.1
+    model_config: Any, settings: PlanSettings, budget: int, headroom: float = DEFAULT_HEADROOM
 ) -> list[Candidate]:
     """Plans from the cheapest settings on (:func:`_ladder`), until one fits ``budget`` bytes per device.
 
@@ -1133,10 +1209,25 @@ def _describe_error(err: Exception) -> str:
     return text if isinstance(err, (PlanError, ConfigError)) else f"{type(err).__name__}: {text}"
 
 
+def memory_warning(peak: int, total: int, world_size: int, headroom: float = DEFAULT_HEADROOM) -> str | None:
+    """The start-of-run warning when the predicted ``peak`` does not fit a GPU of ``total`` bytes as
+    ``hf-fsdp2 plan`` says "fits" (at most ``(1 - headroom) x total``), else None."""
+    limit = total * (1 - headroom)
+    if peak <= limit:
+        return None
+    return (
+        f"the predicted peak {human_bytes(peak)} per rank exceeds {1 - headroom:.0%} of this GPU's {human_bytes(total)} "
+        f"({human_bytes(limit)}; the rest is kept for the CUDA context, NCCL and fragmentation): the run will "
+        f"likely fail with out-of-memory; `hf-fsdp2 plan --config <recipe> --world_size {world_size} "
+        f"--gpu_memory {total // GIB}GiB` lists settings that fit"
+    )
+
+
 def log_run_plan(
     cfg: Config, model_config: Any, *, world_size: int, device: torch.device, recipe: str = "sft"
 ) -> MemoryPlan | None:
-    """Log the plan of the run starting now, and warn when its peak exceeds the device's memory.
+    """Log the plan of the run starting now, and warn when its peak does not fit the GPU with the recommender's
+    headroom (:func:`memory_warning`).
 
     Call it on rank 0 only: it runs no collective and reads no weight (a meta model at the run's shape), and the
     global RNG state is restored after it. It never fails the run: anything that stops the plan is logged as one
@@ -1160,19 +1251,16 @@ def log_run_plan(
     for line in [*format_plan(plan).splitlines(), *recipe_notes(cfg, recipe)]:
         logger.info(line)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        if plan.peak > total:
-            logger.warning(
-                "the predicted peak %s per rank exceeds this GPU's %s: the run will likely fail with out-of-memory; "
-                "`hf-fsdp2 plan --config <recipe> --world_size %d --gpu_memory %dGiB` lists settings that fit",
-                human_bytes(plan.peak), human_bytes(total), world_size, total // GIB,
-            )  # fmt: skip
+        warning = memory_warning(plan.peak, torch.cuda.get_device_properties(device).total_memory, world_size)
+        if warning:
+            logger.warning(warning)
     return plan
 
 
 __all__ = [
     "Candidate",
     "ComputeBytes",
+    "DEFAULT_HEADROOM",
     "MemoryPlan",
     "PlanError",
     "PlanSettings",
@@ -1188,6 +1276,7 @@ __all__ = [
     "fsdp_units",
     "human_bytes",
     "log_run_plan",
+    "memory_warning",
     "plan_memory",
     "read_model_config",
     "recipe_notes",

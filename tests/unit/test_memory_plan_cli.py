@@ -30,11 +30,14 @@ from hf_fsdp2 import cli
 from hf_fsdp2.config import parse_config
 from hf_fsdp2.config.plans import ACPlan, LoraSettings
 from hf_fsdp2.observe.memory_plan import (
+    DEFAULT_HEADROOM,
     PlanError,
     PlanSettings,
     build_meta_model,
+    format_plan,
     human_bytes,
     log_run_plan,
+    memory_warning,
     plan_memory,
     state_bytes,
 )
@@ -112,7 +115,8 @@ def plan_config(model_dir: Path) -> transformers.PretrainedConfig:
 
 
 def test_recipe_overrides_and_json(model_dir, tmp_path, capsys):
-    recipe = _recipe(tmp_path, model_dir)
+    # Padded rows: activations linear in tokens (a padding-free layout's dense mask is T^2: tested below).
+    recipe = _recipe(tmp_path, model_dir, padding_free=False)
     argv = ["--config", str(recipe), "--device", "cpu", "--json"]
     _, short, _ = _plan(capsys, *argv)
     code, long, _ = _plan(capsys, *argv, "--max_length", "256", "--world_size", "4")
@@ -264,7 +268,7 @@ def test_start_of_run_plan_never_fails_and_restores_the_rng(model_dir, tmp_path,
     )
     assert log_run_plan(cfg, plan_config(model_dir), world_size=2, device=torch.device("cuda", 0)) is not None
     warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert "exceeds this GPU's 1.0 MiB" in warning and "hf-fsdp2 plan --config" in warning
+    assert "exceeds 90% of this GPU's 1.0 MiB" in warning and "hf-fsdp2 plan --config" in warning
 
 
 def test_plan_errors_are_plan_errors():
@@ -272,3 +276,68 @@ def test_plan_errors_are_plan_errors():
         PlanSettings(world_size=0)
     with pytest.raises(PlanError, match="fsdp_cpu_offload=true needs a GPU run"):
         PlanSettings(device_type="cpu", cpu_offload=True)
+
+
+def test_the_plan_counts_the_dense_mask_of_padding_free_sdpa_on_a_gpu(model_dir):
+    config = plan_config(model_dir)
+    base = PlanSettings(micro_batch=2, seq_len=64, device_type="cuda", ac=ACPlan("none"))
+    padded = plan_memory(config, base.replace(padding_free=False))
+    dense = plan_memory(config, base.replace(padding_free=True))  # asked for, with sdpa (transformers' pick)
+    flex = plan_memory(config, base.replace(padding_free=True, attn_implementation="flex_attention"))
+    assert not padded.layout.padding_free and dense.layout.dense_mask and not flex.layout.dense_mask
+    tokens = 2 * 64  # one row of the whole micro-batch
+    # sdpa turns transformers' bool [1, 1, T, T] mask into a bf16 bias per layer, which the memory-efficient
+    # kernel (the only one that takes a mask) keeps for backward.
+    bias = config.num_hidden_layers * tokens * tokens * 2
+    extra = dense.compute.saved.activations - padded.compute.saved.activations
+    assert extra >= bias, (extra, bias)
+    assert dense.peak - padded.peak >= bias
+    assert abs(flex.compute.saved.activations - padded.compute.saved.activations) < bias // 4  # no mask kept
+    # T^2: twice the tokens, four times the bias.
+    longer = plan_memory(config, base.replace(padding_free=True, seq_len=128))
+    longer_padded = plan_memory(config, base.replace(padding_free=False, seq_len=128))
+    assert longer.compute.saved.activations - longer_padded.compute.saved.activations >= 4 * bias
+
+
+def test_the_plan_takes_the_layout_the_run_takes(model_dir, tmp_path):
+    cfg = parse_config(["--config", str(_recipe(tmp_path, model_dir))])  # padding_free unset
+    plans = {
+        device: plan_memory(plan_config(model_dir), PlanSettings.from_config(cfg, world_size=1, device_type=device))
+        for device in ("cuda", "cpu")
+    }  # fmt: skip
+    assert not plans["cuda"].layout.padding_free and "padded" in format_plan(plans["cuda"]).splitlines()[0]
+    assert plans["cpu"].layout.padding_free and plans["cpu"].layout.dense_mask  # the CPU probe: padding-free
+    settings = plans["cuda"].to_json()["settings"]
+    assert (
+        settings["padding_free"] is False and settings["attention"] == "sdpa" and not settings["dense_mask"]
+    )
+    cpt = PlanSettings.from_config(cfg, world_size=1, device_type="cuda", recipe="cpt")
+    assert cpt.packing and cpt.padding_free is False  # CPT rows hold documents apart: a mask per row
+
+
+def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path, caplog, monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli._register_plan(parser.add_subparsers())
+    assert parser.parse_args(["plan"]).headroom == DEFAULT_HEADROOM  # what `hf-fsdp2 plan` calls "fits"
+    assert memory_warning(90, 100, 1) is None and memory_warning(91, 100, 1) is not None
+    cfg = parse_config(["--config", str(_recipe(tmp_path, model_dir))])
+    caplog.set_level(logging.INFO, logger="hf_fsdp2")
+    settings = PlanSettings.from_config(cfg, world_size=1, device_type="cuda")
+    peak = plan_memory(plan_config(model_dir), settings).peak
+    for total, warns in (
+        (int(peak / 0.95), True),
+        (int(peak / 0.85), False),
+    ):  # under 100 %, over / under 90 %
+        caplog.clear()
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda device, total=total: SimpleNamespace(total_memory=total),
+        )
+        assert log_run_plan(cfg, plan_config(model_dir), world_size=1, device=torch.device("cuda", 0))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert bool(warnings) == warns, (total, peak, warnings)
+        if warns:
+            assert "exceeds 90% of this GPU's" in warnings[0] and "--world_size 1" in warnings[0]

@@ -48,10 +48,14 @@ def test_a_model_whose_attention_mixes_flattened_examples_keeps_padded_batches(
 ) -> None:
     import transformers.masking_utils as masking
 
+    import hf_fsdp2.model
+
+    monkeypatch.setattr(hf_fsdp2.model, "_PROBED", {})  # the probe is kept per process: probe afresh here
     config = load_model_config(str(make_family_dir(tmp_path / "m", "llama3_untied")))
     assert padding_free_matches(config)[0]
     # Without the detection of packed rows, attention crosses from one example into the next.
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    monkeypatch.setattr(hf_fsdp2.model, "_PROBED", {})
     matches, why = padding_free_matches(config)
     assert not matches and "padding-free logits differ from the padded ones" in why
     assert padding_free_matches(config, "flash_attention_2")[0]  # varlen kernels: by design
