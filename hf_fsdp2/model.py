@@ -422,9 +422,10 @@ def _causal_lm_class(config: PretrainedConfig) -> type | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[no-any-return]
+        found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         return None
+    return found[0] if isinstance(found, tuple) else found  # some configs map to several classes
 
 
 def choose_attention_layout(

@@ -76,14 +76,14 @@ def build_model(
     m, d, t, f, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.observe
     # The kernel of the layout the data builder chose (the same decision; its flex/flash refusals come before
     # any weight is read, for DPO too). padding_free is resolved by now: no probe, nothing logged twice.
-    layout = choose_attention_layout(
+    attention = choose_attention_layout(
         session.model_config, device_type=session.device.type, attn_implementation=m.attn_implementation,
         packing=d.packing, padding_free=bool(d.padding_free), trust_remote_code=m.trust_remote_code,
     )  # fmt: skip
     model = load_model(
         m.model_name_or_path or "",
         dtype=m.torch_dtype,
-        attn_implementation=layout.attn_implementation,
+        attn_implementation=attention.attn_implementation,
         revision=m.model_revision,
         trust_remote_code=m.trust_remote_code,
         # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
