@@ -38,7 +38,8 @@ class ModelArgs:
         default="auto",
         metadata={
             "help": "Attention kernel: auto (transformers picks what the model supports: sdpa, else eager), sdpa, "
-            "eager, flash_attention_2, flex_attention."
+            "eager, flash_attention_2/3 (needs flash-attn or kernels), flex_attention. On a GPU padding-free "
+            "batches need flex_attention or flash_attention_2/3 (sdpa/eager would build a dense [T x T] mask)."
         },
     )
     resize_token_embeddings: bool = field(
@@ -144,8 +145,10 @@ class DataArgs:
         default=None,
         metadata={
             "help": "Flatten each micro-batch into one row without padding (position_ids mark examples): no work "
-            "on padding. Unset: on for SFT when a probe forward shows the model gives padded and padding-free "
-            "batches the same logits (logged at start), else off."
+            "on padding. Unset (SFT): on a GPU, on with flex_attention or flash_attention_2/3 and off with "
+            "sdpa/eager (they would build a dense [T x T] mask over the row); on CPU, on when a probe forward "
+            "shows padded and padding-free batches give the same logits. Logged at start. true with sdpa/eager "
+            "on a GPU is allowed but warned."
         },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
