@@ -2,8 +2,9 @@
 # One-time (idempotent) set-up of a fresh machine: a virtual environment in .venv with torch,
 # the hf_fsdp2 package (editable) and everything the demo and the tests need.
 # torch: on a machine with an NVIDIA GPU (nvidia-smi lists one) the CUDA build PyPI gives by default
-# ("torch>=2.13"; a CUDA torch already in .venv is kept); without one, the CPU build torch==2.13.0 that
-# CPU-only machines take from their local disk (an unpinned torch would pull a multi-GB CUDA build).
+# ("torch>=2.11", the floor of pyproject.toml and docs/compatibility.md; a CUDA torch already in .venv is
+# kept); without one, the CPU build torch==2.13.0 that CPU-only machines take from their local disk (an
+# unpinned torch would pull a multi-GB CUDA build).
 # HF_FSDP2_TORCH="<pip spec>" overrides both. `bash scripts/setup.sh --print-torch-spec` prints the choice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ PY=${PYTHON:-python3}
 if [ -n "${HF_FSDP2_TORCH:-}" ]; then
   TORCH_SPEC=$HF_FSDP2_TORCH
 elif command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q "^GPU"; then
-  TORCH_SPEC="torch>=2.13"
+  TORCH_SPEC="torch>=2.11"
 else
   TORCH_SPEC="torch==2.13.0"
 fi

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from hf_fsdp2.collectives import rank0_decides
+from hf_fsdp2.compat import check_versions
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check_mesh
 from hf_fsdp2.export.hub import check_can_push
@@ -74,8 +75,10 @@ class Session:
 
         Raises:
             ConfigError / HubError / KernelError / FileNotFoundError: bad input, before any work.
+            VersionError: torch / transformers / accelerate older than the tested floor (hf_fsdp2.compat).
         """
         started = time.perf_counter()
+        check_versions()
         m, d, t, f, e, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.export, cfg.observe
         # Hub: repo id, offline mode and token are checked before any work (every rank, no network).
         pushes = e.push_to_hub or e.push_checkpoints_to_branch

@@ -1,11 +1,14 @@
-"""scripts/setup.sh picks the torch build by itself: CUDA (PyPI's default) where nvidia-smi lists a GPU, the
-pinned CPU build otherwise, HF_FSDP2_TORCH over both."""
+"""scripts/setup.sh picks the torch build by itself: CUDA (PyPI's default, at least the floor of hf_fsdp2/compat.py,
+so a node's own CUDA torch is kept) where nvidia-smi lists a GPU, the pinned CPU build otherwise, HF_FSDP2_TORCH
+over both."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 from pathlib import Path
+
+from hf_fsdp2.compat import FLOORS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +32,6 @@ def _spec(tmp_path: Path, *, gpu: bool, override: str | None = None) -> str:
 
 
 def test_the_torch_build_follows_the_machine(tmp_path: Path) -> None:
-    assert _spec(tmp_path, gpu=True) == "torch>=2.13"
+    assert _spec(tmp_path, gpu=True) == "torch>=2.11" == f"torch>={'.'.join(map(str, FLOORS['torch']))}"
     assert _spec(tmp_path, gpu=False) == "torch==2.13.0"
     assert _spec(tmp_path, gpu=True, override="torch==2.12.0+cu126") == "torch==2.12.0+cu126"
