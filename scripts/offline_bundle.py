@@ -81,7 +81,7 @@ def parse_have(text: str) -> dict[str, Version | None]:
 
 def target_environment(python_version: str, platform: str) -> dict[str, str]:
     """PEP 508 marker values of the target interpreter (CPython on Linux), not of the builder."""
-    env = default_environment()
+    env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
     machine = "aarch64" if platform.endswith("aarch64") else "x86_64"  # the two parse_args accepts
     env.update(
         python_version=python_version,
@@ -246,11 +246,11 @@ def resolve(
             pending[name] = (spec, [(req, wanted_by)])
         got = download({n: spec for n, (spec, _) in pending.items()}, dest, python_version, platform, jobs)
         level = []
-        for name, wheel in got.items():
-            plan.bundle[name], plan.wheels[name] = _wheel_version(wheel), wheel
-            for req, wanted_by in pending[name][1]:
-                _check_pin(name, plan.bundle[name], req, wanted_by)
-            level.extend((r, f"{name}=={plan.bundle[name]}") for r in wheel_requirements(wheel))
+        for got_name, wheel in got.items():
+            plan.bundle[got_name], plan.wheels[got_name] = _wheel_version(wheel), wheel
+            for req, wanted_by in pending[got_name][1]:
+                _check_pin(got_name, plan.bundle[got_name], req, wanted_by)
+            level.extend((r, f"{got_name}=={plan.bundle[got_name]}") for r in wheel_requirements(wheel))
     return plan
 
 
