@@ -184,10 +184,20 @@ class StepMeter:
         self._interval_steps = self._interval_targets = 0
         return record
 
-    def mean_throughput(self) -> dict[str, float | None]:
-        """Run-level means of the logged intervals: tokens/s (global, per device), TFLOP/s per device, MFU."""
+    def mean_throughput(self, exclude_seconds: float = 0.0) -> dict[str, float | None]:
+        """Run-level means of the logged intervals: tokens/s (global, per device), TFLOP/s per device, MFU.
+
+        Args:
+            exclude_seconds: time inside the steps that is not training (torch.compile compiling), taken off
+                the step time the rates divide by; ignored when it is not below the step time.
+        """
         t = self.totals
-        seconds = max(t["step_time_s"], 1e-9)
+        seconds = (
+            t["step_time_s"] - exclude_seconds
+            if 0 <= exclude_seconds < t["step_time_s"]
+            else t["step_time_s"]
+        )
+        seconds = max(seconds, 1e-9)
         per_device_flops = t["flops"] / seconds / self.world_size
         return {
             "tokens_per_s": t["tokens"] / seconds,

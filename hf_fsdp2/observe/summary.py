@@ -35,22 +35,28 @@ def run_summary(
         last_eval: the last eval results (``eval_loss``, ``eval_perplexity``), or None.
         export_dir: where the consolidated HF folder went, or None.
         compile_stats: with torch.compile, ``compile_s`` (seconds compiling inside the steps, rank 0),
-            ``compiled_graphs`` and ``recompiles``; the summary then also gives the throughput without
-            the compile time.
+            ``compiled_graphs``, ``recompiles`` and ``recompile_limit_hits``. The summary's tokens/s, TFLOP/s
+            and MFU then leave the compile seconds out of the step time (``wall_time_s`` and ``train_time_s``
+            keep them); ``tokens_per_s_including_compile`` gives the rate with them.
 
     Returns:
         A JSON-ready dict.
     """
     t = meter.totals
     extra: dict[str, Any] = {}
+    compile_s = 0.0
     if compile_stats is not None:
         compile_s = float(compile_stats.get("compile_s", 0.0))
-        steady = max(t["step_time_s"] - compile_s, 1e-9)
         extra = {
             "compile_time_s": compile_s,
             "compiled_graphs": int(compile_stats.get("compiled_graphs", 0)),
             "recompiles": int(compile_stats.get("recompiles", 0)),
-            "tokens_per_s_excluding_compile": t["tokens"] / steady,
+            "recompile_limit_hits": int(compile_stats.get("recompile_limit_hits", 0)),
+            "compile_outside_steps_s": float(compile_stats.get("compile_outside_steps_s", 0.0)),
+            # The rates below leave the compile time out; this one keeps it, for comparison.
+            "tokens_per_s_including_compile": meter.mean_throughput()["tokens_per_s"],
+            # A compile time not below the step time cannot be taken off (it was not all inside the steps).
+            "throughput_excludes_compile": 0 <= compile_s < t["step_time_s"],
         }
     return {
         "steps": last_step - first_step + 1 if last_step >= first_step else 0,
@@ -61,7 +67,8 @@ def run_summary(
         "wall_time_s": wall_seconds,
         "train_time_s": t["step_time_s"],
         "data_wait_s": t["data_wait_s"],
-        **meter.mean_throughput(),
+        # tokens/s, TFLOP/s and MFU of training itself: compile seconds (inside the first steps) left out.
+        **meter.mean_throughput(exclude_seconds=compile_s),
         "peak_memory_gib": t["peak_memory_gib"],
         "peak_memory_kind": "cuda_allocated" if meter.device.type == "cuda" else "host_rss",
         "world_size": meter.world_size,
@@ -90,8 +97,15 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
     if summary.get("compile_time_s") is not None:
         lines.append(
             f"summary: torch.compile {format_duration(summary['compile_time_s'])} compiling inside the steps, "
-            f"{summary['compiled_graphs']} graphs, {summary['recompiles']} recompiles; "
-            f"{summary['tokens_per_s_excluding_compile']:.1f} tok/s without the compile time"
+            f"{summary['compiled_graphs']} graphs, {summary['recompiles']} recompiles"
+            + (
+                f", recompile limit hit {summary['recompile_limit_hits']} time(s) (that code ran eagerly)"
+                if summary.get("recompile_limit_hits")
+                else ""
+            )
+            + "; the rates above "
+            + ("leave the compile time out" if summary.get("throughput_excludes_compile") else "include it")
+            + f" ({summary['tokens_per_s_including_compile']:.1f} tok/s with it)"
         )
     losses = []
     if summary.get("final_loss") is not None:

@@ -134,6 +134,14 @@ class Observer:
         if self.evaluator is not None and eval_now:  # every rank
             self.eval_fields = self.evaluator.run(model, step, log=self.session.accelerator.log)
             record.update(self.eval_fields)
+            # Compile time outside the steps (eval runs eagerly, so normally none) must not be taken off the next
+            # interval's step time: read it now and keep it apart.
+            outside = self.compile_watch.take()
+            if outside:
+                self.compile_totals["compile_outside_steps_s"] = (
+                    self.compile_totals.get("compile_outside_steps_s", 0.0) + outside["compile_s"]
+                )
+                self.compile_totals.update({k: v for k, v in outside.items() if k != "compile_s"})
         self.metrics.write(record)
         self.session.accelerator.log(tracker_values(record), step=step)
         self.progress.log(record)
