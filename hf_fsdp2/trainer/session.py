@@ -127,7 +127,7 @@ class Session:
         )
         setup_logging(accelerator.is_main_process)
         logger.info(
-            "collective timeout ddp_timeout=%ds, host waits (gloo) host_wait_timeout=%ds; debug variables: %s",
+            "collective timeout ddp_timeout=%ds, waits for rank 0 (host group) host_wait_timeout=%ds; debug variables: %s",
             t.ddp_timeout,
             t.host_wait_timeout,
             ", ".join(debug_env) or "none (distributed_debug=off)",
