@@ -1,0 +1,147 @@
+"""Chat loss masks: a conversation rendered with the chat template, and which of its tokens are trained.
+
+The mask comes from rendering prefixes of the conversation with the chat template and diffing their
+tokens, so it is right for any template (no ``{% generation %}`` markers needed) and includes the
+end-of-turn token the model must learn to emit. `chat_strings` lists what to encode, `chat_labels`
+assembles the ids and labels from the encoded strings (the caller encodes a whole batch in one call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from hf_fsdp2.data.records import _Chat, _record_error
+from hf_fsdp2.labels import IGNORE_INDEX
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokenizer's special token ids, chat markers included (where a trained turn may end)."""
+    ids = set(tokenizer.all_special_ids)
+    # Chat markers such as <|eot_id|> are often added tokens flagged special without being in the
+    # special-token attributes, so all_special_ids alone misses them.
+    ids.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return frozenset(ids)
+
+
+def trim_after_end_of_turn(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], start: int, end: int, special: frozenset[int]
+) -> int:
+    """Return the new end of the target span ``ids[start:end]``, without whitespace after end-of-turn.
+
+    ChatML renders ``<|im_end|>\\n`` after every turn. Generation stops at ``<|im_end|>``, so the newline
+    is never sampled by the model; it is template glue that the next turn's context already contains.
+    The span therefore ends at its last special token when only whitespace follows it. Without a special
+    token in the span (templates with a plain-text end marker) nothing is trimmed, so the model still
+    learns whatever the template uses to end a turn.
+    """
+    last_special = next((i for i in range(end - 1, start - 1, -1) if ids[i] in special), None)
+    if last_special is None or last_special == end - 1:
+        return end
+    trailing = tokenizer.decode(ids[last_special + 1 : end])
+    if not isinstance(trailing, str) or trailing.strip():
+        return end
+    return last_special + 1
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    turns: list[dict[str, str]],
+    generation_prompt: bool,
+    *,
+    source: str,
+    index: int,
+    columns: Sequence[str],
+) -> str:
+    """``turns`` rendered by the chat template; a template error becomes a `RecordError` naming the record.
+
+    Raises:
+        ValueError: The tokenizer has no chat template.
+        RecordError: The template rejected the conversation.
+    """
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"{source or 'The dataset'} has conversational prompt/completion records but the tokenizer "
+            "has no chat_template; set tokenizer.chat_template."
+        )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as err:
+        # Templates reject conversations with raise_exception (e.g. "roles must alternate"); the
+        # bare message would not say which record.
+        raise _record_error(
+            source,
+            index,
+            list(columns),
+            f"the chat template failed on this conversation: {err}",
+            "Fix or drop the record, or use a template that accepts it.",
+            "chat template error",
+        ) from err
+    assert isinstance(rendered, str), type(rendered)
+    return rendered
+
+
+def chat_strings(
+    tokenizer: PreTrainedTokenizerBase, chat: _Chat, *, source: str, index: int, columns: Sequence[str]
+) -> list[str]:
+    """What `chat_labels` needs encoded: the whole conversation, then for each trained assistant turn the
+    render before it (with the generation prompt) and the render through it."""
+    renders = [(chat.messages, False)]
+    for turn in chat.trained or []:
+        renders += [(chat.messages[:turn], True), (chat.messages[: turn + 1], False)]
+    return [
+        render(tokenizer, turns, prompt, source=source, index=index, columns=columns)
+        for turns, prompt in renders
+    ]
+
+
+def chat_labels(
+    tokenizer: PreTrainedTokenizerBase,
+    chat: _Chat,
+    encoded: list[list[int]],
+    special: frozenset[int],
+    *,
+    source: str,
+    index: int,
+    columns: Sequence[str],
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of a conversation from the encoded `chat_strings`: each trained turn is the
+    tokens between the render before it and the render through it, less whitespace after its end-of-turn.
+
+    Raises:
+        RecordError: A prefix render does not tokenize to a prefix of the whole conversation, or a trained
+            turn renders to no tokens.
+    """
+    input_ids = encoded[0]
+    if chat.trained is None:
+        return input_ids, list(input_ids)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for k, turn in enumerate(chat.trained):
+        before, through = encoded[1 + 2 * k], encoded[2 + 2 * k]
+        for name, prefix in (("prompt before", before), ("conversation through", through)):
+            if input_ids[: len(prefix)] != prefix:
+                raise _record_error(
+                    source,
+                    index,
+                    list(columns),
+                    f"the chat template's render of the {name} assistant turn {turn} does not tokenize to a "
+                    "prefix of the whole conversation, so assistant tokens cannot be located",
+                    "Use a chat template that renders earlier turns identically whatever follows, or set "
+                    "chat_loss=all (assistant_only_loss=false).",
+                    "chat template not prefix-stable",
+                )
+        end = trim_after_end_of_turn(tokenizer, input_ids, len(before), len(through), special)
+        if end <= len(before):
+            raise _record_error(
+                source,
+                index,
+                list(columns),
+                f"assistant turn {turn} rendered to no tokens with this chat template",
+                "Check that the chat template renders assistant content.",
+                "empty assistant turn",
+            )
+        labels[len(before) : end] = input_ids[len(before) : end]
+    return input_ids, labels
