@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from hf_fsdp2.collectives import all_reduce_sum
-from hf_fsdp2.train.loss import IGNORE_INDEX, LossPlan, causal_lm_loss_sum, count_target_tokens
+from hf_fsdp2.parallel.compiling import eager
+from hf_fsdp2.train.loss import (
+    IGNORE_INDEX,
+    LossPlan,
+    causal_lm_loss_sum,
+    count_target_tokens,
+    shifted_target_rows,
+)
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -104,7 +111,10 @@ def evaluate_loss(
 ) -> EvalResult:
     """Token-weighted eval loss of ``model`` over every rank's batches (every rank calls it).
 
-    Runs under ``torch.no_grad`` in eval mode (dropout off) and restores the training mode after.
+    Runs under ``torch.no_grad`` in eval mode (dropout off) and restores the training mode after. Compiled
+    modules run eagerly here (:func:`hf_fsdp2.parallel.compiling.eager`): eval's no-grad shapes would be new
+    graphs, each counted against the recompile limit training needs. The chunked loss gets its target rows
+    from the host labels, so a batch reads the device only for its loss (never for ``nonzero``).
 
     Args:
         model: the (FSDP2-sharded) model.
@@ -122,18 +132,20 @@ def evaluate_loss(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    with torch.no_grad():
+    with torch.no_grad(), eager():
         for batch in batches:
-            tokens += count_target_tokens(batch["labels"])
+            tokens += count_target_tokens(batch["labels"])  # host labels: no device read
+            rows = shifted_target_rows(batch["labels"]) if plan.chunk_tokens > 0 else None
             on_device = {k: v.to(device) for k, v in batch.items()}
             inputs = {k: v for k, v in on_device.items() if k != "labels"}
-            loss_sum += causal_lm_loss_sum(model, inputs, on_device["labels"], plan).double()
+            loss_sum += causal_lm_loss_sum(model, inputs, on_device["labels"], plan, rows).double()
     model.train(was_training)
     # Every rank: one all_reduce of (summed CE, target tokens).
     totals = all_reduce_sum(
         torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device)])
     )
-    total_loss, total_tokens = float(totals[0].item()), int(totals[1].item())
+    total_loss, count = totals.tolist()  # the pass's one device read
+    total_tokens = int(count)
     loss = total_loss / total_tokens if total_tokens else float("nan")
     perplexity = math.exp(loss) if math.isfinite(loss) and loss < 700 else float("inf")
     return EvalResult(loss, perplexity, total_tokens, time.perf_counter() - start)
@@ -161,7 +173,8 @@ def generate_samples(
 
     Every rank decodes exactly ``max_new_tokens`` tokens per prompt and the text is cut at the first
     end-of-sequence token: stopping early on one rank only would leave the others
-    waiting in FSDP2's parameter gathers.
+    waiting in FSDP2's parameter gathers. Compiled modules run eagerly here (a sequence one token longer
+    per forward, no grad, eval mode: see :func:`hf_fsdp2.parallel.compiling.eager`).
 
     Args:
         model: the (FSDP2-sharded) causal LM.
@@ -178,7 +191,7 @@ def generate_samples(
     was_training = model.training
     model.eval()
     texts = []
-    with torch.no_grad():
+    with torch.no_grad(), eager():
         for prompt in prompts:
             ids = torch.tensor([prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
             for _ in range(max_new_tokens):

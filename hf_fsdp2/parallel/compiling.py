@@ -13,12 +13,25 @@ they are the same in eager, regional and whole-model runs.
   graph: compile time does not grow with depth.
 - ``model``: the whole model is compiled after ``fully_shard``; dynamo breaks the graph at FSDP2's
   hooks, so it compiles several graphs; compile time grows with depth.
+
+Shapes change every step with real data (sequence lengths, padding-free token counts). With
+``torch_compile_dynamic`` unset, the sequence dims are marked dynamic before the first compile, so a new
+length never recompiles (dynamo's automatic dynamic would recompile each graph once on the second length).
+The chunked loss runs eagerly (``hf_fsdp2.train.loss``: its loop count is the step's target rows), and
+evaluation and generation run eagerly (:func:`eager`): no-grad, eval-mode and one-token-longer shapes would
+each be new graphs, filling dynamo's per-function recompile limit (8) that training needs.
+:class:`CompileWatch` logs every recompile and warns loudly when the limit is hit (dynamo then runs that
+function eagerly for the rest of the run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +43,72 @@ logger = logging.getLogger("hf_fsdp2")
 # dynamo writes one record to this logger per recompilation (with the failed guards) once the
 # "recompiles" artifact is on.
 _RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
+# dynamo warns here when a function reaches config.recompile_limit and falls back to eager for good.
+_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+
+# The dims of a decoder layer's inputs that follow the sequence length, by HF argument name (hidden_states is
+# also the first positional argument). The batch dim is left static: it changes at most on a last short batch.
+_LAYER_SEQ_DIMS: dict[str, tuple[int, ...]] = {
+    "hidden_states": (1,),
+    "position_ids": (1,),
+    "position_embeddings": (1,),  # (cos, sin), each [batch, seq, head_dim]
+    "attention_mask": (-2, -1),  # [batch, 1, query, key] when a dense mask is built
+    "cache_position": (0,),
+}
+# The model's own inputs: [batch, seq] each.
+_MODEL_SEQ_DIMS: dict[str, tuple[int, ...]] = {
+    "input_ids": (1,),
+    "attention_mask": (1,),
+    "position_ids": (1,),
+    "labels": (1,),
+}
+
+
+def _mark_dims(value: Any, dims: tuple[int, ...]) -> None:
+    if isinstance(value, torch.Tensor):
+        for dim in dims:
+            if -value.dim() <= dim < value.dim():
+                # maybe_: a dim the graph needs static (or of size 0/1) is specialised, not an error.
+                torch._dynamo.maybe_mark_dynamic(value, dim % value.dim())
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_dims(item, dims)
+
+
+def mark_sequence_dims(args: tuple, kwargs: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> None:
+    """Mark the sequence dims of a call's tensor arguments dynamic (before the compiled call, never inside).
+
+    Args:
+        args: positional arguments; the first one is marked as ``hidden_states`` / ``input_ids``.
+        kwargs: keyword arguments, marked by name from ``dims``.
+        dims: argument name -> its sequence dims.
+    """
+    if args:
+        _mark_dims(args[0], dims.get("hidden_states", dims.get("input_ids", ())))
+    for name, value in kwargs.items():
+        if name in dims:
+            _mark_dims(value, dims[name])
+
+
+def _with_dynamic_seq(fn: Callable[..., Any], dims: dict[str, tuple[int, ...]]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        mark_sequence_dims(args, kwargs, dims)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled modules eagerly inside (evaluation, generation): no graph is compiled or recompiled.
+
+    Their shapes (no-grad, eval mode, one token longer per generated token) are not training's; compiling
+    them would spend compile time on passes that run a few times per run and use up the per-function
+    recompile limit that training's graphs share.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def _configure_dynamo() -> None:
@@ -61,7 +140,9 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
         # graph, and the checkpoint (hf_fsdp2.parallel.activations wraps the forward) inside it, traced as one
         # region, selective policy included. With FSDP2's hooks inside a checkpointed region (a
         # checkpoint_wrapper module around an FSDP unit) dynamo compiles nothing at all (measured).
-        module.forward = torch.compile(module.forward, **plan.kwargs())
+        compiled = torch.compile(module.forward, **plan.kwargs())
+        # dynamic unset: sequence dims dynamic from the first compile; True/False: the user's choice, as is.
+        module.forward = _with_dynamic_seq(compiled, _LAYER_SEQ_DIMS) if plan.dynamic is None else compiled
         names.append(name)
     return names
 
@@ -69,18 +150,26 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
 def compile_model(model: torch.nn.Module, plan: CompilePlan) -> None:
     """Compile the whole (already sharded) model in place."""
     _configure_dynamo()
-    model.compile(**plan.kwargs())
+    # What nn.Module.compile does (so FSDP2's and the loss's hooks still run through __call__), with the
+    # inputs' sequence dims marked dynamic before the compiled call when dynamic is unset.
+    compiled = torch.compile(model._call_impl, **plan.kwargs())
+    model._compiled_call_impl = (
+        _with_dynamic_seq(compiled, _MODEL_SEQ_DIMS) if plan.dynamic is None else compiled
+    )
 
 
 class _Counter(logging.Handler):
-    def __init__(self) -> None:
+    def __init__(self, contains: str = "") -> None:
         super().__init__(level=logging.DEBUG)
+        self.contains = contains
         self.count = 0
         self.last_reason = ""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
-        self.last_reason = record.getMessage().strip()
+        message = record.getMessage().strip()
+        if self.contains in message:
+            self.count += 1
+            self.last_reason = message
 
 
 @dataclass
@@ -95,19 +184,23 @@ class CompileWatch:
     _seconds: float = 0.0
     _frames: int = 0
     _handler: _Counter = field(default_factory=_Counter)
+    _limits: _Counter = field(default_factory=lambda: _Counter("recompile_limit"))
     _seen_recompiles: int = 0
+    _seen_limits: int = 0
 
     def start(self) -> CompileWatch:
         if not self.enabled:
             return self
         torch._logging.set_logs(recompiles=True)
         logging.getLogger(_RECOMPILES_LOGGER).addHandler(self._handler)
+        logging.getLogger(_LIMIT_LOGGER).addHandler(self._limits)
         self._seconds, self._frames = _compile_seconds(), _compiled_frames()
         return self
 
     def take(self) -> dict[str, float]:
-        """``compile_s`` (seconds compiling since the last call), ``compiled_graphs`` and ``recompiles``
-        (totals so far); empty when compile is off."""
+        """``compile_s`` (seconds compiling since the last call), ``compiled_graphs``, ``recompiles`` and
+        ``recompile_limit_hits`` (totals so far); empty when compile is off. Logs a warning for new recompiles,
+        and an error-level one when a function hit dynamo's recompile limit (it then runs eagerly)."""
         if not self.enabled:
             return {}
         seconds, frames = _compile_seconds(), _compiled_frames()
@@ -115,6 +208,7 @@ class CompileWatch:
             "compile_s": max(seconds - self._seconds, 0.0),
             "compiled_graphs": float(frames),
             "recompiles": float(self._handler.count),
+            "recompile_limit_hits": float(self._limits.count),
         }
         self._seconds = seconds
         if self._handler.count > self._seen_recompiles:
@@ -124,6 +218,14 @@ class CompileWatch:
                 self._handler.last_reason[:300],
             )
             self._seen_recompiles = self._handler.count
+        if self._limits.count > self._seen_limits:
+            logger.error(
+                "torch.compile hit dynamo's recompile limit (%d time(s)): that code now runs EAGERLY for the rest "
+                "of the run, without compile's speed-up. Find the changing guard in the recompile log above; %s",
+                self._limits.count,
+                self._limits.last_reason.splitlines()[0][:300],
+            )
+            self._seen_limits = self._limits.count
         return out
 
 

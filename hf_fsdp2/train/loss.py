@@ -7,6 +7,7 @@ the micro-batch split, the accumulation or the number of ranks (not a mean of pe
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +204,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
+@torch.compiler.disable  # eager by construction: its loop count is the step's target rows (see _loss_inside_head)
 def chunked_linear_cross_entropy_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -411,40 +413,85 @@ def causal_lm_loss(
             cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None
         )
     head = model.get_output_embeddings()  # type: ignore[operator]
-    result: list[torch.Tensor] = []
     targets = labels[:, 1:].reshape(-1)
     if rows is None:
         # Found here, before the model runs: under whole-model compile a nonzero() inside the head's hook would
         # break the graph there and recompile its remainder every step.
         rows = target_rows(targets)
-
-    def loss_inside_head(module: torch.nn.Module, args: tuple) -> tuple:
-        full = args[0]
-        hidden = full[:, :-1].reshape(-1, full.size(-1))
-        weight = module.weight
-        assert isinstance(weight, torch.Tensor)
-        result.append(
-            chunked_linear_cross_entropy_sum(
-                hidden,
-                weight,
-                targets.to(full.device),
-                plan.chunk_tokens,
-                plan.transform,
-                rows.to(full.device, non_blocking=True),
-            )
-        )
-        return (full[:, -1:], *args[1:])
-
-    handle = head.register_forward_pre_hook(loss_inside_head)
+    _install_head_hook(head)
+    request = _HeadRequest(targets, rows, plan)
+    _REQUESTS[head] = request
     try:
         out = model(**inputs, **extra, use_cache=False)
     finally:
-        handle.remove()
-    return LossOutput(result[0], getattr(out, "aux_loss", None) if extra else None)
+        del _REQUESTS[head]
+    if request.result is None:
+        raise RuntimeError(
+            f"the chunked loss was not computed: {type(model).__name__}'s output head {type(head).__name__} did not "
+            "run during the forward; set ce_chunk_tokens=0"
+        )
+    return LossOutput(request.result, getattr(out, "aux_loss", None) if extra else None)
+
+
+@dataclass
+class _HeadRequest:
+    """What the head's hook computes the loss from during one :func:`causal_lm_loss` forward, and its result."""
+
+    targets: torch.Tensor
+    rows: torch.Tensor
+    plan: LossPlan
+    result: torch.Tensor | None = None
+
+
+# The pending loss of each output head, set around one forward by causal_lm_loss. Kept outside the module (not a
+# hook closure, not a module attribute) so that torch.compile never sees it: a closure holding this step's
+# tensors is guarded on their shapes, and a new hook every step changes the hooks dict; either recompiles the
+# whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps, issue 23).
+_REQUESTS: weakref.WeakKeyDictionary[torch.nn.Module, _HeadRequest] = weakref.WeakKeyDictionary()
+_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@torch.compiler.disable
+def _loss_inside_head(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """The head's forward pre-hook: computes the pending chunked loss, lets the head run on one position.
+
+    Eager by construction (``torch.compiler.disable``): its work is GEMMs that compile cannot fuse, and its loop
+    runs once per chunk of this step's target rows, a count that changes every step; traced, each new count is a
+    new graph. Under whole-model compile the graph breaks here once; the layers before and after stay compiled.
+    """
+    request = _REQUESTS.get(module)
+    if request is None:  # a forward that is not causal_lm_loss's (generation, the probe): the head runs as is
+        return None
+    full = args[0]
+    hidden = full[:, :-1].reshape(-1, full.size(-1))
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    request.result = chunked_linear_cross_entropy_sum(
+        hidden,
+        weight,
+        request.targets.to(full.device),
+        request.plan.chunk_tokens,
+        request.plan.transform,
+        request.rows.to(full.device, non_blocking=True),
+    )
+    # Contiguous: a view of the last position has a stride that follows the sequence length, which the head's
+    # compiled graph would be guarded on (one recompile per new stride, measured under whole-model compile).
+    return (full[:, -1:].contiguous(), *args[1:])
+
+
+def _install_head_hook(head: torch.nn.Module) -> None:
+    """Register :func:`_loss_inside_head` on ``head`` once: the same hook every step, so compiled graphs stay valid."""
+    if head not in _HOOKED:
+        head.register_forward_pre_hook(_loss_inside_head)
+        _HOOKED.add(head)
 
 
 def causal_lm_loss_sum(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    plan: LossPlan,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The summed CE of :func:`causal_lm_loss` alone (evaluation, benches)."""
-    return causal_lm_loss(model, inputs, labels, plan).ce_sum
+    """The summed CE of :func:`causal_lm_loss` alone (evaluation, benches); ``rows`` as there."""
+    return causal_lm_loss(model, inputs, labels, plan, rows).ce_sum
