@@ -7,6 +7,7 @@ the micro-batch split, the accumulation or the number of ranks (not a mean of pe
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     Precision, as fused linear cross-entropy kernels do it: the three GEMMs (logits, gradient of the hidden
     states, gradient of the head) take operands in the inputs' dtype (bf16 under mixed precision; the kernels
     accumulate in fp32), and only the loss needs fp32: the log-sum-exp, the chunk's softmax and the head's
-    gradient accumulator. The softmax gradient is rounded to bf16 for its two GEMMs, as the plain path rounds
+    gradient accumulator. Where torch has it (CUDA, :func:`fp32_accumulating_addmm`), the head's gradient GEMM
+    adds into that fp32 accumulator itself; elsewhere (CPU) each chunk's bf16 product is a ``[vocab x hidden]``
+    temporary added to it: one more bf16 rounding, a ``2 x vocab x hidden``-byte temporary and ``4 x vocab x hidden``
+    bytes more memory traffic per chunk (its write and read; computed: 0.5 GB and 1.05 GB for a 128256 x 2048
+    head), on top of the ``8 x vocab x hidden`` bytes of the accumulator's read and write both paths have. The softmax gradient is rounded to bf16 for its two GEMMs, as the plain path rounds
     the logits' gradient (``tests/unit/test_loss.py`` bounds the difference). fp32 operands would run at a
     fraction of a GPU's bf16 rate (TF32 is off by default) and need an fp32 copy of the head.
     """
@@ -182,10 +187,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_weight is not None:
                 if operand == acc:
                     grad_weight.addmm_(grad_logits.t(), h)
+                elif fp32_accumulating_addmm(grad_weight.device.type, operand):
+                    # bf16 operands, the fp32 accumulator as the GEMM's addend and output (CUDA): no bf16 product.
+                    _addmm_into_fp32(grad_weight, grad_logits.t(), h)
                 else:
-                    # addmm_ wants its addend in the operands' dtype (on CPU; CUDA's out_dtype variant too, in
-                    # the torch sources read): the chunk's product is rounded to bf16 once (fp32 inside the
-                    # GEMM) and added to the fp32 accumulator, one [vocab x hidden] pass per chunk.
+                    # Without that op (CPU; torch before out_dtype): the chunk's product is rounded to bf16 once
+                    # (fp32 inside the GEMM), written as a [vocab x hidden] bf16 temporary and added to the fp32
+                    # accumulator: one more bf16 rounding and one more read+write of [vocab x hidden] per chunk.
                     grad_weight.add_(grad_logits.t() @ h)
         ctx.save_for_backward(
             grad_hidden if grad_hidden is not None else torch.empty(0),
@@ -202,6 +210,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
         return gh, gw, None, None, None, None
+
+
+def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with bf16/fp16 ``a``, ``b`` and an fp32 ``acc`` that the GEMM reads and writes itself."""
+    torch.addmm(acc, a, b, torch.float32, out=acc)  # out_dtype (4th argument): CUDA only in torch 2.13
+
+
+@functools.cache
+def fp32_accumulating_addmm(device_type: str, operand: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32, a, b, torch.float32, out=fp32)`` works for ``operand`` inputs on this device type.
+
+    A feature test, run once per process and device type: torch 2.13 has the op for bf16/fp16 on CUDA only
+    (CPU raises "Could not run 'aten::addmm.dtype_out'"), and older torch lacks the ``out_dtype`` argument.
+    """
+    try:
+        device = torch.device(device_type)
+        a = torch.full((2, 2), 1.0, dtype=operand, device=device)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+        _addmm_into_fp32(acc, a, a)
+        return bool((acc == 3.0).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 @torch.compiler.disable  # eager by construction: its loop count is the step's target rows (see _loss_inside_head)

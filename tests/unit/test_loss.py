@@ -562,3 +562,47 @@ def test_bf16_chunked_loss_gradients_equal_the_plain_bf16_path(tie: bool, transf
         h, w = hidden.clone().requires_grad_(), table.clone().requires_grad_()
         chunked_linear_cross_entropy_sum(h, w, targets, 16).backward()
         assert _within(h.grad, gh_p, bound_h) > 1.0 and _within(w.grad, gw_p, bound_w) > 1.0
+
+
+# ---- the head gradient accumulates in fp32 inside the GEMM where torch can (issue 23 item 8) -------------------
+
+
+def test_fp32_accumulating_addmm_is_feature_tested() -> None:
+    """torch 2.13 has ``addmm(..., out_dtype=float32)`` for bf16 on CUDA only: CPU takes the bf16-product path."""
+    from hf_fsdp2.train import loss as loss_module
+
+    assert loss_module.fp32_accumulating_addmm("cpu", torch.bfloat16) is False
+    if torch.cuda.is_available():  # the GPU check runs this line
+        assert loss_module.fp32_accumulating_addmm("cuda", torch.bfloat16) is True
+
+
+def test_bf16_head_gradient_uses_the_fp32_accumulating_gemm_where_available(monkeypatch) -> None:
+    """Where the op exists, every chunk's head gradient goes through it (no bf16 [vocab x hidden] product), and
+    the gradient stays within the bf16 bound of the plain path. The CUDA kernel is replaced by what it computes
+    (bf16 operands, exact products, fp32 sums into the fp32 accumulator), since CPU torch lacks it."""
+    from hf_fsdp2.train import loss as loss_module
+
+    calls: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def on_cpu(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        calls.append((acc.dtype, a.dtype, b.dtype))
+        acc.addmm_(a.float(), b.float())
+
+    monkeypatch.setattr(loss_module, "fp32_accumulating_addmm", lambda device_type, operand: True)
+    monkeypatch.setattr(loss_module, "_addmm_into_fp32", on_cpu)
+    gen = torch.Generator().manual_seed(1)
+    rows, vocab, dim = 40, 96, 32
+    hidden = torch.randn(rows, dim, generator=gen).bfloat16()
+    table = (torch.randn(vocab, dim, generator=gen) * 2 / dim**0.5).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[::5] = IGNORE_INDEX
+    weight = table.clone().requires_grad_()
+    chunked_linear_cross_entropy_sum(hidden, weight, targets, 16).backward()
+    assert calls == [(torch.float32, torch.bfloat16, torch.bfloat16)] * 2  # 32 target rows, chunks of 16
+    plain_w = table.clone().requires_grad_()
+    F.cross_entropy(
+        (hidden @ plain_w.t()).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
+    ).backward()
+    _, _, bound_w = _bf16_rounding_bounds(hidden, table, targets, LogitTransform())
+    assert weight.grad is not None and plain_w.grad is not None
+    assert _within(weight.grad, plain_w.grad, bound_w) <= 1.0
