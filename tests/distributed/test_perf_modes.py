@@ -53,10 +53,12 @@ def test_compile_time_is_reported_apart_and_only_in_the_first_step(results, conf
     assert all(r["compile_s"] == 0 for r in rest)  # same shapes: nothing compiles again
     assert all(r["compiled_graphs"] == first["compiled_graphs"] for r in rest)
     assert all(r["recompiles"] == first["recompiles"] for r in rest)  # none after the first step
+    assert first["recompile_limit_hits"] == 0
     if config.endswith("regional"):
         assert first["recompiles"] == 0
-    else:  # the whole model: dynamo recompiles at a transformers helper between layers; counted, not hidden
-        assert first["recompiles"] >= 1
+    # The whole model may recompile inside its first step (a transformers helper's guard on the model's class
+    # between the probe and the step); counted and logged, and never again (above). Varying shapes:
+    # tests/distributed/test_compile_recompiles.py.
 
 
 def test_eager_runs_report_no_compile_fields(results):
