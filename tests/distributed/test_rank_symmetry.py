@@ -4,7 +4,8 @@ Each case runs the recipe on 2 gloo ranks with an untied output head (its own FS
 that differs between ranks reorders the collectives) and data that differs per rank: very uneven
 lengths around ``ce_chunk_tokens``, eval sets that do not split evenly, examples without any target
 token, a last partial batch, LoRA, padding-free batches and packed rows. A broken case deadlocks: the
-short ``ddp_timeout`` turns that into a failure within a minute instead of a hung suite.
+short ``ddp_timeout`` and ``host_wait_timeout`` (device collectives, host-group waits) turn that into a failure
+within a minute instead of a hung suite.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_ranks_with_different_data_never_deadlock(setup, tmp_path: Path, case: s
     recipe = {
         "model_name_or_path": str(model), "dataset_name": str(train), "eval_dataset_name": str(evals),
         "output_dir": str(out), "max_length": 48, "logging_steps": 1, "learning_rate": 1e-3,
-        "mixed_precision": "no", "ddp_timeout": 60, "export_verify": False, **CASES[case],
+        "mixed_precision": "no", "ddp_timeout": 60, "host_wait_timeout": 60, "export_verify": False, **CASES[case],
     }  # fmt: skip
     recipe["dataset_name"] = str(train.parent / Path(recipe["dataset_name"]).name)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
