@@ -131,7 +131,7 @@ def test_gpu_bench_smoke_runs_hf_fsdp2_and_trl_on_the_same_rows(tmp_path: Path):
 
 
 def test_gpu_bench_charges_each_document_at_its_own_length_as_the_recipe_meter():
-    bench = load_bench("gpu_bench")
+    bench = load_bench("gpu_bench_work")
     # The 1B shape: N = 1.236e9 non-embedding parameters (tied head), 16 layers, 32 heads of 64.
     fm = FlopsModel(non_embedding_params=1_235_814_400, layers=16, heads=32, head_dim=64)
     seq = 4096

@@ -1,0 +1,78 @@
+"""gpu_bench.py's hf_fsdp2 runners: one ``compile:ac:loss`` configuration measured in this process, with
+the library's own pieces (``prepare_fsdp2``, ``train_step``) on the rows of `gpu_bench_work`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+from gpu_bench_work import BETAS, EPS, LR, batch_counts, build, max_mem_gib, packed_batch, summarize, sync
+
+
+def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
+    from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
+    from hf_fsdp2.observe.flops import flops_model, non_embedding_params
+    from hf_fsdp2.parallel.accelerator import prepare_fsdp2
+    from hf_fsdp2.parallel.compiling import CompileWatch
+    from hf_fsdp2.train.loss import plan_loss
+    from hf_fsdp2.train.optim import build_adamw, param_groups
+    from hf_fsdp2.train.step import StepSettings, train_step
+
+    scope, ac, loss_path = item.split(":")
+    device = acc.device
+    torch._dynamo.reset()
+    model = build(args, device)
+    flops = flops_model(model.config, non_embedding_params(model))
+    opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
+    sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
+    compile_plan = CompilePlan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
+    model, opt = prepare_fsdp2(
+        acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan
+    )
+    settings = StepSettings(plan_loss(model, 1024 if loss_path == "chunked" else 0), max_grad_norm=1.0)
+    batches = [packed_batch(args.seq, model.config.vocab_size, i) for i in range(args.warmup + args.steps)]
+    counts = [batch_counts(b, flops) for b in batches[args.warmup :]]
+    watch = CompileWatch(enabled=scope != "eager").start()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step(i: int) -> Any:  # the library's own step: the one every recipe runs
+        return train_step(model, opt, None, [batches[i]], settings, device)
+
+    start = time.perf_counter()
+    outs = [step(i) for i in range(args.warmup)]  # compile happens here: not timed
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    compiled = watch.take()
+    start = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        outs.append(step(i))
+    sync(device)
+    seconds = time.perf_counter() - start
+    out = outs[-1]
+    return {
+        # every step's loss, read after the clock stopped (a read waits for the device)
+        "losses": [o.loss() for o in outs],
+        "layers": model.config.num_hidden_layers,
+        **summarize(counts, seconds),
+        "max_mem_allocated_gib": max_mem_gib(device),
+        "final_loss": out.loss(),
+        "compile_s": compiled.get("compile_s", 0.0),
+        # recompiles during the timed steps (their time is in step_s): should be 0
+        "recompiles_timed": watch.take().get("recompiles", 0.0) - compiled.get("recompiles", 0.0),
+        "recompiles_total": compiled.get("recompiles", 0.0),
+        "warmup_s": warmup_s,
+    }
+
+
+def release(acc: Any) -> None:
+    """Free a configuration's model and optimizer (accelerate keeps references to what it prepared)."""
+    acc._models.clear()
+    acc._optimizers.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
