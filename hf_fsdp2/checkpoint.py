@@ -40,6 +40,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.checkpoint_manifest import (
+    default_algorithm,
+    digest_files,
+    manifest_problems,
+    rank_files,
+    write_manifest,
+)
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -162,9 +169,10 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
-def checkpoint_problems(path: Path) -> list[str]:
+def checkpoint_problems(path: Path, *, digests: bool = True) -> list[str]:
     """What is wrong with a checkpoint folder's files (empty: every file DCP's index names is there,
-    at least as long as the index says). Cheap: sizes only, no tensor is read.
+    at least as long as the index says, and, with ``digests``, every file's bytes match its ``manifest.json``
+    digest: :mod:`hf_fsdp2.checkpoint_manifest`, which reads every file once). Without ``digests``: sizes only.
     """
     problems = []
     for name in (STATE_FILE, ".metadata", CONFIG_FILE):
@@ -187,6 +195,8 @@ def checkpoint_problems(path: Path) -> list[str]:
             problems.append(f"{rel} is missing")
         elif file.stat().st_size < size:
             problems.append(f"{rel} is {file.stat().st_size} bytes, its index needs {size} (truncated)")
+    if digests and not problems:
+        problems = manifest_problems(path)
     return problems
 
 
@@ -307,6 +317,8 @@ class Checkpointer:
         self.protected: Path | None = None  # the checkpoint resumed from is never deleted
         self.rank_data: dict[str, Any] | None = None  # this rank's data position, from the checkpoint loaded
         self._pending: tuple[Future, Path, Path, int] | None = None
+        self._algorithm = default_algorithm()  # of the manifest's digests
+        self._digests: dict[str, dict[str, Any]] = {}  # this rank's files of the save in flight
         self._async_group: Any = None
         if async_save and dist.is_initialized():
             # A separate gloo group, so the background writer's collectives never interleave with
@@ -366,8 +378,9 @@ class Checkpointer:
                 self._pending = (future, tmp, final, step)  # type: ignore[assignment]
                 return
             dcp.save(tensors, checkpoint_id=str(tmp))  # collective
-            if self.is_main:
-                (tmp / STATE_FILE).write_text(state.to_json())  # written last: marks completeness
+            self._digests = digest_files(tmp, rank_files(tmp, collectives.rank()), self._algorithm)
+            if self.is_main:  # _publish puts it in place as trainer_state.json, after the manifest
+                (tmp / PENDING_STATE_FILE).write_text(state.to_json())
 
         # Each phase ends with every rank agreeing on success, so a failure on one rank never
         # leaves the others waiting in a collective the failed rank skipped.
@@ -398,8 +411,7 @@ class Checkpointer:
 
         def finish() -> None:
             future.result()  # the writer thread's error, if any, surfaces here
-            if self.is_main:
-                os.replace(tmp / PENDING_STATE_FILE, tmp / STATE_FILE)
+            self._digests = digest_files(tmp, rank_files(tmp, collectives.rank()), self._algorithm)
 
         self._agree(finish, step, tmp)
         self._pending = None
@@ -407,10 +419,11 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, step: int) -> None:
         collectives.barrier()  # every rank has written its shard files
+        self._seal(tmp, step)
 
         def check() -> None:  # rank 0: never publish a checkpoint without all its files
             if self.is_main:
-                problems = checkpoint_problems(tmp)
+                problems = checkpoint_problems(tmp, digests=False)
                 if problems:
                     raise CheckpointError(f"the written files are incomplete: {'; '.join(problems[:3])}")
 
@@ -434,6 +447,24 @@ class Checkpointer:
                 continue
             shutil.rmtree(old, ignore_errors=True)
             logger.info("removed %s (keeping the last %d)", old.name, self.keep_last)
+
+    def _seal(self, tmp: Path, step: int) -> None:
+        """The manifest of the written files (each rank hashed its own), then ``trainer_state.json``, which marks
+        the checkpoint complete: a checkpoint is never complete without its manifest (every rank)."""
+        written = collectives.gather_objects(self._digests)  # every rank (host group)
+        self._digests = {}
+
+        def seal() -> None:
+            if self.is_main:
+                files = {name: entry for part in written for name, entry in part.items()}
+                shared = [n for n in (".metadata", CONFIG_FILE, README_FILE) if (tmp / n).is_file()]
+                files.update(digest_files(tmp, shared, self._algorithm))
+                pending = digest_files(tmp, [PENDING_STATE_FILE], self._algorithm)
+                files[STATE_FILE] = pending[PENDING_STATE_FILE]
+                write_manifest(tmp, files, self._algorithm)
+                os.replace(tmp / PENDING_STATE_FILE, tmp / STATE_FILE)  # last: marks completeness
+
+        self._agree(seal, step, tmp)
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
         """Load model and optimizer shards (resharded to the current world size) and this rank's RNG.

@@ -46,6 +46,7 @@ from hf_fsdp2.export.files import (
     plan_files,
     write_part_file,
 )
+from hf_fsdp2.export.finite import check_finite
 from hf_fsdp2.export.plan import (
     ExportPlan,
     export_config,
@@ -89,7 +90,9 @@ def _write_weights(plan: ExportPlan, stage: Path) -> None:
     for index, keys in enumerate(plan_files(sizes, PART_BYTES * collectives.world()), start=1):
 
         def cast(keys: list[str] = keys) -> dict[str, torch.Tensor]:
-            return {k: plan.cast(k) for k in keys}
+            group = {k: plan.cast(k) for k in keys}
+            check_finite(group, what="the model")  # a NaN verifies bit-exact against a NaN: refuse it here
+            return group
 
         group = run_on_all(f"casting part {index}", cast)
         writer = HuggingFaceStorageWriter(
@@ -106,6 +109,7 @@ def _write_weights(plan: ExportPlan, stage: Path) -> None:
 
         def write_experts(name: str = name, number: int = number) -> None:
             experts = plan.local_experts(name)
+            check_finite(experts, what="the model")
             if experts:
                 parts.mkdir(parents=True, exist_ok=True)
                 path = parts / f"experts-{number:05d}-rank{collectives.rank():05d}.safetensors"

@@ -239,6 +239,7 @@ def export_lora(
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.export import ExportError, export_model
+    from hf_fsdp2.export.finite import check_finite
     from hf_fsdp2.export.writer import publish
 
     out = Path(out_dir)
@@ -247,6 +248,7 @@ def export_lora(
 
     def write() -> None:  # rank 0 writes; its failure is raised on every rank (no rank left waiting)
         if is_main_process:
+            check_finite(adapter, what="the LoRA adapter")
             if stage.exists():
                 shutil.rmtree(stage)
             stage.mkdir(parents=True)
