@@ -21,9 +21,10 @@ import os
 import random
 import shutil
 import signal
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +123,37 @@ class TrainerState:
     scheduler: dict[str, Any]
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
+    # The run that wrote it: a new id per run, kept across its resumes; retention and resume never mix runs.
+    # "" in checkpoints written before run ids existed (they match any run).
+    run_id: str = ""
+    # What the local data files were when it was written (path -> size and content digest), to notice on resume
+    # a file changed in place; empty for hub datasets (their revision is part of the config).
+    data_files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> TrainerState:
-        return cls(**json.loads(text))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+
+def new_run_id() -> str:
+    """A fresh run identity (written into every checkpoint of the run)."""
+    return uuid.uuid4().hex[:12]
+
+
+def run_id_of(path: Path) -> str:
+    """The run id in a checkpoint's trainer state; "" when it has none or the file cannot be read."""
+    try:
+        return str(json.loads((path / STATE_FILE).read_text()).get("run_id", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
 
 
 def rng_state() -> dict[str, Any]:
@@ -200,6 +225,26 @@ def checkpoint_problems(path: Path, *, digests: bool = True) -> list[str]:
     return problems
 
 
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint folder the ``latest`` file names (which may be missing), or None without that file."""
+    pointer = Path(output_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(
+            f"{pointer} should hold a step number, not {text[:40]!r}; delete it and resume from a "
+            "checkpoint-<step> path"
+        )
+    return checkpoint_dir(output_dir, int(text))
+
+
+def _other_run(path: Path, owner: str) -> str:
+    """The run id of ``path`` when it is known and differs from ``owner`` (known), else ""."""
+    other = run_id_of(path)
+    return other if owner and other and other != owner else ""
+
+
 def resolve_resume(output_dir: str | Path, value: str) -> Path:
     """The checkpoint folder that ``resume_from_checkpoint`` names.
 
@@ -208,24 +253,42 @@ def resolve_resume(output_dir: str | Path, value: str) -> Path:
         value: ``"latest"`` or a path to a ``checkpoint-<step>`` folder.
 
     Returns:
-        A complete checkpoint folder.
+        A complete checkpoint folder of the run that ``latest`` names (when it names one).
 
     Raises:
-        CheckpointError: no checkpoint, or an incomplete one.
+        CheckpointError: no checkpoint, an incomplete one, ``latest`` naming a missing checkpoint, or a
+            checkpoint of another run than the one ``latest`` names (both run ids named).
     """
+    named = latest_checkpoint(output_dir)
+    owner = run_id_of(named) if named is not None else ""
     if value == "latest":
         complete = list_checkpoints(output_dir)
-        pointer = Path(output_dir) / LATEST
-        if pointer.is_file():
-            named = checkpoint_dir(output_dir, int(pointer.read_text().strip()))
-            complete = [p for p in complete if p != named] + ([named] if named.is_dir() else [])
+        if named is not None and not named.is_dir() and complete:
+            raise CheckpointError(
+                f"resume_from_checkpoint=latest: {Path(output_dir) / LATEST} names {named.name}, which does not "
+                f"exist (found: {', '.join(p.name for p in complete)}); give the checkpoint to continue as a path, "
+                "or start a new run"
+            )
+        if named is not None and named.is_dir():
+            complete = [p for p in complete if p != named] + [named]
         if not complete:
             raise CheckpointError(
                 f"resume_from_checkpoint=latest but {output_dir} holds no complete checkpoint; "
                 "train without resume_from_checkpoint, or give a checkpoint path"
             )
-        # The newest checkpoint whose files are all there; a damaged one is named and skipped.
+        # The newest checkpoint of latest's run whose files are all there; a damaged one is named and skipped.
         for path in reversed(complete):
+            other = _other_run(path, owner)
+            if other:
+                logger.warning(
+                    "resume_from_checkpoint=latest: skipping %s, written by run %s, not by run %s that 'latest' "
+                    "(%s) names",
+                    path,
+                    other,
+                    owner,
+                    named.name if named is not None else "?",
+                )
+                continue
             problems = checkpoint_problems(path)
             if not problems:
                 return path
@@ -235,17 +298,23 @@ def resolve_resume(output_dir: str | Path, value: str) -> Path:
                 "; ".join(problems[:3]),
             )
         raise CheckpointError(
-            f"resume_from_checkpoint=latest: every checkpoint in {output_dir} is damaged "
-            f"({', '.join(p.name for p in complete)}); start a new run or restore the files"
+            f"resume_from_checkpoint=latest: no checkpoint in {output_dir} is both whole and of the run 'latest' "
+            f"names ({', '.join(p.name for p in complete)}); start a new run or restore the files"
         )
-    else:
-        path = Path(value).expanduser()
+    path = Path(value).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={value!r}: no such folder {path}")
     if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
         raise CheckpointError(
             f"resume_from_checkpoint: {path} is incomplete (no {STATE_FILE} or .metadata: the save was "
             "interrupted); resume from an earlier checkpoint-<step> or from 'latest'"
+        )
+    other = _other_run(path, owner)
+    if other and named is not None:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} was written by run {other}, but 'latest' in {output_dir} names "
+            f"{named.name} of run {owner}: continuing it there would mix two runs' checkpoints. Resume with "
+            f"--resume_from_checkpoint latest, or resume {path} into another output_dir"
         )
     problems = checkpoint_problems(path)
     if problems:
@@ -315,6 +384,7 @@ class Checkpointer:
         self.async_save = async_save
         self.is_main = is_main_process
         self.protected: Path | None = None  # the checkpoint resumed from is never deleted
+        self.run_id = ""  # this run's identity (set by the run); retention counts only its checkpoints
         self.rank_data: dict[str, Any] | None = None  # this rank's data position, from the checkpoint loaded
         self._pending: tuple[Future, Path, Path, int] | None = None
         self._algorithm = default_algorithm()  # of the manifest's digests
@@ -433,16 +503,28 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_text_atomic(self.output_dir / LATEST, f"{step}\n")
-            self._prune()
+            self._prune(step)
             logger.info("saved %s", final)
         collectives.barrier()
         _fault_point("kill_after_save", step)
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        """Keep this run's last ``keep_last`` checkpoints up to ``step`` (the one ``latest`` now names).
+
+        Only checkpoints of this run (same run id) count: another run's are never deleted in place of this
+        run's, nor kept instead of them. Those after ``step`` (a branch abandoned by resuming an earlier
+        checkpoint) are left to be replaced; the checkpoint resumed from is kept.
+        """
         if self.keep_last <= 0:
             return
-        complete = list_checkpoints(self.output_dir)
-        for old in complete[: -self.keep_last]:
+        mine = [
+            p
+            for p in list_checkpoints(self.output_dir)
+            if _step_of(p) <= step and run_id_of(p) == self.run_id
+        ]
+        for old in mine[: -self.keep_last]:
+            if _step_of(old) == step:
+                continue  # the checkpoint 'latest' names
             if self.protected is not None and old.resolve() == self.protected.resolve():
                 continue
             shutil.rmtree(old, ignore_errors=True)

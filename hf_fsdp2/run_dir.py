@@ -6,6 +6,8 @@ time) before it writes anything, and removes it when it ends. A lock whose proce
 pid not alive) is stale and taken over; a live one refuses the second run with its owner named.
 A folder that holds only what a run writes before its first step (its resolved config, the lock, tracker
 and debug folders) is reused: a failed start never blocks the same command run again.
+A folder overwritten (``overwrite_output_dir``) first loses the previous run's checkpoints and ``latest``, so
+that retention and ``resume_from_checkpoint latest`` can never pick up a checkpoint of that other run.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 
+from hf_fsdp2.checkpoint import LATEST, PREFIX, TMP_PREFIX
 from hf_fsdp2.config import CONFIG_NAME, ConfigError
 
 logger = logging.getLogger("hf_fsdp2")
@@ -72,6 +76,39 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = 
         f"output_dir={str(p)!r} already holds a previous run ({', '.join(found[:5])}"
         f"{', ...' if len(found) > 5 else ''}); {fixes}"
     )
+
+
+def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
+    """Delete a previous run's checkpoints (``checkpoint-<step>``, interrupted saves) and its ``latest`` file
+    from a folder being overwritten (rank 0, holding the run lock); returns the names removed, sorted.
+
+    Raises:
+        ConfigError: one cannot be removed (permissions, a read-only disk), naming it.
+    """
+    p = Path(output_dir)
+    if not p.is_dir():
+        return []
+    removed = []
+    for entry in sorted(p.iterdir()):
+        name = entry.name
+        is_checkpoint = (name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()) or name.startswith(
+            TMP_PREFIX
+        )
+        if not (is_checkpoint and entry.is_dir()) and not (name == LATEST and entry.is_file()):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"overwrite_output_dir: cannot remove the previous run's {entry} ({err.strerror}); remove it "
+                "yourself or choose another output_dir"
+            ) from None
+        removed.append(name)
+    if removed:
+        logger.warning(
+            "overwrite_output_dir: removed the previous run's checkpoints from %s: %s", p, ", ".join(removed)
+        )
+    return removed
 
 
 def _alive(pid: int) -> bool:

@@ -40,16 +40,19 @@ from hf_fsdp2.parallel.accelerator import (
     world_size,
 )
 from hf_fsdp2.parallel.kernels import check_liger_available
-from hf_fsdp2.run_dir import RunLock, check_output_dir
+from hf_fsdp2.run_dir import RunLock, check_output_dir, clear_previous_checkpoints
 
 logger = logging.getLogger("hf_fsdp2")
 
 
 def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
-    """Rank 0: lock the run folder, then check it holds no other run; the lock is dropped on refusal."""
+    """Rank 0: lock the run folder, then check it holds no other run (an overwritten one loses the previous
+    run's checkpoints); the lock is dropped on refusal."""
     lock.acquire()
     try:
         check_output_dir(lock.path.parent, overwrite=overwrite, resume=resume)
+        if overwrite and not resume:
+            clear_previous_checkpoints(lock.path.parent)
     except ConfigError:
         lock.release()
         raise

@@ -19,9 +19,13 @@ from hf_fsdp2.checkpoint import (
     TrainerState,
     check_config_compatible,
     checkpoint_dir,
+    list_checkpoints,
+    new_run_id,
     resolve_resume,
 )
+from hf_fsdp2.collectives import broadcast_object
 from hf_fsdp2.export.hub import CheckpointPusher
+from hf_fsdp2.train.nonfinite import NonFiniteGuard, attach
 from hf_fsdp2.train.optim import restore_scheduler
 from hf_fsdp2.trainer.session import Session
 
@@ -68,9 +72,28 @@ class RunState:
         self.config_yaml = yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False)
         self.first_step = 1
         self.last_saved = 0
+        # A new run's identity (rank 0's, the same on every rank); a resumed run keeps its checkpoint's.
+        self.checkpointer.run_id = broadcast_object(new_run_id() if session.is_main else None)
         if t.resume_from_checkpoint:
             self._resume(t.resume_from_checkpoint)
+        # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
+        guard = NonFiniteGuard(t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good)
+        self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
+
+    def _last_good(self) -> str:
+        """Where a stopped run continues from (every rank: finishes a save in flight, which is of a good step)."""
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as err:
+            logger.error("%s", err)
+        saved = list_checkpoints(self.session.output_dir)
+        if not saved:
+            return "No checkpoint was saved before it. "
+        return (
+            f"The last good checkpoint is {saved[-1]}: continue from it with --resume_from_checkpoint latest "
+            "after the change. "
+        )
 
     def _resume(self, value: str) -> None:
         session, t = self.session, self.session.cfg.train
@@ -79,6 +102,8 @@ class RunState:
         for note in check_config_compatible(saved_cfg, session.cfg.to_flat_dict()):
             logger.info("resuming with a changed setting: %s", note)
         state = self.checkpointer.load(path, self.model, self.optimizer)
+        if state.run_id:
+            self.checkpointer.run_id = state.run_id
         restore_scheduler(self.scheduler, state.scheduler, t.learning_rate)
         self.first_step, self.last_saved = state.step + 1, state.step
         # The data position in examples of the epoch; with another world size or batch size the same
@@ -107,8 +132,9 @@ class RunState:
         )  # fmt: skip
 
     def save(self, step: int) -> None:
-        """Write ``checkpoint-<step>`` (every rank; collective)."""
+        """Write ``checkpoint-<step>`` (every rank; collective); never of a state after a non-finite step (stop)."""
         t = self.session.cfg.train
+        self.guard.settle_now()  # a save reads the device anyway: the last step's flags first
         state = TrainerState(
             step=step,
             epoch=self.stream.epoch,
@@ -117,6 +143,7 @@ class RunState:
             scheduler=self.scheduler.state_dict(),
             per_device_train_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
+            run_id=self.checkpointer.run_id,
         )
         rank_data = self.stream.state_dict() if hasattr(self.stream, "state_dict") else None
         self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
@@ -128,6 +155,8 @@ class RunState:
         """Save on the cadence (every ``save_steps`` and at the last step); True when the run must stop now
         (SIGTERM on any rank: the state is saved first). Every rank calls it at every step."""
         t = self.session.cfg.train
+        if step == total_steps:
+            self.guard.settle_now()  # the last step's flags, before the end's save and export
         if t.save_steps and (step % t.save_steps == 0 or step == total_steps):
             self.save(step)
         if self.stop.should_stop():  # every rank: SIGTERM on any rank stops all at this step boundary

@@ -1,0 +1,118 @@
+"""Checkpoints of different runs in one folder never mix: retention counts only the run's own checkpoints and
+never deletes the one ``latest`` names; resume refuses a checkpoint of another run than ``latest``'s; an
+overwritten folder loses the previous run's checkpoints first (issue 25, item 3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hf_fsdp2.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    Checkpointer,
+    CheckpointError,
+    TrainerState,
+    resolve_resume,
+    run_id_of,
+)
+from hf_fsdp2.run_dir import clear_previous_checkpoints
+
+
+def _checkpoint(out: Path, step: int, run_id: str) -> Path:
+    """A real (tiny, single-process) DCP checkpoint of ``run_id`` at ``step``."""
+    path = out / f"checkpoint-{step}"
+    dcp.save({"model": {"w": torch.full((4,), float(step))}}, checkpoint_id=str(path))
+    state = TrainerState(step, 0, step, 1, {}, 1, 1, run_id=run_id)
+    (path / STATE_FILE).write_text(state.to_json())
+    (path / CONFIG_FILE).write_text("seed: 1\n")
+    return path
+
+
+def _names(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("checkpoint-*"))
+
+
+def test_retention_keeps_the_new_runs_checkpoint_not_an_older_runs_higher_step(tmp_path: Path) -> None:
+    # The issue: an older 6-step run's checkpoint-6 beside the new run's checkpoint-3, save_total_limit 1.
+    _checkpoint(tmp_path, 6, "old")
+    _checkpoint(tmp_path, 3, "new")
+    (tmp_path / "latest").write_text("3\n")
+    ckpt = Checkpointer(tmp_path, keep_last=1, async_save=False, is_main_process=True)
+    ckpt.run_id = "new"
+    ckpt._prune(3)
+    assert _names(tmp_path) == [
+        "checkpoint-3",
+        "checkpoint-6",
+    ]  # the run's own, and the other run's untouched
+
+
+def test_retention_keeps_the_last_k_of_the_run_and_the_one_latest_names(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 5):  # 5: a later checkpoint of a branch abandoned by resuming checkpoint-2
+        _checkpoint(tmp_path, step, "r")
+    ckpt = Checkpointer(tmp_path, keep_last=1, async_save=False, is_main_process=True)
+    ckpt.run_id = "r"
+    ckpt._prune(3)
+    assert _names(tmp_path) == ["checkpoint-3", "checkpoint-5"]
+
+
+def test_run_id_is_written_and_read_and_older_states_load(tmp_path: Path) -> None:
+    path = _checkpoint(tmp_path, 2, "abc")
+    assert run_id_of(path) == "abc"
+    assert (
+        TrainerState.from_json(json.dumps({**json.loads((path / STATE_FILE).read_text()), "x": 1})).run_id
+        == "abc"
+    )
+    older = {"step": 1, "epoch": 0, "batches_in_epoch": 1, "world_size": 1, "scheduler": {},
+             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}  # fmt: skip
+    assert TrainerState.from_json(json.dumps(older)).run_id == ""
+
+
+def test_resume_refuses_a_checkpoint_of_another_run_than_latests(tmp_path: Path) -> None:
+    old = _checkpoint(tmp_path, 6, "oldrun")
+    _checkpoint(tmp_path, 3, "newrun")
+    (tmp_path / "latest").write_text("3\n")
+    assert resolve_resume(tmp_path, "latest") == tmp_path / "checkpoint-3"
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path, str(old))
+    assert (
+        "run oldrun" in str(err.value) and "run newrun" in str(err.value) and "checkpoint-3" in str(err.value)
+    )
+
+
+def test_latest_never_falls_back_to_another_runs_checkpoint(tmp_path: Path, caplog) -> None:
+    _checkpoint(tmp_path, 6, "oldrun")
+    new = _checkpoint(tmp_path, 3, "newrun")
+    (tmp_path / "latest").write_text("3\n")
+    (new / ".metadata").write_bytes(b"garbage")  # the run's own checkpoint is damaged
+    with caplog.at_level(logging.WARNING, logger="hf_fsdp2"), pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path, "latest")
+    assert "of the run 'latest' names" in str(err.value)
+    assert "written by run oldrun, not by run newrun" in caplog.text
+
+
+def test_latest_naming_a_missing_checkpoint_is_refused_not_replaced_by_another(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 6, "oldrun")
+    (tmp_path / "latest").write_text("3\n")  # the issue's state: latest names a checkpoint that was deleted
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path, "latest")
+    assert "names checkpoint-3, which does not exist" in str(err.value) and "checkpoint-6" in str(err.value)
+
+
+def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_path: Path, caplog) -> None:
+    for step in (2, 4):
+        _checkpoint(tmp_path, step, "old")
+    (tmp_path / ".tmp-checkpoint-6").mkdir()
+    (tmp_path / "latest").write_text("4\n")
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # the export is replaced by the new run's
+    (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: kept
+    with caplog.at_level(logging.WARNING, logger="hf_fsdp2"):
+        removed = clear_previous_checkpoints(tmp_path)
+    assert removed == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "model.safetensors"]
+    assert "removed the previous run's checkpoints" in caplog.text
