@@ -16,7 +16,9 @@ Formats (detected per record, as TRL's ``DPOTrainer`` reads them):
 The prompt tokens are the common prefix of the prompt's tokens and each full sequence's (a token merged
 across the boundary belongs to the completion). Sequences longer than ``max_length`` keep their start
 (``long_examples: truncate``), or are dropped or refused; a pair whose prompt alone fills ``max_length`` has
-no completion left and is dropped (counted). Bad records name their source and index.
+no completion left and is dropped (counted). Bad records name their source and index; a pair whose chosen and
+rejected are the same (as given, as tokens, or within ``max_length``) is one: it trains at loss ln 2 with no
+gradient, teaching nothing.
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ def split_prompt(record: Mapping[str, Any], where: str) -> tuple[Any, Any, Any]:
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     if not chosen or not rejected:
         raise RecordError(f"{where}: chosen and rejected are the same: nothing to prefer", "empty completion")
+    if chosen == rejected:
+        raise RecordError(
+            f"{where}: chosen and rejected are the same ({str(chosen)[:80]!r}): nothing to prefer (the pair would "
+            "train at loss ln 2 with no gradient); fix or remove it, or set on_bad_record=skip",
+            "identical pair",
+        )
     if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(
         rejected, str
     ):
@@ -162,6 +170,27 @@ def tokenize_pair(
     return list(prompt_ids[:n]), list(full_chosen[n:]), list(full_rejected[n:])
 
 
+def _check_distinct(
+    prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int, where: str
+) -> None:
+    """Refuse a pair whose chosen and rejected rows are the same tokens (whole, or the first ``max_length``
+    that train): DPO gets loss ln 2 and no gradient from it."""
+    if chosen_ids == rejected_ids:
+        raise RecordError(
+            f"{where}: chosen and rejected tokenize to the same {len(chosen_ids)} tokens: nothing to prefer; fix "
+            "or remove the pair, or set on_bad_record=skip",
+            "identical pair",
+        )
+    room = max_length - len(prompt_ids)
+    if 0 < room and chosen_ids[:room] == rejected_ids[:room]:
+        raise RecordError(
+            f"{where}: chosen and rejected differ only after max_length={max_length} tokens (prompt "
+            f"{len(prompt_ids)} tokens), so the trained rows are the same: nothing to prefer; raise max_length, "
+            "or set on_bad_record=skip",
+            "identical within max_length",
+        )
+
+
 def tokenize_pairs(
     records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
     source: str = "",
@@ -187,6 +216,7 @@ def tokenize_pairs(
             prompt_ids, chosen_ids, rejected_ids = tokenize_pair(
                 tokenizer, *split_prompt(record, where), where
             )
+            _check_distinct(prompt_ids, chosen_ids, rejected_ids, max_length, where)
         except RecordError as err:
             if on_bad_record != "skip":
                 raise

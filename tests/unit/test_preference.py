@@ -56,6 +56,9 @@ def test_explicit_and_implicit_prompts_split_as_trl_does() -> None:
         ({"prompt": "Q", "chosen": "  ", "rejected": " b"}, "record 7: an empty chosen completion"),
         ({"prompt": "Q", "chosen": " a", "rejected": []}, "record 7: an empty rejected completion"),
         ({"chosen": "same", "rejected": "same"}, "record 7: chosen and rejected are the same"),
+        ({"prompt": "Q", "chosen": " same", "rejected": " same"}, "record 7: chosen and rejected are the same (' same')"),
+        ({"prompt": "Q", "chosen": [{"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "assistant", "content": "a"}]}, "record 7: chosen and rejected are the same"),
         ({"prompt": "Q", "chosen": " a", "rejected": [{"role": "assistant", "content": "b"}]}, "must all be strings"),
     ],
 )  # fmt: skip
@@ -116,6 +119,22 @@ def test_long_pairs_are_truncated_dropped_or_refused_and_bad_ones_skipped_and_co
         tokenize_pairs(records, tok, max_length=16, source="d.jsonl")
     with pytest.raises(RecordError, match="d.jsonl record 1: .* more than max_length=16"):
         tokenize_pairs(records[:2], tok, max_length=16, long_examples="error", source="d.jsonl")
+
+
+def test_pairs_with_the_same_chosen_and_rejected_are_named_or_skipped_and_counted(chatml_tokenizer) -> None:
+    tok = chatml_tokenizer
+    records = [
+        {"prompt": "Q", "chosen": " a", "rejected": " b"},
+        {"prompt": "Q", "chosen": " same", "rejected": " same"},  # trains at ln 2 with no gradient
+        {"prompt": "Q", "chosen": " a" * 30 + " x", "rejected": " a" * 30 + " y"},  # the same within max_length
+    ]
+    with pytest.raises(RecordError, match="d.jsonl record 1: chosen and rejected are the same"):
+        tokenize_pairs(records, tok, max_length=16, source="d.jsonl")
+    with pytest.raises(RecordError, match="d.jsonl record 1: chosen and rejected differ only after max_length=16"):
+        tokenize_pairs([records[0], records[2]], tok, max_length=16, source="d.jsonl")
+    pairs, stats = tokenize_pairs(records, tok, max_length=16, on_bad_record="skip", source="d.jsonl")
+    assert len(pairs) == 1 and stats.skipped == {"identical pair": 1, "identical within max_length": 1}
+    assert "2 bad records skipped (1 identical pair, 1 identical within max_length)" in stats.describe("d.jsonl")
 
 
 def test_collator_puts_chosen_rows_then_rejected_rows_right_padded_with_completion_masks() -> None:
