@@ -182,7 +182,7 @@ def _check_distinct(
             "identical pair",
         )
     room = max_length - len(prompt_ids)
-    if 0 < room and chosen_ids[:room] == rejected_ids[:room]:
+    if room > 0 and chosen_ids[:room] == rejected_ids[:room]:
         raise RecordError(
             f"{where}: chosen and rejected differ only after max_length={max_length} tokens (prompt "
             f"{len(prompt_ids)} tokens), so the trained rows are the same: nothing to prefer; raise max_length, "

@@ -126,15 +126,23 @@ def test_pairs_with_the_same_chosen_and_rejected_are_named_or_skipped_and_counte
     records = [
         {"prompt": "Q", "chosen": " a", "rejected": " b"},
         {"prompt": "Q", "chosen": " same", "rejected": " same"},  # trains at ln 2 with no gradient
-        {"prompt": "Q", "chosen": " a" * 30 + " x", "rejected": " a" * 30 + " y"},  # the same within max_length
+        {
+            "prompt": "Q",
+            "chosen": " a" * 30 + " x",
+            "rejected": " a" * 30 + " y",
+        },  # the same within max_length
     ]
     with pytest.raises(RecordError, match="d.jsonl record 1: chosen and rejected are the same"):
         tokenize_pairs(records, tok, max_length=16, source="d.jsonl")
-    with pytest.raises(RecordError, match="d.jsonl record 1: chosen and rejected differ only after max_length=16"):
+    with pytest.raises(
+        RecordError, match="d.jsonl record 1: chosen and rejected differ only after max_length=16"
+    ):
         tokenize_pairs([records[0], records[2]], tok, max_length=16, source="d.jsonl")
     pairs, stats = tokenize_pairs(records, tok, max_length=16, on_bad_record="skip", source="d.jsonl")
     assert len(pairs) == 1 and stats.skipped == {"identical pair": 1, "identical within max_length": 1}
-    assert "2 bad records skipped (1 identical pair, 1 identical within max_length)" in stats.describe("d.jsonl")
+    assert "2 bad records skipped (1 identical pair, 1 identical within max_length)" in stats.describe(
+        "d.jsonl"
+    )
 
 
 def test_collator_puts_chosen_rows_then_rejected_rows_right_padded_with_completion_masks() -> None:
