@@ -1,4 +1,5 @@
-"""LoRA through PEFT: the settings, wrapping a model before sharding, and the memory it takes.
+"""LoRA through PEFT: wrapping a model before sharding (the builder is :mod:`hf_fsdp2.lora.build`), and the
+memory it takes.
 
 The frozen base keeps its loaded dtype (bf16 with ``torch_dtype: bfloat16``); the trainable adapter
 parameters are fp32 master copies (PEFT's ``autocast_adapter_dtype`` and accelerate's fp32 upcast of
@@ -10,11 +11,11 @@ so the unit's all-gather is uniform, and only the adapter has gradients (reduced
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from hf_fsdp2.config.plans import LoraSettings
+from hf_fsdp2.lora.build import wrap_with_lora
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -26,32 +27,6 @@ MERGED_DIR_NAME = "merged"
 
 class LoraError(RuntimeError):
     """A LoRA setting or adapter that cannot be used; the message says why and what to do."""
-
-
-def lora_config(settings: LoraSettings) -> Any:
-    """The ``peft.LoraConfig`` for a causal LM.
-
-    Args:
-        settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA.
-
-    Returns:
-        A ``peft.LoraConfig`` with ``task_type=CAUSAL_LM``.
-    """
-    from peft import LoraConfig
-
-    targets: list[str] | str = settings.target_modules
-    if isinstance(targets, list) and targets == ["all-linear"]:
-        targets = "all-linear"
-    return LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=targets,
-        modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
-        use_rslora=settings.use_rslora,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | None = None) -> torch.nn.Module:
@@ -72,13 +47,11 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
     Raises:
         LoraError: a target module name that matches nothing in the model.
     """
-    from peft import get_peft_model
-
     try:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            peft_model = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
+            return wrap_with_lora(model, settings)
     except ValueError as err:
         names = sorted(
             {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -87,10 +60,6 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
             f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
             f"the model's linear module names are {names} (or use all-linear)"
         ) from err
-    for param in peft_model.parameters():
-        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
-            param.data = param.data.float()  # fp32 master copies of what trains (modules_to_save too)
-    return peft_model
 
 
 def memory_report(model: torch.nn.Module) -> dict[str, float]:

@@ -15,7 +15,8 @@ from transformers import LlamaForCausalLM
 
 from hf_fsdp2.cli import main as cli_main
 from hf_fsdp2.config.plans import LoraSettings
-from hf_fsdp2.lora.adapter import LoraError, apply_lora, lora_config, memory_report
+from hf_fsdp2.lora.adapter import LoraError, apply_lora, memory_report
+from hf_fsdp2.lora.build import lora_config
 from hf_fsdp2.lora.merge import merge_adapter_offline, merged_local_weights
 from hf_fsdp2.lora.save import gather_adapter_state_dict
 

@@ -1,4 +1,4 @@
-"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan.py, docs/memory-plan.md).
+"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan/, docs/memory-plan.md).
 
 The command on a local tiny Llama folder: the table's rows and figures, recipe overrides, the recommendation
 (a cheaper setting when the budget is small, "does not fit" with the reason when nothing fits), and the errors
@@ -231,6 +231,27 @@ def test_meta_lora_is_the_adapter_the_run_trains(model_dir):
     assert frozen["optimizer"] == sum(
         2 * p.numel() * 4 // 2 + 4 for p in meta.parameters() if p.requires_grad
     )
+
+
+def test_the_plans_lora_config_is_the_runs(model_dir):
+    """One builder (hf_fsdp2/lora/build.py) for the run and the plan: the ``LoraConfig`` PEFT holds on the meta
+    model equals the real run's, field by field, settings that leave the parameter layout alone included
+    (dropout, rsLoRA: the layout test above cannot see them)."""
+    from hf_fsdp2.lora.adapter import apply_lora
+    from hf_fsdp2.lora.build import lora_config
+    from hf_fsdp2.model import load_model
+
+    lora = LoraSettings(r=4, alpha=8, dropout=0.05, target_modules=["q_proj", "v_proj"],
+                        modules_to_save=["lm_head"], use_rslora=True)  # fmt: skip
+    meta = build_meta_model(plan_config(model_dir), PlanSettings(lora=lora, load_dtype="bfloat16"))
+    real = apply_lora(load_model(str(model_dir), dtype="bfloat16"), lora, seed=0)
+    planned, trained = meta.peft_config["default"].to_dict(), real.peft_config["default"].to_dict()
+    assert planned == trained, {
+        k: (planned[k], trained.get(k)) for k in planned if planned[k] != trained.get(k)
+    }
+    built = lora_config(lora).to_dict()
+    for key in ("r", "lora_alpha", "lora_dropout", "use_rslora", "bias", "task_type"):
+        assert planned[key] == built[key], key
 
 
 def test_hub_id_offline_names_the_fix_and_model_config_plans_a_shipped_recipe(model_dir):

@@ -1,0 +1,156 @@
+"""The sharded state of a rank, by exact arithmetic over the parameter shapes: parameters, gradients and AdamW
+state as FSDP2 splits them (:func:`state_bytes`), the ``fully_shard`` units Accelerate makes
+(:func:`fsdp_units`) and the unsharded buffers their schedule keeps alive (:func:`fsdp_buffer_bytes`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_fsdp2.dtypes import DTYPES
+from hf_fsdp2.observe.memory_plan.meta_model import layer_classes
+from hf_fsdp2.observe.memory_plan.settings import MIB, PlanSettings
+
+# AdamW's ``step`` is a 0-dim fp32 tensor on the parameter's device for the fused (and capturable) kernels.
+_ADAM_STEP_BYTES = 4
+
+
+def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """Rows of a dim-0 split that shard ``index`` holds, and the rows its buffer has.
+
+    FSDP2 cuts dim 0 with ``torch.chunk``: chunks of ``ceil(rows / shards)`` rows, the last one shorter and
+    the trailing ranks empty when the rows run out; every rank's buffer is padded to the first chunk.
+
+    Returns:
+        ``(held, padded)`` rows.
+    """
+    chunk = -(-rows // shards)
+    start = min(rows, index * chunk)
+    return min(rows, start + chunk) - start, chunk
+
+
+def _row_numel(param: torch.Tensor) -> int:
+    return param[0].numel() if param.dim() and param.shape[0] else 1
+
+
+def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> dict[str, int]:
+    """Bytes of sharded parameters, sharded gradients and AdamW state one rank holds (after a step).
+
+    Args:
+        model: from :func:`build_meta_model`.
+        settings: the run.
+        rank: the global rank.
+
+    Returns:
+        ``{"params", "grads", "optimizer", "grads_unsharded"}``; ``grads_unsharded`` is the extra of
+        ``fsdp_sync_each_microbatch=false`` with gradient accumulation (unsharded gradients in the reduce
+        dtype kept between micro-batches), else 0.
+    """
+    index = settings.shard_index(rank)
+    reduce = DTYPES[settings.reduce_dtype]
+    out = {"params": 0, "grads": 0, "optimizer": 0, "grads_unsharded": 0}
+    for param in model.parameters():  # each tied parameter once, as FSDP2 shards it once
+        held, padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, index)
+        row, size = _row_numel(param), param.element_size()
+        out["params"] += padded * row * size
+        if not param.requires_grad:
+            continue
+        out["grads"] += padded * row * size
+        out["optimizer"] += 2 * held * row * size + _ADAM_STEP_BYTES
+        if settings.gradient_accumulation_steps > 1 and not settings.sync_each_microbatch:
+            out["grads_unsharded"] += param.numel() * reduce.itemsize
+    return out
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` call of Accelerate's FSDP2 preparation: its name and parameters (numel, trainable
+    numel, unsharded bytes in the compute dtype), and whether it is resharded after forward."""
+
+    name: str
+    numel: int
+    trainable_numel: int
+    gathered_bytes: int
+    reshard_after_forward: bool
+
+
+def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
+    """The FSDP2 units Accelerate's ``fsdp2_prepare_model`` makes: one per decoder layer, the input embedding
+    (untied), the tail (final norm + output head, + the embedding when tied; kept gathered after forward)
+    and the root (everything else; kept gathered after forward)."""
+    from accelerate.utils.fsdp_utils import _find_final_norm  # the very function Accelerate carves with
+
+    from hf_fsdp2.parallel.activations import decoder_layers
+
+    compute = settings.compute_dtype
+    seen: set[int] = set()
+    units: list[Unit] = []
+
+    def add(name: str, modules: list[torch.nn.Module], reshard: bool) -> bool:
+        params = []
+        for module in modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    params.append(param)
+        if not params and name != "root":
+            return False
+        units.append(
+            Unit(
+                name=name,
+                numel=sum(p.numel() for p in params),
+                trainable_numel=sum(p.numel() for p in params if p.requires_grad),
+                gathered_bytes=sum(
+                    shard_rows(p.shape[0] if p.dim() else 1, settings.shard_size, 0)[1]
+                    * settings.shard_size
+                    * _row_numel(p)
+                    * (compute.itemsize if compute is not None else p.element_size())
+                    for p in params
+                ),
+                reshard_after_forward=reshard,
+            )
+        )
+        return True
+
+    embed = model.get_input_embeddings()  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    tied = getattr(embed, "weight", None) is not None and getattr(embed, "weight", None) is getattr(
+        head, "weight", None
+    )
+    layers = decoder_layers(model, layer_classes(model, settings))
+    for name, layer in layers:  # wrapped first, as Accelerate does: their parameters are theirs
+        add(name, [layer], settings.reshard_after_forward)
+    if not tied and embed is not None and add("embedding", [embed], settings.reshard_after_forward):
+        units.insert(0, units.pop())  # forward order: the embedding runs first
+    norm = _find_final_norm(model)
+    tail = [m for m in ((norm, embed, head) if tied else (norm, head)) if m is not None]
+    add("tail", tail, False)
+    add("root", [model], False)
+    return units
+
+
+def fsdp_buffer_bytes(units: list[Unit], settings: PlanSettings) -> tuple[int, str]:
+    """Unsharded parameters alive at the start of backward plus the reduce-scatter buffers of one unit.
+
+    Gathered: the units kept after forward (tail, root; every unit without ``reshard_after_forward``) and two
+    decoder layers (the one computing and the one prefetched). Reduce-scatter: the largest unit with gradients,
+    its unsharded gradients in the compute dtype and the reduce-scatter input in the reduce dtype.
+
+    Returns:
+        Bytes and a one-line explanation.
+    """
+    kept = sum(u.gathered_bytes for u in units if not u.reshard_after_forward)
+    # Units in forward order (embedding, layers); at most one computing and the next prefetched are gathered.
+    order = [u.gathered_bytes for u in units if u.reshard_after_forward]
+    moving = max((order[i : i + 2] for i in range(len(order))), key=sum, default=[])
+    compute = settings.compute_dtype
+    grad_item = (compute.itemsize if compute is not None else 4) + DTYPES[settings.reduce_dtype].itemsize
+    reduce = max((u.trainable_numel for u in units), default=0) * grad_item
+    note = (
+        f"gathered: {kept / MIB:.1f} MiB kept after forward (tail, root"
+        + ("" if settings.reshard_after_forward else ", every layer: reshard_after_forward=false")
+        + f") + {sum(moving) / MIB:.1f} MiB for {len(moving)} units in flight; "
+        f"reduce-scatter {reduce / MIB:.1f} MiB"
+    )
+    return kept + sum(moving) + reduce, note
