@@ -13,6 +13,7 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.mixture import build_sft_datasets_from_config
 from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
+from hf_fsdp2.data.tokenize import TokenizeStats
 from hf_fsdp2.model import attention_layout_for
 from hf_fsdp2.trainer.session import Session
 
@@ -32,6 +33,36 @@ class TrainData:
     train_set: Any = None  # the training examples (the DPO recipe's reference pass reads them)
 
 
+def check_has_targets(stats: list[TokenizeStats], train_counts: list[int], max_length: int) -> None:
+    """Refuse training data in which no example has a target token: the run would train to its end at loss 0.
+
+    Args:
+        stats: each training source's tokenize stats (in the order of ``train_counts``; eval sources after).
+        train_counts: examples each training source contributes to the mixture.
+        max_length: the run's max_length, for the message.
+
+    Raises:
+        ConfigError: every used example has no target token, naming the sources, the counts and the likely cause.
+    """
+    used = [s for s, n in zip(stats, train_counts, strict=False) if n > 0]
+    if not used or any(s.num_kept > s.num_without_targets for s in used):
+        return
+    kept = sum(s.num_kept for s in used)
+    truncated = sum(s.num_truncated for s in used)
+    cause = (
+        f"{truncated} of the {kept} examples were cut at max_length={max_length}: their prompts fill it and the "
+        "completions are cut off; raise max_length, or shorten the prompts"
+        if truncated
+        else "the loss mask covers every token (assistant_only_loss / completion_only_loss / chat_loss, or "
+        "records without an assistant turn or completion); check the records and those settings"
+    )
+    raise ConfigError(
+        f"no training example has a target token, so the run would train at loss 0 "
+        f"({', '.join(s.source for s in used)}: {kept} examples, all without targets): {cause}. "
+        "`hf-fsdp2 show-data` shows which tokens train"
+    )
+
+
 def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
     """Tokenize the run's sources and build the stream of micro-batches (every rank; rank 0 tokenizes first).
 
@@ -45,6 +76,7 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
     data = rank0_first(lambda: build_sft_datasets_from_config(d, tokenizer, seed=t.seed))
     for line in data.summary_lines(d.max_length):
         logger.info(line)
+    check_has_targets(data.stats, data.train_counts, d.max_length)
     # The batch layout and attention kernel: decided once from config + environment (the same on every rank, the
     # same as the memory plan's), logged in one line; a dense-mask cost the user asked for is warned about.
     layout = attention_layout_for(cfg, session.model_config, device_type=session.device.type, recipe="sft")
