@@ -48,6 +48,7 @@ from hf_fsdp2.checkpoint_manifest import (
     rank_files,
     write_manifest,
 )
+from hf_fsdp2.checkpoint_space import out_of_space_note
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -385,6 +386,7 @@ class Checkpointer:
         self.is_main = is_main_process
         self.protected: Path | None = None  # the checkpoint resumed from is never deleted
         self.run_id = ""  # this run's identity (set by the run); retention counts only its checkpoints
+        self.checkpoint_bytes = 0  # about what one checkpoint takes (set by the run), to name a full disk
         self.rank_data: dict[str, Any] | None = None  # this rank's data position, from the checkpoint loaded
         self._pending: tuple[Future, Path, Path, int] | None = None
         self._algorithm = default_algorithm()  # of the manifest's digests
@@ -468,10 +470,27 @@ class Checkpointer:
             self._pending = None
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"{err}; the previous checkpoint and 'latest' are kept. Free disk space or fix permissions, then "
-                "resume with --resume_from_checkpoint latest"
-            ) from None
+            raise CheckpointError(self._failure_text(str(err), step)) from None
+
+    def _failure_text(self, error: str, step: int) -> str:
+        """What failed, a full disk named as such, and truthfully what exists to continue from."""
+        full = out_of_space_note(self.output_dir, self.checkpoint_bytes, error)
+        try:
+            previous = latest_checkpoint(self.output_dir)
+        except CheckpointError:
+            previous = None
+        if previous is not None and (previous / STATE_FILE).is_file():
+            kept = f"the previous checkpoint {previous.name} and 'latest' are kept"
+            then = "resume with --resume_from_checkpoint latest"
+        else:
+            kept = f"no earlier checkpoint of this run exists, so the state of step {step} is not saved"
+            then = "run again"
+        fix = (
+            "Free space on that disk (or lower save_total_limit)"
+            if full
+            else "Free disk space or fix permissions"
+        )
+        return f"{error}{'; ' + full if full else ''}; {kept}. {fix}, then {then}"
 
     def wait(self) -> None:
         """Finish a pending async save and publish it (every rank)."""

@@ -53,7 +53,8 @@ def run(
         scheduler = build_schedule(session, optimizer, data.total_steps)
         # The step function (SFT: token-normalised CE; DPO: the reference built or precomputed now).
         train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
-        state = RunState(session, model.module, optimizer, scheduler, data.stream)  # resume, if asked
+        # Resume, if asked; the disk checked for the checkpoints and export the run plans.
+        state = RunState(session, model.module, optimizer, scheduler, data.stream, data.total_steps)
         observer = Observer(
             session, model, tokenizer, eval_set=data.eval_set, collator=data.collator,
             first_step=state.first_step, total_steps=data.total_steps, evaluator=evaluator,

@@ -23,6 +23,7 @@ from hf_fsdp2.checkpoint import (
     new_run_id,
     resolve_resume,
 )
+from hf_fsdp2.checkpoint_space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
 from hf_fsdp2.collectives import broadcast_object
 from hf_fsdp2.export.hub import CheckpointPusher
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, attach
@@ -42,11 +43,15 @@ class RunState:
         scheduler: its learning-rate schedule.
         stream: the data stream (its position is saved and restored): a ``DataStream`` (epoch and micro-batches
             consumed), or a stream with a per-rank ``state_dict`` (a streamed corpus).
+        total_steps: the run's last step (how many checkpoints it writes, for the disk-space check).
+
+    Raises:
+        CheckpointError: a checkpoint that cannot be resumed, or a disk that cannot hold one checkpoint.
     """
 
     def __init__(
         self, session: Session, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        stream: Any,
+        stream: Any, total_steps: int = 0,
     ) -> None:  # fmt: skip
         cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
         self.session, self.model, self.optimizer, self.scheduler, self.stream = (
@@ -77,9 +82,33 @@ class RunState:
         if t.resume_from_checkpoint:
             self._resume(t.resume_from_checkpoint)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
+        self._check_disk(total_steps)
         guard = NonFiniteGuard(t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good)
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
+
+    def _check_disk(self, total_steps: int) -> None:
+        """The run folder's disk against one checkpoint (error) and all the run plans to write (warning); rank 0
+        measures, every rank raises."""
+        t, e = self.session.cfg.train, self.session.cfg.export
+        one = checkpoint_bytes(self.model)
+        self.checkpointer.checkpoint_bytes = one
+        result = None
+        if self.session.is_main:
+            n = planned_checkpoints(
+                self.first_step, total_steps or self.first_step, t.save_steps, t.save_total_limit
+            )
+            result = check_disk_space(
+                self.session.output_dir,
+                checkpoint=one,
+                checkpoints=n,
+                export=export_bytes(self.model, e.export_dtype),
+            )
+        error, warning = broadcast_object(result) or (None, None)
+        if error:
+            raise CheckpointError(error)
+        if warning:
+            logger.warning("%s", warning)
 
     def _last_good(self) -> str:
         """Where a stopped run continues from (every rank: finishes a save in flight, which is of a good step)."""
