@@ -25,6 +25,8 @@ from hf_fsdp2.checkpoint import (
 )
 from hf_fsdp2.checkpoint_space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
 from hf_fsdp2.collectives import broadcast_object
+from hf_fsdp2.config.sources import parse_source, resolve_sources
+from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
 from hf_fsdp2.export.hub import CheckpointPusher
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, attach
 from hf_fsdp2.train.optim import restore_scheduler
@@ -79,6 +81,7 @@ class RunState:
         self.last_saved = 0
         # A new run's identity (rank 0's, the same on every rank); a resumed run keeps its checkpoint's.
         self.checkpointer.run_id = broadcast_object(new_run_id() if session.is_main else None)
+        self.data_files = self._fingerprint() if session.is_main else {}  # rank 0 writes the trainer state
         if t.resume_from_checkpoint:
             self._resume(t.resume_from_checkpoint)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
@@ -86,6 +89,18 @@ class RunState:
         guard = NonFiniteGuard(t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good)
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
+
+    def _fingerprint(self) -> dict[str, str]:
+        """Fingerprints of the run's local data files (training and eval sources)."""
+        d = self.session.cfg.data
+        sources = resolve_sources(
+            dataset_name=d.dataset_name, dataset_config_name=d.dataset_config_name, dataset_split=d.dataset_split,
+            dataset_revision=d.dataset_revision, dataset_mixture=d.dataset_mixture,
+        )  # fmt: skip
+        return data_fingerprint(
+            [s.name for s in sources]
+            + ([parse_source(d.eval_dataset_name).name] if d.eval_dataset_name else [])
+        )
 
     def _check_disk(self, total_steps: int) -> None:
         """The run folder's disk against one checkpoint (error) and all the run plans to write (warning); rank 0
@@ -133,6 +148,14 @@ class RunState:
         state = self.checkpointer.load(path, self.model, self.optimizer)
         if state.run_id:
             self.checkpointer.run_id = state.run_id
+        changed = changed_files(state.data_files, self.data_files) if session.is_main else []
+        if changed:
+            logger.warning(
+                "resuming %s with data files changed since it was written: %s. The restored data position (epoch "
+                "%d, batch %d) now points into other data: examples may be skipped or seen twice. Restore the files "
+                "to resume exactly, or start a new run",
+                path.name, "; ".join(changed[:5]), state.epoch, state.batches_in_epoch,
+            )  # fmt: skip
         restore_scheduler(self.scheduler, state.scheduler, t.learning_rate)
         self.first_step, self.last_saved = state.step + 1, state.step
         # The data position in examples of the epoch; with another world size or batch size the same
@@ -173,6 +196,7 @@ class RunState:
             per_device_train_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             run_id=self.checkpointer.run_id,
+            data_files=self.data_files,
         )
         rank_data = self.stream.state_dict() if hasattr(self.stream, "state_dict") else None
         self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)

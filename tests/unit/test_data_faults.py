@@ -38,3 +38,27 @@ def test_data_with_some_targets_passes(chatml_tokenizer, tmp_path: Path) -> None
                                max_length=32, seed=0)  # fmt: skip
     check_has_targets(built.stats, built.train_counts, 32)
     assert built.stats[0].num_without_targets == 5
+
+
+def test_a_data_file_changed_in_place_is_named(tmp_path: Path) -> None:
+    from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
+
+    small = _jsonl(tmp_path / "a.jsonl", [{"text": "x"}] * 3)
+    big = tmp_path / "corpus"
+    big.mkdir()
+    (big / "b.txt").write_bytes(b"y" * (3 << 20))
+    (big / ".cache").mkdir()
+    (big / ".cache" / "c").write_text("ignored")
+    before = data_fingerprint([str(small), str(big), "org/hub-dataset"])
+    assert sorted(Path(p).name for p in before) == ["a.jsonl", "b.txt"]  # hub ids and hidden caches have none
+    assert changed_files(before, data_fingerprint([str(small), str(big)])) == []
+    small.write_text(small.read_text() + '{"text": "z"}\n')  # appended
+    with (big / "b.txt").open("r+b") as fh:  # same size, last MiB edited
+        fh.seek((3 << 20) - 10)
+        fh.write(b"z")
+    changed = changed_files(before, data_fingerprint([str(small), str(big)]))
+    assert len(changed) == 2
+    assert "a.jsonl changed (" in changed[0] and "-> " in changed[0] and "bytes)" in changed[0]
+    assert "b.txt changed (same size, other bytes)" in changed[1]
+    small.unlink()
+    assert "a.jsonl is gone" in changed_files(before, data_fingerprint([str(small), str(big)]))[0]
