@@ -60,11 +60,13 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = 
         resume: ``resume_from_checkpoint`` is set: the previous run is the one being continued.
 
     Raises:
-        ConfigError: the folder holds a previous run and neither is set, or the path is a file.
+        ConfigError: the folder holds a previous run and neither is set, the path is a file, or the folder (or
+            the nearest existing folder above it) cannot be written (a read-only disk, permissions).
     """
     p = Path(output_dir)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"output_dir={str(p)!r} is a file, not a folder; choose another output_dir")
+    check_writable(p)
     found = previous_run(p)
     if not found or overwrite or resume:
         return
@@ -111,6 +113,34 @@ def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
     return removed
 
 
+def check_writable(output_dir: Path) -> None:
+    """Refuse a run folder that cannot be written, before any work (a read-only disk refuses even root).
+
+    Raises:
+        ConfigError: naming the folder that cannot be written and why.
+    """
+    existing = output_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        try:  # the reason: a read-only file system, or permissions
+            read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "it is on a read-only file system" if read_only else "permission denied"
+        raise ConfigError(
+            f"output_dir={str(output_dir)!r} cannot be written: {existing} is not writable ({why}); choose a "
+            "writable output_dir"
+        )
+
+
+def _unwritable(err: OSError, path: Path) -> ConfigError:
+    return ConfigError(
+        f"output_dir={str(path.parent)!r} cannot be written ({err.strerror}: {err.filename or path}); choose a "
+        "writable output_dir"
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -134,7 +164,10 @@ class RunLock:
         Raises:
             ConfigError: another live run holds it (named with its host, pid and start time).
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _unwritable(err, self.path) from None
         owner = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -143,7 +176,9 @@ class RunLock:
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+            except OSError as err:
+                if not isinstance(err, FileExistsError):
+                    raise _unwritable(err, self.path) from None
                 holder = self._holder()
                 if holder.get("host") == owner["host"] and not _alive(int(holder.get("pid", -1))):
                     logger.warning(

@@ -84,3 +84,25 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "another-host", "pid": 1, "started": "x"}))
     with pytest.raises(ConfigError, match="another-host.*delete"):
         RunLock(tmp_path).acquire()  # another host cannot be checked: refused, with the fix
+
+
+def test_a_read_only_output_dir_is_refused_before_any_work(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    # A read-only file system refuses even root (file permissions would not): a read-only tmpfs.
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        for target in (ro, ro / "run" / "nested"):
+            with pytest.raises(ConfigError) as err:
+                check_output_dir(target, overwrite=False)
+            assert f"output_dir={str(target)!r} cannot be written" in str(err.value)
+            assert "read-only file system" in str(err.value) and "choose a writable output_dir" in str(
+                err.value
+            )
+        with pytest.raises(ConfigError, match="cannot be written .*Read-only file system"):
+            RunLock(ro / "run").acquire()
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
