@@ -57,6 +57,13 @@ class TrainArgs:
     warmup_ratio: float = field(default=0.0, metadata={"help": "Fraction of steps of linear warmup."})
     warmup_steps: int = field(default=0, metadata={"help": "Warmup steps; overrides warmup_ratio when > 0."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
+    on_nonfinite: Literal["stop", "skip_step"] = field(
+        default="stop",
+        metadata={
+            "help": "A NaN or inf loss or gradient norm: stop (at that step, no checkpoint of that state, the last "
+            "good checkpoint named, exit status 2) or skip_step (its optimizer update skipped, counted and logged)."
+        },
+    )
     seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
     train_sampling_strategy: Literal["random", "sequential"] = field(
         default="random",

@@ -38,7 +38,7 @@ def load_checkpoint_model(
     import yaml
     from accelerate.utils import set_module_tensor_to_device
 
-    from hf_fsdp2.checkpoint import CONFIG_FILE, STATE_FILE
+    from hf_fsdp2.checkpoint import CONFIG_FILE, STATE_FILE, checkpoint_problems
     from hf_fsdp2.model import load_model
 
     ckpt = Path(checkpoint).expanduser()
@@ -51,6 +51,12 @@ def load_checkpoint_model(
         raise ExportError(
             f"{ckpt} is incomplete (no {', '.join(missing)}): its save was interrupted or it is not an hf_fsdp2 "
             "checkpoint; export an earlier checkpoint-<step> of the run"
+        )
+    problems = checkpoint_problems(ckpt)  # sizes, then every file's digest against its manifest.json
+    if problems:
+        raise ExportError(
+            f"{ckpt} is damaged: {'; '.join(problems[:3])}. Its weights cannot be trusted: export an earlier "
+            "checkpoint-<step> of the run (or restore the file from a copy)"
         )
     cfg = yaml.safe_load((ckpt / CONFIG_FILE).read_text())
     step = int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))

@@ -30,6 +30,7 @@ from hf_fsdp2.train.loss import (
     count_target_tokens,
     shifted_target_rows,
 )
+from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,12 @@ def forward_backward(
     micro_batches: Sequence[dict[str, torch.Tensor]],
     settings: StepSettings,
     device: torch.device,
+    guard: NonFiniteGuard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Forward and backward of one step's micro-batches; gradients accumulate in the model.
+
+    ``guard``: the previous step's non-finite/collapse flags are summed and read with this step's token counts
+    (no read of their own), and acted on before any forward is queued.
 
     Returns:
         (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
@@ -116,9 +121,14 @@ def forward_backward(
             device=device,
         )
         # Every rank: the step's target-token count normalises the loss; with the processed count it gives
-        # the step's padding efficiency. Read once (one host sync per step, before any forward is queued).
-        counts = collectives.all_reduce_sum(local)
-        global_tokens, global_processed = (int(v) for v in counts.tolist())
+        # the step's padding efficiency. Read once (one host sync per step, before any forward is queued), with
+        # the previous step's non-finite flags when a guard watches the run.
+        if guard is not None:
+            local = guard.fold(local)
+        values = collectives.all_reduce_sum(local).tolist()
+        global_tokens, global_processed = int(values[0]), int(values[1])
+    if guard is not None:
+        guard.settle(values[2:])  # every rank the same values: stop (raise) or go on, all at this point
     scale = backward_scale(global_tokens, collectives.world())
     # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
     aux_scale = settings.loss.router_aux_coef / len(micro_batches)
@@ -175,12 +185,14 @@ def train_step(
     Returns:
         The :class:`StepOutput`.
     """
-    loss_sum, aux_sum, tokens, processed = forward_backward(model, micro_batches, settings, device)
+    guard = guard_of(optimizer)  # the run's on_nonfinite watch (hf_fsdp2.train.nonfinite), when attached
+    loss_sum, aux_sum, tokens, processed = forward_backward(model, micro_batches, settings, device, guard)
     with record_function("hf_fsdp2/clip_grad_norm"):
         grad_norm = clip_grad_norm(model, settings.max_grad_norm)
     lr = float(optimizer.param_groups[0]["lr"])
     with record_function("hf_fsdp2/optimizer_step"):
-        optimizer.step()
+        if guard is None or guard.before_update(optimizer, loss_sum, grad_norm, tokens):
+            optimizer.step()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)

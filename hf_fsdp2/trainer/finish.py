@@ -26,6 +26,7 @@ from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
+from hf_fsdp2.train.nonfinite import NonFiniteError
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
@@ -41,6 +42,7 @@ USER_ERRORS = (
     HubError,
     KernelError,
     LoraError,
+    NonFiniteError,
     FileNotFoundError,
     ValueError,
 )
@@ -117,6 +119,8 @@ def finish(
     state.wait()
     observer.close()
     export_run(session, model, tokenizer, state, last_step)
+    # SIGTERM (on any rank) during the export: the export was let finish; the run ends as a clean stop.
+    stopped = state.stop.should_stop()
     summary = run_summary(
         observer.meter,
         first_step=first_step,
@@ -134,7 +138,18 @@ def finish(
     session.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if session.is_main and e.push_to_hub and e.hub_model_id:
+    if stopped:
+        skipped = (
+            f"; the hub push was skipped: push it with hf-fsdp2 push {session.output_dir} {e.hub_model_id}"
+            if e.push_to_hub and e.hub_model_id
+            else ""
+        )
+        logger.warning(
+            "SIGTERM during the export: the export of step %d finished%s in %s%s; the run is complete (nothing to "
+            "resume), stopping cleanly",
+            last_step, " and was verified" if e.export_verify else "", session.output_dir, skipped,
+        )  # fmt: skip
+    if session.is_main and e.push_to_hub and e.hub_model_id and not stopped:
         push_folder(
             session.output_dir,
             e.hub_model_id,
@@ -164,8 +179,20 @@ def run_recipe(main: Any) -> None:
             raise
         if os.environ.get("RANK", "0") == "0":
             print(f"hf_fsdp2 error: {err}", file=sys.stderr)
-        sys.exit(2)
+        leave(2)
+    leave(0)
+
+
+def leave(status: int) -> None:
+    """End this rank with ``status``: the process group destroyed (every rank raised the same agreed error, so none
+    is in a collective), then out without interpreter finalization, whose gloo threads can abort the process
+    (SIGABRT) after the error was reported; the launcher then reports ``status`` of every rank, not an abort."""
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception as err:  # leaving anyway: the status is what the launcher needs
+            logger.debug("destroy_process_group: %s", err)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
