@@ -1,0 +1,84 @@
+"""2-rank gloo, real data: chat records of mixed lengths, so every step has a new token count and a new
+number of target rows (the chunked loss's loop count), with an eval pass and generation between steps.
+Under each compile scope, padding-free and padded: no recompile after the warm-up steps, and the same losses
+as eager. Before issue 23's fix the whole-model scope recompiled every step (the loss hook's closure was
+guarded on the step's target count) until dynamo's limit, then silently ran eagerly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from support.launch import torchrun
+from support.numerics import assert_same_maths
+from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+
+WORKER = Path(__file__).parent / "workers" / "recompile_worker.py"
+COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded"]
+CONFIGS = ["eager:pf", "eager:padded", *COMPILED]
+STEPS, EVAL_AFTER = 4, 1
+# Warm-up: regional compiles in step 0 with the sequence dims dynamic and never again. The whole model compiles
+# in step 0 and once more in step 1: the frames between FSDP2's graph breaks (rotary, each layer, the norm, the
+# head) get their inputs from the previous graph, not marked, so dynamo's automatic dynamic recompiles each of
+# them once, on the second length, with a dynamic sequence dim (6 on this 2-layer model, measured). After the
+# warm-up nothing may compile: bound 0 measured (torch 2.13), 1 of slack for a guard another torch adds; more
+# means shapes are being chased again (before the fix: every step, up to the limit).
+WARMUP_STEPS = {"model": 2, "regional": 1}
+MAX_RECOMPILES_AFTER_WARMUP = 1
+# dynamo's guards, graph breaks and recompiles do not depend on the backend; aot_eager (AOT autograd without code
+# generation) keeps the test near 2 minutes on 2 cores, where inductor's C++ builds take minutes per config.
+# Inductor's numerics against eager: tests/distributed/test_perf_modes.py and tests/recipes/test_perf_recipe.py.
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("recompiles")
+    model = make_tiny_llama_dir(root / "model", seed=7)
+    data = write_chat_jsonl(root / "chat.jsonl", 32, seed=4)
+    out = root / "results.json"
+    args = ["--model", str(model), "--data", str(data), "--out", str(out), "--configs", ",".join(CONFIGS)]
+    args += ["--steps", str(STEPS), "--eval_after", str(EVAL_AFTER), "--backend", BACKEND]
+    torchrun(WORKER, args, nproc=2)
+    return json.loads(out.read_text())
+
+
+def test_the_data_changes_shapes_every_step(results):
+    for layout in ("pf", "padded"):
+        run = results[f"eager:{layout}"]
+        assert len(set(run["targets"])) == STEPS, run["targets"]  # a new chunk-loop count every step
+        assert len(set(run["tokens"])) >= STEPS - 1, run["tokens"]  # (this rank's) token count changes too
+
+
+@pytest.mark.parametrize("config", COMPILED)
+def test_no_recompile_after_warmup_and_the_limit_is_never_hit(results, config):
+    compile_rows = results[config]["compile"]  # one per step, and one more after the eval + generation
+    warm = compile_rows[WARMUP_STEPS[config.split(":")[0]] - 1]
+    last = compile_rows[-1]
+    assert compile_rows[0]["compile_s"] > 0 and warm["compiled_graphs"] >= 1
+    assert last["recompiles"] - warm["recompiles"] <= MAX_RECOMPILES_AFTER_WARMUP, compile_rows
+    assert last["recompile_limit_hits"] == 0, compile_rows
+    eval_row = compile_rows[EVAL_AFTER + 1]  # eval and generation run eagerly: nothing compiled for them
+    assert (
+        eval_row["compile_s"] == 0
+        and eval_row["compiled_graphs"] == compile_rows[EVAL_AFTER]["compiled_graphs"]
+    )
+
+
+@pytest.mark.parametrize("config", COMPILED)
+def test_same_losses_as_eager(results, config):
+    layout = config.split(":")[1]
+    ref, run = results[f"eager:{layout}"], results[config]
+    assert run["targets"] == ref["targets"]
+    # float64 model; Llama's RMSNorm and rotary tables compute in fp32 whatever the dtype, and a backend may fuse
+    # them differently: fp32 rounding over the longest of those reductions (the 128-wide MLP).
+    assert_same_maths(
+        torch.tensor(run["loss_sums"], dtype=torch.float64),
+        torch.tensor(ref["loss_sums"], dtype=torch.float64),
+        terms=128,
+        rounding=torch.float32,
+        name=f"{config} step losses",
+    )
+    assert run["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
