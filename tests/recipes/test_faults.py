@@ -320,7 +320,9 @@ def _run_id(checkpoint: Path) -> str:
 
 
 def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(assets, tmp_path: Path) -> None:
-    model, data = assets
+    model, shared = assets
+    data = tmp_path / "data.jsonl"
+    data.write_text(shared.read_text())
     out = tmp_path / "run"
     _sft(_recipe(tmp_path / "old.yaml", model, data, out, max_steps=6, save_steps=2))
     old_id = _run_id(out / "checkpoint-6")
@@ -332,11 +334,99 @@ def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(assets, t
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     assert (out / "latest").read_text().strip() == "3"
     assert _run_id(out / "checkpoint-3") not in ("", old_id)
+    # The data file changed in place before the resume (item 7): named in a warning.
+    data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
     proc = _sft(
         new, "--resume_from_checkpoint", "latest", "--max_steps", "4", "--overwrite_output_dir", "false"
     )
     log = proc.stdout + proc.stderr
     assert "resumed from" in log and "checkpoint-3 at step 3" in log
+    assert "data files changed since it was written" in log and f"{data} changed (" in log
     # The checkpoint resumed from is kept; the resumed run keeps its identity.
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert _run_id(out / "checkpoint-4") == _run_id(out / "checkpoint-3")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full disk, read-only output, clean exit on every rank, SIGTERM during the export (items 4, 5, 7)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+
+
+def _clean_exit_2(proc: subprocess.CompletedProcess[str]) -> None:
+    """Every rank ended with status 2 (the launcher reports it), none aborted."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "SIGABRT" not in text and "Signal 6" not in text, text[-3000:]
+    codes = [line.split(":")[-1].strip() for line in text.splitlines() if line.strip().startswith("exitcode")]
+    assert codes and set(codes) == {"2"}, text[-3000:]
+
+
+def test_a_full_disk_is_refused_at_the_start_or_named_when_a_save_runs_out(assets, tmp_path: Path) -> None:
+    model, data = assets
+    # ~48 MiB a checkpoint (4.2M fp32 parameters + 2 AdamW moments).
+    tiny, small = tmp_path / "tiny", tmp_path / "small"
+    _mount_tmpfs(tiny, "size=30M")
+    _mount_tmpfs(small, "size=60M")
+    try:
+        proc = _sft(_recipe(tmp_path / "a.yaml", model, data, tiny / "run", save_steps=2), check=False)
+        error = _one_error(proc)
+        assert "not enough disk space" in error and "one checkpoint needs about" in error and "MiB free" in error
+        _clean_exit_2(proc)
+        out = small / "run"
+        proc = _sft(_recipe(tmp_path / "b.yaml", model, data, out, save_steps=2), check=False)
+        text = proc.stdout + proc.stderr
+        assert "the run plans about" in text and "2 checkpoint(s)" in text  # the start-of-run warning
+        error = _one_error(proc)
+        assert "saving checkpoint-4" in error and "ENOSPC" in error and f"the disk of {out} is full" in error
+        assert "a checkpoint needs about" in error and "the previous checkpoint checkpoint-2 and 'latest' are kept" in error
+        assert (out / "latest").read_text().strip() == "2" and not (out / ".tmp-checkpoint-4").exists()
+    finally:
+        for mount in (tiny, small):
+            subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_read_only_output_dir_is_one_error_and_status_2_on_every_rank(assets, tmp_path: Path) -> None:
+    model, data = assets
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "ro,size=1m")
+    try:
+        proc = _sft(_recipe(tmp_path / "r.yaml", model, data, ro / "run"), check=False)
+        error = _one_error(proc)
+        assert f"output_dir='{ro / 'run'}' cannot be written" in error and "read-only file system" in error
+        _clean_exit_2(proc)
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_sigterm_to_the_launcher_during_the_export_finishes_it_and_says_so(assets, tmp_path: Path) -> None:
+    import signal
+    import sys
+    import time
+
+    from support.launch import REPO, _env, free_port
+
+    model, data = assets
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / ".export-incomplete").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        assert (out / ".export-incomplete").exists() or (out / "model.safetensors").exists()
+        proc.send_signal(signal.SIGTERM)  # the launcher, as a scheduler's preemption does
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "SIGTERM during the export: the export of step 4 finished and was verified" in output, output[-3000:]
+    assert (out / "model.safetensors").is_file() and not (out / ".export-incomplete").exists()
+    assert not [line for line in output.splitlines() if line.startswith("[rank")], output[-3000:]
