@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -206,6 +207,9 @@ def checkpoint_problems(path: Path, *, digests: bool = True) -> list[str]:
             problems.append(f"{name} is missing")
     if problems:
         return problems
+    problems = _text_file_problems(path)
+    if problems:
+        return problems
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated or garbled index
@@ -223,6 +227,29 @@ def checkpoint_problems(path: Path, *, digests: bool = True) -> list[str]:
             problems.append(f"{rel} is {file.stat().st_size} bytes, its index needs {size} (truncated)")
     if digests and not problems:
         problems = manifest_problems(path)
+    return problems
+
+
+def _text_file_problems(path: Path) -> list[str]:
+    """The trainer state (JSON) and the config (YAML) each parse to a mapping, or what is wrong with them."""
+    problems = []
+    for name, kind in ((STATE_FILE, "JSON"), (CONFIG_FILE, "YAML")):
+        try:
+            text = (path / name).read_text()
+            value = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+        except UnicodeDecodeError as err:
+            problems.append(f"{name} is not text (byte {err.start}: {err.reason})")
+            continue
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            problems.append(f"{name} is not valid YAML ({where}{getattr(err, 'problem', None) or err})")
+            continue
+        except ValueError as err:
+            problems.append(f"{name} is not valid JSON ({err})")
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"{name} does not hold a mapping of settings ({type(value).__name__})")
     return problems
 
 

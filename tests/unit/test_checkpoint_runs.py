@@ -116,3 +116,18 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
     assert removed == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "latest"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "model.safetensors"]
     assert "removed the previous run's checkpoints" in caplog.text
+
+
+def test_a_damaged_config_or_trainer_state_is_named_not_a_traceback(tmp_path: Path) -> None:
+    from hf_fsdp2.checkpoint import checkpoint_problems
+
+    path = _checkpoint(tmp_path, 2, "r")
+    (path / CONFIG_FILE).write_text("model_name_or_path: [unclosed\n  x: : :\n")
+    assert checkpoint_problems(path) == [
+        "hf_fsdp2_config.yaml is not valid YAML (line 2: expected ',' or ']', but got ':')"
+    ]
+    (path / CONFIG_FILE).write_bytes(b"\xff\xfe\x00binary")
+    assert checkpoint_problems(path)[0].startswith("hf_fsdp2_config.yaml is not text (byte 0")
+    (path / CONFIG_FILE).write_text("seed: 1\n")
+    (path / STATE_FILE).write_text('{"step": 2,')
+    assert checkpoint_problems(path)[0].startswith("trainer_state.json is not valid JSON (")
