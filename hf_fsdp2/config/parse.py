@@ -128,8 +128,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: no such file")
     try:
         values = yaml.safe_load(p.read_text()) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"--config {path} is not a text file (byte {err.start}: not UTF-8); give the recipe's YAML file"
+        ) from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path} is not valid YAML: {err}") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"--config {path} is not valid YAML{where}: {getattr(err, 'problem', None) or err}; fix that line"
+        ) from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must be a mapping of key: value, got {type(values).__name__}")
     return values
