@@ -1,4 +1,5 @@
-"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan/, docs/memory-plan.md).
+"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan/, hf_fsdp2/commands/plan.py,
+docs/memory-plan.md).
 
 The command on a local tiny Llama folder: the table's rows and figures, recipe overrides, the recommendation
 (a cheaper setting when the budget is small, "does not fit" with the reason when nothing fits), and the errors
@@ -339,8 +340,10 @@ def test_the_plan_takes_the_layout_the_run_takes(model_dir, tmp_path):
 def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path, caplog, monkeypatch):
     import argparse
 
+    from hf_fsdp2.commands.plan import register_plan
+
     parser = argparse.ArgumentParser()
-    cli._register_plan(parser.add_subparsers())
+    register_plan(parser.add_subparsers())
     assert parser.parse_args(["plan"]).headroom == DEFAULT_HEADROOM  # what `hf-fsdp2 plan` calls "fits"
     assert memory_warning(90, 100, 1) is None and memory_warning(91, 100, 1) is not None
     cfg = parse_config(["--config", str(_recipe(tmp_path, model_dir))])
