@@ -4,16 +4,24 @@ The launch is accelerate's own (never a home-made process layer): ``accelerate l
 --num_processes N [multi-node flags] -m hf_fsdp2.recipes.<recipe> --config recipe.yaml [--key value ...]``. The
 accelerate config is the packaged ``fsdp2.yaml`` with one process per visible GPU, or ``fsdp2_cpu.yaml`` (gloo,
 2 processes) on a machine without one, unless ``--config_file`` / ``--num_processes`` say otherwise.
+
+SIGTERM to ``hf-fsdp2 train`` (a scheduler's preemption) is passed to the training processes themselves, not to
+the launcher: each saves a checkpoint at the next step boundary (or lets a running export finish) and exits 0, so
+the launcher ends cleanly instead of raising its own ``SignalException`` over them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 RECIPES = ("sft", "cpt", "dpo")
 CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU configs are tuned for)
@@ -79,10 +87,42 @@ def launch_command(
     return [*cmd, "-m", f"hf_fsdp2.recipes.{recipe}", *recipe_args]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux /proc; empty where it cannot be read)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+    return sorted(set(found))
+
+
 def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
-    """Run the launch (stdout/stderr pass through); returns its exit status."""
+    """Run the launch (stdout/stderr pass through); returns its exit status.
+
+    SIGTERM is passed to the launcher's children (the training processes), or to the launcher when it has none.
+    """
     cmd = launch_command(recipe, recipe_args, **launch)  # type: ignore[arg-type]
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
     print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        workers = child_pids(proc.pid)
+        for pid in workers or [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        print(
+            f"hf-fsdp2 train: SIGTERM passed to the {len(workers)} training process(es): they save a checkpoint "
+            "at the next step boundary (or finish a running export) and stop",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
