@@ -82,9 +82,12 @@ class NonFiniteGuard:
         loss_bad = ~torch.isfinite(loss_sum.detach().float().reshape(1).to(norm.device))
         self.pending = torch.cat([loss_bad, bad_norm, norm == 0]).long()
         self.pending_step, self.pending_tokens = self.step, target_tokens
-        if optimizer.defaults.get("fused"):
+        inner = optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer  # type: ignore[attr-defined]  # accelerate's AcceleratedOptimizer wraps it
+        if inner.defaults.get("fused"):
             # Decided on the device: the fused kernel leaves everything unchanged when found_inf is 1.
-            optimizer.found_inf = bad_norm.float().reshape(())  # type: ignore[attr-defined]
+            inner.found_inf = bad_norm.float().reshape(())  # type: ignore[attr-defined]
             return True
         if self.mode == "skip_step":  # another optimizer: one more host read per step (documented)
             return bool(torch.isfinite(norm).all())
@@ -126,13 +129,15 @@ class NonFiniteGuard:
                     f"no checkpoint of that state was written. {where}Lower learning_rate (or raise warmup_steps, "
                     "keep max_grad_norm > 0), or set on_nonfinite: skip_step to skip such steps"
                 )
+            verb = "are" if loss_ranks and norm_bad else "is"
             skipped = bool(norm_bad)
             if skipped:
                 self.skipped.append(step)
             logger.warning(
-                "step %d: %s is not finite: %s (%d step(s) skipped so far)",
+                "step %d: %s %s not finite: %s (%d step(s) skipped so far)",
                 step,
                 what,
+                verb,
                 "its optimizer update was skipped" if skipped else "its gradient was finite and was applied",
                 len(self.skipped),
             )
