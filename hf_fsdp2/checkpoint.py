@@ -500,8 +500,9 @@ class Checkpointer:
             raise CheckpointError(self._failure_text(str(err), step)) from None
 
     def _failure_text(self, error: str, step: int) -> str:
-        """What failed, a full disk named as such, and truthfully what exists to continue from."""
+        """What failed (in one line), a full disk named as such, and truthfully what exists to continue from."""
         full = out_of_space_note(self.output_dir, self.checkpoint_bytes, error)
+        error = _gist(error)
         try:
             previous = latest_checkpoint(self.output_dir)
         except CheckpointError:
@@ -622,6 +623,23 @@ class Checkpointer:
             self.rank_data = saved.get("data")
         self.protected = path
         return state
+
+
+def _gist(error: str) -> str:
+    """One line of a failure whose text holds every rank's traceback (DCP's CheckpointException): its first line
+    up to the exception's name, then each distinct error line of the tracebacks."""
+    lines = error.splitlines()
+    if len(lines) <= 1:
+        return error
+    head = lines[0].split(" CheckpointException", 1)[0].rstrip(":") + ":"
+    causes: list[str] = []
+    for line in lines[1:]:
+        is_error = (
+            line and not line.startswith((" ", "Traceback")) and ("Error" in line or "Exception" in line)
+        )
+        if is_error and line.strip() not in causes:
+            causes.append(line.strip())
+    return f"{head} {'; '.join(causes[:2])}" if causes else lines[0]
 
 
 def _first_line(err: BaseException) -> str:

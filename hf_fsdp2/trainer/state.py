@@ -122,7 +122,7 @@ class RunState:
         error, warning = broadcast_object(result) or (None, None)
         if error:
             raise CheckpointError(error)
-        if warning:
+        if warning and self.session.is_main:
             logger.warning("%s", warning)
 
     def _last_good(self) -> str:

@@ -98,3 +98,22 @@ def test_a_failed_save_after_a_good_one_names_the_checkpoint_that_is_kept(
         _save(tmp_path, 4)
     assert "the previous checkpoint checkpoint-2 and 'latest' are kept" in str(err.value)
     assert "--resume_from_checkpoint latest" in str(err.value)
+
+
+def test_a_failure_holding_every_ranks_traceback_is_said_in_one_line() -> None:
+    from hf_fsdp2.checkpoint import _gist
+
+    text = (
+        "failed while saving checkpoint-4 (rank 0): CheckpointException: CheckpointException ranks:dict_keys([0, 1])\n"
+        "Traceback (most recent call last): (RANK 0)\n"
+        '  File "x.py", line 1, in f\n'
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\n"
+        "Traceback (most recent call last): (RANK 1)\n"
+        '  File "x.py", line 1, in f\n'
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\n"
+    )
+    assert _gist(text) == (
+        "failed while saving checkpoint-4 (rank 0): RuntimeError: [enforce fail at inline_container.cc:672] . "
+        "unexpected pos 704 vs 598"
+    )
+    assert _gist("one line") == "one line"
