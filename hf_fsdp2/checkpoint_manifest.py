@@ -9,8 +9,8 @@ holds. The manifest names every file of the checkpoint with its size and digest:
 Cost: each rank hashes the files it wrote itself (its ``__<rank>_*.distcp`` shards and RNG file), right after
 writing them, while they are still in the page cache, so the ranks hash in parallel; rank 0 adds the shared
 small files and writes the manifest before ``trainer_state.json`` marks the checkpoint complete. xxh3-128
-(the ``xxhash`` package, when installed) reads at memory speed; the fallback, hashlib's sha256, at roughly
-0.5-2 GB/s per rank. A check (resume, offline export) reads every file once more: on resume that doubles the
+(the ``xxhash`` package, when installed) is the fast choice; the fallback is hashlib's sha256 (docs/checkpoints.md
+gives both speeds as measured). A check (resume, offline export) reads every file once more: on resume that doubles the
 bytes read from the checkpoint. Checkpoints written before manifests existed load with a warning.
 
 Not collective: callers gather the per-rank digests (:mod:`hf_fsdp2.checkpoint`).
