@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hf_fsdp2.commands import demo, export, plan, plot, push, show_data, train
-from hf_fsdp2.commands.common import Subparsers
+from hf_fsdp2.commands.common import Subparsers, user_error
 
 # The sub-command table, in help order.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
@@ -70,7 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     # Results go to stdout (one line, easy to capture in scripts); progress goes to stderr.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)  # type: ignore[no-any-return]
+    except (
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+        UnicodeDecodeError,
+    ) as err:
+        # A file the user named is missing, of the wrong kind or unreadable: one line (the message names it).
+        return user_error(args.command, err)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from hf_fsdp2.commands.common import Subparsers, user_error
 def _run_export(args: argparse.Namespace) -> int:
     import yaml
 
-    from hf_fsdp2.checkpoint import STATE_FILE
+    from hf_fsdp2.checkpoint import STATE_FILE, checkpoint_problems
     from hf_fsdp2.config import CONFIG_NAME, ConfigError, parse_size
     from hf_fsdp2.export import ExportError, export_checkpoint
     from hf_fsdp2.lora.offline import export_lora_checkpoint
@@ -21,7 +21,19 @@ def _run_export(args: argparse.Namespace) -> int:
 
     ckpt = Path(args.checkpoint).expanduser()
     config = ckpt / CONFIG_NAME
-    lora = config.is_file() and bool((yaml.safe_load(config.read_text()) or {}).get("use_peft"))
+    try:
+        saved = yaml.safe_load(config.read_text()) if config.is_file() else {}
+        lora = bool((saved if isinstance(saved, dict) else {}).get("use_peft"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        # checkpoint_problems names the file, the line and the reason.
+        problems = "; ".join(checkpoint_problems(ckpt, digests=False)[:3]) or f"{CONFIG_NAME} cannot be read"
+        return user_error(
+            "export",
+            ExportError(
+                f"{ckpt} is damaged: {problems}. Restore the file from a copy, or export an earlier "
+                "checkpoint-<step> of the run"
+            ),
+        )
     # The model card's figures: the run's last logged step at or before the checkpoint's (none if unreadable).
     try:
         step = int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))
