@@ -80,7 +80,7 @@ class RunState:
         self.first_step = 1
         self.last_saved = 0
         # A new run's identity (rank 0's, the same on every rank); a resumed run keeps its checkpoint's.
-        self.checkpointer.run_id = broadcast_object(new_run_id() if session.is_main else None)
+        self.checkpointer.run_id = broadcast_object(new_run_id() if session.is_main else "")
         self.data_files = self._fingerprint() if session.is_main else {}  # rank 0 writes the trainer state
         if t.resume_from_checkpoint:
             self._resume(t.resume_from_checkpoint)
