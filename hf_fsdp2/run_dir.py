@@ -99,7 +99,7 @@ def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
         if not (is_checkpoint and entry.is_dir()) and not (name == LATEST and entry.is_file()):
             continue
         try:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         except OSError as err:
             raise ConfigError(
                 f"overwrite_output_dir: cannot remove the previous run's {entry} ({err.strerror}); remove it "

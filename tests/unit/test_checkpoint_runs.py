@@ -111,10 +111,15 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
     (tmp_path / "latest").write_text("4\n")
     (tmp_path / "model.safetensors").write_bytes(b"x")  # the export is replaced by the new run's
     (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: kept
+    elsewhere = _checkpoint(tmp_path / "other", 8, "old")
+    (tmp_path / "checkpoint-8").symlink_to(
+        elsewhere, target_is_directory=True
+    )  # the link goes, not its target
     with caplog.at_level(logging.WARNING, logger="hf_fsdp2"):
         removed = clear_previous_checkpoints(tmp_path)
-    assert removed == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "latest"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "model.safetensors"]
+    assert removed == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "checkpoint-8", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "model.safetensors", "other"]
+    assert (elsewhere / "trainer_state.json").is_file()
     assert "removed the previous run's checkpoints" in caplog.text
 
 
