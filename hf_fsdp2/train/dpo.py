@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.train.loss import LossPlan, accumulation_dtype
+from hf_fsdp2.train.loss import LossPlan, accumulation_dtype, head_input_replaced
 from hf_fsdp2.train.step import clip_grad_norm
 
 # Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
@@ -85,15 +85,13 @@ def completion_logps(
     if plan.chunk_tokens > 0:
         head = model.get_output_embeddings()  # type: ignore[operator]
 
-        def completions_only(module: torch.nn.Module, args: tuple) -> tuple:
-            full = args[0]  # position t predicts token t + 1
-            return (full[rows.to(full.device), cols.to(full.device)][None], *args[1:])
+        def completions_only(module: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
+            return full[rows.to(full.device), cols.to(full.device)][None]  # position t predicts token t + 1
 
-        handle = head.register_forward_pre_hook(completions_only)
-        try:
+        # Through the loss's one head hook (held outside the module): a new hook closure per call would be guarded
+        # on this batch's completion count and recompile a compiled model every step.
+        with head_input_replaced(head, completions_only):
             out = model(**inputs, **extra, use_cache=False)
-        finally:
-            handle.remove()
         logits = out.logits[0]
     else:
         out = model(**inputs, **extra, use_cache=False)

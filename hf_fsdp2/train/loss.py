@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,7 +236,7 @@ def fp32_accumulating_addmm(device_type: str, operand: torch.dtype) -> bool:
         return False
 
 
-@torch.compiler.disable  # eager by construction: its loop count is the step's target rows (see _loss_inside_head)
+@torch.compiler.disable  # eager by construction: its loop count is the step's target rows (see _replace_head_input)
 def chunked_linear_cross_entropy_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -448,13 +450,9 @@ def causal_lm_loss(
         # Found here, before the model runs: under whole-model compile a nonzero() inside the head's hook would
         # break the graph there and recompile its remainder every step.
         rows = target_rows(targets)
-    _install_head_hook(head)
-    request = _HeadRequest(targets, rows, plan)
-    _REQUESTS[head] = request
-    try:
+    request = _ChunkedLoss(targets, rows, plan)
+    with head_input_replaced(head, request):
         out = model(**inputs, **extra, use_cache=False)
-    finally:
-        del _REQUESTS[head]
     if request.result is None:
         raise RuntimeError(
             f"the chunked loss was not computed: {type(model).__name__}'s output head {type(head).__name__} did not "
@@ -464,56 +462,70 @@ def causal_lm_loss(
 
 
 @dataclass
-class _HeadRequest:
-    """What the head's hook computes the loss from during one :func:`causal_lm_loss` forward, and its result."""
+class _ChunkedLoss:
+    """The chunked loss of one :func:`causal_lm_loss` forward, computed from the head's input; its result."""
 
     targets: torch.Tensor
     rows: torch.Tensor
     plan: LossPlan
     result: torch.Tensor | None = None
 
+    def __call__(self, head: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
+        hidden = full[:, :-1].reshape(-1, full.size(-1))
+        weight = head.weight
+        assert isinstance(weight, torch.Tensor)
+        self.result = chunked_linear_cross_entropy_sum(
+            hidden,
+            weight,
+            self.targets.to(full.device),
+            self.plan.chunk_tokens,
+            self.plan.transform,
+            self.rows.to(full.device, non_blocking=True),
+        )
+        # The head itself runs on the last position only. Contiguous: a view's stride follows the sequence length,
+        # which the head's compiled graph would be guarded on (one recompile per new stride, measured).
+        return full[:, -1:].contiguous()
 
-# The pending loss of each output head, set around one forward by causal_lm_loss. Kept outside the module (not a
-# hook closure, not a module attribute) so that torch.compile never sees it: a closure holding this step's
-# tensors is guarded on their shapes, and a new hook every step changes the hooks dict; either recompiles the
-# whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps, issue 23).
-_REQUESTS: weakref.WeakKeyDictionary[torch.nn.Module, _HeadRequest] = weakref.WeakKeyDictionary()
+
+HeadInput = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+"""What replaces the output head's input during one forward: ``(head, final hidden states) -> new input``."""
+
+# The pending replacement of each output head's input, set around one forward (:func:`head_input_replaced`). Kept
+# outside the module (not a hook closure, not a module attribute) so that torch.compile never sees it: a closure
+# holding this step's tensors is guarded on their shapes, and a new hook every step changes the hooks dict; either
+# recompiles the whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps,
+# issue 23).
+_REQUESTS: weakref.WeakKeyDictionary[torch.nn.Module, HeadInput] = weakref.WeakKeyDictionary()
 _HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 @torch.compiler.disable
-def _loss_inside_head(module: torch.nn.Module, args: tuple) -> tuple | None:
-    """The head's forward pre-hook: computes the pending chunked loss, lets the head run on one position.
+def _replace_head_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """The head's forward pre-hook, registered once per head: applies the pending :data:`HeadInput`, if any.
 
-    Eager by construction (``torch.compiler.disable``): its work is GEMMs that compile cannot fuse, and its loop
-    runs once per chunk of this step's target rows, a count that changes every step; traced, each new count is a
-    new graph. Under whole-model compile the graph breaks here once; the layers before and after stay compiled.
+    Eager by construction (``torch.compiler.disable``): the chunked loss's work is GEMMs that compile cannot fuse,
+    and its loop runs once per chunk of this step's target rows, a count that changes every step; traced, each
+    new count is a new graph. Under whole-model compile the graph breaks here once; the layers before and after
+    stay compiled.
     """
-    request = _REQUESTS.get(module)
-    if request is None:  # a forward that is not causal_lm_loss's (generation, the probe): the head runs as is
+    replace = _REQUESTS.get(module)
+    if replace is None:  # a forward without a pending request (generation, the probe): the head runs as is
         return None
-    full = args[0]
-    hidden = full[:, :-1].reshape(-1, full.size(-1))
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)
-    request.result = chunked_linear_cross_entropy_sum(
-        hidden,
-        weight,
-        request.targets.to(full.device),
-        request.plan.chunk_tokens,
-        request.plan.transform,
-        request.rows.to(full.device, non_blocking=True),
-    )
-    # Contiguous: a view of the last position has a stride that follows the sequence length, which the head's
-    # compiled graph would be guarded on (one recompile per new stride, measured under whole-model compile).
-    return (full[:, -1:].contiguous(), *args[1:])
+    return (replace(module, args[0]), *args[1:])
 
 
-def _install_head_hook(head: torch.nn.Module) -> None:
-    """Register :func:`_loss_inside_head` on ``head`` once: the same hook every step, so compiled graphs stay valid."""
+@contextmanager
+def head_input_replaced(head: torch.nn.Module, replace: HeadInput) -> Iterator[None]:
+    """Within the block, ``head``'s input is ``replace(head, input)``: the same hook every step (installed once),
+    the step's tensors held outside the module, so compiled graphs stay valid from step to step."""
     if head not in _HOOKED:
-        head.register_forward_pre_hook(_loss_inside_head)
+        head.register_forward_pre_hook(_replace_head_input)
         _HOOKED.add(head)
+    _REQUESTS[head] = replace
+    try:
+        yield
+    finally:
+        _REQUESTS.pop(head, None)
 
 
 def causal_lm_loss_sum(
