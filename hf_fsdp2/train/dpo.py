@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.loss import LossPlan, accumulation_dtype, head_input_replaced
-from hf_fsdp2.train.step import clip_grad_norm
+from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.step import apply_update, clip_grad_norm, read_step_counts
 
 # Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
 METRICS = (
@@ -320,8 +321,11 @@ def dpo_forward_backward(
     reference: Reference,
     settings: DPOSettings,
     device: torch.device,
+    guard: NonFiniteGuard | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None, int, int]:
     """Forward and backward of one DPO step's micro-batches; gradients accumulate in the model.
+
+    ``guard``: the previous step's non-finite flags are read with this step's counts, as in the SFT step.
 
     Returns:
         (summed pair losses, global pairs, metric sums, summed router loss or None, global completion
@@ -336,8 +340,7 @@ def dpo_forward_backward(
         dtype=torch.long,
         device=device,
     )
-    counts = collectives.all_reduce_sum(local)
-    pairs, tokens, processed = (int(v) for v in counts.tolist())
+    pairs, tokens, processed = read_step_counts(local, guard)  # the step's one host read
     scale = collectives.world() / pairs if pairs else 0.0
     aux_scale = settings.loss.router_aux_coef / len(micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -375,14 +378,11 @@ def dpo_step(
 ) -> DPOStepOutput:
     """One optimizer step of DPO over this rank's ``micro_batches`` (every rank calls it)."""
     loss_sum, pairs, sums, aux_sum, tokens, processed = dpo_forward_backward(
-        model, micro_batches, reference, settings, device
+        model, micro_batches, reference, settings, device, guard_of(optimizer)
     )
     grad_norm = clip_grad_norm(model, settings.max_grad_norm)
     lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_update(optimizer, scheduler, loss_sum, grad_norm, pairs)
     return DPOStepOutput(loss_sum, pairs, sums, aux_sum, tokens, processed, grad_norm, lr)
 
 

@@ -96,6 +96,35 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def read_step_counts(local: torch.Tensor, guard: NonFiniteGuard | None) -> list[int]:
+    """A step's host counts (``local``, on the device) summed over every rank and read: the step's one host sync,
+    before any forward is queued. With a guard, the previous step's non-finite flags ride along (no read of their
+    own) and are acted on here: every rank reads the same values and stops (raises) or goes on at this point.
+    Every rank calls it once per step.
+    """
+    n = local.numel()
+    values = collectives.all_reduce_sum(guard.fold(local) if guard is not None else local).tolist()
+    if guard is not None:
+        guard.settle(values[n:])
+    return [int(v) for v in values[:n]]
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    loss_sum: torch.Tensor,
+    grad_norm: torch.Tensor,
+    target_count: int,
+) -> None:
+    """The optimizer step (unless the run's non-finite guard skips it), the schedule, and zeroed gradients."""
+    guard = guard_of(optimizer)  # the run's on_nonfinite watch (hf_fsdp2.train.nonfinite), when attached
+    if guard is None or guard.before_update(optimizer, loss_sum, grad_norm, target_count):
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: Sequence[dict[str, torch.Tensor]],
@@ -121,14 +150,8 @@ def forward_backward(
             device=device,
         )
         # Every rank: the step's target-token count normalises the loss; with the processed count it gives
-        # the step's padding efficiency. Read once (one host sync per step, before any forward is queued), with
-        # the previous step's non-finite flags when a guard watches the run.
-        if guard is not None:
-            local = guard.fold(local)
-        values = collectives.all_reduce_sum(local).tolist()
-        global_tokens, global_processed = int(values[0]), int(values[1])
-    if guard is not None:
-        guard.settle(values[2:])  # every rank the same values: stop (raise) or go on, all at this point
+        # the step's padding efficiency.
+        global_tokens, global_processed = read_step_counts(local, guard)
     scale = backward_scale(global_tokens, collectives.world())
     # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
     aux_scale = settings.loss.router_aux_coef / len(micro_batches)
@@ -191,9 +214,5 @@ def train_step(
         grad_norm = clip_grad_norm(model, settings.max_grad_norm)
     lr = float(optimizer.param_groups[0]["lr"])
     with record_function("hf_fsdp2/optimizer_step"):
-        if guard is None or guard.before_update(optimizer, loss_sum, grad_norm, tokens):
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_update(optimizer, scheduler, loss_sum, grad_norm, tokens)
     return StepOutput(loss_sum, aux_sum, tokens, processed, grad_norm, lr)

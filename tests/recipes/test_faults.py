@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -205,6 +206,47 @@ def test_stop_raises_naming_the_step_on_the_next_step(tmp_path: Path) -> None:
         train_step(model, optimizer, None, [batch], StepSettings(LossPlan()), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("mode", ["stop", "skip_step"])
+def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> None:
+    """The DPO objective's step reports to the same guard: a diverged step stops the run at the next step's read
+    (stop), or its update is skipped on the device, weights unchanged (skip_step, fused AdamW)."""
+    from hf_fsdp2.data.preference import PreferenceCollator
+    from hf_fsdp2.train.dpo import DPOSettings, FrozenModel, dpo_step
+    from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.nonfinite import NonFiniteError, NonFiniteGuard, attach
+
+    model, _ = _tiny_model(tmp_path)
+    reference, _ = _tiny_model(tmp_path / "ref")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = attach(optimizer, NonFiniteGuard(mode, last_step=3, last_good=lambda: "CKPT. "))
+    pairs = [
+        {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9, 10, 11], "rejected_ids": [12, 13], "index": 0},
+        {"prompt_ids": [14, 15], "chosen_ids": [16], "rejected_ids": [17, 18, 19], "index": 1},
+    ]
+    batch = PreferenceCollator(pad_token_id=0, max_length=16)(pairs)
+    settings = DPOSettings(LossPlan())
+    step = lambda: dpo_step(
+        model, optimizer, None, [batch], FrozenModel(reference, LossPlan()), settings, torch.device("cpu")
+    )  # noqa: E731
+    step()  # step 4: finite
+    with torch.no_grad():
+        model.get_input_embeddings().weight[5] = float(
+            "nan"
+        )  # every row's prompt: the loss and gradient are NaN
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    out = step()  # step 5: diverged; fused AdamW's found_inf leaves the weights as they were
+    assert not math.isfinite(float(out.grad_norm))
+    assert all(
+        torch.equal(weights[k], v) or k.endswith("embed_tokens.weight") for k, v in model.state_dict().items()
+    )
+    if mode == "stop":
+        with pytest.raises(NonFiniteError, match=r"step 5: the loss .* not finite .* CKPT\."):
+            step()
+    else:
+        guard.settle_now()
+        assert guard.skipped == [5]
+
+
 def test_the_watch_adds_no_host_read_to_a_step(tmp_path: Path) -> None:
     """The same host reads per step with and without the watch (the flags ride on the token-count read)."""
     from support.devices import DEVICE, FakeAccelerator
@@ -231,7 +273,7 @@ def test_the_watch_adds_no_host_read_to_a_step(tmp_path: Path) -> None:
                     [w for w in mode.host_reads[before:] if w[1].split("/")[0] in ("train", "trainer")]
                 )
     assert reads[True] == reads[False], reads
-    assert [what for what, where in reads[True][1] if "forward_backward" in where] == ["tolist()"], reads
+    assert [what for what, where in reads[True][1] if "read_step_counts" in where] == ["tolist()"], reads
     assert guard.pending is not None and guard.step == 3  # each step's flags recorded, read with the next
 
 
@@ -354,7 +396,9 @@ def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(assets, t
 
 def _mount_tmpfs(path: Path, options: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
 
 
@@ -363,7 +407,7 @@ def _clean_exit_2(proc: subprocess.CompletedProcess[str]) -> None:
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "SIGABRT" not in text and "Signal 6" not in text, text[-3000:]
-    codes = [line.split(":")[-1].strip() for line in text.splitlines() if line.strip().startswith("exitcode")]
+    codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, flags=re.MULTILINE)  # torchrun's report per rank
     assert codes and set(codes) == {"2"}, text[-3000:]
 
 
@@ -376,7 +420,9 @@ def test_a_full_disk_is_refused_at_the_start_or_named_when_a_save_runs_out(asset
     try:
         proc = _sft(_recipe(tmp_path / "a.yaml", model, data, tiny / "run", save_steps=2), check=False)
         error = _one_error(proc)
-        assert "not enough disk space" in error and "one checkpoint needs about" in error and "MiB free" in error
+        assert (
+            "not enough disk space" in error and "one checkpoint needs about" in error and "MiB free" in error
+        )
         _clean_exit_2(proc)
         out = small / "run"
         proc = _sft(_recipe(tmp_path / "b.yaml", model, data, out, save_steps=2), check=False)
@@ -384,7 +430,10 @@ def test_a_full_disk_is_refused_at_the_start_or_named_when_a_save_runs_out(asset
         assert "the run plans about" in text and "2 checkpoint(s)" in text  # the start-of-run warning
         error = _one_error(proc)
         assert "saving checkpoint-4" in error and "ENOSPC" in error and f"the disk of {out} is full" in error
-        assert "a checkpoint needs about" in error and "the previous checkpoint checkpoint-2 and 'latest' are kept" in error
+        assert (
+            "a checkpoint needs about" in error
+            and "the previous checkpoint checkpoint-2 and 'latest' are kept" in error
+        )
         assert (out / "latest").read_text().strip() == "2" and not (out / ".tmp-checkpoint-4").exists()
     finally:
         for mount in (tiny, small):
@@ -416,7 +465,9 @@ def test_sigterm_to_the_launcher_during_the_export_finishes_it_and_says_so(asset
     recipe = _recipe(tmp_path / "r.yaml", model, data, out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.time() + 300
         while not (out / ".export-incomplete").exists() and proc.poll() is None and time.time() < deadline:
@@ -427,6 +478,8 @@ def test_sigterm_to_the_launcher_during_the_export_finishes_it_and_says_so(asset
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "SIGTERM during the export: the export of step 4 finished and was verified" in output, output[-3000:]
+    assert "SIGTERM during the export: the export of step 4 finished and was verified" in output, output[
+        -3000:
+    ]
     assert (out / "model.safetensors").is_file() and not (out / ".export-incomplete").exists()
     assert not [line for line in output.splitlines() if line.startswith("[rank")], output[-3000:]
