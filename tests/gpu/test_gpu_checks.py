@@ -449,7 +449,8 @@ def test_memory_plan_1b(check: Check) -> None:
 def test_liger(check: Check) -> None:
     """tests/unit/test_liger_gpu.py with ``HF_FSDP2_GPU_CHECK=1``: Liger's kernels give the plain loss and
     gradients. Fails (never skips) when liger-kernel (the offline bundle's) or CUDA is missing, or the kernels
-    differ from the plain path."""
+    differ from the plain path. With it, the chunked loss's feature test: on CUDA the head gradient must take
+    the fp32-accumulating GEMM (``addmm`` with ``out_dtype``), else it fails."""
     cmd = [
         sys.executable,
         "-m",
@@ -462,14 +463,18 @@ def test_liger(check: Check) -> None:
         "-c",
         str(REPO / "pyproject.toml"),
         str(REPO / "tests" / "unit" / "test_liger_gpu.py"),
+        str(REPO / "tests" / "unit" / "test_loss.py") + "::test_fp32_accumulating_addmm_is_feature_tested",
     ]
-    check.figures["command"] = "HF_FSDP2_GPU_CHECK=1 python -m pytest tests/unit/test_liger_gpu.py"
+    check.figures["command"] = (
+        "HF_FSDP2_GPU_CHECK=1 python -m pytest tests/unit/test_liger_gpu.py "
+        "tests/unit/test_loss.py::test_fp32_accumulating_addmm_is_feature_tested"
+    )
     assert (REPO / "tests" / "unit" / "test_liger_gpu.py").is_file()
     if check.dry:
         return
     code, log = run(cmd, check.work / "liger.log", check.timeout(), extra_env={"HF_FSDP2_GPU_CHECK": "1"})
     check.figures["liger_kernel"] = importlib.util.find_spec("liger_kernel") is not None
-    assert code == 0 and "1 passed" in log, tail(log)
+    assert code == 0 and "2 passed" in log, tail(log)
 
 
 def load_script(name: str, path: Path) -> Any:
