@@ -225,9 +225,11 @@ def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> Non
     ]
     batch = PreferenceCollator(pad_token_id=0, max_length=16)(pairs)
     settings = DPOSettings(LossPlan())
-    step = lambda: dpo_step(
-        model, optimizer, None, [batch], FrozenModel(reference, LossPlan()), settings, torch.device("cpu")
-    )  # noqa: E731
+
+    def step():  # type: ignore[no-untyped-def]
+        frozen = FrozenModel(reference, LossPlan())
+        return dpo_step(model, optimizer, None, [batch], frozen, settings, torch.device("cpu"))
+
     step()  # step 4: finite
     with torch.no_grad():
         model.get_input_embeddings().weight[5] = float(
