@@ -117,6 +117,35 @@ def _configure_dynamo() -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
+# torch 2.11's inductor cannot compile the backward of a float64 Llama (its RMSNorm and rotary compute in float32
+# inside a float64 graph: "expected scalar type Double but found Float" at the first backward, with or without
+# activation checkpointing); float32 and bfloat16 models compile there. Checked on 2.11 and 2.13 (works); 2.12
+# not checked, so refused below 2.13 (docs/compatibility.md).
+FLOAT64_COMPILE_MIN_TORCH = (2, 13)
+
+
+def check_compilable(
+    model: torch.nn.Module, plan: CompilePlan, torch_version: str = torch.__version__
+) -> None:
+    """Refuse, before any compile, what this torch's compiler is known to fail on later (mid-step).
+
+    Raises:
+        ValueError: float64 parameters under an inductor compile on a torch older than 2.13, naming the fix.
+    """
+    from hf_fsdp2.compat import release
+
+    if not plan.enabled or plan.kwargs().get("backend") != "inductor":
+        return
+    if release(torch_version)[:2] >= FLOAT64_COMPILE_MIN_TORCH:
+        return
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        raise ValueError(
+            f"torch_compile with float64 weights fails in torch {torch_version}'s inductor at the first backward "
+            f"(a float64 Llama mixes float32 norms); use float32 or bfloat16 weights, set torch_compile: false, "
+            f"or use torch >= {'.'.join(map(str, FLOAT64_COMPILE_MIN_TORCH))}"
+        )
+
+
 def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], plan: CompilePlan) -> list[str]:
     """Compile each decoder layer in place (outermost wrapper included), before ``fully_shard``.
 
@@ -124,8 +153,9 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
         Names of the compiled modules.
 
     Raises:
-        ValueError: no decoder layer found.
+        ValueError: no decoder layer found, or as :func:`check_compilable`.
     """
+    check_compilable(model, plan)
     layers = decoder_layers(model, layer_cls_names)
     if not layers:
         raise ValueError(
@@ -148,7 +178,12 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
 
 
 def compile_model(model: torch.nn.Module, plan: CompilePlan) -> None:
-    """Compile the whole (already sharded) model in place."""
+    """Compile the whole (already sharded) model in place.
+
+    Raises:
+        ValueError: as :func:`check_compilable`.
+    """
+    check_compilable(model, plan)
     _configure_dynamo()
     # What nn.Module.compile does (so FSDP2's and the loss's hooks still run through __call__), with the
     # inputs' sequence dims marked dynamic before the compiled call when dynamic is unset.

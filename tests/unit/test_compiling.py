@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from support.numerics import assert_same_maths
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_fsdp2.compat import release
 from hf_fsdp2.config.plans import ACPlan, CompilePlan
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
-from hf_fsdp2.parallel.compiling import CompileWatch, compile_regions
+from hf_fsdp2.parallel.compiling import (
+    FLOAT64_COMPILE_MIN_TORCH,
+    CompileWatch,
+    check_compilable,
+    compile_model,
+    compile_regions,
+)
 
 
 def test_plan_validation_and_kwargs():
@@ -20,6 +29,10 @@ def test_plan_validation_and_kwargs():
     assert CompileWatch(enabled=False).start().take() == {}
 
 
+@pytest.mark.skipif(
+    release(torch.__version__)[:2] < FLOAT64_COMPILE_MIN_TORCH,
+    reason="float64 compile is refused on this torch (test_float64_compile_is_refused_where_inductor_fails_it)",
+)
 def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
     config = LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -58,3 +71,41 @@ def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
     model(input_ids=longer, labels=longer).loss.backward()  # new shape with dynamic=False: a recompile
     after = watch.take()
     assert after["recompiles"] >= 1 and after["compile_s"] > 0
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0", "2.14.1"])
+def test_float64_compile_is_refused_where_inductor_fails_it(version: str) -> None:
+    """Below torch 2.13 a float64 model under inductor is refused at once (it would fail at the first backward);
+    float32/bfloat16 models, aot_eager and eager runs are never refused; 2.13 and later compile float64."""
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    f64 = LlamaForCausalLM(config).double()
+    old = release(version)[:2] < FLOAT64_COMPILE_MIN_TORCH
+    plan = CompilePlan(enabled=True)
+    if old:
+        with pytest.raises(
+            ValueError, match=rf"float64 weights fails in torch {re.escape(version)}.*torch >= 2\.13"
+        ):
+            check_compilable(f64, plan, version)
+    else:
+        check_compilable(f64, plan, version)
+    check_compilable(LlamaForCausalLM(config), plan, version)  # float32
+    check_compilable(LlamaForCausalLM(config).bfloat16(), plan, version)
+    check_compilable(f64, CompilePlan(enabled=False), version)
+
+
+def test_both_scopes_check_before_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_regions and compile_model call the check first (this torch's version stands for an old one)."""
+    from hf_fsdp2.parallel import compiling
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    monkeypatch.setattr(compiling, "FLOAT64_COMPILE_MIN_TORCH", (99, 0))
+    for scope in (lambda m: compile_regions(m, ("LlamaDecoderLayer",), CompilePlan(enabled=True)),
+                  lambda m: compile_model(m, CompilePlan(enabled=True, scope="model"))):  # fmt: skip
+        with pytest.raises(ValueError, match="float64 weights"):
+            scope(LlamaForCausalLM(config).double())
