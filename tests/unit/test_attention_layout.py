@@ -10,6 +10,7 @@ no mask at all (sdpa's ``is_causal``). So on a GPU padding-free is the default o
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,9 +47,13 @@ def _mask(attn: str, batch: dict[str, torch.Tensor]) -> object:
         config=config,
         inputs_embeds=torch.zeros((*ids.shape, CONFIG.hidden_size)),
         attention_mask=batch.get("attention_mask"),
-        cache=None,
         position_ids=positions,
+        **{_CACHE_ARG: None},
     )
+
+
+# The KV-cache argument's name: ``past_key_values`` in transformers 5.17 (the floor), ``cache`` in 5.24.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def _block_diagonal(lengths: list[int]) -> torch.Tensor:
