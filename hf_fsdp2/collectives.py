@@ -112,6 +112,25 @@ def host_barrier() -> None:
             dist.barrier(group=group)
 
 
+def gather_before_exit(timeout_s: float = 30.0) -> None:
+    """Every rank waits here for the others, at most ``timeout_s``, before a failed run's processes exit.
+
+    Rank 0 reports an error that every rank raised; a rank that exited first would make the launcher kill rank 0
+    before it printed the report. Over the host (gloo) group, whose ``monitored_barrier`` takes a timeout: a rank
+    that never comes (it failed alone) costs ``timeout_s``, never a hang. Not collective in the strict sense:
+    every rank calls it, but a missing one only delays the others.
+    """
+    group = _host()
+    if not (initialized() and world() > 1) or group is None:
+        return
+    import contextlib
+    from datetime import timedelta
+
+    # A rank missing or gone: leave anyway, the launcher reports the exit statuses.
+    with contextlib.suppress(Exception):
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+
+
 def _device() -> torch.device:
     """The device collectives of the default backend take tensors on (NCCL: the current GPU)."""
     if initialized() and dist.get_backend() == "nccl":

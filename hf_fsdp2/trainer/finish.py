@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint import CheckpointError
 from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.export.errors import ExportError
@@ -178,7 +179,9 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
         if os.environ.get("RANK", "0") == "0":
-            print(f"hf_fsdp2 error: {err}", file=sys.stderr)
+            print(f"hf_fsdp2 error: {err}", file=sys.stderr, flush=True)
+        # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
+        collectives.gather_before_exit()
         leave(2)
     leave(0)
 
