@@ -112,23 +112,29 @@ def host_barrier() -> None:
             dist.barrier(group=group)
 
 
-def gather_before_exit(timeout_s: float = 30.0) -> None:
+def gather_before_exit(timeout_s: float = 30.0) -> bool:
     """Every rank waits here for the others, at most ``timeout_s``, before a failed run's processes exit.
 
     Rank 0 reports an error that every rank raised; a rank that exited first would make the launcher kill rank 0
     before it printed the report. Over the host (gloo) group, whose ``monitored_barrier`` takes a timeout: a rank
     that never comes (it failed alone) costs ``timeout_s``, never a hang. Not collective in the strict sense:
-    every rank calls it, but a missing one only delays the others.
+    every rank calls it, but a missing one only delays the others. Returns whether the ranks met (False without
+    a process group, e.g. a refusal before one exists).
     """
-    group = _host()
-    if not (initialized() and world() > 1) or group is None:
-        return
+    if not (initialized() and world() > 1):
+        return False
+    # Before the host group exists (a refusal at start-up), the default group where it is gloo (CPU runs).
+    group = _host() or (dist.group.WORLD if dist.get_backend() == "gloo" else None)
+    if group is None:
+        return False
     import contextlib
     from datetime import timedelta
 
     # A rank missing or gone: leave anyway, the launcher reports the exit statuses.
     with contextlib.suppress(Exception):
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        return True
+    return False
 
 
 def _device() -> torch.device:

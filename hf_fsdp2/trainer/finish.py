@@ -181,7 +181,8 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"hf_fsdp2 error: {err}", file=sys.stderr, flush=True)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
-        collectives.gather_before_exit()
+        if not collectives.gather_before_exit() and os.environ.get("RANK", "0") != "0":
+            time.sleep(2.0)  # no group to meet in (a refusal before one exists): give rank 0 time to report
         leave(2)
     leave(0)
 
