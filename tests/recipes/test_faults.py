@@ -405,12 +405,13 @@ def _mount_tmpfs(path: Path, options: str) -> None:
 
 
 def _clean_exit_2(proc: subprocess.CompletedProcess[str]) -> None:
-    """Every rank ended with status 2 (the launcher reports it), none aborted."""
+    """No rank aborted: the launcher reports status 2 as the root cause. A rank the launcher itself ended with
+    SIGTERM (-15), because a sibling's status 2 reached it first, is the launcher's doing, not an abort."""
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "SIGABRT" not in text and "Signal 6" not in text, text[-3000:]
     codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, flags=re.MULTILINE)  # torchrun's report per rank
-    assert codes and set(codes) == {"2"}, text[-3000:]
+    assert "2" in codes and set(codes) <= {"2", "-15"}, text[-3000:]
 
 
 def test_a_full_disk_is_refused_at_the_start_or_named_when_a_save_runs_out(assets, tmp_path: Path) -> None:
