@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.launch import REPO, SFT, _env, free_port, python, torchrun
+from support.launch import REPO, SFT, _env, free_port, python
+from support.runs import sft_2ranks, write_recipe
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.checkpoint import checkpoint_problems
@@ -33,18 +34,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_llama_dir(root / "model", seed=4), write_chat_jsonl(root / "chat.jsonl", 32, seed=9)
 
 
-def _recipe(path: Path, model: Path, data: Path | str, out: Path, **overrides: object) -> Path:
-    values = {
-        "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(out), "max_steps": 4,
-        "per_device_train_batch_size": 2, "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3,
-        "mixed_precision": "no", **overrides,
-    }  # fmt: skip
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def _sft(recipe: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return torchrun(SFT, ["--config", str(recipe), *extra], nproc=2, timeout=600, check=check)
+_recipe, _sft = write_recipe, sft_2ranks
 
 
 def _one_error(proc: subprocess.CompletedProcess[str]) -> str:

@@ -1,0 +1,26 @@
+"""A 2-rank SFT run of a tiny model from a recipe file: the helpers the end-to-end fault and edge tests share."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from support.launch import SFT, torchrun
+
+
+def write_recipe(path: Path, model: Path, data: Path | str, out: Path, **overrides: object) -> Path:
+    """A 4-step fp32 recipe of ``model`` on ``data`` into ``out``, with ``overrides``; returns its path."""
+    values = {
+        "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(out), "max_steps": 4,
+        "per_device_train_batch_size": 2, "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3,
+        "mixed_precision": "no", **overrides,
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def sft_2ranks(recipe: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node 2 recipes/sft.py --config recipe``."""
+    return torchrun(SFT, ["--config", str(recipe), *extra], nproc=2, timeout=600, check=check)
