@@ -13,7 +13,8 @@ from hf_fsdp2.commands.common import Subparsers, user_error
 def _run_export(args: argparse.Namespace) -> int:
     import yaml
 
-    from hf_fsdp2.checkpoint import STATE_FILE, checkpoint_problems
+    from hf_fsdp2.checkpoint.layout import STATE_FILE
+    from hf_fsdp2.checkpoint.resume import checkpoint_problems
     from hf_fsdp2.config import CONFIG_NAME, ConfigError, parse_size
     from hf_fsdp2.export import ExportError, export_checkpoint
     from hf_fsdp2.lora.offline import export_lora_checkpoint

@@ -303,7 +303,7 @@ class CheckpointPusher:
         private: bool | None,
         **push_kwargs: Any,
     ) -> None:
-        from hf_fsdp2.checkpoint import list_checkpoints
+        from hf_fsdp2.checkpoint.resume import list_checkpoints
 
         self.run_dir, self.repo_id, self.branch = Path(run_dir), repo_id, branch
         self.token, self.private, self.push_kwargs = token, private, push_kwargs
@@ -313,7 +313,7 @@ class CheckpointPusher:
 
     def push_new(self) -> None:
         """Queue every complete checkpoint of the run not queued yet (call after each save)."""
-        from hf_fsdp2.checkpoint import list_checkpoints
+        from hf_fsdp2.checkpoint.resume import list_checkpoints
 
         for path in list_checkpoints(self.run_dir):
             if path.name not in self.pushed:

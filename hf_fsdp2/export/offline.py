@@ -38,7 +38,8 @@ def load_checkpoint_model(
     import yaml
     from accelerate.utils import set_module_tensor_to_device
 
-    from hf_fsdp2.checkpoint import CONFIG_FILE, STATE_FILE, checkpoint_problems
+    from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE
+    from hf_fsdp2.checkpoint.resume import checkpoint_problems
     from hf_fsdp2.model import load_model
 
     ckpt = Path(checkpoint).expanduser()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.checkpoint import CheckpointError
+from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, render_model_card

@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_checkpoints
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.compat import check_versions
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
@@ -40,7 +41,6 @@ from hf_fsdp2.parallel.accelerator import (
     world_size,
 )
 from hf_fsdp2.parallel.kernels import check_liger_available
-from hf_fsdp2.run_dir import RunLock, check_output_dir, clear_previous_checkpoints
 
 logger = logging.getLogger("hf_fsdp2")
 

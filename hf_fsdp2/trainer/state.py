@@ -10,20 +10,11 @@ from typing import Any
 import torch
 import yaml
 
-from hf_fsdp2.checkpoint import (
-    CONFIG_FILE,
-    STATE_FILE,
-    Checkpointer,
-    CheckpointError,
-    StopRequest,
-    TrainerState,
-    check_config_compatible,
-    checkpoint_dir,
-    list_checkpoints,
-    new_run_id,
-    resolve_resume,
-)
-from hf_fsdp2.checkpoint_space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
+from hf_fsdp2.checkpoint.checkpointer import Checkpointer
+from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError, TrainerState, checkpoint_dir
+from hf_fsdp2.checkpoint.preemption import StopRequest
+from hf_fsdp2.checkpoint.resume import check_config_compatible, list_checkpoints, new_run_id, resolve_resume
+from hf_fsdp2.checkpoint.space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
 from hf_fsdp2.collectives import broadcast_object
 from hf_fsdp2.config.sources import parse_source, resolve_sources
 from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint

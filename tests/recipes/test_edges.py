@@ -24,7 +24,7 @@ from support.launch import REPO, SFT, _env, free_port, python
 from support.runs import sft_2ranks, write_recipe
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
-from hf_fsdp2.checkpoint import checkpoint_problems
+from hf_fsdp2.checkpoint.resume import checkpoint_problems
 from hf_fsdp2.observe.logs import read_metrics
 
 

@@ -32,8 +32,9 @@ from support.launch import SFT
 from support.runs import sft_2ranks, write_recipe
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
-from hf_fsdp2.checkpoint import CheckpointError, checkpoint_problems, resolve_resume
-from hf_fsdp2.checkpoint_manifest import MANIFEST_FILE
+from hf_fsdp2.checkpoint.layout import CheckpointError
+from hf_fsdp2.checkpoint.manifest import MANIFEST_FILE
+from hf_fsdp2.checkpoint.resume import checkpoint_problems, resolve_resume
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.observe.logs import read_metrics
 

@@ -12,16 +12,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_fsdp2.checkpoint import (
-    CONFIG_FILE,
-    STATE_FILE,
-    Checkpointer,
-    CheckpointError,
-    TrainerState,
-    resolve_resume,
-    run_id_of,
-)
-from hf_fsdp2.run_dir import clear_previous_checkpoints
+from hf_fsdp2.checkpoint.checkpointer import Checkpointer
+from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError, TrainerState
+from hf_fsdp2.checkpoint.resume import resolve_resume, run_id_of
+from hf_fsdp2.checkpoint.run_dir import clear_previous_checkpoints
 
 
 def _checkpoint(out: Path, step: int, run_id: str) -> Path:
@@ -124,7 +118,7 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
 
 
 def test_a_damaged_config_or_trainer_state_is_named_not_a_traceback(tmp_path: Path) -> None:
-    from hf_fsdp2.checkpoint import checkpoint_problems
+    from hf_fsdp2.checkpoint.resume import checkpoint_problems
 
     path = _checkpoint(tmp_path, 2, "r")
     (path / CONFIG_FILE).write_text("model_name_or_path: [unclosed\n  x: : :\n")

@@ -60,7 +60,7 @@ def test_export_of_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path: Pa
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hf_fsdp2.checkpoint import CONFIG_FILE, STATE_FILE, TrainerState
+    from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, TrainerState
     from hf_fsdp2.cli import main
 
     def checkpoint(name: str) -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_fsdp2.checkpoint.run_dir import LOCK_NAME, RunLock, check_output_dir, previous_run
 from hf_fsdp2.config import ConfigError
-from hf_fsdp2.run_dir import LOCK_NAME, RunLock, check_output_dir, previous_run
 
 
 def test_accepts_missing_and_empty(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from hf_fsdp2.checkpoint import Checkpointer, TrainerState
+from hf_fsdp2.checkpoint.checkpointer import Checkpointer
+from hf_fsdp2.checkpoint.layout import TrainerState
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.export import ExportVerificationError, export_model, verify_export

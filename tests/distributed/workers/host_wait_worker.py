@@ -22,7 +22,7 @@ import torch
 from support.devices import DEVICE, FakeAccelerator
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.checkpoint import StopRequest
+from hf_fsdp2.checkpoint.preemption import StopRequest
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from hf_fsdp2.checkpoint import Checkpointer
+from hf_fsdp2.checkpoint.checkpointer import Checkpointer
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2

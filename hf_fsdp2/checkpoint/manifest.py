@@ -13,7 +13,7 @@ small files and writes the manifest before ``trainer_state.json`` marks the chec
 gives both speeds as measured). A check (resume, offline export) reads every file once more: on resume that doubles the
 bytes read from the checkpoint. Checkpoints written before manifests existed load with a warning.
 
-Not collective: callers gather the per-rank digests (:mod:`hf_fsdp2.checkpoint`).
+Not collective: callers gather the per-rank digests (:mod:`hf_fsdp2.checkpoint.checkpointer`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from hf_fsdp2.checkpoint import LATEST, PREFIX, TMP_PREFIX
+from hf_fsdp2.checkpoint.layout import LATEST, PREFIX, TMP_PREFIX
 from hf_fsdp2.config import CONFIG_NAME, ConfigError
 
 logger = logging.getLogger("hf_fsdp2")
