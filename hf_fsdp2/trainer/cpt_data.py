@@ -17,6 +17,7 @@ import datasets
 import numpy as np
 import torch
 
+from hf_fsdp2.attention_layout import attention_layout_for
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource
@@ -25,7 +26,6 @@ from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import load_source, stream_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.packing import PackedCollator
-from hf_fsdp2.model import attention_layout_for
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.sft_data import TrainData
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.naming import checkpoint_layout
@@ -17,7 +18,6 @@ from hf_fsdp2.lora.adapter import apply_lora, format_memory_report, memory_repor
 from hf_fsdp2.lora.merge import check_mergeable
 from hf_fsdp2.model import (
     check_vocab,
-    choose_attention_layout,
     count_parameters,
     decoder_layer_classes,
     disable_dropout,

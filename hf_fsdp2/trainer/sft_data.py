@@ -8,13 +8,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hf_fsdp2.attention_layout import attention_layout_for
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import DataStream, PaddingCollator, ShardedSampler, build_dataloader
 from hf_fsdp2.data.mixture import build_sft_datasets_from_config
 from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.data.tokenize import TokenizeStats
-from hf_fsdp2.model import attention_layout_for
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")

@@ -1,4 +1,4 @@
-"""The batch layout and attention kernel of a run (hf_fsdp2.model.choose_attention_layout), and the mask each
+"""The batch layout and attention kernel of a run (hf_fsdp2.attention_layout.choose_attention_layout), and the mask each
 layout makes transformers build.
 
 Documents flattened into one row are kept apart by ``position_ids``; transformers' ``create_causal_mask`` (what
@@ -20,10 +20,11 @@ from support.tiny import make_tiny_llama_dir
 from transformers import BloomConfig, LlamaConfig
 from transformers.masking_utils import create_causal_mask
 
+from hf_fsdp2.attention_layout import attention_layout_for, choose_attention_layout
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.data.packing import PackedCollator
-from hf_fsdp2.model import attention_layout_for, choose_attention_layout, load_model
+from hf_fsdp2.model import load_model
 
 CONFIG = LlamaConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

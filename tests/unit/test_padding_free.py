@@ -9,9 +9,10 @@ import pytest
 import torch
 from support.families import FAMILIES, make_family_dir
 
+from hf_fsdp2.attention_layout import padding_free_matches
 from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.data.packing import PackedCollator
-from hf_fsdp2.model import load_model, load_model_config, padding_free_matches
+from hf_fsdp2.model import load_model, load_model_config
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss
 
 EXAMPLES = [
@@ -48,14 +49,16 @@ def test_a_model_whose_attention_mixes_flattened_examples_keeps_padded_batches(
 ) -> None:
     import transformers.masking_utils as masking
 
-    import hf_fsdp2.model
+    import hf_fsdp2.attention_layout
 
-    monkeypatch.setattr(hf_fsdp2.model, "_PROBED", {})  # the probe is kept per process: probe afresh here
+    monkeypatch.setattr(
+        hf_fsdp2.attention_layout, "_PROBED", {}
+    )  # the probe is kept per process: probe afresh here
     config = load_model_config(str(make_family_dir(tmp_path / "m", "llama3_untied")))
     assert padding_free_matches(config)[0]
     # Without the detection of packed rows, attention crosses from one example into the next.
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
-    monkeypatch.setattr(hf_fsdp2.model, "_PROBED", {})
+    monkeypatch.setattr(hf_fsdp2.attention_layout, "_PROBED", {})
     matches, why = padding_free_matches(config)
     assert not matches and "padding-free logits differ from the padded ones" in why
     assert padding_free_matches(config, "flash_attention_2")[0]  # varlen kernels: by design

@@ -20,7 +20,7 @@ from hf_fsdp2.observe.memory_plan.saved import SavedBytes, SavedTensorMeter
 from hf_fsdp2.observe.memory_plan.settings import PlanError, PlanSettings
 
 if TYPE_CHECKING:
-    from hf_fsdp2.model import AttentionLayout
+    from hf_fsdp2.attention_layout import AttentionLayout
 
 
 class _MetaForward(TorchFunctionMode):

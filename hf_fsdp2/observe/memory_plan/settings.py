@@ -14,8 +14,8 @@ from hf_fsdp2.config.plans import ACPlan, ConfigError, LoraSettings
 from hf_fsdp2.dtypes import DTYPES, MIXED_PRECISION
 
 if TYPE_CHECKING:
+    from hf_fsdp2.attention_layout import AttentionLayout
     from hf_fsdp2.config import Config
-    from hf_fsdp2.model import AttentionLayout
 
 MIB = 2**20
 GIB = 2**30
@@ -121,13 +121,13 @@ class PlanSettings:
 
     def layout(self, model_config: Any) -> AttentionLayout:
         """The batch layout and attention kernel the run takes: the run's own decision
-        (:func:`hf_fsdp2.model.choose_attention_layout`), with the kernel the recipe names taken as installed
+        (:func:`hf_fsdp2.attention_layout.choose_attention_layout`), with the kernel the recipe names taken as installed
         (the plan is for the machine the run goes to; the run itself refuses a kernel it cannot load).
 
         Raises:
             PlanError: a kernel the model cannot run (flex_attention on a model without it).
         """
-        from hf_fsdp2.model import choose_attention_layout, installed_attention_kernels
+        from hf_fsdp2.attention_layout import choose_attention_layout, installed_attention_kernels
 
         try:
             return choose_attention_layout(
@@ -177,7 +177,7 @@ class PlanSettings:
         Raises:
             ConfigError: a mesh the world size cannot hold.
         """
-        from hf_fsdp2.model import recipe_rows
+        from hf_fsdp2.attention_layout import recipe_rows
 
         m, d, t, f = cfg.model, cfg.data, cfg.train, cfg.fsdp
         mesh = f.mesh_plan(world_size, launcher)

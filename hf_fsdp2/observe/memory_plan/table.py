@@ -13,7 +13,7 @@ from hf_fsdp2.observe.memory_plan.settings import GIB, MIB, PlanSettings
 from hf_fsdp2.observe.memory_plan.state import Unit, fsdp_buffer_bytes, fsdp_units, state_bytes
 
 if TYPE_CHECKING:
-    from hf_fsdp2.model import AttentionLayout
+    from hf_fsdp2.attention_layout import AttentionLayout
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,315 @@
+"""The batch layout and attention kernel of a run: padding-free or padded batches, and the kernel that keeps
+the documents of a row apart, decided once from the model's config and the environment (every rank alike)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+# Attention kernels that keep the examples of a flattened row apart by position_ids without a mask to build
+# (varlen kernels); the others are checked by a probe forward.
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def padding_free_matches(
+    config: PretrainedConfig, attn_implementation: str = "auto", *, trust_remote_code: bool = False
+) -> tuple[bool, str]:
+    """Whether a padding-free batch (examples flattened into one row, ``position_ids`` restarting per example)
+    gives this model the same logits as the padded batch, and why.
+
+    Decided from the config alone, on CPU, deterministically (every rank decides the same): a random-init copy
+    of the model with its first two layers and small MLP / vocabulary (the masking and attention code are the
+    model's own) runs two examples padded and flattened; the logits of every real token must agree to fp32
+    rounding. Varlen flash-attention kernels take ``position_ids`` by design and are not probed (they need a GPU).
+
+    Returns:
+        ``(matches, reason)``.
+    """
+    key = (config.to_json_string(use_diff=False), attn_implementation, trust_remote_code)
+    if key not in _PROBED:  # the plan, the data and the model of a run ask the same: one probe per process
+        _PROBED[key] = _probe_padding_free(config, attn_implementation, trust_remote_code)
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, str, bool], tuple[bool, str]] = {}
+
+
+def _probe_padding_free(
+    config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool
+) -> tuple[bool, str]:
+    from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
+
+    if attn_implementation in _VARLEN_ATTENTION:
+        return True, f"{attn_implementation} separates the examples of a row by position_ids (varlen kernels)"
+    if attn_implementation != "auto" and attn_implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        return False, f"attn_implementation={attn_implementation} does not separate examples by position_ids"
+    small = copy.deepcopy(config)
+    layers = min(2, int(getattr(small, "num_hidden_layers", 2) or 2))
+    small.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_only_layers"):
+        value = getattr(small, key, None)
+        if isinstance(value, list):
+            setattr(small, key, value[:layers])
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(small, key, None):
+            setattr(small, key, 32)
+    small.vocab_size = 64
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 64:
+            setattr(small, key, 0)
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+    if attn_implementation != "auto":
+        kwargs["attn_implementation"] = attn_implementation
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, **kwargs)
+    except Exception as err:  # a config the probe cannot shrink: keep padded batches
+        return False, f"the probe could not build the model ({type(err).__name__}: {err})"
+    finally:
+        torch.random.set_rng_state(state)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 64, (5,), generator=gen), torch.randint(3, 64, (9,), generator=gen)
+    ids = torch.zeros((2, 9), dtype=torch.long)
+    mask = torch.zeros((2, 9), dtype=torch.long)
+    ids[0, :5], mask[0, :5], ids[1], mask[1] = a, 1, b, 1
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        flat = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(9)])[None],
+                     use_cache=False).logits  # fmt: skip
+    want = torch.cat([padded[0, :5], padded[1]])
+    diff = float((flat[0] - want).abs().max())
+    scale = max(float(want.abs().max()), 1.0)
+    attn = getattr(model.config, "_attn_implementation", attn_implementation)
+    if diff <= 1e-4 * scale:  # fp32 rounding of the same maths (a different mask gives O(1) differences)
+        return (
+            True,
+            f"a probe forward with {attn} attention gives padded and padding-free batches the same logits",
+        )
+    return False, (
+        f"with {attn} attention its padding-free logits differ from the padded ones by {diff:.3g} (scale "
+        f"{scale:.3g}): this model's attention does not separate flattened examples"
+    )
+
+
+# What makes a varlen kernel loadable: the flash-attn build itself, or the ``kernels`` package, from which
+# transformers loads kernels-community's build (from its cache, or the hub) when flash-attn is missing.
+_VARLEN_MODULES = {
+    "flash_attention_2": ("flash_attn", "kernels"),
+    "flash_attention_3": ("flash_attn_interface", "kernels"),
+}
+# Kernels that keep the documents of one row apart only through a dense ``[rows, 1, T, T]`` mask that
+# transformers' masking_utils materialises from position_ids (sdpa: bool; eager: the compute dtype).
+DENSE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def installed_attention_kernels() -> frozenset[str]:
+    """The varlen attention kernels importable in this environment (``flash_attention_2`` / ``_3``)."""
+    return frozenset(
+        name for name, modules in _VARLEN_MODULES.items() if any(importlib.util.find_spec(m) for m in modules)
+    )
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a run's micro-batches are laid out and which attention kernel keeps their documents apart.
+
+    Attributes:
+        padding_free: each micro-batch flattened into one row, ``position_ids`` restarting per document.
+        packing: rows hold several documents (packing, or continued pre-training's rows).
+        attn_implementation: what :func:`hf_fsdp2.model.load_model` is given (``auto``: transformers picks).
+        kernel: the attention that runs: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` ...
+        dense_mask: transformers builds a dense ``[rows, 1, T, T]`` mask every forward to keep the documents of a
+            row apart (documents share rows under sdpa or eager); the memory plan counts it.
+        reason: why, for the start-up log.
+        warning: a cost the user chose explicitly (padding-free over a dense mask on a GPU), else None.
+    """
+
+    padding_free: bool
+    packing: bool
+    attn_implementation: str
+    kernel: str
+    dense_mask: bool
+    reason: str
+    warning: str | None = None
+
+    def describe(self, *, why: bool = True) -> str:
+        """One line: the layout (and why), the kernel and how it keeps documents apart."""
+        layout = "padding-free" if self.padding_free else ("packed rows" if self.packing else "padded")
+        if not (self.padding_free or self.packing):
+            mask = "a padding mask, none for a micro-batch without padding"
+        elif self.dense_mask:
+            mask = "documents apart by a dense [T x T] mask"
+        elif self.kernel == "flex_attention":
+            mask = "documents apart by a block mask from position_ids"
+        else:
+            mask = "documents apart by position_ids (varlen)"
+        return (
+            f"batches: {layout}" + (f" ({self.reason})" if why else "") + f"; attention {self.kernel}, {mask}"
+        )
+
+
+def _causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (None: remote code, unknown here)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+    return found[0] if isinstance(found, tuple) else found  # some configs map to several classes
+
+
+def choose_attention_layout(
+    model_config: PretrainedConfig,
+    *,
+    device_type: str,
+    attn_implementation: str = "auto",
+    packing: bool = False,
+    padding_free: bool | None = None,
+    installed: frozenset[str] | None = None,
+    trust_remote_code: bool = False,
+) -> AttentionLayout:
+    """The batch layout and attention kernel of a run, decided from config and environment only.
+
+    Every rank (and the memory plan) decides the same. Documents flattened into one row are kept apart by
+    ``position_ids``: varlen flash kernels take the boundaries as they are, ``flex_attention`` gets a block mask
+    (``masking_utils.flex_attention_mask``), but sdpa and eager get a dense ``[rows, 1, T, T]`` mask
+    (``masking_utils.sdpa_mask`` / ``eager_mask``): over a flattened micro-batch T is all its tokens, so on a
+    GPU that is T^2 attention over all documents, no flash kernel and a T^2 bias per layer kept for backward,
+    slower and bigger than padded batches. So, with ``padding_free`` unset:
+
+    - a GPU (any device but ``cpu``): padding-free with ``flash_attention_2``/``_3`` or ``flex_attention``
+      (once the CPU probe shows the model's masks follow position_ids), padded batches with sdpa/eager;
+    - the CPU: padding-free where the CPU probe (:func:`padding_free_matches`) shows the same logits
+      (measured faster there: bench/trainer_bench.py);
+    - ``packing``: packed rows instead.
+
+    ``attn_implementation: auto`` keeps transformers' choice (sdpa, else eager), not flex_attention: transformers
+    runs flex through ``torch.compile`` (Triton and a host C compiler on the node, compile time in the first
+    step, a recompile as padding-free lengths vary) and refuses attention dropout in training; it is one key
+    away (``attn_implementation: flex_attention``) and the log says so.
+
+    Args:
+        model_config: the model's config.
+        device_type: ``cuda``, ``cpu``, ... (the run's device).
+        attn_implementation: the ``attn_implementation`` setting.
+        packing: rows hold several documents (``packing``, or continued pre-training's rows).
+        padding_free: the ``padding_free`` setting (None: decided here).
+        installed: varlen kernels importable (None: :func:`installed_attention_kernels`).
+        trust_remote_code: for the probe.
+
+    Returns:
+        The layout; ``warning`` set for ``padding_free: true`` over a dense mask on a GPU (allowed: asked for).
+
+    Raises:
+        ConfigError: flex_attention on a model class without it, or a flash kernel nothing here can load.
+    """
+    from hf_fsdp2.config.plans import ConfigError
+
+    cls = _causal_lm_class(model_config)
+    if attn_implementation == "auto":
+        kernel = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
+    else:
+        kernel = attn_implementation
+    name = cls.__name__ if cls is not None else type(model_config).__name__
+    if kernel == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
+        raise ConfigError(
+            f"attn_implementation=flex_attention: {name} does not support it (_supports_flex_attn is false in "
+            "this transformers); use sdpa (padded batches on a GPU) or flash_attention_2"
+        )
+    gpu = device_type != "cpu"
+    have = installed_attention_kernels() if installed is None else installed
+    if gpu and kernel in _VARLEN_MODULES and kernel not in have:
+        raise ConfigError(
+            f"attn_implementation={kernel} needs the {_VARLEN_MODULES[kernel][0]} package or the kernels package "
+            "(transformers then loads kernels-community's build from its cache or the hub); neither is importable "
+            "here. Install one, or set attn_implementation to flex_attention (block masks, no extra package) or sdpa"
+        )
+    dense = kernel in DENSE_MASK_ATTENTION
+    warning = None
+    if padding_free is False:
+        flat, why = False, "padding_free=false"
+    elif padding_free is None and packing:
+        flat, why = False, "packing=true packs rows instead"
+    elif padding_free:
+        flat, why = True, "padding_free=true"
+        if gpu and dense:
+            warning = (
+                f"padding_free=true with {kernel} attention on {device_type}: transformers builds a dense [T x T] "
+                "mask over each flattened micro-batch (T = all its tokens), so attention costs T^2 over all its "
+                "documents without the flash kernel and keeps a T^2 bias per layer for backward (the memory plan "
+                "counts it); set attn_implementation: flex_attention (block mask) or flash_attention_2, or "
+                "padding_free: false"
+            )
+    elif kernel in _VARLEN_ATTENTION:
+        flat, why = True, f"padding_free auto: {kernel} takes document boundaries from position_ids (varlen)"
+    elif gpu and kernel == "flex_attention":
+        probe = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
+        flat, probed = padding_free_matches(model_config, probe, trust_remote_code=trust_remote_code)
+        why = "padding_free auto: " + (
+            f"flex_attention keeps documents apart with a block mask from position_ids, no dense mask ({probed})"
+            if flat
+            else probed
+        )
+    elif gpu:
+        flat = False
+        better = " or ".join(["flex_attention"] * bool(getattr(cls, "_supports_flex_attn", False))
+                             + [f"{k} (installed)" for k in sorted(have & set(_VARLEN_ATTENTION))])  # fmt: skip
+        why = (
+            f"padding_free auto: {kernel} on {device_type} would keep the documents of a flattened micro-batch "
+            "apart with a dense [T x T] mask over all its tokens"
+            + (f"; set attn_implementation: {better} for padding-free batches" if better else "")
+        )
+        if attn_implementation == "auto":
+            why += (
+                " (auto keeps transformers' sdpa: flex_attention compiles Triton kernels at the first step)"
+            )
+    else:
+        flat, probed = padding_free_matches(
+            model_config, attn_implementation, trust_remote_code=trust_remote_code
+        )
+        why = f"padding_free auto: {probed}"
+    return AttentionLayout(
+        padding_free=flat,
+        packing=packing,
+        attn_implementation=attn_implementation,
+        kernel=kernel,
+        dense_mask=dense and (flat or packing),
+        reason=why,
+        warning=warning,
+    )
+
+
+def recipe_rows(data: Any, recipe: str) -> tuple[bool, bool | None]:
+    """``(packing, padding_free)`` of a recipe's data section as the layout decision reads them: ``sft`` as set;
+    ``cpt`` rows hold several documents unless ``cross_document_attention`` and are full already (padding-free
+    only when asked); ``dpo`` pairs are padded."""
+    if recipe == "cpt":
+        return not data.cross_document_attention, bool(data.padding_free)
+    if recipe == "dpo":
+        return False, False
+    return bool(data.packing), data.padding_free
+
+
+def attention_layout_for(
+    cfg: Any, model_config: PretrainedConfig, *, device_type: str, recipe: str = "sft",
+    installed: frozenset[str] | None = None,
+) -> AttentionLayout:  # fmt: skip
+    """:func:`choose_attention_layout` for a recipe's config sections (:func:`recipe_rows`)."""
+    packing, padding_free = recipe_rows(cfg.data, recipe)
+    return choose_attention_layout(
+        model_config,
+        device_type=device_type,
+        attn_implementation=cfg.model.attn_implementation,
+        packing=packing,
+        padding_free=padding_free,
+        installed=installed,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
