@@ -17,7 +17,7 @@ they are the same in eager, regional and whole-model runs.
 Shapes change every step with real data (sequence lengths, padding-free token counts). With
 ``torch_compile_dynamic`` unset, the sequence dims are marked dynamic before the first compile, so a new
 length never recompiles (dynamo's automatic dynamic would recompile each graph once on the second length).
-The chunked loss runs eagerly (``hf_fsdp2.train.loss``: its loop count is the step's target rows), and
+The chunked loss runs eagerly (``hf_fsdp2.train.chunked_ce``: its loop count is the step's target rows), and
 evaluation and generation run eagerly (:func:`eager`): no-grad, eval-mode and one-token-longer shapes would
 each be new graphs, filling dynamo's per-function recompile limit (8) that training needs.
 :class:`CompileWatch` logs every recompile and warns loudly when the limit is hit (dynamo then runs that

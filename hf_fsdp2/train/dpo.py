@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.train.loss import LossPlan, accumulation_dtype, head_input_replaced
+from hf_fsdp2.train.chunked_ce import accumulation_dtype, head_input_replaced
+from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
 from hf_fsdp2.train.step import apply_update, clip_grad_norm, read_step_counts
 

@@ -7,10 +7,6 @@ the micro-batch split, the accumulation or the number of ranks (not a mean of pe
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +15,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from hf_fsdp2.labels import IGNORE_INDEX
+from hf_fsdp2.train.chunked_ce import (
+    LogitTransform,
+    accumulation_dtype,
+    chunked_linear_cross_entropy_sum,
+    head_input_replaced,
+    target_rows,
+)
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:
@@ -31,11 +34,6 @@ def count_target_tokens(labels: torch.Tensor) -> int:
         The number of (shifted) target tokens.
     """
     return int((labels[:, 1:] != IGNORE_INDEX).sum().item())
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the loss is computed and accumulated in: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -78,34 +76,6 @@ def backward_scale(global_target_tokens: int, world_size: int) -> float:
     return world_size / global_target_tokens
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """What a model does to the head's output before it is a logit: ``softcap(raw * scale)``.
-
-    Gemma-2/3 cap the logits (``final_logit_softcapping``: ``c * tanh(x / c)``), Granite divides them
-    (``logits_scaling``), Cohere multiplies them (``logit_scale``). The chunked loss computes from the
-    head's raw output, so it must apply the same transform, or its loss is not the model's.
-    """
-
-    scale: float = 1.0
-    softcap: float | None = None
-
-    def apply(self, raw: torch.Tensor) -> torch.Tensor:
-        """The logits from the head's raw output."""
-        out = raw * self.scale if self.scale != 1.0 else raw
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
-
-    def describe(self) -> str:
-        parts = []
-        if self.scale != 1.0:
-            parts.append(f"x {self.scale:g}")
-        if self.softcap:
-            parts.append(f"softcap {self.softcap:g}")
-        return ", ".join(parts) or "none"
-
-
 def logit_transform_for(config: Any) -> LogitTransform:
     """The logit post-processing a model config declares (see :class:`LogitTransform`)."""
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -115,158 +85,6 @@ def logit_transform_for(config: Any) -> LogitTransform:
     if getattr(config, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
         scale *= float(config.logit_scale)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
-
-
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of ``transform(hidden @ weight.T)`` over chunks of rows; gradients computed in forward.
-
-    Only the rows with a target are computed (with assistant-only or completion-only loss most positions have
-    none: their logits are never needed), and only one ``[chunk x vocab]`` block exists at a time, exponentiated
-    once: the softmax gives both the log-sum-exp and the gradient. Backward scales the saved gradients
-    (``[tokens x hidden]`` and ``[vocab x hidden]``) by the incoming gradient.
-
-    Precision, as fused linear cross-entropy kernels do it: the three GEMMs (logits, gradient of the hidden
-    states, gradient of the head) take operands in the inputs' dtype (bf16 under mixed precision; the kernels
-    accumulate in fp32), and only the loss needs fp32: the log-sum-exp, the chunk's softmax and the head's
-    gradient accumulator. Where torch has it (CUDA, :func:`fp32_accumulating_addmm`), the head's gradient GEMM
-    adds into that fp32 accumulator itself; elsewhere (CPU) each chunk's bf16 product is a ``[vocab x hidden]``
-    temporary added to it: one more bf16 rounding, a ``2 x vocab x hidden``-byte temporary and ``4 x vocab x hidden``
-    bytes more memory traffic per chunk (its write and read; computed: 0.5 GB and 1.05 GB for a 128256 x 2048
-    head), on top of the ``8 x vocab x hidden`` bytes of the accumulator's read and write both paths have. The softmax gradient is rounded to bf16 for its two GEMMs, as the plain path rounds
-    the logits' gradient (``tests/unit/test_loss.py`` bounds the difference). fp32 operands would run at a
-    fraction of a GPU's bf16 rate (TF32 is off by default) and need an fp32 copy of the head.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        chunk: int,
-        transform: LogitTransform,
-        rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        acc = accumulation_dtype(hidden.dtype)
-        operand = hidden.dtype  # of the GEMMs: bf16 under mixed precision, else fp32 (fp64 for fp64)
-        grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
-        )
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        if rows is None:  # the positions with a target (nonzero() waits for the device: pass them in)
-            rows = target_rows(targets)
-        # The head in the GEMMs' dtype, cast once per call and only when it differs (never under FSDP2's policy).
-        head = weight if weight.dtype == operand else weight.to(operand)
-        for start in range(0, rows.numel(), chunk):
-            index = rows[start : start + chunk]
-            h = hidden.index_select(0, index)
-            t = targets.index_select(0, index)
-            logits = (h @ head.t()).to(acc)
-            capped = None
-            if transform.scale != 1.0:
-                logits.mul_(transform.scale)
-            if transform.softcap:
-                capped = torch.tanh(logits / transform.softcap)
-                logits = capped * transform.softcap
-            picked = logits.gather(1, t[:, None]).squeeze(1)
-            top = logits.amax(dim=-1, keepdim=True)
-            probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
-            norm = probs.sum(dim=-1, keepdim=True)
-            total += ((top + norm.log()).squeeze(1) - picked).sum()
-            # d(sum CE)/d logits = softmax - one-hot, computed in place.
-            probs.div_(norm)
-            probs[torch.arange(probs.size(0), device=probs.device), t] -= 1.0
-            # Back through the transform to the head's raw output.
-            if capped is not None:
-                probs.mul_(1.0 - capped.square_())
-            if transform.scale != 1.0:
-                probs.mul_(transform.scale)
-            grad_logits = probs.to(operand)  # a no-op for fp32 inputs
-            del logits, probs, capped  # the fp32 block is not needed for the GEMMs (nor in the next chunk)
-            if grad_hidden is not None:
-                grad_hidden.index_copy_(0, index, grad_logits @ head)
-            if grad_weight is not None:
-                if operand == acc:
-                    grad_weight.addmm_(grad_logits.t(), h)
-                elif fp32_accumulating_addmm(grad_weight.device.type, operand):
-                    # bf16 operands, the fp32 accumulator as the GEMM's addend and output (CUDA): no bf16 product.
-                    _addmm_into_fp32(grad_weight, grad_logits.t(), h)
-                else:
-                    # Without that op (CPU; torch before out_dtype): the chunk's product is rounded to bf16 once
-                    # (fp32 inside the GEMM), written as a [vocab x hidden] bf16 temporary and added to the fp32
-                    # accumulator: one more bf16 rounding and one more read+write of [vocab x hidden] per chunk.
-                    grad_weight.add_(grad_logits.t() @ h)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight if grad_weight is not None else torch.empty(0),
-        )
-        ctx.has_grads = (grad_hidden is not None, grad_weight is not None)  # type: ignore[attr-defined]
-        ctx.weight_dtype = weight.dtype  # type: ignore[attr-defined]
-        return total
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
-        has_h, has_w = ctx.has_grads  # type: ignore[attr-defined]
-        gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
-        gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
-        return gh, gw, None, None, None, None
-
-
-def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with bf16/fp16 ``a``, ``b`` and an fp32 ``acc`` that the GEMM reads and writes itself."""
-    torch.addmm(acc, a, b, torch.float32, out=acc)  # out_dtype (4th argument): CUDA only in torch 2.13
-
-
-@functools.cache
-def fp32_accumulating_addmm(device_type: str, operand: torch.dtype) -> bool:
-    """Whether ``torch.addmm(fp32, a, b, torch.float32, out=fp32)`` works for ``operand`` inputs on this device type.
-
-    A feature test, run once per process and device type: torch 2.13 has the op for bf16/fp16 on CUDA only
-    (CPU raises "Could not run 'aten::addmm.dtype_out'"), and older torch lacks the ``out_dtype`` argument.
-    """
-    try:
-        device = torch.device(device_type)
-        a = torch.full((2, 2), 1.0, dtype=operand, device=device)
-        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
-        _addmm_into_fp32(acc, a, a)
-        return bool((acc == 3.0).all())
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-@torch.compiler.disable  # eager by construction: its loop count is the step's target rows (see _replace_head_input)
-def chunked_linear_cross_entropy_sum(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    chunk_tokens: int,
-    transform: LogitTransform | None = None,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Summed CE of ``transform(hidden @ weight.T)`` against ``targets`` without the full logits.
-
-    Args:
-        hidden: ``[tokens, hidden]`` final hidden states (already shifted: row i predicts targets[i]).
-        weight: ``[vocab, hidden]`` output-head weight.
-        targets: ``[tokens]`` next-token ids, ``-100`` where no loss.
-        chunk_tokens: rows per chunk.
-        transform: the model's logit post-processing (none by default).
-        rows: :func:`target_rows` of ``targets`` on ``hidden``'s device, found from host labels; None = found
-            here, which reads the device once (``nonzero``) on a GPU.
-
-    Returns:
-        A scalar tensor (fp32, fp64 for fp64 inputs) whose gradients match the plain computation's.
-    """
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, chunk_tokens, transform or LogitTransform(), rows
-    )
-
-
-def target_rows(targets: torch.Tensor) -> torch.Tensor:
-    """The positions of ``[tokens]`` shifted targets that carry a loss (not ``-100``), in order."""
-    return (targets != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def shifted_target_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -485,47 +303,6 @@ class _ChunkedLoss:
         # The head itself runs on the last position only. Contiguous: a view's stride follows the sequence length,
         # which the head's compiled graph would be guarded on (one recompile per new stride, measured).
         return full[:, -1:].contiguous()
-
-
-HeadInput = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-"""What replaces the output head's input during one forward: ``(head, final hidden states) -> new input``."""
-
-# The pending replacement of each output head's input, set around one forward (:func:`head_input_replaced`). Kept
-# outside the module (not a hook closure, not a module attribute) so that torch.compile never sees it: a closure
-# holding this step's tensors is guarded on their shapes, and a new hook every step changes the hooks dict; either
-# recompiles the whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps,
-# issue 23).
-_REQUESTS: weakref.WeakKeyDictionary[torch.nn.Module, HeadInput] = weakref.WeakKeyDictionary()
-_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
-
-@torch.compiler.disable
-def _replace_head_input(module: torch.nn.Module, args: tuple) -> tuple | None:
-    """The head's forward pre-hook, registered once per head: applies the pending :data:`HeadInput`, if any.
-
-    Eager by construction (``torch.compiler.disable``): the chunked loss's work is GEMMs that compile cannot fuse,
-    and its loop runs once per chunk of this step's target rows, a count that changes every step; traced, each
-    new count is a new graph. Under whole-model compile the graph breaks here once; the layers before and after
-    stay compiled.
-    """
-    replace = _REQUESTS.get(module)
-    if replace is None:  # a forward without a pending request (generation, the probe): the head runs as is
-        return None
-    return (replace(module, args[0]), *args[1:])
-
-
-@contextmanager
-def head_input_replaced(head: torch.nn.Module, replace: HeadInput) -> Iterator[None]:
-    """Within the block, ``head``'s input is ``replace(head, input)``: the same hook every step (installed once),
-    the step's tensors held outside the module, so compiled graphs stay valid from step to step."""
-    if head not in _HOOKED:
-        head.register_forward_pre_hook(_replace_head_input)
-        _HOOKED.add(head)
-    _REQUESTS[head] = replace
-    try:
-        yield
-    finally:
-        _REQUESTS.pop(head, None)
 
 
 def causal_lm_loss_sum(

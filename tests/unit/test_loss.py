@@ -1,4 +1,4 @@
-"""Unit tests for hf_fsdp2.train.loss: target counting, summed CE, global-token normalisation."""
+"""Unit tests for hf_fsdp2.train.loss and .chunked_ce: target counting, summed CE, global-token normalisation."""
 
 from __future__ import annotations
 
@@ -215,7 +215,8 @@ import pytest as _pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum, chunked_linear_cross_entropy_sum  # noqa: E402
+from hf_fsdp2.train.chunked_ce import chunked_linear_cross_entropy_sum  # noqa: E402
+from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum  # noqa: E402
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -324,7 +325,8 @@ def test_the_loss_path_never_depends_on_the_batch(tmp_path) -> None:
 
 # ---- the model's logit post-processing inside the chunked loss; the loss plan ---------------------
 
-from hf_fsdp2.train.loss import LogitTransform, logit_transform_for, plan_loss  # noqa: E402
+from hf_fsdp2.train.chunked_ce import LogitTransform  # noqa: E402
+from hf_fsdp2.train.loss import logit_transform_for, plan_loss  # noqa: E402
 
 
 @_pytest.mark.parametrize(
@@ -569,18 +571,18 @@ def test_bf16_chunked_loss_gradients_equal_the_plain_bf16_path(tie: bool, transf
 
 def test_fp32_accumulating_addmm_is_feature_tested() -> None:
     """torch 2.13 has ``addmm(..., out_dtype=float32)`` for bf16 on CUDA only: CPU takes the bf16-product path."""
-    from hf_fsdp2.train import loss as loss_module
+    from hf_fsdp2.train import chunked_ce
 
-    assert loss_module.fp32_accumulating_addmm("cpu", torch.bfloat16) is False
+    assert chunked_ce.fp32_accumulating_addmm("cpu", torch.bfloat16) is False
     if torch.cuda.is_available():  # the GPU check runs this line
-        assert loss_module.fp32_accumulating_addmm("cuda", torch.bfloat16) is True
+        assert chunked_ce.fp32_accumulating_addmm("cuda", torch.bfloat16) is True
 
 
 def test_bf16_head_gradient_uses_the_fp32_accumulating_gemm_where_available(monkeypatch) -> None:
     """Where the op exists, every chunk's head gradient goes through it (no bf16 [vocab x hidden] product), and
     the gradient stays within the bf16 bound of the plain path. The CUDA kernel is replaced by what it computes
     (bf16 operands, exact products, fp32 sums into the fp32 accumulator), since CPU torch lacks it."""
-    from hf_fsdp2.train import loss as loss_module
+    from hf_fsdp2.train import chunked_ce
 
     calls: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
 
@@ -588,8 +590,8 @@ def test_bf16_head_gradient_uses_the_fp32_accumulating_gemm_where_available(monk
         calls.append((acc.dtype, a.dtype, b.dtype))
         acc.addmm_(a.float(), b.float())
 
-    monkeypatch.setattr(loss_module, "fp32_accumulating_addmm", lambda device_type, operand: True)
-    monkeypatch.setattr(loss_module, "_addmm_into_fp32", on_cpu)
+    monkeypatch.setattr(chunked_ce, "fp32_accumulating_addmm", lambda device_type, operand: True)
+    monkeypatch.setattr(chunked_ce, "_addmm_into_fp32", on_cpu)
     gen = torch.Generator().manual_seed(1)
     rows, vocab, dim = 40, 96, 32
     hidden = torch.randn(rows, dim, generator=gen).bfloat16()
