@@ -9,7 +9,6 @@ and cut on the fly, each rank its own slice, and each rank's exact position goes
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +16,15 @@ import datasets
 import numpy as np
 import torch
 
-from hf_fsdp2.attention_layout import attention_layout_for
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource
 from hf_fsdp2.data.corpus import RowsDataset, StreamingRows, best_fit_rows, concat_rows, document_ids
-from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import load_source, stream_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.packing import PackedCollator
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import TrainData
+from hf_fsdp2.trainer.sft_data import TrainData, examples_per_step, logged_layout, sampled_stream
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -118,14 +115,10 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     Raises:
         ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
     """
-    cfg = session.cfg
-    d, t = cfg.data, cfg.train
+    d, t = session.cfg.data, session.cfg.train
     # Rows of several documents (unless cross_document_attention), full already: padding-free only when asked,
     # and then warned about where it builds a dense mask (the same decision as SFT's and the memory plan's).
-    layout = attention_layout_for(cfg, session.model_config, device_type=session.device.type, recipe="cpt")
-    logger.info(layout.describe())
-    if layout.warning:
-        logger.warning(layout.warning)
+    layout = logged_layout(session, "cpt")
     collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=layout.padding_free)
     if d.streaming:
         return _streamed(session, tokenizer, collator)
@@ -173,27 +166,15 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
         "attention across documents" if d.cross_document_attention else "positions restart per document",
         cut, 100 * float(dataset.row_lengths.mean()) / d.max_length,
     )  # fmt: skip
-    per_step = session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    per_step = examples_per_step(session)
     if len(dataset) < per_step:
         raise ConfigError(
             f"one optimizer step needs {per_step} rows of max_length={d.max_length} but the corpus makes "
             f"{len(dataset)}; lower max_length, the batch size or the accumulation"
         )
-    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed,
-        shuffle=t.train_sampling_strategy == "random",
-    )  # fmt: skip
-    loader = build_dataloader(
-        dataset,  # type: ignore[arg-type]
-        batch_size=t.per_device_train_batch_size,
-        collator=collator,
-        sampler=sampler,
-        num_workers=d.dataloader_num_workers,
-    )
-    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
-    total = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    stream, steps_per_epoch, total = sampled_stream(session, dataset, collator)
     logger.info("training %d steps (%d per epoch), %d rows per step", total, steps_per_epoch, per_step)
-    return TrainData(DataStream(loader, sampler, t.per_device_train_batch_size), collator, eval_set, steps_per_epoch,
-                     total, per_step)  # fmt: skip
+    return TrainData(stream, collator, eval_set, steps_per_epoch, total, per_step)
 
 
 def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
@@ -218,7 +199,7 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
     documents = split_dataset_by_node(documents, rank=session.rank, world_size=session.world)
     rows = StreamingRows(documents, tokenizer, d.max_length, text_column=d.text_column,
                          cross_document_attention=d.cross_document_attention)  # fmt: skip
-    per_step = session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    per_step = examples_per_step(session)
     logger.info(
         "corpus: streamed from %s, each rank its own slice, rows of %d (concat), %d steps, %d rows per step",
         ", ".join(s.describe() for s in sources), d.max_length, t.max_steps, per_step,

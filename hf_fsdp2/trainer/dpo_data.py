@@ -5,7 +5,6 @@ count. Every rank tokenizes (rank 0 first, so a bad record is one error on every
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import numpy as np
@@ -13,12 +12,11 @@ import numpy as np
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping
-from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, tokenize_pairs
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import TrainData
+from hf_fsdp2.trainer.sft_data import TrainData, check_one_step, examples_per_step, sampled_stream
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -92,7 +90,7 @@ def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
     Raises:
         ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
     """
-    d, t = session.cfg.data, session.cfg.train
+    d = session.cfg.data
     if d.packing or d.padding_free:
         raise ConfigError(
             f"packing={d.packing}, padding_free={d.padding_free}: the DPO recipe batches each pair's chosen and "
@@ -100,29 +98,12 @@ def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
         )
     train, eval_pairs = rank0_first(lambda: load_pairs(session, tokenizer))
     collator = PreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length)
-    per_step = session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
-    if len(train) < per_step:
-        raise ConfigError(
-            f"one optimizer step needs world_size({session.world}) x per_device_train_batch_size"
-            f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
-            f"= {per_step} pairs but the data has {len(train)}; lower the batch size or the accumulation"
-        )
-    sampler = ShardedSampler(len(train), rank=session.rank, world_size=session.world, seed=t.seed,
-        shuffle=t.train_sampling_strategy == "random",
-    )  # fmt: skip
-    loader = build_dataloader(
-        train,  # type: ignore[arg-type]
-        batch_size=t.per_device_train_batch_size,
-        collator=collator,
-        sampler=sampler,
-        num_workers=d.dataloader_num_workers,
-    )
-    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
-    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    per_step = examples_per_step(session)
+    check_one_step(session, len(train), "pairs", "data")
+    stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
     logger.info(
         "DPO data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)",
         len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
         steps_per_epoch, per_step, 2 * per_step,
     )  # fmt: skip
-    stream = DataStream(loader, sampler, t.per_device_train_batch_size)
     return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
