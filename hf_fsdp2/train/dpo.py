@@ -30,7 +30,7 @@ from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.chunked_ce import accumulation_dtype, head_input_replaced
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
-from hf_fsdp2.train.step import apply_update, clip_grad_norm, read_step_counts
+from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
 
 # Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
 METRICS = (
@@ -244,6 +244,20 @@ def even_batches(
             yield (last if last is not None else collator([pairs[0]])), False
 
 
+def _rank_batches(
+    pairs: Sequence[Any], *, collator: Any, batch_size: int, device: torch.device
+) -> Iterable[tuple[dict[str, torch.Tensor], bool]]:
+    """This rank's :func:`even_batches` of ``pairs`` (the run's rank and world size), each :func:`to_device`."""
+    for batch, real in even_batches(
+        pairs,
+        rank=collectives.rank(),
+        world_size=collectives.world(),
+        batch_size=batch_size,
+        collator=collator,
+    ):
+        yield to_device(batch, device), real
+
+
 def precompute_reference(
     reference: Reference, pairs: Sequence[Any], *, collator: Any, batch_size: int, device: torch.device
 ) -> Precomputed:
@@ -253,14 +267,7 @@ def precompute_reference(
         The table of every pair (``[pairs, 2]``: chosen, rejected; fp64), the same on every rank.
     """
     table = torch.zeros((len(pairs), 2), dtype=torch.float64, device=device)
-    for batch, real in even_batches(
-        pairs,
-        rank=collectives.rank(),
-        world_size=collectives.world(),
-        batch_size=batch_size,
-        collator=collator,
-    ):
-        on_device = to_device(batch, device)
+    for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         logps = reference.logps(on_device).double()
         if real:
             b = on_device["pair_index"].numel()
@@ -343,29 +350,22 @@ def dpo_forward_backward(
     )
     pairs, tokens, processed = read_step_counts(local, guard)  # the step's one host read
     scale = collectives.world() / pairs if pairs else 0.0
-    aux_scale = settings.loss.router_aux_coef / len(micro_batches)
+    router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-    aux_sum = torch.zeros((), dtype=torch.float32, device=device) if settings.loss.router_aux_coef else None
     for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        set_sync = getattr(model, "set_requires_gradient_sync", None)
-        if callable(set_sync):  # FSDP2: every rank makes the same choice
-            set_sync(settings.sync_each_microbatch or last)
+        choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
         batch = to_device(batch, device)
         ref = reference.logps(batch)  # first, without gradient: the same forwards on every rank
         policy, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
         lengths = batch["completion_mask"].sum(dim=1)
         losses, chosen, rejected = pair_losses(policy, ref, lengths, settings)
-        total = losses.sum() * scale
-        if aux is not None and aux_sum is not None:
-            total = total + aux * aux_scale
-            aux_sum += aux.detach().float()
+        total = router.added(losses.sum() * scale, aux)
         total.backward()
         loss_sum += losses.detach().double().sum()
         sums += metric_sums(policy, chosen, rejected)
         del total, policy, losses
-    return loss_sum, pairs, sums, aux_sum, tokens, processed
+    return loss_sum, pairs, sums, router.sum, tokens, processed
 
 
 def dpo_step(
@@ -381,9 +381,7 @@ def dpo_step(
     loss_sum, pairs, sums, aux_sum, tokens, processed = dpo_forward_backward(
         model, micro_batches, reference, settings, device, guard_of(optimizer)
     )
-    grad_norm = clip_grad_norm(model, settings.max_grad_norm)
-    lr = float(optimizer.param_groups[0]["lr"])
-    apply_update(optimizer, scheduler, loss_sum, grad_norm, pairs)
+    grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, pairs)
     return DPOStepOutput(loss_sum, pairs, sums, aux_sum, tokens, processed, grad_norm, lr)
 
 
@@ -403,14 +401,7 @@ def evaluate_preferences(
         ``eval_loss``, ``eval_rewards/chosen`` ... (means over the eval pairs) and ``eval_pairs``.
     """
     sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
-    for batch, real in even_batches(
-        pairs,
-        rank=collectives.rank(),
-        world_size=collectives.world(),
-        batch_size=batch_size,
-        collator=collator,
-    ):
-        on_device = to_device(batch, device)
+    for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         ref = reference.logps(on_device)
         policy = _eval_logps(model, on_device, settings.loss)
         losses, chosen, rejected = pair_losses(policy, ref, on_device["completion_mask"].sum(dim=1), settings)

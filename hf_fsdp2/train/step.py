@@ -125,6 +125,54 @@ def apply_update(
     optimizer.zero_grad(set_to_none=True)
 
 
+class RouterLoss:
+    """A step's MoE router loss: added to each micro-batch's backward objective as a mean over every micro-batch
+    of every rank (FSDP2 averages over ranks), and this rank's sum kept for the log (``sum``: None when the loss
+    plan has no router loss)."""
+
+    def __init__(self, coef: float, micro_batches: int, device: torch.device) -> None:
+        self.scale = coef / micro_batches
+        self.sum = torch.zeros((), dtype=torch.float32, device=device) if coef else None
+
+    def added(self, total: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """``total`` plus this micro-batch's scaled router loss ``aux`` (counted in :attr:`sum`), or ``total``."""
+        if aux is None or self.sum is None:
+            return total
+        self.sum += aux.detach().float()
+        return total + aux * self.scale
+
+
+def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_each_microbatch: bool) -> None:
+    """Whether FSDP2 reduce-scatters micro-batch ``index`` (of ``count``)'s gradients after its backward: every
+    micro-batch's, or only the last's (no-op on a model that is not FSDP2-sharded). Every rank makes the same
+    choice."""
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if callable(set_sync):
+        set_sync(sync_each_microbatch or index == count - 1)
+
+
+def clip_and_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    loss_sum: torch.Tensor,
+    max_grad_norm: float,
+    count: int,
+) -> tuple[torch.Tensor, float]:
+    """A step's end once its gradients are accumulated: clip (:func:`clip_grad_norm`), then :func:`apply_update`
+    (``count``: what the summed loss is divided by, for the non-finite guard). Every rank calls it.
+
+    Returns:
+        The gradient norm before clipping, and the learning rate the step used.
+    """
+    with record_function("hf_fsdp2/clip_grad_norm"):
+        grad_norm = clip_grad_norm(model, max_grad_norm)
+    lr = float(optimizer.param_groups[0]["lr"])
+    with record_function("hf_fsdp2/optimizer_step"):
+        apply_update(optimizer, scheduler, loss_sum, grad_norm, count)
+    return grad_norm, lr
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: Sequence[dict[str, torch.Tensor]],
@@ -153,15 +201,10 @@ def forward_backward(
         # the step's padding efficiency.
         global_tokens, global_processed = read_step_counts(local, guard)
     scale = backward_scale(global_tokens, collectives.world())
-    # The router loss is a mean over every micro-batch of every rank (FSDP2 averages over ranks).
-    aux_scale = settings.loss.router_aux_coef / len(micro_batches)
+    router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    aux_sum = torch.zeros((), dtype=torch.float32, device=device) if settings.loss.router_aux_coef else None
     for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        set_sync = getattr(model, "set_requires_gradient_sync", None)
-        if callable(set_sync):  # FSDP2: every rank makes the same choice
-            set_sync(settings.sync_each_microbatch or last)
+        choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
         # The chunked loss's target positions from the host labels: finding them on the device would wait for it.
         rows = shifted_target_rows(batch["labels"]) if settings.loss.chunk_tokens > 0 else None
         batch = _to_device(batch, device)
@@ -170,15 +213,12 @@ def forward_backward(
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with record_function("hf_fsdp2/forward_loss"):
             out = causal_lm_loss(model, inputs, batch["labels"], settings.loss, rows)
-            total = out.ce_sum * scale
-            if out.aux_loss is not None and aux_sum is not None:
-                total = total + out.aux_loss * aux_scale
-                aux_sum += out.aux_loss.detach().float()
+            total = router.added(out.ce_sum * scale, out.aux_loss)
         with record_function("hf_fsdp2/backward"):
             total.backward()
         loss_sum += out.ce_sum.detach().float()
         del out, total
-    return loss_sum, aux_sum, global_tokens, global_processed
+    return loss_sum, router.sum, global_tokens, global_processed
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -210,9 +250,5 @@ def train_step(
     """
     guard = guard_of(optimizer)  # the run's on_nonfinite watch (hf_fsdp2.train.nonfinite), when attached
     loss_sum, aux_sum, tokens, processed = forward_backward(model, micro_batches, settings, device, guard)
-    with record_function("hf_fsdp2/clip_grad_norm"):
-        grad_norm = clip_grad_norm(model, settings.max_grad_norm)
-    lr = float(optimizer.param_groups[0]["lr"])
-    with record_function("hf_fsdp2/optimizer_step"):
-        apply_update(optimizer, scheduler, loss_sum, grad_norm, tokens)
+    grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, tokens)
     return StepOutput(loss_sum, aux_sum, tokens, processed, grad_norm, lr)
