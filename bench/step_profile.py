@@ -29,19 +29,13 @@ COLLECTIVE_MARKS = ("allreduce", "allgather", "all_gather", "reduce_scatter", "b
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    import yaml
     from torch.profiler import ProfilerActivity, record_function
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from trainer_bench import prepare, shared_settings
+    from trainer_bench import prepare, recipe_pieces, shared_settings
 
     from hf_fsdp2 import collectives
-    from hf_fsdp2.config import parse_config
-    from hf_fsdp2.train.step import StepSettings, train_step
-    from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
-    from hf_fsdp2.trainer.observer import Observer
-    from hf_fsdp2.trainer.session import Session
-    from hf_fsdp2.trainer.sft_data import build_sft_data
+    from hf_fsdp2.train.step import train_step
 
     work = Path(args.work)
     if int(os.environ.get("RANK", "0")) == 0 and not (work / "model").is_dir():
@@ -52,31 +46,19 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)
     settings = shared_settings(args, work)
     out_dir = work / f"profile_{os.environ.get('WORLD_SIZE', '1')}"
-    config = {**settings, "output_dir": str(out_dir), "overwrite_output_dir": True, "mixed_precision": "no",
-              "logging_steps": 1, "save_steps": 0, "export_verify": False, **json.loads(args.extra)}  # fmt: skip
     path = work / f"profile_{os.environ.get('RANK', '0')}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cfg = parse_config(["--config", str(path)])
-    with Session.start(cfg) as session:
-        tokenizer = load_run_tokenizer(session)
-        data = build_sft_data(session, tokenizer)
-        model, optimizer = build_model(session, tokenizer)
-        scheduler = build_schedule(session, optimizer, data.total_steps)
-        observer = Observer(session, model, tokenizer, eval_set=None, collator=data.collator, first_step=1,
-                            total_steps=data.total_steps)  # fmt: skip
-        step_settings = StepSettings(
-            model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch
-        )
-        batches = observer.timed(data.stream)
-        model.module.train()
+    with recipe_pieces(settings, out_dir, json.loads(args.extra), path) as run:
+        session, observer, batches = run.session, run.observer, run.batches
 
         def run_step(step: int) -> None:
             observer.start_step(step)
             with record_function("hf_fsdp2/data"):
-                micro = [next(batches) for _ in range(cfg.train.gradient_accumulation_steps)]
-            out = train_step(model.module, optimizer, scheduler, micro, step_settings, session.device)
+                micro = [next(batches) for _ in range(run.cfg.train.gradient_accumulation_steps)]
+            out = train_step(
+                run.model.module, run.optimizer, run.scheduler, micro, run.step_settings, session.device
+            )
             with record_function("hf_fsdp2/observer"):
-                observer.end_step(step, micro, out, model.module, epoch=data.stream.epoch)
+                observer.end_step(step, micro, out, run.model.module, epoch=run.data.stream.epoch)
 
         for step in range(1, args.warmup + 1):
             run_step(step)
@@ -99,8 +81,6 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         table = collectives.gather_rows([ms[k] for k in keys], session.device)  # [world, keys]
         slowest = int(table[:, keys.index("step_wall")].argmax())  # one rank's own breakdown: the slowest
         result = dict(zip(keys, table[slowest].tolist(), strict=True))
-        observer.close()
-        session.accelerator.end_training()
     return {"world_size": session.world, "steps_measured": measured, "ms_per_step": result,
             "extra": json.loads(args.extra)}  # fmt: skip
 

@@ -42,6 +42,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -181,13 +183,31 @@ def useful_flops(settings: dict[str, Any], first: int, last: int) -> float:
 # ---------------------------------------------------------------------------------------------- runners
 
 
-def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
-    """The SFT recipe's own pieces and loop (hf_fsdp2.trainer, hf_fsdp2.train.step.train_step), timed at each
-    step's end; the metrics file and log line are written as in a recipe run."""
+@dataclass
+class RecipePieces:
+    """The SFT recipe's pieces up to its loop, as a recipe run builds them (:func:`recipe_pieces`)."""
+
+    cfg: Any
+    session: Any
+    data: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    observer: Any
+    step_settings: Any
+    batches: Iterator[dict[str, Any]]
+
+
+@contextlib.contextmanager
+def recipe_pieces(
+    settings: dict[str, Any], out_dir: Path, extra: dict[str, Any], config_path: Path
+) -> Iterator[RecipePieces]:
+    """Build the SFT recipe's pieces (hf_fsdp2.trainer) from ``settings`` + ``extra`` (its config written to
+    ``config_path``), the model in train mode; after the body, the observer is closed and training ended."""
     import yaml
 
     from hf_fsdp2.config import parse_config
-    from hf_fsdp2.train.step import StepSettings, train_step
+    from hf_fsdp2.train.step import StepSettings
     from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
     from hf_fsdp2.trainer.observer import Observer
     from hf_fsdp2.trainer.session import Session
@@ -203,14 +223,8 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         "export_verify": False,
         **extra,
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    path = out_dir.parent / f"{out_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cfg = parse_config(["--config", str(path)])
-    ends: list[float] = []
-    losses: list[float] = []
-    targets: list[int] = []
-    processed: list[int] = []
+    config_path.write_text(yaml.safe_dump(config))
+    cfg = parse_config(["--config", str(config_path)])
     with Session.start(cfg) as session:
         tokenizer = load_run_tokenizer(session)
         data = build_sft_data(session, tokenizer)
@@ -223,20 +237,37 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         )
         batches = observer.timed(data.stream)
         model.module.train()
+        yield RecipePieces(cfg, session, data, model, optimizer, scheduler, observer, step_settings, batches)
+        observer.close()
+        session.accelerator.end_training()
+
+
+def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """The SFT recipe's own pieces and loop (hf_fsdp2.trainer, hf_fsdp2.train.step.train_step), timed at each
+    step's end; the metrics file and log line are written as in a recipe run."""
+    from hf_fsdp2.train.step import train_step
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    ends: list[float] = []
+    losses: list[float] = []
+    targets: list[int] = []
+    processed: list[int] = []
+    with recipe_pieces(settings, out_dir, extra, out_dir.parent / f"{out_dir.name}.yaml") as run:
         reset_peak_rss()
-        for step in range(1, data.total_steps + 1):
-            observer.start_step(step)
-            micro_batches = [next(batches) for _ in range(cfg.train.gradient_accumulation_steps)]
-            out = train_step(model.module, optimizer, scheduler, micro_batches, step_settings, session.device)
-            record = observer.end_step(step, micro_batches, out, model.module, epoch=data.stream.epoch)
+        for step in range(1, run.data.total_steps + 1):
+            run.observer.start_step(step)
+            micro_batches = [next(run.batches) for _ in range(run.cfg.train.gradient_accumulation_steps)]
+            out = train_step(run.model.module, run.optimizer, run.scheduler, micro_batches, run.step_settings,
+                             run.session.device)  # fmt: skip
+            record = run.observer.end_step(
+                step, micro_batches, out, run.model.module, epoch=run.data.stream.epoch
+            )
             ends.append(time.perf_counter())
             assert record is not None  # logging_steps 1
             losses.append(record["loss"])
             targets.append(out.target_tokens)
             processed.append(out.processed_tokens)
         peak = peak_rss_gib()
-        observer.close()
-        session.accelerator.end_training()
     return {
         "step_ends": ends,
         "targets": targets,
