@@ -218,14 +218,14 @@ def compare_files(path: str, ref_file: Path, new_file: Path) -> PathResult:
 def table(results: list[PathResult]) -> str:
     """The Markdown table: path | steps | max |diff| of loss, grad_norm, other fields | identical."""
     lines = [
-        "| path | steps | max abs diff loss | max abs diff grad_norm | other fields (max abs diff) | exported weights "
+        "| path | steps | max abs diff loss | max abs diff grad_norm | other fields compared, max abs diff | exported weights "
         "equal | identical |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         others = {k: v for k, v in r.max_diff.items() if k not in REQUIRED}
-        worst = max(others.items(), key=lambda kv: kv[1]) if others else None
-        other = f"{len(others)} ({worst[1]:.3g} {worst[0]})" if worst else "0"
+        worst = max(others.items(), key=lambda kv: kv[1]) if others else ("", 0.0)
+        other = f"{len(others)}, max {worst[1]:.3g}" + (f" ({worst[0]})" if worst[1] else "")
         lines.append(
             f"| {r.path} | {r.steps} | {r.max_diff.get('loss', float('nan')):.3g} | "
             f"{r.max_diff.get('grad_norm', float('nan')):.3g} | {other} | {r.weights} | {'yes' if r.identical else 'NO'} |"
