@@ -279,7 +279,12 @@ def run_env(tree: Path) -> dict[str, str]:
 
 # Modules whose files must come from the tree under test: the package, and the recipes the recipes import as
 # hf_fsdp2.recipes (setup.py's package_dir; the editable install maps these names to its own checkout).
-PROBED = ("hf_fsdp2", "hf_fsdp2.recipes.sft", "hf_fsdp2.recipes.dpo", "hf_fsdp2.accelerate_configs")
+# Each with the file the tree must hold for it to be probed (an older tree without recipes/dpo.py: its dpo path
+# is refused by run_path, by name).
+PROBED = {
+    "hf_fsdp2": "hf_fsdp2/__init__.py", "hf_fsdp2.recipes.sft": "recipes/sft.py",
+    "hf_fsdp2.recipes.dpo": "recipes/dpo.py", "hf_fsdp2.accelerate_configs": "accelerate_configs/__init__.py",
+}  # fmt: skip
 PROBE = (
     "import importlib.util, sys\n"
     "for name in sys.argv[1:]:\n"
@@ -306,7 +311,7 @@ def link_package_dirs(tree: Path) -> None:
 def package_files(tree: Path, cwd: Path) -> dict[str, Path]:
     """Where ``PROBED`` modules resolve with ``run_env(tree)`` from ``cwd``; every one found must be in ``tree``."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, *PROBED],
+        [sys.executable, "-c", PROBE, *(name for name, file in PROBED.items() if (tree / file).is_file())],
         cwd=cwd,
         env=run_env(tree),
         capture_output=True,
@@ -520,7 +525,12 @@ def compare_trees(ref: str, new: str | None, paths: list[str], work: Path, timeo
         print("\nDIFFERENT: the change moved the numerics (above)")
         return 1
     if failed:
-        print(f"\nidentical where both sides ran; {', '.join(failed)} could not run (above)")
+        ran = (
+            f"identical where both sides ran ({', '.join(r.path for r in results)})"
+            if results
+            else "no path ran"
+        )
+        print(f"\n{ran}; {', '.join(failed)} could not run (above)")
         return 2
     print("\nidentical on every path")
     return 0
