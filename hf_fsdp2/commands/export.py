@@ -17,7 +17,8 @@ def _run_export(args: argparse.Namespace) -> int:
     from hf_fsdp2.checkpoint.resume import checkpoint_problems
     from hf_fsdp2.config import CONFIG_NAME, ConfigError, parse_size
     from hf_fsdp2.export import ExportError, export_checkpoint
-    from hf_fsdp2.lora.offline import export_lora_checkpoint
+    from hf_fsdp2.export.offline import write_full_model
+    from hf_fsdp2.lora.offline import wrap_lora, write_lora
     from hf_fsdp2.observe.logs import last_metrics
 
     ckpt = Path(args.checkpoint).expanduser()
@@ -42,7 +43,7 @@ def _run_export(args: argparse.Namespace) -> int:
     except (OSError, ValueError):
         metrics = None
     try:
-        result = (export_lora_checkpoint if lora else export_checkpoint)(
+        result = export_checkpoint(
             args.checkpoint,
             args.out_dir,
             dtype=args.dtype,
@@ -51,6 +52,8 @@ def _run_export(args: argparse.Namespace) -> int:
             verify=not args.no_verify,
             verify_atol=args.verify_atol,
             metrics=metrics,
+            wrap=wrap_lora if lora else None,
+            write=write_lora if lora else write_full_model,
         )
     except (ExportError, ConfigError, FileNotFoundError) as err:
         return user_error("export", err)

@@ -185,6 +185,27 @@ def prepare_offline_export(
     )
 
 
+# How an offline export writes a prepared job: (job, verify, verify_atol) -> the published folder.
+OfflineWriter = Callable[[OfflineExport, bool, float | None], ExportResult]
+
+
+def write_full_model(job: OfflineExport, verify: bool, verify_atol: float | None) -> ExportResult:
+    """A full-model run's consolidated folder, written and verified as at the end of training (verification
+    computes in the weights' dtype)."""
+    return export_model(
+        job.model,
+        job.out,
+        config=job.model.config,
+        tokenizer=job.tokenizer,
+        generation_config=job.generation_config,
+        dtype=job.dtype,
+        max_shard_bytes=job.max_shard_bytes,
+        model_card=job.card,
+        verify=verify,
+        verify_atol=verify_atol,
+    )
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -195,12 +216,14 @@ def export_checkpoint(
     verify: bool = True,
     verify_atol: float | None = None,
     metrics: dict[str, Any] | None = None,
+    wrap: Callable[[Any, dict[str, Any]], Any] | None = None,
+    write: OfflineWriter = write_full_model,
 ) -> ExportResult:
-    """``hf-fsdp2 export`` of a full-model run's checkpoint: the consolidated folder, without training
-    hardware (a LoRA run's: ``hf_fsdp2.lora.offline``).
+    """``hf-fsdp2 export`` of a run's checkpoint: the consolidated folder, without training hardware.
 
     One process: the model is rebuilt from the run's config, filled from the checkpoint's shards, and
-    written and verified as at the end of training (verification computes in the weights' dtype).
+    written and verified as at the end of training by ``write`` (a LoRA run's ``wrap`` and ``write``:
+    ``hf_fsdp2.lora.offline``).
 
     Args:
         checkpoint: a ``checkpoint-<step>`` folder.
@@ -211,6 +234,8 @@ def export_checkpoint(
         verify: verify before publishing.
         verify_atol: probe-logit limit (None: by dtype).
         metrics: the run's last logged figures, for the model card (None: the card has none).
+        wrap: turns the base model into the trained one before loading (:func:`load_checkpoint_model`).
+        write: writes and verifies the prepared job (default: the full model's consolidated folder).
 
     Returns:
         The published folder's description.
@@ -226,16 +251,6 @@ def export_checkpoint(
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
         metrics=metrics,
+        wrap=wrap,
     )
-    return export_model(
-        job.model,
-        job.out,
-        config=job.model.config,
-        tokenizer=job.tokenizer,
-        generation_config=job.generation_config,
-        dtype=job.dtype,
-        max_shard_bytes=job.max_shard_bytes,
-        model_card=job.card,
-        verify=verify,
-        verify_atol=verify_atol,
-    )
+    return write(job, verify, verify_atol)

@@ -1,10 +1,10 @@
 """Offline export of a LoRA run's checkpoint: the adapter and, if the run merged, the merged model, as the
-run would have written them at the end (``hf-fsdp2 export`` dispatches here for LoRA runs)."""
+run would have written them at the end (``hf-fsdp2 export`` passes :func:`wrap_lora` and :func:`write_lora` to
+:func:`hf_fsdp2.export.offline.export_checkpoint` for LoRA runs)."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from hf_fsdp2.config import PeftArgs
 from hf_fsdp2.config.plans import LoraSettings
 from hf_fsdp2.export.errors import ExportResult
-from hf_fsdp2.export.offline import prepare_offline_export
+from hf_fsdp2.export.offline import OfflineExport
 from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, apply_lora
 from hf_fsdp2.lora.save import export_lora
 
@@ -23,33 +23,20 @@ def lora_settings(cfg: dict[str, Any]) -> LoraSettings:
     return PeftArgs(**{k: v for k, v in cfg.items() if k in keys}).lora_settings()
 
 
-def export_lora_checkpoint(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    *,
-    dtype: str | None = None,
-    max_shard_bytes: int | None = None,
-    overwrite: bool = False,
-    verify: bool = True,
-    verify_atol: float | None = None,
-    metrics: dict[str, Any] | None = None,
-) -> ExportResult:
-    """The adapter of a LoRA run's checkpoint in ``out_dir``, and the merged model in ``out_dir/merged`` when
-    the run had ``merge_adapter``; both verified as at the end of training (one process, fp32).
+def wrap_lora(model: Any, cfg: dict[str, Any]) -> Any:
+    """The base model with the run's LoRA adapter applied (the ``wrap`` of an offline export)."""
+    return apply_lora(model, lora_settings(cfg))
+
+
+def write_lora(job: OfflineExport, verify: bool, verify_atol: float | None) -> ExportResult:
+    """The adapter of a LoRA run's checkpoint in ``job.out``, and the merged model in ``job.out/merged`` when
+    the run had ``merge_adapter``; both verified as at the end of training (one process, fp32). The ``write``
+    of :func:`hf_fsdp2.export.offline.export_checkpoint` for LoRA runs.
 
     Raises:
-        ExportError: as :func:`hf_fsdp2.export.offline.prepare_offline_export`, or a failed write.
+        ExportError: a failed write.
         ExportVerificationError: a written folder does not reproduce the checkpoint's model.
     """
-    job = prepare_offline_export(
-        checkpoint,
-        out_dir,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
-        metrics=metrics,
-        wrap=lambda model, cfg: apply_lora(model, lora_settings(cfg)),
-    )
     done = export_lora(
         job.model,
         job.out,
