@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite: unit, 2-rank gloo distributed, and recipe tests.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+# Set up (idempotent), lint, type-check and run the tests.
+#   bash scripts/test.sh            everything: unit, 2-rank gloo distributed and recipe tests (what CI runs)
+#   bash scripts/test.sh --quick    the edit loop: lint, types, unit tests and one 2-rank end-to-end smoke
+# Other arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/unit -x`.
+# The tests run on HF_FSDP2_TEST_WORKERS parallel pytest workers (default 2, 1 = no xdist), whole files per
+# worker (--dist loadfile: a file's module fixtures are built once), each in-process test on one thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check hf_fsdp2 recipes tests bench scripts
 .venv/bin/ruff format --check hf_fsdp2 recipes tests bench scripts
 .venv/bin/mypy
 .venv/bin/python scripts/check_imports.py
-.venv/bin/python -m pytest -q --durations=15 "$@"
+workers=${HF_FSDP2_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadfile)
+fi
+if [ "$quick" = 1 ]; then
+  .venv/bin/python -m pytest -q "${parallel[@]}" tests/unit \
+    tests/recipes/test_sft_recipe.py::test_accelerate_launch_trains_and_exports_a_loadable_folder "$@"
+else
+  .venv/bin/python -m pytest -q "${parallel[@]}" --durations=25 "$@"
+fi

@@ -102,3 +102,17 @@ def pytest_report_header() -> str:
     import torch
 
     return f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first, so that parallel workers (``scripts/test.sh``: xdist, whole files per worker) do not end
+    with one worker running a long file alone: files with a ``slow`` test (SmolLM2, fresh virtual environments),
+    then the multi-process ones, then the in-process unit tests, which fill the gaps. Order within a file is kept."""
+
+    def rank(path: str) -> int:
+        if path in slow_files:
+            return 0
+        return 2 if "/unit/" in path else 1
+
+    slow_files = {str(item.path) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: rank(str(item.path)))

@@ -181,10 +181,10 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"hf_fsdp2 error: {err}", file=sys.stderr, flush=True)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
-        if not collectives.gather_before_exit():
+        if not collectives.gather_before_exit() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # No group to meet in (a refusal before one exists): every rank raised at about the same moment; all
             # wait alike, so rank 0 has reported before any rank exits, and they exit together (an early exit
-            # makes the launcher kill the others, a late one is killed).
+            # makes the launcher kill the others, a late one is killed). A single process has no one to wait for.
             time.sleep(2.0)
         leave(2)
     leave(0)

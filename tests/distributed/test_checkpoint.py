@@ -38,6 +38,10 @@ COMMON = [
     "2",
     "--export_dtype",
     "float32",
+    # What these tests check is the checkpoint; the end-of-run export's verification (a fresh process that reloads
+    # it, ~10 s a run) is tested where it is the subject (tests/unit/test_export*.py, test_verify_matrix.py).
+    "--export_verify",
+    "false",
 ]
 
 

@@ -113,6 +113,8 @@ def test_two_rank_fsdp2_matches_plain_pytorch(
             "float32",
             "--ce_chunk_tokens",
             str(ce_chunk),
+            "--export_verify",  # the subject is the losses; verification is tested where it is the subject
+            "false",
         ],
         nproc=WORLD,
     )
@@ -162,6 +164,8 @@ def test_same_seed_same_losses_bit_for_bit(setup, tmp_path: Path):
                 str(SEED),
                 "--gradient_checkpointing",
                 "true",
+                "--export_verify",
+                "false",
             ],
             nproc=WORLD,
         )

@@ -57,8 +57,8 @@ def _log_launch(cmd: list[str], seconds: float, returncode: int) -> None:
     log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-        line = {"test": test, "cmd": " ".join(Path(c).name for c in cmd[1:4]), "s": round(seconds, 1),
-                "rc": returncode}  # fmt: skip
+        script = next((Path(c).name for c in cmd[1:] if c.endswith(".py")), " ".join(cmd[1:3]))
+        line = {"test": test, "script": script, "s": round(seconds, 1), "rc": returncode}
         with open(log, "a") as f:
             f.write(json.dumps(line) + "\n")
 

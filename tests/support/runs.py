@@ -11,11 +11,14 @@ from support.launch import SFT, torchrun
 
 
 def write_recipe(path: Path, model: Path, data: Path | str, out: Path, **overrides: object) -> Path:
-    """A 4-step fp32 recipe of ``model`` on ``data`` into ``out``, with ``overrides``; returns its path."""
+    """A 4-step fp32 recipe of ``model`` on ``data`` into ``out``, with ``overrides``; returns its path.
+
+    The export is written but not verified unless ``export_verify=True`` is passed: verification reloads the export in
+    a fresh process (~10 s a run) and is tested where it is the subject (tests/unit/test_export*.py)."""
     values = {
         "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(out), "max_steps": 4,
         "per_device_train_batch_size": 2, "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3,
-        "mixed_precision": "no", **overrides,
+        "mixed_precision": "no", "export_verify": False, **overrides,
     }  # fmt: skip
     path.write_text(yaml.safe_dump(values))
     return path
