@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent), lint, type-check and run the tests.
 #   bash scripts/test.sh            everything: unit, 2-rank gloo distributed and recipe tests (what CI runs)
-#   bash scripts/test.sh --quick    the edit loop: lint, types, unit tests and one 2-rank end-to-end smoke
+#   bash scripts/test.sh --quick    the edit loop: lint, types, unit tests (not `slow`) and one 2-rank end-to-end smoke
 # Other arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/unit -x`.
 # The tests run on HF_FSDP2_TEST_WORKERS parallel pytest workers (default 2, 1 = no xdist), whole files per
 # worker (--dist loadfile: a file's module fixtures are built once), each in-process test on one thread.
@@ -25,7 +25,7 @@ if [ "$workers" -gt 1 ]; then
   parallel=(-n "$workers" --dist loadfile)
 fi
 if [ "$quick" = 1 ]; then
-  .venv/bin/python -m pytest -q "${parallel[@]}" tests/unit \
+  .venv/bin/python -m pytest -q "${parallel[@]}" -m "not slow" tests/unit \
     tests/recipes/test_sft_recipe.py::test_accelerate_launch_trains_and_exports_a_loadable_folder "$@"
 else
   .venv/bin/python -m pytest -q "${parallel[@]}" --durations=25 "$@"

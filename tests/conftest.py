@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -116,3 +116,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     slow_files = {str(item.path) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: rank(str(item.path)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_reload_interpreter() -> Iterator[None]:
+    """In-process tests verify many exports: their reloads share one interpreter per pytest worker
+    (hf_fsdp2/export/reload_process.py) instead of starting one each (~6 s a reload on a CPU core). Launched runs
+    keep the default, a new interpreter per reload, so both paths are tested."""
+    from hf_fsdp2.export.reload_process import shared_reload_process
+
+    with shared_reload_process():
+        yield

@@ -30,8 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from hf_fsdp2.export.probe import (
     reference_dtype,
     rounded_weights,
 )
+from hf_fsdp2.export.reload_process import run_reload
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).
@@ -259,21 +258,19 @@ def live_boxes(
 
 
 def reload_in_subprocess(request: dict[str, Any], offload: Path, script: str = _RELOAD) -> dict[str, Any]:
-    """Run ``script`` (default :data:`_RELOAD`) on ``request`` in a fresh CPU process; its findings, or
-    ``{"error": ...}``."""
+    """Run ``script`` (default :data:`_RELOAD`) on ``request`` in a separate CPU interpreter that never imports
+    hf_fsdp2 (export/reload_process.py: a new one, or the one shared inside ``shared_reload_process``); its findings,
+    or ``{"error": ...}``."""
     with tempfile.TemporaryDirectory(prefix="hf_fsdp2-verify-") as tmp:
         req, out = Path(tmp) / "request.pt", Path(tmp) / "out.pt"
         torch.save({**request, "offload": str(offload)}, req)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
         try:
-            proc = subprocess.run(
-                [sys.executable, "-c", script, str(req), str(out)], capture_output=True, text=True, env=env
-            )
+            error = run_reload(script, req, out, env)
         finally:
             shutil.rmtree(offload, ignore_errors=True)
-        if proc.returncode != 0 or not out.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": f"from_pretrained in a fresh process failed: {' | '.join(tail)}"}
+        if error is not None or not out.is_file():
+            return {"error": f"from_pretrained in a fresh process failed: {error or 'no findings written'}"}
         return dict(torch.load(out))
 
 

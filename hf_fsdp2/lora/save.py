@@ -10,6 +10,7 @@ tensor (small: r x (in + out) per module), and rank 0 writes them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,6 +241,7 @@ def export_lora(
     from hf_fsdp2 import collectives
     from hf_fsdp2.export import ExportError, export_model
     from hf_fsdp2.export.finite import check_finite
+    from hf_fsdp2.export.reload_process import shared_reload_process
     from hf_fsdp2.export.writer import publish
 
     out = Path(out_dir)
@@ -259,35 +261,37 @@ def export_lora(
             if model_card is not None:
                 (stage / "README.md").write_text(model_card)
 
-    collectives.run_on_all("writing the adapter", write, ExportError)  # the files are on disk after it
-    report = None
-    if verify:
-        report = verify_adapter(
-            model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol
+    # The adapter's reload and the merged model's share one interpreter (export/reload_process.py).
+    with shared_reload_process() if verify and merge else contextlib.nullcontext():
+        collectives.run_on_all("writing the adapter", write, ExportError)  # the files are on disk after it
+        report = None
+        if verify:
+            report = verify_adapter(
+                model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol
+            )
+            logger.info("adapter %s", report.summary())
+        collectives.run_on_all(
+            "publishing the adapter",
+            lambda: publish(stage, out, ADAPTER_WEIGHTS_NAME, stale=None) if is_main_process else None,
+            ExportError,
         )
-        logger.info("adapter %s", report.summary())
-    collectives.run_on_all(
-        "publishing the adapter",
-        lambda: publish(stage, out, ADAPTER_WEIGHTS_NAME, stale=None) if is_main_process else None,
-        ExportError,
-    )
-    result = LoraExport(adapter_dir=out, adapter_report=report)
-    if not merge:
+        result = LoraExport(adapter_dir=out, adapter_report=report)
+        if not merge:
+            return result
+        twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy)  # every rank
+        merged_dir = out / MERGED_DIR_NAME
+        merged = export_model(
+            twin,
+            merged_dir,
+            config=twin.config,
+            tokenizer=tokenizer,
+            generation_config=twin.generation_config,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            verify=verify,
+            verify_atol=verify_atol,
+            compute_dtype=compute_dtype,
+        )
+        result.merged_dir, result.merged_report = merged_dir, merged.verify
+        del twin
         return result
-    twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy)  # every rank
-    merged_dir = out / MERGED_DIR_NAME
-    merged = export_model(
-        twin,
-        merged_dir,
-        config=twin.config,
-        tokenizer=tokenizer,
-        generation_config=twin.generation_config,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        verify=verify,
-        verify_atol=verify_atol,
-        compute_dtype=compute_dtype,
-    )
-    result.merged_dir, result.merged_report = merged_dir, merged.verify
-    del twin
-    return result

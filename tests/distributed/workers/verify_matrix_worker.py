@@ -15,6 +15,7 @@ import torch
 
 from hf_fsdp2.config.plans import CompilePlan, LoraSettings, ShardingPlan
 from hf_fsdp2.export import export_model
+from hf_fsdp2.export.reload_process import shared_reload_process
 from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.merge import build_merged_twin
 from hf_fsdp2.lora.save import export_lora
@@ -84,7 +85,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with shared_reload_process():  # the exports are reloaded in one interpreter (not one each)
+        main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,109 @@
+"""The separate interpreter where verification reloads an export as a user would: plain transformers, no hf_fsdp2.
+
+By default each reload starts its own interpreter (:func:`run_reload`), which pays the interpreter start and the
+torch + transformers imports (~6-7 s of a CPU core) every time. Inside :func:`shared_reload_process` the reloads
+share one interpreter, started on the first and ended with the block: a LoRA export
+verifies its adapter and then its merge in one; a process that verifies many folders (the tests) pays once. Each request runs
+the script's text again in a fresh namespace, so only imported modules carry over; the interpreter never imports
+hf_fsdp2 (the scripts check it), and it holds no model between requests (each script's objects are dropped and
+collected). A request that fails reports its traceback's last lines; a server that dies is replaced by the next
+request's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+# Reads requests as JSON lines [script, request file, output file, environment], runs each script with those
+# files as sys.argv[1:] and that environment, answers one JSON line per request on the real stdout (the scripts'
+# own prints go to stderr).
+_SERVER = r"""
+import gc, json, os, sys, traceback
+answers = sys.stdout
+sys.stdout = sys.stderr
+for line in sys.stdin:
+    script, req, out, env = json.loads(line)
+    sys.argv = ["<reload>", req, out]
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        exec(compile(script, "<reload>", "exec"), {"__name__": "__main__"})
+        answer = {"ok": True}
+    except BaseException as err:
+        answer = {"ok": False, "error": " | ".join(traceback.format_exception_only(err)[-3:]).strip()}
+    gc.collect()
+    answers.write(json.dumps(answer) + "\n")
+    answers.flush()
+"""
+
+_shared: list[subprocess.Popen[str]] | None = None  # the interpreter of the block (none yet: empty)
+
+
+def _tail(text: str) -> str:
+    return " | ".join(text.strip().splitlines()[-3:])
+
+
+def run_reload(script: str, request_file: Path, out_file: Path, env: dict[str, str]) -> str | None:
+    """Run ``script request_file out_file`` in a separate interpreter with ``env``: None if it succeeded, else the
+    last lines of its error. Inside :func:`shared_reload_process` the interpreter is shared; else a new one."""
+    if _shared is None:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(request_file), str(out_file)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        return None if proc.returncode == 0 else _tail(proc.stderr or proc.stdout)
+    if not _shared or _shared[0].poll() is not None:
+        _shared[:] = [subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )]  # fmt: skip
+    server = _shared[0]
+    assert server.stdin is not None and server.stdout is not None
+    try:
+        server.stdin.write(json.dumps([script, str(request_file), str(out_file), env]) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+    except OSError as err:
+        line = ""
+        reason = str(err)
+    else:
+        reason = ""
+    if not line:  # it died (killed, out of memory): the next request starts a new one
+        server.kill()
+        server.wait()
+        return f"the reload process ended (status {server.returncode}) {reason}".strip()
+    answer = json.loads(line)
+    return None if answer["ok"] else str(answer["error"])
+
+
+@contextlib.contextmanager
+def shared_reload_process() -> Iterator[None]:
+    """Reloads inside the block share one interpreter (whatever their script; each runs with its own environment,
+    but what a module read from the environment when it was imported stays); it ends with the block.
+
+    Nested blocks use the outer one's."""
+    global _shared
+    if _shared is not None:
+        yield
+        return
+    _shared = []
+    try:
+        yield
+    finally:
+        servers, _shared = _shared, None
+        for server in servers:
+            with contextlib.suppress(OSError):
+                if server.stdin is not None:
+                    server.stdin.close()  # end of requests: the loop ends, the interpreter exits
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
