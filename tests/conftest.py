@@ -127,3 +127,16 @@ def _one_reload_interpreter() -> Iterator[None]:
 
     with shared_reload_process():
         yield
+
+
+@pytest.fixture
+def fresh_compile_state() -> Iterator[None]:
+    """Dynamo's caches emptied before and after the test. transformers compiles flex attention once per process,
+    and a second test calling it with other shapes makes dynamo recompile it with dynamic shapes, which torch 2.13's
+    CPU flex-attention template cannot build (C++ compile error: `cur_qSplitSize4` undeclared); which test runs
+    second in a process depends on how the parallel workers share the files."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

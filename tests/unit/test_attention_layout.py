@@ -106,6 +106,7 @@ def test_a_llama_forward_hands_its_layers_the_mask_create_causal_mask_builds(tmp
 
 
 @pytest.mark.slow  # flex_attention compiles its CPU kernels (tens of seconds on 2 cores)
+@pytest.mark.usefixtures("fresh_compile_state")
 def test_flex_attention_runs_padding_free_on_cpu_with_a_block_mask_and_the_padded_losses(
     tmp_path: Path,
 ) -> None:

@@ -239,6 +239,7 @@ def alone_losses(
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.usefixtures("fresh_compile_state")
 def test_packed_and_padding_free_losses_equal_each_example_alone(
     chat_examples: datasets.Dataset,
     chatml_tokenizer: PreTrainedTokenizerBase,
