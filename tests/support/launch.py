@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import selectors
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "recipes" / "sft.py"
@@ -52,13 +56,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _log_launch(cmd: list[str], seconds: float, returncode: int) -> None:
+def _log_launch(cmd: list[str], seconds: float, returncode: int, server: bool = False) -> None:
     """With HF_FSDP2_TEST_LAUNCH_LOG=file, one JSON line per launch: which test, what, how long (profiling)."""
     log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         script = next((Path(c).name for c in cmd[1:] if c.endswith(".py")), " ".join(cmd[1:3]))
-        line = {"test": test, "script": script, "s": round(seconds, 1), "rc": returncode}
+        line = {"test": test, "script": script, "s": round(seconds, 1), "rc": returncode, "server": server}
         with open(log, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -76,7 +80,13 @@ def _run(cmd: list[str], timeout: int, check: bool) -> subprocess.CompletedProce
 
 
 def torchrun(script: Path | str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True):
-    """``torchrun --nproc_per_node N script args`` on a free port."""
+    """``torchrun --nproc_per_node N script args`` on a free port.
+
+    A run expected to succeed (``check``) forks its ranks from the worker's launch server with torchrun's
+    environment (tests/support/launch_server.py: the same script and torch.distributed, without ~6 s of imports per
+    rank); one whose failure is looked at runs the real torchrun, whose exit status and report the test reads."""
+    if check and _server_enabled():
+        return _served(script, args, nproc=nproc, timeout=timeout, master_port=free_port())
     cmd = [
         sys.executable,
         "-m",
@@ -112,5 +122,107 @@ def accelerate_launch(
 
 
 def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
-    """A plain ``python script args`` in a fresh process."""
+    """A plain ``python script args`` in a fresh process (forked from the launch server when ``check``, unless the
+    script is ``-c`` code: those reload an export in an interpreter that has never imported hf_fsdp2)."""
+    if check and _server_enabled() and script != "-c":
+        return _served(script, args, nproc=1, timeout=timeout, master_port=None)
     return _run([sys.executable, str(script), *args], timeout, check)
+
+
+# The launch server (one per pytest worker, started at its first launch)
+# ----------------------------------------------------------------------
+
+# Variables a launched run reads when it runs, not when it imports: a change in them needs no new server.
+_READ_AT_RUN_TIME = (
+    "HF_FSDP2_FAULT",
+    "PYTEST_CURRENT_TEST",
+    "PYTEST_XDIST_WORKER",
+    "HF_FSDP2_TEST_LAUNCH_LOG",
+)
+
+
+def _server_enabled() -> bool:
+    """HF_FSDP2_TEST_LAUNCH_SERVER=0 runs every launch as a fresh torchrun / python, as a user does."""
+    return os.environ.get("HF_FSDP2_TEST_LAUNCH_SERVER", "1") != "0"
+
+
+class _Server:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "support" / "launch_server.py")],
+            cwd=REPO, env={**env, "PYTHONPATH": str(REPO) + os.pathsep + env["PYTHONPATH"]},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        ready = self._answer(timeout=300)
+        if not ready.get("ready"):
+            raise RuntimeError(f"the launch server did not start: {ready}")
+
+    def _answer(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                self.stop()
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the launch server ended (status {self.proc.wait()})")
+        return json.loads(line)
+
+    def launch(self, request: dict, timeout: float) -> dict:
+        stdin: IO[str] | None = self.proc.stdin
+        assert stdin is not None
+        stdin.write(json.dumps(request) + "\n")
+        stdin.flush()
+        return self._answer(timeout)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 9)  # the server and any rank it forked
+        self.proc.wait()
+
+    def fits(self, env: dict[str, str]) -> bool:
+        def imported(e: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items() if k not in _READ_AT_RUN_TIME}
+
+        return self.proc.poll() is None and imported(self.env) == imported(env)
+
+
+_SERVER: _Server | None = None
+
+
+def _served(script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None):
+    """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess."""
+    global _SERVER
+    env = _env()
+    if _SERVER is None or not _SERVER.fits(env):
+        if _SERVER is not None:
+            _SERVER.stop()
+        _SERVER = _Server(env)
+    run_env = dict(env)
+    if master_port is not None:
+        run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(script), *args]
+    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        request = {
+            "script": str(script), "args": [str(a) for a in args], "nproc": nproc, "env": run_env,
+            "stdout": str(out), "stderr": str(err), "cwd": str(REPO),
+        }  # fmt: skip
+        start = time.perf_counter()
+        try:
+            answer = _SERVER.launch(request, timeout)
+        except (subprocess.TimeoutExpired, RuntimeError):
+            _SERVER = None
+            raise
+        _log_launch(cmd, time.perf_counter() - start, answer["rc"], server=True)
+        stdout = out.read_text() if out.exists() else ""
+        stderr = err.read_text() if err.exists() else ""
+    if answer["rc"] != 0:
+        raise AssertionError(
+            f"run failed (rank exit codes {answer['codes']}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}"
+            f"\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, answer["rc"], stdout, stderr)

@@ -1,0 +1,178 @@
+"""A launch server for the test session: one interpreter per pytest worker imports what the recipes import, once,
+and forks the ranks of each launched run from there.
+
+Why: a launched 2-rank run of a tiny model spends most of its time before its first step: torchrun's agent and two
+ranks each import torch, transformers, accelerate, datasets and peft (~6 s of CPU each on this machine). Forked from
+an interpreter that holds those modules, a rank starts at once; it then runs the script exactly as ``torchrun`` would
+(``__main__``, ``sys.argv``, the working folder), with torchrun's environment for its rank (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT, ...): torch.distributed initialises from that environment and rank 0 hosts the store,
+as in any ``env://`` launch. The server itself never runs a tensor operation: it only imports, so each fork starts
+clean (one OpenMP thread, no process group, no compiled code).
+
+Protocol: one JSON request per line on stdin, ``{"script", "args", "nproc", "env", "stdout", "stderr", "cwd"}``
+(``script`` a file, or ``-m`` with the module first in ``args``);
+one JSON answer per line on stdout, ``{"rc", "codes"}``. Every rank appends to the same stdout and stderr files, as
+torchrun's children share its streams. When a rank fails, the others get SIGTERM and, 5 s later, SIGKILL, as
+torchrun's agent does. Only runs expected to succeed come here (tests/support/launch.py): a test whose subject is
+the launcher's own behaviour (exit codes, its failure report, signals) runs the real torchrun.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+# What a recipe, a bench or a test worker imports (their top-level imports, and the modules transformers loads
+# lazily for the families the tests build); anything else is imported by the rank, as before.
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "transformers",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "accelerate",
+    "datasets",
+    "peft",
+    "safetensors.torch",
+    "recipes.sft",
+    "recipes.dpo",
+    "recipes.cpt",
+)
+
+_GRACE_S = 5.0
+_ANSWERS = None
+
+
+def _rank_env(base: dict[str, str], rank: int, nproc: int) -> dict[str, str]:
+    """torchrun's environment for ``rank`` of a one-node run of ``nproc`` ranks (the variables torch sets)."""
+    env = dict(base)
+    if nproc > 1 or "MASTER_PORT" in base:
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        )  # fmt: skip
+    return env
+
+
+def _run_rank(request: dict, rank: int) -> None:
+    """In the forked child: become the rank's process, run the script as ``__main__``, never return."""
+    code = 1
+    try:
+        if _ANSWERS is not None:
+            _ANSWERS.close()  # the answers pipe is the server's alone: the test sees it close when the server ends
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(_rank_env(request["env"], rank, request["nproc"]))
+        os.chdir(request["cwd"])
+        if request["script"] == "-m":  # python -m module args: the module found from the working folder
+            module, *args = request["args"]
+            sys.argv = [module, *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(request["script"])
+            sys.argv = [script, *request["args"]]
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None:
+            code = 0
+        elif isinstance(exit_.code, int):
+            code = exit_.code
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _launch(request: dict) -> dict:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: dict[int, int] = {}
+    for rank in range(request["nproc"]):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(request, rank)
+        pids[pid] = rank
+    codes: dict[int, int] = {}
+    deadline: float | None = None
+    while len(codes) < len(pids):
+        if deadline is None:
+            pid, status = os.waitpid(-1, 0)
+        else:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                if time.monotonic() > deadline:
+                    for other in pids:
+                        if pids[other] not in codes:
+                            _signal(other, signal.SIGKILL)
+                    deadline = float("inf")
+                time.sleep(0.05)
+                continue
+        if pid not in pids:
+            continue
+        codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+        if codes[pids[pid]] != 0 and deadline is None:
+            for other, rank in pids.items():
+                if rank not in codes:
+                    _signal(other, signal.SIGTERM)
+            deadline = time.monotonic() + _GRACE_S
+    ordered = [codes[rank] for rank in range(len(pids))]
+    failed = [code for code in ordered if code != 0]
+    return {"rc": failed[0] if failed else 0, "codes": ordered}
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def main() -> None:
+    for module in PRELOAD:
+        importlib.import_module(module)
+    global _ANSWERS
+    answers = _ANSWERS = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # nothing but answers on the pipe the test reads
+    answers.write(json.dumps({"ready": True}) + "\n")
+    answers.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        answers.write(json.dumps(_launch(request)) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
