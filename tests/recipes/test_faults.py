@@ -82,7 +82,7 @@ def test_divergence_stops_at_the_nan_step_without_a_poisoned_checkpoint(assets, 
     model, data = assets
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "r.yaml", model, data, out, learning_rate=1e9, save_steps=1, max_steps=6)
-    proc = _sft(recipe, check=False)
+    proc = _sft(recipe, check=False, real_launcher=True)  # torchrun's report of each rank's status is read
     error = _one_error(proc)
     assert "exitcode  : 2" in proc.stderr, proc.stderr[
         -2000:
@@ -411,14 +411,20 @@ def test_a_full_disk_is_refused_at_the_start_or_named_when_a_save_runs_out(asset
     _mount_tmpfs(tiny, "size=30M")
     _mount_tmpfs(small, "size=60M")
     try:
-        proc = _sft(_recipe(tmp_path / "a.yaml", model, data, tiny / "run", save_steps=2), check=False)
+        proc = _sft(
+            _recipe(tmp_path / "a.yaml", model, data, tiny / "run", save_steps=2),
+            check=False,
+            real_launcher=True,
+        )
         error = _one_error(proc)
         assert (
             "not enough disk space" in error and "one checkpoint needs about" in error and "MiB free" in error
         )
         _clean_exit_2(proc)
         out = small / "run"
-        proc = _sft(_recipe(tmp_path / "b.yaml", model, data, out, save_steps=2), check=False)
+        proc = _sft(
+            _recipe(tmp_path / "b.yaml", model, data, out, save_steps=2), check=False, real_launcher=True
+        )
         text = proc.stdout + proc.stderr
         assert "the run plans about" in text and "2 checkpoint(s)" in text  # the start-of-run warning
         error = _one_error(proc)
@@ -438,7 +444,7 @@ def test_a_read_only_output_dir_is_one_error_and_status_2_on_every_rank(assets, 
     ro = tmp_path / "ro"
     _mount_tmpfs(ro, "ro,size=1m")
     try:
-        proc = _sft(_recipe(tmp_path / "r.yaml", model, data, ro / "run"), check=False)
+        proc = _sft(_recipe(tmp_path / "r.yaml", model, data, ro / "run"), check=False, real_launcher=True)
         error = _one_error(proc)
         assert f"output_dir='{ro / 'run'}' cannot be written" in error and "read-only file system" in error
         _clean_exit_2(proc)

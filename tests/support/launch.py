@@ -79,14 +79,22 @@ def _run(cmd: list[str], timeout: int, check: bool) -> subprocess.CompletedProce
     return proc
 
 
-def torchrun(script: Path | str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True):
+def torchrun(
+    script: Path | str,
+    args: list[str],
+    *,
+    nproc: int = 2,
+    timeout: int = 600,
+    check: bool = True,
+    real_launcher: bool = False,
+):
     """``torchrun --nproc_per_node N script args`` on a free port.
 
-    A run expected to succeed (``check``) forks its ranks from the worker's launch server with torchrun's
-    environment (tests/support/launch_server.py: the same script and torch.distributed, without ~6 s of imports per
-    rank); one whose failure is looked at runs the real torchrun, whose exit status and report the test reads."""
-    if check and _server_enabled():
-        return _served(script, args, nproc=nproc, timeout=timeout, master_port=free_port())
+    The ranks are forked from this worker's launch server with torchrun's environment (tests/support/launch_server.py:
+    the same script and torch.distributed, without ~6 s of imports per rank; status 1 when a rank fails, as torchrun's).
+    ``real_launcher=True`` runs torchrun itself: for a test that reads torchrun's own report of its ranks."""
+    if _server_enabled() and not real_launcher:
+        return _served(script, args, nproc=nproc, timeout=timeout, master_port=free_port(), check=check)
     cmd = [
         sys.executable,
         "-m",
@@ -122,10 +130,10 @@ def accelerate_launch(
 
 
 def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
-    """A plain ``python script args`` in a fresh process (forked from the launch server when ``check``, unless the
-    script is ``-c`` code: those reload an export in an interpreter that has never imported hf_fsdp2)."""
-    if check and _server_enabled() and script != "-c":
-        return _served(script, args, nproc=1, timeout=timeout, master_port=None)
+    """A plain ``python script args`` in a fresh process (forked from the launch server, unless the script is ``-c``
+    code: those reload an export in an interpreter that has never imported hf_fsdp2)."""
+    if _server_enabled() and script != "-c":
+        return _served(script, args, nproc=1, timeout=timeout, master_port=None, check=check)
     return _run([sys.executable, str(script), *args], timeout, check)
 
 
@@ -193,8 +201,11 @@ class _Server:
 _SERVER: _Server | None = None
 
 
-def _served(script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None):
-    """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess."""
+def _served(
+    script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None, check: bool
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess whose status
+    is torchrun's for a distributed run (1 when a rank failed) and the process's own for a plain one."""
     global _SERVER
     env = _env()
     if _SERVER is None or not _SERVER.fits(env):
@@ -217,12 +228,13 @@ def _served(script: Path | str, args: list[str], *, nproc: int, timeout: int, ma
         except (subprocess.TimeoutExpired, RuntimeError):
             _SERVER = None
             raise
-        _log_launch(cmd, time.perf_counter() - start, answer["rc"], server=True)
+        returncode = int(answer["rc"] != 0) if master_port is not None else answer["rc"]
+        _log_launch(cmd, time.perf_counter() - start, returncode, server=True)
         stdout = out.read_text() if out.exists() else ""
         stderr = err.read_text() if err.exists() else ""
-    if answer["rc"] != 0:
+    if check and returncode != 0:
         raise AssertionError(
             f"run failed (rank exit codes {answer['codes']}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}"
             f"\n--- stderr ---\n{stderr[-8000:]}"
         )
-    return subprocess.CompletedProcess(cmd, answer["rc"], stdout, stderr)
+    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)

@@ -12,9 +12,9 @@ clean (one OpenMP thread, no process group, no compiled code).
 Protocol: one JSON request per line on stdin, ``{"script", "args", "nproc", "env", "stdout", "stderr", "cwd"}``
 (``script`` a file, or ``-m`` with the module first in ``args``);
 one JSON answer per line on stdout, ``{"rc", "codes"}``. Every rank appends to the same stdout and stderr files, as
-torchrun's children share its streams. When a rank fails, the others get SIGTERM and, 5 s later, SIGKILL, as
-torchrun's agent does. Only runs expected to succeed come here (tests/support/launch.py): a test whose subject is
-the launcher's own behaviour (exit codes, its failure report, signals) runs the real torchrun.
+torchrun's children share its streams. When a rank fails, the others get SIGTERM and, 30 s later, SIGKILL, as
+torchrun's agent does. A test whose subject is the launcher's own behaviour (its report of the ranks, signals sent
+to it) runs the real torchrun (tests/support/launch.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ PRELOAD = (
     "recipes.cpt",
 )
 
-_GRACE_S = 5.0
+_GRACE_S = 30.0  # torchrun's agent: SIGTERM to the other ranks, SIGKILL 30 s later
 _ANSWERS = None
 
 

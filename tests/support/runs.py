@@ -24,6 +24,10 @@ def write_recipe(path: Path, model: Path, data: Path | str, out: Path, **overrid
     return path
 
 
-def sft_2ranks(recipe: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node 2 recipes/sft.py --config recipe``."""
-    return torchrun(SFT, ["--config", str(recipe), *extra], nproc=2, timeout=600, check=check)
+def sft_2ranks(
+    recipe: Path, *extra: str, check: bool = True, real_launcher: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node 2 recipes/sft.py --config recipe`` (``real_launcher``: see support.launch.torchrun)."""
+    return torchrun(
+        SFT, ["--config", str(recipe), *extra], nproc=2, timeout=600, check=check, real_launcher=real_launcher
+    )

@@ -82,6 +82,13 @@ def test_a_failing_rank_ends_the_run_and_is_reported(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 60
     text = str(failed.value)
     assert "ValueError: rank one gives up" in text and "rank exit codes [" in text, text[-3000:]
+    # Looked at rather than raised: the status torchrun gives a failed run (1), with the rank's own words.
+    for real in (False, True):
+        proc = launch.torchrun(script, [], nproc=2, timeout=120, check=False, real_launcher=real)
+        assert proc.returncode == 1 and "ValueError: rank one gives up" in proc.stderr, (
+            real,
+            proc.stderr[-3000:],
+        )
     # The server is still there for the next run.
     script.write_text("import sys\nprint('alone', len(sys.argv))\n")
     assert "alone 1" in launch.python(script, [], check=True).stdout
