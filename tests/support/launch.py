@@ -67,6 +67,15 @@ def _log_launch(cmd: list[str], seconds: float, returncode: int, server: bool = 
             f.write(json.dumps(line) + "\n")
 
 
+def _log_server_start(seconds: float, changed: list[str]) -> None:
+    """With HF_FSDP2_TEST_LAUNCH_LOG: a server (re)start, and the variables whose change made it restart."""
+    log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": test, "server_start": round(seconds, 1), "changed": changed}) + "\n")
+
+
 def _run(cmd: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess[str]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -191,11 +200,13 @@ class _Server:
             os.killpg(self.proc.pid, 9)  # the server and any rank it forked
         self.proc.wait()
 
-    def fits(self, env: dict[str, str]) -> bool:
-        def imported(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k not in _READ_AT_RUN_TIME}
+    def changed(self, env: dict[str, str]) -> set[str]:
+        """The variables that differ from the server's own, other than those read at run time."""
+        keys = (set(self.env) | set(env)) - set(_READ_AT_RUN_TIME)
+        return {k for k in keys if self.env.get(k) != env.get(k)}
 
-        return self.proc.poll() is None and imported(self.env) == imported(env)
+    def fits(self, env: dict[str, str]) -> bool:
+        return self.proc.poll() is None and not self.changed(env)
 
 
 _SERVER: _Server | None = None
@@ -209,9 +220,12 @@ def _served(
     global _SERVER
     env = _env()
     if _SERVER is None or not _SERVER.fits(env):
+        changed = sorted(_SERVER.changed(env)) if _SERVER is not None else []
         if _SERVER is not None:
             _SERVER.stop()
+        start = time.perf_counter()
         _SERVER = _Server(env)
+        _log_server_start(time.perf_counter() - start, changed)
     run_env = dict(env)
     if master_port is not None:
         run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))

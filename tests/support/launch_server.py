@@ -81,7 +81,6 @@ def _run_rank(request: dict, rank: int) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()

@@ -27,10 +27,10 @@ total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 seen_before = getattr(torch, "_touched_by_a_run", False)  # torch is imported by the server, before any fork
 torch._touched_by_a_run = True
-print("REPORT " + json.dumps({
+sys.stdout.write("REPORT " + json.dumps({
     "env": {k: os.environ.get(k) for k in %r}, "sum": total.item(), "argv": sys.argv[1:],
     "name": __name__, "fault": os.environ.get("HF_FSDP2_FAULT"), "seen_before": seen_before,
-}))
+}) + "\\n")  # one write: the ranks share the stream, and PYTHONUNBUFFERED splits print()'s text from its newline
 dist.destroy_process_group()
 """
 
@@ -53,7 +53,7 @@ def test_a_served_run_is_the_run_torchrun_starts(tmp_path: Path, monkeypatch: py
         "HF_FSDP2_FAULT", "marker-value"
     )  # the caller's environment at launch time reaches the ranks
     served = _reports(launch.torchrun(script, ["--x", "1"], nproc=2, check=True).stdout)
-    real = _reports(launch.torchrun(script, ["--x", "1"], nproc=2, check=False).stdout)
+    real = _reports(launch.torchrun(script, ["--x", "1"], nproc=2, real_launcher=True).stdout)
     assert len(served) == len(real) == 2
     for mine, theirs in zip(served, real, strict=True):
         assert mine["env"] == theirs["env"], (mine["env"], theirs["env"])
