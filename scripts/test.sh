@@ -5,6 +5,8 @@
 # Other arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/unit -x`.
 # The tests run on HF_FSDP2_TEST_WORKERS parallel pytest workers (default 2, 1 = no xdist), whole files per
 # worker (--dist loadfile: a file's module fixtures are built once), each in-process test on one thread.
+# Each worker forks its tests' 2-rank runs from a launch server that has imported torch and the recipes once
+# (tests/support/launch_server.py); HF_FSDP2_TEST_LAUNCH_SERVER=0 launches every run with torchrun, as a user does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
