@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 from support import launch
 
-pytestmark = pytest.mark.skipif(not launch._server_enabled(), reason="HF_FSDP2_TEST_LAUNCH_SERVER=0")
+# slow: it launches the real torchrun twice to compare; the full suite (CI) runs it, --quick does not.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not launch._server_enabled(), reason="HF_FSDP2_TEST_LAUNCH_SERVER=0"),
+]
 
 _KEYS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
