@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "recipes" / "sft.py"
@@ -56,24 +55,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _log(fields: dict) -> None:
+    """With HF_FSDP2_TEST_LAUNCH_LOG=file, one JSON line (``fields`` and the test's name) per event: profiling."""
+    log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": test, **fields}) + "\n")
+
+
 def _log_launch(cmd: list[str], seconds: float, returncode: int, server: bool = False) -> None:
-    """With HF_FSDP2_TEST_LAUNCH_LOG=file, one JSON line per launch: which test, what, how long (profiling)."""
-    log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
-    if log:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-        script = next((Path(c).name for c in cmd[1:] if c.endswith(".py")), " ".join(cmd[1:3]))
-        line = {"test": test, "script": script, "s": round(seconds, 1), "rc": returncode, "server": server}
-        with open(log, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-
-def _log_server_start(seconds: float, changed: list[str]) -> None:
-    """With HF_FSDP2_TEST_LAUNCH_LOG: a server (re)start, and the variables whose change made it restart."""
-    log = os.environ.get("HF_FSDP2_TEST_LAUNCH_LOG")
-    if log:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-        with open(log, "a") as f:
-            f.write(json.dumps({"test": test, "server_start": round(seconds, 1), "changed": changed}) + "\n")
+    """A launch: which test, what, how long, its status, and whether the launch server ran it."""
+    script = next((Path(c).name for c in cmd[1:] if c.endswith(".py")), " ".join(cmd[1:3]))
+    _log({"script": script, "s": round(seconds, 1), "rc": returncode, "server": server})
 
 
 def _run(cmd: list[str], timeout: int, check: bool) -> subprocess.CompletedProcess[str]:
@@ -189,10 +183,9 @@ class _Server:
         return json.loads(line)
 
     def launch(self, request: dict, timeout: float) -> dict:
-        stdin: IO[str] | None = self.proc.stdin
-        assert stdin is not None
-        stdin.write(json.dumps(request) + "\n")
-        stdin.flush()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
         return self._answer(timeout)
 
     def stop(self) -> None:
@@ -225,7 +218,9 @@ def _served(
             _SERVER.stop()
         start = time.perf_counter()
         _SERVER = _Server(env)
-        _log_server_start(time.perf_counter() - start, changed)
+        _log(
+            {"server_start": round(time.perf_counter() - start, 1), "changed": changed}
+        )  # why it (re)started
     run_env = dict(env)
     if master_port is not None:
         run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
