@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.dtypes import dtype_name
+from hf_fsdp2.export import reload_process
 from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
@@ -51,7 +52,6 @@ from hf_fsdp2.export.probe import (
     reference_dtype,
     rounded_weights,
 )
-from hf_fsdp2.export.reload_process import run_reload
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).
@@ -266,7 +266,7 @@ def reload_in_subprocess(request: dict[str, Any], offload: Path, script: str = _
         torch.save({**request, "offload": str(offload)}, req)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
         try:
-            error = run_reload(script, req, out, env)
+            error = reload_process.run_reload(script, req, out, env)
         finally:
             shutil.rmtree(offload, ignore_errors=True)
         if error is not None or not out.is_file():

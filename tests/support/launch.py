@@ -7,6 +7,7 @@ import json
 import os
 import random
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -160,9 +161,11 @@ def _server_enabled() -> bool:
 class _Server:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
+        self.folder = tempfile.mkdtemp(prefix="launch-server-")  # the reload zygote's socket
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "support" / "launch_server.py")],
-            cwd=REPO, env={**env, "PYTHONPATH": str(REPO) + os.pathsep + env["PYTHONPATH"]},
+            cwd=REPO,
+            env={**env, "PYTHONPATH": str(REPO) + os.pathsep + env["PYTHONPATH"], "HF_FSDP2_TEST_RELOAD_DIR": self.folder},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         ready = self._answer(timeout=300)
@@ -190,8 +193,9 @@ class _Server:
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, 9)  # the server and any rank it forked
+            os.killpg(self.proc.pid, 9)  # the server, its reload zygote and any process they forked
         self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def changed(self, env: dict[str, str]) -> set[str]:
         """The variables that differ from the server's own, other than those read at run time."""

@@ -13,7 +13,8 @@ Protocol: one JSON request per line on stdin, ``{"script", "args", "nproc", "env
 (``script`` a file, or ``-m`` with the module first in ``args``);
 one JSON answer per line on stdout, ``{"rc", "codes"}``. Every rank appends to the same stdout and stderr files, as
 torchrun's children share its streams. When a rank fails, the others get SIGTERM and, 30 s later, SIGKILL, as
-torchrun's agent does. A test whose subject is the launcher's own behaviour (its report of the ranks, signals sent
+torchrun's agent does. A served run's export verification reloads the export in a process forked from a zygote
+that has imported torch and transformers but not hf_fsdp2 (tests/support/reload_zygote.py). A test whose subject is the launcher's own behaviour (its report of the ranks, signals sent
 to it) runs the real torchrun (tests/support/launch.py).
 """
 
@@ -27,8 +28,11 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 import time
 import traceback
+
+import reload_zygote
 
 # What a recipe, a bench or a test worker imports (their top-level imports, and the modules transformers loads
 # lazily for the families the tests build); anything else is imported by the rank, as before.
@@ -51,6 +55,7 @@ PRELOAD = (
     "recipes.cpt",
 )
 
+_RELOAD_SOCKET = os.path.join(os.environ.get("HF_FSDP2_TEST_RELOAD_DIR") or tempfile.mkdtemp(), "reload.sock")
 _GRACE_S = 30.0  # torchrun's agent: SIGTERM to the other ranks, SIGKILL 30 s later
 _ANSWERS = None
 
@@ -86,6 +91,9 @@ def _run_rank(request: dict, rank: int) -> None:
         os.environ.clear()
         os.environ.update(_rank_env(request["env"], rank, request["nproc"]))
         os.chdir(request["cwd"])
+        reload_zygote.install(
+            _RELOAD_SOCKET
+        )  # the export's reload forks from the zygote (tests/support/reload_zygote.py)
         if request["script"] == "-m":  # python -m module args: the module found from the working folder
             module, *args = request["args"]
             sys.argv = [module, *args]
@@ -160,6 +168,9 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def main() -> None:
+    reload_zygote.start(
+        _RELOAD_SOCKET
+    )  # before hf_fsdp2 is imported: its forks are plain-transformers processes
     for module in PRELOAD:
         importlib.import_module(module)
     global _ANSWERS

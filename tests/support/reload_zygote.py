@@ -1,0 +1,149 @@
+"""A reload zygote for the launch server: the export verification of a served run reloads the export in a process
+forked from here instead of a new interpreter.
+
+Why: each launched run that exports verifies the export by reloading it with plain transformers in a separate
+interpreter (hf_fsdp2/export/reload_process.py), which pays the interpreter start and the torch + transformers + peft
+imports (~6 s of a CPU core) every time; the suite has dozens of such runs. The launch server forks this zygote after
+it has imported torch, transformers, accelerate, peft and safetensors and before it imports hf_fsdp2 or a recipe, so a
+reload forked from here is what the fresh interpreter was: plain transformers, no hf_fsdp2 module (the reload scripts
+record that, and verification refuses a reload that had one). Each request gets its own child: the script runs as
+``python -c script request out`` would (``__main__``, ``sys.argv``, the request's environment), its output goes to a
+file, and a failure answers with the last lines of its traceback, as :func:`hf_fsdp2.export.reload_process.run_reload`
+reports a failed interpreter. A child that dies answers nothing: the client reports that the reload process ended.
+
+The served ranks use it through :func:`install` (hf_fsdp2's ``reload_process.run_reload`` is replaced in the rank);
+runs launched for real (``real_launcher=True``, ``HF_FSDP2_TEST_LAUNCH_SERVER=0``, ``accelerate launch``) keep the
+product's own interpreter per reload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import traceback
+from functools import partial
+
+# What the reload scripts import (hf_fsdp2/export/verify.py, hf_fsdp2/lora/save.py), and transformers' lazy modules
+# for the families the tests build. Nothing here imports hf_fsdp2.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "accelerate",
+    "peft",
+    "safetensors.torch",
+)
+
+
+def _tail(text: str) -> str:
+    # The same summary hf_fsdp2/export/reload_process.py gives of a failed interpreter's stderr.
+    return " | ".join(text.strip().splitlines()[-3:])
+
+
+def _run_request(conn: socket.socket) -> None:
+    """In the forked child: read one request, run its script as ``python -c`` would, answer, never return."""
+    code = 1
+    try:
+        with conn.makefile("r") as reader:
+            script, request_file, out_file, env = json.loads(reader.readline())
+        with tempfile.TemporaryFile(mode="w+") as log:
+            for fd in (1, 2):
+                os.dup2(log.fileno(), fd)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = ["-c", request_file, out_file]
+            ok = True
+            try:
+                exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as exit_:
+                ok = exit_.code in (None, 0)
+                if not ok and not isinstance(exit_.code, int):
+                    print(exit_.code, file=sys.stderr)
+            except BaseException as err:  # the traceback python -c prints: from the script's frame on
+                traceback.print_exception(
+                    type(err), err, err.__traceback__.tb_next if err.__traceback__ else None
+                )
+                ok = False
+            sys.stdout.flush()
+            sys.stderr.flush()
+            log.seek(0)
+            answer = {"ok": True} if ok else {"ok": False, "error": _tail(log.read())}
+        conn.sendall((json.dumps(answer) + "\n").encode())
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def serve(listener: socket.socket) -> None:
+    """The zygote: fork a child per connection on ``listener``; it ends when the process that started it ends."""
+    parent = os.getppid()
+    listener.settimeout(1.0)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)  # the launch server's answers pipe: only the server may hold it, so that its end is seen
+    while os.getppid() == parent:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.setblocking(True)
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(
+                signal.SIGCHLD, signal.SIG_DFL
+            )  # a script's own subprocesses are waited for as usual
+            _run_request(conn)
+        conn.close()
+
+
+def start(path: str) -> int:
+    """Import :data:`PRELOAD`, listen on the Unix socket ``path`` and fork the zygote from the calling process
+    (which must not have imported hf_fsdp2); its pid. Connections made before it accepts wait in the backlog."""
+    if any(name.startswith("hf_fsdp2") for name in sys.modules):
+        raise RuntimeError("the reload zygote must fork from a process that has not imported hf_fsdp2")
+    for module in PRELOAD:
+        __import__(module)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            serve(listener)
+        finally:
+            os._exit(0)
+    listener.close()
+    return pid
+
+
+def run_reload(
+    path: str, script: str, request_file: object, out_file: object, env: dict[str, str]
+) -> str | None:
+    """:func:`hf_fsdp2.export.reload_process.run_reload` through the zygote at ``path``: None if the script
+    succeeded, else the last lines of its error."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(path)
+            conn.sendall((json.dumps([script, str(request_file), str(out_file), dict(env)]) + "\n").encode())
+            with conn.makefile("r") as reader:
+                line = reader.readline()
+    except OSError as err:
+        return f"the reload process ended ({err})"
+    if not line:
+        return "the reload process ended (it answered nothing)"
+    answer = json.loads(line)
+    return None if answer["ok"] else str(answer["error"])
+
+
+def install(path: str) -> None:
+    """Route this process's export reloads (hf_fsdp2's ``reload_process.run_reload``) to the zygote at ``path``."""
+    from hf_fsdp2.export import reload_process
+
+    reload_process.run_reload = partial(run_reload, path)  # type: ignore[assignment]
