@@ -150,6 +150,15 @@ _READ_AT_RUN_TIME = (
     "PYTEST_CURRENT_TEST",
     "PYTEST_XDIST_WORKER",
     "HF_FSDP2_TEST_LAUNCH_LOG",
+    # Left in the worker's environment by in-process tests (a one-process group's variables, set as torchrun would;
+    # inductor's note to its compile workers); nothing imports them, and each rank gets its own RANK... anyway.
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
 )
 
 
