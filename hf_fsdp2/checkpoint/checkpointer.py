@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -47,6 +48,14 @@ from hf_fsdp2.checkpoint.resume import checkpoint_problems, latest_checkpoint, l
 from hf_fsdp2.checkpoint.space import out_of_space_note
 
 logger = logging.getLogger("hf_fsdp2")
+
+
+# What a checkpoint holds of the model: what trains. A frozen base (LoRA, QLoRA's 4-bit weights) is the model folder
+# the run started from, loaded again on resume; full fine-tuning freezes nothing, so everything is saved.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+# Loading it back leaves the frozen parameters as loaded (not strict about them); dcp.load has already refused a
+# checkpoint that lacks any trained tensor the model asks for.
+_INTO_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def checkpoint_readme(step: int, world_size: int) -> str:
@@ -167,7 +176,7 @@ class Checkpointer:
         def write() -> None:
             torch.save({**rng_state(), "data": rank_data}, tmp / "rng" / f"rank{collectives.rank()}.pt")
             tensors = {
-                "model": get_model_state_dict(model),
+                "model": get_model_state_dict(model, options=_TRAINED_ONLY),
                 "optim": get_optimizer_state_dict(model, optimizer),
             }
             if self.is_main:
@@ -305,7 +314,7 @@ class Checkpointer:
         (rank r's file exists for every current rank); otherwise the ranks keep the run's seed.
         """
         state = TrainerState.from_json((path / STATE_FILE).read_text())
-        model_sd = get_model_state_dict(model)
+        model_sd = get_model_state_dict(model, options=_TRAINED_ONLY)
         optim_sd = get_optimizer_state_dict(model, optimizer)
         # DCP loads in place into these (sharded) state dicts, resharding to this world size.
         try:
@@ -315,7 +324,7 @@ class Checkpointer:
                 f"cannot load the checkpoint {path}: {_first_line(err)}. Its files may be damaged: resume from an "
                 "earlier checkpoint-<step>"
             ) from err
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, model_sd, options=_INTO_TRAINED)
         set_optimizer_state_dict(model, optimizer, optim_sd)
         rng_file = path / "rng" / f"rank{collectives.rank()}.pt"
         world = collectives.world()

@@ -60,6 +60,14 @@ class Config:
         self.export.validate(t.save_steps)
         self.observe.validate(has_eval=d.has_eval())
         self.preference.validate()
+        if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
+            compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)
+            check(
+                compute == "auto" or p.bnb_4bit_compute_dtype == compute,
+                f"bnb_4bit_compute_dtype={p.bnb_4bit_compute_dtype!r} but the run computes in {compute} "
+                f"(mixed_precision={t.mixed_precision}, torch_dtype={m.torch_dtype}): the 4-bit weights are "
+                "dequantised to the compute dtype; remove the key or change mixed_precision",
+            )
         check(
             not (m.resize_token_embeddings and f.fsdp_cpu_ram_efficient_loading),
             "resize_token_embeddings=true with fsdp_cpu_ram_efficient_loading=true is not supported (the new rows "

@@ -231,6 +231,7 @@ class LoraSettings:
     target_modules: list[str] | str = "all-linear"
     modules_to_save: list[str] | None = None
     use_rslora: bool = False
+    use_dora: bool = False
 
 
 def parse_step_range(value: str | None, key: str) -> tuple[int, int] | None:

@@ -271,7 +271,9 @@ class FSDPArgs:
             return self.activation_checkpointing
         return "full" if self.gradient_checkpointing else "none"
 
-    def resolve_ram_efficient_loading(self, local_world: int, *, resize_embeddings: bool) -> str:
+    def resolve_ram_efficient_loading(
+        self, local_world: int, *, resize_embeddings: bool, load_in_4bit: bool = False
+    ) -> str:
         """Set an unset ``fsdp_cpu_ram_efficient_loading`` for this launch; returns the line for the log.
 
         Off, every process of a node loads the whole model in host memory before sharding it (fp32 master
@@ -283,8 +285,20 @@ class FSDPArgs:
         Args:
             local_world: processes on this node (``LOCAL_WORLD_SIZE``; 1 without a launcher).
             resize_embeddings: ``resize_token_embeddings``.
+            load_in_4bit: ``load_in_4bit``: each rank quantises the weights itself, so each loads them.
+
+        Raises:
+            ConfigError: ``fsdp_cpu_ram_efficient_loading=true`` with ``load_in_4bit``.
         """
         key = "fsdp_cpu_ram_efficient_loading"
+        if load_in_4bit:
+            check(
+                not self.fsdp_cpu_ram_efficient_loading,
+                f"{key}=true with load_in_4bit=true is not supported: each rank quantises the base from its own "
+                f"copy of the weights (rank 0's broadcast carries unquantised tensors); set {key}=false",
+            )
+            self.fsdp_cpu_ram_efficient_loading = False
+            return f"{key}=false (load_in_4bit=true: each rank loads the weights and quantises them)"
         if self.fsdp_cpu_ram_efficient_loading is not None:
             return f"{key}={str(self.fsdp_cpu_ram_efficient_loading).lower()} (set by the recipe)"
         if resize_embeddings:
@@ -376,6 +390,32 @@ class PeftArgs:
     merge_adapter: bool = field(
         default=False, metadata={"help": "Also export the merged full model to <output_dir>/merged."}
     )
+    use_dora: bool = field(
+        default=False,
+        metadata={
+            "help": "DoRA: a trained magnitude per output feature beside the LoRA direction (PEFT's use_dora)."
+        },
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: the decoder layers' linear weights frozen in 4-bit NF4, sharded by FSDP2 (docs/qlora.md); "
+            "needs use_peft=true."
+        },
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "4-bit data type (BitsAndBytesConfig's key): nf4."}
+    )
+    bnb_4bit_use_double_quant: bool = field(
+        default=True, metadata={"help": "Quantise the 4-bit block scales too (QLoRA's double quantisation)."}
+    )
+    bnb_4bit_compute_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype the 4-bit weights are dequantised to for compute; unset = the run's compute dtype "
+            "(mixed_precision's, else torch_dtype), the only value accepted."
+        },
+    )
 
     def lora_settings(self) -> LoraSettings:
         return LoraSettings(
@@ -385,6 +425,7 @@ class PeftArgs:
             target_modules=self.lora_target_modules,
             modules_to_save=self.lora_modules_to_save or None,
             use_rslora=self.use_rslora,
+            use_dora=self.use_dora,
         )
 
     def validate(self) -> None:
@@ -393,6 +434,30 @@ class PeftArgs:
         check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         check(bool(self.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
         check(not self.merge_adapter or self.use_peft, "merge_adapter=true needs use_peft=true")
+        check(
+            not self.use_dora or self.use_peft,
+            "use_dora=true needs use_peft=true (DoRA is a kind of LoRA adapter)",
+        )
+        check(
+            not self.load_in_4bit or self.use_peft,
+            "load_in_4bit=true with use_peft=false: 4-bit weights are frozen and cannot be trained in full; set "
+            "use_peft=true (QLoRA: LoRA adapters over the 4-bit base) or load_in_4bit=false",
+        )
+        check(
+            self.bnb_4bit_quant_type == "nf4",
+            f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}: only 'nf4' is supported (the NF4 tensor that FSDP2 "
+            "shards, docs/qlora.md); set bnb_4bit_quant_type: nf4",
+        )
+        check(
+            self.bnb_4bit_use_double_quant or not self.load_in_4bit,
+            "bnb_4bit_use_double_quant=false: the NF4 tensor that FSDP2 shards always quantises its block scales "
+            "(0.5 bit per weight less than plain scales); remove the key or set it to true",
+        )
+        check(
+            not (self.load_in_4bit and self.merge_adapter),
+            "merge_adapter=true with load_in_4bit=true is not supported yet: the adapter is exported and verified "
+            "on the 4-bit base; merge it offline (docs/qlora.md) or set merge_adapter=false",
+        )
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge")

@@ -17,7 +17,7 @@ from hf_fsdp2.export.writer import check_export_dir, export_model, single_proces
 
 
 def load_checkpoint_model(
-    checkpoint: str | Path, *, wrap: Callable[[Any, dict[str, Any]], Any] | None = None
+    checkpoint: str | Path, *, wrap: Callable[[Any, dict[str, Any], int], Any] | None = None
 ) -> tuple[torch.nn.Module, dict[str, Any], int]:
     """Build the run's model from its config and fill it with a checkpoint's weights (one process).
 
@@ -26,8 +26,10 @@ def load_checkpoint_model(
 
     Args:
         checkpoint: a ``checkpoint-<step>`` folder.
-        wrap: turns the base model into the trained one before loading (a LoRA run's PEFT wrapping), given
-            the model and the run's config.
+        wrap: turns the base model into the trained one before loading (a LoRA run's PEFT wrapping, after its
+            4-bit quantisation for QLoRA), given the model, the run's config and its world size. The frozen base
+            is then read from the model folder (a checkpoint holds what trains); without ``wrap`` every weight
+            comes from the checkpoint.
 
     Returns:
         (model, the run's resolved config, the checkpoint's step).
@@ -60,7 +62,8 @@ def load_checkpoint_model(
             "checkpoint-<step> of the run (or restore the file from a copy)"
         )
     cfg = yaml.safe_load((ckpt / CONFIG_FILE).read_text())
-    step = int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))
+    trainer_state = json.loads((ckpt / STATE_FILE).read_text())
+    step = int(trainer_state.get("step", 0))
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     stored = {k[len("model.") :]: v for k, v in metadata.items() if k.startswith("model.")}
     model: Any = load_model(
@@ -69,10 +72,12 @@ def load_checkpoint_model(
         attn_implementation=cfg.get("attn_implementation") or "auto",
         revision=cfg.get("model_revision"),
         trust_remote_code=bool(cfg.get("trust_remote_code")),
-        empty_weights=True,  # parameters on meta: the checkpoint fills them, nothing is read twice
+        # Full fine-tuning: parameters on meta, the checkpoint fills them (nothing is read twice). LoRA: the
+        # frozen base from the folder, as the run loaded it; the checkpoint holds the adapter.
+        empty_weights=wrap is None,
     )
     if wrap is not None:
-        model = wrap(model, cfg)
+        model = wrap(model, cfg, int(trainer_state.get("world_size") or 1))
     if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
         emb = model.get_input_embeddings().weight
         emb_name = next(n for n, p in model.named_parameters() if p is emb)
@@ -81,7 +86,9 @@ def load_checkpoint_model(
             model.resize_token_embeddings(rows[0])
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(getattr(v, "size", ())) for k, v in stored.items()}
-    absent = sorted(set(expected) - set(got))
+    # What the checkpoint must hold: every tensor, or (LoRA) what trains; an older LoRA checkpoint also holds the base.
+    required = set(expected) if wrap is None else {n for n, p in model.named_parameters() if p.requires_grad}
+    absent = sorted(required - set(got))
     foreign = sorted(set(got) - set(expected))
     wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
     if absent or foreign or wrong:
@@ -100,10 +107,12 @@ def load_checkpoint_model(
             + ". Is it a checkpoint of another run, or was that config edited?"
         )
     for name, param in list(model.named_parameters()):
+        if name not in stored:  # the frozen base of a LoRA run, read from the folder
+            continue
         dtype = getattr(getattr(stored[name], "properties", None), "dtype", None) or torch.float32
         set_module_tensor_to_device(model, name, "cpu", value=torch.empty(param.shape, dtype=dtype))
     model.tie_weights()
-    state = model.state_dict()
+    state = {k: v for k, v in model.state_dict().items() if k in stored}
     with single_process_dcp():
         dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
     model.eval()
@@ -132,7 +141,7 @@ def prepare_offline_export(
     max_shard_bytes: int | None,
     overwrite: bool,
     metrics: dict[str, Any] | None = None,
-    wrap: Callable[[Any, dict[str, Any]], Any] | None = None,
+    wrap: Callable[[Any, dict[str, Any], int], Any] | None = None,
 ) -> OfflineExport:
     """Check the folders, rebuild the checkpoint's model, and gather the run's tokenizer, generation
     config and model card (one process). ``metrics``: the run's last logged figures for the card (the
@@ -216,7 +225,7 @@ def export_checkpoint(
     verify: bool = True,
     verify_atol: float | None = None,
     metrics: dict[str, Any] | None = None,
-    wrap: Callable[[Any, dict[str, Any]], Any] | None = None,
+    wrap: Callable[[Any, dict[str, Any], int], Any] | None = None,
     write: OfflineWriter = write_full_model,
 ) -> ExportResult:
     """``hf-fsdp2 export`` of a run's checkpoint: the consolidated folder, without training hardware.

@@ -17,7 +17,7 @@ def lora_config(settings: LoraSettings) -> Any:
     """The ``peft.LoraConfig`` for a causal LM.
 
     Args:
-        settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA.
+        settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA, DoRA.
 
     Returns:
         A ``peft.LoraConfig`` with ``task_type=CAUSAL_LM``.
@@ -34,6 +34,7 @@ def lora_config(settings: LoraSettings) -> Any:
         target_modules=targets,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         use_rslora=settings.use_rslora,
+        use_dora=settings.use_dora,
         bias="none",
         task_type="CAUSAL_LM",
     )

@@ -23,8 +23,15 @@ def lora_settings(cfg: dict[str, Any]) -> LoraSettings:
     return PeftArgs(**{k: v for k, v in cfg.items() if k in keys}).lora_settings()
 
 
-def wrap_lora(model: Any, cfg: dict[str, Any]) -> Any:
-    """The base model with the run's LoRA adapter applied (the ``wrap`` of an offline export)."""
+def wrap_lora(model: Any, cfg: dict[str, Any], world: int) -> Any:
+    """The base model with the run's LoRA adapter applied (the ``wrap`` of an offline export); a QLoRA run's
+    base quantised first, as the run quantised it for its ``world`` ranks (the scale blocks depend on it)."""
+    if cfg.get("load_in_4bit"):
+        from hf_fsdp2.lora.quantize import quantize_base
+        from hf_fsdp2.model import decoder_layer_classes
+
+        layers = decoder_layer_classes(model, cfg.get("fsdp_layer_cls_to_wrap") or None)
+        quantize_base(model, layers, shards=world, skip=tuple(cfg.get("lora_modules_to_save") or ()))
     return apply_lora(model, lora_settings(cfg))
 
 

@@ -58,8 +58,26 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 request = torch.load(sys.argv[1])
 out = sys.argv[2]
-def load(dtype):
-    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, dtype))
+nf4 = request.get("nf4") or {}  # QLoRA: {module: scale block} of the 4-bit base, quantised here as the run did
+if nf4:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+    if request.get("dora"):  # PEFT's DoRA calls weight.dequantize() on torchao tensors: answer it (docs/qlora.md)
+        lookup = NF4Tensor.__dict__["dequantize"].__func__
+        NF4Tensor.dequantize = lambda *a: a[0].get_original_weight() if len(a) == 1 else lookup(*a[-2:])
+def load(dtype, dequantised=False):
+    if not nf4:
+        base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, dtype))
+        return PeftModel.from_pretrained(base, request["adapter"])
+    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, request["nf4_dtype"]))
+    for name, block in nf4.items():
+        linear = base.get_submodule(name)
+        weight = to_nf4(linear.weight.detach().contiguous(), request["nf4_block"], block)
+        if dequantised:  # the dequantised base: the 4-bit values as plain tensors
+            weight = weight.get_original_weight()
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    for param in base.parameters():  # the rest computes in the run's dtype; NF4 dequantises to it in F.linear
+        if type(param).__name__ != "NF4Tensor" and param.is_floating_point():
+            param.data = param.data.to(getattr(torch, dtype))
     return PeftModel.from_pretrained(base, request["adapter"])
 def probe(model):
     model.eval()
@@ -82,11 +100,19 @@ for name, param in model.named_parameters():
     if ".lora_" in name or ".modules_to_save." in name:
         param.data = param.data.to(getattr(torch, request["compute_dtype"]))
 logits, noise = probe(model), 0.0
+dequantised = None
+if nf4:
+    del model
+    model = load(request["compute_dtype"], dequantised=True)
+    for name, param in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            param.data = param.data.to(getattr(torch, request["compute_dtype"]))
+    dequantised = probe(model)
 if request["reference_dtype"]:
     # The same weights computed in a wider dtype: how much this process's own rounding moves the logits.
     del model
     noise = float((probe(load(request["reference_dtype"])).double() - logits.double()).abs().max())
-torch.save({"logits": logits, "noise": noise, "mismatched": mismatched, "extra": extra,
+torch.save({"logits": logits, "dequantised_logits": dequantised, "noise": noise, "mismatched": mismatched, "extra": extra,
             "compared": len(request["digests"]), "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
 """
 
@@ -142,6 +168,7 @@ def verify_adapter(
             "reference_dtype": str(reference).removeprefix("torch.") if reference is not None else None,
             "ids": ids,
             "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
+            **nf4_request(model),
         }
         found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=_ADAPTER_RELOAD)
         problems = [found["error"]] if "error" in found else []
@@ -158,6 +185,20 @@ def verify_adapter(
             found["max_diff"] = diff
             if not diff <= report.atol:
                 problems.append(f"probe logits differ by {diff:.4g} > limit {report.atol:.3g}")
+            if found.get("dequantised_logits") is not None:
+                deq = float((found["dequantised_logits"] - live).abs().max())
+                found["max_diff"] = max(diff, deq)
+                logger.info(
+                    "adapter reloaded with plain PEFT on the 4-bit base (torchao NF4, quantised as the run did) and on "
+                    "the dequantised base: probe logits max |diff| %.3g and %.3g (limit %.3g)",
+                    diff,
+                    deq,
+                    report.atol,
+                )
+                if not deq <= report.atol:
+                    problems.append(
+                        f"on the dequantised base, probe logits differ by {deq:.4g} > limit {report.atol:.3g}"
+                    )
         found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
                  "compared": found.get("compared", 0), "atol": report.atol,
                  "noise": found.get("noise", float("nan"))}  # fmt: skip
@@ -173,6 +214,28 @@ def verify_adapter(
             + "; ".join(report.problems)
         )
     return report
+
+
+def nf4_request(model: torch.nn.Module) -> dict[str, Any]:
+    """What the reload needs to quantise the base as the run did: each 4-bit linear module by its name in the base
+    model with its scale block, the dtype it was quantised from, the block size, whether DoRA is on; {} without."""
+    from hf_fsdp2.lora.quantize import NF4_BLOCK_SIZE, is_nf4
+
+    modules: dict[str, int] = {}
+    source = None
+    dora = False
+    for name, module in model.named_modules():
+        dora = dora or hasattr(module, "lora_magnitude_vector") and bool(module.lora_magnitude_vector)
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight is None or not is_nf4(weight):
+            continue
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        base_name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+        modules[base_name] = int(local.scaler_block_size)  # type: ignore[union-attr,attr-defined]
+        source = str(local.dtype).removeprefix("torch.")
+    if not modules:
+        return {}
+    return {"nf4": modules, "nf4_dtype": source, "nf4_block": NF4_BLOCK_SIZE, "dora": dora}
 
 
 def _peft_key(name: str) -> str:

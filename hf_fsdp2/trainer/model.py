@@ -16,6 +16,7 @@ from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.naming import checkpoint_layout
 from hf_fsdp2.lora.adapter import apply_lora, format_memory_report, memory_report
 from hf_fsdp2.lora.merge import check_mergeable
+from hf_fsdp2.lora.quantize import QuantizationError, local_nf4_bytes, quantize_base
 from hf_fsdp2.model import (
     check_vocab,
     count_parameters,
@@ -111,6 +112,17 @@ def build_model(
             f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
             f"{attn!r}: set attn_implementation to one of them or turn packing off"
         )
+    if cfg.peft.load_in_4bit:  # QLoRA: the decoder layers' linear weights in NF4, before LoRA wraps them
+        try:
+            quant = quantize_base(
+                model,
+                decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap),
+                shards=session.world,
+                skip=tuple(cfg.peft.lora_modules_to_save),
+            )
+        except QuantizationError as err:
+            raise ConfigError(str(err)) from err
+        logger.info(quant.describe(session.world))
     if cfg.peft.use_peft:  # LoRA: the base frozen as loaded, the adapter in fp32; wrapped before sharding
         model = apply_lora(model, cfg.peft.lora_settings(), seed=t.seed)
         if cfg.peft.merge_adapter:  # what the merged export cannot merge is refused now, not after training
@@ -151,6 +163,10 @@ def build_model(
     )
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    if cfg.peft.load_in_4bit:
+        held = local_nf4_bytes(model)
+        logger.info("4-bit base on this rank after sharding: %.3f MiB (%d bytes) of %d bytes in all (rank %d of %d)",
+                    held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
     logger.info("parameter layout: %s", describe_layout(model))
     # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
     loss_plan = plan_loss(model, t.ce_chunk_tokens)

@@ -25,7 +25,7 @@ from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previou
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.compat import check_versions
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
-from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check_mesh
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
 from hf_fsdp2.export.hub import check_can_push
 from hf_fsdp2.model import check_max_length, load_model_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
@@ -108,7 +108,9 @@ class Session:
             check_liger_available(on_gpu)
         # Before the plan and the model loads read it; the resolved value is what the saved config holds.
         loading_note = f.resolve_ram_efficient_loading(
-            local_world_size(), resize_embeddings=m.resize_token_embeddings
+            local_world_size(),
+            resize_embeddings=m.resize_token_embeddings,
+            load_in_4bit=cfg.peft.load_in_4bit,
         )
         sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
         # The device mesh: its sizes against the world size and the model, before the process group exists.
@@ -118,6 +120,11 @@ class Session:
             heads=getattr(model_config, "num_attention_heads", None),
             kv_heads=getattr(model_config, "num_key_value_heads", None),
             max_length=d.max_length,
+        )
+        check(
+            not (cfg.peft.load_in_4bit and mesh.hybrid),
+            f"load_in_4bit=true with HSDP (dp_replicate_size={mesh.dp_replicate}) is not supported: the NF4 "
+            "tensor all-gathers over one flat group; use dp_replicate_size=1",
         )
         accelerator = build_accelerator(
             sharding,

@@ -57,7 +57,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def make_family_dir(
-    path: Path, family: str, *, seed: int = 0, initializer_range: float | None = None
+    path: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    initializer_range: float | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """Save a tiny random-init model of ``family`` with the Llama-2 tokenizer (ChatML template) to ``path``.
 
@@ -66,6 +71,7 @@ def make_family_dir(
         family: a key of :data:`FAMILIES`.
         seed: torch seed of the initialisation.
         initializer_range: std of the initial weights (large values give large logits).
+        overrides: config values that replace the tiny defaults (e.g. wider layers).
 
     Returns:
         ``path``.
@@ -74,6 +80,7 @@ def make_family_dir(
     tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
     tokenizer.pad_token = tokenizer.eos_token
     kwargs = dict(_COMMON, **extra)
+    kwargs.update(overrides or {})
     if initializer_range is not None:
         kwargs["initializer_range"] = initializer_range
     config = getattr(transformers, cls)(
