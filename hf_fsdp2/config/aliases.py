@@ -91,6 +91,9 @@ ALIASES: dict[str, Alias] = {
     "dataset_config": Alias("dataset_config_name", _same, "TRL ScriptArguments"),
     "max_seq_length": Alias("max_length", _same, "TRL < 0.20 SFTConfig"),
     "dataset_text_field": Alias("text_column", _same, "TRL SFTConfig"),
+    "use_bnb_nested_quant": Alias(
+        "bnb_4bit_use_double_quant", _same, "TRL ModelConfig (double quantisation)"
+    ),
     "eval_strategy": Alias(
         "eval_steps",
         _one_of(

@@ -453,11 +453,6 @@ class PeftArgs:
             "bnb_4bit_use_double_quant=false: the NF4 tensor that FSDP2 shards always quantises its block scales "
             "(0.5 bit per weight less than plain scales); remove the key or set it to true",
         )
-        check(
-            not (self.load_in_4bit and self.merge_adapter),
-            "merge_adapter=true with load_in_4bit=true is not supported yet: the adapter is exported and verified "
-            "on the 4-bit base; merge it offline (docs/qlora.md) or set merge_adapter=false",
-        )
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
+from hf_fsdp2.lora.quantize import is_nf4
 
 
 def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
@@ -39,10 +40,6 @@ def _base_name(name: str) -> str:
 
 def _check_mergeable(layer: Any, adapter: str, name: str = "") -> None:
     where = f" ({name})" if name else ""
-    if getattr(layer, "use_dora", {}).get(adapter, False):
-        raise LoraError(
-            f"DoRA adapters are not merged here{where}; train without use_dora or set merge_adapter=false"
-        )
     if getattr(layer, "fan_in_fan_out", False):
         raise LoraError(
             f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false"
@@ -92,6 +89,10 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
             name = name.replace(f".modules_to_save.{adapter}.", ".")
         base = _base_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param
+        if is_nf4(
+            local
+        ):  # QLoRA: this rank's rows of the 4-bit weight, dequantised (its own scales are local)
+            local = local.get_original_weight()  # type: ignore[attr-defined]
         out[base] = local.detach()
     for prefix, layer in layers.items():
         w_name = f"{prefix}.weight"
@@ -107,7 +108,18 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
             )
         acc = torch.promote_types(w_local.dtype, torch.float32)  # fp32, or fp64 for fp64 weights
         delta = (b_local.to(acc) @ a_full.to(acc)) * float(layer.scaling[adapter])
-        out[w_name] = (w_local.to(acc) + delta).to(w_local.dtype)
+        merged = w_local.to(acc) + delta
+        if getattr(layer, "use_dora", {}).get(adapter, False):
+            # DoRA (PEFT's merge): each output row rescaled to its trained magnitude, m / ||W + s B A||_row. The rows
+            # are whole on this rank (dim-0 shards), so are their norms; m is sharded in the same row chunks.
+            m = layer.lora_magnitude_vector[adapter].weight
+            m_local = m.to_local() if isinstance(m, DTensor) else m
+            if m_local.shape[0] != merged.shape[0]:
+                raise LoraError(
+                    f"{prefix}: the DoRA magnitude has {m_local.shape[0]} local rows, the weight {merged.shape[0]}"
+                )
+            merged = merged * (m_local.to(acc) / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+        out[w_name] = merged.to(w_local.dtype)
     return out
 
 
@@ -199,7 +211,7 @@ def merge_adapter_offline(
         difference of the merged model against base + adapter unmerged (fp32).
 
     Raises:
-        LoraError: not a PEFT LoRA adapter folder, a DoRA adapter, or no base model known.
+        LoraError: not a PEFT LoRA adapter folder, or no base model known.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,8 +224,6 @@ def merge_adapter_offline(
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG_NAME).read_text())
     if cfg.get("peft_type") != "LORA":
         raise LoraError(f"{adapter_dir} holds a {cfg.get('peft_type')} adapter; only LoRA is merged here")
-    if cfg.get("use_dora"):
-        raise LoraError("DoRA adapters are not merged here")
     base_model = base_model or cfg.get("base_model_name_or_path")
     if not base_model:
         raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG_NAME} names no base model; give --base-model")

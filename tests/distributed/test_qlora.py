@@ -48,6 +48,11 @@ CASES = {
     "qdora-llama3_untied": ("llama3_untied", True, True),
     "dora-qwen3_tied": ("qwen3_tied", False, True),
 }
+MERGED = (
+    "qlora-llama3_untied",
+    "qdora-llama3_untied",
+    "dora-qwen3_tied",
+)  # these runs also export merge_adapter
 
 
 def _dora_dequantize_shim() -> None:
@@ -171,9 +176,9 @@ def runs(root: Path) -> dict[str, tuple[Path, str]]:
     out = {}
     for case, (model, nf4, dora) in CASES.items():
         run = root / "runs" / case
-        proc = torchrun(
-            SFT, recipe_args(root / model, root / "chat.jsonl", run, nf4=nf4, dora=dora), nproc=WORLD
-        )
+        extra = ("--merge_adapter", "true") if case in MERGED else ()
+        args = recipe_args(root / model, root / "chat.jsonl", run, nf4=nf4, dora=dora, extra=extra)
+        proc = torchrun(SFT, args, nproc=WORLD)
         out[case] = (run, proc.stdout + proc.stderr)
     return out
 
@@ -234,6 +239,40 @@ def test_each_rank_holds_half_of_the_4bit_bytes(root: Path, runs, case: str) -> 
         if isinstance(m, torch.nn.Linear)
     )
     assert whole * 8 / linear_params < 4.2
+
+
+@pytest.mark.parametrize("case", MERGED)
+def test_the_merged_export_is_the_dequantised_base_plus_the_adapter(root: Path, runs, case: str) -> None:
+    """merge_adapter: W + alpha/r B A on the dequantised 4-bit base (DoRA: each row rescaled to m / its norm),
+    computed by hand from the run's own adapter file; the recipe verified the folder by a plain reload."""
+    model, nf4, dora = CASES[case]
+    run, log = runs[case]
+    assert "adapter verified" in log and (run / "merged" / "config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(root / model, dtype=torch.float32)
+    if nf4:
+        quantise_decoder_linears(base)
+    weights = {}
+    for name, param in base.named_parameters():
+        weights[name] = param.get_original_weight() if isinstance(param, NF4Tensor) else param.detach()
+    adapter = load_file(run / "adapter_model.safetensors")
+    merged = load_file(run / "merged" / "model.safetensors")
+    n = 0
+    for name, w in merged.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        a, b = adapter.get(f"{prefix}.lora_A.weight"), adapter.get(f"{prefix}.lora_B.weight")
+        expected = weights[name]
+        if a is not None:
+            expected = expected + (ALPHA / R) * (b @ a)
+            if dora:
+                m = adapter.get(
+                    f"{prefix}.lora_magnitude_vector", adapter.get(f"{prefix}.lora_magnitude_vector.weight")
+                )
+                assert m is not None, sorted(k for k in adapter if k.startswith(prefix))
+                expected = expected * (m / torch.linalg.norm(expected, dim=1)).unsqueeze(1)
+            n += 1
+        torch.testing.assert_close(w, expected, rtol=1e-5, atol=1e-6, msg=lambda m_, k=name: f"{k}: {m_}")
+    assert n == 2 * 7
+    assert not any(k for k in merged if "lora" in k)
 
 
 def test_qlora_resume_gives_the_uninterrupted_losses_and_adapter(root: Path, runs, tmp_path: Path) -> None:

@@ -512,6 +512,7 @@ ALIAS_CASES = [
     ("dataset_config", "en", {"dataset_config_name": "en"}),
     ("max_seq_length", 512, {"max_length": 512}),
     ("dataset_text_field", "content", {"text_column": "content"}),
+    ("use_bnb_nested_quant", True, {"bnb_4bit_use_double_quant": True}),
     ("eval_strategy", "steps", {}),
     ("eval_strategy", "no", {}),
     ("logging_strategy", "steps", {}),

@@ -35,10 +35,6 @@ torchao = pytest.importorskip("torchao")
             "bnb_4bit_use_double_quant=false",
         ),
         (
-            ("--use_peft", "true", "--load_in_4bit", "true", "--merge_adapter", "true"),
-            "merge_adapter=true with load_in_4bit=true",
-        ),
-        (
             (
                 "--use_peft",
                 "true",
@@ -61,7 +57,7 @@ def test_refused_combinations_name_the_key_and_the_fix(args: tuple[str, ...], ex
 
 def test_accepted_settings() -> None:
     cfg = parse_cli("--use_peft", "true", "--load_in_4bit", "true", "--use_dora", "true", "--mixed_precision", "bf16",
-                    "--bnb_4bit_compute_dtype", "bfloat16")  # fmt: skip
+                    "--bnb_4bit_compute_dtype", "bfloat16", "--merge_adapter", "true")  # fmt: skip
     assert cfg.peft.load_in_4bit and cfg.peft.lora_settings().use_dora
 
 
