@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with a CUDA GPU (one H200: at most 8 minutes of checks). Runs the checks of
+# The GPU check, on a machine with a CUDA GPU (one H200: at most 9 minutes of checks). Runs the checks of
 # tests/gpu/ (tests/gpu/test_gpu_checks.py says what each asserts and what makes it fail): the SFT recipe at
 # world size 1 (bf16, regional compile, activation checkpointing, chunked CE) on a tied/untied tiny Llama built
-# in code, each export verified and reloaded on the GPU; LoRA + merge; activation offload vs none; a CUDA memory
-# snapshot; `bench/gpu_bench.py --quick` (1B shape); the 1B memory plan vs the measured peak; the Liger test.
+# in code, each export verified and reloaded on the GPU; LoRA + merge; QLoRA (4-bit NF4 base) + merge; activation
+# offload vs none; a CUDA memory snapshot; `bench/gpu_bench.py --quick` (1B shape); the 1B memory plan vs the
+# measured peak; the Liger test.
 # Nothing is downloaded. A failing check does not stop the others; each has a budget, printed beside its time.
 #
 #   bash scripts/gpu_check.sh                  # scripts/setup.sh first (CUDA torch where nvidia-smi lists a GPU)

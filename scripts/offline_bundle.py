@@ -3,7 +3,7 @@
 Run through scripts/offline_bundle.sh (its header gives the install commands). On a connected machine this:
 
 1. walks the dependency closure of the roots (hf_fsdp2's runtime dependencies from pyproject.toml, plus
-   ``--extra`` packages: liger-kernel by default), evaluating each wheel's ``Requires-Dist`` markers for the
+   ``--extra`` packages: liger-kernel and torchao by default), evaluating each wheel's ``Requires-Dist`` markers for the
    target (Python ``--python-version`` on Linux ``--platform``), skipping torch, triton, nvidia-* and cuda-*
    (the node keeps its own CUDA stack) and whatever ``--have`` (the node's ``pip freeze``) already satisfies;
 2. pins each package to the version installed in the builder's environment (this checkout's .venv, where the
@@ -39,7 +39,7 @@ from packaging.version import InvalidVersion, Version
 REPO = Path(__file__).resolve().parents[1]
 # The node keeps its own CUDA stack: a torch wheel alone is GBs, and a second one would shadow the node's.
 EXCLUDED = re.compile(r"^(torch|triton|pytorch-triton.*|nvidia-.*|cuda-.*)$")
-DEFAULT_EXTRAS = ("liger-kernel",)
+DEFAULT_EXTRAS = ("liger-kernel", "torchao")  # the GPU check runs Liger and QLoRA (load_in_4bit)
 DEFAULT_PLATFORM = "manylinux_2_28_x86_64"  # pip also accepts every older manylinux tag for it
 MIB = 1024 * 1024
 MARKER = ".hf_fsdp2_offline_bundle"

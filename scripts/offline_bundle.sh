@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build an offline install bundle (default offline_bundle/) on a connected machine, for an air-gapped node
 # that has its own Python and CUDA torch but no package index: wheels of hf_fsdp2's runtime dependencies
-# that the node lacks (datasets, dill, multiprocess, ...), liger-kernel, and the hf_fsdp2 wheel; never torch,
+# that the node lacks (datasets, dill, multiprocess, ...), liger-kernel, torchao, and the hf_fsdp2 wheel; never torch,
 # triton, nvidia-* or cuda-*. Pins are the versions of this checkout's .venv (where the tests pass). Prints
 # each wheel and the total; fails above --max-mib (64 MiB). scripts/offline_bundle.py says how it works.
 #

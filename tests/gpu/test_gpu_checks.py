@@ -108,6 +108,34 @@ print(json.dumps({"merged_vs_peft_max_abs": float((a - b).abs().max()), "logit_s
                   "adapter_effect_max_abs": float((b - plain).abs().max())}))
 """
 
+# The merged QLoRA export vs the dequantised 4-bit base + adapter (plain PEFT), fp32 on the CPU; the adapter on the
+# 4-bit base itself. The base is quantised with torchao's NF4 as the run did: 64-weight blocks, the scales per 256 or
+# the largest power of two below that divides their count (one GPU, one shard: docs/qlora.md).
+QLORA_RELOAD = r"""
+import json, sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+base_dir, adapter_dir, merged_dir = sys.argv[1:4]
+ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+def base(dequantised):
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            block = 256
+            while (module.weight.numel() // 64) % block:
+                block //= 2
+            w = to_nf4(module.weight.detach().contiguous(), 64, block)
+            module.weight = torch.nn.Parameter(w.get_original_weight() if dequantised else w, requires_grad=False)
+    return model
+with torch.no_grad():
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()(ids).logits
+    on_dequantised = PeftModel.from_pretrained(base(True), adapter_dir).eval()(ids).logits
+    on_4bit = PeftModel.from_pretrained(base(False), adapter_dir).eval()(ids).logits
+print(json.dumps({"merged_vs_peft_max_abs": float((merged - on_dequantised).abs().max()),
+                  "nf4_vs_dequantised_max_abs": float((on_4bit - on_dequantised).abs().max()),
+                  "logit_scale": float(on_dequantised.abs().max())}))
+"""
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -302,6 +330,37 @@ def test_lora_merge(check: Check) -> None:
     # The adapter changed the model, and the merged fp32 weights are base + adapter.
     assert lora["adapter_effect_max_abs"] > 0, lora
     assert lora["merged_vs_peft_max_abs"] < 1e-3 * max(lora["logit_scale"], 1.0), lora
+
+
+@pytest.mark.budget(40)
+def test_qlora_merge(check: Check) -> None:
+    """QLoRA on the GPU: the 4-bit NF4 base (torchao) under bf16 mixed precision, the adapter exported and verified by
+    the recipe (4-bit and dequantised base), the merged fp32 model. Fails when the run's log lacks the 4-bit bytes
+    line or shows more than the 4-bit size on the rank, the merged logits differ from dequantised base + adapter
+    (PEFT, fp32 CPU) by over 1e-3 of the logit scale, or the adapter on the 4-bit base differs from it on the
+    dequantised base by as much."""
+    model = tiny_model(check, "model", tied=False)
+    values = {"model_name_or_path": str(model), "dataset_name": str(tiny_data(check)), **TINY_RUN,
+              "torch_dtype": "float32", "mixed_precision": "bf16", "use_peft": True, "load_in_4bit": True,
+              "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "merge_adapter": True,
+              "export_dtype": "float32"}  # fmt: skip
+    run_dir, cmd = prepare_recipe(check, "qlora", values)
+    if check.dry:
+        return
+    log = launch(check, cmd, run_dir, timeout=check.timeout(0.7))
+    run_figures(check, run_dir, log)
+    held = re.search(r"4-bit base on this rank after sharding: [\d.]+ MiB \((\d+) bytes\) of (\d+)", log)
+    assert held, tail(log)
+    check.figures["nf4_bytes_rank0"], check.figures["nf4_bytes"] = int(held.group(1)), int(held.group(2))
+    assert int(held.group(1)) <= int(held.group(2)), held.group(0)
+    assert "on the 4-bit base (torchao NF4" in log, tail(log)
+    code, text = run([sys.executable, "-c", QLORA_RELOAD, str(model), str(run_dir), str(run_dir / "merged")],
+                     run_dir.parent / "qlora_reload.log", check.timeout(0.3))  # fmt: skip
+    assert code == 0, tail(text)
+    out = json.loads(text.strip().splitlines()[-1])
+    check.figures.update(out)
+    assert out["merged_vs_peft_max_abs"] < 1e-3 * max(out["logit_scale"], 1.0), out
+    assert out["nf4_vs_dequantised_max_abs"] < 1e-3 * max(out["logit_scale"], 1.0), out
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,11 @@ def test_bad_arguments_are_refused_with_the_fix(argv: list[str], message: str, c
 def test_arguments_default_to_this_python_the_64_mib_limit_and_liger() -> None:
     args = ob.parse_args([])
     assert args.python_version == f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert args.max_mib == 64 and args.extra == ["liger-kernel"] and args.dest == REPO / "offline_bundle"
+    assert (
+        args.max_mib == 64
+        and args.extra == ["liger-kernel", "torchao"]
+        and args.dest == REPO / "offline_bundle"
+    )
     assert ob.parse_args(["--extra", "none"]).extra == []
 
 
@@ -257,6 +261,7 @@ def test_the_bundle_installs_offline_beside_the_nodes_torch_and_trains(tmp_path:
         "dill",
         "multiprocess",
         "liger-kernel",
+        "torchao",
         "hf_fsdp2",
         "transformers",
         "accelerate",
