@@ -388,6 +388,33 @@ def describe_policy(policy: MixedPrecisionPolicy) -> str:
     )
 
 
+# Messages of other packages that say nothing about the run, dropped on every rank: torchao (imported by
+# transformers' quantizer registry whenever it is installed, QLoRA's extra) registers Enum classes with torch's pytree,
+# which torch 2.13 calls deprecated, and fails to load its CUDA-build extensions (mxfp8, cutlass: kernels hf_fsdp2
+# does not use) on CPU or another Python; both repeat on every rank of every run.
+_FOREIGN_NOISE = {
+    "torch.utils._pytree": "is an Enum subclass and is now natively supported",
+    "torchao": "Failed to load ",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_foreign_noise() -> None:
+    """Drop the messages of :data:`_FOREIGN_NOISE` (idempotent)."""
+    for name, text in _FOREIGN_NOISE.items():
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.text == text for f in logger_.filters):
+            logger_.addFilter(_DropMessage(text))
+
+
 def setup_logging(is_main_process: bool) -> None:
     """INFO logs on rank 0 only; other ranks report warnings and errors."""
     logging.basicConfig(
@@ -396,3 +423,4 @@ def setup_logging(is_main_process: bool) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    quiet_foreign_noise()
