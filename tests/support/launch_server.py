@@ -50,6 +50,7 @@ PRELOAD = (
     "datasets",
     "peft",
     "safetensors.torch",
+    "torchao",  # QLoRA's; transformers imports it in every from_pretrained when installed (~3 s)
     "recipes.sft",
     "recipes.dpo",
     "recipes.cpt",

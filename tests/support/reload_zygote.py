@@ -38,6 +38,7 @@ PRELOAD = (
     "accelerate",
     "peft",
     "safetensors.torch",
+    "torchao",  # transformers imports it in every from_pretrained when installed (~3 s); QLoRA reloads use it
 )
 
 
