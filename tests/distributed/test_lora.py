@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from support.launch import SFT, torchrun
-from support.reference import reference_steps
+from support.reference import peft_reference_run
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
-from transformers import AutoTokenizer, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_fsdp2.data.loading import load_raw_dataset
 from hf_fsdp2.data.tokenize import tokenize_dataset
@@ -42,28 +42,11 @@ def reference_peft_model(model_dir: Path) -> torch.nn.Module:
 def reference_run(
     model_dir: Path, data: list[dict]
 ) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
-    model = reference_peft_model(model_dir)
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=LR, foreach=True)
-    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    out = reference_steps(
-        model,
-        opt,
-        sched,
-        trainable,
-        data,
-        pad_id,
-        world=WORLD,
-        batch_size=BS,
-        accum=ACCUM,
-        seed=SEED,
-        steps=STEPS,
-    )
-    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    model.eval()
-    return out, adapter, model
+    return peft_reference_run(
+        reference_peft_model(model_dir), data, pad_id,
+        lr=LR, world=WORLD, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS,
+    )  # fmt: skip
 
 
 def _recipe_args(model_dir: Path, data_file: Path, out: Path, *extra: str) -> list[str]:

@@ -90,3 +90,36 @@ def reference_steps(
         optimizer.zero_grad()
         out.append({"loss": loss_sum / total_tokens, "grad_norm": float(norm), "target_tokens": total_tokens})
     return out
+
+
+def peft_reference_run(
+    model: torch.nn.Module,
+    data: list[dict],
+    pad_id: int,
+    *,
+    lr: float,
+    world: int,
+    batch_size: int,
+    accum: int,
+    seed: int,
+    steps: int,
+) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
+    """The LoRA parity tests' one-process loop on a PEFT ``model``: AdamW (no weight decay) on what trains,
+    transformers' cosine schedule without warmup, :func:`reference_steps`.
+
+    Returns:
+        The per-step records, the trained adapter (PEFT's state-dict names) and the model in eval mode.
+    """
+    from peft import get_peft_model_state_dict
+    from transformers import get_cosine_schedule_with_warmup
+
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=lr, foreach=True)
+    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
+    out = reference_steps(
+        model, opt, sched, trainable, data, pad_id,
+        world=world, batch_size=batch_size, accum=accum, seed=seed, steps=steps,
+    )  # fmt: skip
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return out, adapter, model.eval()
