@@ -14,9 +14,10 @@ from hf_fsdp2.config.parse import (
     parse_config,
     save_config,
 )
+from hf_fsdp2.config.peft import PeftArgs
 from hf_fsdp2.config.plans import ConfigError, parse_size
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
-from hf_fsdp2.config.training import FSDPArgs, PeftArgs, PreferenceArgs, TrainArgs
+from hf_fsdp2.config.training import FSDPArgs, PreferenceArgs, TrainArgs
 
 __all__ = [
     "CONFIG_NAME",

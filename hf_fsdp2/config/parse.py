@@ -21,9 +21,10 @@ from transformers import HfArgumentParser
 
 from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
+from hf_fsdp2.config.peft import PeftArgs
 from hf_fsdp2.config.plans import ConfigError, check
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
-from hf_fsdp2.config.training import FSDPArgs, PeftArgs, PreferenceArgs, TrainArgs
+from hf_fsdp2.config.training import FSDPArgs, PreferenceArgs, TrainArgs
 
 CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
 
