@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,6 +64,50 @@ def _peft_dequantize(nf4_type: type) -> None:
 
     dequantize._hf_fsdp2 = True  # type: ignore[attr-defined]
     nf4_type.dequantize = dequantize  # type: ignore[attr-defined]
+
+
+def _single_rank_all_gather(nf4_type: type) -> None:
+    """Let FSDP2 unshard an NF4 weight when its shard group has one rank (a one-GPU QLoRA run).
+
+    With one rank, FSDP2 skips the all-gather and copies the first all-gather input alone into the unsharded buffer
+    (torch 2.13's ``FSDPParamGroup.wait_for_unshard``); the NF4 tensor has three (scales, scale factors, codes), so
+    the first forward failed ("not enough values to unpack (expected 3, got 1)"). With one rank the hooks here hand
+    FSDP2 one byte buffer holding the three parts (the widest dtype first, so each view is aligned) and rebuild the
+    NF4 tensor on views of it, the buffer being what FSDP2 frees and reallocates; with more ranks they are torchao's
+    own, unchanged. tests/distributed/test_memory_plan.py runs a QLoRA model at world 1 and 2."""
+    pre, post = nf4_type.__dict__["fsdp_pre_all_gather"], nf4_type.__dict__["fsdp_post_all_gather"]
+    if getattr(pre, "_hf_fsdp2", False):
+        return
+
+    def fsdp_pre_all_gather(self: torch.Tensor, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        inputs, metadata = pre(self, mesh)
+        if mesh.get_group().size() != 1:
+            return inputs, metadata
+        order = sorted(range(len(inputs)), key=lambda i: -inputs[i].element_size())
+        layout = [(i, inputs[i].dtype, inputs[i].shape) for i in order]
+        packed = torch.cat([inputs[i].reshape(-1).view(torch.uint8) for i in order])
+        return (packed,), ("hf_fsdp2_packed", metadata, layout)
+
+    def fsdp_post_all_gather(
+        self: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+        out: torch.Tensor | None = None,
+    ) -> Any:  # fmt: skip
+        if not (isinstance(metadata, tuple) and metadata and metadata[0] == "hf_fsdp2_packed"):
+            return post(self, outputs, metadata, param_dtype, out=out)
+        _, inner, layout = metadata
+        (packed,) = outputs
+        parts: list[torch.Tensor] = [packed] * len(layout)
+        offset = 0
+        for index, dtype, shape in layout:
+            size = shape.numel() * dtype.itemsize
+            parts[index] = packed[offset : offset + size].view(dtype).view(shape)
+            offset += size
+        result = post(self, tuple(parts), inner, param_dtype, out=out)
+        return None if out is not None else (result[0], (packed,))
+
+    fsdp_pre_all_gather._hf_fsdp2 = True  # type: ignore[attr-defined]
+    nf4_type.fsdp_pre_all_gather = fsdp_pre_all_gather  # type: ignore[attr-defined]
+    nf4_type.fsdp_post_all_gather = fsdp_post_all_gather  # type: ignore[attr-defined]
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -110,17 +155,43 @@ class QuantReport:
         )
 
 
+_SHARDED_PARTS = (
+    "quantized_data",
+    "quantized_scalers",
+    "quantization_factor",
+)  # split by rows; the rest whole
+
+
+def nf4_shard_bytes(weight: torch.Tensor, shards: int, index: int) -> int:
+    """Bytes shard ``index`` of ``shards`` holds of an (unsharded, possibly meta) NF4 weight once FSDP2 shards it:
+    1/shards of its codes, scales and scale factors (:func:`quantize_base` made each split evenly, so no padding),
+    and its own copy of the per-tensor scale mean and 16-entry lookup table. The memory plan's figure
+    (tests/distributed/test_memory_plan.py holds it to the storages a real run's ranks hold)."""
+    del index  # every shard is the same size: the split is even
+    names, _ = weight.__tensor_flatten__()  # type: ignore[attr-defined]
+    total = 0
+    for name in names:
+        part = getattr(weight, name)
+        size = part.numel() * part.element_size()
+        total += size // shards if name in _SHARDED_PARTS else size
+    return total
+
+
 def nf4_bytes(tensor: torch.Tensor) -> int:
     """Bytes an NF4 tensor (or this rank's shard of one) holds: codes, quantised scales, scale factors."""
     from torch.distributed.tensor import DTensor
 
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor)  # type: ignore[attr-defined]
-    return sum(p.numel() * p.element_size() for p in parts)
+    return sum(getattr(local, name).numel() * getattr(local, name).element_size() for name in _SHARDED_PARTS)
 
 
 def quantize_base(
-    model: torch.nn.Module, layer_cls: tuple[str, ...], *, shards: int, skip: tuple[str, ...] = ()
+    model: torch.nn.Module,
+    layer_cls: tuple[str, ...],
+    *,
+    shards: int,
+    skip: tuple[str, ...] = (),
+    meta_ok: bool = False,
 ) -> QuantReport:
     """Replace the weight of every ``nn.Linear`` inside a decoder layer by its NF4 tensor, frozen, in place.
 
@@ -131,6 +202,8 @@ def quantize_base(
         layer_cls: decoder-layer class names (``model.decoder_layer_classes``).
         shards: ranks each weight is sharded over (the FSDP shard group): each part must split evenly.
         skip: module-name suffixes left unquantised (``lora_modules_to_save``: they train in full).
+        meta_ok: quantise meta weights too (the memory plan's meta model: NF4 tensors of the right sizes, no
+            values); a run refuses them (rank-0-only loading leaves the other ranks' weights on meta).
 
     Returns:
         The :class:`QuantReport`.
@@ -141,6 +214,7 @@ def quantize_base(
     """
     nf4_type = _nf4_class()
     _peft_dequantize(nf4_type)
+    _single_rank_all_gather(nf4_type)
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     report = QuantReport()
@@ -165,7 +239,7 @@ def quantize_base(
             if any(name == s or name.endswith("." + s) for s in skip):
                 continue
             weight = module.weight
-            if weight.device.type == "meta":
+            if weight.device.type == "meta" and not meta_ok:
                 raise QuantizationError(
                     f"load_in_4bit=true: {name}.weight is on the meta device (rank-0-only loading, "
                     "fsdp_cpu_ram_efficient_loading=true); turn that off: each rank quantises the base itself"

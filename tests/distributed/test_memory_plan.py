@@ -6,6 +6,10 @@ AdamW bytes predicted from the config must equal the storages the rank holds aft
 chunks included: vocab 32002 is not a multiple of 4); activations and loss bytes predicted by the meta forward
 must equal what ``SavedTensorMeter`` counts on the real sharded run (the issue allows 10%; on CPU the same
 kernels run, so the test holds them to equality). A 3-row linear layer at world 4 leaves rank 3 an empty chunk.
+
+The same for adapters over a frozen base, wrapped as a run wraps them: QLoRA (the decoder linears in NF4, sharded by
+FSDP2 with their scales; a wider tiny Llama so that every weight splits over 4 ranks) and QDoRA on the tied Qwen3.
+World 1 is the one-GPU QLoRA run, whose FSDP2 unshard path differs (no all-gather).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from support.launch import torchrun
 from support.tiny import make_tiny_llama_dir
 from transformers import AutoConfig
 
-from hf_fsdp2.config.plans import ACPlan
+from hf_fsdp2.config.plans import ACPlan, LoraSettings
 from hf_fsdp2.observe.memory_plan import (
     PlanSettings,
     build_meta_model,
@@ -32,6 +36,9 @@ WORKER = Path(__file__).parent / "workers" / "memory_plan_worker.py"
 MODES = ("none", "full", "every_k", "selective", "offload")
 # name -> (micro-batch, sequence length, ce_chunk_tokens)
 SHAPES = {"llama": (2, 64, 1024), "qwen3": (2, 48, 0)}
+# name -> (model, micro-batch, sequence length, ce_chunk_tokens, adapter as the worker wraps it: LoRA r=8)
+ADAPTERS = {"qlora": ("llama_wide", 2, 64, 1024, "qlora"), "qdora": ("qwen3_wide", 2, 48, 0, "qdora")}
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +47,30 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "llama": make_tiny_llama_dir(root / "llama", seed=1),
         "qwen3": make_family_dir(root / "qwen3", "qwen3"),
+        "llama_wide": make_family_dir(root / "llama_wide", "llama3_untied", overrides=WIDE),
+        "qwen3_wide": make_family_dir(root / "qwen3_wide", "qwen3", overrides={**WIDE, "head_dim": 64}),
     }
 
 
 def _measure(models: dict[str, Path], out: Path, world: int) -> list[dict]:
     specs = [f"{name}={models[name]}:{b}:{s}:{c}" for name, (b, s, c) in SHAPES.items()]
-    torchrun(WORKER, ["--models", *specs, "--out", str(out)], nproc=world, timeout=300)
+    adapters = [f"{name}={models[m]}:{b}:{s}:{c}:{a}" for name, (m, b, s, c, a) in ADAPTERS.items()]
+    torchrun(
+        WORKER, ["--models", *specs, "--adapters", *adapters, "--out", str(out)], nproc=world, timeout=300
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def _check(models: dict[str, Path], measured: list[dict], world: int) -> None:
-    for name, (batch, seq, chunk) in SHAPES.items():
-        config = AutoConfig.from_pretrained(models[name])
+    cases = {name: (name, b, s, c, "") for name, (b, s, c) in SHAPES.items()} | ADAPTERS
+    for name, (model, batch, seq, chunk, adapter) in cases.items():
+        config = AutoConfig.from_pretrained(models[model])
+        lora = LoraSettings(r=8, use_dora="dora" in adapter) if adapter else None
         for mode in MODES:
             settings = PlanSettings(
                 world_size=world, micro_batch=batch, seq_len=seq, ac=ACPlan(mode, every_k=2, pin_memory=False),
-                mixed_precision="bf16", ce_chunk_tokens=chunk, device_type="cpu",
+                mixed_precision="bf16", ce_chunk_tokens=chunk, device_type="cpu", lora=lora,
+                load_in_4bit=adapter.startswith("q"),
             )  # fmt: skip
             meta = build_meta_model(config, settings)
             compute = compute_bytes(config, settings)
@@ -79,15 +94,22 @@ def _check(models: dict[str, Path], measured: list[dict], world: int) -> None:
 
 
 def test_world_1_and_2_match_the_plan_exactly(models, tmp_path: Path):
+    measured_by_world = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        measured = _measure(models, out, world)
+        measured = measured_by_world[world] = _measure(models, out, world)
         assert all(m["world"] == world for m in measured)
         _check(models, measured, world)
     # The activations differ by mode as the modes say (the plan is not flat): full keeps least, none most.
     acts = {mode: measured[0]["models"]["llama"][mode]["activations"] for mode in MODES}
     assert acts["offload"] < acts["full"] < acts["selective"] < acts["every_k"] < acts["none"]
+    acts = {mode: measured[0]["models"]["qlora"][mode]["activations"] for mode in MODES}
+    assert acts["offload"] < acts["full"] < min(acts["selective"], acts["every_k"]) <= acts["none"]
+    # The 4-bit base: each of 2 ranks holds half of what world 1 holds of the NF4 weights (exactly: even splits,
+    # plus each weight's own 16-entry table and scale mean), and the adapter's gradients are halved too.
+    one, two = (measured_by_world[w][0]["models"]["qlora"]["none"] for w in (1, 2))
+    assert two["grads"] * 2 == one["grads"] and two["params"] < one["params"] * 0.51
 
 
 @pytest.mark.four_procs

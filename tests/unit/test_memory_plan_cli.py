@@ -234,6 +234,44 @@ def test_meta_lora_is_the_adapter_the_run_trains(model_dir):
     )
 
 
+def test_4bit_base_and_dora_are_planned_and_an_uneven_split_is_refused(model_dir, tmp_path, capsys):
+    """QLoRA / QDoRA plans: the decoder linears in NF4 (the run's own quantisation on the meta model), so each
+    rank holds about a quarter of their bf16 bytes; the table and JSON say so. Exact bytes against real runs:
+    tests/distributed/test_memory_plan.py."""
+    pytest.importorskip("torchao")
+    recipe = _recipe(tmp_path, model_dir, use_peft=True, torch_dtype="bfloat16")
+    argv = ["--config", str(recipe), "--device", "cpu", "--world_size", "2"]
+    code, out, _ = _plan(capsys, *argv, "--load_in_4bit", "true", "--use_dora", "true")
+    assert code == 0, out
+    assert "QDoRA (NF4 base) r=16" in out and "decoder linears in NF4 (4-bit, each rank 1/2)" in out
+    plans = {
+        flag: json.loads(_plan(capsys, *argv, "--json", "--load_in_4bit", flag)[1])
+        for flag in ("false", "true")
+    }
+    lora, qlora = plans["false"], plans["true"]
+    assert qlora["settings"]["load_in_4bit"] and not lora["settings"]["load_in_4bit"]
+    assert qlora["trainable_params"] == lora["trainable_params"]  # the same adapter
+    config = plan_config(model_dir)
+    linear = sum(
+        m.weight.numel()
+        for m in build_meta_model(config, PlanSettings(load_dtype="bfloat16")).model.layers.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    saved = lora["ranks"][0]["params"] - qlora["ranks"][0]["params"]
+    # bf16 (2 bytes) -> NF4 (~0.52 bytes: codes, 8-bit scales, their factors, a table per weight), over 2 ranks.
+    assert 0.7 * linear < saved < 0.75 * linear, (saved, linear)
+    # The all-gathers move the 4-bit parts, not bf16 weights: every decoder layer's unit is smaller.
+    layer_units = [
+        (a["gathered_bytes"], b["gathered_bytes"])
+        for a, b in zip(lora["units"], qlora["units"], strict=True)
+        if ".layers." in a["name"]
+    ]
+    assert layer_units and all(q < 0.5 * b for b, q in layer_units)
+    code, _, err = _plan(capsys, "--config", str(recipe), "--device", "cpu", "--world_size", "3",
+                         "--load_in_4bit", "true")  # fmt: skip
+    assert code != 0 and "cannot be split evenly into NF4 shards over 3 ranks" in err, err
+
+
 def test_the_plans_lora_config_is_the_runs(model_dir):
     """One builder (hf_fsdp2/lora/build.py) for the run and the plan: the ``LoraConfig`` PEFT holds on the meta
     model equals the real run's, field by field, settings that leave the parameter layout alone included

@@ -144,3 +144,43 @@ def test_modules_to_save_stay_unquantised_and_odd_shapes_are_named() -> None:
         QuantizationError, match=r"q_proj.weight \(256, 256\) cannot be split evenly.*over 3 ranks"
     ):
         quantize_base(_tiny(), ("LlamaDecoderLayer",), shards=3)
+
+
+class _Mesh:
+    """What the NF4 all-gather hooks ask of FSDP2's mesh: the size of its shard group."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+
+    def get_group(self) -> _Mesh:
+        return self
+
+    def size(self) -> int:
+        return self.ranks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_unshard_hands_fsdp2_one_buffer_and_rebuilds_the_weight(dtype: torch.dtype) -> None:
+    """With one rank FSDP2 copies only the first all-gather input (no all-gather): the hooks pack the NF4 parts
+    into one byte buffer; the weight rebuilt on it dequantises to the original's values, also through the ``out=``
+    path of later unshards; with more ranks torchao's three inputs are unchanged."""
+    model = _tiny()
+    for layer in model.model.layers:
+        layer.to(dtype)
+    quantize_base(model, ("LlamaDecoderLayer",), shards=1)
+    weight = model.model.layers[0].self_attn.k_proj.weight  # 128 x 256: scales (512 int8) before fp32 factors
+    inputs, metadata = weight.fsdp_pre_all_gather(_Mesh(1))
+    assert len(inputs) == 1 and inputs[0].dtype == torch.uint8
+    parts = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor)
+    assert inputs[0].numel() == sum(p.numel() * p.element_size() for p in parts)
+    gathered = inputs[0].clone()  # what FSDP2's one-rank path copies into its unsharded buffer
+    rebuilt, buffers = weight.fsdp_post_all_gather((gathered,), metadata, dtype)
+    assert len(buffers) == 1 and buffers[0] is gathered  # the buffer FSDP2 frees after forward
+    assert torch.equal(rebuilt.get_original_weight(), weight.get_original_weight())
+    # A later unshard: FSDP2 refills the same buffer and passes the weight it built as ``out``.
+    gathered.zero_()
+    gathered.copy_(inputs[0])
+    assert weight.fsdp_post_all_gather((gathered,), metadata, dtype, out=rebuilt) is None
+    assert torch.equal(rebuilt.get_original_weight(), weight.get_original_weight())
+    # Two ranks: torchao's own hooks, three inputs.
+    assert len(weight.fsdp_pre_all_gather(_Mesh(2))[0]) == 3

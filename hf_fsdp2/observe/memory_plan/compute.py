@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_fsdp2.config.plans import ACPlan
+from hf_fsdp2.lora.quantize import is_nf4
 from hf_fsdp2.observe.memory_plan.meta_model import build_meta_model, check_plannable, layer_classes
-from hf_fsdp2.observe.memory_plan.saved import SavedBytes, SavedTensorMeter
+from hf_fsdp2.observe.memory_plan.saved import SavedBytes, SavedTensorMeter, param_storages, storages
 from hf_fsdp2.observe.memory_plan.settings import PlanError, PlanSettings
 
 if TYPE_CHECKING:
@@ -106,8 +107,9 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
+            if not isinstance(value, torch.Tensor):
+                continue
+            for storage in storages(value):
                 key = storage._cdata
                 if key not in self.exclude and key not in self.live:
                     self.live[key] = (StorageWeakRef(storage), storage.nbytes())
@@ -192,14 +194,14 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     except ValueError as err:
         raise PlanError(str(err)) from err
     compute = settings.compute_dtype
-    for param in model.parameters():
-        if compute is not None and param.dtype != compute:
+    for param in model.parameters():  # an NF4 weight stays NF4: its linear dequantises to the input's dtype
+        if compute is not None and param.dtype != compute and not is_nf4(param):
             param.data = param.data.to(compute)
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     chunk = settings.ce_chunk_tokens if _chunked_loss_possible(model) else 0
     loss_plan = LossPlan(chunk, logit_transform_for(model.config), router_aux_coef(model.config))
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    params = param_storages(model)
     layout = settings.layout(model_config)
     # Padding-free: the micro-batch is one row of all its tokens (so a dense mask is [1, 1, T, T] over all of them).
     shape = (

@@ -1,4 +1,5 @@
-"""The run's model on the meta device, from its config alone: LoRA applied by the run's own builder
+"""The run's model on the meta device, from its config alone: QLoRA's 4-bit base quantised by the run's own
+:func:`hf_fsdp2.lora.quantize.quantize_base` (NF4 tensors on meta), LoRA applied by the run's own builder
 (:mod:`hf_fsdp2.lora.build`), trainable parameters in the dtype FSDP2 keeps them in; the configs the planner
 refuses (mixtures of experts) and the decoder-layer classes the run shards by."""
 
@@ -31,7 +32,8 @@ def _wrap_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
 
 
 def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Module:
-    """The run's model on the meta device: built from its config, LoRA-wrapped when planned, trainable
+    """The run's model on the meta device: built from its config, its base in NF4 with ``load_in_4bit``,
+    LoRA-wrapped when planned, trainable
     parameters in the dtype FSDP2 keeps them in (fp32 masters under mixed precision, as Accelerate upcasts).
 
     Raises:
@@ -56,6 +58,16 @@ def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Modu
         ) from err
     model.config.use_cache = False
     model.train()
+    if settings.load_in_4bit and settings.lora is not None:  # QLoRA: the run's own quantisation, on meta
+        from hf_fsdp2.lora.quantize import QuantizationError, quantize_base
+
+        try:
+            quantize_base(
+                model, layer_classes(model, settings), shards=settings.shard_size,
+                skip=tuple(settings.lora.modules_to_save or ()), meta_ok=True,
+            )  # fmt: skip
+        except QuantizationError as err:
+            raise PlanError(str(err)) from err
     if settings.lora is not None:
         model = _wrap_lora(model, settings.lora)
     if settings.compute_dtype is not None:

@@ -10,10 +10,29 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from hf_fsdp2.observe.memory_plan.settings import PlanError
+
+
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold a tensor's data. A wrapper subclass (QLoRA's NF4 weight) owns none of its own (its
+    ``untyped_storage()`` is a placeholder of the dequantised size): its inner tensors' storages hold the bytes."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return storages(tensor.to_local())
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        parts = [getattr(tensor, name) for name in names]
+        return [s for part in parts if isinstance(part, torch.Tensor) for s in storages(part)]
+    return [tensor.untyped_storage()]
+
+
+def param_storages(model: torch.nn.Module) -> set[int]:
+    """Keys of the storages behind the model's parameters (NF4 weights: their parts)."""
+    return {s._cdata for p in model.parameters() for s in storages(p)}
 
 
 @dataclass(frozen=True)
@@ -97,12 +116,12 @@ class SavedTensorMeter:
         self._stack = ExitStack()
 
     def _record(self, tensor: torch.Tensor, place: str) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        entry = self._saved.get(key)
-        if entry is None or entry.ref.expired():
-            entry = self._saved[key] = _Saved(StorageWeakRef(storage), set())
-        entry.places.add(place)
+        for storage in storages(tensor):
+            key = storage._cdata
+            entry = self._saved.get(key)
+            if entry is None or entry.ref.expired():
+                entry = self._saved[key] = _Saved(StorageWeakRef(storage), set())
+            entry.places.add(place)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         place = "layer" if self._layers and self._place == "body" else self._place
@@ -143,7 +162,7 @@ class SavedTensorMeter:
             offload_layer_inputs: count what only the decoder layers' calls saved as host memory (the
                 prediction of ``offload`` from a ``full`` forward: save_on_cpu takes exactly those).
         """
-        params = {p.untyped_storage()._cdata for p in self.model.parameters()}
+        params = param_storages(self.model)
         body = loss = 0
         for key, entry in self._saved.items():
             if key in params or entry.ref.expired():

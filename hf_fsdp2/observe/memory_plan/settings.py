@@ -49,7 +49,8 @@ class PlanSettings:
         attn_implementation: ``attn_implementation``.
         packing: rows hold several documents (``packing``; continued pre-training's rows).
         padding_free: ``padding_free`` (None: decided as the run decides, :meth:`layout`).
-        lora: the LoRA settings when ``use_peft``.
+        lora: the LoRA settings when ``use_peft`` (DoRA with ``use_dora``).
+        load_in_4bit: ``load_in_4bit`` (QLoRA: the decoder layers' linear weights in NF4).
         layer_cls: ``fsdp_layer_cls_to_wrap`` (empty: the model's ``_no_split_modules``).
         gradient_accumulation_steps: micro-batches per step (with ``sync_each_microbatch`` false the unsharded
             gradients are kept between them).
@@ -73,6 +74,7 @@ class PlanSettings:
     packing: bool = False
     padding_free: bool | None = False
     lora: LoraSettings | None = None
+    load_in_4bit: bool = False
     layer_cls: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
     sync_each_microbatch: bool = True
@@ -99,6 +101,10 @@ class PlanSettings:
         if self.device_type == "cpu" and self.cpu_offload:
             problems.append(
                 "fsdp_cpu_offload=true needs a GPU run: on cpu the parameters are in host memory already"
+            )
+        if self.load_in_4bit and self.lora is None:
+            problems.append(
+                "load_in_4bit=true needs use_peft=true (QLoRA: LoRA adapters over the 4-bit base)"
             )
         if problems:
             raise PlanError("; ".join(problems))
@@ -154,8 +160,12 @@ class PlanSettings:
             f"{mesh}, micro-batch {self.micro_batch} x {self.seq_len} tokens, mixed_precision={self.mixed_precision}, "
             f"activation_checkpointing={ac}, {loss}, device {self.device_type}"
             + (", fsdp_cpu_offload" if self.cpu_offload else "")
-            + (f", LoRA r={self.lora.r}" if self.lora else "")
+            + (f", {self._adapter_name()} r={self.lora.r}" if self.lora else "")
         )
+
+    def _adapter_name(self) -> str:
+        name = "DoRA" if self.lora is not None and self.lora.use_dora else "LoRA"
+        return ("Q" + name + " (NF4 base)") if self.load_in_4bit else name
 
     @classmethod
     def from_config(
@@ -199,6 +209,7 @@ class PlanSettings:
             packing=packing,
             padding_free=padding_free,
             lora=cfg.peft.lora_settings() if cfg.peft.use_peft else None,
+            load_in_4bit=cfg.peft.load_in_4bit,
             layer_cls=tuple(f.fsdp_layer_cls_to_wrap),
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             sync_each_microbatch=f.fsdp_sync_each_microbatch,

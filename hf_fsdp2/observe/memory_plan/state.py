@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_fsdp2.dtypes import DTYPES
+from hf_fsdp2.lora.quantize import is_nf4, nf4_bytes, nf4_shard_bytes
 from hf_fsdp2.observe.memory_plan.meta_model import layer_classes
 from hf_fsdp2.observe.memory_plan.settings import MIB, PlanSettings
 
@@ -51,6 +52,9 @@ def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> di
     reduce = DTYPES[settings.reduce_dtype]
     out = {"params": 0, "grads": 0, "optimizer": 0, "grads_unsharded": 0}
     for param in model.parameters():  # each tied parameter once, as FSDP2 shards it once
+        if is_nf4(param):  # QLoRA's frozen 4-bit base: its parts split evenly by rows, no gradient
+            out["params"] += nf4_shard_bytes(param, settings.shard_size, index)
+            continue
         held, padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, index)
         row, size = _row_numel(param), param.element_size()
         out["params"] += padded * row * size
@@ -75,6 +79,19 @@ class Unit:
     reshard_after_forward: bool
 
 
+def _gathered_bytes(param: torch.Tensor, settings: PlanSettings) -> int:
+    """Bytes of one parameter unsharded by the all-gather: in the compute dtype (padded rows included); an NF4
+    weight gathers its 4-bit codes, scales and scale factors (torchao's all-gather hooks) and dequantises per use."""
+    if is_nf4(param):
+        return nf4_bytes(param)
+    compute = settings.compute_dtype
+    padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, 0)[1]
+    return (
+        padded * settings.shard_size * _row_numel(param)
+        * (compute.itemsize if compute is not None else param.element_size())
+    )  # fmt: skip
+
+
 def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
     """The FSDP2 units Accelerate's ``fsdp2_prepare_model`` makes: one per decoder layer, the input embedding
     (untied), the tail (final norm + output head, + the embedding when tied; kept gathered after forward)
@@ -83,7 +100,6 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
 
     from hf_fsdp2.parallel.activations import decoder_layers
 
-    compute = settings.compute_dtype
     seen: set[int] = set()
     units: list[Unit] = []
 
@@ -101,13 +117,7 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
                 name=name,
                 numel=sum(p.numel() for p in params),
                 trainable_numel=sum(p.numel() for p in params if p.requires_grad),
-                gathered_bytes=sum(
-                    shard_rows(p.shape[0] if p.dim() else 1, settings.shard_size, 0)[1]
-                    * settings.shard_size
-                    * _row_numel(p)
-                    * (compute.itemsize if compute is not None else p.element_size())
-                    for p in params
-                ),
+                gathered_bytes=sum(_gathered_bytes(p, settings) for p in params),
                 reshard_after_forward=reshard,
             )
         )

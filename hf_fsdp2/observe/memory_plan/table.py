@@ -76,6 +76,8 @@ class MemoryPlan:
                 "gradient_accumulation_steps": s.gradient_accumulation_steps,
                 "device": s.device_type,
                 "use_peft": s.lora is not None,
+                "use_dora": s.lora is not None and s.lora.use_dora,
+                "load_in_4bit": s.load_in_4bit,
                 "packing": s.packing,
                 "padding_free": None if self.layout is None else self.layout.padding_free,
                 "attention": None if self.layout is None else self.layout.kernel,
@@ -142,7 +144,13 @@ def format_plan(plan: MemoryPlan) -> str:
     compute = s.compute_dtype
     masters = "fp32 masters" if compute is not None else "in their dtype"
     notes = {
-        "params": f"{masters}; frozen in {s.load_dtype}" if s.lora else masters,
+        "params": (
+            f"{masters}; frozen: decoder linears in NF4 (4-bit, each rank 1/{s.shard_size}), the rest in {s.load_dtype}"
+            if s.load_in_4bit
+            else f"{masters}; frozen in {s.load_dtype}"
+            if s.lora
+            else masters
+        ),
         "grads": "unsharded kept between micro-batches too"
         if items["grads"] > plan.per_rank[rank]["grads"]
         else "",

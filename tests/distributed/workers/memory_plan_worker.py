@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
+from hf_fsdp2.config.plans import ACPlan, CompilePlan, LoraSettings, ShardingPlan
+from hf_fsdp2.lora.adapter import apply_lora
+from hf_fsdp2.lora.quantize import quantize_base
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.observe.memory_plan import SavedTensorMeter
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
@@ -27,13 +30,22 @@ from hf_fsdp2.train.optim import build_adamw, param_groups
 MODES = ("none", "full", "every_k", "selective", "offload")
 
 
+def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a tensor's data: its local shard; a tensor subclass (the NF4 weight) its parts."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if is_traceable_wrapper_subclass(local):
+        names, _ = local.__tensor_flatten__()
+        return [part for name in names for part in _plain(getattr(local, name))]
+    return [local]
+
+
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the unique storages behind ``tensors`` (DTensors: their local shards)."""
+    """Bytes of the unique storages behind ``tensors`` (DTensors: their local shards; NF4: its parts)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
+        for plain in _plain(t):
+            storage = plain.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -43,9 +55,17 @@ def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {"params": storage_bytes(params), "optimizer": storage_bytes(state)}
 
 
-def measure(acc, model_dir: str, mode: str, batch: int, seq: int, chunk: int, rank: int) -> dict[str, int]:
+def measure(
+    acc, model_dir: str, mode: str, batch: int, seq: int, chunk: int, rank: int, adapter: str = ""
+) -> dict[str, int]:
+    """``adapter``: "" (full fine-tuning), or LoRA r=8 as the run wraps it: "lora", "dora", "qlora" (the 4-bit base
+    as the run quantises it, then LoRA), "qdora"."""
     model = load_model(model_dir)
     layer_cls = decoder_layer_classes(model)
+    if adapter.startswith("q"):
+        quantize_base(model, layer_cls, shards=acc.num_processes)
+    if adapter:
+        model = apply_lora(model, LoraSettings(r=8, use_dora="dora" in adapter), seed=0)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     # offload is refused by build_accelerator on CPU (host memory already); prepare_fsdp2 applies it as asked.
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=False))
@@ -83,7 +103,8 @@ def empty_shard_probe() -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", required=True, help="name=folder:batch:seq:ce_chunk_tokens")
+    ap.add_argument("--models", nargs="*", default=[], help="name=folder:batch:seq:ce_chunk_tokens")
+    ap.add_argument("--adapters", nargs="*", default=[], help="name=folder:batch:seq:ce_chunk_tokens:adapter")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     acc = build_accelerator(
@@ -96,6 +117,13 @@ def main() -> None:
         folder, batch, seq, chunk = rest.rsplit(":", 3)
         report["models"][name] = {
             mode: measure(acc, folder, mode, int(batch), int(seq), int(chunk), rank) for mode in MODES
+        }
+    for spec in args.adapters:
+        name, rest = spec.split("=", 1)
+        folder, batch, seq, chunk, adapter = rest.rsplit(":", 4)
+        report["models"][name] = {
+            mode: measure(acc, folder, mode, int(batch), int(seq), int(chunk), rank, adapter)
+            for mode in MODES
         }
     report["probe"] = empty_shard_probe()
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
