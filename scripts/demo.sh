@@ -4,6 +4,9 @@
 # words. Prints the exact-match accuracy on 100 held-out dates before and after training.
 # `scripts/demo.sh --lora` trains a LoRA adapter instead (recipes/configs/demo_smollm2_lora.yaml) and
 # scores the merged model it exports to <run>/merged.
+# `scripts/demo.sh --qlora` trains the same adapter over a 4-bit (NF4) base sharded by FSDP2
+# (recipes/configs/demo_smollm2_qlora.yaml), scores the merged model (dequantised base + adapter) and prints
+# the 4-bit bytes each rank held and the run's peak memory.
 # `scripts/demo.sh --dpo` aligns the model with DPO on preference pairs of the same task (chosen: the exact
 # answer; rejected: a typical wrong one) and prints how often it prefers the right answer of 50 held-out
 # pairs before and after (recipes/configs/dpo_cpu_demo.yaml).
@@ -11,6 +14,8 @@ set -euo pipefail
 CONFIG=recipes/configs/demo_smollm2.yaml RUN=run SCORED=""
 if [[ "${1:-}" == "--lora" ]]; then
     CONFIG=recipes/configs/demo_smollm2_lora.yaml RUN=lora SCORED=/merged
+elif [[ "${1:-}" == "--qlora" ]]; then
+    CONFIG=recipes/configs/demo_smollm2_qlora.yaml RUN=qlora SCORED=/merged
 fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -48,7 +53,8 @@ echo "$before"
 echo "== fine-tuning with FSDP2 on 2 CPU processes (accelerate launch)"
 .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/sft.py \
     --config "$CONFIG" \
-    --model_name_or_path "$model" --dataset_name "$OUT/data/train.jsonl" --output_dir "$OUT/$RUN"
+    --model_name_or_path "$model" --dataset_name "$OUT/data/train.jsonl" --output_dir "$OUT/$RUN" \
+    2>&1 | tee "$OUT/$RUN.log"
 
 echo "== fine-tuned model $OUT/$RUN$SCORED: exact match on the same 100 dates"
 after=$($HF eval-task "$OUT/$RUN$SCORED" "$OUT/data/eval.jsonl" | tail -n 1)
@@ -59,3 +65,7 @@ before, after, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.a
 print(f"exact match before: {before['exact_match']:.0%}   after: {after['exact_match']:.0%}   "
       f"({before['n']} held-out dates, {seconds} s in all)")
 PY
+if [[ "$RUN" == qlora ]]; then
+    grep -o "4-bit base (NF4.*\|4-bit base on this rank after sharding.*" "$OUT/$RUN.log" | head -n 2
+    .venv/bin/python -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"peak memory {s['peak_memory_gib']:.2f} GiB ({s['peak_memory_kind']}, max over ranks), {s['wall_time_s']:.0f} s of training\")" "$OUT/$RUN/summary.json"
+fi

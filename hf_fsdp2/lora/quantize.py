@@ -218,6 +218,7 @@ def quantize_base(
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     report = QuantReport()
+    meta_templates: dict[tuple[Any, ...], torch.Tensor] = {}
     layers = [m for m in model.modules() if type(m).__name__ in layer_cls]
     if not layers:
         raise QuantizationError(f"no decoder layer of classes {list(layer_cls)} in {type(model).__name__}")
@@ -255,7 +256,13 @@ def quantize_base(
                 )
             if block != NF4_SCALER_BLOCK_SIZE:
                 report.small_scaler_blocks[name] = block
-            nf4: torch.Tensor = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, block)
+            if weight.device.type == "meta":  # no values: one NF4 tensor per shape (to_nf4 on meta costs ~30 ms)
+                key = (tuple(weight.shape), weight.dtype, block)
+                if key not in meta_templates:
+                    meta_templates[key] = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, block)
+                nf4: torch.Tensor = meta_templates[key].detach()
+            else:
+                nf4 = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, block)
             module.weight = torch.nn.Parameter(nf4, requires_grad=False)
             quantised.add(id(module.weight))
             report.weights += 1
