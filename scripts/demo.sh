@@ -67,5 +67,5 @@ print(f"exact match before: {before['exact_match']:.0%}   after: {after['exact_m
 PY
 if [[ "$RUN" == qlora ]]; then
     grep -o "4-bit base (NF4.*\|4-bit base on this rank after sharding.*" "$OUT/$RUN.log" | head -n 2
-    .venv/bin/python -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"peak memory {s['peak_memory_gib']:.2f} GiB ({s['peak_memory_kind']}, max over ranks), {s['wall_time_s']:.0f} s of training\")" "$OUT/$RUN/summary.json"
+    .venv/bin/python -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"peak memory {s['peak_memory_gib']:.2f} GiB ({s['peak_memory_kind']}, max over ranks), run wall time {s['wall_time_s']:.0f} s\")" "$OUT/$RUN/summary.json"
 fi

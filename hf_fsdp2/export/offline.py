@@ -68,7 +68,9 @@ def load_checkpoint_model(
     stored = {k[len("model.") :]: v for k, v in metadata.items() if k.startswith("model.")}
     model: Any = load_model(
         cfg["model_name_or_path"],
-        dtype="float32",
+        # A LoRA run's frozen base as the run loaded it (``wrap`` upcasts it for the fp32 export); full
+        # fine-tuning: fp32, every value comes from the checkpoint.
+        dtype=(cfg.get("torch_dtype") or "auto") if wrap is not None else "float32",
         attn_implementation=cfg.get("attn_implementation") or "auto",
         revision=cfg.get("model_revision"),
         trust_remote_code=bool(cfg.get("trust_remote_code")),

@@ -256,17 +256,20 @@ def quantize_base(
                 )
             if block != NF4_SCALER_BLOCK_SIZE:
                 report.small_scaler_blocks[name] = block
-            if weight.device.type == "meta":  # no values: one NF4 tensor per shape (to_nf4 on meta costs ~30 ms)
-                key = (tuple(weight.shape), weight.dtype, block)
+            source = weight.detach()
+            if (
+                weight.device.type == "meta"
+            ):  # no values: one NF4 tensor per shape (to_nf4 on meta costs ~30 ms)
+                key = (tuple(weight.shape), source.dtype, block)
                 if key not in meta_templates:
-                    meta_templates[key] = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, block)
+                    meta_templates[key] = to_nf4(source.contiguous(), NF4_BLOCK_SIZE, block)
                 nf4: torch.Tensor = meta_templates[key].detach()
             else:
-                nf4 = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, block)
+                nf4 = to_nf4(source.contiguous(), NF4_BLOCK_SIZE, block)
             module.weight = torch.nn.Parameter(nf4, requires_grad=False)
             quantised.add(id(module.weight))
             report.weights += 1
-            report.source_bytes += numel * weight.element_size()
+            report.source_bytes += numel * source.element_size()
             report.nf4_bytes += nf4_bytes(nf4)
     report.kept_bytes = sum(
         p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantised

@@ -65,10 +65,9 @@ if nf4:
         lookup = NF4Tensor.__dict__["dequantize"].__func__
         NF4Tensor.dequantize = lambda *a: a[0].get_original_weight() if len(a) == 1 else lookup(*a[-2:])
 def load(dtype, dequantised=False):
-    if not nf4:
-        base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, dtype))
-        return PeftModel.from_pretrained(base, request["adapter"])
-    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, request["nf4_dtype"]))
+    # The base as the run loaded it (an offline export of a bf16 run computes in fp32 from the bf16 values).
+    base_dtype = request["nf4_dtype"] if nf4 else request.get("base_dtype") or dtype
+    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, base_dtype))
     for name, block in nf4.items():
         linear = base.get_submodule(name)
         weight = to_nf4(linear.weight.detach().contiguous(), request["nf4_block"], block)
@@ -76,6 +75,7 @@ def load(dtype, dequantised=False):
             weight = weight.get_original_weight()
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     for param in base.parameters():  # the rest computes in the run's dtype; NF4 dequantises to it in F.linear
+        # (parameters only: a whole-model .to() would also round buffers computed at init, rotary frequencies)
         if type(param).__name__ != "NF4Tensor" and param.is_floating_point():
             param.data = param.data.to(getattr(torch, dtype))
     return PeftModel.from_pretrained(base, request["adapter"])
@@ -125,6 +125,7 @@ def verify_adapter(
     *,
     compute_dtype: torch.dtype,
     atol: float | None = None,
+    base_dtype: torch.dtype | None = None,
 ) -> VerifyReport:
     """Reload base + adapter with plain PEFT in a fresh process and check it against the live model.
 
@@ -141,6 +142,7 @@ def verify_adapter(
         adapter: the gathered adapter state dict that was written (PEFT's names, fp32).
         compute_dtype: dtype the live model computes in (the reload uses it too).
         atol: largest accepted probe difference; None = the default limit.
+        base_dtype: the dtype the live base was loaded in (then cast to ``compute_dtype``); None = compute_dtype.
 
     Returns:
         The report.
@@ -165,6 +167,7 @@ def verify_adapter(
             "base": str(base_model),
             "adapter": str(adapter_dir),
             "compute_dtype": report.reload_dtype,
+            "base_dtype": str(base_dtype).removeprefix("torch.") if base_dtype is not None else None,
             "reference_dtype": str(reference).removeprefix("torch.") if reference is not None else None,
             "ids": ids,
             "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
@@ -272,6 +275,7 @@ def export_lora(
     verify_atol: float | None = None,
     model_card: str | None = None,
     is_main_process: bool,
+    base_dtype: torch.dtype | None = None,
 ) -> LoraExport:
     """The end-of-training LoRA export: the adapter in ``out_dir`` and, with ``merge``, the merged model
     in ``out_dir/merged``. Each is written to a staging folder, verified, and only then published: a
@@ -292,6 +296,8 @@ def export_lora(
         verify_atol: largest probe-logit difference accepted; None = the default limit.
         model_card: README.md text for the adapter folder (PEFT's own card otherwise).
         is_main_process: whether this rank writes the small files.
+        base_dtype: the dtype the live model's frozen base was loaded in, when it computes in another one (an
+            offline export upcasts a bf16 run's base to fp32): the reload loads it so too. None: compute_dtype.
 
     Returns:
         The folders and their verification reports (None when not verified).
@@ -330,7 +336,13 @@ def export_lora(
         report = None
         if verify:
             report = verify_adapter(
-                model, stage, base_model, adapter, compute_dtype=compute_dtype, atol=verify_atol
+                model,
+                stage,
+                base_model,
+                adapter,
+                compute_dtype=compute_dtype,
+                atol=verify_atol,
+                base_dtype=base_dtype,
             )
             logger.info("adapter %s", report.summary())
         collectives.run_on_all(

@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from support.families import make_family_dir
-from support.launch import SFT, torchrun
+from support.launch import SFT, python, torchrun
 from support.reference import peft_reference_run
 from support.tiny import write_chat_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -291,6 +291,26 @@ def test_qlora_resume_gives_the_uninterrupted_losses_and_adapter(root: Path, run
     assert resumed[3] == full[3]
     a, b = load_file(out / "adapter_model.safetensors"), load_file(run / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offline_export_of_a_bf16_qlora_checkpoint_equals_the_runs_own_export(
+    root: Path, tmp_path: Path
+) -> None:
+    """``hf-fsdp2 export`` of a QLoRA run's last checkpoint (base loaded in bf16, bf16 compute): the export loads the
+    base in fp32 and must quantise it from bf16, as the run did (the codes and scales depend on the dtype), so that
+    the adapter and the merged model it writes equal the ones the run wrote at its end."""
+    run = tmp_path / "run"
+    args = recipe_args(root / "llama3_untied", root / "chat.jsonl", run, nf4=True, dora=False,
+                       extra=("--merge_adapter", "true", "--torch_dtype", "bfloat16", "--max_steps", "2"))  # fmt: skip
+    args[args.index("--mixed_precision") + 1] = "bf16"
+    torchrun(SFT, args, nproc=WORLD)
+    out = tmp_path / "offline"
+    python(Path(__file__).parents[2] / "hf_fsdp2" / "cli.py", ["export", str(run / "checkpoint-2"), str(out)])
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        live, offline = load_file(run / name), load_file(out / name)
+        assert sorted(live) == sorted(offline), name
+        for key, tensor in live.items():
+            torch.testing.assert_close(offline[key], tensor, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_a_fused_expert_moe_is_refused_before_any_step(root: Path, tmp_path: Path) -> None:
