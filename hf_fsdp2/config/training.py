@@ -369,28 +369,45 @@ class FSDPArgs:
         )
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge")
+PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge", "simpo", "orpo")
+REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")  # no reference model, no reference pass
 
 
 @dataclass
 class PreferenceArgs:
-    """Direct preference optimisation (recipes/dpo.py; TRL's key names). Other recipes ignore this section."""
+    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py; TRL's key names). Other recipes
+    ignore this section."""
 
     beta: float = field(
         default=0.1,
         metadata={
-            "help": "DPO beta: how far the policy may move from the reference (IPO: tau, target 1/(2 beta))."
+            "help": "DPO beta: how far the policy may move from the reference (IPO: tau, target 1/(2 beta); SimPO: "
+            "the reward scale; ORPO: lambda, the weight of the odds-ratio term)."
         },
     )
     loss_type: str = field(
         default="sigmoid",
-        metadata={"help": f"Preference loss: one of {', '.join(DPO_LOSS_TYPES)} (TRL's names)."},
+        metadata={
+            "help": f"Preference loss: one of {', '.join(PREFERENCE_LOSS_TYPES)} (TRL's names; simpo is TRL's "
+            "CPOTrainer loss_type, orpo its ORPOTrainer); simpo and orpo are reference-free."
+        },
     )
     label_smoothing: float = field(
         default=0.0,
         metadata={
             "help": "Probability that a pair's labels are flipped: conservative DPO (cDPO) with sigmoid, "
             "robust DPO with robust; in [0, 0.5)."
+        },
+    )
+    simpo_gamma: float = field(
+        default=0.5,
+        metadata={"help": "SimPO's target reward margin gamma (TRL's CPOConfig.simpo_gamma)."},
+    )
+    cpo_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "With loss_type simpo: weight of the chosen completions' NLL (0: SimPO as published; TRL's "
+            "CPOConfig defaults to 1.0, CPO-SimPO)."
         },
     )
     precompute_ref_log_probs: bool = field(
@@ -421,15 +438,26 @@ class PreferenceArgs:
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
         check(
-            self.loss_type in DPO_LOSS_TYPES,
-            f"loss_type={self.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}",
+            self.loss_type in PREFERENCE_LOSS_TYPES,
+            f"loss_type={self.loss_type!r} is not one of {', '.join(PREFERENCE_LOSS_TYPES)}",
         )
         check(self.beta > 0, f"beta={self.beta} must be > 0")
         check(0 <= self.label_smoothing < 0.5, f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         check(
-            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "robust"),
-            f"label_smoothing={self.label_smoothing} applies to loss_type sigmoid (cDPO) or robust, not "
+            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "robust", "simpo"),
+            f"label_smoothing={self.label_smoothing} applies to loss_type sigmoid (cDPO), robust or simpo, not "
             f"{self.loss_type!r}; set it to 0",
+        )
+        check(self.cpo_alpha >= 0, f"cpo_alpha={self.cpo_alpha} must be >= 0")
+        check(
+            self.cpo_alpha == 0 or self.loss_type == "simpo",
+            f"cpo_alpha={self.cpo_alpha} applies to loss_type simpo (CPO-SimPO), not {self.loss_type!r}; set it to 0",
+        )
+        reference = [k for k in ("precompute_ref_log_probs", "ref_model_name_or_path") if getattr(self, k)]
+        check(
+            self.loss_type not in REFERENCE_FREE_LOSS_TYPES or not reference,
+            f"loss_type={self.loss_type!r} is reference-free (no reference model, no reference pass): "
+            f"{', '.join(reference)} would do nothing; unset it, or use a DPO loss_type",
         )
         check(
             self.precompute_ref_batch_size is None or self.precompute_ref_batch_size >= 1,

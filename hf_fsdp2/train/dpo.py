@@ -1,68 +1,34 @@
-"""Direct preference optimisation: per-sequence log-probs of the completions, the preference losses, the
-reference (a frozen sharded copy, precomputed log-probs, or the LoRA base), and the DPO step.
+"""Preference optimisation: per-sequence log-probs of the completions, the reference (a frozen sharded copy,
+precomputed log-probs, or the LoRA base; none for the reference-free objectives), and the preference step. The
+objectives' formulas are :mod:`hf_fsdp2.train.preference_loss`.
 
 A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.preference.
 PreferenceCollator`), and goes through the policy in one forward. A row's log-prob is the SUM of the log-probs of
-its completion tokens (TRL's definition). With ``Δ = (π_c − ref_c) − (π_r − ref_r)``:
-
-* ``sigmoid``: ``−(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)`` (ε = ``label_smoothing``: conservative DPO; ε = 0 is DPO);
-* ``ipo``: ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²`` with the log-ratios per completion token (n = completion length);
-* ``robust``: ``[−(1−ε)·logσ(βΔ) + ε·logσ(−βΔ)] / (1−2ε)``;
-* ``hinge``: ``relu(1 − βΔ)``.
+its completion tokens (TRL's definition).
 
 The step's loss is the mean over every pair of every micro-batch of every rank: each micro-batch's summed pair
-losses are scaled by ``world / global pairs`` before backward (FSDP2 averages over ranks). Every rank runs the same
-forwards whatever its data: the reference forward (or table lookup) and the policy forward of each micro-batch.
+losses are scaled by ``world / global pairs`` before backward (FSDP2 averages over ranks); an objective with an NLL
+term (ORPO, SimPO with ``cpo_alpha``) adds the chosen completions' summed NLL scaled by ``world / global chosen
+tokens``. Every rank runs the same forwards whatever its data: the reference forward (or table lookup; none when
+reference-free, for every rank alike: the objective is the run's) and the policy forward of each micro-batch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.chunked_ce import accumulation_dtype, head_input_replaced
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.preference_loss import METRICS, DPOSettings, metric_sums, pair_losses
 from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
-
-# Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-
-
-@dataclass(frozen=True)
-class DPOSettings:
-    """How a DPO step runs (from the preference and train config sections).
-
-    Attributes:
-        loss: the run's loss plan: the model's logit post-processing is applied by the model itself; with
-            ``chunk_tokens > 0`` the head runs on the completion positions only (no logits for the prompts).
-        beta: DPO's beta (IPO's tau).
-        loss_type: sigmoid, ipo, robust or hinge.
-        label_smoothing: ε of cDPO (sigmoid) and robust DPO.
-        max_grad_norm: clip the global gradient norm (0 = measured only).
-        sync_each_microbatch: reduce-scatter after every micro-batch, or only after the last.
-    """
-
-    loss: LossPlan
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    max_grad_norm: float = 1.0
-    sync_each_microbatch: bool = True
 
 
 def completion_logps(
@@ -110,49 +76,6 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     """A collated micro-batch on ``device``, but for its labels: they stay on the host, where
     :func:`completion_logps` finds the completion positions without reading the device."""
     return {k: v if k == "labels" else v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def pair_losses(
-    policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, settings: DPOSettings
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per pair, the preference loss and the chosen / rejected rewards ``β·(π − ref)``.
-
-    Args:
-        policy: ``[2B]`` the policy's completion log-probs, chosen rows then rejected rows.
-        reference: ``[2B]`` the reference's, same layout (no gradient).
-        lengths: ``[2B]`` completion tokens per row (IPO's normalisation; at least 1).
-        settings: beta, loss type, label smoothing.
-
-    Returns:
-        ``(losses [B], chosen rewards [B], rejected rewards [B])``; the rewards are detached.
-    """
-    b = policy.size(0) // 2
-    ratios = policy - reference.to(policy.dtype)
-    chosen, rejected = ratios[:b], ratios[b:]
-    beta, eps = settings.beta, settings.label_smoothing
-    delta = chosen - rejected
-    if settings.loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-    elif settings.loss_type == "ipo":
-        n = lengths.to(policy.dtype).clamp(min=1)
-        losses = (chosen / n[:b] - rejected / n[b:] - 1 / (2 * beta)) ** 2
-    elif settings.loss_type == "robust":
-        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
-    elif settings.loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    else:
-        raise ValueError(f"loss_type={settings.loss_type!r} is not one of sigmoid, ipo, robust, hinge")
-    return losses, (beta * chosen).detach(), (beta * rejected).detach()
-
-
-def metric_sums(
-    policy: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
-) -> torch.Tensor:
-    """The :data:`METRICS` of a micro-batch summed over its pairs (fp64, ``[len(METRICS)]``)."""
-    b = policy.size(0) // 2
-    p = policy.detach().double()
-    c, r = chosen_rewards.double(), rejected_rewards.double()
-    return torch.stack([c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(), p[:b].sum(), p[b:].sum()])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,17 +206,20 @@ def precompute_reference(
 
 @dataclass
 class DPOStepOutput:
-    """What a DPO step did (tensors stay on the device until logged).
+    """What a preference step did (tensors stay on the device until logged).
 
     Attributes:
-        loss_sum: this rank's summed pair losses.
+        loss_sum: this rank's summed pair losses, plus (ORPO, SimPO with ``cpo_alpha``) its weighted chosen-token NLL
+            scaled by ``pairs / chosen_tokens``, so that ``loss_sum / pairs`` summed over ranks is the step's loss.
         pairs: pairs of the step over every rank and micro-batch (the loss's denominator).
-        sums: this rank's :data:`METRICS` sums.
+        sums: this rank's :data:`METRICS` sums, then the objective's extra metrics'.
         aux_sum: this rank's summed router loss (None without one).
         target_tokens: completion tokens of the step over every rank (the tokens that carry the loss).
         processed_tokens: tokens fed to the policy (padding included) over every rank.
         grad_norm: global gradient norm before clipping.
         lr: learning rate the step used.
+        chosen_tokens: chosen completion tokens of the step over every rank (the NLL's denominator).
+        extra_names: the objective's extra metrics (``nll_loss`` per chosen token, the others per pair).
     """
 
     loss_sum: torch.Tensor
@@ -304,6 +230,8 @@ class DPOStepOutput:
     processed_tokens: int
     grad_norm: torch.Tensor
     lr: float
+    chosen_tokens: int = 0
+    extra_names: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def loss_count(self) -> int:
@@ -311,61 +239,80 @@ class DPOStepOutput:
         return self.pairs
 
     def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        """Rewards, accuracy, margins and log-probs as means over the step's pairs, and the router loss
-        (collective: every rank calls it)."""
+        """Rewards, accuracy, margins and log-probs as means over the step's pairs, the objective's extras, and
+        the router loss (collective: every rank calls it)."""
         values = [self.sums.double()]
         if self.aux_sum is not None:
             values.append(self.aux_sum.detach().double().reshape(1))
         total = collectives.all_reduce_sum(torch.cat(values))
-        out = {name: float(total[i]) / max(self.pairs, 1) for i, name in enumerate(METRICS)}
+        names = (*METRICS, *self.extra_names)
+        out = {
+            name: float(total[i]) / max(self.chosen_tokens if name == "nll_loss" else self.pairs, 1)
+            for i, name in enumerate(names)
+        }
         if self.aux_sum is not None:
-            out["aux_loss"] = float(total[len(METRICS)]) / (micro_batches * collectives.world())
+            out["aux_loss"] = float(total[len(names)]) / (micro_batches * collectives.world())
         return out
 
 
 def dpo_forward_backward(
     model: torch.nn.Module,
     micro_batches: Sequence[dict[str, torch.Tensor]],
-    reference: Reference,
+    reference: Reference | None,
     settings: DPOSettings,
     device: torch.device,
     guard: NonFiniteGuard | None = None,
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None, int, int]:
-    """Forward and backward of one DPO step's micro-batches; gradients accumulate in the model.
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None, int, int, int]:
+    """Forward and backward of one preference step's micro-batches; gradients accumulate in the model.
 
     ``guard``: the previous step's non-finite flags are read with this step's counts, as in the SFT step.
+    ``reference``: None for a reference-free objective (``settings.reference_free``).
 
     Returns:
-        (summed pair losses, global pairs, metric sums, summed router loss or None, global completion
-        tokens, global processed tokens).
+        (summed loss as :class:`DPOStepOutput` defines it, global pairs, metric sums, summed router loss or None,
+        global completion tokens, global processed tokens, global chosen completion tokens).
     """
+    if (reference is None) is not settings.reference_free:
+        raise ValueError(
+            f"loss_type={settings.loss_type!r} " + ("takes no reference" if reference else "needs one")
+        )
     local = torch.tensor(
         [
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
+            sum(
+                int((b["labels"][: b["pair_index"].numel(), 1:] != IGNORE_INDEX).sum()) for b in micro_batches
+            ),
         ],
         dtype=torch.long,
         device=device,
     )
-    pairs, tokens, processed = read_step_counts(local, guard)  # the step's one host read
+    pairs, tokens, processed, chosen_tokens = read_step_counts(local, guard)  # the step's one host read
     scale = collectives.world() / pairs if pairs else 0.0
+    nll_scale = settings.nll_weight * collectives.world() / chosen_tokens if chosen_tokens else 0.0
     router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+    sums = torch.zeros(len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device)
     for i, batch in enumerate(micro_batches):
         choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
         batch = to_device(batch, device)
-        ref = reference.logps(batch)  # first, without gradient: the same forwards on every rank
+        # First, without gradient: the same forwards on every rank (none when reference-free, on every rank).
+        ref = reference.logps(batch) if reference is not None else None
         policy, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
         lengths = batch["completion_mask"].sum(dim=1)
-        losses, chosen, rejected = pair_losses(policy, ref, lengths, settings)
-        total = router.added(losses.sum() * scale, aux)
+        losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
+        objective = losses.sum() * scale
+        if nll_scale:
+            nll = -policy[: losses.numel()].sum()  # the chosen completions' summed NLL
+            objective = objective + nll * nll_scale
+            loss_sum += nll.detach().double() * (settings.nll_weight * pairs / chosen_tokens)
+        total = router.added(objective, aux)
         total.backward()
         loss_sum += losses.detach().double().sum()
-        sums += metric_sums(policy, chosen, rejected)
-        del total, policy, losses
-    return loss_sum, pairs, sums, router.sum, tokens, processed
+        sums += metric_sums(policy, lengths, chosen, rejected, extras, settings)
+        del total, objective, policy, losses
+    return loss_sum, pairs, sums, router.sum, tokens, processed, chosen_tokens
 
 
 def dpo_step(
@@ -373,21 +320,32 @@ def dpo_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     micro_batches: Sequence[dict[str, torch.Tensor]],
-    reference: Reference,
+    reference: Reference | None,
     settings: DPOSettings,
     device: torch.device,
 ) -> DPOStepOutput:
-    """One optimizer step of DPO over this rank's ``micro_batches`` (every rank calls it)."""
-    loss_sum, pairs, sums, aux_sum, tokens, processed = dpo_forward_backward(
+    """One optimizer step of the preference objective over this rank's ``micro_batches`` (every rank calls it)."""
+    loss_sum, pairs, sums, aux_sum, tokens, processed, chosen_tokens = dpo_forward_backward(
         model, micro_batches, reference, settings, device, guard_of(optimizer)
     )
     grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, pairs)
-    return DPOStepOutput(loss_sum, pairs, sums, aux_sum, tokens, processed, grad_norm, lr)
+    return DPOStepOutput(
+        loss_sum,
+        pairs,
+        sums,
+        aux_sum,
+        tokens,
+        processed,
+        grad_norm,
+        lr,
+        chosen_tokens,
+        settings.extra_metrics,
+    )
 
 
 def evaluate_preferences(
     model: torch.nn.Module,
-    reference: Reference,
+    reference: Reference | None,
     pairs: Sequence[Any],
     *,
     collator: Any,
@@ -395,22 +353,34 @@ def evaluate_preferences(
     settings: DPOSettings,
     device: torch.device,
 ) -> dict[str, float]:
-    """The DPO loss and metrics of every eval pair, each once (every rank calls it; the mode is restored).
+    """The preference loss and metrics of every eval pair, each once (every rank calls it; the mode is restored).
 
     Returns:
-        ``eval_loss``, ``eval_rewards/chosen`` ... (means over the eval pairs) and ``eval_pairs``.
+        ``eval_loss``, ``eval_rewards/chosen`` ... (means over the eval pairs; ``eval_nll_loss`` over their chosen
+        tokens) and ``eval_pairs``.
     """
-    sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
+    names = (*METRICS, *settings.extra_metrics)
+    sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=device)
     for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
-        ref = reference.logps(on_device)
+        ref = reference.logps(on_device) if reference is not None else None
         policy = _eval_logps(model, on_device, settings.loss)
-        losses, chosen, rejected = pair_losses(policy, ref, on_device["completion_mask"].sum(dim=1), settings)
+        lengths = on_device["completion_mask"].sum(dim=1)
+        losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         if real:
+            b = losses.numel()
             sums[0] += losses.double().sum()
-            sums[1] += losses.numel()
-            sums[2:] += metric_sums(policy, chosen, rejected)
+            sums[1] += b
+            sums[2] += lengths[:b].double().sum()  # chosen completion tokens
+            sums[3:] += metric_sums(policy, lengths, chosen, rejected, extras, settings)
     total = collectives.all_reduce_sum(sums)
-    n = max(float(total[1]), 1.0)
-    out = {"eval_loss": float(total[0]) / n, "eval_pairs": int(total[1])}
-    out.update({f"eval_{name}": float(total[2 + i]) / n for i, name in enumerate(METRICS)})
+    n, chosen_tokens = max(float(total[1]), 1.0), max(float(total[2]), 1.0)
+    values = {
+        name: float(total[3 + i]) / (chosen_tokens if name == "nll_loss" else n)
+        for i, name in enumerate(names)
+    }
+    out = {
+        "eval_loss": float(total[0]) / n + settings.nll_weight * values.get("nll_loss", 0.0),
+        "eval_pairs": int(total[1]),
+    }
+    out.update({f"eval_{name}": value for name, value in values.items()})
     return out

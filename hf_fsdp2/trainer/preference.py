@@ -1,4 +1,5 @@
-"""The DPO recipe's objective: the reference (built before any step or resume), the DPO step, its evaluator.
+"""The preference recipe's objective: the reference (built before any step or resume), the step, its evaluator.
+SimPO and ORPO (``loss_type``) are reference-free: none of the references below is built for them.
 
 The reference is, in order of precedence:
 
@@ -79,8 +80,11 @@ def _build_dpo(
     p, t = cfg.preference, cfg.train
     settings = DPOSettings(
         model.loss_plan, beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing,
-        max_grad_norm=t.max_grad_norm, sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
+        simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha, max_grad_norm=t.max_grad_norm,
+        sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
     )  # fmt: skip
+    if settings.reference_free:
+        return _reference_free(session, model, optimizer, scheduler, data, settings)
     if p.loss_type == "sigmoid" and p.label_smoothing > 0:
         logger.info(
             "loss: conservative DPO, label_smoothing=%g (TRL 1.16's sigmoid loss ignores label_smoothing)",
@@ -140,11 +144,38 @@ def _build_dpo(
     return step, evaluator
 
 
+def _reference_free(
+    session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData,
+    settings: DPOSettings,
+) -> tuple[StepFn, Any]:  # fmt: skip
+    """SimPO and ORPO: the policy alone, no reference model or pass (the same on every rank: the run's objective)."""
+    p = session.cfg.preference
+    if settings.loss_type == "simpo":
+        logger.info("loss: SimPO, beta %g, gamma %g%s, mean over the step's pairs (reference-free)", p.beta,
+                    p.simpo_gamma, f", + {p.cpo_alpha:g} x NLL of the chosen completions" if p.cpo_alpha else "")  # fmt: skip
+    else:
+        logger.info("loss: ORPO, NLL of the chosen completions (mean over their tokens) + %g x odds-ratio term (mean "
+                    "over the step's pairs); reference-free", p.beta)  # fmt: skip
+
+    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
+        return dpo_step(model.module, optimizer, scheduler, micro_batches, None, settings, session.device)
+
+    evaluator = None
+    if data.eval_set is not None:
+        t = session.cfg.train
+        evaluator = PreferenceEvaluator(
+            data.eval_set, None, collator=data.collator, settings=settings,
+            batch_size=session.cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
+            device=session.device,
+        )  # fmt: skip
+    return step, evaluator
+
+
 class PreferenceEvaluator:
     """DPO's evaluation: loss, rewards, accuracy and margins over every eval pair (every rank calls ``run``)."""
 
     def __init__(
-        self, pairs: Sequence[Any], reference: Reference, *, collator: Any, settings: DPOSettings, batch_size: int,
+        self, pairs: Sequence[Any], reference: Reference | None, *, collator: Any, settings: DPOSettings, batch_size: int,
         device: torch.device,
     ) -> None:  # fmt: skip
         self.pairs, self.reference, self.collator = pairs, reference, collator

@@ -274,6 +274,21 @@ def test_bad_types_in_yaml_name_key(tmp_path: Path) -> None:
         (("--weight_decay", "-0.1"), "weight_decay=-0.1"),
         (("--logging_steps", "0"), "logging_steps=0"),
         (("--num_train_epochs", "0"), "num_train_epochs=0.0"),
+        (("--loss_type", "kto"), "loss_type='kto' is not one of sigmoid, ipo, robust, hinge, simpo, orpo"),
+        (
+            ("--loss_type", "ipo", "--label_smoothing", "0.1"),
+            "applies to loss_type sigmoid (cDPO), robust or simpo",
+        ),
+        (("--cpo_alpha", "1.0"), "cpo_alpha=1.0 applies to loss_type simpo (CPO-SimPO), not 'sigmoid'"),
+        (("--loss_type", "simpo", "--cpo_alpha=-1"), "cpo_alpha=-1.0 must be >= 0"),
+        (
+            ("--loss_type", "orpo", "--precompute_ref_log_probs", "true"),
+            "loss_type='orpo' is reference-free (no reference model, no reference pass): precompute_ref_log_probs",
+        ),
+        (
+            ("--loss_type", "simpo", "--ref_model_name_or_path", "x"),
+            "ref_model_name_or_path would do nothing",
+        ),
     ],
 )
 def test_range_errors_name_key_and_value(args: tuple[str, ...], expected: str) -> None:
@@ -292,6 +307,8 @@ def test_range_errors_name_key_and_value(args: tuple[str, ...], expected: str) -
         ("--num_train_epochs", "0", "--max_steps", "5"),  # epochs unused when max_steps is set
         ("--max_grad_norm", "0"),
         ("--mixed_precision", "no"),
+        ("--loss_type", "simpo", "--label_smoothing", "0.1", "--cpo_alpha", "1.0", "--simpo_gamma", "0"),
+        ("--loss_type", "orpo", "--beta", "0.2"),
     ],
 )
 def test_range_boundaries_that_are_accepted(args: tuple[str, ...]) -> None:

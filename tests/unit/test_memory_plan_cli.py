@@ -403,3 +403,18 @@ def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path
         assert bool(warnings) == warns, (total, peak, warnings)
         if warns:
             assert "exceeds 90% of this GPU's" in warnings[0] and "--world_size 1" in warnings[0]
+
+
+def test_the_dpo_plan_names_the_reference_it_leaves_out_and_none_for_reference_free_objectives(
+    model_dir, tmp_path
+):
+    from hf_fsdp2.observe.memory_plan import recipe_notes
+
+    recipe = _recipe(tmp_path, model_dir)
+    notes = {
+        loss: recipe_notes(parse_config(["--config", str(recipe), "--loss_type", loss]), "dpo")
+        for loss in ("sigmoid", "simpo", "orpo")
+    }
+    assert len(notes["sigmoid"]) == 1 and "not planned: DPO's reference model" in notes["sigmoid"][0]
+    assert notes["simpo"] == notes["orpo"] == []  # the policy alone: nothing left out
+    assert recipe_notes(parse_config(["--config", str(recipe)]), "sft") == []

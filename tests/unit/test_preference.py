@@ -239,7 +239,7 @@ def test_pair_losses_match_the_papers_formulas(loss_type: str, eps: float) -> No
     reference = torch.tensor([-12.0, -19.0, -13.0, -21.0], dtype=torch.float64)
     lengths = torch.tensor([4, 5, 2, 3])
     beta = 0.5
-    losses, chosen, rejected = pair_losses(
+    losses, chosen, rejected, _ = pair_losses(
         policy,
         reference,
         lengths,
@@ -259,6 +259,49 @@ def test_pair_losses_match_the_papers_formulas(loss_type: str, eps: float) -> No
         assert float(chosen[i]) == pytest.approx(beta * float(dc)) and float(rejected[i]) == pytest.approx(
             beta * float(dr)
         )
+
+
+def _trl_self(**values: object) -> object:
+    """The attributes TRL's loss methods read from their trainer (CPU, no AlphaPO)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu")), alpha=0.0, **values)
+
+
+@pytest.mark.parametrize(
+    "loss_type, eps, gamma", [("simpo", 0.0, 0.5), ("simpo", 0.2, 1.0), ("orpo", 0.0, 0.0)]
+)
+def test_reference_free_losses_equal_trls_own_loss_functions(
+    loss_type: str, eps: float, gamma: float
+) -> None:
+    """SimPO and ORPO per pair against TRL 1.16's own ``CPOTrainer.cpo_loss`` (loss_type simpo) and
+    ``ORPOTrainer.odds_ratio_loss``, called on the same per-token mean log-probs; our rewards are TRL's, and ORPO's
+    logged log-odds too. Includes a chosen mean log-prob near 0 (log(1 - e^a) near its cancellation)."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    policy = torch.tensor(
+        [-10.0, -0.02, -3.0, -14.0, -18.0, -0.5], dtype=torch.float64
+    )  # chosen (3), rejected (3)
+    lengths = torch.tensor([4, 1, 2, 2, 3, 5])
+    beta = 0.25
+    settings = DPOSettings(LossPlan(), beta=beta, loss_type=loss_type, label_smoothing=eps, simpo_gamma=gamma)
+    losses, chosen, rejected, extras = pair_losses(policy, None, lengths, settings)
+    mean = policy / lengths.double()
+    if loss_type == "simpo":
+        trl_self = _trl_self(beta=beta, simpo_gamma=gamma, label_smoothing=eps, loss_type="simpo")
+        want, want_c, want_r = CPOTrainer.cpo_loss(trl_self, mean[:3], mean[3:])
+        torch.testing.assert_close(losses, want, rtol=1e-12, atol=0)
+    else:
+        trl_self = _trl_self(beta=beta)
+        terms, want_c, want_r, ratio, log_odds = ORPOTrainer.odds_ratio_loss(trl_self, mean[:3], mean[3:])
+        # TRL returns beta x logsigmoid(log_odds) and subtracts its mean; ours is the per-pair loss it subtracts.
+        # TRL computes in fp32 (it casts the log-probs to float).
+        torch.testing.assert_close(losses.float(), -terms, rtol=1e-6, atol=0)
+        assert float(extras["log_odds_ratio"].mean()) == pytest.approx(float(ratio), rel=1e-6)
+        assert float(extras["log_odds_chosen"].mean()) == pytest.approx(float(log_odds), rel=1e-6)
+    torch.testing.assert_close(chosen.to(want_c.dtype), want_c, rtol=1e-6, atol=0)
+    torch.testing.assert_close(rejected.to(want_r.dtype), want_r, rtol=1e-6, atol=0)
 
 
 def test_even_batches_give_every_rank_the_same_number_of_forwards_and_each_pair_once() -> None:

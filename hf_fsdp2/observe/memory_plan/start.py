@@ -67,10 +67,15 @@ def read_model_config(
 
 def recipe_notes(cfg: Config, recipe: str) -> list[str]:
     """What the plan of ``recipe`` leaves out, one line each (empty for SFT and CPT)."""
-    if recipe == "dpo" and not (cfg.preference.precompute_ref_log_probs or cfg.peft.use_peft):
+    from hf_fsdp2.config.training import REFERENCE_FREE_LOSS_TYPES
+
+    reference_free = cfg.preference.loss_type in REFERENCE_FREE_LOSS_TYPES  # SimPO, ORPO: the policy alone
+    if recipe == "dpo" and not (
+        cfg.preference.precompute_ref_log_probs or cfg.peft.use_peft or reference_free
+    ):
         return [
             "not planned: DPO's reference model (a frozen sharded copy of the policy, its gathered layers during "
-            "its forward); precompute_ref_log_probs: true or use_peft: true trains without one"
+            "its forward); precompute_ref_log_probs: true, use_peft: true or loss_type simpo / orpo trains without one"
         ]
     return []
 
