@@ -418,18 +418,10 @@ def _plain_qlora_dpo(model_dir: Path, pairs_file: Path, *, steps: int, lr: float
 def test_dpo_with_qlora_equals_the_one_process_loop_with_the_adapter_disabled_as_reference(
     root: Path, tmp_path: Path
 ) -> None:
-    import random
-
     from support.launch import REPO
-    from support.tiny import WORDS
+    from support.tiny import write_pairs_jsonl
 
-    rng = random.Random(1)
-    pairs = tmp_path / "pairs.jsonl"
-    with pairs.open("w") as f:
-        for _ in range(16):
-            q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
-            a, b = (" ".join(rng.choices(WORDS, k=rng.randint(1, 8))) for _ in range(2))
-            f.write(json.dumps({"prompt": q, "chosen": " " + a, "rejected": " " + b}) + "\n")
+    pairs = write_pairs_jsonl(tmp_path / "pairs.jsonl", 16, seed=1)
     model_dir, out, lr, beta = root / "llama3_untied", tmp_path / "dpo", 5e-2, 0.1
     args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(pairs), "--output_dir", str(out),
             "--max_steps", "2", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",

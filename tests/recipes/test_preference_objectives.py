@@ -7,7 +7,6 @@ with LoRA trains too (each objective runs with LoRA and QLoRA through the same m
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from support.families import make_family_dir
 from support.launch import REPO, torchrun
-from support.tiny import WORDS, make_tiny_llama_dir
+from support.tiny import make_tiny_llama_dir, write_pairs_jsonl
 
 from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.observe.logs import read_metrics
@@ -30,13 +29,7 @@ EXTRA = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odd
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("preference")
-    rng = random.Random(2)
-    pairs = root / "pairs.jsonl"
-    with pairs.open("w") as fh:
-        for _ in range(16):
-            q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
-            a, b = (" ".join(rng.choices(WORDS, k=rng.randint(1, 8))) for _ in range(2))
-            fh.write(json.dumps({"prompt": q, "chosen": " " + a, "rejected": " " + b}) + "\n")
+    pairs = write_pairs_jsonl(root / "pairs.jsonl", 16, seed=2)
     return {"model": make_tiny_llama_dir(root / "model", seed=5), "pairs": pairs}
 
 

@@ -73,6 +73,17 @@ def make_tiny_llama_dir(
     return path
 
 
+def write_pairs_jsonl(path: Path, n: int, *, seed: int = 0) -> Path:
+    """``n`` string preference pairs (``prompt``, ``chosen``, ``rejected``) of random lengths."""
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
+            a, b = (" ".join(rng.choices(WORDS, k=rng.randint(1, 8))) for _ in range(2))
+            fh.write(json.dumps({"prompt": q, "chosen": " " + a, "rejected": " " + b}) + "\n")
+    return path
+
+
 def write_chat_jsonl(path: Path, n: int, *, seed: int = 0, max_words: int = 12) -> Path:
     """``n`` chat records of random lengths (so micro-batches hold unequal numbers of target tokens)."""
     rng = random.Random(seed)
