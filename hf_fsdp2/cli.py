@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from hf_fsdp2.commands import demo, export, plan, plot, push, show_data, train
 from hf_fsdp2.commands.common import Subparsers, user_error
+from hf_fsdp2.noise import quiet_foreign_noise
 
 # The sub-command table, in help order.
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
@@ -70,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     # Results go to stdout (one line, easy to capture in scripts); progress goes to stderr.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    quiet_foreign_noise()
     try:
         return args.func(args)  # type: ignore[no-any-return]
     except (

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import CompilePlan, MeshPlan, ShardingPlan
 from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
+from hf_fsdp2.noise import quiet_foreign_noise
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
 
@@ -386,33 +387,6 @@ def describe_policy(policy: MixedPrecisionPolicy) -> str:
         f"params {name(policy.param_dtype)}, gradient reduction {name(policy.reduce_dtype)}, "
         f"outputs {name(policy.output_dtype)}"
     )
-
-
-# Messages of other packages that say nothing about the run, dropped on every rank: torchao (imported by
-# transformers' quantizer registry whenever it is installed, QLoRA's extra) registers Enum classes with torch's pytree,
-# which torch 2.13 calls deprecated, and fails to load its CUDA-build extensions (mxfp8, cutlass: kernels hf_fsdp2
-# does not use) on CPU or another Python; both repeat on every rank of every run.
-_FOREIGN_NOISE = {
-    "torch.utils._pytree": "is an Enum subclass and is now natively supported",
-    "torchao": "Failed to load ",
-}
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-def quiet_foreign_noise() -> None:
-    """Drop the messages of :data:`_FOREIGN_NOISE` (idempotent)."""
-    for name, text in _FOREIGN_NOISE.items():
-        logger_ = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessage) and f.text == text for f in logger_.filters):
-            logger_.addFilter(_DropMessage(text))
 
 
 def setup_logging(is_main_process: bool) -> None:

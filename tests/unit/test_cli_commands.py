@@ -38,3 +38,22 @@ def test_each_parser_runs_a_function_of_its_own_module():
         "train", "convert-smollm2", "demo-data", "eval-task", "eval-preference", "export", "merge-adapter",
         "push", "show-data", "plan", "plot",
     ]  # fmt: skip
+
+
+def test_torchaos_noise_is_dropped_by_every_command_and_other_warnings_kept(caplog) -> None:
+    """The three messages torchao's import logs on every rank (hf_fsdp2/noise.py) are dropped once the CLI (or a
+    run's logging) is set up; another warning of the same loggers still shows."""
+    import logging
+
+    from hf_fsdp2.noise import FOREIGN_NOISE, quiet_foreign_noise
+
+    quiet_foreign_noise()
+    quiet_foreign_noise()  # idempotent: one filter per logger
+    with caplog.at_level(logging.WARNING):
+        for name, text in FOREIGN_NOISE.items():
+            assert len(logging.getLogger(name).filters) >= 1
+            logging.getLogger(name).warning("Warning: %s, on systems without it", text)
+            logging.getLogger(name).warning("something else from %s", name)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any(text in m for m in messages for text in FOREIGN_NOISE.values()), messages
+    assert sum("something else" in m for m in messages) == len(FOREIGN_NOISE)
