@@ -8,7 +8,8 @@ its completion tokens (TRL's definition).
 
 The step's loss is the mean over every pair of every micro-batch of every rank: each micro-batch's summed pair
 losses are scaled by ``world / global pairs`` before backward (FSDP2 averages over ranks); an objective with an NLL
-term (ORPO, SimPO with ``cpo_alpha``) adds the chosen completions' summed NLL scaled by ``world / global chosen
+term (ORPO, SimPO with ``cpo_alpha``) adds the chosen rows' summed NLL (SimPO: their completions; ORPO: prompt and
+completion, :func:`nll_labels`) scaled by ``world / global NLL
 tokens``. Every rank runs the same forwards whatever its data: the reference forward (or table lookup; none when
 reference-free, for every rank alike: the objective is the run's) and the policy forward of each micro-batch.
 """
@@ -32,7 +33,12 @@ from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_updat
 
 
 def completion_logps(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, plan: LossPlan
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    plan: LossPlan,
+    *,
+    sequence_labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row, the summed log-prob of its completion tokens (``labels != -100``), and the router loss.
 
@@ -43,11 +49,15 @@ def completion_logps(
     The completion positions are found where ``labels`` are: pass the host labels (the steps do) and no device
     tensor is read back, the positions go to the device as integer indices.
 
+    ``sequence_labels`` (host, a superset of ``labels``' positions; ORPO's NLL over the chosen prompt + completion):
+    the head also runs on those positions, and the sums come back as ``[2, rows]``: over ``labels``' positions,
+    then over ``sequence_labels``'.
+
     Returns:
-        ``[rows]`` log-probs (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
+        ``[rows]`` (or ``[2, rows]``) log-probs (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
     """
     extra = {"output_router_logits": True} if plan.router_aux_coef else {}
-    targets = labels[:, 1:]
+    targets = (labels if sequence_labels is None else sequence_labels)[:, 1:]
     rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # row-major: the order of a boolean mask
     picked_targets = targets[rows, cols]
     if plan.chunk_tokens > 0:
@@ -67,9 +77,39 @@ def completion_logps(
     logits = logits.to(accumulation_dtype(logits.dtype))
     picked = logits.gather(-1, picked_targets.to(logits.device)[:, None]).squeeze(-1)
     per_token = picked - torch.logsumexp(logits, dim=-1)
+    aux = getattr(out, "aux_loss", None) if extra else None
     sums = torch.zeros(labels.size(0), dtype=per_token.dtype, device=per_token.device)
-    sums = sums.index_add(0, rows.to(per_token.device), per_token)
-    return sums, getattr(out, "aux_loss", None) if extra else None
+    device_rows = rows.to(per_token.device)
+    if sequence_labels is None:
+        return sums.index_add(0, device_rows, per_token), aux
+    completion = (labels[:, 1:][rows, cols] != IGNORE_INDEX).to(per_token.device)  # a host mask, sent once
+    in_completion = sums.index_add(0, device_rows, per_token * completion)
+    return torch.stack([in_completion, sums.index_add(0, device_rows, per_token)]), aux
+
+
+def nll_labels(batch: dict[str, torch.Tensor], settings: DPOSettings) -> torch.Tensor | None:
+    """The host labels of the NLL term when it covers more than the completions: ORPO's, over the chosen rows'
+    whole sequence (prompt and completion, as TRL's ORPOTrainer and the ORPO authors' code compute it), the
+    rejected rows' completions unchanged. None otherwise (the NLL is over the chosen completions)."""
+    if settings.loss_type != "orpo":
+        return None
+    labels = batch["labels"].clone()
+    b = labels.size(0) // 2
+    ids, attention = batch["input_ids"][:b].to(labels.device), batch["attention_mask"][:b].to(labels.device)
+    labels[:b] = ids.masked_fill(attention == 0, IGNORE_INDEX)
+    return labels
+
+
+def policy_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: DPOSettings, full: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The policy's summed completion log-probs ``[2B]``, the chosen rows' summed NLL (over ``full``'s positions
+    when given, :func:`nll_labels`; else over the completions), and the router loss."""
+    if full is None:
+        sums, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
+        return sums, -sums[: sums.size(0) // 2].sum(), aux
+    both, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss, sequence_labels=full)
+    return both[0], -both[1][: both.size(1) // 2].sum(), aux
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -255,6 +295,14 @@ class DPOStepOutput:
         return out
 
 
+def _chosen_nll_tokens(batch: dict[str, torch.Tensor], settings: DPOSettings) -> int:
+    """The tokens the NLL term of a micro-batch averages over (host count): the chosen completions', or ORPO's
+    chosen sequences' (:func:`nll_labels`)."""
+    full = nll_labels(batch, settings)
+    labels = full if full is not None else batch["labels"]
+    return int((labels[: batch["pair_index"].numel(), 1:] != IGNORE_INDEX).sum())
+
+
 def dpo_forward_backward(
     model: torch.nn.Module,
     micro_batches: Sequence[dict[str, torch.Tensor]],
@@ -281,9 +329,7 @@ def dpo_forward_backward(
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
-            sum(
-                int((b["labels"][: b["pair_index"].numel(), 1:] != IGNORE_INDEX).sum()) for b in micro_batches
-            ),
+            sum(_chosen_nll_tokens(b, settings) for b in micro_batches),
         ],
         dtype=torch.long,
         device=device,
@@ -299,19 +345,18 @@ def dpo_forward_backward(
         batch = to_device(batch, device)
         # First, without gradient: the same forwards on every rank (none when reference-free, on every rank).
         ref = reference.logps(batch) if reference is not None else None
-        policy, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
+        policy, nll, aux = policy_logps(model, batch, settings, nll_labels(batch, settings))
         lengths = batch["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         objective = losses.sum() * scale
         if nll_scale:
-            nll = -policy[: losses.numel()].sum()  # the chosen completions' summed NLL
             objective = objective + nll * nll_scale
             loss_sum += nll.detach().double() * (settings.nll_weight * pairs / chosen_tokens)
         total = router.added(objective, aux)
         total.backward()
         loss_sum += losses.detach().double().sum()
-        sums += metric_sums(policy, lengths, chosen, rejected, extras, settings)
-        del total, objective, policy, losses
+        sums += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
+        del total, objective, policy, losses, nll
     return loss_sum, pairs, sums, router.sum, tokens, processed, chosen_tokens
 
 
@@ -363,15 +408,20 @@ def evaluate_preferences(
     sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=device)
     for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         ref = reference.logps(on_device) if reference is not None else None
-        policy = _eval_logps(model, on_device, settings.loss)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                policy, nll, _ = policy_logps(model, on_device, settings, nll_labels(on_device, settings))
+        finally:
+            model.train(was_training)
         lengths = on_device["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         if real:
-            b = losses.numel()
             sums[0] += losses.double().sum()
-            sums[1] += b
-            sums[2] += lengths[:b].double().sum()  # chosen completion tokens
-            sums[3:] += metric_sums(policy, lengths, chosen, rejected, extras, settings)
+            sums[1] += losses.numel()
+            sums[2] += _chosen_nll_tokens(on_device, settings)
+            sums[3:] += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
     total = collectives.all_reduce_sum(sums)
     n, chosen_tokens = max(float(total[1]), 1.0), max(float(total[2]), 1.0)
     values = {

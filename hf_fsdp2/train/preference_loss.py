@@ -13,11 +13,12 @@ Reference-free, on the per-token means ``a = π/n`` (no reference model, no refe
 * ``simpo`` (SimPO; TRL's ``CPOTrainer(loss_type="simpo")``): ``z = β(a_c − a_r) − γ``,
   ``−(1−ε)·logσ(z) − ε·logσ(−z)``, plus ``cpo_alpha`` x the NLL of the chosen completions (0: SimPO as published;
   TRL's ``CPOConfig`` defaults it to 1, CPO-SimPO);
-* ``orpo`` (ORPO; TRL's ``ORPOTrainer``): the NLL of the chosen completions plus ``−β·logσ(log_odds)`` with
-  ``log_odds = (a_c − a_r) − (log(1 − e^{a_c}) − log(1 − e^{a_r}))`` (β is the paper's λ).
+* ``orpo`` (ORPO; TRL's ``ORPOTrainer``): the NLL of the chosen sequences (prompt and completion, as TRL and the
+  ORPO authors' code compute it) plus ``−β·logσ(log_odds)`` with ``log_odds = (a_c − a_r) − (log(1 − e^{a_c}) −
+  log(1 − e^{a_r}))`` on the completions (β is the paper's λ).
 
-The NLL is the mean over the step's chosen completion tokens (every rank's, every micro-batch's), the pair losses the
-mean over the step's pairs. Rewards are ``β(π − ref)`` with a reference, ``β·a`` without (as TRL logs them).
+The NLL is the mean over the step's tokens it covers (every rank's, every micro-batch's), the pair losses the mean
+over the step's pairs. Rewards are ``β(π − ref)`` with a reference, ``β·a`` without (as TRL logs them).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class DPOSettings:
 
     @property
     def nll_weight(self) -> float:
-        """Weight of the chosen completions' mean NLL in the step's loss (ORPO: 1; SimPO: ``cpo_alpha``)."""
+        """Weight of the chosen rows' mean NLL in the step's loss (ORPO: 1; SimPO: ``cpo_alpha``)."""
         return 1.0 if self.loss_type == "orpo" else self.cpo_alpha if self.loss_type == "simpo" else 0.0
 
     @property
@@ -142,12 +143,13 @@ def metric_sums(
     rejected_rewards: torch.Tensor,
     extras: dict[str, torch.Tensor],
     settings: DPOSettings,
+    nll: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The :data:`METRICS` and the objective's extra metrics of a micro-batch, summed (fp64).
 
     ``logps/*`` are the summed completion log-probs, or their per-token means when reference-free (as TRL's CPO
     and ORPO trainers log them); ``nll_loss`` is summed over the chosen completion tokens (divided by their step
-    count when logged), the log-odds over pairs.
+    count when logged; ``nll``: the chosen rows' summed NLL, default their completions'), the log-odds over pairs.
     """
     b = policy.size(0) // 2
     p = policy.detach().double()
@@ -157,7 +159,7 @@ def metric_sums(
     values = [c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(), p[:b].sum(), p[b:].sum()]
     for name in settings.extra_metrics:
         if name == "nll_loss":
-            values.append(-policy[:b].detach().double().sum())
+            values.append((nll if nll is not None else -policy[:b].sum()).detach().double())
         else:
             values.append(extras[name].double().sum())
     return torch.stack(values)

@@ -154,7 +154,7 @@ def _reference_free(
         logger.info("loss: SimPO, beta %g, gamma %g%s, mean over the step's pairs (reference-free)", p.beta,
                     p.simpo_gamma, f", + {p.cpo_alpha:g} x NLL of the chosen completions" if p.cpo_alpha else "")  # fmt: skip
     else:
-        logger.info("loss: ORPO, NLL of the chosen completions (mean over their tokens) + %g x odds-ratio term (mean "
+        logger.info("loss: ORPO, NLL of the chosen sequences, prompt and completion (mean over their tokens) + %g x odds-ratio term (mean "
                     "over the step's pairs); reference-free", p.beta)  # fmt: skip
 
     def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:

@@ -1,7 +1,8 @@
 """The reference-free preference objectives of the DPO recipe, SimPO and ORPO (``loss_type``), end to end on 2 gloo
 ranks: every step's loss and logged metrics equal a plain one-process loop written from the papers' formulas
-(plain transformers forward, torch AdamW, clipping) on the same pairs, each rank with its own pairs; no reference is
-built. Per pair, the formulas equal TRL's own loss functions (tests/unit/test_preference.py). ORPO over a 4-bit base
+(plain transformers forward, torch AdamW, clipping) on the same pairs, each rank with its own pairs, and that loop
+equals TRL 1.16's own trainers on the same data (``trl.experimental``: CPOTrainer with loss_type simpo,
+ORPOTrainer); no reference is built. Per pair, the formulas equal TRL's own loss functions (tests/unit/test_preference.py). ORPO over a 4-bit base
 with LoRA trains too (each objective runs with LoRA and QLoRA through the same model builder)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.families import make_family_dir
-from support.launch import REPO, torchrun
+from support.launch import REPO, python, torchrun
 from support.tiny import make_tiny_llama_dir, write_pairs_jsonl
 
 from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
@@ -44,8 +45,9 @@ def _run(model: Path, data: Path, out: Path, loss_type: str, *extra: str):  # ty
 
 def _plain_loop(assets: dict[str, Path], loss_type: str, cpo_alpha: float) -> list[dict[str, float]]:
     """The papers' formulas by hand on the global step (4 pairs: ranks x micro-batches x 1): per-token mean
-    log-probs; SimPO ``-logsigmoid(beta (a_c - a_r) - gamma)`` + cpo_alpha x NLL; ORPO NLL +
-    ``-beta logsigmoid(log odds)``; the NLL is the mean over the step's chosen completion tokens."""
+    log-probs; SimPO ``-logsigmoid(beta (a_c - a_r) - gamma)`` + cpo_alpha x the NLL of the chosen completions;
+    ORPO the NLL of the chosen sequences + ``-beta logsigmoid(log odds)``; an NLL is the mean over the step's tokens
+    it covers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
@@ -63,7 +65,12 @@ def _plain_loop(assets: dict[str, Path], loss_type: str, cpo_alpha: float) -> li
         sums, n = (per_token * mask).sum(1), mask.sum(1)
         mean = sums / n
         c, r = mean[:4], mean[4:]
-        nll = -sums[:4].sum() / n[:4].sum()
+        nll = -sums[:4].sum() / n[:4].sum()  # SimPO (CPO): the chosen completions
+        if (
+            loss_type == "orpo"
+        ):  # ORPO: the chosen sequences, prompt and completion (TRL, the ORPO authors' code)
+            real = batch["attention_mask"][:4, 1:].float()
+            nll = -(per_token[:4] * real).sum() / real.sum()
         if loss_type == "simpo":
             pair = -F.logsigmoid(BETA * (c - r) - GAMMA)
             loss = pair.mean() + cpo_alpha * nll
@@ -86,24 +93,37 @@ def _plain_loop(assets: dict[str, Path], loss_type: str, cpo_alpha: float) -> li
     return rows
 
 
+def _differences(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> list[tuple]:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    return [(r["step"], k, r.get(k), w[k]) for r, w in zip(got, want, strict=True) for k in keys
+            if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5]  # fmt: skip
+
+
 @pytest.mark.parametrize("loss_type, cpo_alpha", [("simpo", 0.5), ("orpo", 0.0)])
-def test_two_ranks_equal_the_papers_formulas_step_by_step(
+def test_two_ranks_equal_the_papers_formulas_and_trls_trainer_step_by_step(
     assets, tmp_path: Path, loss_type: str, cpo_alpha: float
-):
+) -> None:
+    """Ours on 2 ranks with accumulation (1 pair x 2 micro-batches x 2 ranks a step) = the plain loop (4 pairs in
+    one batch) = TRL's own trainer on one process (``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer``, batch 4,
+    one micro-batch: there TRL's per-micro-batch means are the step's)."""
     extra = ("--simpo_gamma", str(GAMMA), "--cpo_alpha", str(cpo_alpha)) if loss_type == "simpo" else ()
     proc = _run(assets["model"], assets["pairs"], tmp_path / "run", loss_type, *extra)
     log = proc.stdout + proc.stderr
     assert "reference-free" in log and "DPO reference" not in log, log[-3000:]
     got = read_metrics(tmp_path / "run" / "metrics.jsonl")
     want = _plain_loop(assets, loss_type, cpo_alpha)
-    assert [r["step"] for r in got] == [r["step"] for r in want]
     keys = COMMON + EXTRA[loss_type]
-    bad = [(r["step"], k, r.get(k), w[k]) for r, w in zip(got, want, strict=True) for k in keys
-           if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5]  # fmt: skip
-    assert not bad, bad
+    assert not _differences(got, want, keys), _differences(got, want, keys)
     assert (
         abs(got[-1]["rewards/margins"] - got[0]["rewards/margins"]) > 1e-3
     )  # the policy moved: the check has teeth
+    trl = tmp_path / "trl.json"
+    python(REPO / "tests" / "support" / "trl_reference_free.py",
+           [str(assets["model"]), str(assets["pairs"]), str(trl), "--objective", loss_type, "--batch", "4",
+            "--steps", str(STEPS), "--lr", str(LR), "--beta", str(BETA), "--simpo_gamma", str(GAMMA),
+            "--cpo_alpha", str(cpo_alpha)])  # fmt: skip
+    theirs = json.loads(trl.read_text())
+    assert not _differences(theirs, want, keys), _differences(theirs, want, keys)
 
 
 def test_orpo_with_qlora_trains_the_adapter_over_the_sharded_4bit_base(assets, tmp_path: Path) -> None:

@@ -1,0 +1,67 @@
+"""Run TRL's ``ORPOTrainer`` or ``CPOTrainer(loss_type="simpo")`` (``trl.experimental``) deterministically (fp32,
+dataset order, constant LR, a log line per step) and write its per-step metrics as JSON: the reference the SimPO /
+ORPO parity test compares against.
+
+    python tests/support/trl_reference_free.py MODEL DATA.jsonl OUT.json --objective orpo --batch 4 --steps 3 \
+        --lr 1e-2 --beta 0.5 [--simpo_gamma 0.3 --cpo_alpha 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("data")
+    parser.add_argument("out")
+    parser.add_argument("--objective", choices=["orpo", "simpo"], required=True)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--simpo_gamma", type=float, default=0.5)
+    parser.add_argument("--cpo_alpha", type=float, default=0.0)
+    parser.add_argument("--max_length", type=int, default=64)
+    args = parser.parse_args()
+
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
+    data = datasets.load_dataset("json", data_files=args.data, split="train")
+    common = dict(
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, beta=args.beta,
+        max_length=args.max_length, disable_dropout=True, report_to="none", save_strategy="no", seed=0,
+        dataloader_num_workers=0, train_sampling_strategy="sequential", remove_unused_columns=False,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.objective == "orpo":
+            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+            config = ORPOConfig(output_dir=tmp, **common)
+            trainer = ORPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+        else:
+            from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+            config = CPOConfig(output_dir=tmp, loss_type="simpo", simpo_gamma=args.simpo_gamma,
+                               cpo_alpha=args.cpo_alpha, **common)  # fmt: skip
+            trainer = CPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        history = [row for row in trainer.state.log_history if "loss" in row and "step" in row]
+    with open(args.out, "w") as fh:
+        json.dump(history, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
