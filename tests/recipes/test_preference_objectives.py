@@ -118,7 +118,7 @@ def test_two_ranks_equal_the_papers_formulas_and_trls_trainer_step_by_step(
         abs(got[-1]["rewards/margins"] - got[0]["rewards/margins"]) > 1e-3
     )  # the policy moved: the check has teeth
     trl = tmp_path / "trl.json"
-    python(REPO / "tests" / "support" / "trl_reference_free.py",
+    python(REPO / "tests" / "support" / "trl_dpo.py",
            [str(assets["model"]), str(assets["pairs"]), str(trl), "--objective", loss_type, "--batch", "4",
             "--steps", str(STEPS), "--lr", str(LR), "--beta", str(BETA), "--simpo_gamma", str(GAMMA),
             "--cpo_alpha", str(cpo_alpha)])  # fmt: skip

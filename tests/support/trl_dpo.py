@@ -1,8 +1,11 @@
-"""Run TRL's ``DPOTrainer`` deterministically (fp32, dataset order, constant LR, a log line per step) and write
-its per-step metrics as JSON: the reference the DPO recipe's parity test compares against.
+"""Run TRL's ``DPOTrainer``, or its ``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer`` (``trl.experimental``),
+deterministically (fp32, dataset order, constant LR, a log line per step) and write its per-step metrics as JSON: the
+reference the DPO recipe's parity tests compare against.
 
     python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --batch 2 --accum 2 --steps 3 --lr 1e-2 \
         --beta 0.1 --loss_type sigmoid [--precompute]
+    python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective orpo --batch 4 --beta 0.5
+    python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective simpo --simpo_gamma 0.3 --cpo_alpha 0.5
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("data")
     parser.add_argument("out")
+    parser.add_argument("--objective", choices=["dpo", "simpo", "orpo"], default="dpo")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -28,28 +32,50 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--loss_type", default="sigmoid")
     parser.add_argument("--label_smoothing", type=float, default=0.0)
+    parser.add_argument("--simpo_gamma", type=float, default=0.5)
+    parser.add_argument("--cpo_alpha", type=float, default=0.0)
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--precompute", action="store_true")
     args = parser.parse_args()
 
     import datasets
-    from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = datasets.load_dataset("json", data_files=args.data, split="train")
+    common = dict(
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, train_sampling_strategy="sequential",
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum, max_steps=args.steps,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        logging_steps=1, beta=args.beta, max_length=args.max_length, disable_dropout=True, report_to="none",
+        save_strategy="no", seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        config = DPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            train_sampling_strategy="sequential", per_device_train_batch_size=args.batch,
-            gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=args.lr,
-            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
-            beta=args.beta, loss_type=[args.loss_type], label_smoothing=args.label_smoothing,
-            max_length=args.max_length, precompute_ref_log_probs=args.precompute, disable_dropout=True,
-            report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
-        )  # fmt: skip
-        # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
-        trainer = DPOTrainer(model=args.model, args=config, train_dataset=data, processing_class=tokenizer)
+        if args.objective == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            config = DPOConfig(output_dir=tmp, loss_type=[args.loss_type], label_smoothing=args.label_smoothing,
+                               precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
+            # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
+            trainer = DPOTrainer(
+                model=args.model, args=config, train_dataset=data, processing_class=tokenizer
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
+            if args.objective == "orpo":
+                from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+                config = ORPOConfig(output_dir=tmp, remove_unused_columns=False, **common)
+                trainer = ORPOTrainer(
+                    model=model, args=config, train_dataset=data, processing_class=tokenizer
+                )
+            else:
+                from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+                config = CPOConfig(output_dir=tmp, remove_unused_columns=False, loss_type="simpo",
+                                   simpo_gamma=args.simpo_gamma, cpo_alpha=args.cpo_alpha,
+                                   label_smoothing=args.label_smoothing, **common)  # fmt: skip
+                trainer = CPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         trainer.train()
         history = [row for row in trainer.state.log_history if "loss" in row and "step" in row]
     with open(args.out, "w") as fh:
