@@ -90,7 +90,8 @@ def completion_logps(
 def nll_labels(batch: dict[str, torch.Tensor], settings: DPOSettings) -> torch.Tensor | None:
     """The host labels of the NLL term when it covers more than the completions: ORPO's, over the chosen rows'
     whole sequence (prompt and completion, as TRL's ORPOTrainer and the ORPO authors' code compute it), the
-    rejected rows' completions unchanged. None otherwise (the NLL is over the chosen completions)."""
+    rejected rows' completions unchanged. None otherwise (the NLL is over the chosen completions). Give it the host
+    batch (the step does): from a device batch it reads the ids back (the evaluation does, once per eval batch)."""
     if settings.loss_type != "orpo":
         return None
     labels = batch["labels"].clone()
@@ -342,10 +343,11 @@ def dpo_forward_backward(
     sums = torch.zeros(len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device)
     for i, batch in enumerate(micro_batches):
         choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
+        full = nll_labels(batch, settings)  # from the host batch: no read back from the device
         batch = to_device(batch, device)
         # First, without gradient: the same forwards on every rank (none when reference-free, on every rank).
         ref = reference.logps(batch) if reference is not None else None
-        policy, nll, aux = policy_logps(model, batch, settings, nll_labels(batch, settings))
+        policy, nll, aux = policy_logps(model, batch, settings, full)
         lengths = batch["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         objective = losses.sum() * scale
