@@ -17,7 +17,8 @@ reference-free, for every rank alike: the objective is the run's) and the policy
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -136,15 +137,22 @@ def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def _eval_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: LossPlan) -> torch.Tensor:
-    """Completion log-probs in eval mode (no dropout), without gradient; the mode is restored."""
+@contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no gradient inside; the mode is restored."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logps, _ = completion_logps(model, _inputs(batch), batch["labels"], plan)
+            yield
     finally:
         model.train(was_training)
+
+
+def _eval_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: LossPlan) -> torch.Tensor:
+    """Completion log-probs in eval mode (no dropout), without gradient; the mode is restored."""
+    with _evaluating(model):
+        logps, _ = completion_logps(model, _inputs(batch), batch["labels"], plan)
     return logps
 
 
@@ -296,10 +304,9 @@ class DPOStepOutput:
         return out
 
 
-def _chosen_nll_tokens(batch: dict[str, torch.Tensor], settings: DPOSettings) -> int:
-    """The tokens the NLL term of a micro-batch averages over (host count): the chosen completions', or ORPO's
-    chosen sequences' (:func:`nll_labels`)."""
-    full = nll_labels(batch, settings)
+def _nll_tokens(batch: dict[str, torch.Tensor], full: torch.Tensor | None) -> int:
+    """The tokens the NLL term of a micro-batch averages over (host count): the chosen completions', or those of
+    ``full`` (:func:`nll_labels`: ORPO's chosen sequences)."""
     labels = full if full is not None else batch["labels"]
     return int((labels[: batch["pair_index"].numel(), 1:] != IGNORE_INDEX).sum())
 
@@ -325,12 +332,15 @@ def dpo_forward_backward(
         raise ValueError(
             f"loss_type={settings.loss_type!r} " + ("takes no reference" if reference else "needs one")
         )
+    fulls = [
+        nll_labels(b, settings) for b in micro_batches
+    ]  # from the host batches: no read back from the device
     local = torch.tensor(
         [
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
-            sum(_chosen_nll_tokens(b, settings) for b in micro_batches),
+            sum(_nll_tokens(b, full) for b, full in zip(micro_batches, fulls, strict=True)),
         ],
         dtype=torch.long,
         device=device,
@@ -341,9 +351,8 @@ def dpo_forward_backward(
     router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
+    for i, (batch, full) in enumerate(zip(micro_batches, fulls, strict=True)):
         choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
-        full = nll_labels(batch, settings)  # from the host batch: no read back from the device
         batch = to_device(batch, device)
         # First, without gradient: the same forwards on every rank (none when reference-free, on every rank).
         ref = reference.logps(batch) if reference is not None else None
@@ -410,19 +419,15 @@ def evaluate_preferences(
     sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=device)
     for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         ref = reference.logps(on_device) if reference is not None else None
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                policy, nll, _ = policy_logps(model, on_device, settings, nll_labels(on_device, settings))
-        finally:
-            model.train(was_training)
+        full = nll_labels(on_device, settings)
+        with _evaluating(model):
+            policy, nll, _ = policy_logps(model, on_device, settings, full)
         lengths = on_device["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         if real:
             sums[0] += losses.double().sum()
             sums[1] += losses.numel()
-            sums[2] += _chosen_nll_tokens(on_device, settings)
+            sums[2] += _nll_tokens(on_device, full)
             sums[3:] += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
     total = collectives.all_reduce_sum(sums)
     n, chosen_tokens = max(float(total[1]), 1.0), max(float(total[2]), 1.0)
