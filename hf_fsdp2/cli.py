@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from hf_fsdp2.commands import demo, export, plan, plot, push, show_data, train
 from hf_fsdp2.commands.common import Subparsers, user_error
+from hf_fsdp2.launch import RECIPES
 from hf_fsdp2.noise import quiet_foreign_noise
 
 # The sub-command table, in help order.
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) > 1 and argv[0] == "train" and argv[1] in ("sft", "cpt", "dpo"):
+    if len(argv) > 1 and argv[0] == "train" and argv[1] in RECIPES:
         argv = ["train", "--recipe", argv[1], *argv[2:]]
     args, extra = parser.parse_known_args(argv)
     if extra:

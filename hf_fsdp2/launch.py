@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-RECIPES = ("sft", "cpt", "dpo")
+RECIPES = ("sft", "cpt", "dpo", "kto")
 CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU configs are tuned for)
 
 

@@ -28,7 +28,7 @@ from hf_fsdp2.trainer.preference import dpo_objective
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
-    run(cfg, build_dpo_data, recipe="dpo", objective=dpo_objective(cfg.preference.disable_dropout))
+    run(cfg, build_dpo_data, recipe="dpo", objective=dpo_objective(cfg))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from hf_fsdp2.commands.common import Subparsers, recipe_argv, user_error
+from hf_fsdp2.launch import RECIPES
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -119,9 +120,9 @@ def register_plan(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--recipe",
-        choices=["sft", "cpt", "dpo"],
+        choices=list(RECIPES),
         default="sft",
-        help="the recipe the config is for: dpo runs 2 rows per pair (default: sft)",
+        help="the recipe the config is for: dpo runs 2 rows per pair; kto 1 with gradient (default: sft)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).

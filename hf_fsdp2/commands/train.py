@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from hf_fsdp2.commands.common import Subparsers, user_error
+from hf_fsdp2.launch import RECIPES
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -36,7 +37,7 @@ def register_train(subparsers: Subparsers) -> None:
         ),
     )
     # `hf-fsdp2 train dpo --config ...` (as `trl dpo`): main() turns a leading recipe name into --recipe.
-    p.add_argument("--recipe", default="sft", choices=["sft", "cpt", "dpo"], help="the recipe (default sft)")
+    p.add_argument("--recipe", default="sft", choices=list(RECIPES), help="the recipe (default sft)")
     p.add_argument("--config", default=None, help="the recipe YAML")
     p.add_argument(
         "--config_file", default=None, help="an accelerate config file (default: the packaged one)"

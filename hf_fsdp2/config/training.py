@@ -371,12 +371,13 @@ class FSDPArgs:
 
 PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")  # no reference model, no reference pass
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # recipes/kto.py, unpaired data
 
 
 @dataclass
 class PreferenceArgs:
-    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py; TRL's key names). Other recipes
-    ignore this section."""
+    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py), KTO (recipes/kto.py); TRL's key
+    names. Other recipes ignore this section."""
 
     beta: float = field(
         default=0.1,
@@ -389,7 +390,8 @@ class PreferenceArgs:
         default="sigmoid",
         metadata={
             "help": f"Preference loss: one of {', '.join(PREFERENCE_LOSS_TYPES)} (TRL's names; simpo is TRL's "
-            "CPOTrainer loss_type, orpo its ORPOTrainer); simpo and orpo are reference-free."
+            "CPOTrainer loss_type, orpo its ORPOTrainer); simpo and orpo are reference-free. recipes/kto.py: "
+            f"{' or '.join(KTO_LOSS_TYPES)} (TRL's KTOConfig; the default sigmoid there means kto)."
         },
     )
     label_smoothing: float = field(
@@ -409,6 +411,12 @@ class PreferenceArgs:
             "help": "With loss_type simpo: weight of the chosen completions' NLL (0: SimPO as published; TRL's "
             "CPOConfig defaults to 1.0, CPO-SimPO)."
         },
+    )
+    desirable_weight: float = field(
+        default=1.0, metadata={"help": "KTO: weight of a desirable (label true) example's loss (TRL's name)."}
+    )
+    undesirable_weight: float = field(
+        default=1.0, metadata={"help": "KTO: weight of an undesirable (label false) example's loss (TRL's name)."}
     )
     precompute_ref_log_probs: bool = field(
         default=False,
@@ -438,9 +446,11 @@ class PreferenceArgs:
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
         check(
-            self.loss_type in PREFERENCE_LOSS_TYPES,
-            f"loss_type={self.loss_type!r} is not one of {', '.join(PREFERENCE_LOSS_TYPES)}",
+            self.loss_type in PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES,
+            f"loss_type={self.loss_type!r} is not one of {', '.join(PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES)}",
         )
+        for key in ("desirable_weight", "undesirable_weight"):
+            check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0")
         check(self.beta > 0, f"beta={self.beta} must be > 0")
         check(0 <= self.label_smoothing < 0.5, f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         check(

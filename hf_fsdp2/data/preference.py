@@ -123,11 +123,13 @@ class PreferenceStats:
     truncated: int
     dropped: int
     skipped: dict[str, int] = field(default_factory=dict)
+    read: str = "pairs"  # what ``pairs`` counts (unpaired data: records)
+    unit: str = "pairs"  # what ``kept`` counts (unpaired data: examples)
 
     def describe(self, source: str) -> str:
         skipped = sum(self.skipped.values())
         parts = [
-            f"{self.pairs} pairs",
+            f"{self.pairs} {self.read}",
             f"{self.truncated} truncated",
             f"{self.dropped} dropped (no room for a completion)",
         ]
@@ -135,28 +137,35 @@ class PreferenceStats:
             parts.append(
                 f"{skipped} bad records skipped ({', '.join(f'{n} {r}' for r, n in sorted(self.skipped.items()))})"
             )
-        return f"preference data {source}: {', '.join(parts)} -> {self.kept} pairs"
+        return f"preference data {source}: {', '.join(parts)} -> {self.kept} {self.unit}"
 
 
 def tokenize_pair(
     tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, where: str
 ) -> tuple[list[int], list[int], list[int]]:
     """``(prompt_ids, chosen_ids, rejected_ids)``: the shared prompt and each completion's tokens."""
-    if isinstance(chosen, str):
+    prompt_ids, (chosen_ids, rejected_ids) = tokenize_completions(
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where
+    )
+    return prompt_ids, chosen_ids, rejected_ids
+
+
+def tokenize_completions(
+    tokenizer: Any, prompt: Any, completions: Mapping[str, Any], where: str
+) -> tuple[list[int], list[list[int]]]:
+    """The prompt's tokens shared by every completion, and each completion's tokens (``completions``: column ->
+    value, strings or message lists like the prompt): strings get EOS appended unless they end with it, message
+    lists are rendered with the chat template (the prompt with the generation prompt)."""
+    if all(isinstance(c, str) for c in completions.values()):
         eos = tokenizer.eos_token or ""
-        chosen = chosen if chosen.endswith(eos) else chosen + eos
-        rejected = rejected if rejected.endswith(eos) else rejected + eos
         prompt_ids = tokenizer(prompt)["input_ids"]
-        full_chosen = tokenizer(prompt + chosen)["input_ids"]
-        full_rejected = tokenizer(prompt + rejected)["input_ids"]
+        fulls = [tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions.values()]
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise RecordError(
                 f"{where}: message lists need a tokenizer with a chat template", "no chat template"
             )
         prompt = _messages(prompt, where, "prompt")
-        chosen = _messages(chosen, where, "chosen")
-        rejected = _messages(rejected, where, "rejected")
 
         def render(messages: list[dict[str, str]], generation: bool) -> list[int]:
             out = tokenizer.apply_chat_template(
@@ -165,9 +174,9 @@ def tokenize_pair(
             return list(out["input_ids"])
 
         prompt_ids = render(prompt, True) if prompt else []
-        full_chosen, full_rejected = render(prompt + chosen, False), render(prompt + rejected, False)
-    n = min(_common_prefix(prompt_ids, full_chosen), _common_prefix(prompt_ids, full_rejected))
-    return list(prompt_ids[:n]), list(full_chosen[n:]), list(full_rejected[n:])
+        fulls = [render(prompt + _messages(c, where, column), False) for column, c in completions.items()]
+    n = min(_common_prefix(prompt_ids, full) for full in fulls)
+    return list(prompt_ids[:n]), [list(full[n:]) for full in fulls]
 
 
 def _check_distinct(

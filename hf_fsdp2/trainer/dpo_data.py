@@ -15,6 +15,7 @@ from hf_fsdp2.config.sources import DataSource, parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, tokenize_pairs
+from hf_fsdp2.data.unpaired import tokenize_unpaired
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.sft_data import TrainData, check_one_step, examples_per_step, sampled_stream
 
@@ -26,7 +27,7 @@ class PairList(list):  # type: ignore[type-arg]
 
 
 def _tokenized(
-    source: DataSource, session: Session, tokenizer: Any
+    source: DataSource, session: Session, tokenizer: Any, unpaired: bool = False
 ) -> tuple[list[dict[str, Any]], PreferenceStats]:
     d = session.cfg.data
     raw = load_source(source, on_bad_record=d.on_bad_record)
@@ -34,12 +35,16 @@ def _tokenized(
     if mapping:
         raw = apply_column_mapping(raw, mapping, source.describe())
     missing = [c for c in ("chosen", "rejected") if c not in raw.column_names]
+    if unpaired and missing:
+        missing = [c for c in ("prompt", "completion", "label") if c not in raw.column_names]
     if missing:
         raise ValueError(
-            f"{source.describe()}: preference data needs 'chosen' and 'rejected' columns (and optionally 'prompt'); "
-            f"missing {missing} (columns: {raw.column_names}); rename them with dataset_column_mapping"
+            f"{source.describe()}: preference data needs 'chosen' and 'rejected' columns (and optionally 'prompt')"
+            + (", or unpaired 'prompt', 'completion' and 'label'" if unpaired else "")
+            + f"; missing {missing} (columns: {raw.column_names}); rename them with dataset_column_mapping"
         )
-    return tokenize_pairs(
+    tokenize = tokenize_unpaired if unpaired else tokenize_pairs
+    return tokenize(
         raw, tokenizer, max_length=d.max_length, long_examples=d.long_examples, on_bad_record=d.on_bad_record,
         source=source.describe(),
     )  # fmt: skip
@@ -49,8 +54,11 @@ def _reindexed(pairs: list[dict[str, Any]]) -> PairList:
     return PairList({**pair, "index": i} for i, pair in enumerate(pairs))
 
 
-def load_pairs(session: Session, tokenizer: Any) -> tuple[PairList, PairList | None]:
-    """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None).
+def load_pairs(
+    session: Session, tokenizer: Any, unpaired: bool = False
+) -> tuple[PairList, PairList | None]:
+    """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None); ``unpaired``:
+    KTO's examples (:func:`~hf_fsdp2.data.unpaired.tokenize_unpaired`) instead.
 
     Raises:
         ValueError / ConfigError / FileNotFoundError: bad data or settings, naming the source and record.
@@ -59,7 +67,7 @@ def load_pairs(session: Session, tokenizer: Any) -> tuple[PairList, PairList | N
     train: list[dict[str, Any]] = []
     held_out: list[dict[str, Any]] = []
     for salt, source in enumerate(d.sources()):
-        pairs, stats = _tokenized(source, session, tokenizer)
+        pairs, stats = _tokenized(source, session, tokenizer, unpaired)
         logger.info(stats.describe(source.describe()))
         if not pairs:
             raise ValueError(f"{source.describe()}: no pair left to train on; see the counts above")
@@ -77,7 +85,7 @@ def load_pairs(session: Session, tokenizer: Any) -> tuple[PairList, PairList | N
     eval_pairs: list[dict[str, Any]] | None = held_out or None
     eval_source = d.eval_source()
     if eval_source is not None:
-        eval_pairs, stats = _tokenized(eval_source, session, tokenizer)
+        eval_pairs, stats = _tokenized(eval_source, session, tokenizer, unpaired)
         logger.info(stats.describe(eval_source.describe()))
         if not eval_pairs:
             raise ValueError(f"{eval_source.describe()}: no eval pair left; see the counts above")

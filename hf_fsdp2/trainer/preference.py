@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+from hf_fsdp2.config import Config
+from hf_fsdp2.config.plans import check
+from hf_fsdp2.config.training import KTO_LOSS_TYPES
 from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
 from hf_fsdp2.train.dpo import (
     AdapterDisabled,
@@ -42,7 +45,9 @@ from hf_fsdp2.trainer.sft_data import TrainData
 logger = logging.getLogger("hf_fsdp2")
 
 
-def load_reference(session: Session, plan: LossPlan, tokenizer_size: int | None) -> FrozenModel:
+def load_reference(
+    session: Session, plan: LossPlan, tokenizer_size: int | None, objective: str = "DPO"
+) -> FrozenModel:
     """The frozen reference model, sharded like the policy (every rank; collective).
 
     Loaded in the compute dtype (bf16 under bf16 mixed precision, else ``torch_dtype``), every parameter frozen,
@@ -68,9 +73,57 @@ def load_reference(session: Session, plan: LossPlan, tokenizer_size: int | None)
     model.eval()
     model = fsdp2_prepare_model(session.accelerator, model)
     logger.info(
-        "DPO reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)", path, dtype
+        "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)", objective, path, dtype
     )
     return FrozenModel(model, plan)
+
+
+def build_reference(
+    session: Session, model: TrainModel, data: TrainData, objective: str = "DPO", unit: str = "pairs"
+) -> tuple[Reference, Reference | None]:
+    """The reference of the training and (when different: a precomputed table) of the eval examples (every rank;
+    collective), in the order of precedence of the module's docstring; ``objective`` and ``unit`` name the
+    objective and its examples in the log."""
+    cfg = session.cfg
+    p, t = cfg.preference, cfg.train
+    resized = getattr(model.module.config, "vocab_size", None) if cfg.model.resize_token_embeddings else None
+    train_pairs, eval_pairs = data.train_set, data.eval_set
+    reference: Reference
+    eval_reference: Reference | None = None
+    if cfg.peft.use_peft:
+        if p.ref_model_name_or_path:
+            logger.warning(
+                "ref_model_name_or_path is ignored with LoRA: the reference is the adapter-free base"
+            )
+        reference = AdapterDisabled(model.module, model.loss_plan)
+        logger.info("%s reference: the base model with the LoRA adapter disabled (no second copy)", objective)
+    elif not p.precompute_ref_log_probs:
+        reference = load_reference(session, model.loss_plan, resized, objective)
+    if p.precompute_ref_log_probs:
+        # The pass's reference: the LoRA base, a separate reference model, or the policy before any step.
+        if cfg.peft.use_peft:
+            source: Reference = reference
+        elif p.ref_model_name_or_path:
+            source = load_reference(session, model.loss_plan, resized, objective)
+        else:
+            source = FrozenModel(model.module, model.loss_plan)
+        batch_size = p.precompute_ref_batch_size or t.per_device_train_batch_size
+
+        def table(pairs: Sequence[Any]) -> Precomputed:
+            return precompute_reference(
+                source, pairs, collator=data.collator, batch_size=batch_size, device=session.device
+            )
+
+        reference = table(train_pairs)
+        if eval_pairs is not None:
+            eval_reference = table(eval_pairs)
+        logger.info(
+            "%s reference: log-probs of %d training%s %s precomputed in one pass (no reference model while "
+            "training)", objective, len(train_pairs), f" and {len(eval_pairs)} eval" if eval_pairs is not None else "", unit,
+        )  # fmt: skip
+        del source
+        gc.collect()
+    return reference, eval_reference
 
 
 def _build_dpo(
@@ -91,43 +144,7 @@ def _build_dpo(
             p.label_smoothing,
         )
     logger.info("loss: DPO %s, beta %g, mean over the step's pairs", p.loss_type, p.beta)
-    resized = getattr(model.module.config, "vocab_size", None) if cfg.model.resize_token_embeddings else None
-    train_pairs, eval_pairs = data.train_set, data.eval_set
-    reference: Reference
-    eval_reference: Reference | None = None
-    if cfg.peft.use_peft:
-        if p.ref_model_name_or_path:
-            logger.warning(
-                "ref_model_name_or_path is ignored with LoRA: the reference is the adapter-free base"
-            )
-        reference = AdapterDisabled(model.module, model.loss_plan)
-        logger.info("DPO reference: the base model with the LoRA adapter disabled (no second copy)")
-    elif not p.precompute_ref_log_probs:
-        reference = load_reference(session, model.loss_plan, resized)
-    if p.precompute_ref_log_probs:
-        # The pass's reference: the LoRA base, a separate reference model, or the policy before any step.
-        if cfg.peft.use_peft:
-            source: Reference = reference
-        elif p.ref_model_name_or_path:
-            source = load_reference(session, model.loss_plan, resized)
-        else:
-            source = FrozenModel(model.module, model.loss_plan)
-        batch_size = p.precompute_ref_batch_size or t.per_device_train_batch_size
-
-        def table(pairs: Sequence[Any]) -> Precomputed:
-            return precompute_reference(
-                source, pairs, collator=data.collator, batch_size=batch_size, device=session.device
-            )
-
-        reference = table(train_pairs)
-        if eval_pairs is not None:
-            eval_reference = table(eval_pairs)
-        logger.info(
-            "DPO reference: log-probs of %d training%s pairs precomputed in one pass (no reference model while "
-            "training)", len(train_pairs), f" and {len(eval_pairs)} eval" if eval_pairs is not None else "",
-        )  # fmt: skip
-        del source
-        gc.collect()
+    reference, eval_reference = build_reference(session, model, data)
 
     def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
         return dpo_step(
@@ -135,9 +152,9 @@ def _build_dpo(
         )
 
     evaluator = None
-    if eval_pairs is not None:
+    if data.eval_set is not None:
         evaluator = PreferenceEvaluator(
-            eval_pairs, eval_reference or reference, collator=data.collator, settings=settings,
+            data.eval_set, eval_reference or reference, collator=data.collator, settings=settings,
             batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
             device=session.device,
         )  # fmt: skip
@@ -195,6 +212,19 @@ class PreferenceEvaluator:
         return out
 
 
-def dpo_objective(no_dropout: bool) -> Objective:
-    """The DPO objective; ``no_dropout`` (``disable_dropout``) sets the policy's dropouts to 0 before sharding."""
-    return Objective(_build_dpo, no_dropout=no_dropout)
+def dpo_objective(cfg: Config) -> Objective:
+    """The DPO objective (SimPO, ORPO: ``loss_type``); the policy's dropouts set to 0 before sharding with
+    ``disable_dropout``.
+
+    Raises:
+        ConfigError: a KTO setting, which this recipe does not train (every rank alike, before any loading).
+    """
+    p = cfg.preference
+    check(
+        p.loss_type not in KTO_LOSS_TYPES,
+        f"loss_type={p.loss_type!r} trains on unpaired (prompt, completion, label) data: run recipes/kto.py "
+        "(hf-fsdp2 train kto), or pick a DPO loss_type",
+    )
+    weights = [f"{k}={getattr(p, k)}" for k in ("desirable_weight", "undesirable_weight") if getattr(p, k) != 1]
+    check(not weights, f"{', '.join(weights)}: KTO settings (recipes/kto.py); the DPO recipe would ignore them")
+    return Objective(_build_dpo, no_dropout=p.disable_dropout)

@@ -84,6 +84,18 @@ def write_pairs_jsonl(path: Path, n: int, *, seed: int = 0) -> Path:
     return path
 
 
+def write_unpaired_jsonl(path: Path, n: int, *, seed: int = 0, desirable: float = 0.6) -> Path:
+    """``n`` string KTO records (``prompt``, ``completion``, ``label``) of random lengths, about ``desirable`` of
+    them labelled true, in random order (so micro-batches hold different mixes)."""
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
+            a = " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))
+            fh.write(json.dumps({"prompt": q, "completion": " " + a, "label": rng.random() < desirable}) + "\n")
+    return path
+
+
 def write_chat_jsonl(path: Path, n: int, *, seed: int = 0, max_words: int = 12) -> Path:
     """``n`` chat records of random lengths (so micro-batches hold unequal numbers of target tokens)."""
     rng = random.Random(seed)

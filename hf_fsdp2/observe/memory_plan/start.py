@@ -69,15 +69,22 @@ def recipe_notes(cfg: Config, recipe: str) -> list[str]:
     """What the plan of ``recipe`` leaves out, one line each (empty for SFT and CPT)."""
     from hf_fsdp2.config.training import REFERENCE_FREE_LOSS_TYPES
 
-    reference_free = cfg.preference.loss_type in REFERENCE_FREE_LOSS_TYPES  # SimPO, ORPO: the policy alone
-    if recipe == "dpo" and not (
-        cfg.preference.precompute_ref_log_probs or cfg.peft.use_peft or reference_free
-    ):
-        return [
-            "not planned: DPO's reference model (a frozen sharded copy of the policy, its gathered layers during "
-            "its forward); precompute_ref_log_probs: true, use_peft: true or loss_type simpo / orpo trains without one"
-        ]
-    return []
+    p = cfg.preference
+    notes = []
+    reference_free = p.loss_type in REFERENCE_FREE_LOSS_TYPES  # SimPO, ORPO: the policy alone
+    if recipe in ("dpo", "kto") and not (p.precompute_ref_log_probs or cfg.peft.use_peft or reference_free):
+        name = "DPO" if recipe == "dpo" else "KTO"
+        notes.append(
+            f"not planned: {name}'s reference model (a frozen sharded copy of the policy, its gathered layers during "
+            "its forward); precompute_ref_log_probs: true, use_peft: true"
+            + (" or loss_type simpo / orpo" if recipe == "dpo" else "") + " trains without one"
+        )
+    if recipe == "kto":
+        notes.append(
+            "KTO rows: the planned forward is the micro-batch's examples (1 row each, with gradient); the KL rows (1 "
+            "per example) and the reference run before it without gradient, freeing their activations"
+        )
+    return notes
 
 
 def _describe_error(err: Exception) -> str:
