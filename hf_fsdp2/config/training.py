@@ -416,7 +416,8 @@ class PreferenceArgs:
         default=1.0, metadata={"help": "KTO: weight of a desirable (label true) example's loss (TRL's name)."}
     )
     undesirable_weight: float = field(
-        default=1.0, metadata={"help": "KTO: weight of an undesirable (label false) example's loss (TRL's name)."}
+        default=1.0,
+        metadata={"help": "KTO: weight of an undesirable (label false) example's loss (TRL's name)."},
     )
     precompute_ref_log_probs: bool = field(
         default=False,

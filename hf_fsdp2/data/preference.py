@@ -159,7 +159,9 @@ def tokenize_completions(
     if all(isinstance(c, str) for c in completions.values()):
         eos = tokenizer.eos_token or ""
         prompt_ids = tokenizer(prompt)["input_ids"]
-        fulls = [tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions.values()]
+        fulls = [
+            tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions.values()
+        ]
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise RecordError(

@@ -26,7 +26,9 @@ import torch
 from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, split_prompt, tokenize_completions
 from hf_fsdp2.data.records import RecordError
 
-UNPAIR_BLOCK = 1000  # pairs per block when unpairing, as datasets' map batches TRL's unpair_preference_dataset
+UNPAIR_BLOCK = (
+    1000  # pairs per block when unpairing, as datasets' map batches TRL's unpair_preference_dataset
+)
 
 
 def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[str, Any]]:
@@ -37,7 +39,7 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
     """
     out: list[dict[str, Any]] = []
     for start in range(0, len(records), UNPAIR_BLOCK):
-        block = []
+        block: list[tuple[Any, ...]] = []
         for index in range(start, min(start + UNPAIR_BLOCK, len(records))):
             where = f"{source} record {index}" if source else f"record {index}"
             try:
@@ -50,7 +52,9 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
                     if label:  # counted once, with the pair
                         out.append({"where": item[0], "error": item[1]})
                     continue
-                out.append({"prompt": item[1], "completion": item[position], "label": label, "where": item[0]})
+                out.append(
+                    {"prompt": item[1], "completion": item[position], "label": label, "where": item[0]}
+                )
     return out
 
 
@@ -74,10 +78,14 @@ def check_record(record: Mapping[str, Any], where: str) -> tuple[Any, Any, bool]
             "false an undesirable one; fix it, or set on_bad_record=skip",
             "non-boolean label",
         )
-    if (isinstance(completion, str) and not completion.strip()) or (isinstance(completion, list) and not completion):
+    if (isinstance(completion, str) and not completion.strip()) or (
+        isinstance(completion, list) and not completion
+    ):
         raise RecordError(f"{where}: an empty completion: nothing to learn from", "empty completion")
     if isinstance(prompt, str) != isinstance(completion, str):
-        raise RecordError(f"{where}: prompt and completion must both be strings or message lists", "mixed types")
+        raise RecordError(
+            f"{where}: prompt and completion must both be strings or message lists", "mixed types"
+        )
     return prompt, completion, bool(label)
 
 
@@ -110,7 +118,9 @@ def tokenize_unpaired(
             if "error" in item:
                 raise item["error"]
             prompt, completion, label = check_record(item, where)
-            prompt_ids, (completion_ids,) = tokenize_completions(tokenizer, prompt, {"completion": completion}, where)
+            prompt_ids, (completion_ids,) = tokenize_completions(
+                tokenizer, prompt, {"completion": completion}, where
+            )
             if not completion_ids:
                 raise RecordError(f"{where}: the completion has no token of its own", "empty completion")
         except RecordError as err:

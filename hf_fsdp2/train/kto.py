@@ -64,7 +64,11 @@ class KTOSettings:
 
 
 def kto_losses(
-    policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, settings: KTOSettings
+    policy: torch.Tensor,
+    reference: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    settings: KTOSettings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per example, the weighted loss and the reward ``β·r`` (detached).
 
@@ -91,7 +95,11 @@ def _rows(batch: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor
 
 
 def kl_estimate(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], reference_kl: torch.Tensor, plan: LossPlan, real: bool
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    reference_kl: torch.Tensor,
+    plan: LossPlan,
+    real: bool,
 ) -> torch.Tensor:
     """KTO's ``z0`` for a micro-batch: the mean of policy minus reference over the KL rows of every rank's micro-batch
     (a ``real=False`` batch adds nothing), clamped at 0; the policy runs without gradient. Collective: one all-reduce
@@ -188,7 +196,10 @@ def kto_step(
         [
             sum(half),
             sum(int(b["label"].sum()) for b in micro_batches),
-            sum(int((b["labels"][:n, 1:] != IGNORE_INDEX).sum()) for b, n in zip(micro_batches, half, strict=True)),
+            sum(
+                int((b["labels"][:n, 1:] != IGNORE_INDEX).sum())
+                for b, n in zip(micro_batches, half, strict=True)
+            ),
             sum(b["input_ids"].numel() for b in micro_batches),
         ],
         dtype=torch.long,
@@ -248,7 +259,9 @@ def evaluate_kto(
             if settings.uses_kl:
                 kl = kl_estimate(model, on_device, ref[b:], settings.loss, real)
                 kl_sum += kl.double()
-            policy, _ = completion_logps(model, _rows(on_device, slice(0, b)), on_device["labels"][:b], settings.loss)
+            policy, _ = completion_logps(
+                model, _rows(on_device, slice(0, b)), on_device["labels"][:b], settings.loss
+            )
         losses, rewards = kto_losses(policy, ref[:b], on_device["label"], kl, settings)
         batches += 1
         if real:

@@ -54,9 +54,7 @@ def _reindexed(pairs: list[dict[str, Any]]) -> PairList:
     return PairList({**pair, "index": i} for i, pair in enumerate(pairs))
 
 
-def load_pairs(
-    session: Session, tokenizer: Any, unpaired: bool = False
-) -> tuple[PairList, PairList | None]:
+def load_pairs(session: Session, tokenizer: Any, unpaired: bool = False) -> tuple[PairList, PairList | None]:
     """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None); ``unpaired``:
     KTO's examples (:func:`~hf_fsdp2.data.unpaired.tokenize_unpaired`) instead.
 

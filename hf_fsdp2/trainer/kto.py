@@ -70,10 +70,14 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
     train, eval_examples = rank0_first(lambda: load_pairs(session, tokenizer, unpaired=True))
     uses_kl = p.loss_type == "kto"
     if uses_kl:
-        train = PairList(with_kl_completions(train, world_size=session.world, batch_size=t.per_device_train_batch_size))
+        train = PairList(
+            with_kl_completions(train, world_size=session.world, batch_size=t.per_device_train_batch_size)
+        )
         if eval_examples is not None:
             eval_batch = cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size
-            eval_examples = PairList(with_kl_completions(eval_examples, world_size=session.world, batch_size=eval_batch))
+            eval_examples = PairList(
+                with_kl_completions(eval_examples, world_size=session.world, batch_size=eval_batch)
+            )
     collator = UnpairedCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length, kl=uses_kl)
     per_step = examples_per_step(session)
     check_one_step(session, len(train), "examples", "data")
@@ -114,7 +118,9 @@ class KTOEvaluator:
         self.examples, self.reference, self.collator = examples, reference, collator
         self.settings, self.batch_size, self.device = settings, batch_size, device
 
-    def run(self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None) -> dict[str, float]:
+    def run(
+        self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
+    ) -> dict[str, float]:
         out = evaluate_kto(
             model, self.reference, self.examples, collator=self.collator, batch_size=self.batch_size,
             settings=self.settings, device=self.device,
@@ -144,7 +150,9 @@ def _build_kto(
     reference, eval_reference = build_reference(session, model, data, "KTO", "examples")
 
     def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return kto_step(model.module, optimizer, scheduler, micro_batches, reference, settings, session.device)
+        return kto_step(
+            model.module, optimizer, scheduler, micro_batches, reference, settings, session.device
+        )
 
     evaluator = None
     if data.eval_set is not None:

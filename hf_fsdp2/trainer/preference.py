@@ -73,7 +73,10 @@ def load_reference(
     model.eval()
     model = fsdp2_prepare_model(session.accelerator, model)
     logger.info(
-        "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)", objective, path, dtype
+        "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",
+        objective,
+        path,
+        dtype,
     )
     return FrozenModel(model, plan)
 
@@ -225,6 +228,10 @@ def dpo_objective(cfg: Config) -> Objective:
         f"loss_type={p.loss_type!r} trains on unpaired (prompt, completion, label) data: run recipes/kto.py "
         "(hf-fsdp2 train kto), or pick a DPO loss_type",
     )
-    weights = [f"{k}={getattr(p, k)}" for k in ("desirable_weight", "undesirable_weight") if getattr(p, k) != 1]
-    check(not weights, f"{', '.join(weights)}: KTO settings (recipes/kto.py); the DPO recipe would ignore them")
+    weights = [
+        f"{k}={getattr(p, k)}" for k in ("desirable_weight", "undesirable_weight") if getattr(p, k) != 1
+    ]
+    check(
+        not weights, f"{', '.join(weights)}: KTO settings (recipes/kto.py); the DPO recipe would ignore them"
+    )
     return Objective(_build_dpo, no_dropout=p.disable_dropout)

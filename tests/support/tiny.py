@@ -92,7 +92,9 @@ def write_unpaired_jsonl(path: Path, n: int, *, seed: int = 0, desirable: float 
         for _ in range(n):
             q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
             a = " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))
-            fh.write(json.dumps({"prompt": q, "completion": " " + a, "label": rng.random() < desirable}) + "\n")
+            fh.write(
+                json.dumps({"prompt": q, "completion": " " + a, "label": rng.random() < desirable}) + "\n"
+            )
     return path
 
 

@@ -1,4 +1,5 @@
-"""Run TRL's ``DPOTrainer``, or its ``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer`` (``trl.experimental``),
+"""Run TRL's ``DPOTrainer`` or ``KTOTrainer``, or its ``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer``
+(``trl.experimental``),
 deterministically (fp32, dataset order, constant LR, a log line per step) and write its per-step metrics as JSON: the
 reference the DPO recipe's parity tests compare against.
 
@@ -6,6 +7,8 @@ reference the DPO recipe's parity tests compare against.
         --beta 0.1 --loss_type sigmoid [--precompute]
     python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective orpo --batch 4 --beta 0.5
     python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective simpo --simpo_gamma 0.3 --cpo_alpha 0.5
+    python tests/support/trl_dpo.py MODEL UNPAIRED.jsonl OUT.json --objective kto --batch 4 --loss_type kto \
+        --desirable_weight 1.5
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("data")
     parser.add_argument("out")
-    parser.add_argument("--objective", choices=["dpo", "simpo", "orpo"], default="dpo")
+    parser.add_argument("--objective", choices=["dpo", "simpo", "orpo", "kto"], default="dpo")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -34,6 +37,8 @@ def main() -> None:
     parser.add_argument("--label_smoothing", type=float, default=0.0)
     parser.add_argument("--simpo_gamma", type=float, default=0.5)
     parser.add_argument("--cpo_alpha", type=float, default=0.0)
+    parser.add_argument("--desirable_weight", type=float, default=1.0)
+    parser.add_argument("--undesirable_weight", type=float, default=1.0)
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--precompute", action="store_true")
     args = parser.parse_args()
@@ -58,6 +63,15 @@ def main() -> None:
                                precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
             # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
             trainer = DPOTrainer(
+                model=args.model, args=config, train_dataset=data, processing_class=tokenizer
+            )
+        elif args.objective == "kto":
+            from trl import KTOConfig, KTOTrainer
+
+            config = KTOConfig(output_dir=tmp, loss_type=args.loss_type, desirable_weight=args.desirable_weight,
+                               undesirable_weight=args.undesirable_weight,
+                               precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
+            trainer = KTOTrainer(
                 model=args.model, args=config, train_dataset=data, processing_class=tokenizer
             )
         else:

@@ -274,7 +274,12 @@ def test_bad_types_in_yaml_name_key(tmp_path: Path) -> None:
         (("--weight_decay", "-0.1"), "weight_decay=-0.1"),
         (("--logging_steps", "0"), "logging_steps=0"),
         (("--num_train_epochs", "0"), "num_train_epochs=0.0"),
-        (("--loss_type", "kto"), "loss_type='kto' is not one of sigmoid, ipo, robust, hinge, simpo, orpo"),
+        (
+            ("--loss_type", "kpo"),
+            "loss_type='kpo' is not one of sigmoid, ipo, robust, hinge, simpo, orpo, kto, apo_zero",
+        ),
+        (("--desirable_weight", "0"), "desirable_weight=0.0 must be > 0"),
+        (("--undesirable_weight=-1",), "undesirable_weight=-1.0 must be > 0"),
         (
             ("--loss_type", "ipo", "--label_smoothing", "0.1"),
             "applies to loss_type sigmoid (cDPO), robust or simpo",

@@ -418,3 +418,9 @@ def test_the_dpo_plan_names_the_reference_it_leaves_out_and_none_for_reference_f
     assert len(notes["sigmoid"]) == 1 and "not planned: DPO's reference model" in notes["sigmoid"][0]
     assert notes["simpo"] == notes["orpo"] == []  # the policy alone: nothing left out
     assert recipe_notes(parse_config(["--config", str(recipe)]), "sft") == []
+    kto = recipe_notes(parse_config(["--config", str(recipe), "--loss_type", "kto"]), "kto")
+    assert "not planned: KTO's reference model" in kto[0] and "simpo" not in kto[0] and "KTO rows" in kto[1]
+    lora = recipe_notes(
+        parse_config(["--config", str(recipe), "--loss_type", "kto", "--use_peft", "true"]), "kto"
+    )
+    assert len(lora) == 1 and "KTO rows" in lora[0]  # the LoRA base is the reference: no second model

@@ -77,7 +77,8 @@ def recipe_notes(cfg: Config, recipe: str) -> list[str]:
         notes.append(
             f"not planned: {name}'s reference model (a frozen sharded copy of the policy, its gathered layers during "
             "its forward); precompute_ref_log_probs: true, use_peft: true"
-            + (" or loss_type simpo / orpo" if recipe == "dpo" else "") + " trains without one"
+            + (" or loss_type simpo / orpo" if recipe == "dpo" else "")
+            + " trains without one"
         )
     if recipe == "kto":
         notes.append(
