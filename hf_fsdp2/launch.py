@@ -56,7 +56,7 @@ def launch_command(
     """The ``accelerate launch`` command line that runs ``recipe`` with ``recipe_args``.
 
     Args:
-        recipe: sft, cpt or dpo.
+        recipe: one of :data:`RECIPES`.
         recipe_args: the recipe's own arguments (``--config x.yaml --learning_rate 1e-5 ...``).
         config_file: an accelerate config; default the packaged one for this machine.
         num_processes: processes over all machines; default one per local GPU (x machines), 2 on CPU.

@@ -28,9 +28,9 @@ def _run_train(args: argparse.Namespace) -> int:
 def register_train(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train with a recipe (sft, cpt, dpo) on every local device through accelerate launch",
+        help=f"train with a recipe ({', '.join(RECIPES)}) on every local device through accelerate launch",
         description=(
-            "hf-fsdp2 train [sft|cpt|dpo] --config r.yaml [--key value ...] runs a packaged recipe with accelerate launch: the packaged FSDP2 accelerate config with one process "
+            f"hf-fsdp2 train [{'|'.join(RECIPES)}] --config r.yaml [--key value ...] runs a packaged recipe with accelerate launch: the packaged FSDP2 accelerate config with one process "
             "per GPU, or the CPU (gloo) config with 2 processes on a machine without a GPU. Any recipe key "
             "follows: hf-fsdp2 train --config r.yaml --learning_rate 1e-5. Multi-node: run the same command on "
             "every machine with --num_machines, --machine_rank and --main_process_ip."
