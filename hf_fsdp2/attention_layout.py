@@ -290,10 +290,10 @@ def choose_attention_layout(
 def recipe_rows(data: Any, recipe: str) -> tuple[bool, bool | None]:
     """``(packing, padding_free)`` of a recipe's data section as the layout decision reads them: ``sft`` as set;
     ``cpt`` rows hold several documents unless ``cross_document_attention`` and are full already (padding-free
-    only when asked); ``dpo`` pairs and ``kto`` examples are padded."""
+    only when asked); ``dpo`` / ``rm`` pairs and ``kto`` examples are padded."""
     if recipe == "cpt":
         return not data.cross_document_attention, bool(data.padding_free)
-    if recipe in ("dpo", "kto"):
+    if recipe in ("dpo", "kto", "rm"):
         return False, False
     return bool(data.packing), data.padding_free
 

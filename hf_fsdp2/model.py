@@ -11,6 +11,7 @@ from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
@@ -114,8 +115,9 @@ def load_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
     empty_weights: bool = False,
+    reward_head: int | None = None,
 ) -> torch.nn.Module:
-    """Load a causal LM for training.
+    """Load a causal LM for training (or, ``reward_head``, the same model with a scalar score head).
 
     Args:
         name_or_path: hub id or local folder.
@@ -128,17 +130,25 @@ def load_model(
             ranks other than 0 under ``fsdp_cpu_ram_efficient_loading``: prepare() fills their shards
             by broadcast from rank 0). Buffers stay real, so computed ones such as rotary frequencies
             are right.
+        reward_head: the padding token id: load ``AutoModelForSequenceClassification`` with one label (a reward
+            model's score, read at each row's last non-padding token); a head the checkpoint lacks is initialised
+            from the global RNG (seed it first: every rank then holds the same values).
 
     Returns:
         The model in train mode, with ``use_cache`` off (a KV cache is useless in training).
     """
     config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    auto: Any = AutoModelForCausalLM
+    if reward_head is not None:
+        auto = AutoModelForSequenceClassification
+        config.num_labels, config.pad_token_id = 1, reward_head
+        config.id2label, config.label2id = {0: "LABEL_0"}, {"LABEL_0": 0}
     name_or_path = _check_source(name_or_path, "model_name_or_path")
     torch_dtype: Any = "auto" if dtype == "auto" else dtype_named(dtype, "torch_dtype", _LOAD_DTYPES)
     attn = None if attn_implementation == "auto" else attn_implementation
     if empty_weights:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
+            model = auto.from_config(
                 config,
                 dtype=config.dtype if torch_dtype == "auto" else torch_dtype,
                 attn_implementation=attn,
@@ -147,16 +157,28 @@ def load_model(
         # Tie as from_pretrained would: the meta-device construction leaves lm_head a separate parameter.
         model.tie_weights()
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             name_or_path,
+            **({"config": config} if reward_head is not None else {}),
             revision=revision,
             dtype=torch_dtype,
             attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
+    if reward_head is not None:  # what auto_class_name reads, before save_pretrained writes it
+        model.config.architectures = [type(model).__name__]
     model.config.use_cache = False
     model.train()
     return model
+
+
+def auto_class_name(config: Any) -> str:
+    """The transformers auto class that loads a model of ``config``: ``AutoModelForSequenceClassification`` for a
+    reward model (its architectures name a ``*ForSequenceClassification``), else ``AutoModelForCausalLM``."""
+    architectures = getattr(config, "architectures", None) or []
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return "AutoModelForSequenceClassification"
+    return "AutoModelForCausalLM"
 
 
 def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = None) -> tuple[str, ...]:

@@ -49,7 +49,9 @@ def run(
         tokenizer = load_run_tokenizer(session)
         data = build_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
         # LoRA, AC, compile, FSDP2 per decoder layer
-        model, optimizer = build_model(session, tokenizer, no_dropout=objective.no_dropout)
+        model, optimizer = build_model(
+            session, tokenizer, no_dropout=objective.no_dropout, reward=objective.reward_model
+        )
         scheduler = build_schedule(session, optimizer, data.total_steps)
         # The step function (SFT: token-normalised CE; DPO: the reference built or precomputed now).
         train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)

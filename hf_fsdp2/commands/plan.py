@@ -122,7 +122,7 @@ def register_plan(subparsers: Subparsers) -> None:
         "--recipe",
         choices=list(RECIPES),
         default="sft",
-        help="the recipe the config is for: dpo runs 2 rows per pair; kto 1 with gradient (default: sft)",
+        help="the recipe the config is for: dpo and rm run 2 rows per pair; kto 1 with gradient (default: sft)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).

@@ -232,6 +232,7 @@ class LoraSettings:
     modules_to_save: list[str] | None = None
     use_rslora: bool = False
     use_dora: bool = False
+    task_type: str = "CAUSAL_LM"  # SEQ_CLS: a reward model (PEFT trains its score head in full)
 
 
 def parse_step_range(value: str | None, key: str) -> tuple[int, int] | None:

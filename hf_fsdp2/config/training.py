@@ -376,8 +376,8 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # recipes/kto.py, unpaired data
 
 @dataclass
 class PreferenceArgs:
-    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py), KTO (recipes/kto.py); TRL's key
-    names. Other recipes ignore this section."""
+    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py), KTO (recipes/kto.py), reward
+    models (recipes/rm.py); TRL's key names. Other recipes ignore this section."""
 
     beta: float = field(
         default=0.1,
@@ -419,6 +419,10 @@ class PreferenceArgs:
         default=1.0,
         metadata={"help": "KTO: weight of an undesirable (label false) example's loss (TRL's name)."},
     )
+    center_rewards_coefficient: float = field(
+        default=0.0,
+        metadata={"help": "Reward models: weight of the centering term (r_c + r_r)^2 (TRL's; 0 = none)."},
+    )
     precompute_ref_log_probs: bool = field(
         default=False,
         metadata={
@@ -450,6 +454,8 @@ class PreferenceArgs:
             self.loss_type in PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES,
             f"loss_type={self.loss_type!r} is not one of {', '.join(PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES)}",
         )
+        check(self.center_rewards_coefficient >= 0, f"center_rewards_coefficient={self.center_rewards_coefficient} "
+              "must be >= 0")  # fmt: skip
         for key in ("desirable_weight", "undesirable_weight"):
             check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0")
         check(self.beta > 0, f"beta={self.beta} must be > 0")

@@ -202,6 +202,22 @@ def _check_distinct(
         )
 
 
+def _margin(record: Mapping[str, Any], where: str) -> float | None:
+    """A pair's optional ``margin`` (reward models: ``r_c - r_r`` must exceed it), a finite number or absent."""
+    value = record.get("margin")
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or abs(value) == float("inf")
+    ):
+        raise RecordError(f"{where}: margin={value!r} is not a finite number; fix it, or set on_bad_record=skip",
+                          "bad margin")  # fmt: skip
+    return float(value)
+
+
 def tokenize_pairs(
     records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
     source: str = "",
@@ -228,6 +244,7 @@ def tokenize_pairs(
                 tokenizer, *split_prompt(record, where), where
             )
             _check_distinct(prompt_ids, chosen_ids, rejected_ids, max_length, where)
+            margin = _margin(record, where)
         except RecordError as err:
             if on_bad_record != "skip":
                 raise
@@ -245,8 +262,15 @@ def tokenize_pairs(
                 dropped += 1
                 continue
             truncated += 1
-        pairs.append({"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids,
-                      "index": len(pairs)})  # fmt: skip
+        pair = {
+            "prompt_ids": prompt_ids,
+            "chosen_ids": chosen_ids,
+            "rejected_ids": rejected_ids,
+            "index": len(pairs),
+        }
+        if margin is not None:  # a reward model's per-pair margin (TRL's optional column)
+            pair["margin"] = margin
+        pairs.append(pair)
     return pairs, PreferenceStats(total, len(pairs), truncated, dropped, skipped)
 
 
@@ -279,10 +303,13 @@ class PreferenceCollator:
             attention[i, : len(ids)] = 1
             completion[i, : len(mask)] = torch.tensor(mask)
         labels = input_ids.masked_fill(completion == 0, IGNORE_INDEX)
-        return {
+        out = {
             "input_ids": input_ids,
             "attention_mask": attention,
             "labels": labels,
             "completion_mask": completion,
             "pair_index": torch.tensor([int(p["index"]) for p in pairs], dtype=torch.long),
         }
+        if all("margin" in p for p in pairs) and pairs:
+            out["margin"] = torch.tensor([float(p["margin"]) for p in pairs], dtype=torch.float32)
+        return out

@@ -97,14 +97,16 @@ def _conversion_target(model: torch.nn.Module) -> Any:
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
     """The same architecture built on the meta device from the model's config (no memory)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
+
+    from hf_fsdp2.model import auto_class_name
 
     config = getattr(model, "config", None)
     if config is None:
         return model
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return getattr(transformers, auto_class_name(config)).from_config(config)
     except (ValueError, KeyError, ImportError):  # remote code: transformers then goes by model_type
         return model
 

@@ -44,6 +44,7 @@ from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyR
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
 from hf_fsdp2.export.plan import ExportPlan, export_config, first_replica, make_plan
+from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.export.probe import (
     compute_dtype_of,
     live_logits,
@@ -173,12 +174,13 @@ def readback(plan: ExportPlan, folder: Path) -> tuple[int, int, list[str]]:
 
 _RELOAD = r"""
 import hashlib, json, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
 request = torch.load(sys.argv[1])
+Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
 folder, out = request["folder"], sys.argv[2]
 def load(dtype):
     kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"])
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs)
+    return Auto.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs)
 model, info = load(request["load_dtype"])
 def tensor(name):
     module_name, _, leaf = name.rpartition(".")
@@ -367,6 +369,7 @@ def verify_export(
             "config": comparable_config(export_config(config, plan.weights_dtype, "")),
             "ignore": sorted(_CONFIG_KEYS_SET),
             "ram": reload_ram_bytes,
+            "auto_class": auto_class_name(config),  # a reward model reloads with its score head
         }
         found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
         if atol is None and "noise" in found:

@@ -14,13 +14,13 @@ from hf_fsdp2.config.plans import LoraSettings
 
 
 def lora_config(settings: LoraSettings) -> Any:
-    """The ``peft.LoraConfig`` for a causal LM.
+    """The ``peft.LoraConfig`` for a causal LM (or a reward model: ``settings.task_type``).
 
     Args:
         settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA, DoRA.
 
     Returns:
-        A ``peft.LoraConfig`` with ``task_type=CAUSAL_LM``.
+        A ``peft.LoraConfig`` with the settings' ``task_type`` (``CAUSAL_LM`` or ``SEQ_CLS``).
     """
     from peft import LoraConfig
 
@@ -36,7 +36,7 @@ def lora_config(settings: LoraSettings) -> Any:
         use_rslora=settings.use_rslora,
         use_dora=settings.use_dora,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=settings.task_type,
     )
 
 

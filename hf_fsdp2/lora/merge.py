@@ -146,14 +146,17 @@ def build_merged_twin(
     Returns:
         The sharded twin (an HF ``PreTrainedModel``), ready for ``export.export_model``.
     """
+    import transformers
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2.model import auto_class_name
 
     merged = merged_local_weights(model, adapter)  # every rank
     base = model.get_base_model()
     device = next(iter(merged.values())).device
+    auto = getattr(transformers, auto_class_name(base.config))  # a reward model's twin has its score head
     with torch.device("meta"):
-        twin = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(merged.values())).dtype)
+        twin = auto.from_config(base.config, dtype=next(iter(merged.values())).dtype)
     kwargs: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     if dist.is_initialized():  # sharded like the live model; one process (offline export): a plain model
         for module in twin.modules():

@@ -55,8 +55,9 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
 _ADAPTER_RELOAD = r"""
 import hashlib, sys, torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+import transformers
 request = torch.load(sys.argv[1])
+Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
 out = sys.argv[2]
 nf4 = request.get("nf4") or {}  # QLoRA: {module: scale block} of the 4-bit base, quantised here as the run did
 if nf4:
@@ -67,7 +68,7 @@ if nf4:
 def load(dtype, dequantised=False):
     # The base as the run loaded it (an offline export of a bf16 run computes in fp32 from the bf16 values).
     base_dtype = request["nf4_dtype"] if nf4 else request.get("base_dtype") or dtype
-    base = AutoModelForCausalLM.from_pretrained(request["base"], dtype=getattr(torch, base_dtype))
+    base = Auto.from_pretrained(request["base"], dtype=getattr(torch, base_dtype), **request.get("head", {}))
     for name, block in nf4.items():
         linear = base.get_submodule(name)
         weight = to_nf4(linear.weight.detach().contiguous(), request["nf4_block"], block)
@@ -115,6 +116,18 @@ if request["reference_dtype"]:
 torch.save({"logits": logits, "dequantised_logits": dequantised, "noise": noise, "mismatched": mismatched, "extra": extra,
             "compared": len(request["digests"]), "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
 """
+
+
+def head_request(model: torch.nn.Module) -> dict[str, Any]:
+    """A reward model's reload: the base loaded with ``AutoModelForSequenceClassification``, one label and the run's
+    padding id (PEFT's adapter folder holds the trained score head); empty for a causal LM."""
+    from hf_fsdp2.model import auto_class_name
+
+    config = model.config  # type: ignore[union-attr]
+    name = auto_class_name(config)
+    if name == "AutoModelForCausalLM":
+        return {}
+    return {"auto_class": name, "head": {"num_labels": 1, "pad_token_id": config.pad_token_id}}
 
 
 def verify_adapter(
@@ -172,6 +185,7 @@ def verify_adapter(
             "ids": ids,
             "digests": {_peft_key(k): digest(v.float()) for k, v in adapter.items()},
             **nf4_request(model),
+            **head_request(model),
         }
         found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=_ADAPTER_RELOAD)
         problems = [found["error"]] if "error" in found else []

@@ -90,7 +90,7 @@ def load_pairs(session: Session, tokenizer: Any, unpaired: bool = False) -> tupl
     return _reindexed(train), _reindexed(eval_pairs) if eval_pairs else None
 
 
-def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
+def build_dpo_data(session: Session, tokenizer: Any, recipe: str = "DPO") -> TrainData:
     """Tokenize the run's preference pairs and build the stream of micro-batches (every rank).
 
     Raises:
@@ -99,7 +99,7 @@ def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
     d = session.cfg.data
     if d.packing or d.padding_free:
         raise ConfigError(
-            f"packing={d.packing}, padding_free={d.padding_free}: the DPO recipe batches each pair's chosen and "
+            f"packing={d.packing}, padding_free={d.padding_free}: the {recipe} recipe batches each pair's chosen and "
             "rejected rows padded side by side; set both to false"
         )
     train, eval_pairs = rank0_first(lambda: load_pairs(session, tokenizer))
@@ -108,7 +108,7 @@ def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
     check_one_step(session, len(train), "pairs", "data")
     stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
     logger.info(
-        "DPO data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)",
+        "%s data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)", recipe,
         len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
         steps_per_epoch, per_step, 2 * per_step,
     )  # fmt: skip

@@ -4,6 +4,7 @@ and the loss plan, all from the config sections. Every refusal here happens befo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from hf_fsdp2.model import (
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
 from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
-from hf_fsdp2.train.loss import LossPlan, plan_loss
+from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
 from hf_fsdp2.trainer.session import Session
 
@@ -61,11 +62,13 @@ class TrainModel:
 
 
 def build_model(
-    session: Session, tokenizer: Any, *, no_dropout: bool = False
+    session: Session, tokenizer: Any, *, no_dropout: bool = False, reward: bool = False
 ) -> tuple[TrainModel, torch.optim.Optimizer]:
     """Load, wrap (LoRA), shard (FSDP2, activation checkpointing, compile) and plan the loss of the run's model.
 
     Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).
+    ``reward``: the model with a scalar score head (``AutoModelForSequenceClassification``, one label; a head the
+    checkpoint lacks is initialised from ``seed``, the same on every rank) and no LM loss plan.
 
     Returns:
         The model and its optimizer (built on the unsharded parameters, re-pointed at the shards).
@@ -81,15 +84,23 @@ def build_model(
         session.model_config, device_type=session.device.type, attn_implementation=m.attn_implementation,
         packing=d.packing, padding_free=bool(d.padding_free), trust_remote_code=m.trust_remote_code,
     )  # fmt: skip
-    model = load_model(
-        m.model_name_or_path or "",
-        dtype=m.torch_dtype,
-        attn_implementation=attention.attn_implementation,
-        revision=m.model_revision,
-        trust_remote_code=m.trust_remote_code,
-        # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
-        empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(t.seed)  # a reward head the checkpoint lacks: the same initial values on every rank
+        model = load_model(
+            m.model_name_or_path or "",
+            dtype=m.torch_dtype,
+            attn_implementation=attention.attn_implementation,
+            revision=m.model_revision,
+            trust_remote_code=m.trust_remote_code,
+            # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
+            empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
+            reward_head=tokenizer.pad_token_id if reward else None,
+        )
+    if reward:
+        head = getattr(model, "score", None)
+        logger.info("reward model %s: score head %s, read at each row's last non-padding token (pad id %s)",
+                    type(model).__name__, tuple(head.weight.shape) if head is not None else "?",
+                    model.config.pad_token_id)  # fmt: skip
     note = check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
     if note:
         logger.info(note)
@@ -124,7 +135,10 @@ def build_model(
             raise ConfigError(str(err)) from err
         logger.info(quant.describe(session.world))
     if cfg.peft.use_peft:  # LoRA: the base frozen as loaded, the adapter in fp32; wrapped before sharding
-        model = apply_lora(model, cfg.peft.lora_settings(), seed=t.seed)
+        settings = cfg.peft.lora_settings()
+        if reward:  # PEFT trains the score head in full (modules_to_save)
+            settings = dataclasses.replace(settings, task_type="SEQ_CLS")
+        model = apply_lora(model, settings, seed=t.seed)
         if cfg.peft.merge_adapter:  # what the merged export cannot merge is refused now, not after training
             check_mergeable(model)
         logger.info(format_memory_report(memory_report(model), session.world))
@@ -169,7 +183,11 @@ def build_model(
                     held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
     logger.info("parameter layout: %s", describe_layout(model))
     # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
-    loss_plan = plan_loss(model, t.ce_chunk_tokens)
+    if reward:  # no LM head, no logits over the vocabulary: the step reads the score head's values
+        loss_plan = LossPlan(0, router_aux_coef=router_aux_coef(model.config),
+                             notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",))  # fmt: skip
+    else:
+        loss_plan = plan_loss(model, t.ce_chunk_tokens)
     for line in loss_plan.notes:
         logger.info("loss: %s", line)
     logger.info(

@@ -32,10 +32,12 @@ class Objective:
             loaded ones). An evaluator has ``run(model, step, log) -> metrics``; None: the SFT evaluator on
             ``data.eval_set``.
         no_dropout: every dropout of the model set to 0 before sharding.
+        reward_model: the model is loaded with a scalar score head (``AutoModelForSequenceClassification``).
     """
 
     build: Callable[[Session, TrainModel, torch.optim.Optimizer, Any, TrainData], tuple[StepFn, Any]]
     no_dropout: bool = False
+    reward_model: bool = False
 
 
 def _build_sft(

@@ -1,4 +1,4 @@
-"""Run TRL's ``DPOTrainer`` or ``KTOTrainer``, or its ``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer``
+"""Run TRL's ``DPOTrainer``, ``KTOTrainer`` or ``RewardTrainer``, or its ``CPOTrainer(loss_type="simpo")`` / ``ORPOTrainer``
 (``trl.experimental``),
 deterministically (fp32, dataset order, constant LR, a log line per step) and write its per-step metrics as JSON: the
 reference the DPO recipe's parity tests compare against.
@@ -9,6 +9,7 @@ reference the DPO recipe's parity tests compare against.
     python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective simpo --simpo_gamma 0.3 --cpo_alpha 0.5
     python tests/support/trl_dpo.py MODEL UNPAIRED.jsonl OUT.json --objective kto --batch 4 --loss_type kto \
         --desirable_weight 1.5
+    python tests/support/trl_dpo.py MODEL DATA.jsonl OUT.json --objective rm --batch 4 --center 0.01
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("data")
     parser.add_argument("out")
-    parser.add_argument("--objective", choices=["dpo", "simpo", "orpo", "kto"], default="dpo")
+    parser.add_argument("--objective", choices=["dpo", "simpo", "orpo", "kto", "rm"], default="dpo")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--cpo_alpha", type=float, default=0.0)
     parser.add_argument("--desirable_weight", type=float, default=1.0)
     parser.add_argument("--undesirable_weight", type=float, default=1.0)
+    parser.add_argument("--center", type=float, default=None)  # RewardConfig.center_rewards_coefficient
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--precompute", action="store_true")
     args = parser.parse_args()
@@ -63,6 +65,15 @@ def main() -> None:
                                precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
             # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
             trainer = DPOTrainer(
+                model=args.model, args=config, train_dataset=data, processing_class=tokenizer
+            )
+        elif args.objective == "rm":
+            from trl import RewardConfig, RewardTrainer
+
+            common.pop("beta")
+            config = RewardConfig(output_dir=tmp, center_rewards_coefficient=args.center, **common)
+            # The model as a path: TRL seeds, then adds the score head (our recipe seeds the head the same way).
+            trainer = RewardTrainer(
                 model=args.model, args=config, train_dataset=data, processing_class=tokenizer
             )
         elif args.objective == "kto":

@@ -80,6 +80,11 @@ def recipe_notes(cfg: Config, recipe: str) -> list[str]:
             + (" or loss_type simpo / orpo" if recipe == "dpo" else "")
             + " trains without one"
         )
+    if recipe == "rm":
+        notes.append(
+            "reward model planned as the causal LM it is loaded from, 2 rows per pair: its LM head and logits are "
+            "counted, where the run has a score head of hidden_size x 1 and no vocabulary logits (an overestimate)"
+        )
     if recipe == "kto":
         notes.append(
             "KTO rows: the planned forward is the micro-batch's examples (1 row each, with gradient); the KL rows (1 "
