@@ -44,7 +44,6 @@ from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyR
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
 from hf_fsdp2.export.plan import ExportPlan, export_config, first_replica, make_plan
-from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.export.probe import (
     compute_dtype_of,
     live_logits,
@@ -53,6 +52,7 @@ from hf_fsdp2.export.probe import (
     reference_dtype,
     rounded_weights,
 )
+from hf_fsdp2.model import auto_class_name
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).

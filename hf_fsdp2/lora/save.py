@@ -123,7 +123,7 @@ def head_request(model: torch.nn.Module) -> dict[str, Any]:
     padding id (PEFT's adapter folder holds the trained score head); empty for a causal LM."""
     from hf_fsdp2.model import auto_class_name
 
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     name = auto_class_name(config)
     if name == "AutoModelForCausalLM":
         return {}

@@ -100,7 +100,7 @@ def build_model(
         head = getattr(model, "score", None)
         logger.info("reward model %s: score head %s, read at each row's last non-padding token (pad id %s)",
                     type(model).__name__, tuple(head.weight.shape) if head is not None else "?",
-                    model.config.pad_token_id)  # fmt: skip
+                    model.config.pad_token_id)  # type: ignore[union-attr]  # fmt: skip
     note = check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
     if note:
         logger.info(note)
