@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from hf_fsdp2.commands import demo, export, plan, plot, push, show_data, train
+from hf_fsdp2.commands import demo, export, plan, plot, push, score, show_data, train
 from hf_fsdp2.commands.common import Subparsers, user_error
 from hf_fsdp2.launch import RECIPES
 from hf_fsdp2.noise import quiet_foreign_noise
@@ -25,6 +25,7 @@ SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     demo.register_demo_data,
     demo.register_eval_task,
     demo.register_eval_preference,
+    score.register_score,
     export.register_export,
     export.register_merge_adapter,
     push.register_push,

@@ -368,3 +368,45 @@ def preference_win_rate(
         "mean_margin": sum(margins) / max(n, 1),
         "n": n,
     }
+
+
+def reward_accuracy(
+    model: Any, tokenizer: PreTrainedTokenizerBase, records: Sequence[dict[str, Any]], *, batch_size: int = 16
+) -> dict[str, float]:
+    """How often a reward model (one-label ``*ForSequenceClassification``) scores the preferred answer higher.
+
+    Each row is the whole prompt + completion, tokenized as the reward recipe does; the reward is read at its last
+    non-padding token (``model.config.pad_token_id``).
+
+    Returns:
+        ``accuracy`` (fraction of pairs with ``r(chosen) > r(rejected)``), ``mean_margin`` (mean of
+        ``r(chosen) - r(rejected)``), ``mean_reward`` and ``n``.
+    """
+    import torch
+
+    from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+
+    pairs, _ = tokenize_pairs(records, tokenizer, max_length=10**6)
+    collate = PreferenceCollator(pad_token_id=int(model.config.pad_token_id), max_length=10**6)
+    was_training = model.training
+    model.eval()
+    margins: list[float] = []
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(pairs), batch_size):
+                batch = collate(pairs[start : start + batch_size])
+                inputs = {k: batch[k].to(model.device) for k in ("input_ids", "attention_mask")}
+                rewards = model(**inputs).logits.squeeze(-1).float().cpu()
+                b = rewards.numel() // 2
+                margins += (rewards[:b] - rewards[b:]).tolist()
+                total += float(rewards.sum())
+    finally:
+        model.train(was_training)
+    n = len(margins)
+    return {
+        "accuracy": sum(m > 0 for m in margins) / max(n, 1),
+        "mean_margin": sum(margins) / max(n, 1),
+        "mean_reward": total / max(2 * n, 1),
+        "n": n,
+    }

@@ -52,6 +52,7 @@ from hf_fsdp2.export.plan import (
     export_config,
     make_plan,
 )
+from hf_fsdp2.model import auto_class_name
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -142,9 +143,13 @@ def _write_metadata(
         weight_map = {k: name for name, keys in zip(plan.names, plan.files, strict=True) for k in keys}
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    export_config(config, plan.weights_dtype, architecture).save_pretrained(stage)
-    gen = generation_config or GenerationConfig.from_model_config(config)
-    gen.save_pretrained(stage)
+    saved = export_config(config, plan.weights_dtype, architecture)
+    saved.save_pretrained(stage)
+    if (
+        auto_class_name(saved) == "AutoModelForCausalLM"
+    ):  # a reward model cannot generate: none, as transformers
+        gen = generation_config or GenerationConfig.from_model_config(config)
+        gen.save_pretrained(stage)
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
     if model_card is not None:

@@ -181,7 +181,9 @@ def build_merged_twin(
             if twin_buf is not None:
                 twin_buf.copy_(buf.to(twin_buf.device, twin_buf.dtype))
     twin.tie_weights()
-    twin.generation_config = getattr(base, "generation_config", None) or twin.generation_config
+    generation = getattr(base, "generation_config", None) or getattr(twin, "generation_config", None)
+    if generation is not None:  # a reward model (sequence classification) has none
+        twin.generation_config = generation
     return twin
 
 

@@ -374,7 +374,7 @@ def export_lora(
             merged_dir,
             config=twin.config,
             tokenizer=tokenizer,
-            generation_config=twin.generation_config,
+            generation_config=getattr(twin, "generation_config", None),
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,
             verify=verify,
