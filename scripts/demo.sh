@@ -9,7 +9,10 @@
 # the 4-bit bytes each rank held and the run's peak memory.
 # `scripts/demo.sh --dpo` aligns the model with DPO on preference pairs of the same task (chosen: the exact
 # answer; rejected: a typical wrong one) and prints how often it prefers the right answer of 50 held-out
-# pairs before and after (recipes/configs/dpo_cpu_demo.yaml).
+# pairs before and after (recipes/configs/dpo_cpu_demo.yaml). `scripts/demo.sh --kto` does the same with KTO on
+# those pairs unpaired (recipes/configs/kto_cpu_demo.yaml). `scripts/demo.sh --rm` trains a reward model (a score
+# head on SmolLM2) on them and prints how often it scores the right answer of the 50 held-out pairs higher, before
+# (the new head) and after (recipes/configs/rm_cpu_demo.yaml).
 set -euo pipefail
 CONFIG=recipes/configs/demo_smollm2.yaml RUN=run SCORED=""
 if [[ "${1:-}" == "--lora" ]]; then
@@ -25,23 +28,29 @@ OUT=${DEMO_OUT:-outputs/demo}
 start=$(date +%s)
 
 model=$($HF convert-smollm2 | tail -n 1)
-if [[ "${1:-}" == "--dpo" ]]; then
+if [[ "${1:-}" =~ ^--(dpo|kto|rm)$ ]]; then
+    kind=${1#--}
     $HF demo-data "$OUT/data" --preference --n-train 400 --n-eval 50 > /dev/null
-    echo "== base model $model: preferred answer more likely than the wrong one, 50 held-out pairs"
-    before=$($HF eval-preference "$model" "$OUT/data/pairs_eval.jsonl" | tail -n 1)
+    evaluate() {  # MODEL: a JSON line (win_rate/accuracy, mean_margin, n)
+        if [[ "$kind" == rm ]]; then $HF score --model "$1" --data "$OUT/data/pairs_eval.jsonl" --seed 0 | tail -n 1
+        else $HF eval-preference "$1" "$OUT/data/pairs_eval.jsonl" | tail -n 1; fi
+    }
+    echo "== base model $model: preferred answer ranked above the wrong one, 50 held-out pairs"
+    before=$(evaluate "$model")
     echo "$before"
-    echo "== DPO with FSDP2 on 2 CPU processes (accelerate launch; reference: a frozen sharded copy)"
-    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/dpo.py \
-        --config recipes/configs/dpo_cpu_demo.yaml \
-        --model_name_or_path "$model" --dataset_name "$OUT/data/pairs_train.jsonl" --output_dir "$OUT/dpo"
-    echo "== aligned model $OUT/dpo on the same 50 pairs"
-    after=$($HF eval-preference "$OUT/dpo" "$OUT/data/pairs_eval.jsonl" | tail -n 1)
+    echo "== $kind with FSDP2 on 2 CPU processes (accelerate launch)"
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml "recipes/$kind.py" \
+        --config "recipes/configs/${kind}_cpu_demo.yaml" \
+        --model_name_or_path "$model" --dataset_name "$OUT/data/pairs_train.jsonl" --output_dir "$OUT/$kind"
+    echo "== trained model $OUT/$kind on the same 50 pairs"
+    after=$(evaluate "$OUT/$kind")
     echo "$after"
     .venv/bin/python - "$before" "$after" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 before, after, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-print(f"win rate before: {before['win_rate']:.0%} (margin {before['mean_margin']:+.2f})   after: "
-      f"{after['win_rate']:.0%} (margin {after['mean_margin']:+.2f})   ({before['n']} held-out pairs, {seconds} s in all)")
+key = "accuracy" if "accuracy" in before else "win_rate"
+print(f"{key.replace('_', ' ')} before: {before[key]:.0%} (margin {before['mean_margin']:+.2f})   after: "
+      f"{after[key]:.0%} (margin {after['mean_margin']:+.2f})   ({before['n']} held-out pairs, {seconds} s in all)")
 PY
     exit 0
 fi

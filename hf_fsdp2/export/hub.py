@@ -388,6 +388,7 @@ def render_model_card(
     world_size: int | None = None,
     recipe: str = "recipes/sft.py",
     repo_id: str | None = None,
+    reward: bool = False,
 ) -> str:
     """README.md of an export: hub metadata (front matter), what was trained how, metrics, how to load.
 
@@ -397,6 +398,7 @@ def render_model_card(
         world_size: ranks the run used, when known.
         recipe: the recipe script.
         repo_id: hub repo the card is for; the load command uses it (else a local path).
+        reward: a reward model (one-label sequence classification): its tags and how to score with it.
 
     Returns:
         The card's text.
@@ -412,8 +414,8 @@ def render_model_card(
         data_kwargs["datasets"] = [data]
     card_data = ModelCardData(
         library_name="transformers",
-        pipeline_tag="text-generation",
-        tags=["hf_fsdp2", "fsdp2", "sft", "safetensors"],
+        pipeline_tag="text-classification" if reward else "text-generation",
+        tags=["hf_fsdp2", "fsdp2", "reward-model" if reward else "sft", "safetensors"],
         **data_kwargs,
     )
     target = repo_id or "path/to/this/folder"
@@ -454,6 +456,14 @@ def render_model_card(
         ]
     else:
         lines.append("No metrics were recorded.")
+    if reward:  # the score of a whole conversation, read at its last token
+        lines += ["", "## Load", "", "```python", "from transformers import AutoModelForSequenceClassification, "
+                  "AutoTokenizer", "", f'model = AutoModelForSequenceClassification.from_pretrained("{target}")',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+                  'messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi!"}]',
+                  "inputs = tokenizer.apply_chat_template(messages, return_tensors='pt', return_dict=True)",
+                  "print(model(**inputs).logits[0, 0].item())  # the reward", "```", ""]  # fmt: skip
+        return "\n".join(lines)
     lines += [
         "",
         "## Load",

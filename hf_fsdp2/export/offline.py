@@ -66,6 +66,14 @@ def load_checkpoint_model(
     step = int(trainer_state.get("step", 0))
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     stored = {k[len("model.") :]: v for k, v in metadata.items() if k.startswith("model.")}
+    # A reward model's checkpoint holds its score head (in full, or as PEFT's modules_to_save copy).
+    reward_head = None
+    if any(k == "score.weight" or ".score.modules_to_save." in k for k in stored):
+        from hf_fsdp2.model import load_tokenizer
+
+        name = cfg.get("tokenizer_name_or_path") or cfg["model_name_or_path"]
+        reward_head = int(load_tokenizer(name, revision=cfg.get("model_revision"),
+                                         trust_remote_code=bool(cfg.get("trust_remote_code"))).pad_token_id)  # fmt: skip
     model: Any = load_model(
         cfg["model_name_or_path"],
         # A LoRA run's frozen base as the run loaded it (``wrap`` upcasts it for the fp32 export); full
@@ -77,6 +85,7 @@ def load_checkpoint_model(
         # Full fine-tuning: parameters on meta, the checkpoint fills them (nothing is read twice). LoRA: the
         # frozen base from the folder, as the run loaded it; the checkpoint holds the adapter.
         empty_weights=wrap is None,
+        reward_head=reward_head,
     )
     if wrap is not None:
         model = wrap(model, cfg, int(trainer_state.get("world_size") or 1))
@@ -157,7 +166,7 @@ def prepare_offline_export(
 
     from hf_fsdp2.config import parse_size
     from hf_fsdp2.export.hub import render_model_card
-    from hf_fsdp2.model import load_tokenizer
+    from hf_fsdp2.model import auto_class_name, load_tokenizer
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ExportError(
@@ -183,7 +192,8 @@ def prepare_offline_export(
     card_cfg = dict(cfg)
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
-    card = render_model_card(card_cfg, metrics=metrics, world_size=world)
+    reward = auto_class_name(model.config) == "AutoModelForSequenceClassification"
+    card = render_model_card(card_cfg, metrics=metrics, world_size=world, reward=reward)
     return OfflineExport(
         model=model,
         cfg=cfg,

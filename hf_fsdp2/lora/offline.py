@@ -55,7 +55,14 @@ def wrap_lora(model: Any, cfg: dict[str, Any], world: int) -> Any:
 
         layers = decoder_layer_classes(model, cfg.get("fsdp_layer_cls_to_wrap") or None)
         quantize_base(model, layers, shards=world, skip=tuple(cfg.get("lora_modules_to_save") or ()))
-    wrapped = apply_lora(model, lora_settings(cfg))
+    from hf_fsdp2.model import auto_class_name
+
+    settings = lora_settings(cfg)
+    if (
+        auto_class_name(model.config) == "AutoModelForSequenceClassification"
+    ):  # a reward model, as the run wrapped it
+        settings = dataclasses.replace(settings, task_type="SEQ_CLS")
+    wrapped = apply_lora(model, settings)
     for param in wrapped.parameters():  # parameters only: buffers computed at init (rotary) keep their dtype
         if param.is_floating_point() and not is_nf4(param) and param.dtype != torch.float32:
             param.data = param.data.float()

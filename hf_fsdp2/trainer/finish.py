@@ -24,6 +24,7 @@ from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, render
 from hf_fsdp2.export.writer import export_model
 from hf_fsdp2.lora.adapter import LoraError
 from hf_fsdp2.lora.save import export_lora
+from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
@@ -64,6 +65,7 @@ def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunSt
         card = render_model_card(
             cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
             repo_id=e.hub_model_id if e.push_to_hub else None,
+            reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
         )  # fmt: skip
     try:
         if (

@@ -114,9 +114,16 @@ def test_two_ranks_equal_a_plain_bradley_terry_loop_and_trls_reward_trainer(
     # The export reloads as a plain AutoModelForSequenceClassification; `hf-fsdp2 score` = the loop model's accuracy.
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
-    assert not (
-        tmp_path / "run" / "generation_config.json"
-    ).exists()  # it cannot generate: none, as transformers
+    assert not (tmp_path / "run" / "generation_config.json").exists()  # it cannot generate: none written
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "AutoModelForSequenceClassification.from_pretrained" in card and "text-classification" in card
+    # The last checkpoint exports offline (one process) to the same verified files as the run's own export.
+    offline = tmp_path / "offline"
+    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(tmp_path / "run" / f"checkpoint-{STEPS}"), str(offline),
+                                          "--dtype", "float32"])  # fmt: skip
+    assert (offline / "model.safetensors").read_bytes() == (
+        tmp_path / "run" / "model.safetensors"
+    ).read_bytes()
     from transformers import AutoTokenizer
 
     from hf_fsdp2.cli import main as cli
@@ -160,3 +167,8 @@ def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_ver
     assert merged["architectures"] == ["Qwen3ForSequenceClassification"], merged["architectures"]
     adapter = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert adapter["task_type"] == "SEQ_CLS" and "score" in adapter["modules_to_save"], adapter
+    # Offline from the last checkpoint: the same adapter, bit for bit (the 4-bit base quantised as the run did).
+    offline = tmp_path / "offline"
+    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(tmp_path / "run" / "checkpoint-3"), str(offline)])
+    name = "adapter_model.safetensors"
+    assert (offline / name).read_bytes() == (tmp_path / "run" / name).read_bytes()

@@ -1,0 +1,87 @@
+"""Unit tests of reward modelling: the per-pair margin column (a bad one named or skipped and counted), the collator's
+margins, the Bradley-Terry loss and the step's statistics against hand computation, the recipe's refusals, and which
+transformers class loads an export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_fsdp2.config import Config, ConfigError
+from hf_fsdp2.config import parse_config as _parse
+from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+from hf_fsdp2.data.records import RecordError
+from hf_fsdp2.model import auto_class_name
+from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.train.reward import RewardSettings, _metrics, _sums, bt_losses
+from hf_fsdp2.trainer.reward import rm_settings_check
+
+
+def parse_config(argv: list[str]) -> Config:
+    return _parse(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv])
+
+
+@pytest.mark.parametrize("margin", ["big", float("nan"), True, [1]])
+def test_a_bad_margin_is_named_with_its_record_or_skipped_and_counted(chatml_tokenizer, margin) -> None:
+    good = {"prompt": "Q", "chosen": " yes", "rejected": " no", "margin": 0.5}
+    bad = {**good, "margin": margin}
+    with pytest.raises(RecordError, match=r"^p.jsonl record 1: margin=.* is not a finite number"):
+        tokenize_pairs([good, bad], chatml_tokenizer, max_length=32, source="p.jsonl")
+    pairs, stats = tokenize_pairs([good, bad], chatml_tokenizer, max_length=32, on_bad_record="skip")
+    assert len(pairs) == 1 and pairs[0]["margin"] == 0.5 and stats.skipped == {"bad margin": 1}
+
+
+def test_the_collator_carries_the_margins_only_when_every_pair_has_one() -> None:
+    pairs = [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], "index": 0, "margin": 0.25},
+             {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5], "index": 1, "margin": 1.0}]  # fmt: skip
+    collate = PreferenceCollator(pad_token_id=0, max_length=8)
+    assert collate(pairs)["margin"].tolist() == [0.25, 1.0]
+    assert "margin" not in collate([pairs[0], {k: v for k, v in pairs[1].items() if k != "margin"}])
+
+
+def test_the_bradley_terry_loss_and_the_statistics_are_the_hand_computed_ones() -> None:
+    rewards = torch.tensor([1.0, -0.5, 0.2, 0.3])  # chosen 1.0, -0.5; rejected 0.2, 0.3
+    margin = torch.tensor([0.5, 0.0])
+    settings = RewardSettings(LossPlan(), center_rewards_coefficient=0.1)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = [-math.log(sig(1.0 - 0.2 - 0.5)) + 0.1 * 1.2**2, -math.log(sig(-0.5 - 0.3)) + 0.1 * (-0.2) ** 2]
+    assert bt_losses(rewards, margin, settings).tolist() == pytest.approx(want, rel=1e-6)
+    assert bt_losses(rewards, None, RewardSettings(LossPlan())).tolist() == pytest.approx(
+        [-math.log(sig(0.8)), -math.log(sig(-0.8))], rel=1e-6
+    )
+    sums, high, low = _sums(rewards)
+    stats = _metrics(sums, 2, float(high), float(low))
+    assert stats["accuracy"] == 0.5 and stats["margin"] == pytest.approx((0.8 - 0.8) / 2, abs=1e-7)
+    assert stats["mean_reward"] == pytest.approx(0.25) and stats["std_reward"] == pytest.approx(
+        float(rewards.std()), rel=1e-6
+    )
+    assert (stats["min_reward"], stats["max_reward"]) == (-0.5, 1.0)
+
+
+def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() -> None:
+    for args, key in ((["--beta", "0.2"], "beta"), (["--loss_type", "ipo"], "loss_type='ipo'"),
+                      (["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{key}.*a preference-optimisation setting"):
+            rm_settings_check(parse_config(args))
+    cfg = parse_config([])
+    rm_settings_check(cfg)
+    assert cfg.data.long_examples == "drop"  # a cut row would lose the token its reward is read at
+    cfg = parse_config(["--long_examples", "error", "--center_rewards_coefficient", "0.01"])
+    rm_settings_check(cfg)
+    assert cfg.data.long_examples == "error"
+    with pytest.raises(ConfigError, match="center_rewards_coefficient=-1.0 must be >= 0"):
+        parse_config(["--center_rewards_coefficient=-1"])
+
+
+def test_an_export_loads_with_the_class_its_architecture_names() -> None:
+    class Config:
+        architectures: list[str] | None = None
+
+    config = Config()
+    assert auto_class_name(config) == "AutoModelForCausalLM"
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    assert auto_class_name(config) == "AutoModelForSequenceClassification"
+    config.architectures = ["LlamaForCausalLM"]
+    assert auto_class_name(config) == "AutoModelForCausalLM"
