@@ -4,6 +4,7 @@ and the loss plan, all from the config sections. Every refusal here happens befo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -84,8 +85,11 @@ def build_model(
         session.model_config, device_type=session.device.type, attn_implementation=m.attn_implementation,
         packing=d.packing, padding_free=bool(d.padding_free), trust_remote_code=m.trust_remote_code,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(t.seed)  # a reward head the checkpoint lacks: the same initial values on every rank
+    with torch.random.fork_rng(devices=[]) if reward else contextlib.nullcontext():
+        if (
+            reward
+        ):  # a score head the checkpoint lacks: seeded (as TRL seeds it), the same values on every rank
+            torch.manual_seed(t.seed)
         model = load_model(
             m.model_name_or_path or "",
             dtype=m.torch_dtype,
