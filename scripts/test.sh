@@ -24,7 +24,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 workers=${HF_FSDP2_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" -gt 1 ]; then
-  parallel=(-n "$workers" --dist loadfile)
+  # --no-loadscope-reorder: xdist would otherwise hand out the files with the most tests first, undoing the
+  # longest-first order of tests/conftest.py (a long file of few tests would start last and run alone).
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
 if [ "$quick" = 1 ]; then
   .venv/bin/python -m pytest -q "${parallel[@]}" -m "not slow" tests/unit \

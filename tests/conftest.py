@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -104,18 +105,47 @@ def pytest_report_header() -> str:
     return f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
 
 
+# Seconds each test file took (setup + call + teardown of its tests) in a whole-suite run, written by that run:
+#   HF_FSDP2_TEST_DURATIONS=tests/durations.json bash scripts/test.sh
+# Only the order of the files depends on it (a stale or missing entry costs balance, never a test).
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def _file_of(item_or_nodeid: pytest.Item | str) -> str:
+    nodeid = item_or_nodeid if isinstance(item_or_nodeid, str) else item_or_nodeid.nodeid
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest files first, so that parallel workers (``scripts/test.sh``: xdist, whole files per worker) do not end
-    with one worker running a long file alone: files with a ``slow`` test (SmolLM2, fresh virtual environments),
-    then the multi-process ones, then the in-process unit tests, which fill the gaps. Order within a file is kept."""
+    """Longest files first, so that parallel workers (``scripts/test.sh``: xdist, whole files per worker, in this
+    order: ``--no-loadscope-reorder``) do not end with one worker running a long file alone while the other idles:
+    the longest-processing-time-first schedule, by the seconds each file took last (:data:`DURATIONS`); a file not
+    measured yet goes by kind (a ``slow`` test: 30 s, multi-process: 10 s, unit: 1 s). Order within a file is kept."""
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    slow_files = {_file_of(item) for item in items if item.get_closest_marker("slow")}
 
-    def rank(path: str) -> int:
-        if path in slow_files:
-            return 0
-        return 2 if "/unit/" in path else 1
+    def seconds(path: str) -> float:
+        if path in measured:
+            return float(measured[path])
+        return 30.0 if path in slow_files else 1.0 if "/unit/" in path else 10.0
 
-    slow_files = {str(item.path) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: rank(str(item.path)))
+    items.sort(key=lambda item: -seconds(_file_of(item)))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each file's seconds, summed (on the xdist controller: the reports of every worker)."""
+    _file_seconds[_file_of(report.nodeid)] = _file_seconds.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With ``HF_FSDP2_TEST_DURATIONS=path``: write each file's seconds there (the controller, once)."""
+    out = os.environ.get("HF_FSDP2_TEST_DURATIONS")
+    if out and not hasattr(session.config, "workerinput") and _file_seconds:
+        rounded = {k: round(v, 1) for k, v in sorted(_file_seconds.items())}
+        Path(out).write_text(json.dumps(rounded, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
