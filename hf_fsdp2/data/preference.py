@@ -218,6 +218,24 @@ def _margin(record: Mapping[str, Any], where: str) -> float | None:
     return float(value)
 
 
+def length_fate(prompt: int, completion: int, max_length: int, long_examples: str, where: str) -> str:
+    """What happens to a row of ``prompt + completion`` tokens: ``keep``, ``truncate`` (the start kept), or ``drop``
+    (``long_examples: drop``, or a prompt that fills ``max_length``: no completion token would be left).
+
+    Raises:
+        RecordError: a row longer than ``max_length`` under ``long_examples: error``, naming the record.
+    """
+    if prompt + completion <= max_length:
+        return "keep"
+    if long_examples == "error":
+        raise RecordError(
+            f"{where}: {prompt + completion} tokens, more than max_length={max_length}; raise max_length, or set "
+            "long_examples=truncate (keep the start) or drop",
+            "too long",
+        )
+    return "drop" if long_examples == "drop" or prompt >= max_length else "truncate"
+
+
 def tokenize_pairs(
     records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
     source: str = "",
@@ -250,18 +268,11 @@ def tokenize_pairs(
                 raise
             skipped[err.reason] = skipped.get(err.reason, 0) + 1
             continue
-        longest = len(prompt_ids) + max(len(chosen_ids), len(rejected_ids))
-        if longest > max_length:
-            if long_examples == "error":
-                raise RecordError(
-                    f"{where}: {longest} tokens, more than max_length={max_length}; raise max_length, or set "
-                    "long_examples=truncate (keep the start) or drop",
-                    "too long",
-                )
-            if long_examples == "drop" or len(prompt_ids) >= max_length:
-                dropped += 1
-                continue
-            truncated += 1
+        fate = length_fate(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), max_length, long_examples,
+                           where)  # fmt: skip
+        dropped, truncated = dropped + (fate == "drop"), truncated + (fate == "truncate")
+        if fate == "drop":
+            continue
         pair = {
             "prompt_ids": prompt_ids,
             "chosen_ids": chosen_ids,

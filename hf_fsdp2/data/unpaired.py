@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, split_prompt, tokenize_completions
+from hf_fsdp2.data.preference import (
+    PreferenceCollator,
+    PreferenceStats,
+    length_fate,
+    split_prompt,
+    tokenize_completions,
+)
 from hf_fsdp2.data.records import RecordError
 
 UNPAIR_BLOCK = (
@@ -128,18 +134,10 @@ def tokenize_unpaired(
                 raise
             skipped[err.reason] = skipped.get(err.reason, 0) + 1
             continue
-        length = len(prompt_ids) + len(completion_ids)
-        if length > max_length:
-            if long_examples == "error":
-                raise RecordError(
-                    f"{where}: {length} tokens, more than max_length={max_length}; raise max_length, or set "
-                    "long_examples=truncate (keep the start) or drop",
-                    "too long",
-                )
-            if long_examples == "drop" or len(prompt_ids) >= max_length:
-                dropped += 1
-                continue
-            truncated += 1
+        fate = length_fate(len(prompt_ids), len(completion_ids), max_length, long_examples, where)
+        dropped, truncated = dropped + (fate == "drop"), truncated + (fate == "truncate")
+        if fate == "drop":
+            continue
         examples.append({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": label,
                          "index": len(examples)})  # fmt: skip
     return examples, PreferenceStats(total, len(examples), truncated, dropped, skipped, "records", "examples")
