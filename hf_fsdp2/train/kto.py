@@ -107,8 +107,10 @@ def kl_estimate(
     b = batch["label"].numel()
     with torch.no_grad():
         policy_kl, _ = completion_logps(model, _rows(batch, slice(b, None)), batch["labels"][b:], plan)
-    local = torch.stack([(policy_kl - reference_kl.to(policy_kl.dtype)).sum().double(),
-                         torch.tensor(float(b), dtype=torch.float64, device=policy_kl.device)])  # fmt: skip
+    # The count by a fill on the device: a tensor made from a host number would be a blocking copy, which waits for
+    # the device's queue on a GPU.
+    count = torch.full((), float(b), dtype=torch.float64, device=policy_kl.device)
+    local = torch.stack([(policy_kl - reference_kl.to(policy_kl.dtype)).sum().double(), count])
     total = collectives.all_reduce_sum(local * float(real))
     return (total[0] / total[1].clamp(min=1)).clamp(min=0).to(policy_kl.dtype)
 

@@ -318,3 +318,67 @@ def test_preference_win_rate_of_a_model_on_the_device(model_dir: Path) -> None:
     with mode:
         out = preference_win_rate(model, tokenizer, records, batch_size=2)
     assert out["n"] == 3 and not mode.mismatches
+
+
+def _step_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
+    """The library's host reads but those of the shared update (clip_grad_norm)."""
+    return [(what, where) for what, where in _library_reads(mode) if "clip_grad_norm" not in where]
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) -> None:
+    from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
+    from hf_fsdp2.train.dpo import FrozenModel
+    from hf_fsdp2.train.kto import KTOSettings, kto_step
+    from hf_fsdp2.train.loss import LossPlan
+
+    model = load_model(str(model_dir))
+    examples = with_kl_completions(
+        [{"prompt_ids": [5, 6, 7], "completion_ids": [8, 9, 10], "label": True},
+         {"prompt_ids": [14, 15], "completion_ids": [16], "label": False},
+         {"prompt_ids": [20], "completion_ids": [21, 22, 23, 24], "label": True}],
+        world_size=1, batch_size=3,
+    )  # fmt: skip
+    batches = [UnpairedCollator(pad_token_id=0, max_length=16)(examples)] * 2
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    frozen = load_model(str(model_dir))
+    mode.put_module(frozen)
+    with mode:
+        out = kto_step(model, _optimizer(model), None, batches, FrozenModel(frozen, LossPlan()), KTOSettings(LossPlan()),
+                       DEVICE)  # fmt: skip
+        assert (
+            out.examples == 6 and out.desirable == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
+        )
+    # The step's counts (all-reduced, read once); the KL estimate's sum and count stay on the device. (The update
+    # after it is every recipe's clip_and_update: the fake device sees a cpu() in clip_grad_norm, not counted here.)
+    assert [what for what, _ in _step_reads(mode)] == ["tolist()"], _library_reads(mode)
+
+
+def test_a_reward_model_step_reads_the_device_once(model_dir: Path) -> None:
+    from hf_fsdp2.data.preference import PreferenceCollator
+    from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.reward import RewardSettings, reward_step
+
+    torch.manual_seed(0)
+    model = load_model(str(model_dir), reward_head=0)
+    pairs = [
+        {
+            "prompt_ids": [5, 6, 7],
+            "chosen_ids": [8, 9, 10, 11],
+            "rejected_ids": [12, 13],
+            "index": 0,
+            "margin": 0.5,
+        },
+        {"prompt_ids": [14, 15], "chosen_ids": [16], "rejected_ids": [17, 18, 19], "index": 1, "margin": 0.0},
+    ]
+    batches = [PreferenceCollator(pad_token_id=0, max_length=16)(pairs)] * 2
+    mode = FakeAccelerator()
+    mode.put_module(model)
+    with mode:
+        out = reward_step(model, _optimizer(model), None, batches, RewardSettings(LossPlan(), 0.01), DEVICE)
+        assert out.pairs == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
+    assert [what for what, _ in _step_reads(mode)] == ["tolist()"], _library_reads(mode)
