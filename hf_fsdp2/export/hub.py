@@ -381,12 +381,16 @@ def _looks_like_hub_id(name: str | None) -> bool:
     return repo_id_problem(name) is None and name.count("/") == 1
 
 
+_RECIPE_KINDS = {"sft": "supervised fine-tuning", "cpt": "continued pre-training", "dpo": "preference optimisation",
+                 "kto": "KTO on unpaired preference data", "rm": "reward modelling"}  # fmt: skip
+
+
 def render_model_card(
     run_config: dict[str, Any],
     *,
     metrics: dict[str, Any] | None,
     world_size: int | None = None,
-    recipe: str = "recipes/sft.py",
+    recipe: str = "sft",
     repo_id: str | None = None,
     reward: bool = False,
 ) -> str:
@@ -396,7 +400,7 @@ def render_model_card(
         run_config: the resolved config (flat dict, as in hf_fsdp2_config.yaml); hub_token is never shown.
         metrics: the last metrics.jsonl record, or None.
         world_size: ranks the run used, when known.
-        recipe: the recipe script.
+        recipe: the recipe (``sft``, ``cpt``, ``dpo``, ``kto``, ``rm``; its script is ``recipes/<recipe>.py``).
         repo_id: hub repo the card is for; the load command uses it (else a local path).
         reward: a reward model (one-label sequence classification): its tags and how to score with it.
 
@@ -415,7 +419,7 @@ def render_model_card(
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-classification" if reward else "text-generation",
-        tags=["hf_fsdp2", "fsdp2", "reward-model" if reward else "sft", "safetensors"],
+        tags=["hf_fsdp2", "fsdp2", *(["reward-model"] if reward else []), recipe, "safetensors"],
         **data_kwargs,
     )
     target = repo_id or "path/to/this/folder"
@@ -426,8 +430,8 @@ def render_model_card(
         "",
         f"# {repo_id.split('/')[-1] if repo_id else Path(str(run_config.get('output_dir') or 'model')).name}",
         "",
-        f"Fine-tuned from `{base}` on `{data}` with hf_fsdp2 `{recipe}` "
-        f"(supervised fine-tuning, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
+        f"Fine-tuned from `{base}` on `{data}` with hf_fsdp2 `recipes/{recipe}.py` "
+        f"({_RECIPE_KINDS.get(recipe, recipe)}, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
         "",
         "## Hyper-parameters",
         "",

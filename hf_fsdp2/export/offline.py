@@ -193,7 +193,9 @@ def prepare_offline_export(
     card_cfg["export_dtype"] = dtype or cfg.get("export_dtype", "bfloat16")
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
     reward = auto_class_name(model.config) == "AutoModelForSequenceClassification"
-    card = render_model_card(card_cfg, metrics=metrics, world_size=world, reward=reward)
+    card = render_model_card(
+        card_cfg, metrics=metrics, world_size=world, reward=reward, recipe="rm" if reward else "sft"
+    )
     return OfflineExport(
         model=model,
         cfg=cfg,

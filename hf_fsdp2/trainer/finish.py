@@ -50,7 +50,9 @@ USER_ERRORS = (
 )
 
 
-def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int) -> None:
+def export_run(
+    session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int, recipe: str = "sft"
+) -> None:
     """The consolidated export in the run folder, written by every rank (none gathers the model), verified
     against the live model, then published; a model card from the run. Every rank calls it.
 
@@ -64,7 +66,7 @@ def export_run(session: Session, model: TrainModel, tokenizer: Any, state: RunSt
     if session.is_main:
         card = render_model_card(
             cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
-            repo_id=e.hub_model_id if e.push_to_hub else None,
+            repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe,
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
         )  # fmt: skip
     try:
@@ -121,7 +123,7 @@ def finish(
     e = session.cfg.export
     state.wait()
     observer.close()
-    export_run(session, model, tokenizer, state, last_step)
+    export_run(session, model, tokenizer, state, last_step, recipe)
     # SIGTERM (on any rank) during the export: the export was let finish; the run ends as a clean stop.
     stopped = state.stop.should_stop()
     summary = run_summary(

@@ -353,8 +353,9 @@ def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) 
         assert (
             out.examples == 6 and out.desirable == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
         )
-    # The step's counts (all-reduced, read once); the KL estimate's sum and count stay on the device. (The update
-    # after it is every recipe's clip_and_update: the fake device sees a cpu() in clip_grad_norm, not counted here.)
+    # The step's counts (all-reduced, read once); the KL estimate's sum and count stay on the device. (Not counted:
+    # a cpu() the harness sees in torch's clip_grad_norm_, which stacks the per-group norms on the first gradient's
+    # device: a fake-device tensor's real device is the host; on a GPU it is the GPU, no read.)
     assert [what for what, _ in _step_reads(mode)] == ["tolist()"], _library_reads(mode)
 
 

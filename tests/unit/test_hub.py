@@ -653,6 +653,12 @@ def test_model_card_with_hub_ids() -> None:
     assert "| learning_rate | `2e-05` |" in card and "| loss | 1.23457 |" in card
     assert 'AutoModelForCausalLM.from_pretrained("me/smol-sft")' in card
     assert "hf_SECRET" not in card and "hub_token" not in card
+    assert "sft" in meta["tags"] and "(supervised fine-tuning, FSDP2 on 8 ranks)" in card
+    dpo = render_model_card(cfg, metrics=None, recipe="dpo")
+    assert "recipes/dpo.py` (preference optimisation" in dpo and "dpo" in front_matter(dpo)["tags"]
+    rm = render_model_card(cfg, metrics=None, recipe="rm", reward=True)
+    assert "reward-model" in front_matter(rm)["tags"] and "(reward modelling" in rm
+    assert "AutoModelForSequenceClassification.from_pretrained" in rm and "generate" not in rm
 
 
 def test_model_card_with_local_paths_and_no_metrics(tmp_path: Path) -> None:
