@@ -187,9 +187,14 @@ def build_model(
                     held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
     logger.info("parameter layout: %s", describe_layout(model))
     # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
-    if reward:  # no LM head, no logits over the vocabulary: the step reads the score head's values
-        loss_plan = LossPlan(0, router_aux_coef=router_aux_coef(model.config),
-                             notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",))  # fmt: skip
+    if (
+        reward
+    ):  # no LM head, no logits over the vocabulary: the step reads the score head's values. No router loss:
+        # transformers' sequence-classification models return none (TRL's RewardTrainer adds none either).
+        aux = router_aux_coef(model.config)
+        loss_plan = LossPlan(0, notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",
+                                       *([f"no router loss (router_aux_loss_coef {aux:g} ignored): a sequence-"
+                                          "classification model returns none"] if aux else [])))  # fmt: skip
     else:
         loss_plan = plan_loss(model, t.ce_chunk_tokens)
     for line in loss_plan.notes:

@@ -172,3 +172,15 @@ def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_ver
     python(REPO / "hf_fsdp2" / "cli.py", ["export", str(tmp_path / "run" / "checkpoint-3"), str(offline)])
     name = "adapter_model.safetensors"
     assert (offline / name).read_bytes() == (tmp_path / "run" / name).read_bytes()
+
+
+def test_a_moe_reward_model_trains_and_exports_without_a_router_loss(assets, tmp_path: Path) -> None:
+    """Qwen3-MoE with ``output_router_logits``: transformers' sequence-classification model returns no router loss
+    (TRL adds none either), so none is planned or logged; the experts shard, train and export verified."""
+    model = make_family_dir(tmp_path / "moe", "qwen3_moe", overrides={"output_router_logits": True})
+    proc = _run({"model": model, "data": assets["data"]}, tmp_path / "run", "--max_steps", "2", accum=1)
+    log = proc.stdout + proc.stderr
+    assert "Qwen3MoeForSequenceClassification: score head" in log and "no router loss" in log, log[-3000:]
+    assert "export verified" in log, log[-3000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "aux_loss" not in r for r in rows), rows
