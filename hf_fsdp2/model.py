@@ -141,6 +141,14 @@ def load_model(
     auto: Any = AutoModelForCausalLM
     if reward_head is not None:
         auto = AutoModelForSequenceClassification
+        if type(config) not in auto._model_mapping and not trust_remote_code:
+            import transformers
+
+            raise ValueError(
+                f"model_type={config.model_type!r} ({type(config).__name__}) has no sequence-classification class in "
+                f"transformers {transformers.__version__}, so it cannot carry a reward model's score head; train the "
+                "reward model from a family that has one (Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...)"
+            )
         config.num_labels, config.pad_token_id = 1, reward_head
         config.id2label, config.label2id = {0: "LABEL_0"}, {"LABEL_0": 0}
     name_or_path = _check_source(name_or_path, "model_name_or_path")

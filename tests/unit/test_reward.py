@@ -75,6 +75,15 @@ def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() ->
         parse_config(["--center_rewards_coefficient=-1"])
 
 
+def test_a_family_without_a_sequence_classification_class_is_refused_with_the_reason(tmp_path) -> None:
+    from support.families import make_family_dir
+
+    from hf_fsdp2.model import load_model
+
+    with pytest.raises(ValueError, match="model_type='granite' .* has no sequence-classification class"):
+        load_model(str(make_family_dir(tmp_path / "granite", "granite")), reward_head=0)
+
+
 def test_an_export_loads_with_the_class_its_architecture_names() -> None:
     class Config:
         architectures: list[str] | None = None
