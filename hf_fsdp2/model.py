@@ -18,6 +18,8 @@ from transformers import (
 )
 
 from hf_fsdp2.dtypes import dtype_named
+from hf_fsdp2.score_head import auto_map as score_auto_map
+from hf_fsdp2.score_head import carries_score_head, needs_score_head, score_head_class
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -141,14 +143,11 @@ def load_model(
     auto: Any = AutoModelForCausalLM
     if reward_head is not None:
         auto = AutoModelForSequenceClassification
-        if type(config) not in auto._model_mapping and not trust_remote_code:
-            import transformers
-
-            raise ValueError(
-                f"model_type={config.model_type!r} ({type(config).__name__}) has no sequence-classification class in "
-                f"transformers {transformers.__version__}, so it cannot carry a reward model's score head; train the "
-                "reward model from a family that has one (Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...)"
-            )
+        if needs_score_head(config) and not trust_remote_code:
+            # No transformers class for this family: transformers' generic one over its base model, registered
+            # with the auto class; the export carries it as modeling_score_head.py (config.auto_map).
+            score_head_class(config)
+            config.auto_map = {**(getattr(config, "auto_map", None) or {}), **score_auto_map(config)}
         config.num_labels, config.pad_token_id = 1, reward_head
         config.id2label, config.label2id = {0: "LABEL_0"}, {"LABEL_0": 0}
     name_or_path = _check_source(name_or_path, "model_name_or_path")
@@ -167,12 +166,15 @@ def load_model(
     else:
         model = auto.from_pretrained(
             name_or_path,
-            **({"config": config} if reward_head is not None else {}),
+            **({"config": config, "output_loading_info": True} if reward_head is not None else {}),
             revision=revision,
             dtype=torch_dtype,
             attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
+        if reward_head is not None:
+            model, info = model
+            _check_backbone_loaded(model, info["missing_keys"], name_or_path)
     if reward_head is not None:  # what auto_class_name reads, before save_pretrained writes it
         model.config.architectures = [type(model).__name__]
     model.config.use_cache = False
@@ -180,11 +182,25 @@ def load_model(
     return model
 
 
+def _check_backbone_loaded(model: torch.nn.Module, missing: Any, name_or_path: str) -> None:
+    """A reward model loaded from a checkpoint may lack only its score head: any other missing weight would train
+    from random values (a backbone under another prefix than the checkpoint's)."""
+    lost = sorted(k for k in missing if not k.startswith("score."))
+    if lost:
+        raise ValueError(
+            f"{type(model).__name__} from {name_or_path}: {len(lost)} backbone weights are not in the checkpoint "
+            f"(e.g. {lost[:3]}), so they would start random; the checkpoint's names do not match the class's "
+            f"({getattr(model, 'base_model_prefix', '')!r} prefix): load a checkpoint of this family's causal LM or reward model"
+        )
+
+
 def auto_class_name(config: Any) -> str:
     """The transformers auto class that loads a model of ``config``: ``AutoModelForSequenceClassification`` for a
     reward model (its architectures name a ``*ForSequenceClassification``), else ``AutoModelForCausalLM``."""
     architectures = getattr(config, "architectures", None) or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        if carries_score_head(config):  # its class built here and registered with the auto class
+            score_head_class(config)
         return "AutoModelForSequenceClassification"
     return "AutoModelForCausalLM"
 

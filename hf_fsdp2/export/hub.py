@@ -393,6 +393,7 @@ def render_model_card(
     recipe: str = "sft",
     repo_id: str | None = None,
     reward: bool = False,
+    remote_code: bool = False,
 ) -> str:
     """README.md of an export: hub metadata (front matter), what was trained how, metrics, how to load.
 
@@ -403,6 +404,7 @@ def render_model_card(
         recipe: the recipe (``sft``, ``cpt``, ``dpo``, ``kto``, ``rm``; its script is ``recipes/<recipe>.py``).
         repo_id: hub repo the card is for; the load command uses it (else a local path).
         reward: a reward model (one-label sequence classification): its tags and how to score with it.
+        remote_code: its class is the folder's modeling_score_head.py (loaded with ``trust_remote_code=True``).
 
     Returns:
         The card's text.
@@ -462,7 +464,8 @@ def render_model_card(
         lines.append("No metrics were recorded.")
     if reward:  # the score of a whole conversation, read at its last token
         lines += ["", "## Load", "", "```python", "from transformers import AutoModelForSequenceClassification, "
-                  "AutoTokenizer", "", f'model = AutoModelForSequenceClassification.from_pretrained("{target}")',
+                  "AutoTokenizer", "", f'model = AutoModelForSequenceClassification.from_pretrained("{target}"'
+                  f'{", trust_remote_code=True" if remote_code else ""})',
                   f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
                   'messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi!"}]',
                   "inputs = tokenizer.apply_chat_template(messages, return_tensors='pt', return_dict=True)",

@@ -167,6 +167,7 @@ def prepare_offline_export(
     from hf_fsdp2.config import parse_size
     from hf_fsdp2.export.hub import render_model_card
     from hf_fsdp2.model import auto_class_name, load_tokenizer
+    from hf_fsdp2.score_head import carries_score_head
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ExportError(
@@ -194,7 +195,12 @@ def prepare_offline_export(
     world = json.loads((ckpt / "trainer_state.json").read_text()).get("world_size")
     reward = auto_class_name(model.config) == "AutoModelForSequenceClassification"
     card = render_model_card(
-        card_cfg, metrics=metrics, world_size=world, reward=reward, recipe="rm" if reward else "sft"
+        card_cfg,
+        metrics=metrics,
+        world_size=world,
+        reward=reward,
+        recipe="rm" if reward else "sft",
+        remote_code=carries_score_head(model.config),
     )
     return OfflineExport(
         model=model,

@@ -53,6 +53,7 @@ from hf_fsdp2.export.probe import (
     rounded_weights,
 )
 from hf_fsdp2.model import auto_class_name
+from hf_fsdp2.score_head import carries_score_head
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
 # Config keys an export sets itself (or that describe the file, not the model).
@@ -180,7 +181,8 @@ Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
 folder, out = request["folder"], sys.argv[2]
 def load(dtype):
     kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"])
-    return Auto.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs)
+    return Auto.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True,
+                                trust_remote_code=request.get("trust_remote_code", False), **kwargs)
 model, info = load(request["load_dtype"])
 def tensor(name):
     module_name, _, leaf = name.rpartition(".")
@@ -370,6 +372,7 @@ def verify_export(
             "ignore": sorted(_CONFIG_KEYS_SET),
             "ram": reload_ram_bytes,
             "auto_class": auto_class_name(config),  # a reward model reloads with its score head
+            "trust_remote_code": carries_score_head(config),  # ... from the folder's modeling_score_head.py
         }
         found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
         if atol is None and "noise" in found:

@@ -53,6 +53,7 @@ from hf_fsdp2.export.plan import (
     make_plan,
 )
 from hf_fsdp2.model import auto_class_name
+from hf_fsdp2.score_head import write_modeling_file
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -145,6 +146,7 @@ def _write_metadata(
         (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     saved = export_config(config, plan.weights_dtype, architecture)
     saved.save_pretrained(stage)
+    write_modeling_file(saved, stage)  # a score head transformers lacks: its class, named in config.auto_map
     if (
         auto_class_name(saved) == "AutoModelForCausalLM"
     ):  # a reward model cannot generate: none, as transformers

@@ -58,6 +58,15 @@ from peft import PeftModel
 import transformers
 request = torch.load(sys.argv[1])
 Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
+if request.get("modeling"):  # a score head transformers lacks: the class the adapter folder ships, registered
+    import importlib.util, pathlib, tempfile
+    path = pathlib.Path(tempfile.mkdtemp()) / "modeling_score_head.py"
+    path.write_text(request["modeling"])
+    spec = importlib.util.spec_from_file_location("modeling_score_head", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    head_class = getattr(module, request["modeling_class"])
+    Auto.register(head_class.config_class, head_class, exist_ok=True)
 out = sys.argv[2]
 nf4 = request.get("nf4") or {}  # QLoRA: {module: scale block} of the 4-bit base, quantised here as the run did
 if nf4:
@@ -122,12 +131,18 @@ def head_request(model: torch.nn.Module) -> dict[str, Any]:
     """A reward model's reload: the base loaded with ``AutoModelForSequenceClassification``, one label and the run's
     padding id (PEFT's adapter folder holds the trained score head); empty for a causal LM."""
     from hf_fsdp2.model import auto_class_name
+    from hf_fsdp2.score_head import carries_score_head, modeling_source, score_head_class
 
     config: Any = model.config
     name = auto_class_name(config)
     if name == "AutoModelForCausalLM":
         return {}
-    return {"auto_class": name, "head": {"num_labels": 1, "pad_token_id": config.pad_token_id}}
+    request = {"auto_class": name, "head": {"num_labels": 1, "pad_token_id": config.pad_token_id}}
+    if carries_score_head(
+        config
+    ):  # no transformers class: the reload runs the modeling file the folder ships
+        request.update(modeling=modeling_source(config), modeling_class=score_head_class(config).__name__)
+    return request
 
 
 def verify_adapter(
@@ -326,6 +341,7 @@ def export_lora(
     from hf_fsdp2.export.finite import check_finite
     from hf_fsdp2.export.reload_process import shared_reload_process
     from hf_fsdp2.export.writer import publish
+    from hf_fsdp2.score_head import write_modeling_file
 
     out = Path(out_dir)
     stage = out / ADAPTER_STAGE_NAME
@@ -343,6 +359,8 @@ def export_lora(
                 tokenizer.save_pretrained(str(stage))
             if model_card is not None:
                 (stage / "README.md").write_text(model_card)
+            # A score head transformers lacks: the class that loads the base with it, beside the adapter.
+            write_modeling_file(model.get_base_model().config, stage)  # type: ignore[operator]
 
     # The adapter's reload and the merged model's share one interpreter (export/reload_process.py).
     with shared_reload_process() if verify and merge else contextlib.nullcontext():

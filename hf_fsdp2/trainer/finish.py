@@ -28,6 +28,7 @@ from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
+from hf_fsdp2.score_head import carries_score_head
 from hf_fsdp2.train.nonfinite import NonFiniteError
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.observer import Observer
@@ -68,6 +69,7 @@ def export_run(
             cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
             repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe,
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
+            remote_code=carries_score_head(unwrapped.config),
         )  # fmt: skip
     try:
         if (

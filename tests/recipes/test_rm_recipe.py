@@ -11,6 +11,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,9 +56,12 @@ def _run(assets: dict[str, Path], out: Path, *extra: str, accum: int = 2):  # ty
     return torchrun(RM, args, nproc=2)
 
 
-def _plain_loop(assets: dict[str, Path], per_step: int, center: float) -> tuple[list[dict], torch.nn.Module]:
+def _plain_loop(
+    assets: dict[str, Path], per_step: int, center: float, cls: Any = None
+) -> tuple[list[dict], torch.nn.Module]:
     """Bradley-Terry by hand: the step's pairs in one batch (sequential order), the score head seeded as TRL seeds
-    it; per pair ``-logsigmoid(r_c - r_r - margin) + center (r_c + r_r)^2``, the mean over the step's pairs."""
+    it; per pair ``-logsigmoid(r_c - r_r - margin) + center (r_c + r_r)^2``, the mean over the step's pairs.
+    ``cls``: the model class (default ``AutoModelForSequenceClassification``)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
@@ -65,7 +69,7 @@ def _plain_loop(assets: dict[str, Path], per_step: int, center: float) -> tuple[
     pairs, _ = tokenize_pairs(records, tok, max_length=64)
     collate = PreferenceCollator(pad_token_id=tok.pad_token_id, max_length=64)
     torch.manual_seed(SEED)
-    model = AutoModelForSequenceClassification.from_pretrained(
+    model = (cls or AutoModelForSequenceClassification).from_pretrained(
         assets["model"], num_labels=1, dtype=torch.float32
     )
     model.config.pad_token_id = tok.pad_token_id
@@ -147,13 +151,69 @@ def test_two_ranks_equal_a_plain_bradley_terry_loop_and_trls_reward_trainer(
     assert not _differences(theirs, four), _differences(theirs, four)
 
 
+def test_a_family_transformers_has_no_score_class_for_trains_as_a_plain_loop_and_exports_its_class(
+    assets, tmp_path: Path, capsys
+) -> None:
+    """Granite (tied, logits scaling) has no ``*ForSequenceClassification`` in transformers: the run's reward model is
+    transformers' generic class over GraniteModel, every step equal to a plain loop over that class written here as
+    a user would; the export carries the class (modeling_score_head.py, config auto_map), is verified by a fresh
+    plain-transformers reload with ``trust_remote_code``, and ``hf-fsdp2 score`` reads it."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.modeling_layers import GenericForSequenceClassification
+    from transformers.models.granite.modeling_granite import GranitePreTrainedModel
+
+    class GraniteForSequenceClassification(GenericForSequenceClassification, GranitePreTrainedModel):
+        pass
+
+    model = make_family_dir(tmp_path / "granite", "granite")
+    granite = {"model": model, "data": assets["data"]}
+    proc = _run(granite, tmp_path / "run", "--export_dtype", "float32")
+    log = proc.stdout + proc.stderr
+    assert "GraniteForSequenceClassification: score head (1, 64)" in log and "export verified" in log, log[
+        -3000:
+    ]
+    got = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    want, loop_model = _plain_loop(granite, 8, 0.0, cls=GraniteForSequenceClassification)
+    assert not _differences(got, want), _differences(got, want)
+    run = tmp_path / "run"
+    config = json.loads((run / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoModelForSequenceClassification": "modeling_score_head.GraniteForSequenceClassification"
+    }
+    assert "class GraniteForSequenceClassification(" in (run / "modeling_score_head.py").read_text()
+    assert (
+        "from_pretrained(" in (card := (run / "README.md").read_text()) and "trust_remote_code=True" in card
+    )
+    reloaded = AutoModelForSequenceClassification.from_pretrained(
+        run, trust_remote_code=True, dtype=torch.float32
+    )
+    ids = torch.tensor([[5, 9, 14, 3, 7], [8, 2, 11, 0, 0]])
+    with torch.no_grad():
+        mask = (ids != 0).long()
+        mine = loop_model.eval()(input_ids=ids, attention_mask=mask).logits
+        theirs = reloaded.eval()(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (mine, theirs)
+    from hf_fsdp2.cli import main as cli
+
+    capsys.readouterr()
+    assert cli(["score", "--model", str(run), "--data", str(assets["data"])]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["n"] == 32 and 0 <= scored["accuracy"] <= 1, scored
+
+
 def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_verified_adapter(
     assets, tmp_path: Path
 ) -> None:
+    """On Granite (tied embeddings, and a score class transformers lacks: the adapter's plain-PEFT reload and the
+    merged model's go through the modeling file the folders carry)."""
     pytest.importorskip("torchao")
-    overrides = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "head_dim": 64}  # fmt: skip
-    model = make_family_dir(tmp_path / "qwen", "qwen3", overrides=overrides)  # tied embeddings
+    overrides = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    model = make_family_dir(tmp_path / "granite", "granite", overrides=overrides)
     proc = _run({"model": model, "data": assets["data"]}, tmp_path / "run", "--use_peft", "true", "--load_in_4bit",
                 "true", "--learning_rate", "5e-3", "--max_steps", "3", "--eval_split_fraction", "0.25", "--eval_steps",
                 "3", "--merge_adapter", "true", accum=1)  # fmt: skip
@@ -164,7 +224,9 @@ def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_ver
     evals = [r for r in rows if "eval_loss" in r]
     assert evals and evals[-1]["eval_pairs"] == 8 and 0 <= evals[-1]["eval_accuracy"] <= 1, evals
     merged = json.loads((tmp_path / "run" / "merged" / "config.json").read_text())  # verified like any export
-    assert merged["architectures"] == ["Qwen3ForSequenceClassification"], merged["architectures"]
+    assert merged["architectures"] == ["GraniteForSequenceClassification"], merged["architectures"]
+    assert (tmp_path / "run" / "merged" / "modeling_score_head.py").is_file()
+    assert (tmp_path / "run" / "modeling_score_head.py").is_file()  # beside the adapter: the base's class
     adapter = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert adapter["task_type"] == "SEQ_CLS" and "score" in adapter["modules_to_save"], adapter
     # Offline from the last checkpoint: the same adapter, bit for bit (the 4-bit base quantised as the run did).

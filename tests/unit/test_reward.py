@@ -75,13 +75,76 @@ def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() ->
         parse_config(["--center_rewards_coefficient=-1"])
 
 
-def test_a_family_without_a_sequence_classification_class_is_refused_with_the_reason(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["granite", "codegen"])
+def test_a_family_without_a_sequence_classification_class_gets_transformers_generic_score_head(
+    tmp_path, family
+) -> None:
+    """Granite (tied, logits scaling; prefix ``model``) and CodeGen (prefix ``transformer``) have no
+    ``*ForSequenceClassification`` in transformers: the reward model is transformers' generic class over the
+    family's base model; its reward is the backbone's last non-padding hidden state times the score weight, computed
+    here by hand; the causal LM's backbone loads whole (only the score head is new) and a save of it reloads to the
+    same rewards with the modeling file it carries."""
     from support.families import make_family_dir
+    from transformers import AutoModelForCausalLM, CodeGenConfig
 
     from hf_fsdp2.model import load_model
+    from hf_fsdp2.score_head import MODELING_FILE, write_modeling_file
 
-    with pytest.raises(ValueError, match="model_type='granite' .* has no sequence-classification class"):
-        load_model(str(make_family_dir(tmp_path / "granite", "granite")), reward_head=0)
+    if family == "codegen":
+        folder = tmp_path / family
+        config = CodeGenConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    else:
+        folder = make_family_dir(tmp_path / family, family)
+    torch.manual_seed(0)
+    model = load_model(str(folder), reward_head=0, dtype="float32").eval()
+    name = type(model).__name__
+    assert name.endswith("ForSequenceClassification") and type(model).__module__ == "hf_fsdp2.score_head"
+    assert model.config.auto_map == {"AutoModelForSequenceClassification": f"modeling_score_head.{name}"}
+    lm = load_model(str(folder), dtype="float32")
+    backbone = {k: v for k, v in lm.state_dict().items() if not k.startswith("lm_head.")}
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in backbone.items()), (
+        "the causal LM's backbone did not load"
+    )
+    ids = torch.randint(3, 60, (3, 9))
+    ids[1, 6:], ids[2, 2:] = 0, 0  # right padding of different lengths
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        hidden = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=mask).last_hidden_state
+    last = mask.sum(1) - 1
+    want = hidden[torch.arange(3), last] @ model.score.weight.T
+    assert got.shape == (3, 1) and torch.allclose(got, want, atol=1e-6), (got, want)
+    model.save_pretrained(tmp_path / "saved")
+    assert write_modeling_file(model.config, tmp_path / "saved")
+    source = (tmp_path / "saved" / MODELING_FILE).read_text()
+    assert (
+        "hf_fsdp2" not in source.split('"""')[-1]
+        and f"class {name}(GenericForSequenceClassification" in source
+    )
+    again = load_model(str(tmp_path / "saved"), reward_head=0, dtype="float32").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids, attention_mask=mask).logits, got)
+
+
+def test_a_family_with_no_base_model_is_refused_and_a_backbone_that_does_not_load_is_named(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+    from support.tiny import make_tiny_llama_dir
+    from transformers import TrOCRConfig
+
+    from hf_fsdp2.model import load_model
+    from hf_fsdp2.score_head import score_head_class
+
+    with pytest.raises(
+        ValueError, match="model_type='trocr' .* has neither a sequence-classification class nor"
+    ):
+        score_head_class(TrOCRConfig())
+    folder = make_tiny_llama_dir(tmp_path / "llama", seed=1)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k.replace("model.", "backbone."): v for k, v in weights.items()}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"backbone weights are not in the checkpoint .*'model' prefix"):
+        load_model(str(folder), reward_head=0)
 
 
 def test_an_export_loads_with_the_class_its_architecture_names() -> None:
