@@ -199,6 +199,12 @@ def test_a_family_transformers_has_no_score_class_for_trains_as_a_plain_loop_and
     assert cli(["score", "--model", str(run), "--data", str(assets["data"])]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert scored["n"] == 32 and 0 <= scored["accuracy"] <= 1, scored
+    # Offline from the last checkpoint (one process): the same weights, class file and auto_map.
+    offline = tmp_path / "offline"
+    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(run / f"checkpoint-{STEPS}"), str(offline), "--dtype",
+                                          "float32"])  # fmt: skip
+    for name in ("model.safetensors", "modeling_score_head.py", "config.json"):
+        assert (offline / name).read_bytes() == (run / name).read_bytes(), name
 
 
 def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_verified_adapter(
