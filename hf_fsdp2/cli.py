@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from hf_fsdp2.commands import demo, export, plan, plot, push, score, show_data, train
+from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train
 from hf_fsdp2.commands.common import Subparsers, user_error
 from hf_fsdp2.launch import RECIPES
 from hf_fsdp2.noise import quiet_foreign_noise
@@ -32,6 +32,7 @@ SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     show_data.register_show_data,
     plan.register_plan,
     plot.register_plot,
+    doctor.register_doctor,
 )
 
 

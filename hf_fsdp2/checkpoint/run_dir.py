@@ -216,3 +216,15 @@ class RunLock:
             if holder.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False
+
+
+def lock_holder(output_dir: str | Path) -> tuple[dict[str, str | int], bool]:
+    """The run whose lock is in ``output_dir`` (empty: none) and whether a run would be refused for it (its pid is
+    alive on this host, or it is on another host, which cannot be checked from here)."""
+    lock = RunLock(output_dir)
+    if not lock.path.is_file():
+        return {}, False
+    holder = lock._holder()
+    if holder.get("host") != socket.gethostname():
+        return holder, True
+    return holder, _alive(int(holder.get("pid", -1)))

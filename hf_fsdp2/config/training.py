@@ -112,6 +112,12 @@ class TrainArgs:
         default=1800,
         metadata={"help": "Seconds a collective may wait before the run fails (NCCL/gloo timeout)."},
     )
+    strict_launch: bool = field(
+        default=False,
+        metadata={
+            "help": "A world smaller than the processes asked for or the GPUs visible is an error, not a warning."
+        },
+    )
     host_wait_timeout: int = field(
         default=6 * 3600,
         metadata={

@@ -72,34 +72,6 @@ def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrec
     )
 
 
-def launcher_overrides(plan: ShardingPlan, mixed_precision: str) -> list[str]:
-    """Differences between the recipe's settings and what `accelerate launch` put in the environment.
-
-    The recipe's values win; the recipe logs each difference (rank 0) so nothing is silently ignored.
-    `accelerate launch` fills in defaults for keys its config file leaves out (mixed precision ``no``,
-    activation checkpointing off), so a difference is not necessarily a line of that file.
-    """
-    notes = []
-    env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if env_mp and env_mp != mixed_precision:
-        notes.append(f"mixed_precision: accelerate config says {env_mp!r}, recipe says {mixed_precision!r}")
-    env_ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING")
-    if env_ac is not None and (env_ac.lower() in ("true", "1")) != (plan.ac.mode != "none"):
-        notes.append(
-            f"activation checkpointing: accelerate config says {env_ac}, "
-            f"recipe says activation_checkpointing={plan.ac.mode}"
-        )
-    env_reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD")
-    if env_reshard is not None and (env_reshard.lower() in ("true", "1")) != plan.reshard_after_forward:
-        notes.append(
-            f"reshard_after_forward: accelerate config says {env_reshard}, recipe says {plan.reshard_after_forward}"
-        )
-    env_offload = os.environ.get("FSDP_OFFLOAD_PARAMS")
-    if env_offload is not None and (env_offload.lower() in ("true", "1")) != plan.cpu_offload:
-        notes.append(f"cpu_offload: accelerate config says {env_offload}, recipe says {plan.cpu_offload}")
-    return notes
-
-
 def _free_port() -> int:
     import socket
 

@@ -35,12 +35,12 @@ from hf_fsdp2.parallel.accelerator import (
     describe_policy,
     has_accelerator_device,
     launcher_mesh,
-    launcher_overrides,
     local_world_size,
     setup_logging,
     world_size,
 )
 from hf_fsdp2.parallel.kernels import check_liger_available
+from hf_fsdp2.parallel.launch_config import find_launch_request, fsdp_findings, world_findings
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -126,6 +126,14 @@ class Session:
             f"load_in_4bit=true with HSDP (dp_replicate_size={mesh.dp_replicate}) is not supported: the NF4 "
             "tensor all-gathers over one flat group; use dp_replicate_size=1",
         )
+        # The launch's own accelerate config (FSDP1 keys mapped or refused) and world, before the process group.
+        request = find_launch_request()
+        devices = torch.cuda.device_count() if on_gpu and torch.cuda.is_available() else 0
+        launch = fsdp_findings(request.settings, cfg) if request is not None and request.settings else []
+        launch += world_findings(request, world=world_size(), local_world=local_world_size(), devices=devices,
+                                 strict=t.strict_launch)  # fmt: skip
+        refused = [x.line() for x in launch if x.level == "error"]
+        check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
@@ -144,8 +152,14 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
-        for note in launcher_overrides(sharding, t.mixed_precision):
-            logger.info("the recipe's value is used over accelerate launch's: %s", note)
+        if launch:
+            where = f" ({request.source})" if request is not None else ""
+            logger.info(
+                "accelerate launch read as FSDP2%s:\n  %s", where, "\n  ".join(x.line() for x in launch)
+            )
+            for finding in launch:
+                if finding.level == "warning":
+                    logger.warning("%s", finding.line())
         if t.mixed_precision == "no" and m.torch_dtype != "float32":
             logger.warning(
                 "mixed_precision=no with torch_dtype=%s trains in %s throughout (no fp32 master weights); "

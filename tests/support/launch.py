@@ -116,15 +116,22 @@ def torchrun(
 
 
 def accelerate_launch(
-    config_file: str, script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True
+    config_file: str,
+    script: Path | str,
+    args: list[str],
+    *,
+    timeout: int = 600,
+    check: bool = True,
+    launcher_args: list[str] | None = None,
 ):
-    """``accelerate launch --config_file F script args`` on a free port."""
+    """``accelerate launch --config_file F [launcher_args] script args`` on a free port."""
     cmd = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
         str(REPO / config_file),
+        *(launcher_args or []),
         "--main_process_port",
         str(free_port()),
         str(script),

@@ -1,0 +1,223 @@
+"""``hf-fsdp2 doctor``'s recipe checks, each without training or reading weights: the memory plan against the devices
+(with the cheapest fix), the disk for ``save_total_limit`` checkpoints and the export, the output folder (writable,
+not another run's, not locked by a live run), the hub target, the dataset (readable, its format, the chat template
+it needs) and the decoder-layer class against the model's ``_no_split_modules``."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from hf_fsdp2.config import Config, ConfigError
+from hf_fsdp2.parallel.launch_config import Finding
+
+RECORDS_READ = 50  # records of each source the data check tokenizes
+
+
+def memory_findings(
+    cfg: Config, model_config: Any, *, recipe: str, world: int, budget: int | None, device: str
+) -> tuple[list[Finding], Any]:
+    """The plan's peak per rank against ``budget`` bytes per device (the cheapest settings that fit when it does
+    not); also returns the plan (its parameter counts size the disk check)."""
+    from hf_fsdp2.observe.memory_plan import (
+        DEFAULT_HEADROOM,
+        PlanError,
+        PlanSettings,
+        human_bytes,
+        plan_memory,
+        recommend,
+    )
+
+    try:
+        settings = PlanSettings.from_config(cfg, world_size=world, device_type=device, recipe=recipe)
+        plan = plan_memory(model_config, settings)
+    except (PlanError, ConfigError, ValueError) as err:
+        return [
+            Finding(
+                "error", "memory plan", "not computed", str(err).splitlines()[0], "hf-fsdp2 plan says more"
+            )
+        ], None
+    peak = human_bytes(plan.peak)
+    if budget is None:
+        return [Finding("ok", "memory plan", f"peak {peak} per rank at world size {world}",
+                        "no GPU here to compare with", "hf-fsdp2 plan --gpu_memory 80GB gives the fit")], plan  # fmt: skip
+    limit = (1 - DEFAULT_HEADROOM) * budget
+    if plan.peak <= limit:
+        return [Finding("ok", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU", "fits")], plan
+    tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM)
+    fitting = [c for c in tried if c.fits]
+    fix = (
+        "set " + ", ".join(f"{k}: {v}" for k, v in fitting[0].changes.items()) + f" (peak {human_bytes(fitting[0].plan.peak)})"
+        if fitting
+        else "nothing on the ladder fits: more GPUs (world size), LoRA (use_peft: true) or a smaller max_length"
+    )  # fmt: skip
+    return [Finding("error", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU",
+                    f"does not fit with {int(DEFAULT_HEADROOM * 100)}% headroom", fix)], plan  # fmt: skip
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent."""
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_findings(cfg: Config, plan: Any) -> list[Finding]:
+    """Free space at ``output_dir`` against ``save_total_limit`` + 1 checkpoints (weights and AdamW state of the
+    trained parameters, in fp32) and the export (every parameter in ``export_dtype``)."""
+    from hf_fsdp2.observe.memory_plan import human_bytes
+
+    t, e = cfg.train, cfg.export
+    if plan is None:
+        return []
+    trained = plan.trainable_params if cfg.peft.use_peft else plan.total_params
+    kept = 0 if t.save_steps == 0 else (t.save_total_limit or 10) + 1  # one more while the next is written
+    checkpoint = trained * 4 * 3  # fp32 weights + AdamW's two moments
+    export = (
+        plan.total_params * (4 if e.export_dtype == "float32" else 2)
+        if not cfg.peft.use_peft
+        else trained * 4
+    )
+    need = kept * checkpoint + export
+    where = _existing(Path(t.output_dir or "."))
+    free = shutil.disk_usage(where).free
+    value = f"{human_bytes(free)} free at {where}, need ~{human_bytes(need)}"
+    limit = "all" if not t.save_total_limit else str(t.save_total_limit)
+    what = f"{kept} checkpoint(s) of ~{human_bytes(checkpoint)} (save_total_limit {limit}, + 1 in flight) and the export"
+    if kept == 0:
+        what = "the export (save_steps: 0, no checkpoints)"
+    if free < need:
+        return [
+            Finding(
+                "error", "disk", value, what, "free space, another output_dir, or a lower save_total_limit"
+            )
+        ]
+    if free < 1.2 * need:
+        return [
+            Finding(
+                "warning",
+                "disk",
+                value,
+                what + ": under 20% to spare",
+                "free space or lower save_total_limit",
+            )
+        ]
+    return [Finding("ok", "disk", value, what)]
+
+
+def output_findings(cfg: Config) -> list[Finding]:
+    """The output folder: writable, not another run's (unless resuming or overwriting), not locked by a live run."""
+    import os
+
+    from hf_fsdp2.checkpoint.run_dir import check_output_dir, lock_holder
+
+    t = cfg.train
+    out = Path(t.output_dir or "")
+    where = _existing(out)
+    if not os.access(where, os.W_OK):
+        return [
+            Finding(
+                "error", "output_dir", str(out), f"{where} is not writable", "choose a writable output_dir"
+            )
+        ]
+    try:
+        check_output_dir(out, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None)
+    except ConfigError as err:
+        return [Finding("error", "output_dir", str(out), str(err).splitlines()[0])]
+    holder, alive = lock_holder(out)
+    if holder and alive:
+        return [Finding("error", "output_dir", str(out), f"locked by a live run (pid {holder.get('pid')} on "
+                        f"{holder.get('host')}, started {holder.get('started')})", "wait for it or choose another")]  # fmt: skip
+    if holder:
+        return [Finding("warning", "output_dir", str(out), f"a lock left by pid {holder.get('pid')} on "
+                        f"{holder.get('host')}, which is gone (or on another host): the run takes it over",
+                        "delete it if that run is dead")]  # fmt: skip
+    return [Finding("ok", "output_dir", str(out), "writable, no other run's files, not locked")]
+
+
+def hub_findings(cfg: Config) -> list[Finding]:
+    """The hub target when the run pushes: a valid repo id and a token, checked offline."""
+    from hf_fsdp2.export.hub import HubError, check_can_push
+
+    e = cfg.export
+    if not (e.push_to_hub or e.push_checkpoints_to_branch):
+        return []
+    try:
+        check_can_push(e.hub_model_id, e.hub_token)
+    except HubError as err:
+        return [Finding("error", "hub", str(e.hub_model_id), str(err).splitlines()[0])]
+    return [Finding("ok", "hub", str(e.hub_model_id), "a valid repo id and a token")]
+
+
+def data_findings(cfg: Config, recipe: str, tokenizer: Any) -> list[Finding]:
+    """Each training source read (its first records) and tokenized as the recipe does: its format, or the error the
+    run would stop on (a missing column or chat template, a bad record), named."""
+    import datasets
+
+    from hf_fsdp2.data.loading import load_source
+    from hf_fsdp2.data.mixture import build_sft_datasets_from_config
+    from hf_fsdp2.data.preference import tokenize_pairs
+    from hf_fsdp2.data.unpaired import tokenize_unpaired
+
+    d, out = cfg.data, []
+
+    def load(source: Any) -> datasets.Dataset:
+        raw = load_source(source, on_bad_record=d.on_bad_record)
+        return raw.select(range(min(RECORDS_READ, len(raw))))
+
+    try:
+        if recipe in ("sft", "cpt"):
+            data = build_sft_datasets_from_config(d, tokenizer, seed=cfg.train.seed, load=load)
+            for stats, count in zip(data.stats, data.train_counts, strict=False):
+                out.append(Finding("ok", "data", stats.source, f"{stats.dataset_format} records, {count} of the "
+                                   f"first {RECORDS_READ} tokenized"))  # fmt: skip
+            return out
+        tokenize = tokenize_unpaired if recipe == "kto" else tokenize_pairs
+        for source in d.sources():
+            rows, _ = tokenize(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
+                                   on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
+            kind = "unpaired examples" if recipe == "kto" else "preference pairs"
+            out.append(Finding("ok", "data", source.describe(), f"{kind}, {len(rows)} of the first "
+                               f"{RECORDS_READ} records tokenized"))  # fmt: skip
+    except (ConfigError, FileNotFoundError, ValueError, KeyError) as err:
+        out.append(Finding("error", "data", d.dataset_name or "dataset_mixture", str(err).splitlines()[0]))
+    return out
+
+
+def wrap_findings(model_config: Any, settings: dict[str, Any], cfg: Config) -> list[Finding]:
+    """The decoder-layer classes asked for (the recipe's ``fsdp_layer_cls_to_wrap``, the accelerate config's
+    ``fsdp_transformer_layer_cls_to_wrap``) against the model's ``_no_split_modules`` and its modeling module."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(model_config)]  # type: ignore[attr-defined]
+    except (KeyError, ValueError):
+        return []
+    module = sys.modules.get(cls.__module__)
+    units = list(getattr(cls, "_no_split_modules", None) or [])
+    out = []
+    asked = settings.get("fsdp_transformer_layer_cls_to_wrap")
+    named = [
+        c.strip() for c in (asked if isinstance(asked, list) else str(asked or "").split(",")) if c.strip()
+    ]
+    for key, names in (("fsdp_layer_cls_to_wrap", list(cfg.fsdp.fsdp_layer_cls_to_wrap)),
+                       ("fsdp_transformer_layer_cls_to_wrap", named)):  # fmt: skip
+        unknown = [n for n in names if module is None or not hasattr(module, n)]
+        if unknown:
+            out.append(Finding("error", key, ", ".join(names), f"{unknown} not in {cls.__name__}'s module",
+                               f"one of the model's decoder layers: {units}"))  # fmt: skip
+        elif names and not set(names) <= set(units):
+            out.append(Finding("warning", key, ", ".join(names), f"not the model's _no_split_modules {units}: the "
+                               "units differ from transformers' own split", f"{units}"))  # fmt: skip
+        elif names:
+            out.append(Finding("ok", key, ", ".join(names), f"{cls.__name__}'s decoder layer"))
+    if not out:
+        out.append(
+            Finding(
+                "ok", "wrap", ", ".join(units) or "?", f"{cls.__name__}'s _no_split_modules: one unit each"
+            )
+        )
+    return out
