@@ -70,7 +70,7 @@ def run_doctor(
     per_node = int(processes) // machines if processes else None  # type: ignore[call-overload]
     use_cpu = settings.get("use_cpu") if "use_cpu" in settings else None
     report.sections["environment"] = [*version_findings(), *cuda_findings(per_node, use_cpu=use_cpu),  # type: ignore[arg-type]
-                                      *debug_findings(environ)]  # fmt: skip
+                                      *debug_findings(environ, machines)]  # fmt: skip
     cfg = None
     recipe_found: list[Finding] = []
     if recipe_argv is not None:

@@ -32,7 +32,6 @@ _DEBUG_COSTS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "TORCHDYNAMO_VERBOSE": (("1",), "warning", "full dynamo stack traces: large logs"),
     "NCCL_P2P_DISABLE": (("1",), "warning", "GPU-to-GPU copies go through host memory: FSDP2's all-gathers and "
                          "reduce-scatters slow down"),
-    "NCCL_IB_DISABLE": (("1",), "warning", "no InfiniBand: collectives between nodes go over TCP sockets"),
     "NCCL_SHM_DISABLE": (("1",), "warning", "no shared-memory transport within a node: slower collectives"),
     "PYTORCH_NO_CUDA_MEMORY_CACHING": (("1",), "warning", "the caching allocator is off: every allocation calls "
                                        "cudaMalloc, much slower"),
@@ -130,10 +129,17 @@ def cuda_findings(asked_per_node: int | None, *, use_cpu: bool | None = None) ->
     return out
 
 
-def debug_findings(environ: Mapping[str, str]) -> list[Finding]:
-    """Every ``NCCL_*`` / ``TORCH_*`` / CUDA debug variable set, with what it costs."""
+def debug_findings(environ: Mapping[str, str], machines: int = 1) -> list[Finding]:
+    """Every ``NCCL_*`` / ``TORCH_*`` / CUDA debug variable set, with what it costs (``NCCL_IB_DISABLE`` only costs
+    across ``machines``: within a node NCCL goes over NVLink, PCIe P2P or shared memory)."""
     out = []
+    if environ.get("NCCL_IB_DISABLE") == "1":
+        ib = "collectives between nodes go over TCP sockets, not InfiniBand"
+        out.append(Finding("warning", "NCCL_IB_DISABLE", "1", ib, "unset it for multi-node runs") if machines > 1 else
+                   Finding("ok", "NCCL_IB_DISABLE", "1", "one node: NCCL uses NVLink / PCIe P2P / shared memory"))  # fmt: skip
     for name in sorted(environ):
+        if name == "NCCL_IB_DISABLE" and environ[name] == "1":
+            continue
         if not (name.startswith(("NCCL_", "TORCH_", "TORCHDYNAMO_")) or name in _DEBUG_COSTS):
             continue
         value = environ[name]

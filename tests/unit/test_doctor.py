@@ -98,6 +98,9 @@ def test_debug_variables_are_listed_with_what_they_cost() -> None:
     ] * 3
     assert found["NCCL_DEBUG"].level == "ok" and found["TORCH_NCCL_TRACE_BUFFER_SIZE"].level == "ok"
     assert environment.debug_findings({"NCCL_DEBUG": "TRACE"})[0].level == "warning"
+    # The article's single-node advice: NCCL_IB_DISABLE=1 costs nothing on one node, and InfiniBand across nodes.
+    assert environment.debug_findings({"NCCL_IB_DISABLE": "1"})[0].level == "ok"
+    assert environment.debug_findings({"NCCL_IB_DISABLE": "1"}, machines=2)[0].level == "warning"
 
 
 def test_gpus_against_the_processes_asked_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
