@@ -167,3 +167,38 @@ def test_the_memory_plan_against_a_gpu_names_the_cheapest_fix(clean, model: Path
     (tight,), _ = recipe.memory_findings(cfg, config, recipe="sft", world=2, budget=int(plan.peak * 1.02),
                                          device="cuda")  # fmt: skip
     assert tight.level == "error" and tight.fix.startswith("set ") and "peak" in tight.fix, tight.line()
+
+
+def test_the_rest_of_the_findings_fire(clean, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """An unreadable accelerate config, a recipe that does not parse, a missing model, a wrap class that exists but
+    is not the model's decoder layer, disk with under 20% to spare, a hub target with a token, and preference /
+    unpaired data read as the DPO and KTO recipes read it."""
+    report = run_doctor(None, tmp_path / "nope.yaml", environ={})
+    assert levels(report, "accelerate config")["accelerate config"] == "error" and report.errors == 1
+    assert levels(run_doctor([*clean, "--no_such_key", "1"], None, environ={}), "recipe")["recipe"] == "error"
+    missing = [*clean, "--model_name_or_path", str(tmp_path / "no_model")]
+    assert levels(run_doctor(missing, None, environ={}), "recipe")["model"] == "error"
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: LlamaMLP\n"
+    )
+    report = run_doctor(clean, odd, environ={})
+    assert levels(report, "recipe")["fsdp_transformer_layer_cls_to_wrap"] == "warning", report.text()
+    need = recipe.disk_findings
+    monkeypatch.setattr(
+        recipe.shutil, "disk_usage", lambda path: SimpleNamespace(free=160 * 2**20)
+    )  # ~151 MiB needed
+    assert levels(run_doctor(clean, None, environ={}), "recipe")["disk"] == "warning"
+    monkeypatch.undo()
+    assert recipe.disk_findings is need
+    monkeypatch.setattr(environment, "known_issues", lambda: [])
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+    assert levels(run_doctor([*clean, "--push_to_hub", "true", "--hub_model_id", "me/model"], None, environ={}),
+                  "recipe")["hub"] == "ok"  # fmt: skip
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n"
+                             for i in range(4)))  # fmt: skip
+    dpo = run_doctor([*clean, "--dataset_name", str(pairs)], None, recipe="dpo", environ={})
+    assert "preference pairs, 4 of the first 50" in dpo.text() and dpo.errors == 0, dpo.text()
+    kto = run_doctor([*clean, "--dataset_name", str(pairs)], None, recipe="kto", environ={})
+    assert "unpaired examples, 8 of the first 50" in kto.text() and kto.errors == 0, kto.text()
