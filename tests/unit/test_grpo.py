@@ -1,0 +1,173 @@
+"""GRPO's arithmetic against TRL 1.16's ``GRPOTrainer`` and a plain per-token loop written from the papers: given
+fixed prompts, completions (of different lengths), rewards, old and reference log-probs, the advantages, the loss
+and the gradients of every ``loss_type`` equal TRL's own ``_compute_loss`` (rel 1e-4, fp32), and the micro-batch
+sums add up to the whole batch's loss however the batch is split."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from support.tiny import make_tiny_llama_dir
+
+from hf_fsdp2.train.grpo import (
+    GrpoSettings,
+    completion_token_logps,
+    group_advantages,
+    grpo_loss,
+    grpo_loss_sums,
+)
+
+TEMPERATURE, MAX_COMPLETION = 0.7, 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("grpo") / "model", seed=11)
+
+
+def _batch(tokenizer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """4 completions (2 prompts x 2 generations), left-padded prompts, right-padded completions of lengths 6, 3,
+    1 and 5 (the mask covers each completion up to its end)."""
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 200, (4, 5), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[2:, :2], prompt_mask[2:, :2] = tokenizer.pad_token_id, 0  # the second prompt is shorter
+    completion_ids = torch.randint(3, 200, (4, MAX_COMPLETION), generator=g)
+    completion_mask = torch.zeros_like(completion_ids)
+    for row, length in enumerate((6, 3, 1, 5)):
+        completion_mask[row, :length] = 1
+    completion_ids[completion_mask == 0] = tokenizer.pad_token_id
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask}  # fmt: skip
+
+
+def _trl_advantages(rewards: torch.Tensor, n: int, scale: str) -> torch.Tensor:
+    """TRL 1.16's ``sum_then_normalize`` branch of ``_generate_and_score_completions``, as it is written there."""
+    from trl.trainer.utils import nanstd
+
+    mean = torch.nanmean(rewards.view(-1, n), dim=1).repeat_interleave(n, dim=0)
+    std = (
+        nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n, dim=0)
+        if scale != "batch"
+        else nanstd(rewards)
+    )
+    advantages = rewards - mean
+    return advantages / (std + 1e-4) if scale != "none" else advantages
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls_and_an_equal_group_has_none(scale: str) -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, -1.0])  # the middle group: all equal
+    settings = GrpoSettings(num_generations=2, scale_rewards=scale)
+    advantages, flat = group_advantages(rewards, settings)
+    assert torch.allclose(advantages, _trl_advantages(rewards, 2, scale), rtol=1e-6, atol=1e-7)
+    assert advantages[2] == 0 and advantages[3] == 0
+    if scale != "batch":
+        assert flat.tolist() == [False, False, True, True, False, False]
+    with pytest.raises(ValueError, match="scale_rewards='mean' is not one of"):
+        GrpoSettings(scale_rewards="mean")
+    with pytest.raises(ValueError, match="num_generations=1 must be >= 2"):
+        GrpoSettings(num_generations=1)
+
+
+def _plain_loss(logps, old, ref, advantages, mask, settings: GrpoSettings) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The papers' formula token by token, in Python loops."""
+    rows, total_tokens, per_row = [], 0.0, []
+    for b in range(logps.shape[0]):
+        terms = []
+        for t in range(logps.shape[1]):
+            if not mask[b, t]:
+                continue
+            ratio = torch.exp(logps[b, t] - old[b, t])
+            clip = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.high)
+            term = -torch.min(ratio * advantages[b], clip * advantages[b])
+            if settings.beta:
+                d = ref[b, t] - logps[b, t]
+                term = term + settings.beta * ratio * (torch.exp(d) - d - 1)
+            terms.append(term)
+        total_tokens += len(terms)
+        rows.append(sum(terms))
+        per_row.append(sum(terms) / max(len(terms), 1))
+    if settings.loss_type == "grpo":
+        return sum(per_row) / len(per_row)
+    if settings.loss_type == "dr_grpo":
+        return sum(rows) / (len(rows) * settings.max_completion_length)
+    return sum(rows) / total_tokens
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_loss_and_gradients_equal_trls_grpo_trainer_and_the_plain_loop(
+    model_dir: Path, loss_type: str, beta: float
+):
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = _batch(tokenizer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"]
+    settings = GrpoSettings(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                            max_completion_length=MAX_COMPLETION, num_generations=2)  # fmt: skip
+    advantages, _ = group_advantages(torch.tensor([1.0, 0.0, 0.2, 0.9]), settings)
+    g = torch.Generator().manual_seed(1)
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():  # the sampler's log-probs (a later iteration over the batch) and the reference's
+        current = completion_token_logps(ours, ids, attention, MAX_COMPLETION, TEMPERATURE)
+        old = current + 0.3 * torch.randn(current.shape, generator=g)  # some ratios clip
+        ref = current + 0.2 * torch.randn(current.shape, generator=g)
+    logps = completion_token_logps(ours, ids, attention, MAX_COMPLETION, TEMPERATURE)
+    mine = grpo_loss(logps, old, ref if beta else None, advantages, mask, settings)
+    mine.backward()
+    plain = _plain_loss(logps.detach(), old, ref, advantages, mask, settings)
+    assert math.isclose(float(mine), float(plain), rel_tol=1e-5), (float(mine), float(plain))
+    with tempfile.TemporaryDirectory() as tmp:
+        data = datasets.Dataset.from_list([{"prompt": "a b"}] * 4)
+        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=4,
+                            max_completion_length=MAX_COMPLETION, loss_type=loss_type, beta=beta, epsilon=0.2,
+                            epsilon_high=0.28, temperature=TEMPERATURE, report_to="none")  # fmt: skip
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                              args=config, train_dataset=data, processing_class=tokenizer)  # fmt: skip
+        trainer.current_gradient_accumulation_steps = 1
+        inputs = {**batch, "advantages": advantages, "old_per_token_logps": old,
+                  "num_items_in_batch": mask.sum().float()}  # fmt: skip
+        if beta:
+            inputs["ref_per_token_logps"] = ref
+        trainer.model.train()
+        theirs = trainer._compute_loss(trainer.model, inputs)
+        theirs.backward()
+        assert math.isclose(float(mine), float(theirs), rel_tol=1e-4), (float(mine), float(theirs))
+        grads = dict(trainer.model.named_parameters())
+        worst = max(
+            float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max().clamp(min=1e-12))
+            for name, p in ours.named_parameters()
+        )
+        assert worst < 1e-4, worst
+        clipped = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
+    sums = grpo_loss_sums(logps.detach(), old, ref if beta else None, advantages, mask, settings)
+    region = float((sums.clipped_low + sums.clipped_high) / sums.tokens)
+    assert math.isclose(region, clipped, rel_tol=1e-6, abs_tol=1e-9) and region > 0, (region, clipped)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batch_sums_add_up_to_the_whole_batch(loss_type: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    logps, old = -torch.rand(6, 5, generator=g), -torch.rand(6, 5, generator=g)
+    mask = torch.ones(6, 5, dtype=torch.long)
+    for row, length in enumerate((5, 2, 4, 1, 3, 5)):
+        mask[row, length:] = 0
+    settings = GrpoSettings(loss_type=loss_type, num_generations=3, max_completion_length=5)
+    advantages, _ = group_advantages(torch.rand(6, generator=g), settings)
+    whole = grpo_loss(logps, old, None, advantages, mask, settings)
+    parts = [
+        grpo_loss_sums(logps[s], old[s], None, advantages[s], mask[s], settings)
+        for s in (slice(0, 2), slice(2, 6))
+    ]
+    split = sum(p.loss for p in parts) / sum(p.count for p in parts)
+    assert torch.allclose(whole, split, rtol=1e-6), (whole, split)
