@@ -26,6 +26,7 @@ the step's loss is then the same whatever the split across micro-batches and ran
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,37 +64,39 @@ class GrpoSettings:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def _std(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Bessel-corrected standard deviation (NaN for fewer than 2 values, as TRL's ``nanstd``)."""
-    if dim is None:
-        return values.std() if values.numel() > 1 else torch.full((), float("nan"), dtype=values.dtype)
-    return (
-        values.std(dim=dim) if values.shape[dim] > 1 else torch.full_like(values.select(dim, 0), float("nan"))
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the non-NaN values (NaN for fewer than 2), as TRL's ``nanstd``."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(
+        count > 1, count / (count - 1).clamp(min=1), torch.full_like(variance, math.nan)
     )
+    std = variance.sqrt()
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def group_advantages(
     rewards: torch.Tensor, settings: GrpoSettings, batch_std: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of ``rewards`` (completions of one prompt consecutive, ``num_generations`` each) and, per
-    completion, whether its group's rewards were all equal (no learning signal; TRL logs their fraction).
+    completion, whether its scaling standard deviation is zero (no learning signal; TRL logs their fraction).
 
-    ``batch_std``: the standard deviation over the whole generation batch (every rank's), for ``scale_rewards:
-    batch``; the local rewards' when None.
+    A NaN reward (no reward function scored the completion) stays out of its group's mean and deviation and gets
+    advantage 0, as does every completion of a group with no scored one (TRL's rule). ``batch_std``: the standard
+    deviation over the whole generation batch (every rank's), for ``scale_rewards: batch``; the local one if None.
     """
-    grouped = rewards.view(-1, settings.num_generations)
-    mean = grouped.mean(dim=1).repeat_interleave(settings.num_generations)
-    group_std = _std(grouped, dim=1).repeat_interleave(settings.num_generations)
+    n = settings.num_generations
+    grouped = rewards.view(-1, n)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(n)
     if settings.scale_rewards == "batch":
-        std = (_std(rewards) if batch_std is None else batch_std).expand_as(rewards)
+        std = (nanstd(rewards) if batch_std is None else batch_std).expand_as(rewards)
     else:
-        std = group_std
+        std = nanstd(grouped, dim=1).repeat_interleave(n)
     advantages = rewards - mean
     if settings.scale_rewards != "none":
         advantages = advantages / (std + STD_EPSILON)
-    return advantages, torch.isclose(
-        std if settings.scale_rewards == "batch" else group_std, torch.zeros_like(std)
-    )
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
 @dataclass
@@ -126,7 +129,9 @@ def per_token_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference's log-probs")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        if settings.use_bias_correction_kl:  # the unbiased reverse-KL gradient; differentiable through the ratio
+        if (
+            settings.use_bias_correction_kl
+        ):  # the unbiased reverse-KL gradient; differentiable through the ratio
             kl = kl * ratio
         loss = loss + settings.beta * kl
     return loss, kl, ratio
