@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-RECIPES = ("sft", "cpt", "dpo", "kto", "rm")
+RECIPES = ("sft", "cpt", "dpo", "kto", "rm", "grpo")
 CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU configs are tuned for)
 
 

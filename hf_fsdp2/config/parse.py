@@ -20,6 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
+from hf_fsdp2.config.grpo import GrpoArgs
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.peft import PeftArgs
 from hf_fsdp2.config.plans import ConfigError, check
@@ -29,7 +30,7 @@ from hf_fsdp2.config.training import FSDPArgs, PreferenceArgs, TrainArgs
 CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
 
 SECTIONS: tuple[type, ...] = (
-    ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs, PreferenceArgs,
+    ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs, PreferenceArgs, GrpoArgs,
 )  # fmt: skip
 
 
@@ -45,6 +46,7 @@ class Config:
     export: ExportArgs
     observe: ObserveArgs
     preference: PreferenceArgs = dataclasses.field(default_factory=PreferenceArgs)
+    grpo: GrpoArgs = dataclasses.field(default_factory=GrpoArgs)
 
     def validate(self) -> None:
         """Every section validates itself; then the keys of different sections that must agree.
@@ -61,6 +63,7 @@ class Config:
         self.export.validate(t.save_steps)
         self.observe.validate(has_eval=d.has_eval())
         self.preference.validate()
+        self.grpo.validate()
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
             compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)
             check(
@@ -81,6 +84,7 @@ class Config:
         flat: dict[str, Any] = {}
         for section in (
             self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe, self.preference,
+            self.grpo,
         ):  # fmt: skip
             flat.update(dataclasses.asdict(section))
         return flat

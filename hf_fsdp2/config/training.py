@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hf_fsdp2.config.grpo import GRPO_LOSS_TYPES
 from hf_fsdp2.config.plans import (
     AC_MODES,
     COMPILE_MODES,
@@ -385,11 +386,11 @@ class PreferenceArgs:
     """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py), KTO (recipes/kto.py), reward
     models (recipes/rm.py); TRL's key names. Other recipes ignore this section."""
 
-    beta: float = field(
-        default=0.1,
+    beta: float | None = field(
+        default=None,
         metadata={
-            "help": "DPO beta: how far the policy may move from the reference (IPO: tau, target 1/(2 beta); SimPO: "
-            "the reward scale; ORPO: lambda, the weight of the odds-ratio term)."
+            "help": "DPO beta (default 0.1): how far the policy may move from the reference (IPO: tau, target "
+            "1/(2 beta); SimPO: the reward scale; ORPO: lambda); KTO's (0.1); GRPO's KL coefficient (default 0)."
         },
     )
     loss_type: str = field(
@@ -457,14 +458,15 @@ class PreferenceArgs:
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
         check(
-            self.loss_type in PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES,
-            f"loss_type={self.loss_type!r} is not one of {', '.join(PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES)}",
+            self.loss_type in PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES + GRPO_LOSS_TYPES,
+            f"loss_type={self.loss_type!r} is not one of "
+            f"{', '.join(PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES + GRPO_LOSS_TYPES)}",
         )
         check(self.center_rewards_coefficient >= 0, f"center_rewards_coefficient={self.center_rewards_coefficient} "
               "must be >= 0")  # fmt: skip
         for key in ("desirable_weight", "undesirable_weight"):
             check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0")
-        check(self.beta > 0, f"beta={self.beta} must be > 0")
+        check(self.beta is None or self.beta >= 0, f"beta={self.beta} must be >= 0")
         check(0 <= self.label_smoothing < 0.5, f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         check(
             self.label_smoothing == 0 or self.loss_type in ("sigmoid", "robust", "simpo"),

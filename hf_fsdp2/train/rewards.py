@@ -21,7 +21,7 @@ import functools
 import importlib
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +155,7 @@ def score_completions(
     prompts: Sequence[Any],
     completions: Sequence[str],
     completion_ids: Sequence[Sequence[int]],
-    columns: dict[str, Sequence[Any]],
+    columns: Mapping[str, Sequence[Any]],
     indices: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Rewards [completions, functions] (NaN where a function returned None).

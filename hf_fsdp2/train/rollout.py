@@ -25,7 +25,9 @@ import torch
 class Generator(Protocol):
     """What the recipe needs of a generation backend."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
+    ) -> list[list[int]]:
         """One completion per prompt (token ids, ending with an end-of-sequence token unless cut at the length)."""
         ...
 
@@ -97,15 +99,22 @@ class TransformersGenerator:
     ):
         self.model, self.pad_id, self.eos_ids, self.settings = model, pad_id, list(eos_ids), settings
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int) -> list[list[int]]:
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
+    ) -> list[list[int]]:
+        """``greedy``: the most likely token at each position (evaluation), whatever the sampling settings."""
         s = self.settings
         ids, mask = left_padded(prompts, self.pad_id)
         device = next(self.model.parameters()).device
         kwargs: dict[str, Any] = dict(
-            max_new_tokens=s.max_completion_length, do_sample=s.do_sample, pad_token_id=self.pad_id,
+            max_new_tokens=s.max_completion_length, do_sample=s.do_sample and not greedy, pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids, use_cache=True,
         )  # fmt: skip
-        if s.do_sample:
+        if kwargs["do_sample"]:
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         else:  # greedy: no sampling settings (transformers warns about unused ones)
             kwargs.update(temperature=None, top_p=None, top_k=None)

@@ -38,6 +38,9 @@ def kto_settings_check(cfg: Config) -> None:
     p, t = cfg.preference, cfg.train
     if p.loss_type == "sigmoid":
         p.loss_type = "kto"
+    if p.beta is None:
+        p.beta = 0.1  # TRL's KTOConfig default
+    check(p.beta > 0, f"beta={p.beta} must be > 0 for KTO")
     check(
         p.loss_type in KTO_LOSS_TYPES,
         f"loss_type={p.loss_type!r} is a paired objective of recipes/dpo.py; the KTO recipe takes "
@@ -138,7 +141,7 @@ def _build_kto(
     cfg = session.cfg
     p, t = cfg.preference, cfg.train
     settings = KTOSettings(
-        model.loss_plan, beta=p.beta, loss_type=p.loss_type, desirable_weight=p.desirable_weight,
+        model.loss_plan, beta=float(p.beta or 0.1), loss_type=p.loss_type, desirable_weight=p.desirable_weight,
         undesirable_weight=p.undesirable_weight, max_grad_norm=t.max_grad_norm,
         sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
     )  # fmt: skip

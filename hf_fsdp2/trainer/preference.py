@@ -23,6 +23,7 @@ import torch
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
 from hf_fsdp2.config import Config
+from hf_fsdp2.config.grpo import GRPO_LOSS_TYPES
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.config.training import KTO_LOSS_TYPES
 from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
@@ -135,7 +136,7 @@ def _build_dpo(
     cfg = session.cfg
     p, t = cfg.preference, cfg.train
     settings = DPOSettings(
-        model.loss_plan, beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing,
+        model.loss_plan, beta=float(p.beta or 0.1), loss_type=p.loss_type, label_smoothing=p.label_smoothing,
         simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha, max_grad_norm=t.max_grad_norm,
         sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
     )  # fmt: skip
@@ -223,6 +224,13 @@ def dpo_objective(cfg: Config) -> Objective:
         ConfigError: a KTO setting, which this recipe does not train (every rank alike, before any loading).
     """
     p = cfg.preference
+    if p.beta is None:
+        p.beta = 0.1  # TRL's DPOConfig default
+    check(p.beta > 0, f"beta={p.beta} must be > 0 for DPO, SimPO and ORPO")
+    check(
+        p.loss_type not in GRPO_LOSS_TYPES,
+        f"loss_type={p.loss_type!r} is a GRPO loss: run recipes/grpo.py (hf-fsdp2 train grpo)",
+    )
     check(
         p.loss_type not in KTO_LOSS_TYPES,
         f"loss_type={p.loss_type!r} trains on unpaired (prompt, completion, label) data: run recipes/kto.py "
