@@ -59,8 +59,13 @@ def _run_demo_data(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    train = write_jsonl(make_task_records(args.n_train, args.seed, "train"), out_dir / "train.jsonl")
+    train_records = make_task_records(args.n_train, args.seed, "train")
+    train = write_jsonl(train_records, out_dir / "train.jsonl")
     eval_ = write_jsonl(make_task_records(args.n_eval, args.seed, "eval"), out_dir / "eval.jsonl")
+    if args.grpo:  # the same training dates as prompts with their answer, for the GRPO demo
+        from hf_fsdp2.demo.tasks import prompt_records
+
+        write_jsonl(prompt_records(train_records), out_dir / "grpo_train.jsonl")
     print(
         json.dumps({"train": str(train), "n_train": args.n_train, "eval": str(eval_), "n_eval": args.n_eval})
     )
@@ -87,6 +92,11 @@ def register_demo_data(subparsers: Subparsers) -> None:
         action="store_true",
         help="write preference pairs (prompt, chosen = the exact answer, rejected = a typical wrong one) to "
         "OUT_DIR/pairs_train.jsonl and pairs_eval.jsonl instead (the DPO demo)",
+    )
+    p.add_argument(
+        "--grpo",
+        action="store_true",
+        help="also write the training records as GRPO prompts with their answer (OUT_DIR/grpo_train.jsonl)",
     )
     p.add_argument(
         "--corpus",

@@ -66,7 +66,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             ])  # fmt: skip
         print(json.dumps(out))
         return 0
-    print("\n".join([format_plan(plan), *recipe_notes(cfg, args.recipe)]))
+    notes = recipe_notes(cfg, args.recipe)
+    if args.recipe == "grpo":
+        from hf_fsdp2.observe.memory_plan.rollout import rollout_note
+
+        notes.append(rollout_note(plan, model_config, cfg))
+    print("\n".join([format_plan(plan), *notes]))
     if budget:
         print(format_recommendation(tried, budget, args.headroom))
     return 0

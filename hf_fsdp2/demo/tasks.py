@@ -134,6 +134,11 @@ def make_task_records(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     return [_record(date) for date in rng.sample(pool, n)]
 
 
+def prompt_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Task records as GRPO prompts: ``{"prompt": [system, user], "answer": the exact answer}``."""
+    return [{"prompt": r["messages"][:-1], "answer": r["messages"][-1]["content"]} for r in records]
+
+
 def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> Path:
     """Write records as JSON lines, creating parent folders.
 

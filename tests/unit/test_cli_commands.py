@@ -64,7 +64,7 @@ def test_every_recipe_is_a_train_subcommand_that_launches_its_packaged_module() 
 
     from hf_fsdp2.launch import RECIPES, launch_command
 
-    assert RECIPES == ("sft", "cpt", "dpo", "kto", "rm")
+    assert RECIPES == ("sft", "cpt", "dpo", "kto", "rm", "grpo")
     parser = cli.build_parser()
     for recipe in RECIPES:
         args, extra = parser.parse_known_args(

@@ -195,7 +195,8 @@ class PlanSettings:
         return cls(
             world_size=world_size,
             dp_shard=mesh.dp_shard,
-            micro_batch=t.per_device_train_batch_size * (2 if recipe in ("dpo", "rm") else 1),
+            micro_batch=t.per_device_train_batch_size
+            * (2 if recipe in ("dpo", "rm") else cfg.grpo.num_generations if recipe == "grpo" else 1),
             seq_len=d.max_length,
             ac=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=device_type == "cuda"),
             mixed_precision=t.mixed_precision,

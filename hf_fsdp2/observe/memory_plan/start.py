@@ -137,7 +137,12 @@ def log_run_plan(
     except Exception as err:  # noqa: BLE001 - advice only: the run goes on whatever the planner meets
         logger.warning("memory plan unavailable (the run goes on): %s", _describe_error(err))
         return None
-    for line in [*format_plan(plan).splitlines(), *recipe_notes(cfg, recipe)]:
+    notes = recipe_notes(cfg, recipe)
+    if recipe == "grpo":
+        from hf_fsdp2.observe.memory_plan.rollout import rollout_note
+
+        notes.append(rollout_note(plan, model_config, cfg))
+    for line in [*format_plan(plan).splitlines(), *notes]:
         logger.info(line)
     if device.type == "cuda":
         warning = memory_warning(plan.peak, torch.cuda.get_device_properties(device).total_memory, world_size)

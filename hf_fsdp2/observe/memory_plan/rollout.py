@@ -1,0 +1,59 @@
+"""GRPO's rollout phase in the memory plan: while completions are generated every FSDP unit is gathered (one full
+copy of the model per rank, in the compute dtype) and the KV cache of every sequence the rank generates grows to
+``max_length`` tokens, beside the sharded parameters and optimizer state (gradients are freed by then). The
+training phase is the plan's table; the run's peak is the larger of the two."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_BYTES = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
+
+
+@dataclass(frozen=True)
+class RolloutBytes:
+    gathered: int  # the whole model, gathered
+    kv_cache: int
+    logits: int  # one position's logits per sequence, fp32
+    state: int  # this rank's sharded parameters and optimizer state
+    sequences: int
+
+    @property
+    def peak(self) -> int:
+        return self.gathered + self.kv_cache + self.logits + self.state
+
+
+def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
+    """The rollout phase of a GRPO run with ``cfg`` on the worst rank of ``plan``."""
+    t, g, d = cfg.train, cfg.grpo, cfg.data
+    compute = t.mixed_precision if t.mixed_precision != "no" else cfg.model.torch_dtype
+    size = _BYTES.get(compute, 4)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = int(getattr(text, "num_hidden_layers", 0))
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps * g.num_generations
+    kv = 2 * layers * kv_heads * head_dim * sequences * d.max_length * size
+    state = plan.per_rank[plan.worst_rank]
+    return RolloutBytes(
+        gathered=plan.total_params * size,
+        kv_cache=kv,
+        logits=sequences * int(getattr(text, "vocab_size", 0)) * 4,
+        state=int(state["params"] + state["optimizer"]),
+        sequences=sequences,
+    )
+
+
+def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
+    """One line for the plan: the rollout phase's bytes per rank against the training peak."""
+    from hf_fsdp2.observe.memory_plan.table import human_bytes
+
+    r = rollout_bytes(plan, model_config, cfg)
+    which = "the run's peak" if r.peak > plan.peak else "under the training peak"
+    return (
+        f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): the model gathered {human_bytes(r.gathered)} + "
+        f"KV cache {human_bytes(r.kv_cache)} ({r.sequences} sequences x max_length {cfg.data.max_length}) + last "
+        f"logits {human_bytes(r.logits)} + sharded parameters and optimizer state {human_bytes(r.state)}"
+    )

@@ -1,0 +1,35 @@
+"""The memory plan of a GRPO run: the training micro-batch is the prompts times ``num_generations`` rows, and the
+rollout phase (the model gathered, the KV cache of every sequence the rank generates, the last logits, the sharded
+parameters and optimizer state) is computed from the model config by hand here and named in the plan's notes."""
+
+from __future__ import annotations
+
+from hf_fsdp2.config import parse_config
+from hf_fsdp2.observe.memory_plan import PlanSettings, plan_memory
+from hf_fsdp2.observe.memory_plan.rollout import rollout_bytes, rollout_note
+
+
+def test_the_rollout_phase_is_the_gathered_model_and_the_kv_cache() -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+                        "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
+                        "--num_generations", "4", "--max_length", "128", "--mixed_precision", "bf16"])  # fmt: skip
+    settings = PlanSettings.from_config(cfg, world_size=2, device_type="cpu", recipe="grpo")
+    assert settings.micro_batch == 3 * 4  # each prompt's generations are trained together
+    plan = plan_memory(config, settings)
+    r = rollout_bytes(plan, config, cfg)
+    sequences = 3 * 2 * 4
+    assert r.sequences == sequences
+    assert r.kv_cache == 2 * 3 * 2 * 16 * sequences * 128 * 2  # K and V, layers, kv heads, head dim, bf16
+    assert r.gathered == plan.total_params * 2 and r.logits == sequences * 1000 * 4
+    state = plan.per_rank[plan.worst_rank]
+    assert (
+        r.state == state["params"] + state["optimizer"]
+        and r.peak == r.gathered + r.kv_cache + r.logits + r.state
+    )
+    assert "GRPO rollout phase" in rollout_note(
+        plan, config, cfg
+    ) and f"{sequences} sequences" in rollout_note(plan, config, cfg)
