@@ -13,6 +13,9 @@
 # those pairs unpaired (recipes/configs/kto_cpu_demo.yaml). `scripts/demo.sh --rm` trains a reward model (a score
 # head on SmolLM2) on them and prints how often it scores the right answer of the 50 held-out pairs higher, before
 # (the new head) and after (recipes/configs/rm_cpu_demo.yaml).
+# `scripts/demo.sh --grpo` gives the model a short SFT (6 steps), then GRPO with verifiable rewards (exact match of
+# the answer, and the format; recipes/configs/grpo_cpu_demo.yaml), and prints the exact match on the 100 held-out
+# dates after the SFT and after GRPO, with the mean reward of the first and last logged steps.
 set -euo pipefail
 CONFIG=recipes/configs/demo_smollm2.yaml RUN=run SCORED=""
 if [[ "${1:-}" == "--lora" ]]; then
@@ -51,6 +54,32 @@ before, after, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.a
 key = "accuracy" if "accuracy" in before else "win_rate"
 print(f"{key.replace('_', ' ')} before: {before[key]:.0%} (margin {before['mean_margin']:+.2f})   after: "
       f"{after[key]:.0%} (margin {after['mean_margin']:+.2f})   ({before['n']} held-out pairs, {seconds} s in all)")
+PY
+    exit 0
+fi
+if [[ "${1:-}" == "--grpo" ]]; then
+    $HF demo-data "$OUT/data" --n-train 2000 --n-eval 100 --grpo > /dev/null
+    echo "== a short SFT (6 steps) to start from"
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/sft.py \
+        --config recipes/configs/demo_smollm2.yaml --model_name_or_path "$model" \
+        --dataset_name "$OUT/data/train.jsonl" --output_dir "$OUT/grpo_sft" --max_steps 6 --warmup_steps 1 > "$OUT/grpo_sft.log" 2>&1
+    before=$($HF eval-task "$OUT/grpo_sft" "$OUT/data/eval.jsonl" | tail -n 1)
+    echo "$before"
+    echo "== GRPO with FSDP2 on 2 CPU processes (accelerate launch)"
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/grpo.py \
+        --config recipes/configs/grpo_cpu_demo.yaml --model_name_or_path "$OUT/grpo_sft" \
+        --dataset_name "$OUT/data/grpo_train.jsonl" --output_dir "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
+    after=$($HF eval-task "$OUT/grpo" "$OUT/data/eval.jsonl" | tail -n 1)
+    echo "$after"
+    .venv/bin/python - "$before" "$after" "$(( $(date +%s) - start ))" "$OUT/grpo" <<'PY'
+import json, sys
+before, after, seconds, run = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+summary = json.load(open(f"{run}/summary.json"))
+print(f"exact match after the SFT: {before['exact_match']:.0%}   after GRPO: {after['exact_match']:.0%}   "
+      f"({before['n']} held-out dates); mean reward step {rows[0]['step']}: {rows[0]['reward']:.3f}, step "
+      f"{rows[-1]['step']}: {rows[-1]['reward']:.3f}; peak memory {summary['peak_memory_gib']:.2f} GiB "
+      f"({summary['peak_memory_kind']}), {seconds} s in all")
 PY
     exit 0
 fi

@@ -36,7 +36,7 @@ def test_each_parser_runs_a_function_of_its_own_module():
         names.append(name)
     assert names == [
         "train", "convert-smollm2", "demo-data", "eval-task", "eval-preference", "score", "export", "merge-adapter",
-        "push", "show-data", "plan", "plot",
+        "push", "show-data", "plan", "plot", "doctor",
     ]  # fmt: skip
 
 
