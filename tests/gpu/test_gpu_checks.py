@@ -197,7 +197,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def prepare_recipe(check: Check, name: str, values: dict[str, Any]) -> tuple[Path, list[str]]:
+def prepare_recipe(
+    check: Check, name: str, values: dict[str, Any], recipe_name: str = "sft"
+) -> tuple[Path, list[str]]:
     """Write ``<work>/<name>/recipe.yaml``, validate it as the recipe will, build the launch line.
 
     Returns:
@@ -212,7 +214,7 @@ def prepare_recipe(check: Check, name: str, values: dict[str, Any]) -> tuple[Pat
     recipe.write_text(yaml.safe_dump({**GPU_KEYS, **values, "output_dir": str(run_dir)}))
     parse_config(["--config", str(recipe)])  # unknown keys and bad values fail here, dry run included
     cmd = launch_command(
-        "sft", ["--config", str(recipe)], num_processes=1, gpus=1, main_process_port=free_port()
+        recipe_name, ["--config", str(recipe)], num_processes=1, gpus=1, main_process_port=free_port()
     )
     launch_command_parser().parse_args(cmd[3:])  # accelerate's own parser takes the launch line
     check.figures["command"] = " ".join(["accelerate launch", *cmd[3:]])
@@ -502,6 +504,46 @@ def test_memory_plan_1b(check: Check) -> None:
         check.figures[f"{mode}:peak_vs_plan"] = ratio
         assert not entry["measured"]["previous_model_alive"], mode
         assert 0.5 <= ratio <= 1 / (1 - headroom), (mode, ratio)
+
+
+@pytest.mark.budget(25)
+def test_grpo_tiny(check: Check) -> None:
+    """The GRPO recipe on the GPU (bf16, activation checkpointing; regional compile off: compiled layers under
+    generate's growing KV cache are not checked yet): the rollout on the FSDP2 policy gathered once, the rewards,
+    the loss, the verified export reloaded on the GPU. Fails when the recipe exits non-zero, its log lacks CUDA
+    bf16 or the GRPO loss line, a step is missing, a step's loss, reward or gradient norm is not finite, the
+    completions' mean length is not in [1, max_completion_length], or the export is not verified."""
+    import random
+
+    from support.tiny import WORDS
+
+    model = tiny_model(check, "model", tied=False)
+    prompts = check.work / "prompts.jsonl"
+    rng = random.Random(3)
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=5)), "answer": rng.choice(WORDS)})
+                               + "\n" for _ in range(64)))  # fmt: skip
+    values = {"model_name_or_path": str(model), "dataset_name": str(prompts), "max_steps": 4,
+              "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 16, "max_length": 128,
+              "reward_funcs": ["exact_match", "length_penalty"], "torch_compile": False, "learning_rate": 1e-4}  # fmt: skip
+    run_dir, cmd = prepare_recipe(check, "grpo", values, recipe_name="grpo")
+    if check.dry:
+        return
+    log = launch(check, cmd, run_dir, timeout=check.timeout(0.8))
+    for pattern in (
+        r"world size 1 on cuda\S*; mixed precision bf16",
+        r"loss: GRPO dapo",
+        r"export verified: ",
+    ):
+        assert re.search(pattern, log), f"{pattern!r} not in the log:\n{tail(log)}"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+    for r in rows:
+        assert all(r[k] == r[k] and abs(r[k]) < 1e6 for k in ("loss", "reward", "grad_norm")), r
+        assert 1 <= r["completions/mean_length"] <= 16, r
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check.figures.update({"peak_memory_gib": summary.get("peak_memory_gib"), "wall_time_s": summary.get("wall_time_s"),
+                          "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+                          "step_time_s": rows[-1]["step_time_s"]})  # fmt: skip
 
 
 @pytest.mark.budget(30)
