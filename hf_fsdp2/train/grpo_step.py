@@ -245,8 +245,9 @@ def grpo_step(
     stats = torch.zeros(4, dtype=torch.float64, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     grad_norm, lr = torch.zeros(()), 0.0
-    for iteration in range(settings.num_iterations):
+    for iteration in range(settings.num_iterations):  # the last update's loss and statistics are logged
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        stats = torch.zeros(4, dtype=torch.float64, device=device)
         for i, row in enumerate(roll.rows):
             choose_gradient_sync(model, i, len(roll.rows), settings.sync_each_microbatch)
             logps = _logps(model, row, settings.temperature, device)
@@ -255,8 +256,7 @@ def grpo_step(
                                   row["advantages"].to(device), mask, s)  # fmt: skip
             (sums.loss * scale).backward()
             loss_sum += sums.loss.detach().double()
-            if iteration == 0:
-                stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.tokens]).double()
+            stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.tokens]).double()
         last = iteration == settings.num_iterations - 1
         grad_norm, lr = clip_and_update(model, optimizer, scheduler if last else None, loss_sum, settings.max_grad_norm,
                                         count)  # fmt: skip

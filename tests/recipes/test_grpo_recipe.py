@@ -66,8 +66,14 @@ def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
             "--reward_weights", "2.0", "--temperature", "0.9", *extra]  # fmt: skip
 
 
-def _plain_loop(assets: dict[str, Path], loss_type: str) -> list[dict]:
-    """The same run in one process: rank r's prompts are records r, r+2, ... in order, sampled with rank r's seed."""
+def _plain_loop(
+    assets: dict[str, Path], loss_type: str, iterations: int = 1, beta: float = 0.0
+) -> list[dict]:
+    """The same run in one process: rank r's prompts are records r, r+2, ... in order, sampled with rank r's seed;
+    ``iterations`` updates per generation batch against the sampler's log-probs; ``beta``: KL to the model as loaded
+    (a frozen copy)."""
+    import copy
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_fsdp2.train.grpo import GrpoSettings, group_advantages, grpo_loss_sums
@@ -78,14 +84,23 @@ def _plain_loop(assets: dict[str, Path], loss_type: str) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(assets["model"])
     records = [json.loads(line) for line in assets["data"].read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
+    reference = copy.deepcopy(model).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     functions = resolve_reward_functions(["grpo_rewards:by_kind"], [2.0], max_completion_length=MAX_NEW)
-    settings = GrpoSettings(loss_type=loss_type, max_completion_length=MAX_NEW, num_generations=G)
+    settings = GrpoSettings(loss_type=loss_type, max_completion_length=MAX_NEW, num_generations=G, beta=beta)
     generator = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
                                       settings=SamplingSettings(MAX_NEW, temperature=0.9))  # fmt: skip
+
+    def token_logps(net: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        width = row["completion_mask"].shape[1]
+        logits = net(input_ids=row["input_ids"], attention_mask=row["attention_mask"]).logits[
+            :, -width - 1 : -1
+        ]
+        return torch.log_softmax(logits / 0.9, -1).gather(-1, row["input_ids"][:, -width:, None]).squeeze(-1)
+
     rows_out = []
     for step in range(1, STEPS + 1):
-        sums, parts = [], []
+        batch, parts = [], []
         for rank in (0, 1):
             mine = records[rank::2][(step - 1) * B : step * B]
             prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
@@ -99,39 +114,43 @@ def _plain_loop(assets: dict[str, Path], loss_type: str) -> list[dict]:
             advantages, _ = group_advantages(rewards, settings)
             parts.append(rewards)
             row = _rows(repeated, completions, tok.pad_token_id)
-            width = row["completion_mask"].shape[1]
-            logits = model(input_ids=row["input_ids"], attention_mask=row["attention_mask"]).logits[
-                :, -width - 1 : -1
-            ]
-            logps = (
-                torch.log_softmax(logits / 0.9, -1).gather(-1, row["input_ids"][:, -width:, None]).squeeze(-1)
-            )
-            sums.append(grpo_loss_sums(logps, None, None, advantages, row["completion_mask"], settings))
-        count = sum(s.count for s in sums)
-        loss = sum(s.loss for s in sums) / count
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        optimizer.step()
-        optimizer.zero_grad()
+            with torch.no_grad():
+                old = token_logps(model, row) if iterations > 1 else None
+                ref = token_logps(reference, row) if beta else None
+            batch.append((row, advantages, old, ref))
+        for _ in range(iterations):
+            sums = [grpo_loss_sums(token_logps(model, row), old, ref, adv, row["completion_mask"], settings)
+                    for row, adv, old, ref in batch]  # fmt: skip
+            loss = sum(x.loss for x in sums) / sum(x.count for x in sums)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+        kl = sum(float(x.kl) for x in sums) / sum(float(x.tokens) for x in sums)
         rewards = torch.cat(parts)
-        rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm,
+        rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm, "kl": kl,
                          "reward": float(rewards.nanmean())})  # fmt: skip
     return rows_out
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize(
+    ("loss_type", "iterations", "beta"), [("dapo", 1, 0.0), ("grpo", 1, 0.0), ("dr_grpo", 2, 0.1)]
+)
 def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
-    assets, tmp_path, monkeypatch, loss_type
+    assets, tmp_path, monkeypatch, loss_type, iterations, beta
 ):
+    """dr_grpo with num_iterations 2 (the second update's ratio against the sampler's log-probs) and beta 0.1 (the KL
+    to a frozen sharded copy of the model as loaded)."""
     monkeypatch.syspath_prepend(str(assets["root"]))
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    proc = torchrun(GRPO, _args(assets, tmp_path / "run", "--loss_type", loss_type), nproc=2)
+    extra = ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta)]
+    proc = torchrun(GRPO, _args(assets, tmp_path / "run", *extra), nproc=2)
     log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
     got = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    want = _plain_loop(assets, loss_type)
+    want = _plain_loop(assets, loss_type, iterations, beta)
     for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "reward"):
+        for key in ("loss", "grad_norm", "reward", *(("kl",) if beta else ())):
             assert abs(g[key] - w[key]) <= 1e-4 * abs(w[key]) + 1e-6, (g["step"], key, g[key], w[key])
     # Rank 1's groups are all flat (half the groups of every step), and record 2's group is unscorable at step 2.
     assert all(r["frac_reward_zero_std"] >= 0.5 for r in got), [r["frac_reward_zero_std"] for r in got]
@@ -153,3 +172,29 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(assets, tmp_p
     b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
         assert a[3][key] == pytest.approx(b[3][key], rel=1e-6, abs=1e-9), (key, a[3][key], b[3][key])
+
+
+def test_lora_with_a_kl_to_the_base_trains_and_exports_a_verified_adapter(
+    assets, tmp_path, monkeypatch
+) -> None:
+    """LoRA: the reference is the base with the adapter disabled (no second copy); the KL to it is 0 before the
+    adapter moves and positive after; the adapter's export is verified as every LoRA run's."""
+    monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
+    extra = [
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--beta",
+        "0.1",
+        "--learning_rate",
+        "2e-2",
+    ]
+    proc = torchrun(GRPO, _args(assets, tmp_path / "run", *extra), nproc=2)
+    log = proc.stdout + proc.stderr
+    assert "GRPO reference: the base model with the LoRA adapter disabled" in log, log[-3000:]
+    assert "adapter verified: " in log, log[-3000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0, [r["kl"] for r in rows]
