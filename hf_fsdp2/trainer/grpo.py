@@ -44,6 +44,12 @@ def grpo_settings_check(cfg: Config) -> None:
           f"{', '.join(GRPO_LOSS_TYPES)}")  # fmt: skip
     if p.beta is None:
         p.beta = 0.0
+    if cfg.fsdp.torch_compile is None:  # unset: off here, where the GPU default would be on
+        # The rollout decodes one token at a time through the decoder layers with a growing KV cache: compiled
+        # layers would see a new shape at every token (recompiles, or dynamo's fallback to eager at its limit).
+        cfg.fsdp.torch_compile = False
+        logger.info("torch_compile off for GRPO (unset): the rollout changes the layers' shapes at every token; "
+                    "torch_compile: true compiles anyway")  # fmt: skip
     check(not p.precompute_ref_log_probs, "precompute_ref_log_probs: GRPO's completions are sampled during training, "
           "so their reference log-probs cannot be computed before it; unset it")  # fmt: skip
     check(bool(g.reward_funcs), "reward_funcs is empty: GRPO needs at least one reward function (exact_match, "
