@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hf_fsdp2.parallel.launch_config import Finding
 
@@ -58,7 +59,7 @@ def run_doctor(
 
     environ = os.environ if environ is None else environ
     report = Report()
-    settings: dict[str, object] = {}
+    settings: dict[str, Any] = {}
     accel: list[Finding] = []
     if accelerate_config is not None:
         try:
@@ -66,10 +67,10 @@ def run_doctor(
         except ValueError as err:
             accel.append(Finding("error", "accelerate config", str(accelerate_config), str(err)))
     processes = settings.get("num_processes")
-    machines = int(settings.get("num_machines") or 1)  # type: ignore[call-overload]
-    per_node = int(processes) // machines if processes else None  # type: ignore[call-overload]
+    machines = int(settings.get("num_machines") or 1)
+    per_node = int(processes) // machines if processes else None
     use_cpu = settings.get("use_cpu") if "use_cpu" in settings else None
-    report.sections["environment"] = [*version_findings(), *cuda_findings(per_node, use_cpu=use_cpu),  # type: ignore[arg-type]
+    report.sections["environment"] = [*version_findings(), *cuda_findings(per_node, use_cpu=use_cpu),
                                       *debug_findings(environ, machines)]  # fmt: skip
     cfg = None
     recipe_found: list[Finding] = []
@@ -92,15 +93,16 @@ def run_doctor(
     if accelerate_config is not None:
         report.sections[f"accelerate config {accelerate_config}"] = accel
     if cfg is not None:
-        recipe_found += _recipe_findings(
-            cfg, recipe, settings, per_node, processes, torch.cuda.is_available()
-        )
+        recipe_found += _recipe_findings(cfg, recipe, settings, processes, torch.cuda.is_available())
     if recipe_argv is not None:
         report.sections[f"recipe ({recipe})"] = recipe_found
     return report
 
 
-def _recipe_findings(cfg, recipe, settings, per_node, processes, on_gpu):  # type: ignore[no-untyped-def]
+def _recipe_findings(
+    cfg: Any, recipe: str, settings: Mapping[str, Any], processes: Any, on_gpu: bool
+) -> list[Finding]:
+    """The recipe's checks (:mod:`.recipe`) at the world size the accelerate config asks for (else the GPUs here)."""
     import torch
 
     from hf_fsdp2.doctor.recipe import (

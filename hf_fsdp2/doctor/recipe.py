@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def data_findings(cfg: Config, recipe: str, tokenizer: Any) -> list[Finding]:
     return out
 
 
-def wrap_findings(model_config: Any, settings: dict[str, Any], cfg: Config) -> list[Finding]:
+def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -> list[Finding]:
     """The decoder-layer classes asked for (the recipe's ``fsdp_layer_cls_to_wrap``, the accelerate config's
     ``fsdp_transformer_layer_cls_to_wrap``) against the model's ``_no_split_modules`` and its modeling module."""
     from transformers import AutoModelForCausalLM

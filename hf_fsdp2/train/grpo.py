@@ -129,9 +129,8 @@ def per_token_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference's log-probs")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        if (
-            settings.use_bias_correction_kl
-        ):  # the unbiased reverse-KL gradient; differentiable through the ratio
+        # The unbiased reverse-KL gradient (TRL's use_bias_correction_kl); differentiable through the ratio.
+        if settings.use_bias_correction_kl:
             kl = kl * ratio
         loss = loss + settings.beta * kl
     return loss, kl, ratio
