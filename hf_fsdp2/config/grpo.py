@@ -56,6 +56,13 @@ class GrpoArgs:
         default=None,
         metadata={"help": "The regular expression the format reward requires the completion to match."},
     )
+    rollout_gather: str = field(
+        default="full",
+        metadata={
+            "help": "full: the model gathered once per rollout (fast); layer: gathered per layer and token, for "
+            "models whose full copy does not fit beside their shards."
+        },
+    )
     log_completions: int = field(
         default=4, metadata={"help": "Eval samples (prompt, completion, reward) logged at each eval step."}
     )
@@ -77,6 +84,10 @@ class GrpoArgs:
             f"epsilon_high={self.epsilon_high} must be >= 0",
         )
         check(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
+        check(
+            self.rollout_gather in ("full", "layer"),
+            f"rollout_gather={self.rollout_gather!r} is not full or layer",
+        )
         check(self.scale_rewards in SCALE_REWARDS,
               f"scale_rewards={self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")  # fmt: skip
         check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),

@@ -7,6 +7,11 @@ rollout phase and keeps it gathered (no collective runs during generation, whate
 reshards and restores each unit's ``reshard_after_forward``. Rank symmetry holds by construction: every rank
 enters and leaves the phase once, and generates only for its own prompts.
 
+Where one full copy of the model does not fit beside its shards, ``gather: layer`` (``rollout_gather: layer``)
+keeps FSDP2's per-layer gathers and frees each layer after its forward, at the cost of one all-gather per layer per
+token; every rank then decodes until every rank is done (transformers' ``synced_gpus``: one flag all-reduce per
+token), so the collectives still match.
+
 Generation goes through the small :class:`Generator` interface, so a serving engine can take its place later;
 today's backend is transformers' ``generate`` with its KV cache (:class:`TransformersGenerator`). Sampling draws
 from a generator seeded by (seed, step, rank): a resumed run samples exactly what the uninterrupted one did.
@@ -14,6 +19,7 @@ from a generator seeded by (seed, step, rank): a resumed run samples exactly wha
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,6 +74,9 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     do_sample: bool = True
+    gather: str = (
+        "full"  # "full": every unit gathered once per rollout; "layer": FSDP2's per-layer gathers, synced
+    )
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +127,18 @@ class TransformersGenerator:
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         else:  # greedy: no sampling settings (transformers warns about unused ones)
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        import torch.distributed as dist
+
+        # "full": nothing collective inside (each rank stops at its own length); "layer": each forward all-gathers
+        # its layer as in training, so every rank keeps decoding (dummy steps) until all are done: transformers'
+        # synced_gpus, one flag all-reduce per token.
+        layered = s.gather == "layer"
+        kwargs["synced_gpus"] = layered and dist.is_initialized() and dist.get_world_size() > 1
         was_training = self.model.training
         self.model.eval()
         try:
             with (
-                gathered(self.model),
+                contextlib.nullcontext() if layered else gathered(self.model),
                 torch.no_grad(),
                 torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]),
             ):

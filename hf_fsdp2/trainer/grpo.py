@@ -237,7 +237,8 @@ def _build_grpo(
     settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
                                 cfg.fsdp.fsdp_sync_each_microbatch, t.seed)  # fmt: skip
     eos = [int(i) for i in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
-    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True)
+    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
+                                gather=g.rollout_gather)  # fmt: skip
     generator = TransformersGenerator(
         model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling
     )

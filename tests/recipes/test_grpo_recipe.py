@@ -134,16 +134,19 @@ def _plain_loop(
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "iterations", "beta"), [("dapo", 1, 0.0), ("grpo", 1, 0.0), ("dr_grpo", 2, 0.1)]
+    ("loss_type", "iterations", "beta", "gather"),
+    [("dapo", 1, 0.0, "full"), ("grpo", 1, 0.0, "layer"), ("dr_grpo", 2, 0.1, "full")],
 )
 def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
-    assets, tmp_path, monkeypatch, loss_type, iterations, beta
+    assets, tmp_path, monkeypatch, loss_type, iterations, beta, gather
 ):
     """dr_grpo with num_iterations 2 (the second update's ratio against the sampler's log-probs) and beta 0.1 (the KL
-    to a frozen sharded copy of the model as loaded)."""
+    to a frozen sharded copy of the model as loaded); grpo with the rollout gathered per layer (rollout_gather:
+    layer), its ranks decoding in step."""
     monkeypatch.syspath_prepend(str(assets["root"]))
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    extra = ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta)]
+    extra = ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta), "--rollout_gather",
+             gather]  # fmt: skip
     proc = torchrun(GRPO, _args(assets, tmp_path / "run", *extra), nproc=2)
     log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]

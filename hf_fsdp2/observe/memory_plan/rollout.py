@@ -37,8 +37,9 @@ def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
     sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps * g.num_generations
     kv = 2 * layers * kv_heads * head_dim * sequences * d.max_length * size
     state = plan.per_rank[plan.worst_rank]
+    layered = getattr(g, "rollout_gather", "full") == "layer"  # FSDP2's own units in flight, as in training
     return RolloutBytes(
-        gathered=plan.total_params * size,
+        gathered=plan.fsdp_buffers if layered else plan.total_params * size,
         kv_cache=kv,
         logits=sequences * int(getattr(text, "vocab_size", 0)) * 4,
         state=int(state["params"] + state["optimizer"]),
@@ -53,7 +54,9 @@ def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
     r = rollout_bytes(plan, model_config, cfg)
     which = "the run's peak" if r.peak > plan.peak else "under the training peak"
     return (
-        f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): the model gathered {human_bytes(r.gathered)} + "
+        f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): "
+        f"{'FSDP buffers (rollout_gather: layer)' if cfg.grpo.rollout_gather == 'layer' else 'the model gathered'} "
+        f"{human_bytes(r.gathered)} + "
         f"KV cache {human_bytes(r.kv_cache)} ({r.sequences} sequences x max_length {cfg.data.max_length}) + last "
         f"logits {human_bytes(r.logits)} + sharded parameters and optimizer state {human_bytes(r.state)}"
     )

@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--gather", default="full")
     args = ap.parse_args()
     plan = ShardingPlan(activation_checkpointing=True)
     compile_plan = CompilePlan(enabled=False)
@@ -41,7 +42,7 @@ def main() -> None:
     )
     plain = load_model(args.model).eval()
     prompts, new_tokens = WORK[rank]
-    settings = SamplingSettings(max_completion_length=new_tokens, do_sample=False)
+    settings = SamplingSettings(max_completion_length=new_tokens, do_sample=False, gather=args.gather)
     eos = [int(tokenizer.eos_token_id)]
     calls = {"all_gather": 0}
     names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
@@ -61,8 +62,11 @@ def main() -> None:
     ).generate(prompts, seed=0)
     for n in names:
         setattr(dist, n, originals[n])
+    plain_settings = SamplingSettings(
+        max_completion_length=new_tokens, do_sample=False
+    )  # one process: no sync
     want = TransformersGenerator(
-        plain, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=settings
+        plain, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=plain_settings
     ).generate(prompts, seed=0)
     units = sum(
         bool(m._get_fsdp_state()._fsdp_param_groups) for m in model.modules() if isinstance(m, FSDPModule)
