@@ -17,7 +17,8 @@ from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.config.grpo import GRPO_LOSS_TYPES
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.data.loading import load_source
+from hf_fsdp2.config.sources import parse_column_mapping
+from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.train.grpo import GrpoSettings
 from hf_fsdp2.train.grpo_step import GrpoStepSettings, grpo_step, no_grad_logps
 from hf_fsdp2.train.rewards import RewardFunction, combine, resolve_reward_functions, score_completions
@@ -74,6 +75,27 @@ def _prompt_ids(prompt: Any, tokenizer: Any, where: str) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+def _as_prompt_record(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``prompt`` record as is; a chat record (``messages`` ending with an assistant turn, the SFT format) as its
+    turns before that answer, the answer's text given to the reward functions as ``answer`` (unless the record has
+    one)."""
+    if "prompt" in record:
+        return record
+    turns = record.get("messages")
+    if (
+        isinstance(turns, list)
+        and turns
+        and isinstance(turns[-1], dict)
+        and turns[-1].get("role") == "assistant"
+    ):
+        out = {k: v for k, v in record.items() if k != "messages"}
+        out["prompt"] = turns[:-1]
+        out.setdefault("answer", turns[-1].get("content"))
+        return out
+    raise ConfigError(f"{where}: no 'prompt' column nor 'messages' ending with an assistant turn (columns: "
+                      f"{sorted(record)}); rename with dataset_column_mapping")  # fmt: skip
+
+
 def tokenize_prompts(
     records: Any, tokenizer: Any, *, limit: int, long_examples: str, source: str
 ) -> list[dict]:
@@ -83,9 +105,7 @@ def tokenize_prompts(
     dropped = 0
     for i, record in enumerate(records):
         where = f"{source} record {i}"
-        if "prompt" not in record:
-            raise ConfigError(f"{where}: no 'prompt' column (columns: {sorted(record)}); rename with "
-                              "dataset_column_mapping")  # fmt: skip
+        record = _as_prompt_record(dict(record), where)
         ids = _prompt_ids(record["prompt"], tokenizer, where)
         if len(ids) > limit:
             if long_examples == "error":
@@ -126,9 +146,13 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
 
     def load() -> tuple[list[dict], list[dict] | None]:
         train = []
+        mapping = parse_column_mapping(d.dataset_column_mapping)
         for source in d.sources():
-            train += tokenize_prompts(load_source(source, on_bad_record=d.on_bad_record), tokenizer, limit=limit,
-                                      long_examples=d.long_examples, source=source.describe())  # fmt: skip
+            raw = load_source(source, on_bad_record=d.on_bad_record)
+            if mapping:
+                raw = apply_column_mapping(raw, mapping, source.describe())
+            train += tokenize_prompts(raw, tokenizer, limit=limit, long_examples=d.long_examples,
+                                      source=source.describe())  # fmt: skip
         evals = None
         eval_source = d.eval_source()
         if eval_source is not None:

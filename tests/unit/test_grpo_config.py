@@ -49,3 +49,27 @@ def test_dpo_and_kto_keep_trls_beta_and_refuse_a_grpo_loss() -> None:
         dpo_objective(parse("--loss_type", "dapo"))
     with pytest.raises(ConfigError, match="beta=0.0 must be > 0 for DPO"):
         dpo_objective(parse("--beta", "0"))
+
+
+def test_prompts_come_from_prompt_records_or_chat_records_and_bad_ones_are_named(chatml_tokenizer) -> None:
+    from hf_fsdp2.trainer.grpo import tokenize_prompts
+
+    user = {"role": "user", "content": "2024-03-05"}
+    records = [{"prompt": "a plain prompt", "answer": "x"},
+               {"messages": [user, {"role": "assistant", "content": "5 March 2024"}], "kind": "chat"},
+               {"prompt": [user]}]  # fmt: skip
+    out = tokenize_prompts(records, chatml_tokenizer, limit=64, long_examples="drop", source="d.jsonl")
+    assert [e["columns"].get("answer") for e in out] == ["x", "5 March 2024", None]
+    assert out[1]["prompt"] == [user] and out[1]["columns"]["kind"] == "chat"
+    chat = chatml_tokenizer.apply_chat_template(
+        [user], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert out[1]["prompt_ids"] == list(chat) == out[2]["prompt_ids"]
+    assert out[0]["prompt_ids"] == chatml_tokenizer("a plain prompt", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ConfigError, match="d.jsonl record 0: no 'prompt' column nor 'messages'"):
+        tokenize_prompts([{"text": "x"}], chatml_tokenizer, limit=64, long_examples="drop", source="d.jsonl")
+    with pytest.raises(ConfigError, match="record 0: the prompt has .* tokens, over .* = 2"):
+        tokenize_prompts(records[:1], chatml_tokenizer, limit=2, long_examples="error", source="d.jsonl")
+    assert (
+        tokenize_prompts(records[:1], chatml_tokenizer, limit=2, long_examples="drop", source="d.jsonl") == []
+    )
