@@ -99,6 +99,30 @@ def run_doctor(
     return report
 
 
+def _recipe_check(cfg: Any, recipe: str) -> None:
+    """The check each recipe runs on its keys before loading anything (e.g. GRPO's reward functions resolved)."""
+    if recipe == "grpo":
+        from hf_fsdp2.train.rewards import resolve_reward_functions
+        from hf_fsdp2.trainer.grpo import grpo_settings_check
+
+        grpo_settings_check(cfg)
+        g = cfg.grpo
+        resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
+                                 format_pattern=g.reward_format_pattern)  # fmt: skip
+    elif recipe == "kto":
+        from hf_fsdp2.trainer.kto import kto_settings_check
+
+        kto_settings_check(cfg)
+    elif recipe == "dpo":
+        from hf_fsdp2.trainer.preference import dpo_objective
+
+        dpo_objective(cfg)
+    elif recipe == "rm":
+        from hf_fsdp2.trainer.reward import rm_settings_check
+
+        rm_settings_check(cfg)
+
+
 def _recipe_findings(
     cfg: Any, recipe: str, settings: Mapping[str, Any], processes: Any, on_gpu: bool
 ) -> list[Finding]:
@@ -118,6 +142,10 @@ def _recipe_findings(
 
     m = cfg.model
     out: list[Finding] = []
+    try:  # the recipe's own reading of its keys, as its launch would do before any work
+        _recipe_check(cfg, recipe)
+    except (ValueError, ImportError) as err:
+        return [Finding("error", "recipe", recipe, str(err).splitlines()[0])]
     try:
         model_config = read_model_config(m.model_name_or_path or "", revision=m.model_revision,
                                          trust_remote_code=m.trust_remote_code)  # fmt: skip

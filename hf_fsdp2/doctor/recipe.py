@@ -176,6 +176,16 @@ def data_findings(cfg: Config, recipe: str, tokenizer: Any) -> list[Finding]:
                 out.append(Finding("ok", "data", stats.source, f"{stats.dataset_format} records, {count} of the "
                                    f"first {RECORDS_READ} tokenized"))  # fmt: skip
             return out
+        if recipe == "grpo":
+            from hf_fsdp2.trainer.grpo import tokenize_prompts
+
+            limit = d.max_length - cfg.grpo.max_completion_length
+            for source in d.sources():
+                rows = tokenize_prompts(load(source), tokenizer, limit=limit, long_examples=d.long_examples,
+                                        source=source.describe())  # fmt: skip
+                out.append(Finding("ok", "data", source.describe(), f"prompts, {len(rows)} of the first "
+                                   f"{RECORDS_READ} records tokenized"))  # fmt: skip
+            return out
         tokenize = tokenize_unpaired if recipe == "kto" else tokenize_pairs
         for source in d.sources():
             rows, _ = tokenize(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,

@@ -202,3 +202,30 @@ def test_the_rest_of_the_findings_fire(clean, tmp_path: Path, monkeypatch: pytes
     assert "preference pairs, 4 of the first 50" in dpo.text() and dpo.errors == 0, dpo.text()
     kto = run_doctor([*clean, "--dataset_name", str(pairs)], None, recipe="kto", environ={})
     assert "unpaired examples, 8 of the first 50" in kto.text() and kto.errors == 0, kto.text()
+
+
+def test_each_recipe_reads_its_keys_as_its_launch_would(clean, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """GRPO's reward functions resolved and its prompts tokenized; DPO's and KTO's refusals fire."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi", "answer": "hi"}) + "\n")
+    grpo = [
+        *clean,
+        "--dataset_name",
+        str(prompts),
+        "--max_completion_length",
+        "16",
+        "--reward_funcs",
+        "exact_match",
+    ]
+    report = run_doctor(grpo, None, recipe="grpo", environ={})
+    assert report.errors == 0 and "prompts, 1 of the first 50 records tokenized" in report.text(), (
+        report.text()
+    )
+    bad = run_doctor([*grpo[:-1], "no_such_module:f"], None, recipe="grpo", environ={})
+    assert levels(bad, "recipe")["recipe"] == "error" and "cannot be imported" in bad.text()
+    assert (
+        levels(run_doctor([*clean, "--loss_type", "dapo"], None, recipe="dpo", environ={}), "recipe")[
+            "recipe"
+        ]
+        == "error"
+    )
