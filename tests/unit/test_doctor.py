@@ -137,7 +137,13 @@ def test_each_recipe_finding_fires(clean, tmp_path: Path, monkeypatch: pytest.Mo
     (run / "checkpoint-5").rmdir()
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    assert recipe_levels("--push_to_hub", "true", "--hub_model_id", "me/model")["hub"] == "error"  # no token
+    from huggingface_hub import constants as hub_constants
+
+    monkeypatch.setattr(
+        hub_constants, "HF_HUB_OFFLINE", False
+    )  # the token, not offline mode, is what is missing
+    found = run_doctor([*clean, "--push_to_hub", "true", "--hub_model_id", "me/model"], None, environ={})
+    assert levels(found, "recipe")["hub"] == "error" and "token" in found.text().lower(), found.text()
     assert recipe_levels("--dataset_name", str(tmp_path / "missing.jsonl"))["data"] == "error"
     chat = tmp_path / "chat.jsonl"
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -193,6 +199,9 @@ def test_the_rest_of_the_findings_fire(clean, tmp_path: Path, monkeypatch: pytes
     assert recipe.disk_findings is need
     monkeypatch.setattr(environment, "known_issues", lambda: [])
     monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+    from huggingface_hub import constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)  # scripts/test.sh sets HF_HUB_OFFLINE=1
     assert levels(run_doctor([*clean, "--push_to_hub", "true", "--hub_model_id", "me/model"], None, environ={}),
                   "recipe")["hub"] == "ok"  # fmt: skip
     pairs = tmp_path / "pairs.jsonl"
