@@ -24,7 +24,7 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.train.grpo import GrpoSettings, completion_token_logps, group_advantages, grpo_loss_sums
-from hf_fsdp2.train.rewards import RewardFunction, combine, score_completions
+from hf_fsdp2.train.rewards import RewardError, RewardFunction, combine, score_completions
 from hf_fsdp2.train.rollout import Generator, rollout_seed
 from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update
 
@@ -95,7 +95,13 @@ def rollout(
         for key, values in b["columns"].items():
             columns.setdefault(key, []).extend(v for v in values for _ in range(g))
     indices = [i for b in micro_batches for i in b["index"] for _ in range(g)]
-    table = score_completions(functions, raw_prompts, texts, completion_ids, columns, indices=indices)
+    # A function that raises on one rank's completions stops every rank here, with its name and the example (the
+    # other ranks would otherwise wait in the next collective); one host all-gather of the outcome per step.
+    table = collectives.run_on_all(
+        "scoring the completions",
+        lambda: score_completions(functions, raw_prompts, texts, completion_ids, columns, indices=indices),
+        RewardError,
+    )
     rewards = combine(table, functions)
     batch_std = None
     if settings.grpo.scale_rewards == "batch":  # every rank, whatever its rewards: the global deviation

@@ -201,3 +201,25 @@ def test_lora_with_a_kl_to_the_base_trains_and_exports_a_verified_adapter(
     assert "adapter verified: " in log, log[-3000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0, [r["kl"] for r in rows]
+
+
+def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_naming_it(
+    assets, tmp_path, monkeypatch
+) -> None:
+    """Rank 1's prompts make the function raise: both ranks stop at once (none waits in a collective) and the error
+    names the function, the rank and the example."""
+    (tmp_path / "picky_rewards.py").write_text(
+        "def picky(prompts, completions, kind, **kw):\n"
+        "    if 'flat' in kind:\n        raise ValueError('no flat prompts here')\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{assets['root']}")
+    args = _args(assets, tmp_path / "run", "--reward_funcs", "picky_rewards:picky", "--reward_weights", "1.0")
+    proc = torchrun(GRPO, args, nproc=2, check=False, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert (
+        "failed while scoring the completions (rank 1)" in log
+        and "'picky_rewards:picky' raised ValueError" in log
+    )
+    assert "on example" in log, log[-3000:]
