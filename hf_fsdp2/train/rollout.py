@@ -123,6 +123,10 @@ class TransformersGenerator:
             max_new_tokens=s.max_completion_length, do_sample=s.do_sample and not greedy, pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids, use_cache=True,
         )  # fmt: skip
+        if getattr(getattr(self.model, "config", None), "output_router_logits", False):
+            # A MoE's load-balancing loss is a training term; computed while decoding with a KV cache, transformers
+            # mismatches the router logits with the attention mask.
+            kwargs["output_router_logits"] = False
         if kwargs["do_sample"]:
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         else:  # greedy: no sampling settings (transformers warns about unused ones)

@@ -267,6 +267,9 @@ def _build_grpo(
         model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling
     )
     reference = _reference(session, model)
+    if session.is_main and getattr(model.module.config, "output_router_logits", False):
+        logger.warning("GRPO adds no MoE router load-balancing loss (TRL adds router_aux_loss_coef x aux_loss): the "
+                       "router trains on the policy loss alone")  # fmt: skip
     logger.info("loss: GRPO %s, epsilon %g/%g, beta %g, %d generations per prompt, scale_rewards %s, %d iteration(s) "
                 "per generation batch; rewards %s", p.loss_type, g.epsilon, grpo.high, grpo.beta, g.num_generations,
                 g.scale_rewards, g.num_iterations, ", ".join(f"{f.name} x{f.weight:g}" for f in functions))  # fmt: skip

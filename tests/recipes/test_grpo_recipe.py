@@ -223,3 +223,22 @@ def test_a_reward_function_that_raises_on_one_rank_stops_every_rank_naming_it(
         and "'picky_rewards:picky' raised ValueError" in log
     )
     assert "on example" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma2"])
+def test_other_families_roll_out_train_and_export(assets, tmp_path, monkeypatch, family: str) -> None:
+    """Tied embeddings (Qwen3), a MoE with its router logits on (Qwen3-MoE: no router loss while decoding), final
+    logit soft-capping (Gemma 2): the rollout, the KL to the frozen copy, the update and the verified export."""
+    from support.families import make_family_dir
+
+    monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
+    model = make_family_dir(tmp_path / family, family)
+    args = _args({**assets, "model": model}, tmp_path / "run", "--max_steps", "2", "--beta", "0.05")
+    proc = torchrun(GRPO, args, nproc=2)
+    log = proc.stdout + proc.stderr
+    assert "export verified" in log, log[-3000:]
+    assert ("GRPO adds no MoE router load-balancing loss" in log) is (family == "qwen3_moe")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(
+        r["kl"] == r["kl"] and r["grad_norm"] == r["grad_norm"] for r in rows
+    )
