@@ -24,9 +24,10 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.train.grpo import GrpoSettings, completion_token_logps, group_advantages, grpo_loss_sums
+from hf_fsdp2.train.nonfinite import guard_of
 from hf_fsdp2.train.rewards import RewardError, RewardFunction, combine, score_completions
 from hf_fsdp2.train.rollout import Generator, rollout_seed
-from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update
+from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update, read_step_counts
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ def grpo_step(
         sum(int(r["completion_mask"].sum()) for r in roll.rows),
         sum(r["input_ids"].numel() for r in roll.rows),
     ], dtype=torch.long)  # fmt: skip
-    count, tokens, processed = (int(v) for v in collectives.all_reduce_sum(local.to(device)).tolist())
+    # The step's one host read of its counts, carrying the previous step's non-finite flags (the guard acts here).
+    count, tokens, processed = read_step_counts(local.to(device), guard_of(optimizer))
     scale = collectives.world() / count if count else 0.0
     old = (
         [no_grad_logps(model, r, settings.temperature, device) for r in roll.rows]
@@ -248,8 +250,6 @@ def grpo_step(
         else None
     )
     refs = [reference(r) for r in roll.rows] if reference is not None and s.beta else None
-    stats = torch.zeros(4, dtype=torch.float64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     grad_norm, lr = torch.zeros(()), 0.0
     for iteration in range(settings.num_iterations):  # the last update's loss and statistics are logged
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
