@@ -170,3 +170,32 @@ def fresh_compile_state() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(idle + iowait, total) jiffies of the whole machine since boot (Linux /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``HF_FSDP2_TEST_IDLE_LOG=file``: one JSON line per test (setup + call + teardown) with its seconds and the
+    share of the machine's cores left idle meanwhile: profiling where the parallel suite waits instead of computing."""
+    log = os.environ.get("HF_FSDP2_TEST_IDLE_LOG")
+    if not log:
+        yield
+        return
+    import time
+
+    idle0, total0 = _cpu_jiffies()
+    start = time.perf_counter()
+    yield
+    idle1, total1 = _cpu_jiffies()
+    fields = {
+        "test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "s": round(time.perf_counter() - start, 2), "idle": round((idle1 - idle0) / max(total1 - total0, 1), 3),
+        "t0": round(start, 1),
+    }  # fmt: skip
+    with open(log, "a") as f:
+        f.write(json.dumps(fields) + "\n")

@@ -593,6 +593,26 @@ def test_cli_push_and_dry_run(hub: FakeHub, export_dir: Path, tmp_path: Path) ->
     )
 
 
+def test_cli_push_imports_neither_torch_nor_transformers(
+    hub: FakeHub, export_dir: Path, tmp_path: Path
+) -> None:
+    """Pushing a folder is an upload: ``hf-fsdp2 push`` starts in a fraction of a second, not after ~3 s of
+    torch and transformers imports (the package ``__init__`` files load their names on first use)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom hf_fsdp2.cli import main\nstatus = main(sys.argv[1:])\n"
+        "print(status, sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "push", str(export_dir), REPO, "--dry-run"],
+        capture_output=True, text=True, env=dict(cli_env(hub, tmp_path), HF_TOKEN=""), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout
+
+
 def test_cli_push_through_xet_storage(hub: FakeHub, tmp_path: Path) -> None:
     """The path every real push of weights takes: hf_xet chunks the file and uploads xorbs and a shard."""
     pytest.importorskip("hf_xet")
