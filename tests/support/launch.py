@@ -169,6 +169,19 @@ _READ_AT_RUN_TIME = (
 )
 
 
+def _path_entries(env: dict[str, str]) -> list[str]:
+    return [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+
+
+_BASE_PYTHONPATH = os.environ.get("PYTHONPATH", "")  # this pytest process's, before any test sets its own
+
+
+def _server_env(env: dict[str, str]) -> dict[str, str]:
+    """A new server's environment: the run's, with PYTHONPATH as every run has it (tests/ and this process's own),
+    so that the folders one test adds for its runs do not make the next test's runs start another server."""
+    return dict(env, PYTHONPATH=str(REPO / "tests") + os.pathsep + _BASE_PYTHONPATH)
+
+
 def _server_enabled() -> bool:
     """HF_FSDP2_TEST_LAUNCH_SERVER=0 runs every launch as a fresh torchrun / python, as a user does."""
     return os.environ.get("HF_FSDP2_TEST_LAUNCH_SERVER", "1") != "0"
@@ -214,9 +227,14 @@ class _Server:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def changed(self, env: dict[str, str]) -> set[str]:
-        """The variables that differ from the server's own, other than those read at run time."""
-        keys = (set(self.env) | set(env)) - set(_READ_AT_RUN_TIME)
-        return {k for k in keys if self.env.get(k) != env.get(k)}
+        """The variables that differ from the server's own, other than those read at run time. PYTHONPATH may
+        add folders (a test's reward-function module): a served rank puts them on its ``sys.path`` as Python
+        would at start-up; one that drops a folder of the server's needs a new server."""
+        keys = (set(self.env) | set(env)) - set(_READ_AT_RUN_TIME) - {"PYTHONPATH"}
+        changed = {k for k in keys if self.env.get(k) != env.get(k)}
+        if not set(_path_entries(self.env)) <= set(_path_entries(env)):
+            changed.add("PYTHONPATH")
+        return changed
 
     def fits(self, env: dict[str, str]) -> bool:
         return self.proc.poll() is None and not self.changed(env)
@@ -237,7 +255,7 @@ def _served(
         if _SERVER is not None:
             _SERVER.stop()
         start = time.perf_counter()
-        _SERVER = _Server(env)
+        _SERVER = _Server(_server_env(env))
         _log(
             {"server_start": round(time.perf_counter() - start, 1), "changed": changed}
         )  # why it (re)started

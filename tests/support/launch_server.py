@@ -92,6 +92,9 @@ def _run_rank(request: dict, rank: int) -> None:
         os.environ.clear()
         os.environ.update(_rank_env(request["env"], rank, request["nproc"]))
         os.chdir(request["cwd"])
+        # Folders the request's PYTHONPATH adds to the server's: where Python puts PYTHONPATH, after the script's.
+        added = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and e not in sys.path]
+        sys.path[1:1] = added
         reload_zygote.install(
             _RELOAD_SOCKET
         )  # the export's reload forks from the zygote (tests/support/reload_zygote.py)
