@@ -1,4 +1,5 @@
-"""End to end on 2 gloo ranks (accelerate launch): metrics.jsonl and TensorBoard events written and
+"""End to end on 2 gloo ranks (the recipe forked as torchrun starts it; `accelerate launch` itself is tested by
+tests/recipes/test_sft_recipe.py and test_launch_mapping.py, and costs ~15 s of imports more): metrics.jsonl and TensorBoard events written and
 readable, eval every 2 steps and at the end equal to a single-process evaluation of the exported fp32
 weights, samples, profiler traces per rank, the run summary, and `hf-fsdp2 plot` on the run."""
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from support.launch import SFT, accelerate_launch, python
+from support.launch import SFT, python, torchrun
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
@@ -44,7 +45,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
             }
         )
     )  # fmt: skip
-    proc = accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", SFT, ["--config", str(recipe)])
+    proc = torchrun(SFT, ["--config", str(recipe)], nproc=2)
     return root / "run", eval_data, proc.stdout + proc.stderr
 
 
