@@ -284,4 +284,6 @@ def _served(
             f"run failed (rank exit codes {answer['codes']}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}"
             f"\n--- stderr ---\n{stderr[-8000:]}"
         )
-    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    done = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    done.rank_codes = answer["codes"]  # type: ignore[attr-defined]  # each rank's exit status, rank order
+    return done
