@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.launch import python
 
 from hf_fsdp2 import cli
 from hf_fsdp2.demo import assets, tasks
@@ -72,10 +73,9 @@ def test_converted_folder_loads_in_a_fresh_process(converted: Path) -> None:
     assert "lm_head.weight" not in keys
     assert len(keys) == 272
 
-    # A fresh interpreter: nothing from the conversion (GGUF quantizer, cached modules) can help it.
-    proc = subprocess.run(
-        [sys.executable, "-c", _RELOAD, str(converted)], capture_output=True, text=True, timeout=600
-    )
+    # Another interpreter (python -c, forked from the launch server's zygote: it never ran a conversion), so that
+    # nothing from the conversion (GGUF quantizer, cached modules) can help it.
+    proc = python("-c", [_RELOAD, str(converted)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tied"] is True

@@ -141,9 +141,12 @@ def accelerate_launch(
 
 
 def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
-    """A plain ``python script args`` in a fresh process (forked from the launch server, unless the script is ``-c``
-    code: those reload an export in an interpreter that has never imported hf_fsdp2)."""
-    if _server_enabled() and script != "-c":
+    """A plain ``python script args`` in a fresh process, forked from the launch server. ``-c`` code (``args[0]``;
+    those reload an export with plain transformers) is forked from the server's reload zygote: an interpreter that
+    has imported torch and transformers but never hf_fsdp2, as a new ``python -c`` is."""
+    if _server_enabled() and script == "-c":
+        return _zygote_code(args[0], args[1:], timeout=timeout, check=check)
+    if _server_enabled():
         return _served(script, args, nproc=1, timeout=timeout, master_port=None, check=check)
     return _run([sys.executable, str(script), *args], timeout, check)
 
@@ -243,13 +246,9 @@ class _Server:
 _SERVER: _Server | None = None
 
 
-def _served(
-    script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None, check: bool
-) -> subprocess.CompletedProcess[str]:
-    """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess whose status
-    is torchrun's for a distributed run (1 when a rank failed) and the process's own for a plain one."""
+def _server(env: dict[str, str]) -> _Server:
+    """This worker's launch server for runs with ``env``: the running one, or a new one if it cannot serve them."""
     global _SERVER
-    env = _env()
     if _SERVER is None or not _SERVER.fits(env):
         changed = sorted(_SERVER.changed(env)) if _SERVER is not None else []
         if _SERVER is not None:
@@ -259,6 +258,45 @@ def _served(
         _log(
             {"server_start": round(time.perf_counter() - start, 1), "changed": changed}
         )  # why it (re)started
+    return _SERVER
+
+
+def _zygote_code(
+    code: str, args: list[str], *, timeout: int, check: bool
+) -> subprocess.CompletedProcess[str]:
+    """``python -c code args`` forked from the launch server's reload zygote (tests/support/reload_zygote.py)."""
+    from support.reload_zygote import run_code
+
+    env = _env()
+    server = _server(env)
+    cmd = [sys.executable, "-c", code, *args]
+    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        start = time.perf_counter()
+        returncode = run_code(
+            str(Path(server.folder) / "reload.sock"), code, [str(a) for a in args], env=env, cwd=str(REPO),
+            stdout=str(out), stderr=str(err), timeout=timeout,
+        )  # fmt: skip
+        _log_launch(cmd, time.perf_counter() - start, returncode, server=True)
+        stdout = out.read_text() if out.exists() else ""
+        stderr = err.read_text() if err.exists() else ""
+    if check and returncode != 0:
+        raise AssertionError(
+            f"python -c failed ({returncode}): {code[:200]}...\n--- stdout ---\n{stdout[-6000:]}"
+            f"\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
+def _served(
+    script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None, check: bool
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess whose status
+    is torchrun's for a distributed run (1 when a rank failed) and the process's own for a plain one."""
+    global _SERVER
+    env = _env()
+    _server(env)
+    assert _SERVER is not None
     run_env = dict(env)
     if master_port is not None:
         run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))

@@ -47,12 +47,50 @@ def _tail(text: str) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
 
+def _exit_status(run: object) -> int:
+    """Run ``run()`` as ``python -c`` runs its code; the interpreter's exit status (a traceback printed on error)."""
+    try:
+        run()  # type: ignore[operator]
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    except BaseException as err:  # the traceback python -c prints: from the script's frame on
+        tb = err.__traceback__.tb_next if err.__traceback__ else None
+        traceback.print_exception(type(err), err, tb.tb_next if tb else None)
+        return 1
+    return 0
+
+
+def _run_code(conn: socket.socket, request: dict) -> None:
+    """``python -c code args`` for a test (:func:`run_code`): its output to the request's files; answers its status."""
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = ["-c", *request["args"]]
+    sys.path[0] = ""  # python -c: the working folder first
+    code = _exit_status(lambda: exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.sendall((json.dumps({"rc": code}) + "\n").encode())
+
+
 def _run_request(conn: socket.socket) -> None:
     """In the forked child: read one request, run its script as ``python -c`` would, answer, never return."""
     code = 1
     try:
         with conn.makefile("r") as reader:
-            script, request_file, out_file, env = json.loads(reader.readline())
+            request = json.loads(reader.readline())
+        if isinstance(request, dict):
+            _run_code(conn, request)
+            code = 0
+            return
+        script, request_file, out_file, env = request
         with tempfile.TemporaryFile(mode="w+") as log:
             for fd in (1, 2):
                 os.dup2(log.fileno(), fd)
@@ -141,6 +179,22 @@ def run_reload(
         return "the reload process ended (it answered nothing)"
     answer = json.loads(line)
     return None if answer["ok"] else str(answer["error"])
+
+
+def run_code(path: str, code: str, args: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
+             timeout: float) -> int:  # fmt: skip
+    """``python -c code args`` forked from the zygote at ``path`` (an interpreter that has imported torch and
+    transformers but never hf_fsdp2), its output appended to the files ``stdout`` and ``stderr``; its exit status."""
+    request = {"code": code, "args": args, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout)
+        conn.connect(path)
+        conn.sendall((json.dumps(request) + "\n").encode())
+        with conn.makefile("r") as reader:
+            line = reader.readline()
+    if not line:
+        raise RuntimeError("the reload zygote's child ended without answering (killed?)")
+    return int(json.loads(line)["rc"])
 
 
 def install(path: str) -> None:

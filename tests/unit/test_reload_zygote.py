@@ -91,6 +91,43 @@ def test_the_zygote_answers_as_a_fresh_interpreter(tmp_path: Path, zygote) -> No
     )
 
 
+CODE = r"""
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "env": os.environ.get("RELOAD_TEST"),
+                  "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules), "name": __name__}))
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "exit":
+    sys.exit(3)
+if sys.argv[1] == "raise":
+    raise ValueError("the folder has no config.json")
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "exit", "raise"])
+def test_run_code_is_python_dash_c(tmp_path: Path, zygote, how: str) -> None:
+    """A test's ``python -c code args`` (tests/support/launch.py's ``python("-c", ...)``) forked from the zygote: the
+    same status, output, argv, working folder, environment and first path entry as a new interpreter's."""
+    path, _, _ = zygote
+    env = dict(os.environ, RELOAD_TEST=how)
+    fresh = subprocess.run([sys.executable, "-c", CODE, how, "x"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    out, err = tmp_path / "out", tmp_path / "err"
+    status = reload_zygote.run_code(
+        path, CODE, [how, "x"], env=env, cwd=str(tmp_path), stdout=str(out), stderr=str(err), timeout=120
+    )
+    assert status == fresh.returncode == {"ok": 0, "exit": 3, "raise": 1}[how]
+    assert json.loads(out.read_text()) == json.loads(fresh.stdout) == {
+        "argv": ["-c", how, "x"], "path0": "", "cwd": str(tmp_path), "env": how, "hf_fsdp2": False,
+        "name": "__main__",
+    }  # fmt: skip
+    assert err.read_text().startswith("to stderr\n")
+    if how == "raise":  # the same traceback: from the code's own frame on
+        assert err.read_text().splitlines()[1:] == fresh.stderr.splitlines()[1:], (
+            err.read_text(),
+            fresh.stderr,
+        )
+
+
 def test_the_zygote_ends_with_the_process_that_started_it(zygote) -> None:
     path, parent, zygote_pid = zygote
     assert parent.stdin is not None
