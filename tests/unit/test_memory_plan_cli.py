@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +21,7 @@ import torch
 import transformers
 import yaml
 from support.families import _COMMON, FAMILIES
-from support.launch import REPO
+from support.launch import REPO, python
 from support.tiny import make_tiny_llama_dir
 
 from hf_fsdp2 import cli
@@ -296,14 +293,15 @@ def test_the_plans_lora_config_is_the_runs(model_dir):
 def test_hub_id_offline_names_the_fix_and_model_config_plans_a_shipped_recipe(model_dir):
     """The console script on the shipped Llama-3-8B recipe: offline its hub id cannot be read (the error names
     --model_config); given a config.json it plans without any weight."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     recipe = REPO / "recipes" / "configs" / "llama3_8b_sft.yaml"
-    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "plan", "--config", str(recipe), "--world_size", "8"]
-    failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    # `python -m hf_fsdp2.cli`, forked from the launch server (support.launch: HF_HUB_OFFLINE=1 as every launch)
+    cmd = ["hf_fsdp2.cli", "plan", "--config", str(recipe), "--world_size", "8"]
+    failed = python("-m", cmd, check=False)
     assert failed.returncode == 2
     assert "meta-llama/Llama-3.1-8B-Instruct" in failed.stderr and "--model_config" in failed.stderr
-    done = subprocess.run([*cmd, "--model_config", str(model_dir / "config.json"), "--gpu_memory", "80GB"],
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = python(
+        "-m", [*cmd, "--model_config", str(model_dir / "config.json"), "--gpu_memory", "80GB"], check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "world 8, micro-batch 2 x 4096 tokens" in done.stdout and "recommended:" in done.stdout
 
