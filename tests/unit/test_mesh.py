@@ -56,3 +56,26 @@ def test_the_recipe_keys_win_over_the_launchers_parallelism_config(monkeypatch: 
     assert FSDPArgs(dp_replicate_size=1, dp_shard_size=8).mesh_plan(8, launcher) == MeshPlan(1, 8, 1, 1)
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "false")
     assert launcher_mesh() == {}
+
+
+def test_the_prepare_reads_torchaos_presence_once(monkeypatch) -> None:
+    """Accelerate's FSDP2 prepare asks is_torchao_available() twice per parameter (each a package-metadata read);
+    inside prepare_fsdp2's prepare the first answer is reused, and accelerate's own function is back afterwards."""
+    from accelerate.utils import modeling
+
+    from hf_fsdp2.parallel.accelerator import _torchao_checked_once
+
+    calls = []
+
+    def check() -> bool:
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(modeling, "is_torchao_available", check)
+    with _torchao_checked_once():
+        answers = [modeling.is_torchao_available() for _ in range(50)]
+    assert answers == [True] * 50 and len(calls) == 1
+    assert modeling.is_torchao_available is check
+    with pytest.raises(RuntimeError), _torchao_checked_once():
+        raise RuntimeError("a failed prepare")
+    assert modeling.is_torchao_available is check
