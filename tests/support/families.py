@@ -10,6 +10,8 @@ import torch
 import transformers
 from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
 
+from support.tiny import save_tokenizer
+
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512,
@@ -94,7 +96,7 @@ def make_family_dir(
     model = transformers.AutoModelForCausalLM.from_config(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tokenizer(tokenizer, path)
     return path
 
 

@@ -69,8 +69,22 @@ def make_tiny_llama_dir(
     model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tokenizer(tokenizer, path)
     return path
+
+
+def save_tokenizer(tokenizer, path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``tokenizer.save_pretrained(path)``, with the added tokens listed in tokenizer_config.json as
+    ``added_tokens_decoder``, as hub tokenizers saved by transformers 4 have them. Without that list transformers 5
+    parses the whole tokenizer.json (3.6 MB here) in Python to find them: ~0.2 s more of every load, paid by each
+    rank of each launched run and each export's reload. The tokenizer loaded is the same (tests/unit/test_data.py
+    checks it)."""
+    tokenizer.save_pretrained(path)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_pairs_jsonl(path: Path, n: int, *, seed: int = 0) -> Path:

@@ -770,3 +770,34 @@ def test_dataloader_order_does_not_depend_on_workers(llama2_tokenizer: PreTraine
     assert batches(0) == batches(2)
     # Restored mid-epoch (as a recipe does from its count of consumed batches) the rest is the same too.
     assert batches(2, position=6) == batches(0)[2:]
+
+
+def test_the_test_models_tokenizer_files_load_the_same_tokenizer(tmp_path: Path) -> None:
+    """tests/support/tiny.py's save_tokenizer lists the added tokens in tokenizer_config.json (a faster load): the
+    tokenizer loaded from it is the one a plain save_pretrained folder gives."""
+    from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
+    from support.tiny import save_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(tmp_path / "plain")
+    save_tokenizer(tokenizer, tmp_path / "listed")
+    plain, listed = (AutoTokenizer.from_pretrained(tmp_path / name) for name in ("plain", "listed"))
+    assert "added_tokens_decoder" in json.loads((tmp_path / "listed" / "tokenizer_config.json").read_text())
+    messages = [
+        {"role": "user", "content": "alpha <|im_end|> bravo </s>"},
+        {"role": "assistant", "content": "x"},
+    ]
+    for attr in (
+        "all_special_ids",
+        "all_special_tokens",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+        "chat_template",
+    ):
+        assert getattr(listed, attr) == getattr(plain, attr), attr
+    assert listed.added_tokens_decoder == plain.added_tokens_decoder and len(listed) == len(plain) == 32002
+    assert listed.apply_chat_template(messages) == plain.apply_chat_template(messages)
+    assert listed("<|im_start|>user\nhi</s>").input_ids == plain("<|im_start|>user\nhi</s>").input_ids
