@@ -278,14 +278,9 @@ def _zygote_code(
             stdout=str(out), stderr=str(err), timeout=timeout,
         )  # fmt: skip
         _log_launch(cmd, time.perf_counter() - start, returncode, server=True)
-        stdout = out.read_text() if out.exists() else ""
-        stderr = err.read_text() if err.exists() else ""
-    if check and returncode != 0:
-        raise AssertionError(
-            f"python -c failed ({returncode}): {code[:200]}...\n--- stdout ---\n{stdout[-6000:]}"
-            f"\n--- stderr ---\n{stderr[-8000:]}"
+        return _completed(
+            cmd, returncode, out, err, check, f"python -c failed ({returncode}): {code[:200]}..."
         )
-    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
 
 
 def _served(
@@ -295,8 +290,7 @@ def _served(
     is torchrun's for a distributed run (1 when a rank failed) and the process's own for a plain one."""
     global _SERVER
     env = _env()
-    _server(env)
-    assert _SERVER is not None
+    server = _server(env)
     run_env = dict(env)
     if master_port is not None:
         run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
@@ -309,19 +303,25 @@ def _served(
         }  # fmt: skip
         start = time.perf_counter()
         try:
-            answer = _SERVER.launch(request, timeout)
+            answer = server.launch(request, timeout)
         except (subprocess.TimeoutExpired, RuntimeError):
             _SERVER = None
             raise
         returncode = int(answer["rc"] != 0) if master_port is not None else answer["rc"]
         _log_launch(cmd, time.perf_counter() - start, returncode, server=True)
-        stdout = out.read_text() if out.exists() else ""
-        stderr = err.read_text() if err.exists() else ""
-    if check and returncode != 0:
-        raise AssertionError(
-            f"run failed (rank exit codes {answer['codes']}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}"
-            f"\n--- stderr ---\n{stderr[-8000:]}"
-        )
-    done = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+        failure = f"run failed (rank exit codes {answer['codes']}): {' '.join(cmd)}"
+        done = _completed(cmd, returncode, out, err, check, failure)
     done.rank_codes = answer["codes"]  # type: ignore[attr-defined]  # each rank's exit status, rank order
     return done
+
+
+def _completed(
+    cmd: list[str], returncode: int, out: Path, err: Path, check: bool, failure: str
+) -> subprocess.CompletedProcess[str]:
+    """A served process's result from its output files; with ``check``, a non-zero status raises ``failure`` and
+    the ends of both outputs."""
+    stdout = out.read_text() if out.exists() else ""
+    stderr = err.read_text() if err.exists() else ""
+    if check and returncode != 0:
+        raise AssertionError(f"{failure}\n--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-8000:]}")
+    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
