@@ -11,13 +11,13 @@ rows of ``--seq`` random tokens, every token a target. For each activation-check
 every_k, selective, offload on a GPU) a fresh model is built and:
 
 1. one step by hand, as tests/distributed/workers/memory_plan_worker.py measures it: the forward under
-   :class:`~hf_fsdp2.observe.memory_plan.SavedTensorMeter` (bytes autograd keeps for backward: activations,
+   :class:`~hf_fsdp2.plan.SavedTensorMeter` (bytes autograd keeps for backward: activations,
    and the loss's from the output head on), on a GPU also ``memory_allocated`` after the forward minus before
    it; backward; the unique storages of the local parameter shards and gradients; AdamW's step; its state;
 2. ``--steps`` steps of the library's ``train_step`` (what a run calls), after
    ``torch.cuda.reset_peak_memory_stats``: ``max_memory_allocated`` is the measured peak.
 
-The prediction is :func:`~hf_fsdp2.observe.memory_plan.plan_memory` of the same config and settings on the
+The prediction is :func:`~hf_fsdp2.plan.plan_memory` of the same config and settings on the
 meta device. Printed per mode: every item predicted and measured and their ratio; ``--out`` writes the JSON.
 The parameter, gradient and optimizer bytes and the meter's activation and loss bytes are what
 tests/distributed/test_memory_plan.py holds exact on CPU; on a GPU the kernels differ (flash or
@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:  # bench/ runs from a checkout
     sys.path.insert(0, str(REPO))
 
 from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan  # noqa: E402
-from hf_fsdp2.observe.memory_plan import PlanSettings, SavedTensorMeter, human_bytes, plan_memory  # noqa: E402
+from hf_fsdp2.plan import PlanSettings, SavedTensorMeter, human_bytes, plan_memory  # noqa: E402
 
 MIB = 2**20
 ITEMS = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "loss_logits", "transient", "peak")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_fsdp2.config import Config, parse_config
-from hf_fsdp2.observe.memory_plan import log_run_plan
+from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish, run_recipe
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.objective import SFT, Objective

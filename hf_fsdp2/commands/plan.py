@@ -1,5 +1,5 @@
 """``hf-fsdp2 plan``: the per-rank memory of a recipe and the cheapest settings that fit a GPU
-(:mod:`hf_fsdp2.observe.memory_plan`, docs/memory-plan.md)."""
+(:mod:`hf_fsdp2.plan`, docs/memory-plan.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from hf_fsdp2.config import ConfigError, parse_config
     from hf_fsdp2.config.plans import parse_size_or_none
-    from hf_fsdp2.observe.memory_plan import (
+    from hf_fsdp2.plan import (
         PlanError,
         PlanSettings,
         format_plan,
@@ -68,7 +68,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 0
     notes = recipe_notes(cfg, args.recipe)
     if args.recipe == "grpo":
-        from hf_fsdp2.observe.memory_plan.rollout import rollout_note
+        from hf_fsdp2.plan.rollout import rollout_note
 
         notes.append(rollout_note(plan, model_config, cfg))
     print("\n".join([format_plan(plan), *notes]))

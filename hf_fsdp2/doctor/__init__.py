@@ -138,7 +138,7 @@ def _recipe_findings(
         wrap_findings,
     )
     from hf_fsdp2.model import load_tokenizer
-    from hf_fsdp2.observe.memory_plan import PlanError, read_model_config
+    from hf_fsdp2.plan import PlanError, read_model_config
 
     m = cfg.model
     out: list[Finding] = []

@@ -22,7 +22,7 @@ def memory_findings(
 ) -> tuple[list[Finding], Any]:
     """The plan's peak per rank against ``budget`` bytes per device (the cheapest settings that fit when it does
     not); also returns the plan (its parameter counts size the disk check)."""
-    from hf_fsdp2.observe.memory_plan import (
+    from hf_fsdp2.plan import (
         DEFAULT_HEADROOM,
         PlanError,
         PlanSettings,
@@ -69,7 +69,7 @@ def _existing(path: Path) -> Path:
 def disk_findings(cfg: Config, plan: Any) -> list[Finding]:
     """Free space at ``output_dir`` against ``save_total_limit`` + 1 checkpoints (weights and AdamW state of the
     trained parameters, in fp32) and the export (every parameter in ``export_dtype``)."""
-    from hf_fsdp2.observe.memory_plan import human_bytes
+    from hf_fsdp2.plan import human_bytes
 
     t, e = cfg.train, cfg.export
     if plan is None:

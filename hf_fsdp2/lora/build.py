@@ -1,6 +1,6 @@
 """The one LoRA builder: the ``peft.LoraConfig`` of a recipe's LoRA settings and the wrap that makes the
 adapter trainable in fp32. The run (:func:`hf_fsdp2.lora.adapter.apply_lora`) and the memory plan
-(:func:`hf_fsdp2.observe.memory_plan.meta_model.build_meta_model`, on the meta device) both call it, so the
+(:func:`hf_fsdp2.plan.meta_model.build_meta_model`, on the meta device) both call it, so the
 plan counts the adapter the run trains. It stands on the settings alone (no other hf_fsdp2 module), below both.
 """
 

@@ -24,7 +24,7 @@ from support.tiny import make_tiny_llama_dir
 from transformers import AutoConfig
 
 from hf_fsdp2.config.plans import ACPlan, LoraSettings
-from hf_fsdp2.observe.memory_plan import (
+from hf_fsdp2.plan import (
     PlanSettings,
     build_meta_model,
     compute_bytes,

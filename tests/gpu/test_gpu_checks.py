@@ -497,7 +497,7 @@ def test_memory_plan_1b(check: Check) -> None:
         check.timeout(),
     )
     assert code == 0 and out.is_file(), f"memory_plan_gpu exit code {code}:\n{tail(log)}"
-    headroom = 0.1  # hf_fsdp2.observe.memory_plan's recommender: a plan fits at (1 - headroom) x the GPU
+    headroom = 0.1  # hf_fsdp2.plan's recommender: a plan fits at (1 - headroom) x the GPU
     for mode, entry in json.loads(out.read_text())["modes"].items():
         ratio = entry["ratio"]["peak"]
         check.figures[f"{mode}:peak_gib"] = entry["measured"]["peak"] / 2**30

@@ -163,7 +163,7 @@ def test_each_recipe_finding_fires(clean, tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_the_memory_plan_against_a_gpu_names_the_cheapest_fix(clean, model: Path) -> None:  # type: ignore[no-untyped-def]
     from hf_fsdp2.config import parse_config
-    from hf_fsdp2.observe.memory_plan import read_model_config
+    from hf_fsdp2.plan import read_model_config
 
     cfg, config = parse_config(clean), read_model_config(str(model))
     (fits,), plan = recipe.memory_findings(

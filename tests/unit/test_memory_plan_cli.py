@@ -1,4 +1,4 @@
-"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/observe/memory_plan/, hf_fsdp2/commands/plan.py,
+"""``hf-fsdp2 plan`` and the start-of-run plan (hf_fsdp2/plan/, hf_fsdp2/commands/plan.py,
 docs/memory-plan.md).
 
 The command on a local tiny Llama folder: the table's rows and figures, recipe overrides, the recommendation
@@ -27,7 +27,7 @@ from support.tiny import make_tiny_llama_dir
 from hf_fsdp2 import cli
 from hf_fsdp2.config import parse_config
 from hf_fsdp2.config.plans import ACPlan, LoraSettings
-from hf_fsdp2.observe.memory_plan import (
+from hf_fsdp2.plan import (
     DEFAULT_HEADROOM,
     PlanError,
     PlanSettings,
@@ -406,7 +406,7 @@ def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path
 def test_the_dpo_plan_names_the_reference_it_leaves_out_and_none_for_reference_free_objectives(
     model_dir, tmp_path
 ):
-    from hf_fsdp2.observe.memory_plan import recipe_notes
+    from hf_fsdp2.plan import recipe_notes
 
     recipe = _recipe(tmp_path, model_dir)
     notes = {

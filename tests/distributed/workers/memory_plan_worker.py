@@ -22,8 +22,8 @@ from hf_fsdp2.config.plans import ACPlan, CompilePlan, LoraSettings, ShardingPla
 from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.quantize import quantize_base
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.observe.memory_plan import SavedTensorMeter
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.plan import SavedTensorMeter
 from hf_fsdp2.train.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
 from hf_fsdp2.train.optim import build_adamw, param_groups
 

@@ -1,5 +1,5 @@
 """One forward + backward of the meta model at the run's micro-batch shape (:func:`compute_bytes`): the
-activations and loss autograd keeps (:class:`~hf_fsdp2.observe.memory_plan.saved.SavedTensorMeter`) and the
+activations and loss autograd keeps (:class:`~hf_fsdp2.plan.saved.SavedTensorMeter`) and the
 largest working set, with the run's activation checkpointing, loss path and attention kernel."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from torch.utils._pytree import tree_flatten
 
 from hf_fsdp2.config.plans import ACPlan
 from hf_fsdp2.lora.quantize import is_nf4
-from hf_fsdp2.observe.memory_plan.meta_model import build_meta_model, check_plannable, layer_classes
-from hf_fsdp2.observe.memory_plan.saved import SavedBytes, SavedTensorMeter, param_storages, storages
-from hf_fsdp2.observe.memory_plan.settings import PlanError, PlanSettings
+from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable, layer_classes
+from hf_fsdp2.plan.saved import SavedBytes, SavedTensorMeter, param_storages, storages
+from hf_fsdp2.plan.settings import PlanError, PlanSettings
 
 if TYPE_CHECKING:
     from hf_fsdp2.attention_layout import AttentionLayout

@@ -13,7 +13,7 @@ import torch
 from hf_fsdp2.config.plans import LoraSettings
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.lora.build import wrap_with_lora
-from hf_fsdp2.observe.memory_plan.settings import PlanError, PlanSettings
+from hf_fsdp2.plan.settings import PlanError, PlanSettings
 
 # Kernels transformers cannot load without their GPU packages: planned as SDPA running the GPU flash kernel,
 # which saves the same tensors (query, key, value, output, logsumexp, RNG state).

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_fsdp2.config.plans import ACPlan
-from hf_fsdp2.observe.memory_plan.settings import DEFAULT_HEADROOM, PlanSettings
-from hf_fsdp2.observe.memory_plan.table import ROWS, MemoryPlan, human_bytes, plan_memory
+from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, PlanSettings
+from hf_fsdp2.plan.table import ROWS, MemoryPlan, human_bytes, plan_memory
 
 # Activation-checkpointing modes from the least to the most recompute (docs/performance.md measures them).
 _AC_LADDER = ("none", "every_k", "selective", "full")

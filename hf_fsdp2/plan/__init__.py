@@ -25,14 +25,14 @@ the ones above it here:
 The command's parser is :mod:`hf_fsdp2.commands.plan`. This package re-exports the names below.
 """
 
-from hf_fsdp2.observe.memory_plan.compute import ComputeBytes, compute_bytes
-from hf_fsdp2.observe.memory_plan.meta_model import build_meta_model, check_plannable
-from hf_fsdp2.observe.memory_plan.recommend import Candidate, format_recommendation, recommend
-from hf_fsdp2.observe.memory_plan.saved import SavedBytes, SavedTensorMeter
-from hf_fsdp2.observe.memory_plan.settings import DEFAULT_HEADROOM, PlanError, PlanSettings
-from hf_fsdp2.observe.memory_plan.start import log_run_plan, memory_warning, read_model_config, recipe_notes
-from hf_fsdp2.observe.memory_plan.state import Unit, fsdp_buffer_bytes, fsdp_units, shard_rows, state_bytes
-from hf_fsdp2.observe.memory_plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
+from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
+from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
+from hf_fsdp2.plan.recommend import Candidate, format_recommendation, recommend
+from hf_fsdp2.plan.saved import SavedBytes, SavedTensorMeter
+from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, PlanError, PlanSettings
+from hf_fsdp2.plan.start import log_run_plan, memory_warning, read_model_config, recipe_notes
+from hf_fsdp2.plan.state import Unit, fsdp_buffer_bytes, fsdp_units, shard_rows, state_bytes
+from hf_fsdp2.plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
 
 __all__ = [
     "Candidate",

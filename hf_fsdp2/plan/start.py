@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_fsdp2.config.plans import ConfigError
-from hf_fsdp2.observe.memory_plan.settings import DEFAULT_HEADROOM, GIB, PlanError, PlanSettings
-from hf_fsdp2.observe.memory_plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
+from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, GIB, PlanError, PlanSettings
+from hf_fsdp2.plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
 
 if TYPE_CHECKING:
     from hf_fsdp2.config import Config
@@ -139,7 +139,7 @@ def log_run_plan(
         return None
     notes = recipe_notes(cfg, recipe)
     if recipe == "grpo":
-        from hf_fsdp2.observe.memory_plan.rollout import rollout_note
+        from hf_fsdp2.plan.rollout import rollout_note
 
         notes.append(rollout_note(plan, model_config, cfg))
     for line in [*format_plan(plan).splitlines(), *notes]:

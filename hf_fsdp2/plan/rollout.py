@@ -49,7 +49,7 @@ def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
 
 def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
     """One line for the plan: the rollout phase's bytes per rank against the training peak."""
-    from hf_fsdp2.observe.memory_plan.table import human_bytes
+    from hf_fsdp2.plan.table import human_bytes
 
     r = rollout_bytes(plan, model_config, cfg)
     which = "the run's peak" if r.peak > plan.peak else "under the training peak"

@@ -1,5 +1,5 @@
 """What autograd keeps for backward during a forward, counted by :class:`SavedTensorMeter`: on the meta model
-it is the plan's activations and loss (:mod:`hf_fsdp2.observe.memory_plan.compute`); on a real model it
+it is the plan's activations and loss (:mod:`hf_fsdp2.plan.compute`); on a real model it
 measures a run (tests/distributed/test_memory_plan.py, bench/memory_plan_gpu.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from hf_fsdp2.observe.memory_plan.settings import PlanError
+from hf_fsdp2.plan.settings import PlanError
 
 
 def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:

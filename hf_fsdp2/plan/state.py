@@ -10,8 +10,8 @@ import torch
 
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.lora.quantize import is_nf4, nf4_bytes, nf4_shard_bytes
-from hf_fsdp2.observe.memory_plan.meta_model import layer_classes
-from hf_fsdp2.observe.memory_plan.settings import MIB, PlanSettings
+from hf_fsdp2.plan.meta_model import layer_classes
+from hf_fsdp2.plan.settings import MIB, PlanSettings
 
 # AdamW's ``step`` is a 0-dim fp32 tensor on the parameter's device for the fused (and capturable) kernels.
 _ADAM_STEP_BYTES = 4

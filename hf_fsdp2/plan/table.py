@@ -7,10 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hf_fsdp2.observe.memory_plan.compute import ComputeBytes, compute_bytes
-from hf_fsdp2.observe.memory_plan.meta_model import build_meta_model, check_plannable
-from hf_fsdp2.observe.memory_plan.settings import GIB, MIB, PlanSettings
-from hf_fsdp2.observe.memory_plan.state import Unit, fsdp_buffer_bytes, fsdp_units, state_bytes
+from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
+from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
+from hf_fsdp2.plan.settings import GIB, MIB, PlanSettings
+from hf_fsdp2.plan.state import Unit, fsdp_buffer_bytes, fsdp_units, state_bytes
 
 if TYPE_CHECKING:
     from hf_fsdp2.attention_layout import AttentionLayout
