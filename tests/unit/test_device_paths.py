@@ -3,8 +3,8 @@
 On a GPU the model's shards live on the GPU while files, collators and reloads hand back CPU tensors; an op that
 mixes the two raises there and passes unseen on CPU. Here the model is put on a fake ``cuda:0``
 (:class:`support.devices.FakeAccelerator`: a torch function mode enforcing torch's cross-device rules on marked
-CPU tensors), so each path meets exactly the device boundaries it meets on a GPU. docs/gpu-audit.md lists what
-each test covers.
+CPU tensors), so each path meets exactly the device boundaries it meets on a GPU. docs/contributing.md ("How the
+CPU tests see a GPU") says what the fake device does and what these tests cover.
 """
 
 from __future__ import annotations
