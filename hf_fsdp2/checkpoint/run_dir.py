@@ -6,8 +6,11 @@ time) before it writes anything, and removes it when it ends. A lock whose proce
 pid not alive) is stale and taken over; a live one refuses the second run with its owner named.
 A folder that holds only what a run writes before its first step (its resolved config, the lock, tracker
 and debug folders) is reused: a failed start never blocks the same command run again.
-A folder overwritten (``overwrite_output_dir``) first loses the previous run's checkpoints and ``latest``, so
-that retention and ``resume_from_checkpoint latest`` can never pick up a checkpoint of that other run.
+A folder overwritten (``overwrite_output_dir``) first loses everything the previous run wrote: its checkpoints and
+``latest`` (so that retention and ``resume_from_checkpoint latest`` can never pick up a checkpoint of that other
+run), and its records and export (summary, metrics, model card, weights, config, tokenizer, adapter, plots), so
+that a new run that fails before it writes its own never leaves a folder whose summary and model describe another
+run than its config. Files no run writes are kept.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import shutil
 import socket
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 from hf_fsdp2.checkpoint.layout import LATEST, PREFIX, TMP_PREFIX
@@ -80,9 +84,29 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = 
     )
 
 
-def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
-    """Delete a previous run's checkpoints (``checkpoint-<step>``, interrupted saves) and its ``latest`` file
-    from a folder being overwritten (rank 0, holding the run lock); returns the names removed, sorted.
+# What a run leaves in its folder besides checkpoints and START_FILES: its records (metrics, summary, eval samples,
+# plots) and its export (the full model's or the adapter's files, the merged model, the tokenizer, the model card).
+RUN_OUTPUTS = (
+    "metrics.jsonl", "summary.json", "samples.jsonl", "plots", "README.md", "config.json", "generation_config.json",
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "modeling_score_head.py",
+    "adapter_model.safetensors", "adapter_config.json", "merged", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def _written_by_a_run(entry: Path) -> bool:
+    name = entry.name
+    if entry.is_dir():  # a link to a folder too: the link is removed, not its target
+        is_checkpoint = name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()
+        return is_checkpoint or name.startswith(TMP_PREFIX) or name in ("plots", "merged")
+    return name == LATEST or any(fnmatch(name, pattern) for pattern in RUN_OUTPUTS)
+
+
+def clear_previous_run(output_dir: str | Path) -> list[str]:
+    """Delete what a previous run wrote (checkpoints, interrupted saves, ``latest``, :data:`RUN_OUTPUTS`) from a
+    folder being overwritten (rank 0, holding the run lock, before the new run writes anything); returns the names
+    removed, sorted. Other files are kept.
 
     Raises:
         ConfigError: one cannot be removed (permissions, a read-only disk), naming it.
@@ -93,10 +117,7 @@ def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
     removed = []
     for entry in sorted(p.iterdir()):
         name = entry.name
-        is_checkpoint = (name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()) or name.startswith(
-            TMP_PREFIX
-        )
-        if not (is_checkpoint and entry.is_dir()) and not (name == LATEST and entry.is_file()):
+        if not _written_by_a_run(entry):
             continue
         try:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -108,7 +129,9 @@ def clear_previous_checkpoints(output_dir: str | Path) -> list[str]:
         removed.append(name)
     if removed:
         logger.warning(
-            "overwrite_output_dir: removed the previous run's checkpoints from %s: %s", p, ", ".join(removed)
+            "overwrite_output_dir: removed the previous run's checkpoints and outputs from %s: %s",
+            p,
+            ", ".join(removed),
         )
     return removed
 

@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_checkpoints
+from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_run
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.compat import check_versions
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
@@ -46,13 +46,13 @@ logger = logging.getLogger("hf_fsdp2")
 
 
 def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
-    """Rank 0: lock the run folder, then check it holds no other run (an overwritten one loses the previous
-    run's checkpoints); the lock is dropped on refusal."""
+    """Rank 0: lock the run folder, then check it holds no other run (an overwritten one loses everything the
+    previous run wrote); the lock is dropped on refusal."""
     lock.acquire()
     try:
         check_output_dir(lock.path.parent, overwrite=overwrite, resume=resume)
         if overwrite and not resume:
-            clear_previous_checkpoints(lock.path.parent)
+            clear_previous_run(lock.path.parent)
     except ConfigError:
         lock.release()
         raise

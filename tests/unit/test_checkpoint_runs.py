@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from hf_fsdp2.checkpoint.checkpointer import Checkpointer
 from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError, TrainerState
 from hf_fsdp2.checkpoint.resume import resolve_resume, run_id_of
-from hf_fsdp2.checkpoint.run_dir import clear_previous_checkpoints
+from hf_fsdp2.checkpoint.run_dir import clear_previous_run
 
 
 def _checkpoint(out: Path, step: int, run_id: str) -> Path:
@@ -103,16 +103,18 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
         _checkpoint(tmp_path, step, "old")
     (tmp_path / ".tmp-checkpoint-6").mkdir()
     (tmp_path / "latest").write_text("4\n")
-    (tmp_path / "model.safetensors").write_bytes(b"x")  # the export is replaced by the new run's
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # the previous run's export goes too (issue 40 item 5)
     (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: kept
     elsewhere = _checkpoint(tmp_path / "other", 8, "old")
     (tmp_path / "checkpoint-8").symlink_to(
         elsewhere, target_is_directory=True
     )  # the link goes, not its target
     with caplog.at_level(logging.WARNING, logger="hf_fsdp2"):
-        removed = clear_previous_checkpoints(tmp_path)
-    assert removed == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "checkpoint-8", "latest"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "model.safetensors", "other"]
+        removed = clear_previous_run(tmp_path)
+    assert removed == [
+        ".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "checkpoint-8", "latest", "model.safetensors"
+    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "other"]
     assert (elsewhere / "trainer_state.json").is_file()
     assert "removed the previous run's checkpoints" in caplog.text
 

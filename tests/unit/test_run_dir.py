@@ -106,3 +106,29 @@ def test_a_read_only_output_dir_is_refused_before_any_work(tmp_path: Path) -> No
             RunLock(ro / "run").acquire()
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_starts(
+    tmp_path: Path,
+) -> None:
+    """Issue 40 item 5: a new run that fails before it saves anything never leaves the previous run's summary, card
+    and weights beside its own config (a folder describing two runs); files no run writes are kept."""
+    from hf_fsdp2.trainer.session import claim_output_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / "merged").mkdir()
+    (run / "plots").mkdir()
+    finished = [
+        "latest", "summary.json", "metrics.jsonl", "README.md", "config.json", "generation_config.json",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "samples.jsonl",
+        "adapter_model.safetensors", "adapter_config.json",
+    ]  # fmt: skip
+    for name in finished:
+        (run / name).write_text("{}")
+    (run / "hf_fsdp2_config.yaml").write_text("seed: 1\n")  # rewritten by the new run
+    (run / "notes.txt").write_text("mine")  # not a run's: kept
+    lock = RunLock(run)
+    claim_output_dir(lock, overwrite=True, resume=False)
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == ["hf_fsdp2_config.yaml", "notes.txt"]
