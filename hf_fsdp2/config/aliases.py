@@ -66,6 +66,17 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _resume(value: Any) -> Any:
+    # The Trainer's resume_from_checkpoint=True resumes the last checkpoint of output_dir: 'latest' here; false is
+    # no resume. A path, or latest, is itself.
+    text = str(value).strip().lower()
+    if value is True or text in ("true", "yes"):
+        return "latest"
+    if value is False or text in ("false", "no"):
+        return SKIP
+    return value
+
+
 def _true_is(target: Any) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         return target if _as_bool("flag", value) else SKIP
@@ -107,6 +118,11 @@ ALIASES: dict[str, Alias] = {
         "logging_steps", _one_of("logging_strategy", ["steps"], "use logging_steps"), "Trainer"
     ),
     "save_strategy": Alias("save_steps", _save_strategy, "Trainer: no -> save_steps 0"),
+    # The same key, the Trainer's values: true -> latest, false -> no resume (else "no such folder true", and only
+    # once the model has loaded).
+    "resume_from_checkpoint": Alias(
+        "resume_from_checkpoint", _resume, "Trainer: true -> latest, false -> none"
+    ),
     "optim": Alias(
         "learning_rate",
         _one_of(

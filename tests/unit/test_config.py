@@ -549,6 +549,10 @@ ALIAS_CASES = [
     ("sample_packing", True, {"packing": True}),
     ("val_set_size", 0.05, {"eval_split_fraction": 0.05}),
     ("flash_attention", True, {"attn_implementation": "flash_attention_2"}),
+    # The Trainer's resume_from_checkpoint=True is hf_fsdp2's latest (issue 40 item 6).
+    ("resume_from_checkpoint", True, {"resume_from_checkpoint": "latest"}),
+    ("resume_from_checkpoint", False, {}),
+    ("resume_from_checkpoint", "out/checkpoint-4", {"resume_from_checkpoint": "out/checkpoint-4"}),
 ]
 
 
@@ -571,6 +575,25 @@ def test_every_alias_is_in_the_test_table() -> None:
     from hf_fsdp2.config.aliases import ALIASES
 
     assert set(ALIASES) == {key for key, _, _ in ALIAS_CASES}
+
+
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        (["--resume_from_checkpoint", "true"], "latest"),
+        (["--resume_from_checkpoint=True"], "latest"),
+        (["--resume_from_checkpoint"], "latest"),  # a bare flag, as the Trainer's boolean
+        (["--resume_from_checkpoint", "latest"], "latest"),
+        (["--resume_from_checkpoint", "false"], None),
+        (["--resume_from_checkpoint", "out/checkpoint-4"], "out/checkpoint-4"),
+    ],
+)
+def test_resume_from_checkpoint_true_means_latest_on_the_command_line(
+    args: list[str], want: str | None
+) -> None:
+    """Issue 40 item 6: ``--resume_from_checkpoint true`` (HF Trainer) resumes ``latest``; it was read as a folder
+    named ``true``, refused only after the model had loaded."""
+    assert parse_config([*REQUIRED_ARGV, *args]).train.resume_from_checkpoint == want
 
 
 def test_aliases_on_the_command_line_and_a_report_to_list() -> None:
