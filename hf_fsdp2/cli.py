@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train
-from hf_fsdp2.commands.common import Subparsers, user_error
+from hf_fsdp2.commands.common import BadInput, Subparsers, user_error
 from hf_fsdp2.launch import RECIPES
 from hf_fsdp2.noise import quiet_foreign_noise
 
@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         IsADirectoryError,
         PermissionError,
         UnicodeDecodeError,
+        BadInput,
     ) as err:
         # A file the user named is missing, of the wrong kind or unreadable: one line (the message names it).
         return user_error(args.command, err)

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_fsdp2.commands.common import Subparsers
+from hf_fsdp2.commands.common import Subparsers, load_failed, model_path, read_records
 
 
 def _run_convert_smollm2(args: argparse.Namespace) -> int:
@@ -108,12 +108,17 @@ def register_demo_data(subparsers: Subparsers) -> None:
 
 
 def _run_eval_task(args: argparse.Namespace) -> int:
-    from hf_fsdp2.demo.tasks import evaluate_folder, read_jsonl
+    from hf_fsdp2.demo.tasks import evaluate_folder
 
-    records = read_jsonl(args.eval_jsonl)
-    score = evaluate_folder(
-        args.model_dir, records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
-    )
+    # A folder only: evaluate_folder reads a local export (no hub id).
+    records = read_records(args.eval_jsonl, "EVAL_JSONL")
+    model_dir = model_path(args.model_dir, what="MODEL_DIR", hub=False)
+    try:
+        score = evaluate_folder(
+            model_dir, records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+        )
+    except (OSError, ValueError) as err:
+        raise load_failed("MODEL_DIR", model_dir, err) from err
     print(json.dumps({"exact_match": score, "n": len(records)}))
     return 0
 
@@ -140,12 +145,16 @@ def register_eval_task(subparsers: Subparsers) -> None:
 
 
 def _run_eval_preference(args: argparse.Namespace) -> int:
-    from hf_fsdp2.demo.tasks import preference_win_rate, read_jsonl
+    records = read_records(args.pairs_jsonl, "PAIRS_JSONL")
+    source = model_path(args.model_dir, what="MODEL_DIR")
+    from hf_fsdp2.demo.tasks import preference_win_rate
     from hf_fsdp2.model import load_model, load_tokenizer
 
-    records = read_jsonl(args.pairs_jsonl)
-    tokenizer = load_tokenizer(str(args.model_dir))
-    model = load_model(str(args.model_dir))
+    try:
+        tokenizer = load_tokenizer(source)
+        model = load_model(source)
+    except (OSError, ValueError) as err:
+        raise load_failed("MODEL_DIR", source, err) from err
     print(json.dumps(preference_win_rate(model, tokenizer, records, batch_size=args.batch_size)))
     return 0
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_fsdp2.commands.common import Subparsers, user_error
+from hf_fsdp2.commands.common import Subparsers, model_path, user_error
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -120,10 +120,11 @@ def _run_merge_adapter(args: argparse.Namespace) -> int:
     from hf_fsdp2.lora.merge import merge_adapter_offline
 
     try:
+        base = args.base_model or _adapter_base(args.adapter_dir)
         result = merge_adapter_offline(
             args.adapter_dir,
             args.out_dir,
-            base_model=args.base_model,
+            base_model=model_path(base, what="the base model") if base else None,
             dtype=args.dtype,
             max_shard_bytes=parse_size(args.max_shard_size),
             overwrite=args.overwrite,
@@ -133,6 +134,19 @@ def _run_merge_adapter(args: argparse.Namespace) -> int:
         return user_error("merge-adapter", err)
     print(json.dumps(result))
     return 0
+
+
+def _adapter_base(adapter_dir: Path) -> str | None:
+    """adapter_config.json's base_model_name_or_path, to check before loading (None: merge_adapter_offline says
+    what is wrong with the folder)."""
+    from hf_fsdp2.export.folder import json_problem
+    from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME
+
+    config = adapter_dir / ADAPTER_CONFIG_NAME
+    if not config.is_file() or json_problem(config):
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    return str(base) if base else None
 
 
 def register_merge_adapter(subparsers: Subparsers) -> None:

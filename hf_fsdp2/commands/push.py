@@ -24,6 +24,8 @@ def _run_push(args: argparse.Namespace) -> int:
             ignore_patterns=RUN_FOLDER_IGNORE,
             retries=args.retries,
             dry_run=args.dry_run,
+            check_export=True,
+            force=args.force,
         )
     except HubError as err:
         return user_error("push", err)
@@ -34,6 +36,7 @@ def _run_push(args: argparse.Namespace) -> int:
         "total_bytes": result.total_bytes,
         "commit_url": result.commit_url,
         "dry_run": result.dry_run,
+        "verified_export": not result.problems,
     }
     if args.dry_run:
         for path, size in result.files:
@@ -52,7 +55,9 @@ def register_push(subparsers: Subparsers) -> None:
         "push",
         help="upload an export folder to a hub model repo (resumable; --dry-run lists the files)",
         description=(
-            "Create REPO_ID if needed (and the branch given by --revision), then upload OUT_DIR with "
+            "Check that OUT_DIR is a verified export (config, safetensors headers, index, and the export's record "
+            "of its verification; --force to push it anyway), create REPO_ID if needed (and the branch given by "
+            "--revision), then upload OUT_DIR with "
             "huggingface_hub's upload_folder (resumable: re-run after a failure and it continues). Sharded "
             "checkpoints, staging folders and hidden files of a run folder are skipped. Token: --token, else "
             "HF_TOKEN, else `hf auth login`."
@@ -71,5 +76,15 @@ def register_push(subparsers: Subparsers) -> None:
         "--token", default=None, help="hub token (prefer HF_TOKEN: a command line is visible to others)"
     )
     p.add_argument("--retries", type=int, default=3, help="retries after a transient failure (default: 3)")
-    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; no network, no token")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the folder as the push does and list what would be uploaded; no network, no token",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="push a folder that is not a verified export (damaged files, or no record of the export's "
+        "verification) anyway; its problems are printed as warnings",
+    )
     p.set_defaults(func=_run_push)

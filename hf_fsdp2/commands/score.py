@@ -7,28 +7,32 @@ import json
 import logging
 from pathlib import Path
 
-from hf_fsdp2.commands.common import Subparsers
+from hf_fsdp2.commands.common import Subparsers, load_failed, model_path, read_records
 
 logger = logging.getLogger("hf_fsdp2")
 
 
 def _run_score(args: argparse.Namespace) -> int:
+    records = read_records(args.data, "--data")
+    source = model_path(args.model, what="--model")
     import torch
 
-    from hf_fsdp2.demo.tasks import read_jsonl, reward_accuracy
+    from hf_fsdp2.demo.tasks import reward_accuracy
     from hf_fsdp2.model import auto_class_name, load_model, load_model_config, load_tokenizer
 
-    records = read_jsonl(args.data)
-    tokenizer = load_tokenizer(str(args.model))
-    if auto_class_name(load_model_config(str(args.model))) != "AutoModelForSequenceClassification":
-        logger.warning(
-            "%s is not a reward model (no *ForSequenceClassification architecture): its score head is new, "
-            "initialised from --seed %d as the reward recipe initialises it (the accuracy a run starts from)",
-            args.model, args.seed,
-        )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        model = load_model(str(args.model), reward_head=int(tokenizer.pad_token_id))
+    try:
+        tokenizer = load_tokenizer(source)
+        if auto_class_name(load_model_config(source)) != "AutoModelForSequenceClassification":
+            logger.warning(
+                "%s is not a reward model (no *ForSequenceClassification architecture): its score head is new, "
+                "initialised from --seed %d as the reward recipe initialises it (the accuracy a run starts from)",
+                source, args.seed,
+            )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            model = load_model(source, reward_head=int(tokenizer.pad_token_id))
+    except (OSError, ValueError) as err:
+        raise load_failed("--model", source, err) from err
     print(json.dumps(reward_accuracy(model, tokenizer, records, batch_size=args.batch_size)))
     return 0
 

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class PushResult:
     commit_url: str | None
     attempts: int
     dry_run: bool
+    problems: list[str] = field(default_factory=list)  # why it is not a verified export (pushed with force)
 
     @property
     def total_bytes(self) -> int:
@@ -197,6 +198,8 @@ def push_folder(
     dry_run: bool = False,
     endpoint: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    check_export: bool = False,
+    force: bool = False,
 ) -> PushResult:
     """Upload a folder to a hub model repo: create the repo and branch if needed, then upload_folder.
 
@@ -216,6 +219,8 @@ def push_folder(
         dry_run: list what would be uploaded; no network, no token required.
         endpoint: hub URL; default ``HF_ENDPOINT`` or huggingface.co.
         sleep: the wait function (tests pass a no-op).
+        check_export: check, dry run or not, that the files are a verified export (:func:`export_problems`).
+        force: push a folder that fails ``check_export`` anyway (its problems are logged and returned).
 
     Returns:
         What was pushed (or would be, for a dry run).
@@ -226,8 +231,21 @@ def push_folder(
     """
     files = upload_plan(folder, ignore_patterns=ignore_patterns, path_in_repo=path_in_repo)
     target = revision or "main"
+    problems: list[str] = []
+    if check_export:  # the names as in the folder (path_in_repo is where they go in the repo)
+        problems = export_problems(
+            folder, [f for f, _ in upload_plan(folder, ignore_patterns=ignore_patterns)]
+        )
+    if problems and not force:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise HubError(
+            f"{folder} is not a verified export: {'; '.join(problems[:3])}{more}. Nothing was uploaded: export it "
+            "again (`hf-fsdp2 export CHECKPOINT OUT_DIR`), or pass --force to push it as it is"
+        )
+    for problem in problems:
+        logger.warning("pushing anyway (--force): %s", problem)
     if dry_run:
-        return PushResult(repo_id, target, files, None, 0, True)
+        return PushResult(repo_id, target, files, None, 0, True, problems)
     if not files:
         raise HubError(f"{folder} holds no file to upload (after ignoring {ignore_patterns or []})")
     value = check_can_push(repo_id, token)
@@ -281,7 +299,24 @@ def push_folder(
         target,
         url,
     )
-    return PushResult(repo_id, target, files, url, attempts, False)
+    return PushResult(repo_id, target, files, url, attempts, False, problems)
+
+
+def export_problems(folder: str | Path, names: list[str]) -> list[str]:
+    """Why the files ``names`` (relative paths) of ``folder`` are not a verified export: what a loader would
+    trip on (config, safetensors headers, index: :func:`hf_fsdp2.export.folder.folder_problems`), else the
+    export's record of its verification missing, negative or outdated. Reads headers only.
+
+    Returns:
+        One message per problem (empty: a verified export whose files are the ones verified).
+    """
+    from hf_fsdp2.export.folder import folder_problems, record_problem
+
+    root = Path(folder).expanduser()
+    problems = folder_problems(root, names)
+    if not problems and (problem := record_problem(root, names)):
+        problems.append(problem)
+    return problems
 
 
 class CheckpointPusher:

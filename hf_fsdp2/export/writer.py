@@ -47,6 +47,7 @@ from hf_fsdp2.export.files import (
     write_part_file,
 )
 from hf_fsdp2.export.finite import check_finite
+from hf_fsdp2.export.folder import write_record
 from hf_fsdp2.export.plan import (
     ExportPlan,
     export_config,
@@ -276,7 +277,13 @@ def export_model(
             ) from None
         logger.info("export %s", report.summary())
     first = INDEX_NAME if len(plan.names) > 1 else WEIGHTS_NAME
-    run_on_all("publishing", lambda: publish(stage, out, first) if collectives.rank() == 0 else None)
+
+    def publish_verified() -> None:
+        if collectives.rank() == 0:  # the record of the verification goes out with the files (push checks it)
+            write_record(stage, verified=report.summary() if report else None)
+            publish(stage, out, first)
+
+    run_on_all("publishing", publish_verified)
     seconds = time.perf_counter() - start
     logger.info(
         "exported %d file(s), %.1f MB in %s, to %s in %.1fs",

@@ -187,6 +187,28 @@ def build_merged_twin(
     return twin
 
 
+def _check_finite_weights(peft_model: Any, adapter_dir: Path, base_model: str) -> None:
+    """Refuse NaN or inf in the adapter or its base before merging: either makes every logit NaN (the merge's
+    own check would report a difference of nan)."""
+    from hf_fsdp2.export.finite import NAMES_SHOWN, nonfinite_names
+    from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME
+
+    params = dict(peft_model.named_parameters())
+    bad = nonfinite_names({k: v for k, v in params.items() if ".lora_" in k})
+    if bad:
+        raise LoraError(
+            f"{adapter_dir / ADAPTER_WEIGHTS_NAME} holds NaN or inf in {len(bad)} tensor(s) (e.g. "
+            f"{', '.join(bad[:NAMES_SHOWN])}): the adapter is damaged or its run diverged; restore it from a copy, or "
+            "export an earlier checkpoint of the run (`hf-fsdp2 export CHECKPOINT OUT_DIR`)"
+        )
+    bad = nonfinite_names({k: v for k, v in params.items() if ".lora_" not in k})
+    if bad:
+        raise LoraError(
+            f"the base model {base_model} holds NaN or inf in {len(bad)} tensor(s) (e.g. {', '.join(bad[:NAMES_SHOWN])}); "
+            "give the base the adapter was trained on with --base-model"
+        )
+
+
 def merge_adapter_offline(
     adapter_dir: str | Path,
     out_dir: str | Path,
@@ -222,10 +244,23 @@ def merge_adapter_offline(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_fsdp2.export import check_export_dir, export_model
+    from hf_fsdp2.export.folder import folder_problems, is_checkpoint
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG_NAME).is_file():
-        raise LoraError(f"{adapter_dir} has no {ADAPTER_CONFIG_NAME}: not a PEFT adapter folder")
+        hint = (
+            f"; export it first (`hf-fsdp2 export {adapter_dir} OUT_DIR` writes a LoRA run's adapter folder)"
+            if is_checkpoint(adapter_dir)
+            else ""
+        )
+        raise LoraError(f"{adapter_dir} has no {ADAPTER_CONFIG_NAME}: not a PEFT adapter folder{hint}")
+    # A damaged adapter_config.json or adapter_model.safetensors: the file named, before PEFT reads them.
+    damaged = folder_problems(adapter_dir)
+    if damaged:
+        raise LoraError(
+            f"the adapter is damaged: {damaged[0]}; restore it from a copy, or export the run's checkpoint again "
+            "(`hf-fsdp2 export CHECKPOINT OUT_DIR`)"
+        )
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG_NAME).read_text())
     if cfg.get("peft_type") != "LORA":
         raise LoraError(f"{adapter_dir} holds a {cfg.get('peft_type')} adapter; only LoRA is merged here")
@@ -236,6 +271,7 @@ def merge_adapter_offline(
     base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
+    _check_finite_weights(peft_model, adapter_dir, str(base_model))
     from hf_fsdp2.export.probe import probe_ids
 
     ids = probe_ids(int(base.config.vocab_size))

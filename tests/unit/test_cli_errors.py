@@ -38,7 +38,7 @@ def test_eval_commands_on_a_missing_folder_are_one_line(tmp_path: Path, capsys) 
     records = tmp_path / "e.jsonl"
     records.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n')
     line = _one_line(capsys, main(["eval-task", str(tmp_path / "missing"), str(records)]), "eval-task")
-    assert str(tmp_path / "missing") in line and "no config.json" in line
+    assert str(tmp_path / "missing") in line and "no such folder" in line
     line = _one_line(
         capsys, main(["eval-preference", str(tmp_path / "missing"), str(records)]), "eval-preference"
     )

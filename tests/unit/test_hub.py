@@ -564,7 +564,7 @@ def run_cli(args: list[str], env: dict[str, str]):
 
 def test_cli_push_and_dry_run(hub: FakeHub, export_dir: Path, tmp_path: Path) -> None:
     env = cli_env(hub, tmp_path)
-    dry = run_cli(["push", str(export_dir), REPO, "--dry-run"], dict(env, HF_TOKEN=""))
+    dry = run_cli(["push", str(export_dir), REPO, "--dry-run", "--force"], dict(env, HF_TOKEN=""))
     assert dry.returncode == 0, dry.stderr
     summary = json.loads(dry.stdout.strip().splitlines()[-1])
     assert summary["paths"] == EXPORT_FILES and summary["dry_run"] and summary["token"] is None
@@ -580,6 +580,7 @@ def test_cli_push_and_dry_run(hub: FakeHub, export_dir: Path, tmp_path: Path) ->
             "release",
             "--commit-message",
             "v1 weights",
+            "--force",  # the fixture's weights are random bytes (test_command_inputs.py checks the refusal)
         ],
         env,
     )
@@ -606,7 +607,7 @@ def test_cli_push_imports_neither_torch_nor_transformers(
         "print(status, sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, "push", str(export_dir), REPO, "--dry-run"],
+        [sys.executable, "-c", code, "push", str(export_dir), REPO, "--dry-run", "--force"],
         capture_output=True, text=True, env=dict(cli_env(hub, tmp_path), HF_TOKEN=""), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -622,7 +623,7 @@ def test_cli_push_through_xet_storage(hub: FakeHub, tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "config.json").write_text("{}")
     env = cli_env(hub, tmp_path, HF_HUB_DISABLE_XET="0", HF_XET_CLIENT_LEGACY_DIRECT_XORB_UPLOAD="1")
-    proc = run_cli(["push", str(folder), REPO], env)
+    proc = run_cli(["push", str(folder), REPO, "--force"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sha = hashlib.sha256(weights).hexdigest()
     assert hub.files()["model.safetensors"] == b"xet:" + sha.encode()  # committed by its sha256
@@ -633,7 +634,7 @@ def test_cli_push_through_xet_storage(hub: FakeHub, tmp_path: Path) -> None:
 
 
 def test_cli_push_errors_are_one_clear_line(hub: FakeHub, export_dir: Path, tmp_path: Path) -> None:
-    no_token = run_cli(["push", str(export_dir), REPO], cli_env(hub, tmp_path, HF_TOKEN=""))
+    no_token = run_cli(["push", str(export_dir), REPO, "--force"], cli_env(hub, tmp_path, HF_TOKEN=""))
     assert no_token.returncode == 2
     assert (
         no_token.stderr.strip()
@@ -641,7 +642,7 @@ def test_cli_push_errors_are_one_clear_line(hub: FakeHub, export_dir: Path, tmp_
         .startswith("hf-fsdp2 push: error: pushing to the hub needs a token")
     )
     hub.fail("POST", r"/commit/main$", 500, 10**6)
-    failed = run_cli(["push", str(export_dir), REPO, "--retries", "0"], cli_env(hub, tmp_path))
+    failed = run_cli(["push", str(export_dir), REPO, "--retries", "0", "--force"], cli_env(hub, tmp_path))
     assert failed.returncode == 2 and "is intact" in failed.stderr and "HTTP 500" in failed.stderr
     assert (export_dir / "model.safetensors").stat().st_size == 300_000
 
@@ -752,7 +753,9 @@ def test_recipe_pushes_the_export_and_its_checkpoints(hub: FakeHub, tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = tmp_path / "run"
     main = hub.files()
-    expected = sorted(p.name for p in run.iterdir() if p.is_file() and p.name != "latest")
+    expected = sorted(
+        p.name for p in run.iterdir() if p.is_file() and p.name != "latest" and p.name[0] != "."
+    )
     assert sorted(main) == expected and {"model.safetensors", "README.md", "metrics.jsonl"} <= set(main)
     assert not any(p.startswith("checkpoint-") for p in main)
     for name in expected:
