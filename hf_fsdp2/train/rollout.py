@@ -48,12 +48,9 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    saved = []
+    saved = [(unit, reshards_after_forward(unit)) for unit in units]
     for unit in units:
-        state = unit._get_fsdp_state()
-        for group in state._fsdp_param_groups:
-            saved.append((group, group.post_forward_mesh_info))
-            group.post_forward_mesh_info = None  # no reshard after each forward
+        unit.set_reshard_after_forward(False, recurse=False)  # no reshard after each forward
     try:
         for unit in units:
             unit.unshard()
@@ -61,8 +58,40 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-        for group, info in saved:
-            group.post_forward_mesh_info = info
+        for unit, value in saved:
+            unit.set_reshard_after_forward(value, recurse=False)
+
+
+def reshards_after_forward(unit: torch.nn.Module) -> bool:
+    """Whether the FSDP2 unit ``unit`` frees its gathered parameters after each forward.
+
+    FSDP2 sets this publicly (``FSDPModule.set_reshard_after_forward``) but has no getter, so this reads it
+    from the unit's parameter groups (read only: the write goes through the setter). A unit resharding to a
+    smaller group (``reshard_after_forward=<int>``, which hf_fsdp2 never asks for) has no boolean to restore:
+    refused. tests/unit/test_upstream_patches.py fails if torch renames what this reads.
+
+    Raises:
+        RuntimeError: the unit reshards to a group of another size, or this torch's FSDP2 state lacks the
+            attributes read here.
+    """
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    values = []
+    for group in getattr(state, "_fsdp_param_groups", None) or ():
+        if not hasattr(group, "post_forward_mesh_info") or not hasattr(group, "mesh_info"):
+            raise RuntimeError(
+                f"torch {torch.__version__}'s FSDP2 parameter group has no post_forward_mesh_info / mesh_info: "
+                "the rollout cannot read which units reshard after forward; use the torch docs/compatibility.md "
+                "lists as tested (2.11-2.13) or set grpo.rollout_gather: layer"
+            )
+        info = group.post_forward_mesh_info
+        if info is not None and info is not group.mesh_info:
+            raise RuntimeError(
+                f"FSDP2 unit {type(unit).__name__} reshards after forward to a group of another size "
+                "(fully_shard(reshard_after_forward=<int>)); the rollout can restore only true or false: "
+                "shard it with a boolean or set grpo.rollout_gather: layer"
+            )
+        values.append(info is not None)
+    return any(values)  # one group per fully_shard call: all of a unit's groups agree
 
 
 @dataclass(frozen=True)
