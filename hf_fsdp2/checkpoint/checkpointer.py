@@ -214,7 +214,7 @@ class Checkpointer:
     def _failure_text(self, error: str, step: int) -> str:
         """What failed (in one line), a full disk named as such, and truthfully what exists to continue from."""
         full = out_of_space_note(self.output_dir, self.checkpoint_bytes, error)
-        error = _gist(error)
+        error = gist(error)
         try:
             previous = latest_checkpoint(self.output_dir)
         except CheckpointError:
@@ -337,7 +337,7 @@ class Checkpointer:
         return state
 
 
-def _gist(error: str) -> str:
+def gist(error: str) -> str:
     """One line of a failure whose text holds every rank's traceback (DCP's CheckpointException): its first line
     up to the exception's name, then each distinct error line of the tracebacks."""
     lines = error.splitlines()

@@ -102,6 +102,22 @@ def check_disk_space(
     return None, None
 
 
+def says_out_of_space(error_text: str) -> bool:
+    """Whether a failure's text (one rank's error, or DCP's report of every rank's traceback) is ENOSPC."""
+    return "No space left" in error_text or f"Errno {errno.ENOSPC}" in error_text
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is missing; files removed while it is read are skipped)."""
+    total = 0
+    for item in path.rglob("*") if path.is_dir() else ():
+        try:
+            total += item.stat().st_size if item.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
 def out_of_space_note(output_dir: Path, needed: int, error_text: str) -> str:
     """A clause naming a full disk as the cause of a failed write, or "" when the disk has room.
 
@@ -109,7 +125,7 @@ def out_of_space_note(output_dir: Path, needed: int, error_text: str) -> str:
     space left (after the partial write was removed) is compared with what one checkpoint needs.
     """
     free = free_bytes(output_dir)
-    if "No space left" in error_text or f"Errno {errno.ENOSPC}" in error_text or (needed and free < needed):
+    if says_out_of_space(error_text) or (needed and free < needed):
         return (
             f"the disk of {output_dir} is full (ENOSPC, no space left on device): {size_text(free)} free, a "
             f"checkpoint needs about {size_text(needed)}"

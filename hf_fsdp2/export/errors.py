@@ -14,6 +14,11 @@ class ExportVerificationError(ExportError):
     """The written folder does not reproduce the live model (keys, shapes, dtypes, values, config or logits)."""
 
 
+class ExportInterrupted(ExportError):
+    """A signal (a launcher's SIGTERM, Ctrl-C, the OOM killer's SIGKILL) ended the export's verification before it
+    reached a finding: nothing is known to be wrong with the files, and nothing was published."""
+
+
 @dataclass
 class VerifyReport:
     """What the verification checked, and what it found wrong (empty ``problems`` = verified)."""

@@ -36,7 +36,7 @@ from transformers.generation import GenerationConfig
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.dtypes import dtype_name
-from hf_fsdp2.export.errors import ExportError, ExportResult, ExportVerificationError
+from hf_fsdp2.export.errors import ExportError, ExportInterrupted, ExportResult, ExportVerificationError
 from hf_fsdp2.export.files import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -180,6 +180,31 @@ def publish(stage: Path, out: Path, first: str, *, stale: str | None = "model*.s
     stage.rmdir()
 
 
+def _write_failure(error: str, out: Path, stage: Path, export_bytes: int) -> ExportError:
+    """Every rank: the failure of a write phase in one line (DCP's message holds every rank's traceback); a full
+    disk named as such, with what the staging folder held, and the folder removed so that its space can hold the
+    checkpoint that keeps the trained weights (collective)."""
+    from hf_fsdp2.checkpoint.checkpointer import gist
+    from hf_fsdp2.checkpoint.space import folder_bytes, free_bytes, says_out_of_space, size_text
+
+    staged = folder_bytes(stage)
+    # The parts (every rank's shards) and the files assembled from them are on disk together: about twice the export.
+    full = says_out_of_space(error) or free_bytes(out) < 2 * export_bytes
+    run_on_all(  # every rank has measured the folder before rank 0 removes it
+        "removing the staging folder",
+        lambda: shutil.rmtree(stage, ignore_errors=True) if full and collectives.rank() == 0 else None,
+    )
+    if not full:
+        return ExportError(f"{gist(error)}; the partial export is left in {stage}")
+    return ExportError(
+        f"disk full during the export (ENOSPC, no space left on device): {gist(error)}. The disk of {out} has "
+        f"{size_text(free_bytes(out))} free now; the staging folder {stage} held {size_text(staged)} when it filled "
+        f"and was removed; the export needs about {size_text(2 * export_bytes)} while it is written ({size_text(export_bytes)} "
+        f"of safetensors files, plus each rank's parts until they are assembled). Free space on that disk (or export "
+        "to another one), then export again"
+    )
+
+
 def check_export_dir(out_dir: str | Path, *, overwrite: bool) -> None:
     """Refuse to export into a folder that holds anything, unless asked to overwrite.
 
@@ -251,7 +276,6 @@ def export_model(
             stage.mkdir()
 
     run_on_all("preparing the staging folder", prepare)
-    _write_weights(plan, stage)
     architecture = type(model).__name__.removeprefix("FSDP")
 
     def metadata() -> None:
@@ -266,7 +290,11 @@ def export_model(
                 model_card=model_card,
             )
 
-    run_on_all("writing config, tokenizer and index", metadata)
+    try:
+        _write_weights(plan, stage)
+        run_on_all("writing config, tokenizer and index", metadata)
+    except ExportError as err:  # raised on every rank (run_on_all)
+        raise _write_failure(str(err), out, stage, plan.total_bytes) from None
     report = None
     if verify:
         try:
@@ -275,6 +303,8 @@ def export_model(
             raise ExportVerificationError(
                 f"{err}. Nothing was published: {out} is as it was; the rejected files are kept in {stage}"
             ) from None
+        except ExportInterrupted as err:
+            raise ExportInterrupted(f"{err}. Nothing was published: {out} is as it was") from None
         logger.info("export %s", report.summary())
     first = INDEX_NAME if len(plan.names) > 1 else WEIGHTS_NAME
 
