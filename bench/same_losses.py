@@ -2,22 +2,36 @@
 
     bash scripts/same_losses.sh 77cd9fa                 # ref 77cd9fa vs the working tree (uncommitted edits too)
     bash scripts/same_losses.sh HEAD~20 HEAD            # two refs, both exported
-    python bench/same_losses.py HEAD~5 --paths plain,dpo --keep /tmp/same
+    python bench/same_losses.py HEAD~5 --paths plain,dpo,grpo --keep /tmp/same
 
 The tree at REF is exported with ``git archive`` into a temporary folder; each run uses this virtualenv's
 python with ``PYTHONPATH`` set to its tree, from a neutral working folder, so ``import hf_fsdp2`` finds that
-tree's copy before the editable install; ``hf_fsdp2/recipes`` links to the tree's ``recipes`` (the editable
-install would otherwise map ``hf_fsdp2.recipes``, which recipes/dpo.py imports, to its own checkout). Checked
-before any run: each side's ``hf_fsdp2``, ``hf_fsdp2.recipes.sft``/``dpo`` and ``hf_fsdp2.accelerate_configs``
-resolve inside that side's tree (printed), and the two sides' ``hf_fsdp2.__file__`` differ. Both sides run the same fixture, built once here without hf_fsdp2: a 2-layer,
-64-wide random-init Llama with the Llama-2 tokenizer of ``wordllama`` and ChatML, 32 chat records and 32
-preference pairs. Paths (2 gloo ranks on CPU, ``torchrun``, fp32, seed 0, 3 optimizer steps of 2 micro-batches
-of 2 per rank, no checkpoint, export unverified):
+tree's copy before the editable install, and runs that tree's ``recipes/<name>.py``. A tree whose recipes import
+each other as ``hf_fsdp2.recipes`` (setup.py's alias of recipes/, before the restructure: recipes/dpo.py imports
+``run`` from ``hf_fsdp2.recipes.sft``) gets ``hf_fsdp2/recipes`` linked to its ``recipes`` (the editable install
+would otherwise map that name to its own checkout); a tree whose recipes import only the library needs no alias
+and gets none. Checked before any run: each side's ``hf_fsdp2``, ``hf_fsdp2.accelerate_configs`` and, where the
+alias is used, every ``hf_fsdp2.recipes.<name>`` resolve inside that side's tree (printed), and the two sides'
+``hf_fsdp2.__file__`` differ. Both sides run the same fixture, built once here without hf_fsdp2: a 2-layer,
+64-wide random-init Llama with the Llama-2 tokenizer of ``wordllama`` and ChatML, 32 chat records, 32 preference
+pairs, 24 text documents, 32 unpaired labelled completions and 32 prompts with an answer. Paths (2 gloo ranks
+on CPU, ``torchrun``, fp32, seed 0, 3 optimizer steps of 2 micro-batches of 2 per rank, no checkpoint, export
+unverified):
 
-* ``plain``  recipes/sft.py;
-* ``lora``   recipes/sft.py with ``use_peft`` (r 4, the default dropout: the RNG stream is part of the proof);
-* ``packed`` recipes/sft.py with ``packing``;
-* ``dpo``    recipes/dpo.py (sigmoid, beta 0.1, the frozen sharded reference).
+* ``plain``          recipes/sft.py;
+* ``lora``           recipes/sft.py with ``use_peft`` (r 4, the default dropout: the RNG stream is part of the proof);
+* ``packed``         recipes/sft.py with ``packing``;
+* ``cpt``            recipes/cpt.py (documents concatenated and cut into rows of 64 tokens);
+* ``dpo``            recipes/dpo.py (sigmoid, beta 0.1, the frozen sharded reference);
+* ``dpo_precompute`` the same with ``precompute_ref_log_probs`` (one reference pass before training);
+* ``dpo_lora``       the same with LoRA (the reference: the base with the adapter disabled);
+* ``ipo``            recipes/dpo.py with ``loss_type: ipo``;
+* ``simpo``          recipes/dpo.py with ``loss_type: simpo`` (beta 2, gamma 0.5, ``cpo_alpha`` 1: the NLL term too);
+* ``orpo``           recipes/dpo.py with ``loss_type: orpo`` (reference-free);
+* ``kto``            recipes/kto.py (unpaired, labels 60/40, undesirable_weight 1.5, the KL estimate);
+* ``rm``             recipes/rm.py (a reward model with a new score head on the preference pairs);
+* ``grpo``           recipes/grpo.py (4 sampled completions of 8 tokens per prompt, seeded per rank and step;
+  exact_match and format rewards; loss_type grpo with beta 0.04: the KL to a frozen reference).
 
 Each step's record in ``<output_dir>/metrics.jsonl`` is compared field by field with ``==`` (the JSON floats are
 Python's shortest round-trip repr, so equal text is equal bits): ``loss`` and ``grad_norm`` always, and every
@@ -34,6 +48,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -55,13 +70,33 @@ COMMON: dict[str, Any] = {
     "mixed_precision": "no", "learning_rate": 1e-3, "lr_scheduler_type": "constant", "logging_steps": 1,
     "seed": 0, "save_steps": 0, "export_verify": False, "overwrite_output_dir": True,
 }  # fmt: skip
+# GRPO's format reward (a full match of the stripped completion): "holds an x, y, z or q". The fixture's random model
+# samples 8 tokens of the whole vocabulary, which match it 58% of the time (37 of 64 measured), so that groups'
+# rewards differ and the advantages are not all zero (exact_match against a random word is always 0).
+FORMAT_PATTERN = ".*[xyzq].*"
 # path -> (recipe, data file of the fixture, settings on top of COMMON)
 PATHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "plain": ("sft", "chat.jsonl", {}),
     "lora": ("sft", "chat.jsonl", {"use_peft": True, "lora_r": 4, "lora_alpha": 8}),
     "packed": ("sft", "chat.jsonl", {"packing": True}),
+    "cpt": ("cpt", "corpus.jsonl", {"text_column": "text", "text_unit": "document", "corpus_layout": "concat"}),
     "dpo": ("dpo", "pairs.jsonl", {"beta": 0.1, "loss_type": "sigmoid", "learning_rate": 1e-2}),
-}
+    "dpo_precompute": ("dpo", "pairs.jsonl", {"beta": 0.1, "loss_type": "sigmoid", "learning_rate": 1e-2,
+                                              "precompute_ref_log_probs": True}),
+    "dpo_lora": ("dpo", "pairs.jsonl", {"beta": 0.1, "loss_type": "sigmoid", "learning_rate": 1e-2,
+                                        "use_peft": True, "lora_r": 4, "lora_alpha": 8}),
+    "ipo": ("dpo", "pairs.jsonl", {"beta": 0.1, "loss_type": "ipo", "learning_rate": 1e-2}),
+    "simpo": ("dpo", "pairs.jsonl", {"beta": 2.0, "loss_type": "simpo", "simpo_gamma": 0.5, "cpo_alpha": 1.0,
+                                     "learning_rate": 1e-2}),
+    "orpo": ("dpo", "pairs.jsonl", {"beta": 0.1, "loss_type": "orpo", "learning_rate": 1e-2}),
+    "kto": ("kto", "unpaired.jsonl", {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0,
+                                      "undesirable_weight": 1.5, "learning_rate": 1e-2}),
+    "rm": ("rm", "pairs.jsonl", {"learning_rate": 1e-2}),
+    "grpo": ("grpo", "prompts.jsonl", {
+        "reward_funcs": ["exact_match", "format"], "reward_weights": [1.0, 0.5], "reward_reference_column": "answer",
+        "reward_format_pattern": FORMAT_PATTERN, "num_generations": 4, "max_completion_length": 8,
+        "temperature": 1.0, "loss_type": "grpo", "beta": 0.04, "learning_rate": 1e-2}),
+}  # fmt: skip
 WORDS = [
     "alpha",
     "bravo",
@@ -277,14 +312,41 @@ def run_env(tree: Path) -> dict[str, str]:
     return env
 
 
-# Modules whose files must come from the tree under test: the package, and the recipes the recipes import as
-# hf_fsdp2.recipes (setup.py's package_dir; the editable install maps these names to its own checkout).
-# Each with the file the tree must hold for it to be probed (an older tree without recipes/dpo.py: its dpo path
-# is refused by run_path, by name).
-PROBED = {
-    "hf_fsdp2": "hf_fsdp2/__init__.py", "hf_fsdp2.recipes.sft": "recipes/sft.py",
-    "hf_fsdp2.recipes.dpo": "recipes/dpo.py", "hf_fsdp2.accelerate_configs": "accelerate_configs/__init__.py",
-}  # fmt: skip
+# Modules whose files must come from the tree under test, each with the file the tree must hold for it to be probed:
+# the package, and the accelerate configs setup.py installs as hf_fsdp2.accelerate_configs. The recipes are probed
+# as hf_fsdp2.recipes.<name> only in a tree whose recipes import each other by that alias (``recipes_alias``).
+PROBED = {"hf_fsdp2": "hf_fsdp2/__init__.py", "hf_fsdp2.accelerate_configs": "accelerate_configs/__init__.py"}
+# ``from hf_fsdp2.recipes.sft import run`` / ``import hf_fsdp2.recipes...``: a line of code, not of a docstring.
+ALIAS_IMPORT = re.compile(r"^(?:from|import)\s+hf_fsdp2\.recipes\b", re.MULTILINE)
+
+
+def recipes_alias(tree: Path) -> bool:
+    """Whether ``tree``'s recipes import ``hf_fsdp2.recipes`` (setup.py's package_dir alias of recipes/).
+
+    A tree before the restructure does (recipes/dpo.py imports ``run`` from ``hf_fsdp2.recipes.sft``): the alias
+    must then resolve inside that tree, or the run would mix the editable install's recipes with the tree's. A tree
+    whose recipes import only the library has no such need: nothing is linked or probed for it.
+    """
+    return any(ALIAS_IMPORT.search(f.read_text()) for f in sorted((tree / "recipes").glob("*.py")))
+
+
+def probed_modules(tree: Path) -> list[str]:
+    """The modules ``package_files`` looks up for ``tree``: ``hf_fsdp2``, the other ``PROBED`` ones whose file it
+    holds, and with ``recipes_alias`` every recipe as ``hf_fsdp2.recipes.<name>`` (a recipe the tree lacks: its
+    path is refused by run_path, by name)."""
+    names = [
+        "hf_fsdp2",
+        *(name for name, file in PROBED.items() if name != "hf_fsdp2" and (tree / file).is_file()),
+    ]
+    if recipes_alias(tree):
+        names += [
+            f"hf_fsdp2.recipes.{f.stem}"
+            for f in sorted((tree / "recipes").glob("*.py"))
+            if f.stem != "__init__"
+        ]
+    return names
+
+
 PROBE = (
     "import importlib.util, sys\n"
     "for name in sys.argv[1:]:\n"
@@ -298,20 +360,22 @@ PROBE = (
 
 
 def link_package_dirs(tree: Path) -> None:
-    """In an exported tree, ``hf_fsdp2/recipes`` -> ``recipes`` (and accelerate_configs), as setup.py installs them.
+    """In an exported tree, ``hf_fsdp2/recipes`` -> ``recipes`` (where ``recipes_alias``) and accelerate_configs, as
+    setup.py installs them.
 
-    Without the links, ``from hf_fsdp2.recipes.sft import run`` (recipes/dpo.py) falls through to the editable
-    install's mapping and runs the working tree's sft.py inside the exported tree's run.
+    Without the link, ``from hf_fsdp2.recipes.sft import run`` (recipes/dpo.py before the restructure) falls through
+    to the editable install's mapping and runs the working tree's sft.py inside the exported tree's run.
     """
-    for name in ("recipes", "accelerate_configs"):
+    for name in ("recipes", "accelerate_configs") if recipes_alias(tree) else ("accelerate_configs",):
         if (tree / name).is_dir() and not (tree / "hf_fsdp2" / name).exists():
             (tree / "hf_fsdp2" / name).symlink_to(Path("..") / name, target_is_directory=True)
 
 
 def package_files(tree: Path, cwd: Path) -> dict[str, Path]:
-    """Where ``PROBED`` modules resolve with ``run_env(tree)`` from ``cwd``; every one found must be in ``tree``."""
+    """Where ``probed_modules(tree)`` resolve with ``run_env(tree)`` from ``cwd``; every one found must be in ``tree``
+    (``hf_fsdp2`` must be found)."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, *(name for name, file in PROBED.items() if (tree / file).is_file())],
+        [sys.executable, "-c", PROBE, *probed_modules(tree)],
         cwd=cwd,
         env=run_env(tree),
         capture_output=True,
@@ -337,7 +401,7 @@ def package_files(tree: Path, cwd: Path) -> dict[str, Path]:
 
 # ---------------------------------------------------------------------------------------------- the fixture
 def build_fixture(root: Path) -> Path:
-    """A tiny random-init Llama (seed 0) with a real tokenizer, 32 chat records and 32 preference pairs."""
+    """A tiny random-init Llama (seed 0) with a real tokenizer and each recipe's data (the module docstring)."""
     import importlib.util
 
     import torch
@@ -382,6 +446,18 @@ def build_fixture(root: Path) -> Path:
             pairs.write(
                 json.dumps({"prompt": words(2, 8), "chosen": " " + chosen, "rejected": " " + rejected}) + "\n"
             )
+    # The other recipes' data from a second stream, so that the chat records and pairs above stay as they were.
+    rng = random.Random(1)
+    with (root / "corpus.jsonl").open("w") as corpus:  # documents of 1 to 120 words: many span rows of 64
+        for _ in range(24):
+            corpus.write(json.dumps({"text": words(1, 120)}) + "\n")
+    with (root / "unpaired.jsonl").open("w") as unpaired:  # labels mixed unevenly, as KTO data are
+        for _ in range(32):
+            record = {"prompt": words(2, 8), "completion": " " + words(1, 8), "label": rng.random() < 0.6}
+            unpaired.write(json.dumps(record) + "\n")
+    with (root / "prompts.jsonl").open("w") as prompts:
+        for _ in range(32):
+            prompts.write(json.dumps({"prompt": words(2, 8), "answer": rng.choice(WORDS)}) + "\n")
     return root
 
 
@@ -491,8 +567,13 @@ def compare_trees(ref: str, new: str | None, paths: list[str], work: Path, timeo
     probed = {s.label: package_files(s.tree, work) for s in (ref_side, new_side)}
     files = {label: found["hf_fsdp2"] for label, found in probed.items()}
     for s in (ref_side, new_side):
-        print(f"{s.label}: {s.name}: hf_fsdp2 from {files[s.label]}", end="")
-        print(f" (and {', '.join(f'{k} {v}' for k, v in probed[s.label].items() if k != 'hf_fsdp2')})")
+        others = ", ".join(f"{k} {v}" for k, v in probed[s.label].items() if k != "hf_fsdp2")
+        alias = "" if recipes_alias(s.tree) else "; its recipes import no hf_fsdp2.recipes alias"
+        print(
+            f"{s.label}: {s.name}: hf_fsdp2 from {files[s.label]}"
+            + (f" (and {others})" if others else "")
+            + alias
+        )
     if files["ref"] == files["new"]:
         raise SameLossesError(
             f"both sides import hf_fsdp2 from {files['ref']}: the comparison would prove nothing"

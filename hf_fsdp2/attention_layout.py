@@ -287,23 +287,24 @@ def choose_attention_layout(
     )
 
 
-def recipe_rows(data: Any, recipe: str) -> tuple[bool, bool | None]:
-    """``(packing, padding_free)`` of a recipe's data section as the layout decision reads them: ``sft`` as set;
-    ``cpt`` rows hold several documents unless ``cross_document_attention`` and are full already (padding-free
-    only when asked); ``dpo`` / ``rm`` pairs and ``kto`` examples are padded."""
-    if recipe == "cpt":
+def method_rows(data: Any, batch_rows: str) -> tuple[bool, bool | None]:
+    """``(packing, padding_free)`` of a method's data section as the layout decision reads them, by the method's
+    ``batch_rows``: ``as_configured`` (SFT) as set; ``corpus`` (CPT) rows hold several documents unless
+    ``cross_document_attention`` and are full already (padding-free only when asked); ``padded`` (pairs, unpaired
+    examples, prompt + completion rows) padded."""
+    if batch_rows == "corpus":
         return not data.cross_document_attention, bool(data.padding_free)
-    if recipe in ("dpo", "kto", "rm"):
+    if batch_rows == "padded":
         return False, False
     return bool(data.packing), data.padding_free
 
 
 def attention_layout_for(
-    cfg: Any, model_config: PretrainedConfig, *, device_type: str, recipe: str = "sft",
+    cfg: Any, model_config: PretrainedConfig, *, device_type: str, batch_rows: str = "as_configured",
     installed: frozenset[str] | None = None,
 ) -> AttentionLayout:  # fmt: skip
-    """:func:`choose_attention_layout` for a recipe's config sections (:func:`recipe_rows`)."""
-    packing, padding_free = recipe_rows(cfg.data, recipe)
+    """:func:`choose_attention_layout` for a method's config sections (:func:`method_rows`)."""
+    packing, padding_free = method_rows(cfg.data, batch_rows)
     return choose_attention_layout(
         model_config,
         device_type=device_type,

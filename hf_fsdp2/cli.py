@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train
 from hf_fsdp2.commands.common import BadInput, Subparsers, user_error
-from hf_fsdp2.launch import RECIPES
+from hf_fsdp2.methods import method_names
 from hf_fsdp2.noise import quiet_foreign_noise
 
 # The sub-command table, in help order.
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) > 1 and argv[0] == "train" and argv[1] in RECIPES:
+    if len(argv) > 1 and argv[0] == "train" and argv[1] in method_names():
         argv = ["train", "--recipe", argv[1], *argv[2:]]
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -1,7 +1,8 @@
 """`hf-fsdp2 train`: run a packaged recipe on every local device through `accelerate launch`.
 
 The launch is accelerate's own (never a home-made process layer): ``accelerate launch --config_file <config>
---num_processes N [multi-node flags] -m hf_fsdp2.recipes.<recipe> --config recipe.yaml [--key value ...]``. The
+--num_processes N [multi-node flags] -m hf_fsdp2.methods <recipe> --config recipe.yaml [--key value ...]`` (the
+method found in :mod:`hf_fsdp2.methods`' registry, run by the library's loop on every rank). The
 accelerate config is the packaged ``fsdp2.yaml`` with one process per visible GPU, or ``fsdp2_cpu.yaml`` (gloo,
 2 processes) on a machine without one, unless ``--config_file`` / ``--num_processes`` say otherwise.
 
@@ -23,8 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-RECIPES = ("sft", "cpt", "dpo", "kto", "rm", "grpo")
+from hf_fsdp2.methods import method_names
+
 CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU configs are tuned for)
+ACCELERATE_LAUNCH = "accelerate.commands.launch"
+# Set for the ranks hf-fsdp2 train launches: their launcher reports a failure in one line (see launcher_main).
+QUIET_LAUNCH_ENV = "HF_FSDP2_QUIET_LAUNCH"
 
 
 def packaged_accelerate_config(name: str) -> Path:
@@ -56,7 +61,7 @@ def launch_command(
     """The ``accelerate launch`` command line that runs ``recipe`` with ``recipe_args``.
 
     Args:
-        recipe: one of :data:`RECIPES`.
+        recipe: a method's name (:func:`hf_fsdp2.methods.method_names`).
         recipe_args: the recipe's own arguments (``--config x.yaml --learning_rate 1e-5 ...``).
         config_file: an accelerate config; default the packaged one for this machine.
         num_processes: processes over all machines; default one per local GPU (x machines), 2 on CPU.
@@ -66,8 +71,8 @@ def launch_command(
     Raises:
         ValueError: an unknown recipe or bad multi-node flags, naming the value.
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
+    if recipe not in method_names():
+        raise ValueError(f"unknown recipe {recipe!r}; one of {', '.join(method_names())}")
     if num_machines > 1 and not main_process_ip:
         raise ValueError(
             f"--num_machines {num_machines} needs --main_process_ip (the address of machine rank 0)"
@@ -84,7 +89,7 @@ def launch_command(
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)]
     if main_process_port is not None:
         cmd += ["--main_process_port", str(main_process_port)]
-    return [*cmd, "-m", f"hf_fsdp2.recipes.{recipe}", *recipe_args]
+    return [*cmd, "-m", "hf_fsdp2.methods", recipe, *recipe_args]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -107,7 +112,12 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
     print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd)
+    env = dict(os.environ)
+    if not env.get("HF_FSDP2_DEBUG") and cmd[1:3] == ["-m", ACCELERATE_LAUNCH]:
+        # The same accelerate launch, run by launcher_main: a failed rank's error is not followed by the launcher's
+        # traceback (the command line keeps "accelerate.commands.launch": the ranks read their launch from it).
+        cmd, env[QUIET_LAUNCH_ENV] = [cmd[0], "-m", "hf_fsdp2.launch", *cmd[2:]], "1"
+    proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         workers = child_pids(proc.pid)
@@ -126,3 +136,44 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
         return proc.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def launcher_main(argv: Sequence[str]) -> int:
+    """``accelerate launch`` run in this process (``python -m hf_fsdp2.launch accelerate.commands.launch ARGS``,
+    what :func:`run_train` starts): accelerate's own launch of ``ARGS``, but a failed training process ends in one
+    line with each rank's exit status instead of torch elastic's 20-30 line traceback and failure table; the rank
+    has said its error itself. Returns the status of the rank that failed first (2 for a recipe's bad input).
+    """
+    import logging
+
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if list(argv[:1]) != [ACCELERATE_LAUNCH]:
+        raise ValueError(
+            f"usage: python -m hf_fsdp2.launch {ACCELERATE_LAUNCH} [accelerate launch arguments]"
+        )
+    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
+    except ChildFailedError as err:
+        first, failure = err.get_first_failure()
+        statuses = ", ".join(
+            f"rank {rank}: {f.exitcode if f.exitcode >= 0 else f.signal_name()}"
+            for rank, f in sorted(err.failures.items())
+        )
+        status = failure.exitcode if failure.exitcode > 0 else 1
+        print(
+            f"hf-fsdp2 train: exit status {status} (rank {first} failed first; {statuses}); its error is above "
+            "(HF_FSDP2_DEBUG=1 also shows the launcher's report)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launcher_main(sys.argv[1:]))

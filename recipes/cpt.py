@@ -11,20 +11,22 @@ GPU node (8 GPUs):
 CPU machine (2 gloo processes):
     torchrun --nproc_per_node 2 recipes/cpt.py --config recipes/configs/cpt_cpu_demo.yaml
 
-The loop, the checkpoints and the export are the SFT recipe's (``run`` in recipes/sft.py); only the data differs.
+The loop, the checkpoints and the export are every method's (hf_fsdp2/trainer/loop.py); only the data differs
+(hf_fsdp2/methods/cpt/).
 """
 
 from __future__ import annotations
 
-from hf_fsdp2.recipes.sft import run
-
-from hf_fsdp2.config import parse_config
-from hf_fsdp2.trainer.cpt_data import build_cpt_data
+from hf_fsdp2.methods import get_method, parse_method_config
 from hf_fsdp2.trainer.finish import run_recipe
+from hf_fsdp2.trainer.loop import run
+
+METHOD = get_method("cpt")
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse_config(argv), build_cpt_data, recipe="cpt")
+    # Config (YAML + CLI, validated: the shared sections and the method's own), then the library's loop.
+    run(parse_method_config(METHOD, argv), METHOD)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,22 @@ GPU node (8 GPUs):
 CPU machine (2 gloo processes):
     torchrun --nproc_per_node 2 recipes/rm.py --config recipes/configs/rm_cpu_demo.yaml
 
-The loop, the checkpoints and the verified export are the SFT recipe's (``run`` in recipes/sft.py).
+The loop, the checkpoints and the verified export are every method's (hf_fsdp2/trainer/loop.py); this
+method's config, data and objective are hf_fsdp2/methods/rm/.
 """
 
 from __future__ import annotations
 
-from hf_fsdp2.recipes.sft import run
-
-from hf_fsdp2.config import parse_config
+from hf_fsdp2.methods import get_method, parse_method_config
 from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.reward import build_rm_data, rm_objective
+from hf_fsdp2.trainer.loop import run
+
+METHOD = get_method("rm")
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(argv)
-    run(cfg, build_rm_data, recipe="rm", objective=rm_objective(cfg))
+    # Config (YAML + CLI, validated: the shared sections and the method's own), then the library's loop.
+    run(parse_method_config(METHOD, argv), METHOD)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ if [ -n "$OFFLINE" ]; then
   export PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/no-index PIP_DISABLE_PIP_VERSION_CHECK=1
   STAGE=${OUT%.json}.site
   rm -rf "$STAGE"; mkdir -p "$STAGE/checkout/hf_fsdp2"
-  # The checkout as the installed package lays it out (recipes/ and accelerate_configs/ inside hf_fsdp2),
-  # by links: the launch line's `-m hf_fsdp2.recipes.sft` then runs from this checkout, nothing installed.
+  # The checkout as the installed package lays it out (accelerate_configs/ and recipes/configs/ inside hf_fsdp2),
+  # by links: the launch line's `-m hf_fsdp2.methods sft` then runs from this checkout, nothing installed.
   for entry in "$REPO"/hf_fsdp2/*; do ln -s "$entry" "$STAGE/checkout/hf_fsdp2/"; done
-  ln -s "$REPO/recipes" "$STAGE/checkout/hf_fsdp2/recipes"
   ln -s "$REPO/accelerate_configs" "$STAGE/checkout/hf_fsdp2/accelerate_configs"
+  ln -s "$REPO/recipes/configs" "$STAGE/checkout/hf_fsdp2/recipe_configs"
   SITE=""
   if [ -z "$BUNDLE" ] && [ -d offline_bundle ]; then BUNDLE=offline_bundle; fi
   if [ -n "$BUNDLE" ]; then

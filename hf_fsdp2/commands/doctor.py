@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from hf_fsdp2.commands.common import Subparsers
-from hf_fsdp2.launch import RECIPES
+from hf_fsdp2.methods import method_names
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def register_doctor(subparsers: Subparsers) -> None:
     p.add_argument("--accelerate_config", "--accelerate-config", dest="accelerate_config", type=Path, default=None,
                    help="the accelerate config file the run is launched with")  # fmt: skip
     p.add_argument(
-        "--recipe", choices=list(RECIPES), default="sft", help="the recipe the config is for (default: sft)"
+        "--recipe", choices=method_names(), default="sft", help="the recipe the config is for (default: sft)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the lines")
     # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).

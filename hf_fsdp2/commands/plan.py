@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 
 from hf_fsdp2.commands.common import Subparsers, recipe_argv, user_error
-from hf_fsdp2.launch import RECIPES
+from hf_fsdp2.methods import method_names
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_fsdp2.config import ConfigError, parse_config
+    from hf_fsdp2.config import ConfigError
     from hf_fsdp2.config.plans import parse_size_or_none
+    from hf_fsdp2.methods import get_method, parse_method_config
     from hf_fsdp2.plan import (
         PlanError,
         PlanSettings,
@@ -23,7 +24,6 @@ def _run_plan(args: argparse.Namespace) -> int:
         format_recommendation,
         plan_memory,
         read_model_config,
-        recipe_notes,
         recommend,
     )
 
@@ -40,7 +40,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"--headroom {args.headroom} must be in [0, 1), e.g. 0.1")
         if args.world_size < 1:
             raise PlanError(f"--world_size {args.world_size} must be >= 1")
-        cfg = parse_config(argv)
+        method = get_method(args.recipe)
+        cfg = parse_method_config(method, argv)
         m = cfg.model
         model_config = read_model_config(
             m.model_name_or_path or "",
@@ -49,7 +50,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             trust_remote_code=m.trust_remote_code,
         )
         settings = PlanSettings.from_config(
-            cfg, world_size=args.world_size, device_type=args.device, recipe=args.recipe
+            cfg, world_size=args.world_size, device_type=args.device, method=method
         )
         if budget is None and args.device == "cuda" and torch.cuda.is_available():  # this machine's GPU
             budget = torch.cuda.get_device_properties(0).total_memory
@@ -66,11 +67,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             ])  # fmt: skip
         print(json.dumps(out))
         return 0
-    notes = recipe_notes(cfg, args.recipe)
-    if args.recipe == "grpo":
-        from hf_fsdp2.plan.rollout import rollout_note
-
-        notes.append(rollout_note(plan, model_config, cfg))
+    notes = method.plan_notes(cfg, plan, model_config)
     print("\n".join([format_plan(plan), *notes]))
     if budget:
         print(format_recommendation(tried, budget, args.headroom))
@@ -125,9 +122,10 @@ def register_plan(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--recipe",
-        choices=list(RECIPES),
+        choices=method_names(),
         default="sft",
-        help="the recipe the config is for: dpo and rm run 2 rows per pair; kto 1 with gradient (default: sft)",
+        help="the recipe the config is for: dpo and rm run 2 rows per pair; kto 1 with gradient; grpo its "
+        "num_generations per prompt and its rollout phase (default: sft)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).

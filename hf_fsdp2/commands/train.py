@@ -1,4 +1,5 @@
-"""``hf-fsdp2 train [sft|cpt|dpo]``: a packaged recipe through accelerate launch (:mod:`hf_fsdp2.launch`)."""
+"""``hf-fsdp2 train [METHOD]``: a training method (:mod:`hf_fsdp2.methods`) through accelerate launch
+(:mod:`hf_fsdp2.launch`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from hf_fsdp2.commands.common import Subparsers, user_error
-from hf_fsdp2.launch import RECIPES
+from hf_fsdp2.methods import method_names
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -28,16 +29,16 @@ def _run_train(args: argparse.Namespace) -> int:
 def register_train(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "train",
-        help=f"train with a recipe ({', '.join(RECIPES)}) on every local device through accelerate launch",
+        help=f"train with a recipe ({', '.join(method_names())}) on every local device through accelerate launch",
         description=(
-            f"hf-fsdp2 train [{'|'.join(RECIPES)}] --config r.yaml [--key value ...] runs a packaged recipe with accelerate launch: the packaged FSDP2 accelerate config with one process "
+            f"hf-fsdp2 train [{'|'.join(method_names())}] --config r.yaml [--key value ...] runs a packaged recipe with accelerate launch: the packaged FSDP2 accelerate config with one process "
             "per GPU, or the CPU (gloo) config with 2 processes on a machine without a GPU. Any recipe key "
             "follows: hf-fsdp2 train --config r.yaml --learning_rate 1e-5. Multi-node: run the same command on "
             "every machine with --num_machines, --machine_rank and --main_process_ip."
         ),
     )
     # `hf-fsdp2 train dpo --config ...` (as `trl dpo`): main() turns a leading recipe name into --recipe.
-    p.add_argument("--recipe", default="sft", choices=list(RECIPES), help="the recipe (default sft)")
+    p.add_argument("--recipe", default="sft", choices=method_names(), help="the recipe (default sft)")
     p.add_argument("--config", default=None, help="the recipe YAML")
     p.add_argument(
         "--config_file", default=None, help="an accelerate config file (default: the packaged one)"

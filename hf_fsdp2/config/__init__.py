@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from hf_fsdp2.config.peft import PeftArgs
     from hf_fsdp2.config.plans import ConfigError, parse_size
     from hf_fsdp2.config.sections import DataArgs, ModelArgs
-    from hf_fsdp2.config.training import FSDPArgs, PreferenceArgs, TrainArgs
+    from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 
 _HOME = {
     "ExportArgs": "outputs",
@@ -44,7 +44,6 @@ _HOME = {
     "DataArgs": "sections",
     "ModelArgs": "sections",
     "FSDPArgs": "training",
-    "PreferenceArgs": "training",
     "TrainArgs": "training",
 }
 
@@ -58,7 +57,6 @@ __all__ = [
     "ModelArgs",
     "ObserveArgs",
     "PeftArgs",
-    "PreferenceArgs",
     "SECTIONS",
     "TrainArgs",
     "known_keys",

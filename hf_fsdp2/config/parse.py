@@ -3,7 +3,10 @@
 Precedence is CLI > YAML > defaults. The YAML file is turned into ``--key value`` arguments placed
 before the command line's own, so both go through the same argparse types and choices
 (transformers.HfArgumentParser) and the last occurrence, the command line's, wins. Unknown keys are
-errors that name the key and its closest known names.
+errors that name the key and its closest known names; a key of another method's section names that method.
+
+The shared sections are :data:`SECTIONS`; a training method adds its own section (its keys and defaults) and its
+defaults for shared keys (:func:`hf_fsdp2.methods.parse_method_config` passes them here).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -20,18 +23,16 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
-from hf_fsdp2.config.grpo import GrpoArgs
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.peft import PeftArgs
 from hf_fsdp2.config.plans import ConfigError, check
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
-from hf_fsdp2.config.training import FSDPArgs, PreferenceArgs, TrainArgs
+from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 
 CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
 
-SECTIONS: tuple[type, ...] = (
-    ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs, PreferenceArgs, GrpoArgs,
-)  # fmt: skip
+SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs)
+"""The sections every method shares; a method's own section comes after them."""
 
 
 @dataclass
@@ -45,8 +46,7 @@ class Config:
     peft: PeftArgs
     export: ExportArgs
     observe: ObserveArgs
-    preference: PreferenceArgs = dataclasses.field(default_factory=PreferenceArgs)
-    grpo: GrpoArgs = dataclasses.field(default_factory=GrpoArgs)
+    method: Any = None  # the training method's own section (its dataclass), or None (SFT, CPT)
 
     def validate(self) -> None:
         """Every section validates itself; then the keys of different sections that must agree.
@@ -62,8 +62,8 @@ class Config:
         p.validate()
         self.export.validate(t.save_steps)
         self.observe.validate(has_eval=d.has_eval())
-        self.preference.validate()
-        self.grpo.validate()
+        if self.method is not None and hasattr(self.method, "validate"):
+            self.method.validate()
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
             compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)
             check(
@@ -82,32 +82,46 @@ class Config:
     def to_flat_dict(self) -> dict[str, Any]:
         """Every key with its resolved value, in the flat form the YAML recipes use."""
         flat: dict[str, Any] = {}
-        for section in (
-            self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe, self.preference,
-            self.grpo,
-        ):  # fmt: skip
+        sections = [self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe]
+        for section in [*sections, *([self.method] if self.method is not None else [])]:
             flat.update(dataclasses.asdict(section))
         return flat
 
 
-def known_keys() -> dict[str, dataclasses.Field[Any]]:
-    """All config keys, mapped to their dataclass field."""
-    return {f.name: f for cls in SECTIONS for f in dataclasses.fields(cls)}
+def known_keys(section: type | None = None) -> dict[str, dataclasses.Field[Any]]:
+    """All config keys of the shared sections (and of a method's ``section``), mapped to their dataclass field."""
+    classes = (*SECTIONS, *([section] if section is not None else []))
+    return {f.name: f for cls in classes for f in dataclasses.fields(cls)}
 
 
-def _unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, [*known_keys(), *ALIASES], n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; run the recipe with --help for all keys"
-    return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+@dataclass(frozen=True)
+class _Keys:
+    """The keys one parse accepts, and where the others belong, for the messages."""
+
+    fields: dict[str, dataclasses.Field[Any]]
+    elsewhere: Mapping[str, str]
+    recipe: str
+
+    def unknown(self, key: str, where: str) -> ConfigError:
+        if key in self.elsewhere:
+            other = self.elsewhere[key]
+            return ConfigError(
+                f"config key {key!r} in {where} is a key of the {other} recipe, not of the {self.recipe} recipe; "
+                f"remove it, or train with recipes/{other.split(' and ')[0]}.py (hf-fsdp2 train "
+                f"{other.split(' and ')[0]})"
+            )
+        close = difflib.get_close_matches(key, [*self.fields, *ALIASES], n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; run the recipe with --help for all keys"
+        return ConfigError(f"unknown config key {key!r} in {where}{hint}")
 
 
-def _yaml_to_argv(values: dict[str, Any], path: str) -> list[str]:
+def _yaml_to_argv(values: dict[str, Any], path: str, keys: _Keys) -> list[str]:
     """Turn YAML values into ``--key value`` arguments so argparse checks them like CLI ones."""
-    fields = known_keys()
+    fields = keys.fields
     argv: list[str] = []
     for key, value in values.items():
         if key not in fields:
-            raise _unknown_key_error(key, path)
+            raise keys.unknown(key, path)
         if value is None:
             continue
         if isinstance(value, list):
@@ -156,11 +170,22 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def parse_config(argv: Sequence[str] | None = None) -> Config:
+def parse_config(
+    argv: Sequence[str] | None = None,
+    *,
+    section: type | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    elsewhere: Mapping[str, str] | None = None,
+    recipe: str = "sft",
+) -> Config:
     """Parse ``[--config recipe.yaml] [--key value ...]`` into a validated :class:`Config`.
 
     Args:
         argv: command-line arguments without the program name; defaults to ``sys.argv[1:]``.
+        section: the training method's own section (a dataclass), parsed after the shared ones into ``method``.
+        defaults: the method's defaults for keys of the shared sections, under the YAML and the command line.
+        elsewhere: keys of other methods' sections -> those methods, for the message that refuses them.
+        recipe: the method's name, for messages.
 
     Returns:
         The resolved configuration (CLI > YAML > defaults).
@@ -170,7 +195,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         SystemExit: argparse's own exit for ``--help`` and for a value of the wrong type or choice.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    yaml_argv: list[str] = []
+    keys = _Keys(known_keys(section), elsewhere or {}, recipe)
+    classes = (*SECTIONS, *([section] if section is not None else []))
+    # The method's defaults for shared keys go first: the YAML's values and then the command line's override them.
+    yaml_argv: list[str] = _yaml_to_argv(dict(defaults), "the recipe's defaults", keys) if defaults else []
     for i, arg in enumerate(args):
         if arg == "--config" or arg.startswith("--config="):
             if arg == "--config":
@@ -182,10 +210,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
                 path = arg.split("=", 1)[1]
                 del args[i]
             # TRL / Trainer spellings (bf16, dtype, dataset_train_split, ...) read as hf_fsdp2's keys.
-            yaml_argv = _yaml_to_argv(apply_aliases(load_yaml(path), path), path)
+            yaml_argv += _yaml_to_argv(apply_aliases(load_yaml(path), path), path, keys)
             break
     args = rewrite_argv(args)
-    parser = HfArgumentParser(SECTIONS)  # type: ignore[arg-type]
+    parser = HfArgumentParser(classes)  # type: ignore[arg-type]
     parser.add_argument("--config", help="YAML recipe; command-line values override its keys")
 
     def _error(message: str) -> NoReturn:
@@ -196,17 +224,18 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     for arg in args:
         if arg.startswith("--") and arg != "--help":
             key = arg[2:].split("=", 1)[0]
-            if key not in known_keys():
-                raise _unknown_key_error(key, "the command line")
+            if key not in keys.fields:
+                raise keys.unknown(key, "the command line")
     parsed = parser.parse_args_into_dataclasses(args=yaml_argv + args, return_remaining_strings=True)
     # HfArgumentParser returns one object per section, then a namespace for the extra --config
     # argument, then the strings it could not place.
-    sections, remaining = parsed[: len(SECTIONS)], parsed[-1]
+    sections, remaining = parsed[: len(classes)], parsed[-1]
     if remaining:
         raise ConfigError(
             f"unexpected command-line arguments {remaining}; every value needs a --key before it"
         )
-    cfg = Config(*sections)
+    cfg = Config(*sections[: len(SECTIONS)])
+    cfg.method = sections[len(SECTIONS)] if section is not None else None
     cfg.validate()
     return cfg
 

@@ -1,4 +1,4 @@
-"""The training sections of a recipe (optimisation, FSDP2 sharding and compile, preference): each validates
+"""The training sections of a recipe (optimisation, FSDP2 sharding and compile): each validates
 itself and builds the settings object its module applies. LoRA's section is :mod:`hf_fsdp2.config.peft`."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hf_fsdp2.config.grpo import GRPO_LOSS_TYPES
 from hf_fsdp2.config.plans import (
     AC_MODES,
     COMPILE_MODES,
@@ -373,118 +372,4 @@ class FSDPArgs:
         check(
             self.torch_compile_mode in COMPILE_MODES,
             f"torch_compile_mode={self.torch_compile_mode!r} is not one of {', '.join(m for m in COMPILE_MODES if m)}",
-        )
-
-
-PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge", "simpo", "orpo")
-REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")  # no reference model, no reference pass
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # recipes/kto.py, unpaired data
-
-
-@dataclass
-class PreferenceArgs:
-    """Preference optimisation: DPO and its variants, SimPO, ORPO (recipes/dpo.py), KTO (recipes/kto.py), reward
-    models (recipes/rm.py); TRL's key names. Other recipes ignore this section."""
-
-    beta: float | None = field(
-        default=None,
-        metadata={
-            "help": "DPO beta (default 0.1): how far the policy may move from the reference (IPO: tau, target "
-            "1/(2 beta); SimPO: the reward scale; ORPO: lambda); KTO's (0.1); GRPO's KL coefficient (default 0)."
-        },
-    )
-    loss_type: str = field(
-        default="sigmoid",
-        metadata={
-            "help": f"Preference loss: one of {', '.join(PREFERENCE_LOSS_TYPES)} (TRL's names; simpo is TRL's "
-            "CPOTrainer loss_type, orpo its ORPOTrainer); simpo and orpo are reference-free. recipes/kto.py: "
-            f"{' or '.join(KTO_LOSS_TYPES)} (TRL's KTOConfig; the default sigmoid there means kto)."
-        },
-    )
-    label_smoothing: float = field(
-        default=0.0,
-        metadata={
-            "help": "Probability that a pair's labels are flipped: conservative DPO (cDPO) with sigmoid, "
-            "robust DPO with robust; in [0, 0.5)."
-        },
-    )
-    simpo_gamma: float = field(
-        default=0.5,
-        metadata={"help": "SimPO's target reward margin gamma (TRL's CPOConfig.simpo_gamma)."},
-    )
-    cpo_alpha: float = field(
-        default=0.0,
-        metadata={
-            "help": "With loss_type simpo: weight of the chosen completions' NLL (0: SimPO as published; TRL's "
-            "CPOConfig defaults to 1.0, CPO-SimPO)."
-        },
-    )
-    desirable_weight: float = field(
-        default=1.0, metadata={"help": "KTO: weight of a desirable (label true) example's loss (TRL's name)."}
-    )
-    undesirable_weight: float = field(
-        default=1.0,
-        metadata={"help": "KTO: weight of an undesirable (label false) example's loss (TRL's name)."},
-    )
-    center_rewards_coefficient: float = field(
-        default=0.0,
-        metadata={"help": "Reward models: weight of the centering term (r_c + r_r)^2 (TRL's; 0 = none)."},
-    )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the reference log-probs of every pair in one pass before training (no reference model "
-            "in memory while training)."
-        },
-    )
-    precompute_ref_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Pairs per rank per batch of that pass; default per_device_train_batch_size."},
-    )
-    ref_model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Reference model folder or hub id; default the model being trained (its weights as loaded). "
-            "Ignored with LoRA, whose reference is the base with the adapter disabled."
-        },
-    )
-    disable_dropout: bool = field(
-        default=True,
-        metadata={
-            "help": "Set every dropout of the policy and reference to 0 (TRL's default), so log-probs are exact."
-        },
-    )
-
-    def validate(self) -> None:
-        """Raises ConfigError for a value argparse cannot refuse."""
-        check(
-            self.loss_type in PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES + GRPO_LOSS_TYPES,
-            f"loss_type={self.loss_type!r} is not one of "
-            f"{', '.join(PREFERENCE_LOSS_TYPES + KTO_LOSS_TYPES + GRPO_LOSS_TYPES)}",
-        )
-        check(self.center_rewards_coefficient >= 0, f"center_rewards_coefficient={self.center_rewards_coefficient} "
-              "must be >= 0")  # fmt: skip
-        for key in ("desirable_weight", "undesirable_weight"):
-            check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0")
-        check(self.beta is None or self.beta >= 0, f"beta={self.beta} must be >= 0")
-        check(0 <= self.label_smoothing < 0.5, f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
-        check(
-            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "robust", "simpo"),
-            f"label_smoothing={self.label_smoothing} applies to loss_type sigmoid (cDPO), robust or simpo, not "
-            f"{self.loss_type!r}; set it to 0",
-        )
-        check(self.cpo_alpha >= 0, f"cpo_alpha={self.cpo_alpha} must be >= 0")
-        check(
-            self.cpo_alpha == 0 or self.loss_type == "simpo",
-            f"cpo_alpha={self.cpo_alpha} applies to loss_type simpo (CPO-SimPO), not {self.loss_type!r}; set it to 0",
-        )
-        reference = [k for k in ("precompute_ref_log_probs", "ref_model_name_or_path") if getattr(self, k)]
-        check(
-            self.loss_type not in REFERENCE_FREE_LOSS_TYPES or not reference,
-            f"loss_type={self.loss_type!r} is reference-free (no reference model, no reference pass): "
-            f"{', '.join(reference)} would do nothing; unset it, or use a DPO loss_type",
-        )
-        check(
-            self.precompute_ref_batch_size is None or self.precompute_ref_batch_size >= 1,
-            f"precompute_ref_batch_size={self.precompute_ref_batch_size} must be >= 1",
         )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.data.preference import (
+from hf_fsdp2.data.pairs import (
     PreferenceCollator,
     PreferenceStats,
     length_fate,
@@ -41,7 +41,7 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
     """Paired records -> unpaired ones (``prompt``, ``completion``, ``label``, ``where``: the pair it came from).
 
     Raises:
-        RecordError: a pair :func:`~hf_fsdp2.data.preference.split_prompt` refuses (the caller may skip it).
+        RecordError: a pair :func:`~hf_fsdp2.data.pairs.split_prompt` refuses (the caller may skip it).
     """
     out: list[dict[str, Any]] = []
     for start in range(0, len(records), UNPAIR_BLOCK):
@@ -144,7 +144,7 @@ def tokenize_unpaired(
 
 
 def kl_groups(n: int, *, world_size: int, batch_size: int) -> list[list[int]]:
-    """The positions ``0..n-1`` grouped as the sequential sampler (or :func:`~hf_fsdp2.train.dpo.even_batches`) deals
+    """The positions ``0..n-1`` grouped as the sequential sampler (or :func:`~hf_fsdp2.train.reference.even_batches`) deals
     them: rank ``r``'s ``k``-th batch is ``r + world·(k·B + j)``; the positions past a multiple of ``world`` (which the
     sampler drops) form their own group."""
     cut = n - n % world_size
@@ -176,7 +176,7 @@ def with_kl_completions(
 @dataclass
 class UnpairedCollator:
     """A micro-batch of B examples: B rows of prompt + completion, then (``kl``) B rows of prompt + KL completion,
-    right-padded together and cut to ``max_length`` each, as :class:`~hf_fsdp2.data.preference.PreferenceCollator`
+    right-padded together and cut to ``max_length`` each, as :class:`~hf_fsdp2.data.pairs.PreferenceCollator`
     lays out chosen and rejected rows; plus ``label`` (``[B]`` bool) and ``pair_index`` (the examples' indices).
     """
 

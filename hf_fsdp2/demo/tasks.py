@@ -348,9 +348,9 @@ def preference_win_rate(
     """
     import torch
 
-    from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
-    from hf_fsdp2.train.dpo import completion_logps
+    from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
     from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.reference import completion_logps
 
     pairs, _ = tokenize_pairs(records, tokenizer, max_length=10**6)
     collate = PreferenceCollator(pad_token_id=int(tokenizer.pad_token_id or 0), max_length=10**6)
@@ -389,7 +389,7 @@ def reward_accuracy(
     """
     import torch
 
-    from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+    from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 
     pairs, _ = tokenize_pairs(records, tokenizer, max_length=10**6)
     collate = PreferenceCollator(pad_token_id=int(model.config.pad_token_id), max_length=10**6)

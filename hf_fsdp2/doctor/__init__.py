@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_fsdp2.methods import get_method
 from hf_fsdp2.parallel.launch_config import Finding
 
 
@@ -55,6 +56,7 @@ def run_doctor(
 
     from hf_fsdp2.config import ConfigError, parse_config
     from hf_fsdp2.doctor.environment import cuda_findings, debug_findings, version_findings
+    from hf_fsdp2.methods import parse_method_config
     from hf_fsdp2.parallel.launch_config import fsdp_findings, read_accelerate_config
 
     environ = os.environ if environ is None else environ
@@ -76,7 +78,7 @@ def run_doctor(
     recipe_found: list[Finding] = []
     if recipe_argv is not None:
         try:
-            cfg = parse_config(recipe_argv)
+            cfg = parse_method_config(recipe, recipe_argv)
         except (ConfigError, FileNotFoundError, ValueError) as err:
             recipe_found.append(Finding("error", "recipe", " ".join(recipe_argv), str(err).splitlines()[0]))
     if settings:
@@ -99,30 +101,6 @@ def run_doctor(
     return report
 
 
-def _recipe_check(cfg: Any, recipe: str) -> None:
-    """The check each recipe runs on its keys before loading anything (e.g. GRPO's reward functions resolved)."""
-    if recipe == "grpo":
-        from hf_fsdp2.train.rewards import resolve_reward_functions
-        from hf_fsdp2.trainer.grpo import grpo_settings_check
-
-        grpo_settings_check(cfg)
-        g = cfg.grpo
-        resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
-                                 format_pattern=g.reward_format_pattern)  # fmt: skip
-    elif recipe == "kto":
-        from hf_fsdp2.trainer.kto import kto_settings_check
-
-        kto_settings_check(cfg)
-    elif recipe == "dpo":
-        from hf_fsdp2.trainer.preference import dpo_objective
-
-        dpo_objective(cfg)
-    elif recipe == "rm":
-        from hf_fsdp2.trainer.reward import rm_settings_check
-
-        rm_settings_check(cfg)
-
-
 def _recipe_findings(
     cfg: Any, recipe: str, settings: Mapping[str, Any], processes: Any, on_gpu: bool
 ) -> list[Finding]:
@@ -142,8 +120,8 @@ def _recipe_findings(
 
     m = cfg.model
     out: list[Finding] = []
-    try:  # the recipe's own reading of its keys, as its launch would do before any work
-        _recipe_check(cfg, recipe)
+    try:  # the method's own checks of its keys, as its launch does before any work
+        get_method(recipe).objective(cfg)
     except (ValueError, ImportError) as err:
         return [Finding("error", "recipe", recipe, str(err).splitlines()[0])]
     try:
@@ -153,7 +131,7 @@ def _recipe_findings(
         return [Finding("error", "model", str(m.model_name_or_path), str(err).splitlines()[0])]
     world = int(processes) if processes else (torch.cuda.device_count() if on_gpu else 1)
     budget = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
-    found, plan = memory_findings(cfg, model_config, recipe=recipe, world=world, budget=budget,
+    found, plan = memory_findings(cfg, model_config, method=get_method(recipe), world=world, budget=budget,
                                   device="cuda" if on_gpu else "cpu")  # fmt: skip
     out += found
     out += wrap_findings(model_config, settings, cfg)
@@ -165,5 +143,5 @@ def _recipe_findings(
                                    revision=m.model_revision, trust_remote_code=m.trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
         return [*out, Finding("error", "tokenizer", str(m.model_name_or_path), str(err).splitlines()[0])]
-    out += data_findings(cfg, recipe, tokenizer)
+    out += data_findings(cfg, get_method(recipe), tokenizer)
     return out

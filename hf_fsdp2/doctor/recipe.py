@@ -18,7 +18,7 @@ RECORDS_READ = 50  # records of each source the data check tokenizes
 
 
 def memory_findings(
-    cfg: Config, model_config: Any, *, recipe: str, world: int, budget: int | None, device: str
+    cfg: Config, model_config: Any, *, method: Any, world: int, budget: int | None, device: str
 ) -> tuple[list[Finding], Any]:
     """The plan's peak per rank against ``budget`` bytes per device (the cheapest settings that fit when it does
     not); also returns the plan (its parameter counts size the disk check)."""
@@ -32,7 +32,7 @@ def memory_findings(
     )
 
     try:
-        settings = PlanSettings.from_config(cfg, world_size=world, device_type=device, recipe=recipe)
+        settings = PlanSettings.from_config(cfg, world_size=world, device_type=device, method=method)
         plan = plan_memory(model_config, settings)
     except (PlanError, ConfigError, ValueError) as err:
         return [
@@ -153,49 +153,29 @@ def hub_findings(cfg: Config) -> list[Finding]:
     return [Finding("ok", "hub", str(e.hub_model_id), "a valid repo id and a token")]
 
 
-def data_findings(cfg: Config, recipe: str, tokenizer: Any) -> list[Finding]:
-    """Each training source read (its first records) and tokenized as the recipe does: its format, or the error the
-    run would stop on (a missing column or chat template, a bad record), named."""
+def data_findings(cfg: Config, method: Any, tokenizer: Any) -> list[Finding]:
+    """Each training source read (its first records) and tokenized as the method does (its ``preview_data``, SFT's
+    by default): its format, or the error the run would stop on (a missing column or chat template, a bad record),
+    named."""
     import datasets
 
     from hf_fsdp2.data.loading import load_source
-    from hf_fsdp2.data.mixture import build_sft_datasets_from_config
-    from hf_fsdp2.data.preference import tokenize_pairs
-    from hf_fsdp2.data.unpaired import tokenize_unpaired
+    from hf_fsdp2.methods.sft.data import preview_sft
 
-    d, out = cfg.data, []
+    d = cfg.data
 
     def load(source: Any) -> datasets.Dataset:
         raw = load_source(source, on_bad_record=d.on_bad_record)
         return raw.select(range(min(RECORDS_READ, len(raw))))
 
+    preview = method.preview_data or preview_sft
     try:
-        if recipe in ("sft", "cpt"):
-            data = build_sft_datasets_from_config(d, tokenizer, seed=cfg.train.seed, load=load)
-            for stats, count in zip(data.stats, data.train_counts, strict=False):
-                out.append(Finding("ok", "data", stats.source, f"{stats.dataset_format} records, {count} of the "
-                                   f"first {RECORDS_READ} tokenized"))  # fmt: skip
-            return out
-        if recipe == "grpo":
-            from hf_fsdp2.trainer.grpo import tokenize_prompts
-
-            limit = d.max_length - cfg.grpo.max_completion_length
-            for source in d.sources():
-                rows = tokenize_prompts(load(source), tokenizer, limit=limit, long_examples=d.long_examples,
-                                        source=source.describe())  # fmt: skip
-                out.append(Finding("ok", "data", source.describe(), f"prompts, {len(rows)} of the first "
-                                   f"{RECORDS_READ} records tokenized"))  # fmt: skip
-            return out
-        tokenize = tokenize_unpaired if recipe == "kto" else tokenize_pairs
-        for source in d.sources():
-            rows, _ = tokenize(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
-                                   on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
-            kind = "unpaired examples" if recipe == "kto" else "preference pairs"
-            out.append(Finding("ok", "data", source.describe(), f"{kind}, {len(rows)} of the first "
-                               f"{RECORDS_READ} records tokenized"))  # fmt: skip
+        return [
+            Finding("ok", "data", source, what)
+            for source, what in preview(cfg, tokenizer, load, RECORDS_READ)
+        ]
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as err:
-        out.append(Finding("error", "data", d.dataset_name or "dataset_mixture", str(err).splitlines()[0]))
-    return out
+        return [Finding("error", "data", d.dataset_name or "dataset_mixture", str(err).splitlines()[0])]
 
 
 def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -> list[Finding]:

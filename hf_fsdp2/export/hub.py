@@ -416,16 +416,13 @@ def _looks_like_hub_id(name: str | None) -> bool:
     return repo_id_problem(name) is None and name.count("/") == 1
 
 
-_RECIPE_KINDS = {"sft": "supervised fine-tuning", "cpt": "continued pre-training", "dpo": "preference optimisation",
-                 "kto": "KTO on unpaired preference data", "rm": "reward modelling"}  # fmt: skip
-
-
 def render_model_card(
     run_config: dict[str, Any],
     *,
     metrics: dict[str, Any] | None,
     world_size: int | None = None,
     recipe: str = "sft",
+    recipe_title: str | None = None,
     repo_id: str | None = None,
     reward: bool = False,
     remote_code: bool = False,
@@ -436,7 +433,9 @@ def render_model_card(
         run_config: the resolved config (flat dict, as in hf_fsdp2_config.yaml); hub_token is never shown.
         metrics: the last metrics.jsonl record, or None.
         world_size: ranks the run used, when known.
-        recipe: the recipe (``sft``, ``cpt``, ``dpo``, ``kto``, ``rm``; its script is ``recipes/<recipe>.py``).
+        recipe: the training method's name (its script is ``recipes/<recipe>.py``; a tag of the card).
+        recipe_title: what the method is, in a few words (:attr:`hf_fsdp2.trainer.method.Method.title`); default
+            the name.
         repo_id: hub repo the card is for; the load command uses it (else a local path).
         reward: a reward model (one-label sequence classification): its tags and how to score with it.
         remote_code: its class is the folder's modeling_score_head.py (loaded with ``trust_remote_code=True``).
@@ -468,7 +467,7 @@ def render_model_card(
         f"# {repo_id.split('/')[-1] if repo_id else Path(str(run_config.get('output_dir') or 'model')).name}",
         "",
         f"Fine-tuned from `{base}` on `{data}` with hf_fsdp2 `recipes/{recipe}.py` "
-        f"({_RECIPE_KINDS.get(recipe, recipe)}, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
+        f"({recipe_title or recipe}, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
         "",
         "## Hyper-parameters",
         "",

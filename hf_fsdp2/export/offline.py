@@ -200,6 +200,7 @@ def prepare_offline_export(
         world_size=world,
         reward=reward,
         recipe="rm" if reward else "sft",
+        recipe_title="reward modelling" if reward else "supervised fine-tuning",
         remote_code=carries_score_head(model.config),
     )
     return OfflineExport(

@@ -2,12 +2,12 @@
 
 By default each reload starts its own interpreter (:func:`run_reload`), which pays the interpreter start and the
 torch + transformers imports (~6-7 s of a CPU core) every time. Inside :func:`shared_reload_process` the reloads
-share one interpreter, started on the first and ended with the block: a LoRA export
-verifies its adapter and then its merge in one; a process that verifies many folders (the tests) pays once. Each request runs
-the script's text again in a fresh namespace, so only imported modules carry over; the interpreter never imports
-hf_fsdp2 (the scripts check it), and it holds no model between requests (each script's objects are dropped and
-collected). A request that fails reports its traceback's last lines; a server that dies is replaced by the next
-request's.
+share one interpreter (hf_fsdp2/export/reload_scripts/reload_server.py), started on the first and ended with the
+block: a LoRA export verifies its adapter and then its merge in one; a process that verifies many folders (the tests)
+pays once. Each request runs its script file again in a fresh namespace, so only imported modules carry over; the
+interpreter never imports hf_fsdp2 (the scripts check it), and it holds no model between requests (each script's
+objects are dropped and collected). A request that fails reports its traceback's last lines; a server that dies is
+replaced by the next request's.
 """
 
 from __future__ import annotations
@@ -20,27 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-# Reads requests as JSON lines [script, request file, output file, environment], runs each script with those
-# files as sys.argv[1:] and that environment, answers one JSON line per request on the real stdout (the scripts'
-# own prints go to stderr).
-_SERVER = r"""
-import gc, json, os, sys, traceback
-answers = sys.stdout
-sys.stdout = sys.stderr
-for line in sys.stdin:
-    script, req, out, env = json.loads(line)
-    sys.argv = ["<reload>", req, out]
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        exec(compile(script, "<reload>", "exec"), {"__name__": "__main__"})
-        answer = {"ok": True}
-    except BaseException as err:
-        answer = {"ok": False, "error": " | ".join(traceback.format_exception_only(err)[-3:]).strip()}
-    gc.collect()
-    answers.write(json.dumps(answer) + "\n")
-    answers.flush()
-"""
+from hf_fsdp2.export.reload_scripts import SERVER
 
 _shared: list[subprocess.Popen[str]] | None = None  # the interpreter of the block (none yet: empty)
 
@@ -70,8 +50,9 @@ def _tail(text: str) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
 
-def run_reload(script: str, request_file: Path, out_file: Path, env: dict[str, str]) -> str | None:
-    """Run ``script request_file out_file`` in a separate interpreter with ``env``: None if it succeeded, else the
+def run_reload(script: Path, request_file: Path, out_file: Path, env: dict[str, str]) -> str | None:
+    """Run ``python script request_file out_file`` (``script``: a file, e.g. one of
+    :mod:`hf_fsdp2.export.reload_scripts`) in a separate interpreter with ``env``: None if it succeeded, else the
     last lines of its error. Inside :func:`shared_reload_process` the interpreter is shared; else a new one.
 
     Raises:
@@ -79,7 +60,7 @@ def run_reload(script: str, request_file: Path, out_file: Path, env: dict[str, s
     """
     if _shared is None:
         proc = subprocess.run(
-            [sys.executable, "-c", script, str(request_file), str(out_file)],
+            [sys.executable, str(script), str(request_file), str(out_file)],
             capture_output=True,
             text=True,
             env=env,
@@ -89,13 +70,13 @@ def run_reload(script: str, request_file: Path, out_file: Path, env: dict[str, s
         return None if proc.returncode == 0 else _tail(proc.stderr or proc.stdout)
     if not _shared or _shared[0].poll() is not None:
         _shared[:] = [subprocess.Popen(
-            [sys.executable, "-c", _SERVER],
+            [sys.executable, str(SERVER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )]  # fmt: skip
     server = _shared[0]
     assert server.stdin is not None and server.stdout is not None
     try:
-        server.stdin.write(json.dumps([script, str(request_file), str(out_file), env]) + "\n")
+        server.stdin.write(json.dumps([str(script), str(request_file), str(out_file), env]) + "\n")
         server.stdin.flush()
         line = server.stdout.readline()
     except OSError as err:

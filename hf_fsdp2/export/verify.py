@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.dtypes import dtype_name
-from hf_fsdp2.export import reload_process
+from hf_fsdp2.export import reload_process, reload_scripts
 from hf_fsdp2.export.errors import ExportError, ExportInterrupted, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
@@ -172,67 +172,7 @@ def readback(plan: ExportPlan, folder: Path) -> tuple[int, int, list[str]]:
 # ---------------------------------------------------------------------------------------------------
 # 3. The reload, in a fresh interpreter: plain transformers, no hf_fsdp2, as a user would load the folder
 # ---------------------------------------------------------------------------------------------------
-
-_RELOAD = r"""
-import hashlib, json, sys, torch
-import transformers
-request = torch.load(sys.argv[1])
-Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
-folder, out = request["folder"], sys.argv[2]
-def load(dtype):
-    kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"])
-    return Auto.from_pretrained(folder, dtype=getattr(torch, dtype), output_loading_info=True,
-                                trust_remote_code=request.get("trust_remote_code", False), **kwargs)
-model, info = load(request["load_dtype"])
-def tensor(name):
-    module_name, _, leaf = name.rpartition(".")
-    param = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
-    if param.device.type != "meta":
-        return param.detach()
-    hook = getattr(model.get_submodule(module_name), "_hf_hook", None)
-    return hook.weights_map[leaf]
-mismatched, compared = [], 0
-for name, boxes in request["boxes"].items():
-    try:
-        full = tensor(name).cpu()
-    except Exception as err:
-        mismatched.append(f"{name}: not in the reloaded model ({type(err).__name__})")
-        continue
-    for offsets, sizes, digest in boxes:
-        part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].contiguous()
-        compared += 1
-        if hashlib.sha256(part.view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
-            mismatched.append(f"{name}[{', '.join(f'{o}:{o + s}' for o, s in zip(offsets, sizes))}]")
-config = {k: v for k, v in model.config.to_dict().items() if k not in request["ignore"]}
-config_diff = sorted(k for k in set(config) | set(request["config"]) if config.get(k) != request["config"].get(k))
-config_diff = [f"{k}: live {request['config'].get(k)!r}, reloaded {config.get(k)!r}" for k in config_diff]
-head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-tied = head is not None and head.weight is emb.weight
-devices = sorted(set(map(str, (getattr(model, "hf_device_map", None) or {"": "cpu"}).values())))
-if request["compute_dtype"] != request["load_dtype"]:
-    # Loaded again rather than cast: buffers computed at init (rotary frequencies) follow the load dtype.
-    del model
-    model, _ = load(request["compute_dtype"])
-def probe(model):
-    model.eval()
-    ids = request["ids"]
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-logits, noise = probe(model), 0.0
-if request["reference_dtype"]:
-    # The same weights computed in a wider dtype: how much this process's own rounding moves the logits.
-    del model
-    model, _ = load(request["reference_dtype"])
-    noise = float((probe(model).double() - logits.double()).abs().max())
-torch.save({
-    "logits": logits, "noise": noise,
-    "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
-    "mismatched": mismatched, "compared": compared,
-    "config_diff": config_diff, "config_keys": len(config),
-    "tied": tied, "devices": devices,
-    "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
-}, out)
-"""
+# The reload's script: hf_fsdp2/export/reload_scripts/reload_export.py.
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -261,9 +201,12 @@ def live_boxes(
     return out
 
 
-def reload_in_subprocess(request: dict[str, Any], offload: Path, script: str = _RELOAD) -> dict[str, Any]:
-    """Run ``script`` (default :data:`_RELOAD`) on ``request`` in a separate CPU interpreter that never imports
-    hf_fsdp2 (export/reload_process.py: a new one, or the one shared inside ``shared_reload_process``); its findings,
+def reload_in_subprocess(
+    request: dict[str, Any], offload: Path, script: Path = reload_scripts.EXPORT
+) -> dict[str, Any]:
+    """Run the file ``script`` (default: hf_fsdp2/export/reload_scripts/reload_export.py) on ``request`` in a
+    separate CPU interpreter that never imports hf_fsdp2 (export/reload_process.py: a new one, or the one shared
+    inside ``shared_reload_process``); its findings,
     or ``{"error": ...}``."""
     with tempfile.TemporaryDirectory(prefix="hf_fsdp2-verify-") as tmp:
         req, out = Path(tmp) / "request.pt", Path(tmp) / "out.pt"

@@ -51,82 +51,6 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-# Runs in a fresh interpreter with plain transformers + peft, as a user would load the adapter.
-_ADAPTER_RELOAD = r"""
-import hashlib, sys, torch
-from peft import PeftModel
-import transformers
-request = torch.load(sys.argv[1])
-Auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
-if request.get("modeling"):  # a score head transformers lacks: the class the adapter folder ships, registered
-    import importlib.util, pathlib, tempfile
-    path = pathlib.Path(tempfile.mkdtemp()) / "modeling_score_head.py"
-    path.write_text(request["modeling"])
-    spec = importlib.util.spec_from_file_location("modeling_score_head", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    head_class = getattr(module, request["modeling_class"])
-    Auto.register(head_class.config_class, head_class, exist_ok=True)
-out = sys.argv[2]
-nf4 = request.get("nf4") or {}  # QLoRA: {module: scale block} of the 4-bit base, quantised here as the run did
-if nf4:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
-    if request.get("dora"):  # PEFT's DoRA calls weight.dequantize() on torchao tensors: answer it (docs/qlora.md)
-        lookup = NF4Tensor.__dict__["dequantize"].__func__
-        NF4Tensor.dequantize = lambda *a: a[0].get_original_weight() if len(a) == 1 else lookup(*a[-2:])
-def load(dtype, dequantised=False):
-    # The base as the run loaded it (an offline export of a bf16 run computes in fp32 from the bf16 values).
-    base_dtype = request["nf4_dtype"] if nf4 else request.get("base_dtype") or dtype
-    base = Auto.from_pretrained(request["base"], dtype=getattr(torch, base_dtype), **request.get("head", {}))
-    for name, block in nf4.items():
-        linear = base.get_submodule(name)
-        weight = to_nf4(linear.weight.detach().contiguous(), request["nf4_block"], block)
-        if dequantised:  # the dequantised base: the 4-bit values as plain tensors
-            weight = weight.get_original_weight()
-        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-    for param in base.parameters():  # the rest computes in the run's dtype; NF4 dequantises to it in F.linear
-        # (parameters only: a whole-model .to() would also round buffers computed at init, rotary frequencies)
-        if type(param).__name__ != "NF4Tensor" and param.is_floating_point():
-            param.data = param.data.to(getattr(torch, dtype))
-    return PeftModel.from_pretrained(base, request["adapter"])
-def probe(model):
-    model.eval()
-    ids = request["ids"]
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-model = load(request["compute_dtype"])
-state = {k: v for k, v in model.state_dict().items() if ".lora_" in k or ".modules_to_save." in k}
-mismatched = []
-for name, digest in request["digests"].items():
-    got = state.get(name)
-    if got is None:
-        mismatched.append(f"{name}: not in the reloaded model")
-    elif hashlib.sha256(got.detach().float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() != digest:
-        mismatched.append(f"{name}: differs")
-extra = sorted(set(state) - set(request["digests"]))
-# The adapter (PEFT keeps it in fp32) computes in the live model's dtype too; the base is loaded in it.
-# Parameters only: a whole-model .to() would also round buffers computed at init (rotary frequencies).
-for name, param in model.named_parameters():
-    if ".lora_" in name or ".modules_to_save." in name:
-        param.data = param.data.to(getattr(torch, request["compute_dtype"]))
-logits, noise = probe(model), 0.0
-dequantised = None
-if nf4:
-    del model
-    model = load(request["compute_dtype"], dequantised=True)
-    for name, param in model.named_parameters():
-        if ".lora_" in name or ".modules_to_save." in name:
-            param.data = param.data.to(getattr(torch, request["compute_dtype"]))
-    dequantised = probe(model)
-if request["reference_dtype"]:
-    # The same weights computed in a wider dtype: how much this process's own rounding moves the logits.
-    del model
-    noise = float((probe(load(request["reference_dtype"])).double() - logits.double()).abs().max())
-torch.save({"logits": logits, "dequantised_logits": dequantised, "noise": noise, "mismatched": mismatched, "extra": extra,
-            "compared": len(request["digests"]), "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)
-"""
-
-
 def head_request(model: torch.nn.Module) -> dict[str, Any]:
     """A reward model's reload: the base loaded with ``AutoModelForSequenceClassification``, one label and the run's
     padding id (PEFT's adapter folder holds the trained score head); empty for a causal LM."""
@@ -155,7 +79,8 @@ def verify_adapter(
     atol: float | None = None,
     base_dtype: torch.dtype | None = None,
 ) -> VerifyReport:
-    """Reload base + adapter with plain PEFT in a fresh process and check it against the live model.
+    """Reload base + adapter with plain PEFT in a fresh process (hf_fsdp2/export/reload_scripts/reload_adapter.py)
+    and check it against the live model.
 
     Exact: every adapter tensor of the reloaded PeftModel, by name, equals the live (gathered) adapter bit
     for bit, and none is missing or extra. Probe: logits of the reload, computed in ``compute_dtype`` as
@@ -179,6 +104,7 @@ def verify_adapter(
         ExportVerificationError: a check failed (nothing has been published).
     """
     from hf_fsdp2 import collectives
+    from hf_fsdp2.export import reload_scripts
     from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit, reference_dtype
     from hf_fsdp2.export.verify import digest, reload_in_subprocess
 
@@ -202,7 +128,7 @@ def verify_adapter(
             **nf4_request(model),
             **head_request(model),
         }
-        found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=_ADAPTER_RELOAD)
+        found = reload_in_subprocess(request, Path(adapter_dir) / ".offload", script=reload_scripts.ADAPTER)
         problems = [found["error"]] if "error" in found else []
         if not problems:
             if found["mismatched"] or found["extra"]:

@@ -29,8 +29,8 @@ from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
 from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
 from hf_fsdp2.plan.recommend import Candidate, format_recommendation, recommend
 from hf_fsdp2.plan.saved import SavedBytes, SavedTensorMeter
-from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, PlanError, PlanSettings
-from hf_fsdp2.plan.start import log_run_plan, memory_warning, read_model_config, recipe_notes
+from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, PlanError, PlannedMethod, PlanSettings
+from hf_fsdp2.plan.start import log_run_plan, memory_warning, read_model_config
 from hf_fsdp2.plan.state import Unit, fsdp_buffer_bytes, fsdp_units, shard_rows, state_bytes
 from hf_fsdp2.plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
 
@@ -41,6 +41,7 @@ __all__ = [
     "MemoryPlan",
     "PlanError",
     "PlanSettings",
+    "PlannedMethod",
     "SavedBytes",
     "SavedTensorMeter",
     "Unit",
@@ -56,7 +57,6 @@ __all__ = [
     "memory_warning",
     "plan_memory",
     "read_model_config",
-    "recipe_notes",
     "recommend",
     "shard_rows",
     "state_bytes",

@@ -26,7 +26,7 @@ class RolloutBytes:
 
 def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
     """The rollout phase of a GRPO run with ``cfg`` on the worst rank of ``plan``."""
-    t, g, d = cfg.train, cfg.grpo, cfg.data
+    t, g, d = cfg.train, cfg.method, cfg.data
     compute = t.mixed_precision if t.mixed_precision != "no" else cfg.model.torch_dtype
     size = _BYTES.get(compute, 4)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -55,7 +55,7 @@ def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
     which = "the run's peak" if r.peak > plan.peak else "under the training peak"
     return (
         f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): "
-        f"{'FSDP buffers (rollout_gather: layer)' if cfg.grpo.rollout_gather == 'layer' else 'the model gathered'} "
+        f"{'FSDP buffers (rollout_gather: layer)' if cfg.method.rollout_gather == 'layer' else 'the model gathered'} "
         f"{human_bytes(r.gathered)} + "
         f"KV cache {human_bytes(r.kv_cache)} ({r.sequences} sequences x max_length {cfg.data.max_length}) + last "
         f"logits {human_bytes(r.logits)} + sharded parameters and optimizer state {human_bytes(r.state)}"

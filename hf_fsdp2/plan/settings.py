@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,6 +23,23 @@ GIB = 2**30
 # the caching allocator's fragmentation): `hf-fsdp2 plan --headroom`'s default, the recommender's "fits" and the
 # start-of-run warning all use it.
 DEFAULT_HEADROOM = 0.1
+
+
+class PlannedMethod(Protocol):
+    """What the plan reads of a training method (:class:`hf_fsdp2.trainer.method.Method` is one)."""
+
+    @property
+    def batch_rows(self) -> str:
+        """as_configured, corpus or padded: how its rows are laid out."""
+        ...
+
+    def rows_per_example(self, cfg: Any) -> int:
+        """Rows of one example in a forward (2 for a pair, num_generations for a GRPO prompt)."""
+        ...
+
+    def plan_notes(self, cfg: Any, plan: Any, model_config: Any) -> list[str]:
+        """Lines the plan adds: what it leaves out, other phases."""
+        ...
 
 
 class PlanError(ValueError):
@@ -175,28 +192,29 @@ class PlanSettings:
         world_size: int,
         device_type: str,
         launcher: dict[str, int] | None = None,
-        recipe: str = "sft",
+        method: PlannedMethod | None = None,
     ) -> PlanSettings:
         """The settings of a parsed recipe for ``world_size`` processes on ``device_type``.
 
         Args:
             launcher: the mesh sizes accelerate launch passed (:func:`hf_fsdp2.parallel.accelerator.launcher_mesh`).
-            recipe: ``sft``, ``cpt`` (rows of ``max_length``) or ``dpo`` (one forward of the chosen and the
-                rejected row of each pair: twice the rows).
+            method: the training method (its rows' layout and rows per example: 2 for a DPO pair, a GRPO group);
+                None: SFT's.
 
         Raises:
             ConfigError: a mesh the world size cannot hold.
         """
-        from hf_fsdp2.attention_layout import recipe_rows
+        from hf_fsdp2.attention_layout import method_rows
 
         m, d, t, f = cfg.model, cfg.data, cfg.train, cfg.fsdp
         mesh = f.mesh_plan(world_size, launcher)
-        packing, padding_free = recipe_rows(d, recipe)  # the rows the run's layout decision reads
+        batch_rows = method.batch_rows if method is not None else "as_configured"
+        packing, padding_free = method_rows(d, batch_rows)  # the rows the run's layout decision reads
+        rows = method.rows_per_example(cfg) if method is not None else 1
         return cls(
             world_size=world_size,
             dp_shard=mesh.dp_shard,
-            micro_batch=t.per_device_train_batch_size
-            * (2 if recipe in ("dpo", "rm") else cfg.grpo.num_generations if recipe == "grpo" else 1),
+            micro_batch=t.per_device_train_batch_size * rows,
             seq_len=d.max_length,
             ac=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=device_type == "cuda"),
             mixed_precision=t.mixed_precision,

@@ -1,6 +1,6 @@
 """The plan at the start of a run (:func:`log_run_plan`: the table in the log, a warning when the peak does
 not fit the GPU) and what the command and the run share: the model config a plan is made from
-(:func:`read_model_config`) and what a recipe's plan leaves out (:func:`recipe_notes`)."""
+(:func:`read_model_config`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_fsdp2.config.plans import ConfigError
-from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, GIB, PlanError, PlanSettings
+from hf_fsdp2.plan.settings import DEFAULT_HEADROOM, GIB, PlanError, PlannedMethod, PlanSettings
 from hf_fsdp2.plan.table import MemoryPlan, format_plan, human_bytes, plan_memory
 
 if TYPE_CHECKING:
@@ -65,34 +65,6 @@ def read_model_config(
         ) from err
 
 
-def recipe_notes(cfg: Config, recipe: str) -> list[str]:
-    """What the plan of ``recipe`` leaves out, one line each (empty for SFT and CPT)."""
-    from hf_fsdp2.config.training import REFERENCE_FREE_LOSS_TYPES
-
-    p = cfg.preference
-    notes = []
-    reference_free = p.loss_type in REFERENCE_FREE_LOSS_TYPES  # SimPO, ORPO: the policy alone
-    if recipe in ("dpo", "kto") and not (p.precompute_ref_log_probs or cfg.peft.use_peft or reference_free):
-        name = "DPO" if recipe == "dpo" else "KTO"
-        notes.append(
-            f"not planned: {name}'s reference model (a frozen sharded copy of the policy, its gathered layers during "
-            "its forward); precompute_ref_log_probs: true, use_peft: true"
-            + (" or loss_type simpo / orpo" if recipe == "dpo" else "")
-            + " trains without one"
-        )
-    if recipe == "rm":
-        notes.append(
-            "reward model planned as the causal LM it is loaded from, 2 rows per pair: its LM head and logits are "
-            "counted, where the run has a score head of hidden_size x 1 and no vocabulary logits (an overestimate)"
-        )
-    if recipe == "kto":
-        notes.append(
-            "KTO rows: the planned forward is the micro-batch's examples (1 row each, with gradient); the KL rows (1 "
-            "per example) and the reference run before it without gradient, freeing their activations"
-        )
-    return notes
-
-
 def _describe_error(err: Exception) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     return text if isinstance(err, (PlanError, ConfigError)) else f"{type(err).__name__}: {text}"
@@ -113,15 +85,20 @@ def memory_warning(peak: int, total: int, world_size: int, headroom: float = DEF
 
 
 def log_run_plan(
-    cfg: Config, model_config: Any, *, world_size: int, device: torch.device, recipe: str = "sft"
+    cfg: Config,
+    model_config: Any,
+    *,
+    world_size: int,
+    device: torch.device,
+    method: PlannedMethod | None = None,
 ) -> MemoryPlan | None:
     """Log the plan of the run starting now, and warn when its peak does not fit the GPU with the recommender's
     headroom (:func:`memory_warning`).
 
     Call it on rank 0 only: it runs no collective and reads no weight (a meta model at the run's shape), and the
     global RNG state is restored after it. It never fails the run: anything that stops the plan is logged as one
-    warning line and ``None`` returned (the plan is advice, not a check). ``recipe="dpo"`` plans the policy's
-    forward of 2 rows per pair; the DPO reference model is not in the plan (the log says so).
+    warning line and ``None`` returned (the plan is advice, not a check). ``method`` says how many rows an example
+    is (a DPO pair: 2) and adds its notes (what the plan leaves out, GRPO's rollout phase); None: SFT's.
 
     Returns:
         The plan, or None when it could not be made.
@@ -131,17 +108,13 @@ def log_run_plan(
     try:
         with torch.random.fork_rng(devices=[]):
             settings = PlanSettings.from_config(
-                cfg, world_size=world_size, device_type=device.type, launcher=launcher_mesh(), recipe=recipe
+                cfg, world_size=world_size, device_type=device.type, launcher=launcher_mesh(), method=method
             )
             plan = plan_memory(model_config, settings)
     except Exception as err:  # noqa: BLE001 - advice only: the run goes on whatever the planner meets
         logger.warning("memory plan unavailable (the run goes on): %s", _describe_error(err))
         return None
-    notes = recipe_notes(cfg, recipe)
-    if recipe == "grpo":
-        from hf_fsdp2.plan.rollout import rollout_note
-
-        notes.append(rollout_note(plan, model_config, cfg))
+    notes = method.plan_notes(cfg, plan, model_config) if method is not None else []
     for line in [*format_plan(plan).splitlines(), *notes]:
         logger.info(line)
     if device.type == "cuda":

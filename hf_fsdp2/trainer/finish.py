@@ -30,6 +30,7 @@ from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
 from hf_fsdp2.score_head import carries_score_head
 from hf_fsdp2.train.nonfinite import NonFiniteError
+from hf_fsdp2.trainer.method import Method
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
@@ -52,8 +53,9 @@ USER_ERRORS = (
 
 
 def export_run(
-    session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int, recipe: str = "sft"
-) -> None:
+    session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int, recipe: str = "sft",
+    recipe_title: str | None = None,
+) -> None:  # fmt: skip
     """The consolidated export in the run folder, written by every rank (none gathers the model), verified
     against the live model, then published; a model card from the run. Every rank calls it.
 
@@ -67,7 +69,7 @@ def export_run(
     if session.is_main:
         card = render_model_card(
             cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
-            repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe,
+            repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe, recipe_title=recipe_title,
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
             remote_code=carries_score_head(unwrapped.config),
         )  # fmt: skip
@@ -119,13 +121,14 @@ def export_run(
 
 def finish(
     session: Session, model: TrainModel, tokenizer: Any, state: RunState, observer: Observer, *, first_step: int,
-    last_step: int, recipe: str,
+    last_step: int, method: Method,
 ) -> None:  # fmt: skip
     """Wait for checkpoints, export, write the summary, release the ranks, push (every rank calls it)."""
     e = session.cfg.export
     state.wait()
     observer.close()
-    export_run(session, model, tokenizer, state, last_step, recipe)
+    recipe = method.name
+    export_run(session, model, tokenizer, state, last_step, recipe, method.title)
     # SIGTERM (on any rank) during the export: the export was let finish; the run ends as a clean stop.
     stopped = state.stop.should_stop()
     summary = run_summary(
@@ -185,6 +188,15 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
         if os.environ.get("RANK", "0") == "0":
+            # A bare accelerate launch / torchrun prints its own traceback after this: said first, in one line.
+            # hf-fsdp2 train's launcher does not (HF_FSDP2_QUIET_LAUNCH: hf_fsdp2.launch.QUIET_LAUNCH_ENV).
+            if os.environ.get("TORCHELASTIC_RUN_ID") and not os.environ.get("HF_FSDP2_QUIET_LAUNCH"):
+                print(
+                    "hf_fsdp2: the run stopped with exit status 2 on the error below; the launcher's report that "
+                    "follows it (a traceback ending in ChildFailedError and a table of exit codes) only repeats that "
+                    "status and can be ignored",
+                    file=sys.stderr,
+                )
             print(f"hf_fsdp2 error: {err}", file=sys.stderr, flush=True)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
         if not collectives.gather_before_exit() and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -364,7 +364,7 @@ DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewar
 def _plain_qlora_dpo(model_dir: Path, pairs_file: Path, *, steps: int, lr: float, beta: float) -> list[dict]:
     """DPO by hand on the same 4-bit model with plain PEFT LoRA; the reference is that model with the adapter
     disabled (what the recipe uses: no second model)."""
-    from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+    from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     records = [json.loads(line) for line in pairs_file.read_text().splitlines()]

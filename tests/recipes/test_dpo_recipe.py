@@ -16,7 +16,7 @@ import torch
 from support.launch import REPO, accelerate_launch, python, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
-from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.observe.logs import read_metrics
 
 DPO = REPO / "recipes" / "dpo.py"

@@ -198,10 +198,11 @@ def test_stop_raises_naming_the_step_on_the_next_step(tmp_path: Path) -> None:
 def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> None:
     """The DPO objective's step reports to the same guard: a diverged step stops the run at the next step's read
     (stop), or its update is skipped on the device, weights unchanged (skip_step, fused AdamW)."""
-    from hf_fsdp2.data.preference import PreferenceCollator
-    from hf_fsdp2.train.dpo import DPOSettings, FrozenModel, dpo_step
+    from hf_fsdp2.data.pairs import PreferenceCollator
+    from hf_fsdp2.methods.dpo.step import DPOSettings, dpo_step
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.nonfinite import NonFiniteError, NonFiniteGuard, attach
+    from hf_fsdp2.train.reference import FrozenModel
 
     model, _ = _tiny_model(tmp_path)
     reference, _ = _tiny_model(tmp_path / "ref")

@@ -63,13 +63,13 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
         assert commands[name].startswith("accelerate launch --config_file "), commands[name]
         assert (
             "fsdp2.yaml --num_processes 1 " in commands[name]
-            and "-m hf_fsdp2.recipes.sft --config" in commands[name]
+            and "-m hf_fsdp2.methods sft --config" in commands[name]
         )
     assert commands["gpu_bench_quick"].startswith("python bench/gpu_bench.py --quick")
     assert commands["memory_plan_1b"].startswith("python bench/memory_plan_gpu.py --modes none,full")
     assert commands["liger"].startswith("HF_FSDP2_GPU_CHECK=1 python -m pytest")
     assert "fsdp2.yaml --num_processes 1 " in commands["grpo_tiny"]
-    assert "-m hf_fsdp2.recipes.grpo --config" in commands["grpo_tiny"]
+    assert "-m hf_fsdp2.methods grpo --config" in commands["grpo_tiny"]
     assert all(c["budget_s"] > 0 for c in report["checks"])
     assert (
         report["budget_s"] == sum(c["budget_s"] for c in report["checks"]) <= report["total_budget_s"] == 540

@@ -76,10 +76,10 @@ def _plain_loop(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_fsdp2.train.grpo import GrpoSettings, group_advantages, grpo_loss_sums
-    from hf_fsdp2.train.grpo_step import _rows
-    from hf_fsdp2.train.rewards import combine, resolve_reward_functions, score_completions
-    from hf_fsdp2.train.rollout import SamplingSettings, TransformersGenerator, rollout_seed
+    from hf_fsdp2.methods.grpo.loss import GrpoSettings, group_advantages, grpo_loss_sums
+    from hf_fsdp2.methods.grpo.rewards import combine, resolve_reward_functions, score_completions
+    from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, rollout_seed
+    from hf_fsdp2.methods.grpo.step import _rows
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
     records = [json.loads(line) for line in assets["data"].read_text().splitlines()]

@@ -1,6 +1,6 @@
 """A user's install: the wheel built from this checkout, installed into a fresh virtual environment, runs
-`hf-fsdp2 train` on the packaged CPU demo config from outside the checkout (recipes, recipe configs and
-accelerate configs inside the package); a TRL-style YAML of the common keys trains."""
+`hf-fsdp2 train` on the packaged CPU demo config from outside the checkout (the methods, recipe configs and
+accelerate configs inside the package; no recipes/ script); a TRL-style YAML of the common keys trains."""
 
 from __future__ import annotations
 
@@ -49,10 +49,11 @@ def test_the_installed_wheel_trains_the_packaged_cpu_demo_config_outside_the_che
     installed, tmp_path
 ) -> None:
     py = installed / "bin" / "python"
-    where = subprocess.run([str(py), "-c", "import hf_fsdp2.recipes.sft as r, hf_fsdp2; print(r.__file__)"],
-                           cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    assert where.startswith(str(installed)), where  # the wheel's copy, not the checkout
-    configs = Path(where).parent / "configs"
+    where = subprocess.run([str(py), "-c", "import importlib.resources as r, hf_fsdp2.methods.sft as m; "
+                            "print(m.__file__); print(r.files('hf_fsdp2.recipe_configs'))"],
+                           cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert all(w.startswith(str(installed)) for w in where), where  # the wheel's copies, not the checkout
+    configs = Path(where[1])
     assert (configs / "demo_smollm2.yaml").is_file() and (configs / "dpo_cpu_demo.yaml").is_file()
     model = make_tiny_llama_dir(tmp_path / "model")
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)

@@ -17,7 +17,7 @@ from support.families import make_family_dir
 from support.launch import REPO, python, torchrun
 from support.tiny import make_tiny_llama_dir, write_pairs_jsonl
 
-from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.observe.logs import read_metrics
 
 DPO = REPO / "recipes" / "dpo.py"

@@ -20,7 +20,7 @@ from support.families import make_family_dir
 from support.launch import REPO, python, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
-from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.observe.logs import read_metrics
 
 RM = REPO / "recipes" / "rm.py"

@@ -51,9 +51,10 @@ PRELOAD = (
     "peft",
     "safetensors.torch",
     "torchao",  # QLoRA's; transformers imports it in every from_pretrained when installed (~3 s)
-    "recipes.sft",
-    "recipes.dpo",
-    "recipes.cpt",
+    "hf_fsdp2.trainer.loop",
+    "hf_fsdp2.methods.sft",
+    "hf_fsdp2.methods.dpo",
+    "hf_fsdp2.methods.cpt",
 )
 
 _RELOAD_SOCKET = os.path.join(os.environ.get("HF_FSDP2_TEST_RELOAD_DIR") or tempfile.mkdtemp(), "reload.sock")

@@ -6,9 +6,9 @@ interpreter (hf_fsdp2/export/reload_process.py), which pays the interpreter star
 imports (~6 s of a CPU core) every time; the suite has dozens of such runs. The launch server forks this zygote after
 it has imported torch, transformers, accelerate, peft and safetensors and before it imports hf_fsdp2 or a recipe, so a
 reload forked from here is what the fresh interpreter was: plain transformers, no hf_fsdp2 module (the reload scripts
-record that, and verification refuses a reload that had one). Each request gets its own child: the script runs as
-``python -c script request out`` would (``__main__``, ``sys.argv``, the request's environment), its output goes to a
-file, and a failure answers with the last lines of its traceback, as :func:`hf_fsdp2.export.reload_process.run_reload`
+record that, and verification refuses a reload that had one). Each request gets its own child: the script (a file,
+one of hf_fsdp2/export/reload_scripts/) runs as ``python script request out`` would (``__main__``, ``sys.argv``,
+its folder first on ``sys.path``, the request's environment), its output goes to a file, and a failure answers with the last lines of its traceback, as :func:`hf_fsdp2.export.reload_process.run_reload`
 reports a failed interpreter. A child that dies answers nothing: the client reports that the reload process ended.
 
 The served ranks use it through :func:`install` (hf_fsdp2's ``reload_process.run_reload`` is replaced in the rank);
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -27,7 +28,7 @@ import tempfile
 import traceback
 from functools import partial
 
-# What the reload scripts import (hf_fsdp2/export/verify.py, hf_fsdp2/lora/save.py), and transformers' lazy modules
+# What the reload scripts import (hf_fsdp2/export/reload_scripts/), and transformers' lazy modules
 # for the families the tests build. Nothing here imports hf_fsdp2.
 PRELOAD = (
     "torch",
@@ -81,7 +82,7 @@ def _run_code(conn: socket.socket, request: dict) -> None:
 
 
 def _run_request(conn: socket.socket) -> None:
-    """In the forked child: read one request, run its script as ``python -c`` would, answer, never return."""
+    """In the forked child: read one request, run its script as ``python script`` would, answer, never return."""
     code = 1
     try:
         with conn.makefile("r") as reader:
@@ -96,18 +97,19 @@ def _run_request(conn: socket.socket) -> None:
                 os.dup2(log.fileno(), fd)
             os.environ.clear()
             os.environ.update(env)
-            sys.argv = ["-c", request_file, out_file]
+            sys.argv = [script, request_file, out_file]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # python script: the script's folder first
             ok = True
             try:
-                exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+                runpy.run_path(script, run_name="__main__")
             except SystemExit as exit_:
                 ok = exit_.code in (None, 0)
                 if not ok and not isinstance(exit_.code, int):
                     print(exit_.code, file=sys.stderr)
-            except BaseException as err:  # the traceback python -c prints: from the script's frame on
-                traceback.print_exception(
-                    type(err), err, err.__traceback__.tb_next if err.__traceback__ else None
-                )
+            except (
+                BaseException
+            ) as err:  # the traceback python prints (runpy's frames too: its last lines are the same)
+                traceback.print_exception(type(err), err, err.__traceback__)
                 ok = False
             sys.stdout.flush()
             sys.stderr.flush()
@@ -163,14 +165,16 @@ def start(path: str) -> int:
 
 
 def run_reload(
-    path: str, script: str, request_file: object, out_file: object, env: dict[str, str]
+    path: str, script: object, request_file: object, out_file: object, env: dict[str, str]
 ) -> str | None:
     """:func:`hf_fsdp2.export.reload_process.run_reload` through the zygote at ``path``: None if the script
     succeeded, else the last lines of its error."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
-            conn.sendall((json.dumps([script, str(request_file), str(out_file), dict(env)]) + "\n").encode())
+            conn.sendall(
+                (json.dumps([str(script), str(request_file), str(out_file), dict(env)]) + "\n").encode()
+            )
             with conn.makefile("r") as reader:
                 line = reader.readline()
     except OSError as err:

@@ -24,6 +24,7 @@ from hf_fsdp2.attention_layout import attention_layout_for, choose_attention_lay
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.data.packing import PackedCollator
+from hf_fsdp2.methods import get_method
 from hf_fsdp2.model import load_model
 
 CONFIG = LlamaConfig(
@@ -222,7 +223,11 @@ def test_each_recipe_reads_its_rows_into_the_decision() -> None:
 
     def layout(recipe: str, **data: object) -> tuple[bool, bool, bool]:
         got = attention_layout_for(
-            cfg(**data), CONFIG, device_type="cuda", recipe=recipe, installed=frozenset()
+            cfg(**data),
+            CONFIG,
+            device_type="cuda",
+            batch_rows=get_method(recipe).batch_rows,
+            installed=frozenset(),
         )
         return got.padding_free, got.packing, got.dense_mask
 

@@ -11,7 +11,7 @@ import pytest
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource
 from hf_fsdp2.data.mixture import build_sft_datasets
-from hf_fsdp2.trainer.sft_data import check_has_targets
+from hf_fsdp2.methods.sft.data import check_has_targets
 
 
 def _jsonl(path: Path, records: list[dict]) -> Path:

@@ -186,9 +186,10 @@ def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> None:
-    from hf_fsdp2.data.preference import PreferenceCollator
-    from hf_fsdp2.train.dpo import DPOSettings, FrozenModel, dpo_forward_backward
+    from hf_fsdp2.data.pairs import PreferenceCollator
+    from hf_fsdp2.methods.dpo.step import DPOSettings, dpo_forward_backward
     from hf_fsdp2.train.loss import LossPlan, plan_loss
+    from hf_fsdp2.train.reference import FrozenModel
 
     model = load_model(str(model_dir))
     plan = plan_loss(model, 8) if chunked else LossPlan()
@@ -331,9 +332,9 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) -> None:
     from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
-    from hf_fsdp2.train.dpo import FrozenModel
-    from hf_fsdp2.train.kto import KTOSettings, kto_step
+    from hf_fsdp2.methods.kto.step import KTOSettings, kto_step
     from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.reference import FrozenModel
 
     model = load_model(str(model_dir))
     examples = with_kl_completions(
@@ -360,9 +361,9 @@ def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) 
 
 
 def test_a_reward_model_step_reads_the_device_once(model_dir: Path) -> None:
-    from hf_fsdp2.data.preference import PreferenceCollator
+    from hf_fsdp2.data.pairs import PreferenceCollator
+    from hf_fsdp2.methods.rm.step import RewardSettings, reward_step
     from hf_fsdp2.train.loss import LossPlan
-    from hf_fsdp2.train.reward import RewardSettings, reward_step
 
     torch.manual_seed(0)
     model = load_model(str(model_dir), reward_head=0)

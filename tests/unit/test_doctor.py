@@ -16,6 +16,7 @@ from support.tiny import make_tiny_llama_dir
 from hf_fsdp2.cli import main as cli
 from hf_fsdp2.doctor import environment, recipe, run_doctor
 from hf_fsdp2.launch import packaged_accelerate_config
+from hf_fsdp2.methods import get_method
 
 DATA = Path(__file__).parents[1] / "data" / "accelerate_configs"
 
@@ -167,10 +168,10 @@ def test_the_memory_plan_against_a_gpu_names_the_cheapest_fix(clean, model: Path
 
     cfg, config = parse_config(clean), read_model_config(str(model))
     (fits,), plan = recipe.memory_findings(
-        cfg, config, recipe="sft", world=2, budget=80 * 10**9, device="cuda"
+        cfg, config, method=get_method("sft"), world=2, budget=80 * 10**9, device="cuda"
     )
     assert fits.level == "ok" and plan.total_params > 0
-    (tight,), _ = recipe.memory_findings(cfg, config, recipe="sft", world=2, budget=int(plan.peak * 1.02),
+    (tight,), _ = recipe.memory_findings(cfg, config, method=get_method("sft"), world=2, budget=int(plan.peak * 1.02),
                                          device="cuda")  # fmt: skip
     assert tight.level == "error" and tight.fix.startswith("set ") and "peak" in tight.fix, tight.line()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.tiny import make_tiny_llama_dir
 
-from hf_fsdp2.train.grpo import (
+from hf_fsdp2.methods.grpo.loss import (
     GrpoSettings,
     completion_token_logps,
     group_advantages,

@@ -4,7 +4,7 @@ parameters and optimizer state) is computed from the model config by hand here a
 
 from __future__ import annotations
 
-from hf_fsdp2.config import parse_config
+from hf_fsdp2.methods import get_method, parse_method_config
 from hf_fsdp2.plan import PlanSettings, plan_memory
 from hf_fsdp2.plan.rollout import rollout_bytes, rollout_note
 
@@ -14,10 +14,10 @@ def test_the_rollout_phase_is_the_gathered_model_and_the_kv_cache() -> None:
 
     config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+    cfg = parse_method_config("grpo", ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
                         "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
                         "--num_generations", "4", "--max_length", "128", "--mixed_precision", "bf16"])  # fmt: skip
-    settings = PlanSettings.from_config(cfg, world_size=2, device_type="cpu", recipe="grpo")
+    settings = PlanSettings.from_config(cfg, world_size=2, device_type="cpu", method=get_method("grpo"))
     assert settings.micro_batch == 3 * 4  # each prompt's generations are trained together
     plan = plan_memory(config, settings)
     r = rollout_bytes(plan, config, cfg)

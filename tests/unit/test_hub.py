@@ -664,8 +664,9 @@ def test_model_card_with_hub_ids() -> None:
         "output_dir": "/runs/a",
     }  # fmt: skip
     card = render_model_card(
-        cfg, metrics={"step": 100, "loss": 1.234567891}, world_size=8, repo_id="me/smol-sft"
-    )
+        cfg, metrics={"step": 100, "loss": 1.234567891}, world_size=8, repo_id="me/smol-sft",
+        recipe_title="supervised fine-tuning",
+    )  # fmt: skip
     meta = front_matter(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert meta["datasets"] == ["HuggingFaceH4/ultrachat_200k"]
@@ -675,9 +676,9 @@ def test_model_card_with_hub_ids() -> None:
     assert 'AutoModelForCausalLM.from_pretrained("me/smol-sft")' in card
     assert "hf_SECRET" not in card and "hub_token" not in card
     assert "sft" in meta["tags"] and "(supervised fine-tuning, FSDP2 on 8 ranks)" in card
-    dpo = render_model_card(cfg, metrics=None, recipe="dpo")
+    dpo = render_model_card(cfg, metrics=None, recipe="dpo", recipe_title="preference optimisation")
     assert "recipes/dpo.py` (preference optimisation" in dpo and "dpo" in front_matter(dpo)["tags"]
-    rm = render_model_card(cfg, metrics=None, recipe="rm", reward=True)
+    rm = render_model_card(cfg, metrics=None, recipe="rm", recipe_title="reward modelling", reward=True)
     assert "reward-model" in front_matter(rm)["tags"] and "(reward modelling" in rm
     assert "AutoModelForSequenceClassification.from_pretrained" in rm and "generate" not in rm
 

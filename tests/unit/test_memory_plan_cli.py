@@ -27,6 +27,7 @@ from support.tiny import make_tiny_llama_dir
 from hf_fsdp2 import cli
 from hf_fsdp2.config import parse_config
 from hf_fsdp2.config.plans import ACPlan, LoraSettings
+from hf_fsdp2.methods import get_method, parse_method_config
 from hf_fsdp2.plan import (
     DEFAULT_HEADROOM,
     PlanError,
@@ -369,7 +370,7 @@ def test_the_plan_takes_the_layout_the_run_takes(model_dir, tmp_path):
     assert (
         settings["padding_free"] is False and settings["attention"] == "sdpa" and not settings["dense_mask"]
     )
-    cpt = PlanSettings.from_config(cfg, world_size=1, device_type="cuda", recipe="cpt")
+    cpt = PlanSettings.from_config(cfg, world_size=1, device_type="cuda", method=get_method("cpt"))
     assert cpt.packing and cpt.padding_free is False  # CPT rows hold documents apart: a mask per row
 
 
@@ -406,19 +407,17 @@ def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path
 def test_the_dpo_plan_names_the_reference_it_leaves_out_and_none_for_reference_free_objectives(
     model_dir, tmp_path
 ):
-    from hf_fsdp2.plan import recipe_notes
-
     recipe = _recipe(tmp_path, model_dir)
-    notes = {
-        loss: recipe_notes(parse_config(["--config", str(recipe), "--loss_type", loss]), "dpo")
-        for loss in ("sigmoid", "simpo", "orpo")
-    }
+
+    def recipe_notes(argv: list[str], name: str) -> list[str]:
+        method = get_method(name)
+        return method.plan_notes(parse_method_config(method, ["--config", str(recipe), *argv]), None, None)
+
+    notes = {loss: recipe_notes(["--loss_type", loss], "dpo") for loss in ("sigmoid", "simpo", "orpo")}
     assert len(notes["sigmoid"]) == 1 and "not planned: DPO's reference model" in notes["sigmoid"][0]
     assert notes["simpo"] == notes["orpo"] == []  # the policy alone: nothing left out
-    assert recipe_notes(parse_config(["--config", str(recipe)]), "sft") == []
-    kto = recipe_notes(parse_config(["--config", str(recipe), "--loss_type", "kto"]), "kto")
+    assert recipe_notes([], "sft") == []
+    kto = recipe_notes([], "kto")
     assert "not planned: KTO's reference model" in kto[0] and "simpo" not in kto[0] and "KTO rows" in kto[1]
-    lora = recipe_notes(
-        parse_config(["--config", str(recipe), "--loss_type", "kto", "--use_peft", "true"]), "kto"
-    )
+    lora = recipe_notes(["--use_peft", "true"], "kto")
     assert len(lora) == 1 and "KTO rows" in lora[0]  # the LoRA base is the reference: no second model

@@ -11,19 +11,13 @@ import pytest
 import torch
 from support.families import make_family_dir
 
-from hf_fsdp2.data.preference import PreferenceCollator, split_prompt, tokenize_pair, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, split_prompt, tokenize_pair, tokenize_pairs
 from hf_fsdp2.data.records import RecordError
 from hf_fsdp2.labels import IGNORE_INDEX
+from hf_fsdp2.methods.dpo.loss import DPOSettings, pair_losses
 from hf_fsdp2.model import disable_dropout, load_model
-from hf_fsdp2.train.dpo import (
-    DPOSettings,
-    FrozenModel,
-    completion_logps,
-    even_batches,
-    pair_losses,
-    precompute_reference,
-)
 from hf_fsdp2.train.loss import LossPlan, plan_loss
+from hf_fsdp2.train.reference import FrozenModel, completion_logps, even_batches, precompute_reference
 
 # --- records -------------------------------------------------------------------------------------------
 

@@ -25,9 +25,18 @@ with open(sys.argv[2], "w") as f:
 FAILS = "raise ValueError('the folder has no config.json')"
 
 
+def _file(tmp: Path, text: str, name: str) -> Path:
+    """The script ``text`` as a file (reloads run script files: hf_fsdp2/export/reload_scripts/)."""
+    script = tmp / f"{name}.py"
+    script.write_text(text)
+    return script
+
+
 def _who(tmp: Path, name: str, env: dict[str, str] | None = None) -> dict:
     out = tmp / f"{name}.json"
-    error = run_reload(WHO, tmp / "unused.pt", out, env if env is not None else dict(os.environ))
+    error = run_reload(
+        _file(tmp, WHO, "who"), tmp / "unused.pt", out, env if env is not None else dict(os.environ)
+    )
     assert error is None, error
     return json.loads(out.read_text())
 
@@ -61,7 +70,9 @@ def test_in_a_block_reloads_share_one_interpreter_with_a_fresh_namespace(
 def test_a_failing_request_reports_its_error_and_the_next_one_runs(tmp_path: Path, no_outer_block) -> None:
     with shared_reload_process():
         first = _who(tmp_path, "first")
-        error = run_reload(FAILS, tmp_path / "r.pt", tmp_path / "o.pt", dict(os.environ))
+        error = run_reload(
+            _file(tmp_path, FAILS, "fails"), tmp_path / "r.pt", tmp_path / "o.pt", dict(os.environ)
+        )
         then = _who(tmp_path, "then")
     assert error is not None and "ValueError: the folder has no config.json" in error
     assert first["pid"] == then["pid"]
@@ -71,7 +82,9 @@ def test_an_interpreter_that_dies_is_reported_and_replaced(tmp_path: Path, no_ou
     dies = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"  # as the OOM killer would, mid-request
     with shared_reload_process():
         first = _who(tmp_path, "first")
-        error = run_reload(dies, tmp_path / "r.pt", tmp_path / "o.pt", dict(os.environ))
+        error = run_reload(
+            _file(tmp_path, dies, "dies"), tmp_path / "r.pt", tmp_path / "o.pt", dict(os.environ)
+        )
         second = _who(tmp_path, "second")
         os.kill(second["pid"], signal.SIGKILL)  # between requests: found dead, replaced before the next
         next(iter(reload_process._shared)).wait()  # type: ignore[union-attr]
@@ -89,6 +102,27 @@ def test_each_request_runs_with_its_own_environment(tmp_path: Path, no_outer_blo
 def test_the_scripts_prints_do_not_break_the_answers(tmp_path: Path, no_outer_block) -> None:
     chatty = "import sys\nprint('{\"ok\": false}')\nprint('noise', file=sys.stderr)\n" + WHO
     with shared_reload_process():
-        error = run_reload(chatty, tmp_path / "r.pt", tmp_path / "c.json", dict(os.environ))
+        error = run_reload(
+            _file(tmp_path, chatty, "chatty"), tmp_path / "r.pt", tmp_path / "c.json", dict(os.environ)
+        )
         after = _who(tmp_path, "after")
     assert error is None and json.loads((tmp_path / "c.json").read_text())["pid"] == after["pid"]
+
+
+def test_the_reload_scripts_are_files_that_import_nothing_of_hf_fsdp2() -> None:
+    """Run by path, a reload script imports no package above it; one that imported hf_fsdp2 itself would make every
+    verification report "the reload imported hf_fsdp2" (or worse, load through it)."""
+    import ast
+
+    from hf_fsdp2.export import reload_scripts
+
+    scripts = sorted(reload_scripts.HERE.glob("reload_*.py"))
+    assert scripts == sorted([reload_scripts.EXPORT, reload_scripts.ADAPTER, reload_scripts.SERVER])
+    for script in scripts:
+        names = []
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names.append("." * node.level + (node.module or ""))
+        assert names and not [n for n in names if n.startswith(("hf_fsdp2", "."))], (script.name, names)

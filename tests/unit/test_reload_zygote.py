@@ -22,8 +22,8 @@ WHO = r"""
 import json, os, sys
 print("noise on stdout"); print("noise on stderr", file=sys.stderr)
 with open(sys.argv[2], "w") as f:
-    json.dump({"pid": os.getpid(), "argv": sys.argv[1:], "name": __name__, "env": os.environ.get("RELOAD_TEST"),
-               "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, f)
+    json.dump({"pid": os.getpid(), "argv": sys.argv, "name": __name__, "env": os.environ.get("RELOAD_TEST"),
+               "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules), "path0": sys.path[0]}, f)
 """
 FAILS = "import json\nraise ValueError('the folder has no config.json')"
 EXITS = "import sys\nsys.exit('no weights in the folder')"
@@ -53,7 +53,16 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subp
     parent.wait()
 
 
-def _both(script: str, tmp: Path, path: str, env: dict[str, str]) -> tuple[str | None, str | None]:
+def _file(tmp: Path, text: str) -> Path:
+    """The script ``text`` as a file (reloads run script files: hf_fsdp2/export/reload_scripts/)."""
+    script = tmp / "scripts" / f"script{abs(hash(text))}.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(text)
+    return script
+
+
+def _both(text: str, tmp: Path, path: str, env: dict[str, str]) -> tuple[str | None, str | None]:
+    script = _file(tmp, text)
     monkey = reload_process._shared
     reload_process._shared = None  # conftest's session block shares one interpreter: compare with a fresh one
     try:
@@ -71,9 +80,15 @@ def test_the_zygote_answers_as_a_fresh_interpreter(tmp_path: Path, zygote) -> No
     forked = json.loads((tmp_path / "forked.json").read_text())
     assert forked["pid"] not in (os.getpid(), zygote_pid)  # a process of its own
     assert forked["hf_fsdp2"] is False and fresh["hf_fsdp2"] is False
-    assert forked["argv"][0] == fresh["argv"][0] and forked["name"] == fresh["name"] == "__main__"
+    script = str(_file(tmp_path, WHO))
+    assert forked["argv"] == [script, str(tmp_path / "req.pt"), str(tmp_path / "forked.json")]
+    assert fresh["argv"] == [script, str(tmp_path / "req.pt"), str(tmp_path / "fresh.json")]
+    assert forked["name"] == fresh["name"] == "__main__"
+    assert forked["path0"] == fresh["path0"] == str(tmp_path / "scripts")  # python script: its folder first
     assert forked["env"] == fresh["env"] == "one"
-    second = reload_zygote.run_reload(path, WHO, tmp_path / "r.pt", tmp_path / "again.json", dict(os.environ))
+    second = reload_zygote.run_reload(
+        path, _file(tmp_path, WHO), tmp_path / "r.pt", tmp_path / "again.json", dict(os.environ)
+    )
     assert second is None
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["pid"] != forked["pid"] and again["env"] is None  # a new process, its own environment
@@ -86,7 +101,9 @@ def test_the_zygote_answers_as_a_fresh_interpreter(tmp_path: Path, zygote) -> No
     assert "the reload process ended" in forked_error
     # Still serving after a child died.
     assert (
-        reload_zygote.run_reload(path, WHO, tmp_path / "r.pt", tmp_path / "last.json", dict(os.environ))
+        reload_zygote.run_reload(
+            path, _file(tmp_path, WHO), tmp_path / "r.pt", tmp_path / "last.json", dict(os.environ)
+        )
         is None
     )
 
@@ -142,4 +159,4 @@ def test_the_zygote_ends_with_the_process_that_started_it(zygote) -> None:
         time.sleep(0.1)
     else:
         pytest.fail(f"the zygote {zygote_pid} outlived its parent")
-    assert reload_zygote.run_reload(path, WHO, Path("r"), Path("o"), {}) is not None
+    assert reload_zygote.run_reload(path, Path("who.py"), Path("r"), Path("o"), {}) is not None

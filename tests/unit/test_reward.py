@@ -10,17 +10,19 @@ import pytest
 import torch
 
 from hf_fsdp2.config import Config, ConfigError
-from hf_fsdp2.config import parse_config as _parse
-from hf_fsdp2.data.preference import PreferenceCollator, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.data.records import RecordError
+from hf_fsdp2.methods import parse_method_config
+from hf_fsdp2.methods.rm.objective import rm_objective
+from hf_fsdp2.methods.rm.step import RewardSettings, _metrics, _sums, bt_losses
 from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.reward import RewardSettings, _metrics, _sums, bt_losses
-from hf_fsdp2.trainer.reward import rm_settings_check
 
 
 def parse_config(argv: list[str]) -> Config:
-    return _parse(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv])
+    return parse_method_config(
+        "rm", ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv]
+    )
 
 
 @pytest.mark.parametrize("margin", ["big", float("nan"), True, [1]])
@@ -61,16 +63,28 @@ def test_the_bradley_terry_loss_and_the_statistics_are_the_hand_computed_ones() 
 
 
 def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() -> None:
-    for args, key in ((["--beta", "0.2"], "beta"), (["--loss_type", "ipo"], "loss_type='ipo'"),
+    for args, key in ((["--beta", "0.2"], "beta"), (["--loss_type", "ipo"], "loss_type"),
                       (["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs")):  # fmt: skip
-        with pytest.raises(ConfigError, match=f"{key}.*a preference-optimisation setting"):
-            rm_settings_check(parse_config(args))
+        with pytest.raises(
+            ConfigError, match=f"'{key}' in the command line is a key of the .* recipe, not of the rm"
+        ):
+            parse_config(args)
     cfg = parse_config([])
-    rm_settings_check(cfg)
-    assert cfg.data.long_examples == "drop"  # a cut row would lose the token its reward is read at
+    rm_objective(cfg)
+    assert (
+        cfg.data.long_examples == "drop"
+    )  # the method's default: a cut row would lose the token its reward is read at
+    assert (
+        parse_method_config("sft", ["--model_name_or_path", "m", "--dataset_name", "d"]).data.long_examples
+        == "truncate"
+    )
     cfg = parse_config(["--long_examples", "error", "--center_rewards_coefficient", "0.01"])
-    rm_settings_check(cfg)
+    rm_objective(cfg)
     assert cfg.data.long_examples == "error"
+    with pytest.raises(
+        ConfigError, match="long_examples=truncate: a reward model reads each row's reward at its last"
+    ):
+        rm_objective(parse_config(["--long_examples", "truncate"]))
     with pytest.raises(ConfigError, match="center_rewards_coefficient=-1.0 must be >= 0"):
         parse_config(["--center_rewards_coefficient=-1"])
 

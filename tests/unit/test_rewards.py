@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fsdp2.train.grpo import GrpoSettings, group_advantages
-from hf_fsdp2.train.rewards import RewardError, combine, resolve_reward_functions, score_completions
+from hf_fsdp2.methods.grpo.loss import GrpoSettings, group_advantages
+from hf_fsdp2.methods.grpo.rewards import RewardError, combine, resolve_reward_functions, score_completions
 
 PROMPTS = ["What is 2+2?", "What is 2+2?", "Capital of France?", "Capital of France?"]
 COMPLETIONS = [" 4", "five", "Paris ", "Lyon"]

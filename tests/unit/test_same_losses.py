@@ -1,6 +1,7 @@
 """bench/same_losses.py's comparison on synthetic metrics files: bit-equal passes, any other value fails.
 
-The tool itself (two trees, eight 2-rank runs) takes minutes and is run by hand (scripts/same_losses.sh).
+The tool itself (two trees, two 2-rank runs per path) takes minutes and is run by hand (scripts/same_losses.sh);
+here also which paths it has and how it checks that each side imports its own tree.
 """
 
 from __future__ import annotations
@@ -119,3 +120,56 @@ def test_exported_weights_compared_bitwise(tool: ModuleType, tmp_path: Path) -> 
     differ = tool.compare_records("plain", _records(), _records())
     tool.compare_exports(differ, tmp_path / "ref", tmp_path / "moved")
     assert not differ.identical and differ.weights == "NO" and "model.safetensors: w" in differ.differences[0]
+
+
+def test_every_recipe_and_preference_loss_has_a_path(tool: ModuleType) -> None:
+    """The proof covers each recipe of recipes/ and the DPO variants (a recipe added without a path fails here)."""
+    recipes = {f.stem for f in (REPO / "recipes").glob("*.py") if f.stem != "__init__"}
+    assert {recipe for recipe, _, _ in tool.PATHS.values()} == recipes
+    dpo = [settings for recipe, _, settings in tool.PATHS.values() if recipe == "dpo"]
+    assert {s["loss_type"] for s in dpo} >= {"sigmoid", "ipo", "simpo", "orpo"}
+    assert any(s.get("precompute_ref_log_probs") for s in dpo) and any(s.get("use_peft") for s in dpo)
+    grpo = tool.PATHS["grpo"][2]
+    assert 2 <= grpo["num_generations"] <= 4 and grpo["max_completion_length"] <= 8
+    assert set(grpo["reward_funcs"]) <= {"exact_match", "format"}
+
+
+def _tree(root: Path, sft_import: str) -> Path:
+    """A minimal tree: an empty hf_fsdp2 package and recipes whose dpo.py imports sft's ``run`` as given."""
+    (root / "hf_fsdp2").mkdir(parents=True)
+    (root / "hf_fsdp2" / "__init__.py").write_text("")
+    (root / "recipes").mkdir()
+    (root / "recipes" / "__init__.py").write_text("")
+    (root / "recipes" / "sft.py").write_text('"""SFT."""\n\ndef run() -> None:\n    pass\n')
+    (root / "recipes" / "dpo.py").write_text(f'"""DPO: see recipes/sft.py."""\n\n{sft_import}\n')
+    return root
+
+
+def test_a_tree_with_the_recipes_alias_links_and_probes_it(tool: ModuleType, tmp_path: Path) -> None:
+    tree = _tree(tmp_path / "tree", "from hf_fsdp2.recipes.sft import run")
+    assert tool.recipes_alias(tree)
+    assert tool.probed_modules(tree) == ["hf_fsdp2", "hf_fsdp2.recipes.dpo", "hf_fsdp2.recipes.sft"]
+    tool.link_package_dirs(tree)
+    assert (tree / "hf_fsdp2" / "recipes").resolve() == (tree / "recipes").resolve()
+    found = tool.package_files(tree, tmp_path)
+    assert found == {
+        "hf_fsdp2": (tree / "hf_fsdp2" / "__init__.py").resolve(),
+        "hf_fsdp2.recipes.dpo": (tree / "recipes" / "dpo.py").resolve(),
+        "hf_fsdp2.recipes.sft": (tree / "recipes" / "sft.py").resolve(),
+    }
+
+
+def test_a_tree_without_the_alias_gets_none_but_hf_fsdp2_is_still_checked(
+    tool: ModuleType, tmp_path: Path
+) -> None:
+    """After the restructure the recipes import the library; only hf_fsdp2 must come from the tree."""
+    tree = _tree(tmp_path / "tree", "from hf_fsdp2.trainer.loop import run  # not hf_fsdp2.recipes")
+    assert not tool.recipes_alias(tree)
+    assert tool.probed_modules(tree) == ["hf_fsdp2"]
+    tool.link_package_dirs(tree)
+    assert not (tree / "hf_fsdp2" / "recipes").exists()
+    assert tool.package_files(tree, tmp_path) == {"hf_fsdp2": (tree / "hf_fsdp2" / "__init__.py").resolve()}
+    (tree / "hf_fsdp2" / "__init__.py").unlink()  # no package in the tree: found elsewhere or not at all
+    (tree / "hf_fsdp2").rmdir()
+    with pytest.raises(tool.SameLossesError, match="hf_fsdp2"):
+        tool.package_files(tree, tmp_path)

@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from hf_fsdp2.config import Config, ConfigError
-from hf_fsdp2.config import parse_config as _parse
 from hf_fsdp2.data.records import RecordError
 from hf_fsdp2.data.unpaired import UnpairedCollator, kl_groups, tokenize_unpaired, unpair, with_kl_completions
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.train.kto import KTOSettings, kto_losses
+from hf_fsdp2.methods import parse_method_config
+from hf_fsdp2.methods.kto.objective import kto_objective
+from hf_fsdp2.methods.kto.step import KTOSettings, kto_losses
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.trainer.kto import kto_settings_check
-from hf_fsdp2.trainer.preference import dpo_objective
 
 
-def parse_config(argv: list[str]) -> Config:
-    return _parse(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv])
+def parse_config(argv: list[str], recipe: str = "kto") -> Config:
+    return parse_method_config(
+        recipe, ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv]
+    )
 
 
 @pytest.mark.parametrize(
@@ -131,24 +132,30 @@ def test_the_losses_are_the_papers_per_example() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--loss_type", "ipo"), "loss_type='ipo' is a paired objective of recipes/dpo.py"),
+        (
+            ("--loss_type", "ipo"),
+            "loss_type='ipo' is not a loss of the KTO recipe.*paired objectives of recipes/dpo.py",
+        ),
         (("--per_device_train_batch_size", "1"), "per_device_train_batch_size=1: KTO estimates its KL"),
-        (("--label_smoothing", "0.1"), "label_smoothing=0.1 is a DPO/SimPO setting"),
+        (
+            ("--label_smoothing", "0.1"),
+            "'label_smoothing' in the command line is a key of the dpo recipe, not of the kto",
+        ),
     ],
 )
 def test_the_kto_recipe_refuses_dpo_settings(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        kto_settings_check(parse_config(["--per_device_train_batch_size", "2", *args]))
+        kto_objective(parse_config(["--per_device_train_batch_size", "2", *args]))
 
 
 def test_the_kto_recipe_reads_the_default_loss_as_kto_and_the_dpo_recipe_refuses_kto() -> None:
     cfg = parse_config(["--per_device_train_batch_size", "2"])
-    kto_settings_check(cfg)
-    assert cfg.preference.loss_type == "kto"
-    kto_settings_check(
-        parse_config(["--loss_type", "apo_zero_unpaired", "--per_device_train_batch_size", "1"])
-    )
-    with pytest.raises(ConfigError, match="loss_type='kto' trains on unpaired .* recipes/kto.py"):
-        dpo_objective(parse_config(["--loss_type", "kto"]))
-    with pytest.raises(ConfigError, match="desirable_weight=2.0: KTO settings"):
-        dpo_objective(parse_config(["--desirable_weight", "2"]))
+    kto_objective(cfg)
+    assert cfg.method.loss_type == "kto"
+    kto_objective(parse_config(["--loss_type", "apo_zero_unpaired", "--per_device_train_batch_size", "1"]))
+    with pytest.raises(ConfigError, match="loss_type='kto' is not a loss of the DPO recipe.*recipes/kto.py"):
+        parse_config(["--loss_type", "kto"], "dpo")
+    with pytest.raises(
+        ConfigError, match="'desirable_weight' in the command line is a key of the kto recipe"
+    ):
+        parse_config(["--desirable_weight", "2"], "dpo")

@@ -14,11 +14,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
+from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
-from hf_fsdp2.train.rollout import SamplingSettings, TransformersGenerator
 
 # rank -> (prompts, new tokens): different batch sizes, prompt lengths and generation lengths per rank
 WORK = {0: ([[5, 9, 14], [7, 8, 9, 10, 11, 12, 13]], 8), 1: ([[20, 21], [3, 4, 5, 6], [30]], 3)}

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.train.grpo import GrpoSettings, completion_token_logps, group_advantages, grpo_loss_sums
+from hf_fsdp2.methods.grpo.loss import GrpoSettings, completion_token_logps, group_advantages, grpo_loss_sums
+from hf_fsdp2.methods.grpo.rewards import RewardError, RewardFunction, combine, score_completions
+from hf_fsdp2.methods.grpo.rollout import Generator, rollout_seed
 from hf_fsdp2.train.nonfinite import guard_of
-from hf_fsdp2.train.rewards import RewardError, RewardFunction, combine, score_completions
-from hf_fsdp2.train.rollout import Generator, rollout_seed
 from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update, read_step_counts
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_fsdp2.config.training import PREFERENCE_LOSS_TYPES as LOSS_TYPES
-from hf_fsdp2.config.training import REFERENCE_FREE_LOSS_TYPES as REFERENCE_FREE
+from hf_fsdp2.methods.dpo.config import DPO_LOSS_TYPES as LOSS_TYPES
+from hf_fsdp2.methods.dpo.config import REFERENCE_FREE_LOSS_TYPES as REFERENCE_FREE
 from hf_fsdp2.train.loss import LossPlan
 
 # Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.

@@ -25,12 +25,12 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.train.dpo import Reference, _evaluating, _rank_batches, completion_logps, to_device
+from hf_fsdp2.methods.kto.config import KTO_LOSS_TYPES
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.reference import Reference, completion_logps, evaluating, rank_batches, to_device
 from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
 
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # Summed over the examples of each kind, divided by that kind's count when logged (TRL's names).
 SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
 
@@ -253,10 +253,10 @@ def evaluate_kto(
     sums = torch.zeros(len(SUMS) + 3, dtype=torch.float64, device=device)  # + loss, examples, desirable
     kl_sum = torch.zeros((), dtype=torch.float64, device=device)
     batches = 0  # the same on every rank (even batches)
-    for on_device, real in _rank_batches(examples, collator=collator, batch_size=batch_size, device=device):
+    for on_device, real in rank_batches(examples, collator=collator, batch_size=batch_size, device=device):
         b = on_device["label"].numel()
         ref = reference.logps(on_device)
-        with _evaluating(model):
+        with evaluating(model):
             kl = torch.zeros((), device=device)
             if settings.uses_kl:
                 kl = kl_estimate(model, on_device, ref[b:], settings.loss, real)

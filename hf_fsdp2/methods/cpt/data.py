@@ -23,8 +23,8 @@ from hf_fsdp2.data.corpus import RowsDataset, StreamingRows, best_fit_rows, conc
 from hf_fsdp2.data.loading import load_source, stream_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.packing import PackedCollator
+from hf_fsdp2.trainer.data import TrainData, examples_per_step, logged_layout, sampled_stream
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import TrainData, examples_per_step, logged_layout, sampled_stream
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -118,7 +118,7 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     d, t = session.cfg.data, session.cfg.train
     # Rows of several documents (unless cross_document_attention), full already: padding-free only when asked,
     # and then warned about where it builds a dense mask (the same decision as SFT's and the memory plan's).
-    layout = logged_layout(session, "cpt")
+    layout = logged_layout(session, "corpus")
     collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, padding_free=layout.padding_free)
     if d.streaming:
         return _streamed(session, tokenizer, collator)

@@ -5,6 +5,7 @@ count. Every rank tokenizes (rank 0 first, so a bad record is one error on every
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,10 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.mixture import _weighted_indices
-from hf_fsdp2.data.preference import PreferenceCollator, PreferenceStats, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceCollator, PreferenceStats, tokenize_pairs
 from hf_fsdp2.data.unpaired import tokenize_unpaired
+from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import TrainData, check_one_step, examples_per_step, sampled_stream
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -113,3 +114,18 @@ def build_dpo_data(session: Session, tokenizer: Any, recipe: str = "DPO") -> Tra
         steps_per_epoch, per_step, 2 * per_step,
     )  # fmt: skip
     return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
+
+
+def preview_pairs(
+    cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
+) -> list[tuple[str, str]]:
+    """Doctor's reading: each source's first ``read`` records tokenized as preference pairs (the run's error raised)."""
+    d = cfg.data
+    out = []
+    for source in d.sources():
+        rows, _ = tokenize_pairs(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
+                                 on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
+        out.append(
+            (source.describe(), f"preference pairs, {len(rows)} of the first {read} records tokenized")
+        )
+    return out

@@ -1,6 +1,5 @@
-"""GRPO's keys (recipes/grpo.py), TRL's ``GRPOConfig`` names; other recipes ignore this section. The loss type is the
-shared ``loss_type`` key (``grpo``, ``dr_grpo``, ``dapo``; the default there means TRL's ``dapo``) and the KL
-coefficient the shared ``beta`` (0 for GRPO unless set: no reference model)."""
+"""The GRPO recipe's keys (recipes/grpo.py), TRL's ``GRPOConfig`` names and defaults (``loss_type: dapo``, ``beta: 0``:
+no reference model unless a KL term is asked for)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,27 @@ SCALE_REWARDS = ("group", "batch", "none")
 class GrpoArgs:
     """Online RL with verifiable rewards (recipes/grpo.py)."""
 
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "KL coefficient to the reference (TRL's default 0: no reference model is loaded)."},
+    )
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": f"One of {', '.join(GRPO_LOSS_TYPES)} (TRL's GRPOConfig names; its default dapo)."},
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "With beta > 0: the reference model folder or hub id; default the model being trained (its weights "
+            "as loaded). Ignored with LoRA, whose reference is the base with the adapter disabled."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout of the policy and reference to 0 (TRL's default), so log-probs are exact."
+        },
+    )
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
     max_completion_length: int = field(default=256, metadata={"help": "New tokens per completion at most."})
     temperature: float = field(
@@ -69,6 +89,9 @@ class GrpoArgs:
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
+        check(self.loss_type in GRPO_LOSS_TYPES, f"loss_type={self.loss_type!r} is not a loss of the GRPO recipe: one "
+              f"of {', '.join(GRPO_LOSS_TYPES)}")  # fmt: skip
+        check(self.beta >= 0, f"beta={self.beta} must be >= 0")
         check(self.num_generations >= 2, f"num_generations={self.num_generations} must be >= 2: a group of one has "
               "no baseline")  # fmt: skip
         check(

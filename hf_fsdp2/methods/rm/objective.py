@@ -1,6 +1,6 @@
 """The reward-model recipe's data and objective: preference pairs as whole sequences (prompt + completion, chosen
 rows then rejected rows, each pair's optional ``margin``), the model with a scalar score head, the Bradley-Terry step
-and the evaluator (:mod:`hf_fsdp2.train.reward`)."""
+and the evaluator (:mod:`hf_fsdp2.methods.rm.step`)."""
 
 from __future__ import annotations
 
@@ -12,44 +12,14 @@ import torch
 
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.train.reward import RewardSettings, evaluate_rewards, reward_step
-from hf_fsdp2.trainer.dpo_data import build_dpo_data
+from hf_fsdp2.methods.dpo.data import build_dpo_data
+from hf_fsdp2.methods.rm.step import RewardSettings, evaluate_rewards, reward_step
+from hf_fsdp2.trainer.data import TrainData
+from hf_fsdp2.trainer.method import Objective, StepFn
 from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.objective import Objective, StepFn
 from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.sft_data import TrainData
 
 logger = logging.getLogger("hf_fsdp2")
-
-_PREFERENCE_ONLY = (
-    "beta",
-    "label_smoothing",
-    "cpo_alpha",
-    "precompute_ref_log_probs",
-    "ref_model_name_or_path",
-)
-
-
-def rm_settings_check(cfg: Config) -> None:
-    """The reward recipe's reading of the config (every rank alike, before any loading): a pair longer than
-    ``max_length`` is dropped, as TRL's RewardTrainer does (truncating it would cut the end whose last token the
-    reward is read at), unless ``long_examples: error``; a preference-objective key is refused.
-
-    Raises:
-        ConfigError: naming the key and the fix.
-    """
-    d, p = cfg.data, cfg.preference
-    defaults = type(p)()
-    changed = [k for k in _PREFERENCE_ONLY if getattr(p, k) != getattr(defaults, k)]
-    check(
-        not changed and p.loss_type == defaults.loss_type,
-        f"{', '.join(changed) or f'loss_type={p.loss_type!r}'}: a preference-optimisation setting (recipes/dpo.py, "
-        "recipes/kto.py); a reward model is trained with the Bradley-Terry loss alone: unset it",
-    )
-    if d.long_examples == "truncate":
-        d.long_examples = "drop"
-        logger.info("reward model: pairs longer than max_length=%d are dropped (counted), as TRL does: a cut row "
-                    "loses the end its reward is read at", d.max_length)  # fmt: skip
 
 
 class RewardEvaluator:
@@ -86,7 +56,7 @@ def _build_rm(
 ) -> tuple[StepFn, Any]:
     cfg = session.cfg
     t = cfg.train
-    coef = cfg.preference.center_rewards_coefficient
+    coef = cfg.method.center_rewards_coefficient
     settings = RewardSettings(model.loss_plan, center_rewards_coefficient=coef, max_grad_norm=t.max_grad_norm,
                               sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch)  # fmt: skip
     logger.info(
@@ -112,6 +82,20 @@ def build_rm_data(session: Session, tokenizer: Any) -> TrainData:
 
 
 def rm_objective(cfg: Config) -> Objective:
-    """The reward-model objective (after :func:`rm_settings_check`): the model with a score head."""
-    rm_settings_check(cfg)
-    return Objective(_build_rm, no_dropout=cfg.preference.disable_dropout, reward_model=True)
+    """The reward-model objective: the model with a score head; dropouts off with ``disable_dropout``. A pair longer
+    than ``max_length`` is dropped (this method's default ``long_examples: drop``, as TRL's RewardTrainer does) or,
+    with ``long_examples: error``, refused.
+
+    Raises:
+        ConfigError: ``long_examples: truncate``, which would cut the end a reward is read at.
+    """
+    d = cfg.data
+    check(
+        d.long_examples != "truncate",
+        "long_examples=truncate: a reward model reads each row's reward at its last token, which a cut row loses; "
+        "use drop (this recipe's default, as TRL's RewardTrainer) or error",
+    )
+    if d.long_examples == "drop":
+        logger.info("reward model: pairs longer than max_length=%d are dropped (counted), as TRL does: a cut row "
+                    "loses the end its reward is read at", d.max_length)  # fmt: skip
+    return Objective(_build_rm, no_dropout=cfg.method.disable_dropout, reward_model=True)

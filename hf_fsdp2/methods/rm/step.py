@@ -1,7 +1,7 @@
 """Reward modelling: the Bradley-Terry step and evaluation of a model with a scalar score head, as TRL 1.16's
 ``RewardTrainer`` computes them.
 
-A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.preference.
+A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.pairs.
 PreferenceCollator`, each row the whole prompt + completion); the model (``AutoModelForSequenceClassification``, one
 label) gives each row's reward at its last non-padding token. Per pair, with ``r_c`` and ``r_r`` the rewards and
 ``m`` the record's ``margin`` (0 without one):
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.train.dpo import _evaluating, _inputs, _rank_batches, to_device
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import guard_of
+from hf_fsdp2.train.reference import evaluating, rank_batches, row_inputs, to_device
 from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
 
 # Summed per pair (accuracy, margin) or per row (the reward's first two moments).
@@ -56,7 +56,7 @@ def rewards_of(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's reward (fp32: ``[2B]``) and the router loss (or None)."""
-    out = model(**_inputs(batch), use_cache=False)
+    out = model(**row_inputs(batch), use_cache=False)
     return out.logits.squeeze(-1).float(), getattr(out, "aux_loss", None)
 
 
@@ -188,8 +188,8 @@ def evaluate_rewards(
     """
     sums = torch.zeros(len(SUMS) + 2, dtype=torch.float64, device=device)  # + loss, pairs
     high, low = -math.inf, math.inf
-    for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
-        with _evaluating(model):
+    for on_device, real in rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
+        with evaluating(model):
             rewards, _ = rewards_of(model, on_device)
         if real:
             losses = bt_losses(rewards, on_device.get("margin"), settings)

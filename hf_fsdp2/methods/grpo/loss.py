@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+from hf_fsdp2.methods.grpo.config import GRPO_LOSS_TYPES
+
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # added to the standard deviation, as TRL
 
@@ -50,8 +51,8 @@ class GrpoSettings:
     use_bias_correction_kl: bool = True  # the KL term times the ratio (TRL's default, DeepSeek-V3.2)
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not one of {GRPO_LOSS_TYPES}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS}")
         if self.num_generations < 2:

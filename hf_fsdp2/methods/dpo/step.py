@@ -1,8 +1,7 @@
-"""Preference optimisation: per-sequence log-probs of the completions, the reference (a frozen sharded copy,
-precomputed log-probs, or the LoRA base; none for the reference-free objectives), and the preference step. The
-objectives' formulas are :mod:`hf_fsdp2.train.preference_loss`.
+"""The preference step (DPO and its variants, SimPO, ORPO) and its evaluation. The log-probs and references are
+:mod:`hf_fsdp2.train.reference` (none for the reference-free objectives); the formulas :mod:`hf_fsdp2.methods.dpo.loss`.
 
-A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.preference.
+A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.pairs.
 PreferenceCollator`), and goes through the policy in one forward. A row's log-prob is the SUM of the log-probs of
 its completion tokens (TRL's definition).
 
@@ -16,76 +15,25 @@ reference-free, for every rank alike: the objective is the run's) and the policy
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.train.chunked_ce import accumulation_dtype, head_input_replaced
-from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.methods.dpo.loss import METRICS, DPOSettings, metric_sums, pair_losses
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
-from hf_fsdp2.train.preference_loss import METRICS, DPOSettings, metric_sums, pair_losses
+from hf_fsdp2.train.reference import (
+    Reference,
+    completion_logps,
+    evaluating,
+    rank_batches,
+    row_inputs,
+    to_device,
+)
 from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
-
-
-def completion_logps(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    labels: torch.Tensor,
-    plan: LossPlan,
-    *,
-    sequence_labels: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per row, the summed log-prob of its completion tokens (``labels != -100``), and the router loss.
-
-    With ``plan.chunk_tokens > 0`` (the plan's probe showed the logits are the head's output after elementwise
-    post-processing) a pre-hook on the output head hands it the completion positions only, so logits exist for
-    completion tokens only; otherwise the full logits are computed and the completion positions picked.
-
-    The completion positions are found where ``labels`` are: pass the host labels (the steps do) and no device
-    tensor is read back, the positions go to the device as integer indices.
-
-    ``sequence_labels`` (host, a superset of ``labels``' positions; ORPO's NLL over the chosen prompt + completion):
-    the head also runs on those positions, and the sums come back as ``[2, rows]``: over ``labels``' positions,
-    then over ``sequence_labels``'.
-
-    Returns:
-        ``[rows]`` (or ``[2, rows]``) log-probs (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
-    """
-    extra = {"output_router_logits": True} if plan.router_aux_coef else {}
-    targets = (labels if sequence_labels is None else sequence_labels)[:, 1:]
-    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # row-major: the order of a boolean mask
-    picked_targets = targets[rows, cols]
-    if plan.chunk_tokens > 0:
-        head = model.get_output_embeddings()  # type: ignore[operator]
-
-        def completions_only(module: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
-            return full[rows.to(full.device), cols.to(full.device)][None]  # position t predicts token t + 1
-
-        # Through the loss's one head hook (held outside the module): a new hook closure per call would be guarded
-        # on this batch's completion count and recompile a compiled model every step.
-        with head_input_replaced(head, completions_only):
-            out = model(**inputs, **extra, use_cache=False)
-        logits = out.logits[0]
-    else:
-        out = model(**inputs, **extra, use_cache=False)
-        logits = out.logits[rows.to(out.logits.device), cols.to(out.logits.device)]
-    logits = logits.to(accumulation_dtype(logits.dtype))
-    picked = logits.gather(-1, picked_targets.to(logits.device)[:, None]).squeeze(-1)
-    per_token = picked - torch.logsumexp(logits, dim=-1)
-    aux = getattr(out, "aux_loss", None) if extra else None
-    sums = torch.zeros(labels.size(0), dtype=per_token.dtype, device=per_token.device)
-    device_rows = rows.to(per_token.device)
-    if sequence_labels is None:
-        return sums.index_add(0, device_rows, per_token), aux
-    completion = (labels[:, 1:][rows, cols] != IGNORE_INDEX).to(per_token.device)  # a host mask, sent once
-    in_completion = sums.index_add(0, device_rows, per_token * completion)
-    return torch.stack([in_completion, sums.index_add(0, device_rows, per_token)]), aux
 
 
 def nll_labels(batch: dict[str, torch.Tensor], settings: DPOSettings) -> torch.Tensor | None:
@@ -108,144 +56,12 @@ def policy_logps(
     """The policy's summed completion log-probs ``[2B]``, the chosen rows' summed NLL (over ``full``'s positions
     when given, :func:`nll_labels`; else over the completions), and the router loss."""
     if full is None:
-        sums, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss)
+        sums, aux = completion_logps(model, row_inputs(batch), batch["labels"], settings.loss)
         return sums, -sums[: sums.size(0) // 2].sum(), aux
-    both, aux = completion_logps(model, _inputs(batch), batch["labels"], settings.loss, sequence_labels=full)
+    both, aux = completion_logps(
+        model, row_inputs(batch), batch["labels"], settings.loss, sequence_labels=full
+    )
     return both[0], -both[1][: both.size(1) // 2].sum(), aux
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A collated micro-batch on ``device``, but for its labels: they stay on the host, where
-    :func:`completion_logps` finds the completion positions without reading the device."""
-    return {k: v if k == "labels" else v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# References
-# ---------------------------------------------------------------------------------------------------
-
-
-class Reference(Protocol):
-    """Where a micro-batch's reference log-probs come from; every rank calls it on every micro-batch."""
-
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[2B]`` reference completion log-probs of a micro-batch (:func:`to_device`), without gradient."""
-        ...
-
-
-def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-
-
-@contextmanager
-def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) and no gradient inside; the mode is restored."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
-def _eval_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: LossPlan) -> torch.Tensor:
-    """Completion log-probs in eval mode (no dropout), without gradient; the mode is restored."""
-    with _evaluating(model):
-        logps, _ = completion_logps(model, _inputs(batch), batch["labels"], plan)
-    return logps
-
-
-@dataclass
-class FrozenModel:
-    """A second, frozen model (FSDP2-sharded like the policy, no optimizer state) run without gradient."""
-
-    model: torch.nn.Module
-    plan: LossPlan
-
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _eval_logps(self.model, batch, self.plan)
-
-
-@dataclass
-class AdapterDisabled:
-    """The LoRA policy with its adapter disabled: the base model it was loaded as, with no second copy."""
-
-    model: torch.nn.Module
-    plan: LossPlan
-
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with self.model.disable_adapter():  # type: ignore[operator]
-            return _eval_logps(self.model, batch, self.plan)
-
-
-@dataclass
-class Precomputed:
-    """Reference log-probs looked up by pair index in a table computed before training (``[pairs, 2]``)."""
-
-    table: torch.Tensor
-
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        index = batch["pair_index"].to(self.table.device)
-        rows = self.table[index]
-        device = batch["input_ids"].device
-        return torch.cat([rows[:, 0], rows[:, 1]]).to(device)
-
-
-def even_batches(
-    pairs: Sequence[Any], *, rank: int, world_size: int, batch_size: int, collator: Any
-) -> Iterable[tuple[dict[str, torch.Tensor], bool]]:
-    """This rank's batches of pairs ``rank, rank + world_size, ...``, the same number on every rank.
-
-    Yields:
-        ``(collated batch, real)``: after this rank's share, copies of its last batch with ``real=False``
-        (run so that every rank takes part in every forward, their results unused).
-    """
-    n = len(pairs)
-    if n == 0 or batch_size < 1:
-        raise ValueError(f"needs pairs and batch_size >= 1 (got {n} pairs, batch_size={batch_size})")
-    mine = list(range(rank, n, world_size))
-    per_rank = math.ceil(math.ceil(n / world_size) / batch_size)
-    last = None
-    for b in range(per_rank):
-        indices = mine[b * batch_size : (b + 1) * batch_size]
-        if indices:
-            last = collator([pairs[i] for i in indices])
-            yield last, True
-        else:
-            yield (last if last is not None else collator([pairs[0]])), False
-
-
-def _rank_batches(
-    pairs: Sequence[Any], *, collator: Any, batch_size: int, device: torch.device
-) -> Iterable[tuple[dict[str, torch.Tensor], bool]]:
-    """This rank's :func:`even_batches` of ``pairs`` (the run's rank and world size), each :func:`to_device`."""
-    for batch, real in even_batches(
-        pairs,
-        rank=collectives.rank(),
-        world_size=collectives.world(),
-        batch_size=batch_size,
-        collator=collator,
-    ):
-        yield to_device(batch, device), real
-
-
-def precompute_reference(
-    reference: Reference, pairs: Sequence[Any], *, collator: Any, batch_size: int, device: torch.device
-) -> Precomputed:
-    """Every pair's reference log-probs in one pass, the pairs split over the ranks (every rank calls it).
-
-    Returns:
-        The table of every pair (``[pairs, 2]``: chosen, rejected; fp64), the same on every rank.
-    """
-    table = torch.zeros((len(pairs), 2), dtype=torch.float64, device=device)
-    for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
-        logps = reference.logps(on_device).double()
-        if real:
-            b = on_device["pair_index"].numel()
-            table[on_device["pair_index"], 0] = logps[:b]
-            table[on_device["pair_index"], 1] = logps[b:]
-    return Precomputed(collectives.all_reduce_sum(table))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -417,10 +233,10 @@ def evaluate_preferences(
     """
     names = (*METRICS, *settings.extra_metrics)
     sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=device)
-    for on_device, real in _rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
+    for on_device, real in rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         ref = reference.logps(on_device) if reference is not None else None
         full = nll_labels(on_device, settings)
-        with _evaluating(model):
+        with evaluating(model):
             policy, nll, _ = policy_logps(model, on_device, settings, full)
         lengths = on_device["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)

@@ -1,0 +1,36 @@
+"""GRPO, online RL with verifiable rewards: ``config`` (its keys), ``data`` (prompts and the columns the reward
+functions read), ``rollout`` (sampling completions from the sharded policy), ``rewards`` (built-in and user reward
+functions), ``loss`` (TRL's formulas), ``step`` (rollout, scoring, the clipped surrogate loss), ``objective`` (the
+generator, the reference, the step and the evaluator of a run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_fsdp2.config import Config
+from hf_fsdp2.methods.grpo.config import GrpoArgs
+from hf_fsdp2.methods.grpo.data import build_grpo_data, preview_prompts
+from hf_fsdp2.methods.grpo.objective import grpo_objective
+from hf_fsdp2.trainer.method import Method
+
+
+def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
+    from hf_fsdp2.plan.rollout import rollout_note
+
+    return [rollout_note(plan, model_config, cfg)]
+
+
+METHOD = Method(
+    name="grpo",
+    title="GRPO (online RL with verifiable rewards)",
+    build_data=build_grpo_data,
+    objective=grpo_objective,
+    section=GrpoArgs,
+    # The rollout decodes one token at a time with a growing KV cache: compiled layers would see a new shape at every
+    # token (recompiles, or dynamo's fallback to eager at its limit). torch_compile: true compiles anyway.
+    defaults={"torch_compile": False},
+    batch_rows="padded",
+    rows_per_example=lambda cfg: cfg.method.num_generations,  # each prompt's group of completions
+    plan_notes=_notes,
+    preview_data=preview_prompts,
+)

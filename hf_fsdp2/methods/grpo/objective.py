@@ -1,0 +1,166 @@
+"""The GRPO recipe's objective: the rollout generator over the sharded policy; the reference (the LoRA base with the
+adapter disabled, or a frozen sharded copy) when ``beta`` > 0; the step (:mod:`hf_fsdp2.methods.grpo.step`) and the
+evaluator (greedy completions of the eval prompts, scored)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.config import Config
+from hf_fsdp2.config.plans import check
+from hf_fsdp2.methods.grpo.config import GrpoArgs
+from hf_fsdp2.methods.grpo.data import collate_prompts
+from hf_fsdp2.methods.grpo.loss import GrpoSettings
+from hf_fsdp2.methods.grpo.rewards import RewardFunction, combine, resolve_reward_functions, score_completions
+from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator
+from hf_fsdp2.methods.grpo.step import GrpoStepSettings, grpo_step, no_grad_logps
+from hf_fsdp2.trainer.data import TrainData
+from hf_fsdp2.trainer.method import Objective, StepFn
+from hf_fsdp2.trainer.model import TrainModel
+from hf_fsdp2.trainer.reference import load_reference
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+class GrpoEvaluator:
+    """Greedy completions of every eval prompt, scored: ``eval_reward`` and each function's mean, plus samples."""
+
+    def __init__(self, prompts: Sequence[dict], generator: Any, functions: Sequence[RewardFunction], tokenizer: Any,
+                 batch_size: int, samples: int) -> None:  # fmt: skip
+        self.prompts, self.generator, self.functions = list(prompts), generator, functions
+        self.tokenizer, self.batch_size, self.samples = tokenizer, batch_size, samples
+
+    def run(
+        self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
+    ) -> dict[str, float]:
+        rank, world = collectives.rank(), collectives.world()
+        mine = self.prompts[rank::world]
+        calls = math.ceil(math.ceil(len(self.prompts) / world) / self.batch_size)  # the same on every rank
+        table, texts = [], []
+        for c in range(calls):
+            part = mine[c * self.batch_size : (c + 1) * self.batch_size]
+            real = len(part)
+            part = part or self.prompts[:1]  # a rank out of prompts still enters the rollout phase
+            ids = self.generator.generate([e["prompt_ids"] for e in part], seed=0, greedy=True)
+            if not real:
+                continue
+            batch = collate_prompts(part)
+            completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            table.append(
+                score_completions(self.functions, batch["prompts"], completions, ids, batch["columns"])
+            )
+            texts += list(zip(batch["prompts"], completions, strict=True))
+        local = torch.cat(table) if table else torch.zeros((0, len(self.functions)))
+        rewards = combine(local, self.functions) if len(local) else torch.zeros(0)
+        parts = [torch.tensor([float(rewards.nan_to_num().sum()), float((~rewards.isnan()).sum())])]
+        for i in range(len(self.functions)):
+            col = local[:, i] if len(local) else torch.zeros(0)
+            parts.append(torch.tensor([float(col.nan_to_num().sum()), float((~col.isnan()).sum())]))
+        total = collectives.all_reduce_sum(torch.cat(parts).to(self.generator.device)).cpu().tolist()
+        out = {"eval_reward": total[0] / max(total[1], 1.0), "eval_prompts": float(len(self.prompts))}
+        for i, f in enumerate(self.functions):
+            out[f"eval_rewards/{f.name}/mean"] = total[2 + 2 * i] / max(total[3 + 2 * i], 1.0)
+        if rank == 0:
+            for prompt, completion in texts[: self.samples]:
+                logger.info("eval sample at step %d: %r -> %r", step, str(prompt)[-120:], completion[:200])
+        logger.info(
+            "eval at step %d: reward %.4f over %d prompts", step, out["eval_reward"], len(self.prompts)
+        )
+        return out
+
+
+def _reference(
+    session: Session, model: TrainModel
+) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
+    """Per-token reference log-probs of a row batch: the LoRA base (adapter disabled), or a frozen sharded copy."""
+    cfg = session.cfg
+    g: GrpoArgs = cfg.method
+    if not g.beta:
+        return None
+    temperature = g.temperature
+    if cfg.peft.use_peft:
+        module = model.module
+        logger.info("GRPO reference: the base model with the LoRA adapter disabled (no second copy)")
+
+        def adapter_free(row: dict[str, torch.Tensor]) -> torch.Tensor:
+            with module.disable_adapter():  # type: ignore[operator]
+                return no_grad_logps(module, row, temperature, session.device)
+
+        return adapter_free
+    frozen = load_reference(session, model.loss_plan, None, g.ref_model_name_or_path, "GRPO")
+    return lambda row: no_grad_logps(frozen.model, row, temperature, session.device)  # type: ignore[attr-defined]
+
+
+def _build_grpo(
+    session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
+) -> tuple[StepFn, Any]:
+    cfg = session.cfg
+    g: GrpoArgs = cfg.method
+    t = cfg.train
+    tokenizer = data.collator.tokenizer
+    functions = resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
+                                         format_pattern=g.reward_format_pattern,
+                                         max_completion_length=g.max_completion_length)  # fmt: skip
+    grpo = GrpoSettings(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
+                        max_completion_length=g.max_completion_length, num_generations=g.num_generations,
+                        scale_rewards=g.scale_rewards)  # fmt: skip
+    settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
+                                cfg.fsdp.fsdp_sync_each_microbatch, t.seed)  # fmt: skip
+    eos = [int(i) for i in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
+                                gather=g.rollout_gather)  # fmt: skip
+    generator = TransformersGenerator(
+        model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling
+    )
+    reference = _reference(session, model)
+    if session.is_main and getattr(model.module.config, "output_router_logits", False):
+        logger.warning("GRPO adds no MoE router load-balancing loss (TRL adds router_aux_loss_coef x aux_loss): the "
+                       "router trains on the policy loss alone")  # fmt: skip
+    logger.info("loss: GRPO %s, epsilon %g/%g, beta %g, %d generations per prompt, scale_rewards %s, %d iteration(s) "
+                "per generation batch; rewards %s", g.loss_type, g.epsilon, grpo.high, grpo.beta, g.num_generations,
+                g.scale_rewards, g.num_iterations, ", ".join(f"{f.name} x{f.weight:g}" for f in functions))  # fmt: skip
+
+    def step(micro_batches: Sequence[dict[str, Any]]) -> Any:
+        number = int(getattr(scheduler, "last_epoch", 0)) + 1  # restored on resume: the same sampling seeds
+        return grpo_step(model.module, optimizer, scheduler, micro_batches, generator=generator, functions=functions,
+                         tokenizer=tokenizer, reference=reference, settings=settings, device=session.device,
+                         step=number, rank=session.rank)  # fmt: skip
+
+    evaluator = None
+    if data.eval_set:
+        evaluator = GrpoEvaluator(data.eval_set, generator, functions, tokenizer,
+                                  cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
+                                  g.log_completions)  # fmt: skip
+    return step, evaluator
+
+
+def grpo_objective(cfg: Config) -> Objective:
+    """The GRPO objective (its keys checked by :class:`GrpoArgs`; its reward functions resolved here, so a bad
+    ``module:function`` fails before any loading, every rank alike); dropouts off with ``disable_dropout``.
+
+    Raises:
+        ConfigError: packing or padding-free rows, or ``max_length`` that leaves no room for a prompt.
+    """
+    g: GrpoArgs = cfg.method
+    d = cfg.data
+    check(bool(g.reward_funcs), "reward_funcs is empty: GRPO needs at least one reward function (exact_match, "
+          "format, length_penalty, or module:function)")  # fmt: skip
+    check(not (d.packing or d.padding_free), f"packing={d.packing}, padding_free={d.padding_free}: GRPO's rows are a "
+          "prompt and one completion each, padded; set both to false")  # fmt: skip
+    check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
+          f"{g.max_completion_length}: the prompt gets what is left")  # fmt: skip
+    resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
+                             format_pattern=g.reward_format_pattern)  # fmt: skip
+    if not cfg.fsdp.torch_compile:
+        # The rollout decodes one token at a time through the decoder layers with a growing KV cache: compiled
+        # layers would see a new shape at every token (recompiles, or dynamo's fallback to eager at its limit).
+        logger.info("torch_compile off (GRPO's default): the rollout changes the layers' shapes at every token; "
+                    "torch_compile: true compiles anyway")  # fmt: skip
+    return Objective(_build_grpo, no_dropout=g.disable_dropout)

@@ -1,0 +1,106 @@
+"""What every method's data builder returns (:class:`TrainData`: the stream of micro-batches, the eval set, the step
+count) and the pieces they share: the batch layout decision, the step-size checks, the sharded sampled stream."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hf_fsdp2.attention_layout import AttentionLayout, attention_layout_for
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+@dataclass
+class TrainData:
+    """What the loop reads: the stream of micro-batches, the eval set, and how many steps the run takes."""
+
+    stream: DataStream
+    collator: Any
+    eval_set: Any
+    steps_per_epoch: int
+    total_steps: int
+    examples_per_step: int
+    train_set: Any = None  # the training examples (the DPO recipe's reference pass reads them)
+
+
+def logged_layout(session: Session, batch_rows: str) -> AttentionLayout:
+    """The run's batch layout and attention kernel, decided once from config + environment (the same on every rank,
+    the same as the memory plan's), logged in one line; a dense-mask cost the user asked for is warned about.
+
+    Args:
+        session: the run (config, model config, device).
+        batch_rows: the method's :attr:`~hf_fsdp2.trainer.method.Method.batch_rows` (which settings decide packing
+            and padding-free rows).
+
+    Returns:
+        The decided layout.
+    """
+    layout = attention_layout_for(
+        session.cfg, session.model_config, device_type=session.device.type, batch_rows=batch_rows
+    )
+    logger.info(layout.describe())
+    if layout.warning:
+        logger.warning(layout.warning)
+    return layout
+
+
+def examples_per_step(session: Session) -> int:
+    """Examples (rows, pairs) one optimizer step reads across all ranks."""
+    t = session.cfg.train
+    return session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+def check_one_step(session: Session, count: int, unit: str, holder: str) -> None:
+    """Refuse data smaller than one optimizer step.
+
+    Args:
+        session: the run (world size, batch settings).
+        count: how many ``unit`` the data has.
+        unit: what one example is (``examples``, ``packed rows``, ``pairs``), for the message.
+        holder: what holds them (``dataset``, ``data``), for the message.
+
+    Raises:
+        ConfigError: ``count`` is under one step, naming the factors and the fix.
+    """
+    t = session.cfg.train
+    per_step = examples_per_step(session)
+    if count < per_step:
+        raise ConfigError(
+            f"one optimizer step needs world_size({session.world}) x per_device_train_batch_size"
+            f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
+            f"= {per_step} {unit} but the {holder} has {count}; lower the batch size or the accumulation"
+        )
+
+
+def sampled_stream(session: Session, dataset: Any, collator: Any) -> tuple[DataStream, int, int]:
+    """This rank's sharded, seeded sampler over ``dataset``, its loader and the run's step counts.
+
+    Args:
+        session: the run (rank, world size, data and train settings).
+        dataset: an indexable set of examples (rows, pairs).
+        collator: turns a list of examples into a micro-batch.
+
+    Returns:
+        The stream of micro-batches, the optimizer steps per epoch, and the run's total steps (``max_steps`` when
+        set, else ``num_train_epochs`` worth).
+    """
+    d, t = session.cfg.data, session.cfg.train
+    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed,
+        shuffle=t.train_sampling_strategy == "random",
+    )  # fmt: skip
+    loader = build_dataloader(
+        dataset,
+        batch_size=t.per_device_train_batch_size,
+        collator=collator,
+        sampler=sampler,
+        num_workers=d.dataloader_num_workers,
+    )
+    steps_per_epoch = len(loader) // t.gradient_accumulation_steps
+    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    return DataStream(loader, sampler, t.per_device_train_batch_size), steps_per_epoch, total_steps

@@ -1,0 +1,70 @@
+"""The training loop every method runs: config -> session (accelerator, run folder) -> memory plan -> tokenizer ->
+data -> model (sharded) + optimizer -> schedule -> the method's step -> checkpoints (resume) -> loop -> export.
+
+A method (:class:`~hf_fsdp2.trainer.method.Method`, found through :mod:`hf_fsdp2.methods`) brings its data and its
+objective; everything else here is shared, so every method checkpoints, resumes, logs and exports alike.
+"""
+
+from __future__ import annotations
+
+from hf_fsdp2.config import Config
+from hf_fsdp2.plan import log_run_plan
+from hf_fsdp2.trainer.finish import finish
+from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
+from hf_fsdp2.trainer.observer import Observer
+from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.trainer.state import RunState
+
+
+def run(cfg: Config, method: Method) -> None:
+    """Train ``method`` with ``cfg`` (every rank), then export.
+
+    Args:
+        cfg: the parsed config (:func:`hf_fsdp2.methods.parse_method_config`: the method's section included).
+        method: the training method.
+    """
+    objective = method.objective(cfg)  # the method's checks, every rank alike, before any work
+    # Everything checkable before any work; the session owns the run folder.
+    with Session.start(cfg) as session:
+        t = cfg.train
+        # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
+        if session.is_main:
+            log_run_plan(
+                cfg, session.model_config, world_size=session.world, device=session.device, method=method
+            )
+        tokenizer = load_run_tokenizer(session)
+        data = method.build_data(session, tokenizer)  # rank 0 tokenizes first; every rank gets the same steps
+        # LoRA, AC, compile, FSDP2 per decoder layer
+        model, optimizer = build_model(
+            session, tokenizer, no_dropout=objective.no_dropout, reward=objective.reward_model
+        )
+        scheduler = build_schedule(session, optimizer, data.total_steps)
+        # The step function (SFT: token-normalised CE; DPO: the reference built or precomputed now).
+        train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
+        # Resume, if asked; the disk checked for the checkpoints and export the run plans.
+        state = RunState(session, model.module, optimizer, scheduler, data.stream, data.total_steps)
+        observer = Observer(
+            session, model, tokenizer, eval_set=data.eval_set, collator=data.collator,
+            first_step=state.first_step, total_steps=data.total_steps, evaluator=evaluator,
+        )  # fmt: skip
+        batches = observer.timed(data.stream)
+
+        # The loop: one optimizer step over gradient_accumulation_steps micro-batches per rank (the objective's
+        # normalised loss, clip, step), then metrics and eval, then checkpoints and SIGTERM.
+        model.module.train()
+        for step in range(state.first_step, data.total_steps + 1):
+            observer.start_step(step)
+            micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
+            out = train_step(micro_batches)
+            observer.end_step(step, micro_batches, out, model.module, epoch=data.stream.epoch)
+            if state.after_step(step, data.total_steps):  # SIGTERM: saved, stop here
+                observer.close()
+                session.accelerator.end_training()
+                return
+
+        # The verified export (the final state saved first if it fails), the summary, the push.
+        finish(
+            session, model, tokenizer, state, observer, first_step=state.first_step, last_step=data.total_steps,
+            method=method,
+        )  # fmt: skip

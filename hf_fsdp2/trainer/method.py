@@ -1,0 +1,100 @@
+"""What the loop runs: a training method (its config section, data, objective and what the memory plan, doctor and
+model card need to know of it) and the objective it builds once the model is sharded.
+
+The loop (:func:`hf_fsdp2.trainer.loop.run`), checkpoints, metrics and the export are shared; a method differs by its
+data and its objective. Every step function returns what the observer logs: ``loss_sum`` / ``loss_count`` (the loss),
+``target_tokens``, ``processed_tokens``, ``grad_norm``, ``lr`` and ``extra_metrics`` (collective).
+
+The methods themselves live in :mod:`hf_fsdp2.methods` (one package each) and are found through its registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_fsdp2.config import Config
+from hf_fsdp2.trainer.data import TrainData
+from hf_fsdp2.trainer.model import TrainModel
+from hf_fsdp2.trainer.session import Session
+
+StepFn = Callable[[Sequence[dict[str, torch.Tensor]]], Any]
+
+BATCH_ROWS = ("as_configured", "corpus", "padded")
+"""How a method lays out its rows: ``as_configured`` (the data keys packing / padding_free decide), ``corpus``
+(rows of several documents unless ``cross_document_attention``, full already), ``padded`` (one padded row per
+sequence: pairs, unpaired examples, prompt + completion)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A method's objective.
+
+    Attributes:
+        build: ``(session, model, optimizer, scheduler, data) -> (step function, evaluator or None)``; called by
+            every rank once the model is sharded and before a checkpoint is resumed (the weights are still the
+            loaded ones). An evaluator has ``run(model, step, log) -> metrics``; None: the SFT evaluator on
+            ``data.eval_set``.
+        no_dropout: every dropout of the model set to 0 before sharding.
+        reward_model: the model is loaded with a scalar score head (``AutoModelForSequenceClassification``).
+    """
+
+    build: Callable[[Session, TrainModel, torch.optim.Optimizer, Any, TrainData], tuple[StepFn, Any]]
+    no_dropout: bool = False
+    reward_model: bool = False
+
+
+def _one_row(cfg: Config) -> int:
+    return 1
+
+
+def _no_notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Method:
+    """A training method, as the loop, ``hf-fsdp2 train``, doctor, the memory plan and the model card know it.
+
+    Attributes:
+        name: what users type: ``hf-fsdp2 train NAME``, ``recipes/NAME.py``, ``--recipe NAME``.
+        title: a few words for the model card and ``--help`` ("supervised fine-tuning").
+        build_data: ``(session, tokenizer) -> TrainData`` on every rank (rank 0 tokenizes first).
+        objective: ``cfg -> Objective``: the method's start-up checks (ConfigError, every rank alike, before any
+            loading), then its objective.
+        section: the method's config section (a dataclass: its keys, defaults and ``validate()``), or None.
+        defaults: this method's defaults for keys of the shared sections (applied under the YAML and the command
+            line, so a value the user gives wins): e.g. GRPO's ``torch_compile: false``.
+        batch_rows: one of :data:`BATCH_ROWS`: how the attention layout and the memory plan read its rows.
+        rows_per_example: ``cfg -> rows`` of one example in a forward (2 for a pair, num_generations for a prompt).
+        plan_notes: ``(cfg, plan, model_config) -> lines`` the memory plan adds (what it leaves out, other phases).
+        preview_data: ``(cfg, tokenizer, load, read) -> [(source, what)]``: doctor's reading of the first ``read``
+            records of each source as the run tokenizes them (``load(source)`` gives them); raises the run's data
+            error. None: the SFT data builder's reading (:func:`hf_fsdp2.methods.sft.data.preview_sft`).
+        tags: model-card tags beyond the name.
+    """
+
+    name: str
+    title: str
+    build_data: Callable[[Session, Any], TrainData]
+    objective: Callable[[Config], Objective]
+    section: type | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    batch_rows: str = "as_configured"
+    rows_per_example: Callable[[Config], int] = _one_row
+    plan_notes: Callable[[Config, Any, Any], list[str]] = _no_notes
+    preview_data: Callable[[Config, Any, Callable[[Any], Any], int], list[tuple[str, str]]] | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.batch_rows not in BATCH_ROWS:
+            raise ValueError(
+                f"method {self.name!r}: batch_rows={self.batch_rows!r} is not one of {BATCH_ROWS}"
+            )
+        if not self.name.isidentifier():
+            raise ValueError(
+                f"method name {self.name!r} must be a Python identifier (it names recipes/NAME.py)"
+            )

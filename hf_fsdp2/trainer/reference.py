@@ -1,0 +1,130 @@
+"""The reference model of a preference objective (DPO, KTO; GRPO's KL term), built before any step or resume.
+
+The reference is, in order of precedence:
+
+* with LoRA: the policy with its adapter disabled (the base as loaded; no second copy);
+* ``precompute_ref_log_probs``: every training (and eval) example's log-probs in one pass before training, by the
+  policy itself as loaded (or ``ref_model_name_or_path``, loaded for the pass and freed): no reference in
+  memory while training. On resume the pass runs again, before the checkpoint is loaded;
+* otherwise a second model (``ref_model_name_or_path``, default the model being trained as loaded), frozen,
+  sharded per decoder layer like the policy, in the compute dtype (bf16 under bf16 mixed precision), with no
+  gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+from hf_fsdp2.config.reference import ReferenceArgs
+from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
+from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.train.reference import (
+    AdapterDisabled,
+    FrozenModel,
+    Precomputed,
+    Reference,
+    precompute_reference,
+)
+from hf_fsdp2.trainer.data import TrainData
+from hf_fsdp2.trainer.model import TrainModel
+from hf_fsdp2.trainer.session import Session
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+def load_reference(
+    session: Session,
+    plan: LossPlan,
+    tokenizer_size: int | None,
+    ref_model_name_or_path: str | None,
+    objective: str = "DPO",
+) -> FrozenModel:
+    """The frozen reference model, sharded like the policy (every rank; collective).
+
+    Loaded in the compute dtype (bf16 under bf16 mixed precision, else ``torch_dtype``), every parameter frozen,
+    every dropout off, then ``fully_shard`` per decoder layer on the run's mesh (rank 0's weights broadcast under
+    ``fsdp_cpu_ram_efficient_loading``).
+    """
+    cfg = session.cfg
+    m, f = cfg.model, cfg.fsdp
+    path = ref_model_name_or_path or m.model_name_or_path or ""
+    dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else m.torch_dtype
+    model = load_model(
+        path,
+        dtype=dtype,
+        attn_implementation=m.attn_implementation,
+        revision=None if ref_model_name_or_path else m.model_revision,
+        trust_remote_code=m.trust_remote_code,
+        empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
+    )
+    if tokenizer_size is not None:
+        resize_embeddings(model, tokenizer_size)
+    disable_dropout(model)
+    model.requires_grad_(False)
+    model.eval()
+    model = fsdp2_prepare_model(session.accelerator, model)
+    logger.info(
+        "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",
+        objective,
+        path,
+        dtype,
+    )
+    return FrozenModel(model, plan)
+
+
+def build_reference(
+    session: Session,
+    model: TrainModel,
+    data: TrainData,
+    p: ReferenceArgs,
+    objective: str = "DPO",
+    unit: str = "pairs",
+) -> tuple[Reference, Reference | None]:
+    """The reference of the training and (when different: a precomputed table) of the eval examples (every rank;
+    collective), in the order of precedence of the module's docstring; ``objective`` and ``unit`` name the
+    objective and its examples in the log."""
+    cfg = session.cfg
+    t = cfg.train
+    resized = getattr(model.module.config, "vocab_size", None) if cfg.model.resize_token_embeddings else None
+    train_pairs, eval_pairs = data.train_set, data.eval_set
+    reference: Reference
+    eval_reference: Reference | None = None
+    if cfg.peft.use_peft:
+        if p.ref_model_name_or_path:
+            logger.warning(
+                "ref_model_name_or_path is ignored with LoRA: the reference is the adapter-free base"
+            )
+        reference = AdapterDisabled(model.module, model.loss_plan)
+        logger.info("%s reference: the base model with the LoRA adapter disabled (no second copy)", objective)
+    elif not p.precompute_ref_log_probs:
+        reference = load_reference(session, model.loss_plan, resized, p.ref_model_name_or_path, objective)
+    if p.precompute_ref_log_probs:
+        # The pass's reference: the LoRA base, a separate reference model, or the policy before any step.
+        if cfg.peft.use_peft:
+            source: Reference = reference
+        elif p.ref_model_name_or_path:
+            source = load_reference(session, model.loss_plan, resized, p.ref_model_name_or_path, objective)
+        else:
+            source = FrozenModel(model.module, model.loss_plan)
+        batch_size = p.precompute_ref_batch_size or t.per_device_train_batch_size
+
+        def table(pairs: Sequence[Any]) -> Precomputed:
+            return precompute_reference(
+                source, pairs, collator=data.collator, batch_size=batch_size, device=session.device
+            )
+
+        reference = table(train_pairs)
+        if eval_pairs is not None:
+            eval_reference = table(eval_pairs)
+        logger.info(
+            "%s reference: log-probs of %d training%s %s precomputed in one pass (no reference model while "
+            "training)", objective, len(train_pairs), f" and {len(eval_pairs)} eval" if eval_pairs is not None else "", unit,
+        )  # fmt: skip
+        del source
+        gc.collect()
+    return reference, eval_reference
