@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,27 @@ from hf_fsdp2.export.reload_scripts import SERVER
 _shared: list[subprocess.Popen[str]] | None = None  # the interpreter of the block (none yet: empty)
 
 
+# Signals that ask a process to stop (a launcher's or scheduler's SIGTERM reaches the rank's whole process group,
+# the reload included; Ctrl-C; a closed terminal). SIGKILL is not one: it is also the OOM killer's, a finding.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class ReloadInterrupted(RuntimeError):
+    """A stop signal (:data:`STOP_SIGNALS`) ended the reload interpreter: no finding about the export either way."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"the reload process was killed by {self.signal_name}")
+
+
+def _ended(status: int | None, reason: str = "") -> str:
+    """The error of a reload interpreter that ended with ``status``; a stop signal's end raises instead."""
+    if status is not None and -status in STOP_SIGNALS:
+        raise ReloadInterrupted(-status)
+    return f"the reload process ended (status {status}) {reason}".strip()
+
+
 def _tail(text: str) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
@@ -31,7 +53,11 @@ def _tail(text: str) -> str:
 def run_reload(script: Path, request_file: Path, out_file: Path, env: dict[str, str]) -> str | None:
     """Run ``python script request_file out_file`` (``script``: a file, e.g. one of
     :mod:`hf_fsdp2.export.reload_scripts`) in a separate interpreter with ``env``: None if it succeeded, else the
-    last lines of its error. Inside :func:`shared_reload_process` the interpreter is shared; else a new one."""
+    last lines of its error. Inside :func:`shared_reload_process` the interpreter is shared; else a new one.
+
+    Raises:
+        ReloadInterrupted: a signal ended the interpreter (its exit status is negative): no finding either way.
+    """
     if _shared is None:
         proc = subprocess.run(
             [sys.executable, str(script), str(request_file), str(out_file)],
@@ -39,6 +65,8 @@ def run_reload(script: Path, request_file: Path, out_file: Path, env: dict[str, 
             text=True,
             env=env,
         )
+        if -proc.returncode in STOP_SIGNALS:  # a negative status: the signal that ended it
+            raise ReloadInterrupted(-proc.returncode)
         return None if proc.returncode == 0 else _tail(proc.stderr or proc.stdout)
     if not _shared or _shared[0].poll() is not None:
         _shared[:] = [subprocess.Popen(
@@ -57,9 +85,13 @@ def run_reload(script: Path, request_file: Path, out_file: Path, env: dict[str, 
     else:
         reason = ""
     if not line:  # it died (killed, out of memory): the next request starts a new one
-        server.kill()
-        server.wait()
-        return f"the reload process ended (status {server.returncode}) {reason}".strip()
+        try:  # its own status (a signal's, or a crash's) before any kill of ours replaces it
+            status: int | None = server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            status = None
+        return _ended(status, reason)
     answer = json.loads(line)
     return None if answer["ok"] else str(answer["error"])
 

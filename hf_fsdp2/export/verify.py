@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from hf_fsdp2 import collectives
 from hf_fsdp2.dtypes import dtype_name
 from hf_fsdp2.export import reload_process, reload_scripts
-from hf_fsdp2.export.errors import ExportError, ExportVerificationError, VerifyReport
+from hf_fsdp2.export.errors import ExportError, ExportInterrupted, ExportVerificationError, VerifyReport
 from hf_fsdp2.export.files import INDEX_NAME, code_of, read_header, read_slice
 from hf_fsdp2.export.naming import tied_targets
 from hf_fsdp2.export.plan import ExportPlan, export_config, first_replica, make_plan
@@ -214,6 +214,8 @@ def reload_in_subprocess(
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
         try:
             error = reload_process.run_reload(script, req, out, env)
+        except reload_process.ReloadInterrupted as err:  # the verifier was stopped, not the model found wrong
+            return {"error": f"{err} before it reached a finding", "interrupted": err.signal_name}
         finally:
             shutil.rmtree(offload, ignore_errors=True)
         if error is not None or not out.is_file():
@@ -260,6 +262,7 @@ def verify_export(
 
     Raises:
         ExportVerificationError: naming every check that failed.
+        ExportInterrupted: a signal ended the reload before it reached a finding (on every rank).
     """
     folder = Path(folder)
     if plan is None:
@@ -327,6 +330,11 @@ def verify_export(
     # Every rank: rank 0's findings. The others wait here through rank 0's reload (a large model's can outlast
     # ddp_timeout), over the host (gloo) group and its host_wait_timeout, not under NCCL's watchdog.
     found = collectives.broadcast_object(found)
+    if found.get("interrupted"):
+        raise ExportInterrupted(
+            f"the export was stopped by a signal: {found['interrupted']} ended its verification (from_pretrained of "
+            f"{folder} in a fresh process) before it reached a finding; this says nothing against the exported files"
+        )
     report.problems += found.get("reload_problems", [])
     report.atol = found.get("atol", report.atol)
     report.logit_noise = found.get("noise", float("nan"))

@@ -214,6 +214,15 @@ class LoraExport:
     merged_report: VerifyReport | None = None
 
 
+def _publish_verified(stage: Path, out: Path, report: Any) -> None:
+    """Rank 0: the record of the verification (push checks it), then the adapter's files, its weights last."""
+    from hf_fsdp2.export.folder import write_record
+    from hf_fsdp2.export.writer import publish
+
+    write_record(stage, verified=report.summary() if report is not None else None)
+    publish(stage, out, ADAPTER_WEIGHTS_NAME, stale=None)
+
+
 def export_lora(
     model: torch.nn.Module,
     out_dir: str | Path,
@@ -266,7 +275,6 @@ def export_lora(
     from hf_fsdp2.export import ExportError, export_model
     from hf_fsdp2.export.finite import check_finite
     from hf_fsdp2.export.reload_process import shared_reload_process
-    from hf_fsdp2.export.writer import publish
     from hf_fsdp2.score_head import write_modeling_file
 
     out = Path(out_dir)
@@ -305,7 +313,7 @@ def export_lora(
             logger.info("adapter %s", report.summary())
         collectives.run_on_all(
             "publishing the adapter",
-            lambda: publish(stage, out, ADAPTER_WEIGHTS_NAME, stale=None) if is_main_process else None,
+            lambda: _publish_verified(stage, out, report) if is_main_process else None,
             ExportError,
         )
         result = LoraExport(adapter_dir=out, adapter_report=report)
