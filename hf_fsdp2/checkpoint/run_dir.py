@@ -92,6 +92,7 @@ RUN_OUTPUTS = (
     "adapter_model.safetensors", "adapter_config.json", "merged", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
     "chat_template.jinja", "chat_template.json",
+    ".hf_fsdp2_export.json",  # the export's record of its verification (hf_fsdp2.export.folder.RECORD_NAME)
 )  # fmt: skip
 
 

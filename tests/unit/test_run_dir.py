@@ -122,7 +122,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
     finished = [
         "latest", "summary.json", "metrics.jsonl", "README.md", "config.json", "generation_config.json",
         "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "samples.jsonl",
-        "adapter_model.safetensors", "adapter_config.json",
+        "adapter_model.safetensors", "adapter_config.json", ".hf_fsdp2_export.json",
     ]  # fmt: skip
     for name in finished:
         (run / name).write_text("{}")
@@ -132,3 +132,11 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
     claim_output_dir(lock, overwrite=True, resume=False)
     lock.release()
     assert sorted(p.name for p in run.iterdir()) == ["hf_fsdp2_config.yaml", "notes.txt"]
+
+
+def test_the_exports_verification_record_is_a_run_output() -> None:
+    """The record an export writes (push checks it) goes with the export it describes when a folder is overwritten."""
+    from hf_fsdp2.checkpoint.run_dir import RUN_OUTPUTS
+    from hf_fsdp2.export.folder import RECORD_NAME
+
+    assert RECORD_NAME in RUN_OUTPUTS
