@@ -1,4 +1,5 @@
-"""The trainer layer every recipe is written over: a run's ``session`` (accelerator, run folder, checks
-before any work), its ``model`` (loading, LoRA, FSDP2, optimizer, loss plan), its data (``sft_data`` for
-SFT), its ``state`` (checkpoints, resume, SIGTERM), the ``observer`` (metrics, eval, profiling) and
-``finish`` (the verified export, the summary, the push). The step itself is ``hf_fsdp2.train.step``."""
+"""The run every method shares: its ``session`` (accelerator, run folder, checks before any work), its ``model``
+(loading, LoRA, FSDP2, optimizer, loss plan), ``data`` (what a method's data builder returns and the pieces they
+share), ``reference`` (the frozen reference of a preference objective), its ``state`` (checkpoints, resume, SIGTERM),
+the ``observer`` (metrics, eval, profiling), ``finish`` (the verified export, the summary, the push), ``method``
+(what a training method brings: :class:`~hf_fsdp2.trainer.method.Method`) and ``loop`` (the run, top to bottom)."""

@@ -25,6 +25,7 @@ from hf_fsdp2.config import (
     parse_size,
     save_config,
 )
+from hf_fsdp2.methods import method_names, parse_method_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = {"model_name_or_path": "org/model", "dataset_name": "data.jsonl", "output_dir": "out"}
@@ -274,31 +275,37 @@ def test_bad_types_in_yaml_name_key(tmp_path: Path) -> None:
         (("--weight_decay", "-0.1"), "weight_decay=-0.1"),
         (("--logging_steps", "0"), "logging_steps=0"),
         (("--num_train_epochs", "0"), "num_train_epochs=0.0"),
-        (
-            ("--loss_type", "kpo"),
-            "loss_type='kpo' is not one of sigmoid, ipo, robust, hinge, simpo, orpo, kto, apo_zero",
-        ),
-        (("--desirable_weight", "0"), "desirable_weight=0.0 must be > 0"),
-        (("--undesirable_weight=-1",), "undesirable_weight=-1.0 must be > 0"),
-        (
-            ("--loss_type", "ipo", "--label_smoothing", "0.1"),
-            "applies to loss_type sigmoid (cDPO), robust or simpo",
-        ),
-        (("--cpo_alpha", "1.0"), "cpo_alpha=1.0 applies to loss_type simpo (CPO-SimPO), not 'sigmoid'"),
-        (("--loss_type", "simpo", "--cpo_alpha=-1"), "cpo_alpha=-1.0 must be >= 0"),
-        (
-            ("--loss_type", "orpo", "--precompute_ref_log_probs", "true"),
-            "loss_type='orpo' is reference-free (no reference model, no reference pass): precompute_ref_log_probs",
-        ),
-        (
-            ("--loss_type", "simpo", "--ref_model_name_or_path", "x"),
-            "ref_model_name_or_path would do nothing",
-        ),
     ],
 )
 def test_range_errors_name_key_and_value(args: tuple[str, ...], expected: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_cli(*args)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "args", "expected"),
+    [
+        ("dpo", ("--loss_type", "kpo"), "loss_type='kpo' is not a loss of the DPO recipe: one of sigmoid, ipo, robust"),
+        ("kto", ("--loss_type", "kpo"), "loss_type='kpo' is not a loss of the KTO recipe: one of kto, apo_zero_unpaired"),
+        ("kto", ("--desirable_weight", "0"), "desirable_weight=0.0 must be > 0"),
+        ("kto", ("--undesirable_weight=-1",), "undesirable_weight=-1.0 must be > 0"),
+        ("dpo", ("--loss_type", "ipo", "--label_smoothing", "0.1"), "applies to loss_type sigmoid (cDPO), robust or simpo"),
+        ("dpo", ("--cpo_alpha", "1.0"), "cpo_alpha=1.0 applies to loss_type simpo (CPO-SimPO), not 'sigmoid'"),
+        ("dpo", ("--loss_type", "simpo", "--cpo_alpha=-1"), "cpo_alpha=-1.0 must be >= 0"),
+        (
+            "dpo",
+            ("--loss_type", "orpo", "--precompute_ref_log_probs", "true"),
+            "loss_type='orpo' is reference-free (no reference model, no reference pass): precompute_ref_log_probs",
+        ),
+        ("dpo", ("--loss_type", "simpo", "--ref_model_name_or_path", "x"), "ref_model_name_or_path would do nothing"),
+        ("rm", ("--center_rewards_coefficient=-1",), "center_rewards_coefficient=-1.0 must be >= 0"),
+        ("grpo", ("--loss_type", "sigmoid"), "loss_type='sigmoid' is not a loss of the GRPO recipe"),
+    ],
+)  # fmt: skip
+def test_a_methods_range_errors_name_key_and_value(recipe: str, args: tuple[str, ...], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_method_config(recipe, [*REQUIRED_ARGV, *args])
     assert expected in str(err.value)
 
 
@@ -312,12 +319,21 @@ def test_range_errors_name_key_and_value(args: tuple[str, ...], expected: str) -
         ("--num_train_epochs", "0", "--max_steps", "5"),  # epochs unused when max_steps is set
         ("--max_grad_norm", "0"),
         ("--mixed_precision", "no"),
-        ("--loss_type", "simpo", "--label_smoothing", "0.1", "--cpo_alpha", "1.0", "--simpo_gamma", "0"),
-        ("--loss_type", "orpo", "--beta", "0.2"),
     ],
 )
 def test_range_boundaries_that_are_accepted(args: tuple[str, ...]) -> None:
     parse_cli(*args)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--loss_type", "simpo", "--label_smoothing", "0.1", "--cpo_alpha", "1.0", "--simpo_gamma", "0"),
+        ("--loss_type", "orpo", "--beta", "0.2"),
+    ],
+)
+def test_dpo_boundaries_that_are_accepted(args: tuple[str, ...]) -> None:
+    parse_method_config("dpo", [*REQUIRED_ARGV, *args])
 
 
 def test_fp16_is_refused_with_the_alternatives() -> None:
@@ -519,8 +535,10 @@ def test_parse_size_rejects_infinity() -> None:
     "recipe", sorted((REPO_ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name
 )
 def test_every_shipped_recipe_config_parses(recipe: Path) -> None:
-    """Each YAML in recipes/configs names only known keys with valid values (the data is not read here)."""
-    cfg = parse_config(["--config", str(recipe)])
+    """Each YAML in recipes/configs names only known keys of its method with valid values (the data is not read
+    here); the method is the one its name says (dpo_cpu_demo.yaml, llama3_8b_dpo.yaml: dpo), else sft."""
+    method = next((m for m in method_names() if m in recipe.stem.split("_")), "sft")
+    cfg = parse_method_config(method, ["--config", str(recipe)])
     assert cfg.train.output_dir and cfg.model.model_name_or_path
 
 

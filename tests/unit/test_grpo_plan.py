@@ -5,8 +5,8 @@ parameters and optimizer state) is computed from the model config by hand here a
 from __future__ import annotations
 
 from hf_fsdp2.methods import get_method, parse_method_config
+from hf_fsdp2.methods.grpo.plan import rollout_bytes, rollout_note
 from hf_fsdp2.plan import PlanSettings, plan_memory
-from hf_fsdp2.plan.rollout import rollout_bytes, rollout_note
 
 
 def test_the_rollout_phase_is_the_gathered_model_and_the_kv_cache() -> None:

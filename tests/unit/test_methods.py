@@ -44,7 +44,9 @@ def test_no_module_outside_the_registry_compares_a_recipe_name() -> None:
 
 
 def test_register_refuses_a_builtin_name_and_a_second_method_of_the_same_name() -> None:
-    fake = Method(name="sft", title="x", build_data=lambda s, t: None, objective=lambda c: Objective(lambda *a: None))  # type: ignore[arg-type, return-value]
+    fake = Method(
+        name="sft", title="x", build_data=lambda s, t: None, objective=lambda c: Objective(lambda *a: None)
+    )  # type: ignore[arg-type, return-value]
     with pytest.raises(ValueError, match="method 'sft' is built in"):
         register(fake)
     with pytest.raises(ValueError, match="batch_rows='rows'"):
@@ -66,14 +68,18 @@ def test_a_method_registered_from_outside_the_package_trains_and_exports(tmp_pat
 
 def test_the_toy_methods_key_is_its_own() -> None:
     import importlib.util
+    import sys
 
     spec = importlib.util.spec_from_file_location("toy_recipe", TOY)
     assert spec is not None and spec.loader is not None
-    toy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(toy)
+    toy = sys.modules.setdefault("toy_recipe", importlib.util.module_from_spec(spec))
+    if not hasattr(toy, "TOY"):
+        spec.loader.exec_module(toy)
     argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o"]
     assert parse_method_config("toy", [*argv, "--toy_weight", "3"]).method.toy_weight == 3.0
     with pytest.raises(ConfigError, match="toy_weight=-1.0 must be > 0"):
         parse_method_config(toy.TOY, [*argv, "--toy_weight=-1"])
-    with pytest.raises(ConfigError, match="'toy_weight' in the command line is a key of the toy recipe, not of the sft"):
+    with pytest.raises(
+        ConfigError, match="'toy_weight' in the command line is a key of the toy recipe, not of the sft"
+    ):
         parse_method_config("sft", [*argv, "--toy_weight", "3"])

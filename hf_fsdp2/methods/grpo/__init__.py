@@ -11,12 +11,11 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.methods.grpo.config import GrpoArgs
 from hf_fsdp2.methods.grpo.data import build_grpo_data, preview_prompts
 from hf_fsdp2.methods.grpo.objective import grpo_objective
+from hf_fsdp2.methods.grpo.plan import rollout_note
 from hf_fsdp2.trainer.method import Method
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
-    from hf_fsdp2.plan.rollout import rollout_note
-
     return [rollout_note(plan, model_config, cfg)]
 
 

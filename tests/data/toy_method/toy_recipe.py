@@ -22,7 +22,9 @@ from hf_fsdp2.trainer.method import Method, Objective
 class ToyArgs:
     """The toy method's keys."""
 
-    toy_weight: float = field(default=1.0, metadata={"help": "A number the method logs as toy/weight each step."})
+    toy_weight: float = field(
+        default=1.0, metadata={"help": "A number the method logs as toy/weight each step."}
+    )
 
     def validate(self) -> None:
         check(self.toy_weight > 0, f"toy_weight={self.toy_weight} must be > 0")

@@ -1,0 +1,77 @@
+"""docs/architecture.md stays true: its tables name every package and module of hf_fsdp2/ and nothing else, and its
+layer line is what scripts/check_imports.py prints."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from support.launch import REPO
+
+DOC = REPO / "docs" / "architecture.md"
+PACKAGE = REPO / "hf_fsdp2"
+
+
+def _rows() -> dict[str, set[str]]:
+    """Each table row's first cell (``config/``, ``collectives.py``, ``methods/dpo``) -> the modules its second cell
+    names in backticks."""
+    rows: dict[str, set[str]] = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        name = cells[0].strip("`")
+        rows[name] = set(re.findall(r"`([^`]+)`", cells[1]))
+    return rows
+
+
+def _tree() -> dict[str, set[str]]:
+    """The same shape, read from the folder: ``pkg/`` -> its modules and subpackages; a top-level module -> nothing."""
+    tree: dict[str, set[str]] = {}
+    for entry in sorted(PACKAGE.iterdir()):
+        if entry.suffix == ".py" and entry.name != "__init__.py":
+            tree[entry.name] = set()
+        elif entry.is_dir() and (entry / "__init__.py").is_file():
+            tree[f"{entry.name}/"] = {
+                p.stem if p.is_file() else f"{p.name}/"
+                for p in entry.iterdir()
+                if (p.suffix == ".py" and p.name != "__init__.py")
+                or (p.is_dir() and (p / "__init__.py").is_file())
+            }
+    for method in sorted((PACKAGE / "methods").iterdir()):
+        if method.is_dir() and (method / "__init__.py").is_file():
+            tree[f"methods/{method.name}"] = {p.stem for p in method.glob("*.py") if p.name != "__init__.py"}
+    return tree
+
+
+def test_the_tables_name_every_package_and_module_and_nothing_else() -> None:
+    rows, tree = _rows(), _tree()
+    assert sorted(rows) == sorted(tree), "rows of docs/architecture.md vs hf_fsdp2/"
+    for name, modules in tree.items():
+        assert rows[name] == modules, (
+            f"{name}: the doc names {sorted(rows[name])}, the folder holds {sorted(modules)}"
+        )
+
+
+def test_the_layer_line_is_the_import_checkers() -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_imports.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    layers = next(line for line in out.splitlines() if "layers, bottom first:" in line).split(": ", 1)[1]
+    assert f"\n{layers}\n" in DOC.read_text()
+
+
+def test_the_loop_shown_is_the_librarys() -> None:
+    """The snippet's lines are the loop's own (compared line by line, the elisions aside)."""
+    snippet = DOC.read_text().split("```python", 1)[1].split("```", 1)[0]
+    loop = (PACKAGE / "trainer" / "loop.py").read_text()
+    for line in snippet.splitlines():
+        code = line.split("#", 1)[0].strip()
+        if code and "..." not in code:
+            assert code in loop, f"not in hf_fsdp2/trainer/loop.py: {code!r}"
+    assert Path(REPO / "recipes" / "sft.py").read_text().count("\n") < 40  # a short script over the library
