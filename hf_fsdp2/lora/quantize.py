@@ -52,10 +52,17 @@ def _peft_dequantize(nf4_type: type) -> None:
     on any torchao tensor; torchao's NF4 tensor has a static ``dequantize(value, nf4)`` (its lookup-table step)
     instead. The replacement answers both: with no argument it dequantises the whole weight, with the two it is
     torchao's own step (its callers pass them)."""
-    original = nf4_type.__dict__["dequantize"]
+    original = nf4_type.__dict__.get("dequantize")
     if getattr(original, "_hf_fsdp2", False):
         return
-    lookup = original.__func__ if isinstance(original, staticmethod) else original
+    # Guard (docs/compatibility.md): torchao's static two-argument step and get_original_weight, as 0.18 has them.
+    if not isinstance(original, staticmethod) or not callable(getattr(nf4_type, "get_original_weight", None)):
+        raise QuantizationError(
+            f"torchao's NF4Tensor.dequantize is {original!r}, not the static dequantize(value, nf4) of the torchao "
+            "hf_fsdp2 is tested on (with get_original_weight()): PEFT's DoRA and LoRA paths would call a changed "
+            "API. Install the torchao docs/compatibility.md lists (pip install 'torchao==0.18.*')"
+        )
+    lookup = original.__func__
 
     def dequantize(*args: torch.Tensor) -> torch.Tensor:
         if len(args) == 1:  # weight.dequantize(): PEFT's call
@@ -75,9 +82,21 @@ def _single_rank_all_gather(nf4_type: type) -> None:
     FSDP2 one byte buffer holding the three parts (the widest dtype first, so each view is aligned) and rebuild the
     NF4 tensor on views of it, the buffer being what FSDP2 frees and reallocates; with more ranks they are torchao's
     own, unchanged. tests/distributed/test_memory_plan.py runs a QLoRA model at world 1 and 2."""
-    pre, post = nf4_type.__dict__["fsdp_pre_all_gather"], nf4_type.__dict__["fsdp_post_all_gather"]
+    pre, post = nf4_type.__dict__.get("fsdp_pre_all_gather"), nf4_type.__dict__.get("fsdp_post_all_gather")
     if getattr(pre, "_hf_fsdp2", False):
         return
+    problem = single_rank_hooks_problem(pre, post)
+    if (
+        problem
+    ):  # Guard (docs/compatibility.md): hooks of another shape are left as they are, and the run says so
+        logger.warning(
+            "QLoRA: torchao's NF4 all-gather hooks are not patched for one-rank shard groups (%s); a world-size-1 "
+            "QLoRA run may fail at its first forward ('not enough values to unpack'). Install the torchao "
+            "docs/compatibility.md lists (pip install 'torchao==0.18.*') or run on 2+ ranks",
+            problem,
+        )
+        return
+    assert pre is not None and post is not None  # single_rank_hooks_problem checked them
 
     def fsdp_pre_all_gather(self: torch.Tensor, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         inputs, metadata = pre(self, mesh)
@@ -108,6 +127,26 @@ def _single_rank_all_gather(nf4_type: type) -> None:
     fsdp_pre_all_gather._hf_fsdp2 = True  # type: ignore[attr-defined]
     nf4_type.fsdp_pre_all_gather = fsdp_pre_all_gather  # type: ignore[attr-defined]
     nf4_type.fsdp_post_all_gather = fsdp_post_all_gather  # type: ignore[attr-defined]
+
+
+def single_rank_hooks_problem(pre: Any, post: Any) -> str | None:
+    """Why torchao's FSDP2 hooks ``pre`` / ``post`` are not the ones :func:`_single_rank_all_gather` wraps (None: they
+    are): ``fsdp_pre_all_gather(self, mesh)`` and ``fsdp_post_all_gather(self, outputs, metadata, param_dtype, *,
+    out)`` as torchao 0.18 defines them, the pre-hook handing FSDP2 the three parts the wrapper packs."""
+    import inspect
+
+    if not callable(pre) or not callable(post):
+        return f"fsdp_pre_all_gather={pre!r}, fsdp_post_all_gather={post!r}"
+    pre_args = list(inspect.signature(pre).parameters)
+    post_params = inspect.signature(post).parameters
+    if pre_args != ["self", "mesh"]:
+        return f"fsdp_pre_all_gather takes {pre_args}, not ['self', 'mesh']"
+    if (
+        list(post_params)[:4] != ["self", "all_gather_outputs", "metadata", "param_dtype"]
+        or "out" not in post_params
+    ):
+        return f"fsdp_post_all_gather takes {list(post_params)}, not (self, all_gather_outputs, metadata, param_dtype, *, out)"
+    return None
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

@@ -200,8 +200,10 @@ def build_accelerator(
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
-        # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py.
+        # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py;
+        # a private write, guarded (docs/compatibility.md, tests/unit/test_upstream_patches.py).
         state = PartialState(cpu=True, timeout=timeout)
+        check_shared_state(state)
         state._shared_state["distributed_type"] = DistributedType.FSDP
         # The plugin too: with a parallelism config, Accelerator() validates the mesh against it (is_fsdp2)
         # before returning, and on CPU only the shared state can hold it by then.
@@ -290,16 +292,51 @@ def prepare_fsdp2(
     return model, optimizer
 
 
+def check_shared_state(state: Any) -> None:
+    """The guard of the CPU path's write into accelerate's private state: ``PartialState`` keeps its fields in the
+    class-wide ``_shared_state`` dict (the Borg pattern: every instance's ``__dict__`` is it), which the Accelerator
+    built next reads ``distributed_type`` and ``fsdp_plugin`` from.
+
+    Raises:
+        RuntimeError: this accelerate keeps its state otherwise: the write would change nothing and the CPU run
+            would silently not shard; names the versions tested.
+    """
+    shared = getattr(type(state), "_shared_state", None)
+    if not isinstance(shared, dict) or state.__dict__ is not shared:
+        raise RuntimeError(
+            "accelerate's PartialState no longer keeps its fields in the shared _shared_state dict (accelerate "
+            f"{_accelerate_version()}): a CPU (gloo) run cannot mark itself FSDP, and would not be sharded. Run on a "
+            "GPU, or install the accelerate docs/compatibility.md lists as tested (pip install 'accelerate==1.16.*')"
+        )
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return str(getattr(accelerate, "__version__", "?"))
+
+
 @contextlib.contextmanager
 def _torchao_checked_once() -> Iterator[None]:
     """Accelerate's FSDP2 prepare asks ``is_torchao_available()`` twice per parameter, and each answer reads package
     metadata (~2.4 ms): ~0.7 s of a rank's start-up for a 30-layer model. The answer cannot change during the
-    prepare, so it is read once there."""
+    prepare, so it is read once there.
+
+    A process-wide patch of ``accelerate.utils.modeling.is_torchao_available`` for the duration of the block,
+    restored after it. Guarded (docs/compatibility.md): patched only where accelerate's parameter matching
+    (``modeling._get_parameter_id``) looks the name up in that module at call time; otherwise nothing is patched."""
     from accelerate.utils import modeling
 
     check = getattr(modeling, "is_torchao_available", None)
-    if check is None:  # another accelerate: nothing to shorten
-        yield
+    reader = getattr(modeling, "_get_parameter_id", None)
+    if check is None or "is_torchao_available" not in getattr(
+        getattr(reader, "__code__", None), "co_names", ()
+    ):
+        logger.debug(
+            "accelerate %s: is_torchao_available is not read per parameter; not patched",
+            _accelerate_version(),
+        )
+        yield  # another accelerate: nothing to shorten
         return
     answer = bool(check())
     modeling.is_torchao_available = lambda: answer

@@ -111,10 +111,25 @@ def eager() -> Iterator[None]:
         yield
 
 
+# The process-wide dynamo setting hf_fsdp2 changes (docs/compatibility.md); set, never restored: every compile of
+# the run wants it.
+DYNAMO_SETTING = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def _configure_dynamo() -> None:
     # As torchtitan and accelerate do for per-block compile: the forward's Python side effects are not
-    # replayed when activation checkpointing recomputes a compiled block.
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # replayed when activation checkpointing recomputes a compiled block. Guarded: a torch without the setting
+    # (renamed or removed) is told, not given a new attribute it would ignore.
+    config = torch._dynamo.config
+    if not isinstance(getattr(config, DYNAMO_SETTING, None), bool):
+        logger.warning(
+            "torch %s has no torch._dynamo.config.%s: not set; a compiled block under activation checkpointing "
+            "may replay its forward's side effects in the backward (docs/compatibility.md lists the torch tested)",
+            torch.__version__,
+            DYNAMO_SETTING,
+        )
+        return
+    setattr(config, DYNAMO_SETTING, True)
 
 
 # torch 2.11's inductor cannot compile the backward of a float64 Llama (its RMSNorm and rotary compute in float32
@@ -177,6 +192,13 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
     return names
 
 
+def compiled_call_slot() -> bool:
+    """Whether ``nn.Module.__call__`` (its ``_wrapped_call_impl``) still runs ``self._compiled_call_impl`` when set:
+    the private slot :func:`compile_model` writes, as ``nn.Module.compile`` does (torch 2.11-2.13)."""
+    call = getattr(torch.nn.Module, "_wrapped_call_impl", None)
+    return "_compiled_call_impl" in getattr(getattr(call, "__code__", None), "co_names", ())
+
+
 def compile_model(model: torch.nn.Module, plan: CompilePlan) -> None:
     """Compile the whole (already sharded) model in place.
 
@@ -187,6 +209,12 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan) -> None:
     _configure_dynamo()
     # What nn.Module.compile does (so FSDP2's and the loss's hooks still run through __call__), with the
     # inputs' sequence dims marked dynamic before the compiled call when dynamic is unset.
+    if not compiled_call_slot():  # Guard: the private slot nn.Module.compile sets and __call__ runs
+        raise RuntimeError(
+            f"torch {torch.__version__}'s nn.Module.__call__ no longer runs _compiled_call_impl (what "
+            "nn.Module.compile sets): the whole-model compile cannot install itself; set torch_compile_scope: regional, "
+            "or use the torch docs/compatibility.md lists"
+        )
     compiled = torch.compile(model._call_impl, **plan.kwargs())
     model._compiled_call_impl = (
         _with_dynamic_seq(compiled, _MODEL_SEQ_DIMS) if plan.dynamic is None else compiled

@@ -116,4 +116,11 @@ def restore_scheduler(scheduler: LambdaLR, state: dict, peak_lr: float) -> None:
     step = scheduler.last_epoch
     for group, fn in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group["lr"] = peak_lr * fn(step)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # type: ignore[attr-defined]
+    # get_last_lr() answers from this private field (LRScheduler sets it in step()); guarded, as it is written
+    # (docs/compatibility.md): a scheduler without it would silently log the old rate.
+    if not isinstance(getattr(scheduler, "_last_lr", None), list):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s LambdaLR has no _last_lr list after load_state_dict: the resumed "
+            "schedule's current rate cannot be set for get_last_lr(); use the torch docs/compatibility.md lists"
+        )
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
