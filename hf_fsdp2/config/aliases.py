@@ -67,13 +67,14 @@ def _same(value: Any) -> Any:
 
 
 def _resume(value: Any) -> Any:
-    # The Trainer's resume_from_checkpoint=True resumes the last checkpoint of output_dir: 'latest' here; false is
-    # no resume. A path, or latest, is itself.
+    # The Trainer's resume_from_checkpoint=True resumes the last checkpoint of output_dir: 'latest' here. False is
+    # no resume, and None (not SKIP) so that a command line's false also cancels the YAML's latest (CLI > YAML).
+    # A path, or latest, is itself.
     text = str(value).strip().lower()
     if value is True or text in ("true", "yes"):
         return "latest"
-    if value is False or text in ("false", "no"):
-        return SKIP
+    if value is False or text in ("false", "no", "none"):
+        return None
     return value
 
 
@@ -121,7 +122,7 @@ ALIASES: dict[str, Alias] = {
     # The same key, the Trainer's values: true -> latest, false -> no resume (else "no such folder true", and only
     # once the model has loaded).
     "resume_from_checkpoint": Alias(
-        "resume_from_checkpoint", _resume, "Trainer: true -> latest, false -> none"
+        "resume_from_checkpoint", _resume, "Trainer: true -> latest, false -> none (also over the YAML's)"
     ),
     "optim": Alias(
         "learning_rate",
@@ -202,5 +203,7 @@ def rewrite_argv(args: Sequence[str]) -> list[str]:
                 i += 1
         value: Any = values if name == "report_to" else (values[0] if values else "true")
         for key, mapped in apply_aliases({name: value}, "the command line").items():
-            out.append(f"--{key}={mapped}")
+            # None puts the key back to its default (None): argparse reads no None, so an empty value, which
+            # the section reads as None (TrainArgs.__post_init__), overriding the YAML's value.
+            out.append(f"--{key}=" if mapped is None else f"--{key}={mapped}")
     return out

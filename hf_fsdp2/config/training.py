@@ -126,6 +126,12 @@ class TrainArgs:
         },
     )
 
+    def __post_init__(self) -> None:
+        # An empty value is no resume: the command line's --resume_from_checkpoint false arrives as one (argparse
+        # has no None), and must cancel the YAML's value rather than name a folder "".
+        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
+            self.resume_from_checkpoint = None
+
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
         check(

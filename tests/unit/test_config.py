@@ -569,7 +569,7 @@ ALIAS_CASES = [
     ("flash_attention", True, {"attn_implementation": "flash_attention_2"}),
     # The Trainer's resume_from_checkpoint=True is hf_fsdp2's latest (issue 40 item 6).
     ("resume_from_checkpoint", True, {"resume_from_checkpoint": "latest"}),
-    ("resume_from_checkpoint", False, {}),
+    ("resume_from_checkpoint", False, {"resume_from_checkpoint": None}),
     ("resume_from_checkpoint", "out/checkpoint-4", {"resume_from_checkpoint": "out/checkpoint-4"}),
 ]
 
@@ -612,6 +612,25 @@ def test_resume_from_checkpoint_true_means_latest_on_the_command_line(
     """Issue 40 item 6: ``--resume_from_checkpoint true`` (HF Trainer) resumes ``latest``; it was read as a folder
     named ``true``, refused only after the model had loaded."""
     assert parse_config([*REQUIRED_ARGV, *args]).train.resume_from_checkpoint == want
+
+
+@pytest.mark.parametrize("no", ["false", "False", "no", "none"])
+@pytest.mark.parametrize("in_yaml", ["latest", True, "out/checkpoint-4"])
+def test_resume_from_checkpoint_false_on_the_command_line_cancels_the_yamls(
+    no: str, in_yaml: Any, tmp_path: Path
+) -> None:
+    """CLI > YAML: ``--resume_from_checkpoint false`` starts a new run where the recipe says ``latest`` (it was
+    dropped as "no change", and the YAML's latest resumed)."""
+    recipe = write_yaml(tmp_path, {**REQUIRED, "resume_from_checkpoint": in_yaml})
+    assert parse_config(["--config", str(recipe)]).train.resume_from_checkpoint is not None
+    for args in (["--resume_from_checkpoint", no], [f"--resume_from_checkpoint={no}"]):
+        cfg = parse_config(["--config", str(recipe), *args])
+        assert cfg.train.resume_from_checkpoint is None
+        assert cfg.to_flat_dict()["resume_from_checkpoint"] is None  # the saved config too
+    # And the other way: the command line's latest over the YAML's false.
+    recipe = write_yaml(tmp_path, {**REQUIRED, "resume_from_checkpoint": False}, "off.yaml")
+    cfg = parse_config(["--config", str(recipe), "--resume_from_checkpoint", "latest"])
+    assert cfg.train.resume_from_checkpoint == "latest"
 
 
 def test_aliases_on_the_command_line_and_a_report_to_list() -> None:
