@@ -159,3 +159,37 @@ def test_the_kto_recipe_reads_the_default_loss_as_kto_and_the_dpo_recipe_refuses
         ConfigError, match="'desirable_weight' in the command line is a key of the kto recipe"
     ):
         parse_config(["--desirable_weight", "2"], "dpo")
+
+
+@pytest.mark.parametrize(
+    "good, bad, unused, used, fix",
+    [
+        (8, 0, "undesirable_weight=1.5 does nothing", "desirable_weight=2 only scales", "label false"),
+        (0, 8, "desirable_weight=2 does nothing", "undesirable_weight=1.5 only scales", "label true"),
+    ],
+)
+def test_one_kind_only_says_the_other_kinds_weight_does_nothing(
+    good: int, bad: int, unused: str, used: str, fix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40 item 11: all-desirable (or all-undesirable) KTO data said "one kind only" and no more; the weight of
+    the missing kind then weights nothing, and the message says so, with the fix."""
+    from hf_fsdp2.methods.kto.data import _warn_balance
+
+    with caplog.at_level("WARNING", logger="hf_fsdp2"):
+        _warn_balance(good, bad, 2.0, 1.5)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert f"{good} desirable and {bad} undesirable examples: one kind only" in message
+    assert unused in message and used in message and fix in message
+
+
+def test_balanced_kto_data_warns_nothing_and_unbalanced_suggests_weights(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from hf_fsdp2.methods.kto.data import _warn_balance
+
+    with caplog.at_level("WARNING", logger="hf_fsdp2"):
+        _warn_balance(4, 4, 1.0, 1.0)
+        _warn_balance(5, 4, 1.0, 1.0)  # 1.25: inside [1, 4/3]
+        assert not caplog.records
+        _warn_balance(9, 1, 1.0, 1.0)
+    assert "= 9.00, outside [1, 4/3]" in caplog.records[0].getMessage()

@@ -61,10 +61,24 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
 
 
 def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:
-    """TRL's advice (the KTO paper's eq. 8): with unequal counts, ``w_d·n_d / (w_u·n_u)`` in ``[1, 4/3]``."""
-    if good == bad or not good or not bad:
-        if not good or not bad:
-            logger.warning("KTO data has %d desirable and %d undesirable examples: one kind only", good, bad)
+    """TRL's advice (the KTO paper's eq. 8): with unequal counts, ``w_d·n_d / (w_u·n_u)`` in ``[1, 4/3]``; with one
+    kind only, the other kind's weight weights nothing (said, with what the loss then does)."""
+    if not good or not bad:
+        if good:
+            unused, used, moves = f"undesirable_weight={w_bad:g}", f"desirable_weight={w_good:g}", "raises"
+            fix = "add examples with label false, or train on the desirable ones with recipes/sft.py"
+        else:
+            unused, used, moves = f"desirable_weight={w_good:g}", f"undesirable_weight={w_bad:g}", "lowers"
+            fix = "add examples with label true"
+        logger.warning(
+            "KTO data has %d desirable and %d undesirable examples: one kind only, so %s does nothing (no example "
+            "of its kind) and %s only scales every example's loss alike; the loss only %s those completions' "
+            "reward against the reference point, with no other kind to contrast them with. To train KTO as "
+            "intended, %s",
+            good, bad, unused, used, moves, fix,
+        )  # fmt: skip
+        return
+    if good == bad:
         return
     ratio = w_good * good / (w_bad * bad)
     if not 1 <= ratio <= 4 / 3:
