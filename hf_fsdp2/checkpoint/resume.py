@@ -51,7 +51,21 @@ MUST_MATCH = (
     "eval_split_fraction",
     "padding_free",
     "train_sampling_strategy",
+    "load_in_4bit",
 )
+
+# What a key of MUST_MATCH means when a checkpoint's config predates it (absent: the old behaviour, the default).
+ABSENT_MEANS: dict[str, Any] = {"load_in_4bit": False}
+
+# Why a change of these keys is refused, and the fix, for the message (value in the checkpoint -> text).
+_WHY: dict[str, dict[Any, str]] = {
+    "load_in_4bit": {
+        True: "the adapter was trained over the base quantised to NF4 (QLoRA); resuming on the full-precision base "
+        "would continue it on other weights than those it was fitted to: resume with --load_in_4bit true",
+        False: "the checkpoint was trained over the full-precision base; resuming over the NF4-quantised base would "
+        "continue it on other weights than those it was fitted to: resume with --load_in_4bit false",
+    },
+}
 
 
 def new_run_id() -> str:
@@ -250,11 +264,12 @@ def check_config_compatible(saved: dict[str, Any], current: dict[str, Any]) -> l
     Raises:
         CheckpointError: a change that makes the resumed run a different run, naming each key and both values.
     """
-    bad = [
-        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
-        for k in MUST_MATCH
-        if saved.get(k) != current.get(k)
-    ]
+    bad = []
+    for k in MUST_MATCH:
+        then = saved.get(k, ABSENT_MEANS.get(k))
+        if then != current.get(k):
+            why = _WHY.get(k, {}).get(then)
+            bad.append(f"{k}: checkpoint {then!r} vs now {current.get(k)!r}" + (f" ({why})" if why else ""))
     if bad:
         raise CheckpointError(
             "cannot resume: the config changed in ways that change the model or the data: "

@@ -132,3 +132,36 @@ def test_a_damaged_config_or_trainer_state_is_named_not_a_traceback(tmp_path: Pa
     (path / CONFIG_FILE).write_text("seed: 1\n")
     (path / STATE_FILE).write_text('{"step": 2,')
     assert checkpoint_problems(path)[0].startswith("trainer_state.json is not valid JSON (")
+
+
+@pytest.mark.parametrize("then, now", [("true", "false"), ("false", "true")])
+def test_resume_refuses_a_changed_load_in_4bit_naming_the_key(tmp_path: Path, then: str, now: str) -> None:
+    """Issue 40 item 11: a QLoRA checkpoint resumed without --load_in_4bit went on training its adapter over the
+    full-precision base with an INFO line; refused now, naming the key, both values and the fix (and the reverse)."""
+    import yaml
+
+    from hf_fsdp2.checkpoint.resume import check_config_compatible
+    from hf_fsdp2.config.parse import save_config
+    from hf_fsdp2.methods import parse_method_config
+
+    def config(load_in_4bit: str) -> dict:
+        argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path)]
+        return parse_method_config("sft", [*argv, "--use_peft", "true", "--load_in_4bit", load_in_4bit])
+
+    # The checkpoint's config as the run writes it and the resume reads it back.
+    saved = yaml.safe_load(save_config(config(then), tmp_path / CONFIG_FILE).read_text())
+    assert check_config_compatible(saved, config(then).to_flat_dict()) == []
+    with pytest.raises(CheckpointError) as err:
+        check_config_compatible(saved, config(now).to_flat_dict())
+    message = str(err.value)
+    assert f"load_in_4bit: checkpoint {then.title()} vs now {now.title()}" in message
+    assert f"resume with --load_in_4bit {then}" in message
+
+
+def test_a_checkpoint_config_without_load_in_4bit_resumes_as_not_quantised() -> None:
+    """Checkpoints written before the key was compared hold no load_in_4bit: read as false (no 4-bit run then)."""
+    from hf_fsdp2.checkpoint.resume import check_config_compatible
+
+    check_config_compatible({"seed": 1}, {"seed": 1, "load_in_4bit": False})
+    with pytest.raises(CheckpointError, match="load_in_4bit: checkpoint False vs now True"):
+        check_config_compatible({"seed": 1}, {"seed": 1, "load_in_4bit": True})
