@@ -16,7 +16,12 @@ caught: the others then wait in a device collective, whose watchdog (``ddp_timeo
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -29,8 +34,8 @@ T = TypeVar("T")
 HOST_WAIT_TIMEOUT_S = 6 * 3600
 
 # The host group, its timeout, and the default group it was made beside (a group of a destroyed default
-# group is never used again).
-_HOST: dict[str, Any] = {"group": None, "timeout_s": None, "default": None}
+# group is never used again); ``peers``: every rank's (machine, pid), to name a rank that died (peer_lost).
+_HOST: dict[str, Any] = {"group": None, "timeout_s": None, "default": None, "peers": None}
 
 
 def initialized() -> bool:
@@ -71,6 +76,9 @@ def init_host_group(timeout_s: int = HOST_WAIT_TIMEOUT_S) -> None:
     # offload), its timeout is ``ddp_timeout``: the host group is a group of its own for its own timeout.
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     _HOST.update(group=group, timeout_s=timeout_s, default=dist.group.WORLD)
+    # Each rank's process, once: a rank killed later (kill -9, the OOM killer) prints nothing, and a collective
+    # only says that "a peer" closed its connection; the ranks on this machine can then see which process is gone.
+    _HOST["peers"] = gather_objects((_machine(), os.getpid()))
 
 
 def host_group_timeout() -> int | None:
@@ -82,7 +90,7 @@ def _host() -> Any:
     """The group host values go over: the host group, else (no :func:`init_host_group` call: a process group
     made by hand, as some tests do) None: the default group."""
     if _HOST["group"] is not None and (not initialized() or _HOST["default"] is not dist.group.WORLD):
-        _HOST.update(group=None, timeout_s=None, default=None)  # its default group was destroyed
+        _HOST.update(group=None, timeout_s=None, default=None, peers=None)  # its default group was destroyed
     return _HOST["group"]
 
 
@@ -293,3 +301,106 @@ def rank0_decides(fn: Callable[[], None]) -> None:
     sent = broadcast_object(None if error is None else _portable(error))
     if sent is not None:
         raise error if error is not None else sent
+
+
+# What gloo (and NCCL) say when the process at the other end of a connection is gone: the message names the
+# peer's address, never its rank.
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+)
+
+
+def _machine() -> str:
+    """This process's machine and pid namespace (two containers on one host do not see each other's pids)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}:{namespace}"
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (no /proc entry, or a zombie its parent has not reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
+
+
+def gone_ranks(wait_s: float = 2.0) -> list[int]:
+    """The ranks on this machine whose process has ended (not collective: a look at /proc), after up to ``wait_s``
+    for one to appear (a killed process closes its sockets a moment before it ends). Ranks on other machines are
+    never named; empty without the pids that :func:`init_host_group` gathered."""
+    peers = _HOST["peers"] or []
+    here = _machine()
+    mine = [(r, pid) for r, (machine, pid) in enumerate(peers) if machine == here and pid != os.getpid()]
+    deadline = time.monotonic() + wait_s
+    while mine:
+        gone = [r for r, pid in mine if _gone(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.1)
+    return []
+
+
+def _where(error: BaseException) -> str:
+    """``"all_gather_object in rollout (hf_fsdp2/methods/grpo/step.py:106)"``: the torch.distributed call that
+    failed and the library's code that made it (from the traceback; "" when neither is in it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    call = caller = ""
+    for i, frame in enumerate(frames):
+        name = frame.filename.replace(os.sep, "/")
+        if name.endswith("torch/distributed/distributed_c10d.py") and not frame.name.startswith("_"):
+            call = frame.name
+            ours = [f for f in frames[:i] if "/hf_fsdp2/" in f.filename.replace(os.sep, "/")]
+            ours = [f for f in ours if not f.filename.endswith("collectives.py")] or ours
+            if ours:
+                f = ours[-1]
+                path = f.filename.replace(os.sep, "/")
+                caller = f"{f.name} ({path[path.rindex('/hf_fsdp2/') + 1 :]}:{f.lineno})"
+            break
+    return " in ".join(part for part in (call, caller) if part)
+
+
+def peer_lost(error: BaseException) -> tuple[str, list[int]] | None:
+    """When ``error`` (or an error it was raised from) is a collective's lost connection to another rank: where it
+    happened and the ranks of this machine whose process is gone (see :func:`gone_ranks`); else None.
+
+    A rank killed by a signal (kill -9, the out-of-memory killer) or crashed in native code prints nothing; the
+    others fail in their next collective with the transport's words ("Connection reset by peer [10.0.0.2]:41234"),
+    which name an address, not the rank. Not collective.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).lower()
+        if isinstance(current, RuntimeError) and any(words in text for words in _PEER_LOST):
+            return _where(current) or _where(error), gone_ranks()
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def peer_lost_message(where: str, gone: Sequence[int], me: int) -> str:
+    """The one line for :func:`peer_lost`'s answer, said by rank ``me``."""
+    during = f" during {where}" if where else ""
+    cause = (
+        "killed by a signal, e.g. kill -9 or the out-of-memory killer, or exited on an error of its own, printed "
+        "above"
+    )
+    if gone:
+        who = f"rank {gone[0]}" if len(gone) == 1 else "ranks " + ", ".join(str(r) for r in gone)
+        return (
+            f"{who} stopped (its process ended: {cause}) and rank {me} lost its connection to it{during}. The "
+            f"launcher's status line says how {who} ended; for a signal, look for the cause in the system log "
+            "(dmesg: 'Out of memory'), then continue with --resume_from_checkpoint latest"
+        )
+    return (
+        f"a peer rank's connection closed{during} (rank {me}): another rank stopped ({cause}), on another machine "
+        "or not yet ended. The launcher's status line names it and how it ended; for a signal, look for the cause "
+        "in the system log (dmesg: 'Out of memory'), then continue with --resume_from_checkpoint latest"
+    )

@@ -30,6 +30,13 @@ CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU con
 ACCELERATE_LAUNCH = "accelerate.commands.launch"
 # Set for the ranks hf-fsdp2 train launches: their launcher reports a failure in one line (see launcher_main).
 QUIET_LAUNCH_ENV = "HF_FSDP2_QUIET_LAUNCH"
+# Who usually sends the signal that ended a rank, for the launcher's line.
+_SIGNAL_CAUSES = {
+    "SIGKILL": ": kill -9, or the out-of-memory killer (dmesg says 'Out of memory')",
+    "SIGSEGV": ": a crash in native code",
+    "SIGABRT": ": an abort in native code",
+    "SIGBUS": ": a crash in native code, or a full /dev/shm",
+}
 
 
 def packaged_accelerate_config(name: str) -> Path:
@@ -165,6 +172,15 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
+        if failure.exitcode < 0:  # killed by a signal: it printed nothing, the others' errors follow from it
+            print(
+                f"hf-fsdp2 train: exit status {status}: rank {first} stopped (killed by signal {-failure.exitcode}, "
+                f"{failure.signal_name()}{_SIGNAL_CAUSES.get(failure.signal_name(), '')}) without an error of its "
+                f"own; the errors above are the other ranks' losing it ({statuses})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return status
         print(
             f"hf-fsdp2 train: exit status {status} (rank {first} failed first; {statuses}); its error is above "
             "(HF_FSDP2_DEBUG=1 also shows the launcher's report)",

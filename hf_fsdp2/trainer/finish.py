@@ -188,16 +188,7 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
         if os.environ.get("RANK", "0") == "0":
-            # A bare accelerate launch / torchrun prints its own traceback after this: said first, in one line.
-            # hf-fsdp2 train's launcher does not (HF_FSDP2_QUIET_LAUNCH: hf_fsdp2.launch.QUIET_LAUNCH_ENV).
-            if os.environ.get("TORCHELASTIC_RUN_ID") and not os.environ.get("HF_FSDP2_QUIET_LAUNCH"):
-                print(
-                    "hf_fsdp2: the run stopped with exit status 2 on the error below; the launcher's report that "
-                    "follows it (a traceback ending in ChildFailedError and a table of exit codes) only repeats that "
-                    "status and can be ignored",
-                    file=sys.stderr,
-                )
-            print(f"hf_fsdp2 error: {err}", file=sys.stderr, flush=True)
+            _say(str(err), 2)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
         if not collectives.gather_before_exit() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # No group to meet in (a refusal before one exists): every rank raised at about the same moment; all
@@ -205,14 +196,46 @@ def run_recipe(main: Any) -> None:
             # makes the launcher kill the others, a late one is killed). A single process has no one to wait for.
             time.sleep(2.0)
         leave(2)
+    except Exception as err:
+        # Another rank's process ended mid-collective (kill -9, the OOM killer, a crash): the transport's error names
+        # an address, and its traceback the line of the collective; said in one line naming the rank where known.
+        lost = None if os.environ.get("HF_FSDP2_DEBUG") else collectives.peer_lost(err)
+        if lost is None:
+            raise
+        where, gone = lost
+        me, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        # The lowest rank still running says it (rank 0 may be the one that ended); no waiting for the others:
+        # a rank is gone, so the group cannot meet, and a destroy could wait on it.
+        if me == min(set(range(world)) - set(gone), default=me):
+            _say(
+                collectives.peer_lost_message(where, gone, me),
+                1,
+                "names, under Root Cause, the rank that ended first and its exit code; its traceback can be ignored",
+            )
+        leave(1, destroy=False)
     leave(0)
 
 
-def leave(status: int) -> None:
+def _say(message: str, status: int, report: str = "only repeats that status and can be ignored") -> None:
+    """The rank's one error line (and, under a bare accelerate launch / torchrun, the note before it, which says
+    what the launcher's ``report`` that follows adds)."""
+    # A bare accelerate launch / torchrun prints its own traceback after this: said first, in one line. hf-fsdp2
+    # train's launcher does not (HF_FSDP2_QUIET_LAUNCH: hf_fsdp2.launch.QUIET_LAUNCH_ENV).
+    if os.environ.get("TORCHELASTIC_RUN_ID") and not os.environ.get("HF_FSDP2_QUIET_LAUNCH"):
+        print(
+            f"hf_fsdp2: the run stopped with exit status {status} on the error below; the launcher's report that "
+            f"follows it (a traceback ending in ChildFailedError and a table of exit codes) {report}",
+            file=sys.stderr,
+        )
+    print(f"hf_fsdp2 error: {message}", file=sys.stderr, flush=True)
+
+
+def leave(status: int, *, destroy: bool = True) -> None:
     """End this rank with ``status``: the process group destroyed (every rank raised the same agreed error, so none
-    is in a collective), then out without interpreter finalization, whose gloo threads can abort the process
-    (SIGABRT) after the error was reported; the launcher then reports ``status`` of every rank, not an abort."""
-    if torch.distributed.is_initialized():
+    is in a collective; not with ``destroy=False``, after a rank was lost), then out without interpreter
+    finalization, whose gloo threads can abort the process (SIGABRT) after the error was reported; the launcher
+    then reports ``status`` of every rank, not an abort."""
+    if destroy and torch.distributed.is_initialized():
         try:
             torch.distributed.destroy_process_group()
         except Exception as err:  # leaving anyway: the status is what the launcher needs

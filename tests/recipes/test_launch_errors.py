@@ -1,10 +1,12 @@
 """A recipe's error under the real launchers (issue 40 item 10): ``hf-fsdp2 train`` shows the rank's one line and
 the exit status, without accelerate's / torch elastic's 20-30 line traceback; a bare ``accelerate launch`` keeps
-that report, and the rank says first, in one line, that it follows and can be ignored.
+that report, and the rank says first, in one line, that it follows and can be ignored. A rank killed with kill -9
+mid-run (issue 40 item 11) is named by the surviving rank and by the launcher's line, without a traceback.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from support.launch import REPO, SFT, _env, accelerate_launch, free_port
+from support.tiny import WORDS, make_tiny_llama_dir
 
 # Refused when the config is read, before any model loads (an unknown key): a quick failure on every rank.
 BAD = {"model_name_or_path": "unused", "dataset_name": "unused", "lerning_rate": 1e-4, "max_steps": 1}
@@ -51,3 +54,54 @@ def test_a_bare_accelerate_launch_says_first_that_the_launchers_report_can_be_ig
     )
     assert "can be ignored" in ours[0] and ours[1].startswith("hf_fsdp2 error:") and "lerning_rate" in ours[1]
     assert proc.stderr.index(ours[1]) < proc.stderr.index("Traceback")  # the launcher's report, after both
+
+
+# A reward function that kills its own process (SIGKILL, as kill -9 or the OOM killer) on rank 1, in the rollout.
+DYING_REWARDS = (
+    "import os, signal\n"
+    "def dying(prompts, completions, **kw):\n"
+    "    if os.environ.get('RANK') == '1':\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return [float(len(c)) for c in completions]\n"
+)
+
+
+def test_a_rank_killed_during_the_grpo_rollout_is_named_in_one_line(tmp_path: Path) -> None:
+    """Issue 40 item 11: rank 1 killed with SIGKILL while scoring its completions; rank 0 failed in the gather that
+    follows with a 38-line traceback ending in gloo's "Connection reset by peer [127.0.0.1]:N", never naming rank 1.
+    Now rank 0 says which rank stopped and in which collective, the launcher how it ended; no traceback."""
+    (tmp_path / "dying_rewards.py").write_text(DYING_REWARDS)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i : i + 3])}) + "\n" for i in range(8)))
+    model = make_tiny_llama_dir(tmp_path / "model", seed=3)
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
+            "--max_completion_length", "3", "--max_length", "32", "--mixed_precision", "no",
+            "--reward_funcs", "dying_rewards:dying", "--export_verify", "false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_fsdp2.cli",
+        "train",
+        "grpo",
+        *args,
+        "--main_process_port",
+        str(free_port()),
+    ]
+    env = dict(_env(), PYTHONPATH=f"{tmp_path}:{_env()['PYTHONPATH']}")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    err = proc.stderr
+    errors = [line for line in err.splitlines() if line.startswith("hf_fsdp2 error:")]
+    assert len(errors) == 1, err[-4000:]
+    assert errors[0].startswith("hf_fsdp2 error: rank 1 stopped (its process ended: killed by a signal"), (
+        errors[0]
+    )
+    assert (
+        "rank 0 lost its connection to it during all_gather_object in rollout (hf_fsdp2/methods/grpo/"
+        in errors[0]
+    )
+    assert re.search(
+        r"^hf-fsdp2 train: exit status 1: rank 1 stopped \(killed by signal 9, SIGKILL", err, re.M
+    ), err[-4000:]
+    assert "Traceback" not in err and "Connection reset" not in err, err[-4000:]
+    assert proc.returncode == 1
