@@ -63,6 +63,14 @@ class TrainArgs:
             "good checkpoint named, exit status 2) or skip_step (its optimizer update skipped, counted and logged)."
         },
     )
+    on_collapse: Literal["stop", "warn"] = field(
+        default="stop",
+        metadata={
+            "help": "A run that learns nothing for 3 steps in a row (the gradient norm exactly 0 with target tokens: a "
+            "collapse; GRPO: no usable reward): stop (exit status 2, the last good checkpoint named, no export) or "
+            "warn (once, and go on); either way metrics.jsonl, summary.json and the model card record it."
+        },
+    )
     seed: int = field(default=42, metadata={"help": "Seed of model init, data order and dropout."})
     train_sampling_strategy: Literal["random", "sequential"] = field(
         default="random",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -426,6 +426,7 @@ def render_model_card(
     repo_id: str | None = None,
     reward: bool = False,
     remote_code: bool = False,
+    learned_nothing: Sequence[str] = (),
 ) -> str:
     """README.md of an export: hub metadata (front matter), what was trained how, metrics, how to load.
 
@@ -439,6 +440,8 @@ def render_model_card(
         repo_id: hub repo the card is for; the load command uses it (else a local path).
         reward: a reward model (one-label sequence classification): its tags and how to score with it.
         remote_code: its class is the folder's modeling_score_head.py (loaded with ``trust_remote_code=True``).
+        learned_nothing: the run's collapses and steps without a learning signal (their log lines), when it went on
+            past them (``on_collapse: warn``): a warning at the top of the card.
 
     Returns:
         The card's text.
@@ -469,6 +472,16 @@ def render_model_card(
         f"Fine-tuned from `{base}` on `{data}` with hf_fsdp2 `recipes/{recipe}.py` "
         f"({recipe_title or recipe}, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
         "",
+    ]
+    if learned_nothing:  # said before anything else: the model below is not a trained one
+        lines += ["## Warning: this run learned nothing", ""]
+        lines += [f"- {line}" for line in learned_nothing]
+        lines += [
+            "",
+            "The run went on past it (`on_collapse: warn`): see metrics.jsonl before using this model.",
+            "",
+        ]
+    lines += [
         "## Hyper-parameters",
         "",
         "| key | value |",

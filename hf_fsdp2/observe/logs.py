@@ -1,4 +1,5 @@
-"""The metrics file (one JSON record per logged step), the log line, and the progress bar."""
+"""The metrics file (one JSON record per logged step, and events such as a collapse), the log line, and the
+progress bar."""
 
 from __future__ import annotations
 
@@ -47,17 +48,29 @@ class MetricsWriter:
             fh.write(json.dumps(clean) + "\n")
 
 
+def append_metrics_event(output_dir: str | Path, record: dict[str, Any]) -> None:
+    """Append an event (a record with ``event`` and ``step``, e.g. a collapse) to ``<output_dir>/metrics.jsonl``
+    among the step records, at once (rank 0): a run that stops on it has no later step record to carry it."""
+    path = Path(output_dir) / METRICS_FILE
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def last_metrics(run_dir: Path, up_to_step: int | None = None) -> dict[str, Any] | None:
-    """The last metrics.jsonl record of a run (at or before ``up_to_step``), or None."""
+    """The last step record of a run's metrics.jsonl (at or before ``up_to_step``; events left out), or None."""
     path = run_dir / METRICS_FILE
     if not path.is_file():
         return None
-    rows = [r for r in read_metrics(path) if up_to_step is None or r.get("step", 0) <= up_to_step]
+    rows = [
+        r
+        for r in read_metrics(path)
+        if "event" not in r and (up_to_step is None or r.get("step", 0) <= up_to_step)
+    ]
     return rows[-1] if rows else None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ def run_summary(
     last_eval: Mapping[str, Any] | None,
     export_dir: str | Path | None,
     compile_stats: Mapping[str, float] | None = None,
+    learned_nothing: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """What the run did, for the log and ``summary.json``.
 
@@ -38,6 +39,8 @@ def run_summary(
             ``compiled_graphs``, ``recompiles`` and ``recompile_limit_hits``. The summary's tokens/s, TFLOP/s
             and MFU then leave the compile seconds out of the step time (``wall_time_s`` and ``train_time_s``
             keep them); ``tokens_per_s_including_compile`` gives the rate with them.
+        learned_nothing: the run's collapses and steps without a learning signal (``on_collapse: warn``; the
+            records of :class:`hf_fsdp2.train.nonfinite.Finding`); an empty list when there were none.
 
     Returns:
         A JSON-ready dict.
@@ -77,6 +80,7 @@ def run_summary(
         "final_eval_perplexity": last_eval.get("eval_perplexity") if last_eval else None,
         "final_eval_accuracy": last_eval.get("eval_rewards/accuracies") if last_eval else None,
         "export_dir": str(export_dir) if export_dir is not None else None,
+        "learned_nothing": [dict(f) for f in learned_nothing],
         **extra,
     }
 
@@ -121,6 +125,11 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
         losses.append(f"eval loss {summary['final_eval_loss']:.4f}" + (f" ({detail})" if detail else ""))
     if losses:
         lines.append("summary: " + ", ".join(losses))
+    for finding in summary.get("learned_nothing") or ():
+        lines.append(
+            f"summary: LEARNED NOTHING at steps {finding['first_step']}..{finding['step']} ({finding['kind']}; "
+            "on_collapse: warn): the export holds a model that stopped learning there"
+        )
     lines.append(
         f"summary: export in {summary['export_dir']}" if summary.get("export_dir") else "summary: no export"
     )

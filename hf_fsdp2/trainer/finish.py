@@ -29,7 +29,7 @@ from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
 from hf_fsdp2.score_head import carries_score_head
-from hf_fsdp2.train.nonfinite import NonFiniteError
+from hf_fsdp2.train.nonfinite import CollapseError, NonFiniteError
 from hf_fsdp2.trainer.method import Method
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.observer import Observer
@@ -47,6 +47,7 @@ USER_ERRORS = (
     KernelError,
     LoraError,
     NonFiniteError,
+    CollapseError,
     FileNotFoundError,
     ValueError,
 )
@@ -72,6 +73,7 @@ def export_run(
             repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe, recipe_title=recipe_title,
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
             remote_code=carries_score_head(unwrapped.config),
+            learned_nothing=[f.message for f in state.guard.findings],
         )  # fmt: skip
     try:
         if (
@@ -140,6 +142,7 @@ def finish(
         last_eval=observer.eval_fields,
         export_dir=session.output_dir,
         compile_stats=observer.compile_totals if session.compile_plan.enabled else None,
+        learned_nothing=[f.record() for f in state.guard.findings],
     )
     for line in format_summary(summary):
         logger.info(line)

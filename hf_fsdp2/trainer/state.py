@@ -5,6 +5,7 @@ SIGTERM, and (by :mod:`.finish`) whenever the final export fails; each one optio
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,11 +20,17 @@ from hf_fsdp2.collectives import broadcast_object
 from hf_fsdp2.config.sources import parse_source, resolve_sources
 from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
 from hf_fsdp2.export.hub import CheckpointPusher
-from hf_fsdp2.train.nonfinite import NonFiniteGuard, attach
+from hf_fsdp2.observe.logs import append_metrics_event
+from hf_fsdp2.observe.summary import write_summary
+from hf_fsdp2.train.nonfinite import Finding, NonFiniteGuard, attach
 from hf_fsdp2.train.optim import restore_scheduler
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.rsplit("-", 1)[-1])
 
 
 class RunState:
@@ -77,7 +84,11 @@ class RunState:
             self._resume(t.resume_from_checkpoint)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
         self._check_disk(total_steps)
-        guard = NonFiniteGuard(t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good)
+        # on_collapse: a run that learns nothing is decided by the same guard (each finding recorded, _report).
+        guard = NonFiniteGuard(
+            t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good, on_collapse=t.on_collapse,
+            report=self._report,
+        )  # fmt: skip
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
 
@@ -116,19 +127,38 @@ class RunState:
         if warning and self.session.is_main:
             logger.warning("%s", warning)
 
-    def _last_good(self) -> str:
-        """Where a stopped run continues from (every rank: finishes a save in flight, which is of a good step)."""
+    def _last_good(self, before: int | None = None) -> str:
+        """Where a stopped run continues from (every rank: finishes a save in flight). ``before``: the newest
+        checkpoint at or before that step is the good one (a collapse: later ones hold the collapsed state)."""
         try:
             self.checkpointer.wait()
         except CheckpointError as err:
             logger.error("%s", err)
         saved = list_checkpoints(self.session.output_dir)
-        if not saved:
-            return "No checkpoint was saved before it. "
+        good = [c for c in saved if before is None or _step_of(c) <= before]
+        spoiled = [c.name for c in saved if c not in good]
+        later = f" ({', '.join(spoiled)} hold the state it stopped on)" if spoiled else ""
+        if not good:
+            return f"No checkpoint was saved before {'it' if before is None else 'the collapse'}{later}. "
+        how = "latest" if not spoiled else str(good[-1])
         return (
-            f"The last good checkpoint is {saved[-1]}: continue from it with --resume_from_checkpoint latest "
+            f"The last good checkpoint is {good[-1]}{later}: continue from it with --resume_from_checkpoint {how} "
             "after the change. "
         )
+
+    def _report(self, finding: Finding) -> None:
+        """A run that learned nothing (every rank): rank 0 appends it to metrics.jsonl at once (a stopped run has
+        no other record of it); a run stopped on it also gets a summary.json saying so. The guard keeps it for the
+        end's summary and model card."""
+        if not self.session.is_main:
+            return
+        append_metrics_event(self.session.output_dir, finding.record())
+        if finding.action == "stopped":
+            write_summary(
+                {"stopped": finding.kind, "first_step": self.first_step, "last_step": finding.step,
+                 "export_dir": None, "learned_nothing": [finding.record()]},
+                self.session.output_dir,
+            )  # fmt: skip
 
     def _resume(self, value: str) -> None:
         session, t = self.session, self.session.cfg.train

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hf_fsdp2.config import parse_config
 from hf_fsdp2.launch import launch_command
+from hf_fsdp2.methods import parse_method_config
 from hf_fsdp2.observe.logs import read_metrics
 
 from .assets import make_model_dir
@@ -212,7 +212,8 @@ def prepare_recipe(
     run_dir = folder / "run"
     recipe = folder / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({**GPU_KEYS, **values, "output_dir": str(run_dir)}))
-    parse_config(["--config", str(recipe)])  # unknown keys and bad values fail here, dry run included
+    # Unknown keys and bad values fail here, dry run included (the method's own keys with it).
+    parse_method_config(recipe_name, ["--config", str(recipe)])
     cmd = launch_command(
         recipe_name, ["--config", str(recipe)], num_processes=1, gpus=1, main_process_port=free_port()
     )
@@ -524,7 +525,11 @@ def test_grpo_tiny(check: Check) -> None:
                                + "\n" for _ in range(64)))  # fmt: skip
     values = {"model_name_or_path": str(model), "dataset_name": str(prompts), "max_steps": 4,
               "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 16, "max_length": 128,
-              "reward_funcs": ["exact_match", "length_penalty"], "torch_compile": False, "learning_rate": 1e-4}  # fmt: skip
+              "reward_funcs": ["exact_match", "length_penalty"], "torch_compile": False, "learning_rate": 1e-4,
+              "on_collapse": "warn"}  # fmt: skip
+    # A random tiny model rarely ends a completion early and never matches: its rewards may be flat in every group,
+    # a run without a learning signal that on_collapse's default stops at step 3 (issue 40 item 7); this check is
+    # of the GPU mechanics, so it goes on (warned, and marked in metrics.jsonl and summary.json).
     run_dir, cmd = prepare_recipe(check, "grpo", values, recipe_name="grpo")
     if check.dry:
         return
@@ -535,7 +540,7 @@ def test_grpo_tiny(check: Check) -> None:
         r"export verified: ",
     ):
         assert re.search(pattern, log), f"{pattern!r} not in the log:\n{tail(log)}"
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
     for r in rows:
         assert all(r[k] == r[k] and abs(r[k]) < 1e6 for k in ("loss", "reward", "grad_norm")), r

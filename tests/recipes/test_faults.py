@@ -9,7 +9,9 @@ lost or poisoned, and never ends "verified" with a broken model (issue 25).
 * divergence (``learning_rate 1e9``): ``on_nonfinite: stop`` stops at the first NaN step on every rank, writes no
   checkpoint of that state, names the step and the last good checkpoint, exit status 2; ``skip_step`` skips the
   update (weights and optimizer state unchanged), counts and logs it, and finishes;
-* collapse (``learning_rate 1e6``: gradient norm exactly 0 while there are target tokens): a loud warning;
+* collapse (``learning_rate 1e6``: gradient norm exactly 0 for 3 steps while there are target tokens): decided as
+  divergence, ``on_collapse: stop`` (no export, exit status 2, the last good checkpoint named) or ``warn`` (once,
+  and the run goes on); metrics.jsonl, summary.json and the model card record it either way;
 * damaged checkpoint bytes (4 KB overwritten inside a ``.distcp``, same size): the manifest's digests catch it,
   the offline export refuses naming the file, ``resume_from_checkpoint latest`` falls back to the previous good
   checkpoint naming the damaged file, an explicit resume of it is refused;
@@ -126,15 +128,82 @@ def test_skip_step_skips_the_update_and_finishes(assets, tmp_path: Path) -> None
     assert all(torch.isfinite(t.float()).all() for t in tensors.values())
 
 
-def test_collapse_is_a_loud_warning(assets, tmp_path: Path) -> None:
+def _collapse_start(out: Path) -> int:
+    """The first step of the first 3 steps in a row whose gradient norm is exactly 0 (the fault itself)."""
+    norms = [r["grad_norm"] for r in read_metrics(out / "metrics.jsonl") if "event" not in r]
+    starts = [i + 1 for i in range(len(norms) - 2) if norms[i] == norms[i + 1] == norms[i + 2] == 0]
+    assert starts, norms  # the model collapsed
+    return starts[0]
+
+
+def test_collapse_stops_naming_the_last_good_checkpoint(assets, tmp_path: Path) -> None:
+    """on_collapse: stop (the default): at the third zero-gradient step every rank stops alike (exit status 2, one
+    line), nothing is exported, the checkpoints of the collapsed state are named apart from the last good one, and
+    metrics.jsonl and summary.json say why the run stopped."""
     model, data = assets
     out = tmp_path / "run"
-    recipe = _recipe(tmp_path / "r.yaml", model, data, out, learning_rate=1e6, save_steps=0, max_steps=6)
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out, learning_rate=1e6, save_steps=1, max_steps=6)
     proc = _sft(recipe, check=False)
-    norms = [r["grad_norm"] for r in read_metrics(out / "metrics.jsonl")]
-    zero_run = max((len(s) for s in "".join("0" if n == 0 else "x" for n in norms).split("x")), default=0)
-    assert zero_run >= 3, norms  # the fault itself: the model collapsed
-    assert "COLLAPSE: the gradient norm has been exactly 0 for 3 steps" in proc.stderr, proc.stderr[-3000:]
+    error = _one_error(proc)
+    assert 2 in _rank_codes(proc), proc.stderr[-2000:]
+    first = _collapse_start(out)
+    last = first + 2
+    assert (
+        f"COLLAPSE: the gradient norm has been exactly 0 for 3 steps in a row (steps {first}..{last})"
+        in error
+        and f"the run stopped at step {last} and exports nothing" in error
+        and "Lower learning_rate" in error
+        and "on_collapse: warn" in error
+    ), error
+    assert proc.stderr.count("COLLAPSE") == 1, proc.stderr[-3000:]  # said once, by rank 0
+    # The save of step `last` read the flags first: checkpoints up to last - 1; the weights after step first - 1
+    # already gave a zero gradient, so the good ones end at first - 2.
+    assert _steps(out) == list(range(1, last)), _steps(out)
+    good = [s for s in _steps(out) if s <= first - 2]
+    spoiled = ", ".join(f"checkpoint-{s}" for s in _steps(out) if s > first - 2)
+    assert f"({spoiled} hold the state it stopped on)" in error, error
+    if good:
+        assert f"The last good checkpoint is {out / f'checkpoint-{good[-1]}'}" in error, error
+    else:
+        assert "No checkpoint was saved before the collapse" in error, error
+    assert not (out / "model.safetensors").exists() and not (out / "README.md").exists()
+    events = [r for r in read_metrics(out / "metrics.jsonl") if "event" in r]
+    assert [(e["event"], e["action"], e["first_step"], e["step"]) for e in events] == [
+        ("collapse", "stopped", first, last)
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "collapse" and summary["export_dir"] is None, summary
+    assert summary["learned_nothing"] == events
+
+
+def test_collapse_with_on_collapse_warn_goes_on_and_marks_the_run(assets, tmp_path: Path) -> None:
+    """on_collapse: warn: one warning (rank 0), the run finishes and exports, and metrics.jsonl, summary.json and
+    the model card record the collapse."""
+    model, data = assets
+    out = tmp_path / "run"
+    recipe = _recipe(
+        tmp_path / "r.yaml",
+        model,
+        data,
+        out,
+        learning_rate=1e6,
+        save_steps=0,
+        max_steps=5,
+        on_collapse="warn",
+    )
+    proc = _sft(recipe)
+    first = _collapse_start(out)
+    assert proc.stderr.count("COLLAPSE: the gradient norm has been exactly 0") == 1, proc.stderr[-3000:]
+    assert "on_collapse is warn: the run goes on" in proc.stderr
+    events = [r for r in read_metrics(out / "metrics.jsonl") if "event" in r]
+    assert [(e["event"], e["action"], e["first_step"]) for e in events] == [("collapse", "warned", first)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["learned_nothing"] == events and summary["export_dir"] == str(out), summary
+    assert "summary: LEARNED NOTHING at steps" in proc.stderr
+    card = (out / "README.md").read_text()
+    assert "## Warning: this run learned nothing" in card and events[0]["message"] in card
+    assert "| loss |" in card  # the final metrics are the last step's record, not the event
+    assert (out / "model.safetensors").is_file()
 
 
 def _tiny_model(tmp_path: Path) -> tuple[torch.nn.Module, Path]:

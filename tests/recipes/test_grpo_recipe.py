@@ -242,3 +242,33 @@ def test_other_families_roll_out_train_and_export(assets, tmp_path, monkeypatch,
     assert [r["step"] for r in rows] == [1, 2] and all(
         r["kl"] == r["kl"] and r["grad_norm"] == r["grad_norm"] for r in rows
     )
+
+
+def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path, monkeypatch) -> None:
+    """A reward function that returns None for every completion: at the third step without a usable reward every
+    rank stops alike (exit status 2, one line naming the function; not a collapse blamed on the learning rate),
+    nothing is exported, metrics.jsonl and summary.json say why (issue 40 item 7)."""
+    (tmp_path / "none_rewards.py").write_text(
+        "def nothing(prompts, completions, **kw):\n    return [None] * len(completions)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{assets['root']}")
+    out = tmp_path / "run"
+    args = _args(assets, out, "--reward_funcs", "none_rewards:nothing", "--reward_weights", "1.0")
+    proc = torchrun(GRPO, args, nproc=2, check=False, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hf_fsdp2 error:")]
+    assert len(errors) == 1, log[-3000:]
+    completions = 2 * B * G
+    assert (
+        f"no learning signal for 3 steps in a row (steps 1..{STEPS}): no usable reward: every reward function "
+        f"returned None for every completion (at step {STEPS}: 'none_rewards:nothing' scored 0 of {completions})"
+    ) in errors[0], errors[0]
+    assert "return a float for the completions it can score" in errors[0]
+    assert "COLLAPSE" not in log and "learning_rate" not in errors[0], log[-3000:]
+    assert not (out / "model.safetensors").exists()
+    events = [r for r in read_metrics(out / "metrics.jsonl") if "event" in r]
+    assert [(e["event"], e["action"], e["step"]) for e in events] == [
+        ("no_learning_signal", "stopped", STEPS)
+    ]
+    assert json.loads((out / "summary.json").read_text())["stopped"] == "no_learning_signal"

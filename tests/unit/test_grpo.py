@@ -171,3 +171,74 @@ def test_micro_batch_sums_add_up_to_the_whole_batch(loss_type: str) -> None:
     ]
     split = sum(p.loss for p in parts) / sum(p.count for p in parts)
     assert torch.allclose(whole, split, rtol=1e-6), (whole, split)
+
+
+def _roll(rewards: torch.Tensor, per_function: torch.Tensor, settings: GrpoSettings):  # type: ignore[no-untyped-def]
+    from hf_fsdp2.methods.grpo.step import Rollout
+
+    advantages, zero_std = group_advantages(rewards, settings)
+    return Rollout([], rewards, per_function, advantages, zero_std, [], [], [])
+
+
+def test_a_step_without_a_learning_signal_is_counted_and_named() -> None:
+    """The counts a step is decided from (summed over the ranks by the step's one read): completions with a
+    non-zero advantage, completions, rewarded ones, each function's scored ones; the message names the cause and the
+    reward functions (issue 40 item 7)."""
+    from hf_fsdp2.methods.grpo.rewards import RewardFunction, combine
+    from hf_fsdp2.methods.grpo.step import no_signal_fix, no_signal_message, signal_counts
+
+    settings = GrpoSettings(num_generations=4)
+    functions = [
+        RewardFunction("mine:always_none", lambda **kw: [], 1.0),
+        RewardFunction("format", lambda **kw: []),
+    ]
+    nothing = torch.full((8, 2), math.nan)
+    counts = signal_counts(_roll(combine(nothing, functions), nothing, settings))
+    assert counts == [0, 8, 0, 0, 0]
+    message = no_signal_message(counts, [f.name for f in functions], 4, 7)
+    assert message.startswith("no usable reward: every reward function returned None for every completion")
+    assert "(at step 7: 'mine:always_none' scored 0 of 8, 'format' scored 0 of 8)" in message
+    assert "return a float for the completions it can score" in no_signal_fix(counts)
+    # Every group flat (one function scoring all, the other none): no advantage either.
+    flat = torch.stack([torch.tensor([0.5] * 4 + [1.0] * 4), torch.full((8,), math.nan)], dim=1)
+    counts = signal_counts(_roll(combine(flat, functions), flat, settings))
+    assert counts == [0, 8, 8, 8, 0]
+    message = no_signal_message(counts, [f.name for f in functions], 4, 7)
+    assert "within every group of 4 completions of a prompt the reward was the same (zero variance" in message
+    assert "8 of 8 completions rewarded; 'mine:always_none' scored 8 of 8, 'format' scored 0 of 8" in message
+    assert "raise num_generations or temperature" in no_signal_fix(counts)
+    # One group with a spread: a learning signal.
+    spread = flat.clone()
+    spread[1, 0] = 0.0
+    assert signal_counts(_roll(combine(spread, functions), spread, settings))[0] == 4
+
+
+def test_the_guard_stops_or_warns_after_three_steps_without_a_signal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """stop: CollapseError at the third silent step in a row (a step with a signal starts the count again), the
+    last good checkpoint named; warn: one warning, one finding reported, and the zero gradients of the silent steps
+    are not taken for a collapse (the reward is the cause, not the learning rate)."""
+    from hf_fsdp2.train.nonfinite import NO_SIGNAL, CollapseError, NonFiniteGuard
+
+    guard = NonFiniteGuard("stop", last_good=lambda: "CKPT. ")
+    for step, silent in ((1, True), (2, True), (3, False), (4, True), (5, True)):
+        guard.no_signal(step, silent, lambda: "no usable reward: X", "FIX")
+    with pytest.raises(CollapseError, match=r"no learning signal for 3 steps in a row \(steps 4..6\): no usable "
+                       r"reward: X; the run stopped at step 6 and exports nothing\. CKPT\. FIX\. on_collapse: warn"):  # fmt: skip
+        guard.no_signal(6, True, lambda: "no usable reward: X", "FIX")
+
+    reported = []
+    guard = NonFiniteGuard("stop", on_collapse="warn", report=reported.append)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with caplog.at_level("WARNING", logger="hf_fsdp2"):
+        for step in range(1, 7):
+            guard.no_signal(step, True, lambda: "no usable reward: X", "FIX")
+            guard.before_update(optimizer, torch.zeros(()), torch.zeros(()), target_tokens=8)  # gradient 0
+            guard.settle_now()
+    assert [(f.kind, f.action, f.first_step, f.step) for f in reported] == [(NO_SIGNAL, "warned", 1, 3)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "on_collapse is warn" in warnings[0] and "COLLAPSE" not in warnings[0], (
+        warnings
+    )

@@ -11,6 +11,11 @@ With ``num_iterations`` > 1 the same generation batch is trained on that many ti
 the ratio taken against the log-probs of the policy that sampled it (computed once, without gradient); the
 learning-rate schedule moves once per step, after the last update. Every rank runs the same collectives whatever
 its completions: one rollout phase, the same number of forwards and backwards, one count all-reduce per update.
+
+A step with no completion of non-zero advantage on any rank (every reward None, or every group's rewards equal)
+has nothing to learn from: its counts ride on the step's count all-reduce, and the run's guard stops the run (or
+warns, ``on_collapse``) after ``COLLAPSE_STEPS`` such steps in a row, naming the reward functions
+(:meth:`hf_fsdp2.train.nonfinite.NonFiniteGuard.no_signal`).
 """
 
 from __future__ import annotations
@@ -213,6 +218,51 @@ class GrpoStepOutput:
         return out
 
 
+def signal_counts(roll: Rollout) -> list[int]:
+    """This rank's counts a step without a learning signal is decided and named from (summed over the ranks):
+    completions with a non-zero advantage, completions, completions with a reward, and per reward function the
+    completions it scored (did not return None for)."""
+    scored = (~torch.isnan(roll.per_function)).sum(dim=0).tolist() if roll.per_function.numel() else []
+    return [
+        int((roll.advantages != 0).sum()),
+        int(roll.rewards.numel()),
+        int((~torch.isnan(roll.rewards)).sum()),
+        *(int(n) for n in scored),
+    ]
+
+
+def no_signal_message(counts: Sequence[int], names: Sequence[str], generations: int, step: int) -> str:
+    """What a step without a learning signal had (``counts``: :func:`signal_counts` summed over the ranks), the
+    reward functions named."""
+    _, completions, rewarded, *scored = counts
+    per_function = ", ".join(
+        f"{name!r} scored {n} of {completions}" for name, n in zip(names, scored, strict=True)
+    )
+    if rewarded == 0:
+        return (
+            f"no usable reward: every reward function returned None for every completion (at step {step}: "
+            f"{per_function}), so GRPO has no advantage to learn from (loss 0, gradient 0)"
+        )
+    return (
+        f"no usable reward: within every group of {generations} completions of a prompt the reward was the same "
+        f"(zero variance in every group), so every advantage is 0 (at step {step}: {rewarded} of {completions} "
+        f"completions rewarded; {per_function})"
+    )
+
+
+def no_signal_fix(counts: Sequence[int]) -> str:
+    """What to do about a step without a learning signal (``counts`` as :func:`no_signal_message`)."""
+    if counts[2] == 0:
+        return (
+            "Make the reward function return a float for the completions it can score (None marks one it cannot): "
+            "check the dataset columns it reads and what it expects of a completion"
+        )
+    return (
+        "Give the rewards a spread within a group: raise num_generations or temperature, or use a reward with "
+        "partial credit (the task may be out of the model's reach, or always solved)"
+    )
+
+
 def grpo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -240,9 +290,20 @@ def grpo_step(
         sum(int(r["completion_mask"].sum()) if dapo else r["completion_mask"].shape[0] for r in roll.rows),
         sum(int(r["completion_mask"].sum()) for r in roll.rows),
         sum(r["input_ids"].numel() for r in roll.rows),
+        *signal_counts(roll),
     ], dtype=torch.long)  # fmt: skip
-    # The step's one host read of its counts, carrying the previous step's non-finite flags (the guard acts here).
-    count, tokens, processed = read_step_counts(local.to(device), guard_of(optimizer))
+    # The step's one host read of its counts, carrying the previous step's non-finite flags (the guard acts here)
+    # and the reward counts every rank decides a step without a learning signal from, alike.
+    guard = guard_of(optimizer)
+    count, tokens, processed, *signal = read_step_counts(local.to(device), guard)
+    if guard is not None:
+        silent = signal[0] == 0
+        guard.no_signal(
+            step,
+            silent,
+            lambda: no_signal_message(signal, [f.name for f in functions], s.num_generations, step),
+            no_signal_fix(signal),
+        )
     scale = collectives.world() / count if count else 0.0
     old = (
         [no_grad_logps(model, r, settings.temperature, device) for r in roll.rows]
