@@ -207,8 +207,8 @@ def recipe_pieces(
     import yaml
 
     from hf_fsdp2.config import parse_config
-    from hf_fsdp2.train.step import StepSettings
     from hf_fsdp2.methods.sft.data import build_sft_data
+    from hf_fsdp2.train.step import StepSettings
     from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
     from hf_fsdp2.trainer.observer import Observer
     from hf_fsdp2.trainer.session import Session

@@ -12,6 +12,7 @@ from support.launch import REPO, SFT, accelerate_launch, python
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.config import parse_config
+from hf_fsdp2.methods import method_names, parse_method_config
 from hf_fsdp2.observe.logs import read_metrics
 
 RELOAD = r"""
@@ -219,5 +220,7 @@ def test_shipped_recipe_configs_parse():
     configs = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
     assert configs
     for path in configs:
-        cfg = parse_config(["--config", str(path)])
+        # Each YAML is its method's (dpo_cpu_demo.yaml, llama3_8b_dpo.yaml: dpo), the others SFT's.
+        method = next((m for m in method_names() if m in path.stem.split("_")), "sft")
+        cfg = parse_method_config(method, ["--config", str(path)])
         assert cfg.model.model_name_or_path and cfg.data.dataset_name and cfg.train.output_dir
