@@ -144,9 +144,12 @@ def test_offline_uses_the_given_python_from_the_checkout_and_installs_the_bundle
     assert (site / "bundle" / "gpucheck_probe" / "__init__.py").is_file()
     report = json.loads(out.read_text())
     assert report["python"] == python
-    # hf_fsdp2 came from the checkout, laid out as installed (recipes inside), not from an install
+    # hf_fsdp2 came from the checkout, laid out as installed (the recipe configs inside), not from an install
     assert report["packages"]["hf_fsdp2"].endswith(f"({site / 'checkout' / 'hf_fsdp2'})"), report["packages"]
-    assert (site / "checkout" / "hf_fsdp2" / "recipes" / "sft.py").resolve() == REPO / "recipes" / "sft.py"
+    assert (site / "checkout" / "hf_fsdp2" / "recipe_configs").resolve() == REPO / "recipes" / "configs"
+    assert (
+        site / "checkout" / "hf_fsdp2" / "methods" / "sft"
+    ).resolve() == REPO / "hf_fsdp2" / "methods" / "sft"
     assert [c["name"] for c in report["checks"]] == ["liger"] and report["passed"] == 1
 
 
