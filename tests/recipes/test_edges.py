@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support.launch import REPO, SFT, _env, free_port, python
-from support.runs import sft_2ranks, write_recipe
-from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+from support.runs import copy_run, finished_run, sft_2ranks, shared_assets, write_recipe
+from support.tiny import write_chat_jsonl
 
 from hf_fsdp2.checkpoint.resume import checkpoint_problems
 from hf_fsdp2.observe.logs import read_metrics
@@ -30,8 +30,13 @@ from hf_fsdp2.observe.logs import read_metrics
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("edges")
-    return make_tiny_llama_dir(root / "model", seed=4), write_chat_jsonl(root / "chat.jsonl", 32, seed=9)
+    return shared_assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 4-step run with checkpoint-2 and checkpoint-4 (shared with test_faults.py on this worker)."""
+    return finished_run(tmp_path_factory)
 
 
 _recipe, _sft = write_recipe, sft_2ranks
@@ -75,11 +80,10 @@ def test_two_runs_into_one_output_dir_one_owns_it(assets, tmp_path: Path) -> Non
     assert not (out / ".hf_fsdp2.lock").exists()  # released at the end
 
 
-def test_a_damaged_checkpoint_is_named_and_latest_falls_back(assets, tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back(assets, finished: Path, tmp_path: Path) -> None:
     model, data = assets
-    out = tmp_path / "run"
+    out = copy_run(finished, tmp_path / "run")  # a finished run of this recipe: checkpoint-2 and checkpoint-4
     recipe = _recipe(tmp_path / "r.yaml", model, data, out, save_steps=2)
-    _sft(recipe)
     shard = sorted((out / "checkpoint-4").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
     proc = _sft(recipe, "--resume_from_checkpoint", str(out / "checkpoint-4"), check=False)
@@ -92,11 +96,10 @@ def test_a_damaged_checkpoint_is_named_and_latest_falls_back(assets, tmp_path: P
 
 
 def test_a_failed_export_keeps_the_weights_and_they_export_offline_to_the_same_bytes(
-    assets, tmp_path: Path
+    assets, finished: Path, tmp_path: Path
 ) -> None:
     model, data = assets
-    good = tmp_path / "good"
-    _sft(_recipe(tmp_path / "good.yaml", model, data, good))
+    good = finished  # the same recipe (its checkpoint at step 2 changes no weight): the export the run should write
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / ".export-incomplete").write_text(
