@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.launch import SFT
-from support.runs import sft_2ranks, write_recipe
-from support.tiny import make_tiny_llama_dir, write_chat_jsonl
+from support.runs import copy_run, finished_run, sft_2ranks, shared_assets, write_recipe
+from support.tiny import make_tiny_llama_dir
 
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.checkpoint.manifest import MANIFEST_FILE
@@ -43,8 +43,13 @@ from hf_fsdp2.observe.logs import read_metrics
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("faults")
-    return make_tiny_llama_dir(root / "model", seed=4), write_chat_jsonl(root / "chat.jsonl", 32, seed=9)
+    return shared_assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 4-step run with checkpoint-2 and checkpoint-4 (shared with test_edges.py on this worker)."""
+    return finished_run(tmp_path_factory)
 
 
 _recipe, _sft = write_recipe, sft_2ranks
@@ -382,13 +387,14 @@ def test_the_lora_export_refuses_a_non_finite_adapter(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_damaged_bytes_are_refused_by_the_export_and_skipped_by_resume(assets, tmp_path: Path) -> None:
+def test_damaged_bytes_are_refused_by_the_export_and_skipped_by_resume(
+    assets, finished: Path, tmp_path: Path
+) -> None:
     from hf_fsdp2.export.offline import export_checkpoint
 
     model, data = assets
-    out = tmp_path / "run"
+    out = copy_run(finished, tmp_path / "run")  # a finished run of this recipe: checkpoint-2 and checkpoint-4
     recipe = _recipe(tmp_path / "r.yaml", model, data, out, save_steps=2, max_steps=4)
-    _sft(recipe)
     manifest = json.loads((out / "checkpoint-4" / MANIFEST_FILE).read_text())
     shards = sorted((out / "checkpoint-4").glob("*.distcp"))
     assert len(shards) == 2 and {s.name for s in shards} <= set(manifest["files"])
@@ -421,18 +427,20 @@ def _run_id(checkpoint: Path) -> str:
     return str(json.loads((checkpoint / "trainer_state.json").read_text())["run_id"])
 
 
-def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(assets, tmp_path: Path) -> None:
+def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(
+    assets, finished: Path, tmp_path: Path
+) -> None:
     model, shared = assets
     data = tmp_path / "data.jsonl"
     data.write_text(shared.read_text())
-    out = tmp_path / "run"
-    _sft(_recipe(tmp_path / "old.yaml", model, data, out, max_steps=6, save_steps=2))
-    old_id = _run_id(out / "checkpoint-6")
+    # The older run: 4 steps, checkpoint-2 and checkpoint-4 ('latest' 4, past the new run's 3 steps).
+    out = copy_run(finished, tmp_path / "run")
+    old_id = _run_id(out / "checkpoint-4")
     new = _recipe(tmp_path / "new.yaml", model, data, out, max_steps=3, save_steps=3, save_total_limit=1, seed=7,
                   overwrite_output_dir=True)  # fmt: skip
     proc = _sft(new)
     log = proc.stdout + proc.stderr
-    assert "removed the previous run's checkpoints" in log and "checkpoint-6" in log
+    assert "removed the previous run's checkpoints" in log and "checkpoint-4" in log
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     assert (out / "latest").read_text().strip() == "3"
     assert _run_id(out / "checkpoint-3") not in ("", old_id)
