@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,24 +134,44 @@ def _plain_loop(
     return rows_out
 
 
+def _extra(loss_type: str, iterations: int, beta: float, gather: str) -> list[str]:
+    return ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta), "--rollout_gather",
+            gather]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dapo_run(assets, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The dapo run (TRL's defaults), a checkpoint every step: the plain loop's parity case and the uninterrupted run
+    a resumed one must repeat. Its folder and log."""
+    out = tmp_path_factory.mktemp("dapo") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(assets["root"]))
+        proc = torchrun(
+            GRPO, _args(assets, out, *_extra("dapo", 1, 0.0, "full"), "--save_steps", "1"), nproc=2
+        )
+    return out, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(
     ("loss_type", "iterations", "beta", "gather"),
     [("dapo", 1, 0.0, "full"), ("grpo", 1, 0.0, "layer"), ("dr_grpo", 2, 0.1, "full")],
 )
 def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
-    assets, tmp_path, monkeypatch, loss_type, iterations, beta, gather
+    assets, tmp_path, monkeypatch, request, loss_type, iterations, beta, gather
 ):
     """dr_grpo with num_iterations 2 (the second update's ratio against the sampler's log-probs) and beta 0.1 (the KL
     to a frozen sharded copy of the model as loaded); grpo with the rollout gathered per layer (rollout_gather:
     layer), its ranks decoding in step."""
     monkeypatch.syspath_prepend(str(assets["root"]))
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    extra = ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta), "--rollout_gather",
-             gather]  # fmt: skip
-    proc = torchrun(GRPO, _args(assets, tmp_path / "run", *extra), nproc=2)
-    log = proc.stdout + proc.stderr
+    if loss_type == "dapo":  # the module's dapo run (its checkpoints change no number)
+        run, log = request.getfixturevalue("dapo_run")
+    else:
+        run = tmp_path / "run"
+        proc = torchrun(GRPO, _args(assets, run, *_extra(loss_type, iterations, beta, gather)), nproc=2)
+        log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
-    got = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    got = read_metrics(run / "metrics.jsonl")
     want = _plain_loop(assets, loss_type, iterations, beta)
     for g, w in zip(got, want, strict=True):
         for key in ("loss", "grad_norm", "reward", *(("kl",) if beta else ())):
@@ -164,13 +185,19 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     assert any(abs(r["loss"]) > 1e-7 for r in got) or any(r["grad_norm"] > 0 for r in got)
 
 
-def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(assets, tmp_path, monkeypatch) -> None:
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(
+    assets, dapo_run, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    straight = tmp_path / "straight"
-    torchrun(GRPO, _args(assets, straight, "--save_steps", "1"), nproc=2)
+    straight, _ = dapo_run
+    # The uninterrupted run's checkpoint-2 as another run folder's latest: resumed there, step 3 must repeat.
     resumed = tmp_path / "resumed"
-    torchrun(GRPO, _args(assets, resumed, "--save_steps", "1", "--max_steps", "2"), nproc=2)
-    torchrun(GRPO, _args(assets, resumed, "--save_steps", "1", "--resume_from_checkpoint", "latest"), nproc=2)
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    (resumed / "latest").write_text("2\n")
+    args = _args(assets, resumed, *_extra("dapo", 1, 0.0, "full"), "--save_steps", "1", "--resume_from_checkpoint",
+                 "latest")  # fmt: skip
+    torchrun(GRPO, args, nproc=2)
     a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
     b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
