@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -255,7 +256,10 @@ def test_resume_with_an_incompatible_config_is_refused_and_harmless_changes_are_
     assets, uninterrupted: Path, tmp_path: Path
 ):
     out = tmp_path / "run"
-    torchrun(SFT, _args(assets, out, "--save_steps", "3", "--max_steps", "3"))
+    # The uninterrupted run's checkpoint-3 (max_length 96, logging_steps 1) as this run folder's latest.
+    out.mkdir()
+    shutil.copytree(uninterrupted / "checkpoint-3", out / "checkpoint-3")
+    (out / "latest").write_text("3\n")
     proc = torchrun(
         SFT, _args(assets, out, "--resume_from_checkpoint", "latest", "--max_length", "64"), check=False
     )
