@@ -211,6 +211,7 @@ def test_lora_dpo_through_accelerate_launch_exports_a_verified_adapter_and_merge
         ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["messages"]), "--output_dir",
          str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "64",
          "--mixed_precision", "bf16", "--use_peft", "true", "--merge_adapter", "true", "--learning_rate", "1e-2"],
+        served=True,  # accelerate's environment for the config, ranks forked (test_sft_recipe.py runs the real one)
     )  # fmt: skip
     log = proc.stdout + proc.stderr
     assert "DPO reference: the base model with the LoRA adapter disabled" in log

@@ -123,21 +123,58 @@ def accelerate_launch(
     timeout: int = 600,
     check: bool = True,
     launcher_args: list[str] | None = None,
+    served: bool = False,
 ):
-    """``accelerate launch --config_file F [launcher_args] script args`` on a free port."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
+    """``accelerate launch --config_file F [launcher_args] script args`` on a free port.
+
+    ``served=True``: accelerate's own launcher code reads the config file and the launcher arguments and makes the
+    environment it hands torchrun (``prepare_multi_gpu_env``, its FSDP path), and the ranks are forked from this
+    worker's launch server with it, as :func:`torchrun` forks them: for a test whose subject is the run rather than the
+    launcher's processes (tests/recipes/test_launch_mapping.py, test_launch_errors.py and test_sft_recipe.py run the
+    real ``accelerate launch``). Without the launch server (HF_FSDP2_TEST_LAUNCH_SERVER=0) it is the real one."""
+    port = free_port()
+    launcher = [
         "--config_file",
         str(REPO / config_file),
         *(launcher_args or []),
         "--main_process_port",
-        str(free_port()),
-        str(script),
-        *args,
+        str(port),
     ]
+    if served and _server_enabled():
+        return _served_accelerate(launcher, script, args, port=port, timeout=timeout, check=check)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, str(script), *args]
     return _run(cmd, timeout, check)
+
+
+def _served_accelerate(
+    launcher: list[str], script: Path | str, args: list[str], *, port: int, timeout: int, check: bool
+) -> subprocess.CompletedProcess[str]:
+    """``accelerate launch`` of an FSDP config with the ranks forked from the launch server (see accelerate_launch)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    parsed = launch_command_parser().parse_args([*launcher, str(script), *[str(a) for a in args]])
+    parsed, _, _ = _validate_launch_command(parsed)
+    if not parsed.use_fsdp or parsed.cpu:
+        raise ValueError(
+            f"accelerate_launch(served=True) serves the FSDP launch path (torchrun's); {launcher} takes another: "
+            "launch it with served=False"
+        )
+    # The variables accelerate adds for the ranks (ACCELERATE_*, FSDP_*): read when the Accelerator is built, so the
+    # running server serves them.
+    env = prepare_multi_gpu_env(parsed)
+    added = {
+        k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and os.environ.get(k) != v
+    }
+    return _served(
+        script,
+        args,
+        nproc=int(parsed.num_processes),
+        timeout=timeout,
+        master_port=port,
+        check=check,
+        extra_env=added,
+    )
 
 
 def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
@@ -284,7 +321,14 @@ def _zygote_code(
 
 
 def _served(
-    script: Path | str, args: list[str], *, nproc: int, timeout: int, master_port: int | None, check: bool
+    script: Path | str,
+    args: list[str],
+    *,
+    nproc: int,
+    timeout: int,
+    master_port: int | None,
+    check: bool,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script args`` on ``nproc`` ranks forked from this worker's launch server; a CompletedProcess whose status
     is torchrun's for a distributed run (1 when a rank failed) and the process's own for a plain one."""
@@ -292,6 +336,7 @@ def _served(
     env = _env()
     server = _server(env)
     run_env = dict(env)
+    run_env.update(extra_env or {})  # the ranks' own: the server that imported for env serves them
     if master_port is not None:
         run_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(script), *args]
