@@ -31,8 +31,8 @@ def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True, ac
     args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
             "--per_device_train_batch_size", "2", "--max_length", "32", "--logging_steps", "1",
             "--mixed_precision", "no", *extra]  # fmt: skip
-    if accelerate:  # the end-to-end launcher users run
-        return accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", CPT, args, check=check)
+    if accelerate:  # the launcher users run: accelerate's environment for the config, ranks forked (served)
+        return accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", CPT, args, check=check, served=True)
     return torchrun(CPT, args, nproc=2, check=check)
 
 
