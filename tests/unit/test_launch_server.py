@@ -96,3 +96,26 @@ def test_a_failing_rank_ends_the_run_and_is_reported(tmp_path: Path) -> None:
     # The server is still there for the next run.
     script.write_text("import sys\nprint('alone', len(sys.argv))\n")
     assert "alone 1" in launch.python(script, [], check=True).stdout
+
+
+def test_a_served_accelerate_launch_is_the_run_accelerate_launch_starts(tmp_path: Path) -> None:
+    """accelerate_launch(served=True): the ranks get what the real ``accelerate launch`` of the config gives them
+    (torchrun's variables and accelerate's ACCELERATE_* / FSDP_* ones), and rendezvous as its ranks do."""
+    script = tmp_path / "report.py"
+    script.write_text(
+        _REPORT.replace(
+            "for k in %r}",
+            "for k in sorted(os.environ) if k in %r or k.startswith(('ACCELERATE_', 'FSDP_'))}",
+        )
+        % (_KEYS,)
+    )
+    config = "accelerate_configs/fsdp2_cpu.yaml"
+    served = _reports(launch.accelerate_launch(config, script, ["--x", "1"], served=True).stdout)
+    real = _reports(launch.accelerate_launch(config, script, ["--x", "1"]).stdout)
+    assert len(served) == len(real) == 2
+    for mine, theirs in zip(served, real, strict=True):
+        assert mine["env"]["FSDP_VERSION"] == "2" and mine["env"]["ACCELERATE_USE_FSDP"] == "true", mine[
+            "env"
+        ]
+        assert mine["env"] == theirs["env"], (mine["env"], theirs["env"])
+        assert mine["sum"] == theirs["sum"] == 3.0 and mine["argv"] == theirs["argv"] == ["--x", "1"]
