@@ -102,7 +102,7 @@ def test_a_failed_save_after_a_good_one_names_the_checkpoint_that_is_kept(
 
 
 def test_a_failure_holding_every_ranks_traceback_is_said_in_one_line() -> None:
-    from hf_fsdp2.checkpoint.checkpointer import _gist
+    from hf_fsdp2.checkpoint.checkpointer import gist as _gist
 
     text = (
         "failed while saving checkpoint-4 (rank 0): CheckpointException: CheckpointException ranks:dict_keys([0, 1])\n"

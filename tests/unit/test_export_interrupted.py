@@ -51,6 +51,9 @@ def test_the_export_says_it_was_stopped_and_publishes_nothing(
     from hf_fsdp2.export import export_model
     from hf_fsdp2.model import load_model, load_tokenizer
 
+    # A reload in its own interpreter, as a run's: the suite's session-wide shared reload interpreter (conftest) was
+    # started without the SIGTERM environment and would answer instead.
+    monkeypatch.setattr(reload_process, "_shared", None)
     real = reload_process.run_reload
     monkeypatch.setattr(
         reload_process, "run_reload", lambda script, req, out, env: real(script, req, out, terminated)

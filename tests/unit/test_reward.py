@@ -71,13 +71,12 @@ def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() ->
             parse_config(args)
     cfg = parse_config([])
     rm_objective(cfg)
-    assert (
-        cfg.data.long_examples == "drop"
-    )  # the method's default: a cut row would lose the token its reward is read at
-    assert (
-        parse_method_config("sft", ["--model_name_or_path", "m", "--dataset_name", "d"]).data.long_examples
-        == "truncate"
+    # The method's default: a cut row would lose the token its reward is read at.
+    assert cfg.data.long_examples == "drop"
+    sft = parse_method_config(
+        "sft", ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
     )
+    assert sft.data.long_examples == "truncate"  # the other methods' default is untouched
     cfg = parse_config(["--long_examples", "error", "--center_rewards_coefficient", "0.01"])
     rm_objective(cfg)
     assert cfg.data.long_examples == "error"
