@@ -66,15 +66,19 @@ def test_a_method_registered_from_outside_the_package_trains_and_exports(tmp_pat
     assert json.loads((tmp_path / "run" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_the_toy_methods_key_is_its_own() -> None:
+def test_the_toy_methods_key_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
     import sys
 
+    import hf_fsdp2.methods
+
+    # Registered into this test's own registry and module table: the other tests of this process see the built-ins.
+    monkeypatch.setattr(hf_fsdp2.methods, "_REGISTERED", {})
     spec = importlib.util.spec_from_file_location("toy_recipe", TOY)
     assert spec is not None and spec.loader is not None
-    toy = sys.modules.setdefault("toy_recipe", importlib.util.module_from_spec(spec))
-    if not hasattr(toy, "TOY"):
-        spec.loader.exec_module(toy)
+    toy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "toy_recipe", toy)
+    spec.loader.exec_module(toy)
     argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o"]
     assert parse_method_config("toy", [*argv, "--toy_weight", "3"]).method.toy_weight == 3.0
     with pytest.raises(ConfigError, match="toy_weight=-1.0 must be > 0"):
