@@ -165,7 +165,7 @@ def prepare_offline_export(
     from transformers import GenerationConfig
 
     from hf_fsdp2.config import parse_size
-    from hf_fsdp2.export.hub import render_model_card
+    from hf_fsdp2.export.card import render_model_card
     from hf_fsdp2.model import auto_class_name, load_tokenizer
     from hf_fsdp2.score_head import carries_score_head
 

@@ -248,7 +248,7 @@ def export_model(
         generation_config: saved as generation_config.json (derived from the config when None).
         dtype: ``bfloat16``, ``float32``, ``float16`` or ``training`` (the dtype the weights have).
         max_shard_bytes: largest safetensors file (a single larger tensor gets its own file).
-        model_card: README.md text (see ``hf_fsdp2.export.hub.render_model_card``), or None for none.
+        model_card: README.md text (see ``hf_fsdp2.export.card.render_model_card``), or None for none.
         verify: check the folder before publishing it (see :func:`hf_fsdp2.export.verify.verify_export`).
         verify_atol: probe-logit limit (absolute); None = :func:`hf_fsdp2.export.probe.probe_limit`.
         compute_dtype: dtype the live model computes in (bf16 under mixed precision); None = its weights'.

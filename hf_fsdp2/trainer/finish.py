@@ -19,8 +19,9 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.config import ConfigError, parse_size
+from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
-from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder, render_model_card
+from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder
 from hf_fsdp2.export.writer import export_model
 from hf_fsdp2.lora.adapter import LoraError
 from hf_fsdp2.lora.save import export_lora

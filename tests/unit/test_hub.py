@@ -32,13 +32,13 @@ import pytest
 import yaml
 from huggingface_hub import constants as hub_constants
 
+from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.hub import (
     RUN_FOLDER_IGNORE,
     CheckpointPusher,
     HubError,
     check_can_push,
     push_folder,
-    render_model_card,
     resolve_token,
     upload_plan,
 )
