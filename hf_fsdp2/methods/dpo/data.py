@@ -116,16 +116,27 @@ def build_dpo_data(session: Session, tokenizer: Any, recipe: str = "DPO") -> Tra
     return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
 
 
-def preview_pairs(
-    cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
+def preview_tokenized(
+    cfg: Any,
+    tokenizer: Any,
+    load: Callable[[DataSource], Any],
+    read: int,
+    tokenize: Callable[..., Any],
+    kind: str,
 ) -> list[tuple[str, str]]:
-    """Doctor's reading: each source's first ``read`` records tokenized as preference pairs (the run's error raised)."""
+    """Doctor's reading: each source's first ``read`` records through ``tokenize`` (the pair tokenizers' signature), as
+    the run reads them (the run's error raised); ``kind`` names what they are."""
     d = cfg.data
     out = []
     for source in d.sources():
-        rows, _ = tokenize_pairs(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
-                                 on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
-        out.append(
-            (source.describe(), f"preference pairs, {len(rows)} of the first {read} records tokenized")
-        )
+        rows, _ = tokenize(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
+                           on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
+        out.append((source.describe(), f"{kind}, {len(rows)} of the first {read} records tokenized"))
     return out
+
+
+def preview_pairs(
+    cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
+) -> list[tuple[str, str]]:
+    """Doctor's reading: each source's first ``read`` records tokenized as preference pairs."""
+    return preview_tokenized(cfg, tokenizer, load, read, tokenize_pairs, "preference pairs")

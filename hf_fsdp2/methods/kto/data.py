@@ -11,7 +11,7 @@ from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import DataSource
 from hf_fsdp2.data.unpaired import UnpairedCollator, tokenize_unpaired, with_kl_completions
-from hf_fsdp2.methods.dpo.data import PairList, load_pairs
+from hf_fsdp2.methods.dpo.data import PairList, load_pairs, preview_tokenized
 from hf_fsdp2.methods.kto.config import KtoArgs
 from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
 from hf_fsdp2.trainer.session import Session
@@ -92,13 +92,5 @@ def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:
 def preview_unpaired(
     cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
 ) -> list[tuple[str, str]]:
-    """Doctor's reading: each source's first ``read`` records tokenized as unpaired examples (the run's error raised)."""
-    d = cfg.data
-    out = []
-    for source in d.sources():
-        rows, _ = tokenize_unpaired(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
-                                    on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
-        out.append(
-            (source.describe(), f"unpaired examples, {len(rows)} of the first {read} records tokenized")
-        )
-    return out
+    """Doctor's reading: each source's first ``read`` records tokenized as unpaired examples."""
+    return preview_tokenized(cfg, tokenizer, load, read, tokenize_unpaired, "unpaired examples")
