@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_fsdp2.data.loading import load_raw_dataset
 from hf_fsdp2.data.tokenize import tokenize_dataset
+from hf_fsdp2.lora.quantize import _peft_dequantize
 from hf_fsdp2.observe.logs import read_metrics
 
 pytest.importorskip("torchao")
@@ -59,17 +60,10 @@ MERGED = (
 
 
 def _dora_dequantize_shim() -> None:
-    """PEFT's DoRA calls ``weight.dequantize()`` on torchao tensors; the NF4 tensor's is its lookup step."""
-    lookup = NF4Tensor.__dict__["dequantize"]
-    if getattr(lookup, "_test_shim", False):
-        return
-    step = lookup.__func__ if isinstance(lookup, staticmethod) else lookup
-
-    def dequantize(*args):
-        return args[0].get_original_weight() if len(args) == 1 else step(*args[-2:])
-
-    dequantize._test_shim = True  # type: ignore[attr-defined]
-    NF4Tensor.dequantize = dequantize  # type: ignore[method-assign]
+    """PEFT's DoRA calls ``weight.dequantize()`` on torchao tensors; the NF4 tensor's is its lookup step. The
+    reference uses the library's own adapter of that call: a second, test-local replacement would make the library's
+    guard (which refuses a dequantize it does not know) fail every later QLoRA run of the same worker."""
+    _peft_dequantize(NF4Tensor)
 
 
 def quantise_decoder_linears(model: torch.nn.Module) -> int:
