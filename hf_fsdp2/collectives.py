@@ -53,6 +53,56 @@ def world() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
+# The run's model-parallel layout (:func:`set_layout`): ranks that share one data rank (``cp x tp``, innermost in
+# the mesh dp_replicate x dp_shard x cp x tp, Accelerate's order), the context-parallel group, and the TP size.
+_LAYOUT: dict[str, Any] = {"cp": 1, "tp": 1, "cp_group": None}
+
+
+def set_layout(*, cp: int = 1, tp: int = 1, cp_group: Any = None) -> None:
+    """Record the run's context- and tensor-parallel sizes (not collective; every rank sets the same values once the
+    mesh exists). Ranks ``k * cp * tp`` .. ``(k + 1) * cp * tp - 1`` read the same batches (data rank ``k``); FSDP2
+    averages gradients over ``world / tp`` ranks (a TP group holds one copy of each gradient shard)."""
+    if cp < 1 or tp < 1 or world() % (cp * tp):
+        raise ValueError(f"cp={cp} x tp={tp} does not divide the world size {world()}")
+    _LAYOUT.update(cp=cp, tp=tp, cp_group=cp_group)
+
+
+def cp_size() -> int:
+    """Ranks one sequence is split over (context parallel); 1 without (not collective)."""
+    return int(_LAYOUT["cp"])
+
+
+def cp_group() -> Any:
+    """The context-parallel process group of this rank (None without context parallel; not collective)."""
+    return _LAYOUT["cp_group"]
+
+
+def cp_rank() -> int:
+    """This rank's position in its context-parallel group: which part of each sequence it holds (not collective)."""
+    return (rank() // tp_size()) % cp_size()
+
+
+def tp_size() -> int:
+    """Ranks one layer's weights are split over (tensor parallel); 1 without (not collective)."""
+    return int(_LAYOUT["tp"])
+
+
+def data_world() -> int:
+    """Ranks that read different batches: ``world / (cp x tp)`` (not collective)."""
+    return world() // (cp_size() * tp_size())
+
+
+def data_rank() -> int:
+    """Which batches this rank reads: its index among the data-parallel ranks (not collective)."""
+    return rank() // (cp_size() * tp_size())
+
+
+def grad_world() -> int:
+    """Ranks FSDP2 averages each gradient over: ``world / tp`` (a micro-batch's summed loss is scaled by it over the
+    step's count, so the accumulated gradient is the step's mean; not collective)."""
+    return world() // tp_size()
+
+
 def init_host_group(timeout_s: int = HOST_WAIT_TIMEOUT_S) -> None:
     """Create the host (gloo) group over every rank of the default group, with its own timeout.
 

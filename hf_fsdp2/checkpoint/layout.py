@@ -46,6 +46,9 @@ class TrainerState:
     # What the local data files were when it was written (path -> size and content digest), to notice on resume
     # a file changed in place; empty for hub datasets (their revision is part of the config).
     data_files: dict[str, str] = field(default_factory=dict)
+    # Ranks that read different batches (world / (cp x tp)); None in checkpoints written before context and tensor
+    # parallel (their world size read the data).
+    data_world: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)

@@ -7,6 +7,7 @@ setting (``parallel``, ``lora``, ``observe``, ``data``) import it from here, and
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -91,12 +92,13 @@ TP_REFUSAL = (
     "2-D (tensor x data) shards. Use HSDP (dp_replicate_size x dp_shard_size) or flat FSDP2 with "
     "fsdp_cpu_offload / activation checkpointing for large models"
 )
-CP_REFUSAL = (
-    "context parallel is not available in this version: torch 2.13 shards attention over the sequence only "
-    "inside CUDA SDPA kernels (flash / memory-efficient / cuDNN; on CPU its forward fails with "
-    "'aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy'), and the recipe's loss, "
-    "sampler and metrics do not yet shard the sequence; for long sequences use activation checkpointing "
-    "(activation_checkpointing=full or offload) and ce_chunk_tokens"
+CP_BACKENDS = ("auto", "all_to_all", "ring")
+RING_REFUSAL = (
+    "cp_backend=ring is not built in this version: torch 2.13's ring attention (context_parallel) shards only CUDA "
+    "SDPA kernels (on CPU it fails with 'aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
+    "strategy'), drops the attention mask (no packing, no padding-free batches) and needs load-balanced "
+    "2 x cp_size chunks through the loss; use cp_backend=all_to_all (the default), which runs on CUDA with any "
+    "kernel, packing included"
 )
 
 
@@ -110,6 +112,7 @@ class MeshPlan:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    cp_backend: str = "all_to_all"
 
     @property
     def world(self) -> int:
@@ -119,13 +122,27 @@ class MeshPlan:
     def hybrid(self) -> bool:
         return self.dp_replicate > 1
 
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks a parameter is sharded over: ``dp_shard x cp`` (context-parallel ranks share the shards, as in
+        torchtitan)."""
+        return self.dp_shard * self.cp
+
     def describe(self) -> str:
         if self.hybrid:
-            return (
-                f"HSDP: {self.dp_replicate} replica groups x {self.dp_shard} shards (parameters sharded within a "
+            text = (
+                f"HSDP: {self.dp_replicate} replica groups x {self.fsdp_shard} shards (parameters sharded within a "
                 f"group, gradients all-reduced across groups)"
             )
-        return f"flat FSDP2 over {self.dp_shard} ranks"
+        else:
+            text = f"flat FSDP2 over {self.fsdp_shard} ranks"
+        if self.cp > 1:
+            text += (
+                f"; context parallel {self.cp} ({self.cp_backend}): each sequence split over {self.cp} ranks, "
+                f"{self.dp_replicate * self.dp_shard} data-parallel ranks (dp_shard {self.dp_shard} x cp {self.cp} "
+                "share the parameter shards)"
+            )
+        return text
 
 
 def _size(value: int | None, name: str) -> int | None:
@@ -135,13 +152,19 @@ def _size(value: int | None, name: str) -> int | None:
 
 
 def resolve_mesh(
-    world: int, *, dp_replicate: int | None, dp_shard: int | None, tp: int | None, cp: int | None
+    world: int,
+    *,
+    dp_replicate: int | None,
+    dp_shard: int | None,
+    tp: int | None,
+    cp: int | None,
+    cp_backend: str = "auto",
 ) -> MeshPlan:
     """The mesh for ``world`` ranks from the configured sizes (None: 1, and ``dp_shard`` the rest).
 
     Raises:
         ConfigError: sizes that do not multiply to the world size (with the numbers), or TP / CP > 1 (see
-            :data:`TP_REFUSAL`, :data:`CP_REFUSAL`).
+            :data:`TP_REFUSAL`, :data:`RING_REFUSAL`).
     """
     r = _size(dp_replicate, "dp_replicate_size") or 1
     t = _size(tp, "tp_size") or 1
@@ -154,8 +177,10 @@ def resolve_mesh(
                 f"{world}; choose sizes whose product divides the number of processes"
             )
         s = world // (r * t * c)
-    mesh = MeshPlan(r, s, t, c)
-    if r > 1 and s == 1:
+    if cp_backend not in CP_BACKENDS:
+        raise ConfigError(f"cp_backend={cp_backend!r} is not one of {', '.join(CP_BACKENDS)}")
+    mesh = MeshPlan(r, s, t, c, "all_to_all" if cp_backend == "auto" else cp_backend)
+    if r > 1 and s * c == 1:
         raise ConfigError(
             f"dp_replicate_size={r} with dp_shard_size=1 replicates whole parameters on every rank (DDP), which "
             "FSDP2 through Accelerate does not run; shard within each group (dp_shard_size >= 2)"
@@ -169,13 +194,58 @@ def resolve_mesh(
     return mesh
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """How attention heads are scattered over ``cp`` ranks by the all-to-all context-parallel backend: each rank
+    computes ``heads / cp`` query heads and ``kv_heads x kv_repeat / cp`` key/value heads (GQA models whose KV heads
+    do not divide by ``cp`` repeat each KV head ``kv_repeat`` times before the all-to-all, as attention would repeat
+    it anyway: more all-to-all bytes, the same result)."""
+
+    heads: int
+    kv_heads: int
+    cp: int
+    kv_repeat: int = 1
+
+    def describe(self) -> str:
+        per = f"{self.heads // self.cp} query heads and {self.kv_heads * self.kv_repeat // self.cp} key/value heads"
+        repeat = (
+            f"; each of the {self.kv_heads} key/value heads repeated {self.kv_repeat}x before the all-to-all "
+            f"({self.kv_heads} does not divide by cp_size={self.cp})"
+            if self.kv_repeat > 1
+            else ""
+        )
+        return f"{per} per rank over the whole sequence{repeat}"
+
+
+def split_heads(heads: int, kv_heads: int | None, cp: int) -> HeadSplit:
+    """The head split of a model with ``heads`` query and ``kv_heads`` key/value heads over ``cp`` ranks.
+
+    Raises:
+        ConfigError: ``cp`` does not divide the query heads (each rank computes whole heads).
+    """
+    kv = kv_heads or heads
+    if heads % cp:
+        raise ConfigError(
+            f"cp_size={cp} does not divide the model's num_attention_heads={heads} (per tensor-parallel rank): the "
+            f"all-to-all backend gives each rank whole heads; choose a cp_size that divides {heads}"
+        )
+    if heads % kv:
+        raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    repeat = 1
+    if kv % cp:
+        # The fewest copies that make the KV heads divide by cp; lcm(kv, cp) divides heads (both do), so each
+        # query group still maps onto whole KV heads.
+        repeat = math.lcm(kv, cp) // kv
+    return HeadSplit(heads, kv, cp, repeat)
+
+
 def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_length: int) -> None:
     """Refuse a mesh the model or this version cannot run, before any work.
 
     Tensor parallel splits attention heads (a rank needs whole KV heads: ``tp_size`` must divide both head
-    counts); context parallel splits each sequence into ``2 x cp_size`` chunks (load balancing of causal
-    attention): ``max_length`` must be a multiple. Then TP / CP > 1 are refused (:data:`TP_REFUSAL`,
-    :data:`CP_REFUSAL`).
+    counts); TP > 1 is then refused (:data:`TP_REFUSAL`). Context parallel (all-to-all) gives each rank whole heads
+    of the whole sequence: ``cp_size`` must divide the query heads (:func:`split_heads`); sequences of any length
+    are padded to a multiple of ``cp_size`` per micro-batch. ``cp_backend=ring`` is refused (:data:`RING_REFUSAL`).
 
     Raises:
         ConfigError: naming the sizes and the numbers that do not fit.
@@ -189,12 +259,10 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
                 )
         raise ConfigError(f"tp_size={mesh.tp}: {TP_REFUSAL}")
     if mesh.cp > 1:
-        if max_length % (2 * mesh.cp):
-            raise ConfigError(
-                f"cp_size={mesh.cp} needs max_length divisible by 2 x cp_size = {2 * mesh.cp} (each sequence is cut "
-                f"into {2 * mesh.cp} chunks), got max_length={max_length}"
-            )
-        raise ConfigError(f"cp_size={mesh.cp}: {CP_REFUSAL}")
+        if mesh.cp_backend == "ring":
+            raise ConfigError(f"cp_size={mesh.cp}: {RING_REFUSAL}")
+        if heads is not None:
+            split_heads(heads // mesh.tp, kv_heads // mesh.tp if kv_heads else None, mesh.cp)
 
 
 @dataclass(frozen=True)

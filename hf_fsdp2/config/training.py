@@ -249,7 +249,18 @@ class FSDPArgs:
     )
     cp_size: int | None = field(
         default=None,
-        metadata={"help": "Context-parallel size (not available in this version: refused if > 1)."},
+        metadata={
+            "help": "Context parallel: ranks each sequence is split over (activations and loss at 1/cp_size of "
+            "the sequence per rank); parameters are sharded over dp_shard_size x cp_size. Unset: 1."
+        },
+    )
+    cp_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Context-parallel backend: all_to_all (Ulysses-style: heads scattered, whole sequences around "
+            "attention; any attention kernel, packing, CPU and GPU), ring (torch's ring attention: CUDA SDPA "
+            "only), or auto (all_to_all)."
+        },
     )
     gradient_checkpointing: bool = field(
         default=False,
@@ -362,7 +373,7 @@ class FSDPArgs:
             return value if value is not None else launcher.get(key)
 
         return resolve_mesh(world, dp_replicate=pick("dp_replicate_size"), dp_shard=pick("dp_shard_size"),
-                            tp=pick("tp_size"), cp=pick("cp_size"))  # fmt: skip
+                            tp=pick("tp_size"), cp=pick("cp_size"), cp_backend=self.cp_backend)  # fmt: skip
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""

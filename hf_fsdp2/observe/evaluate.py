@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.collectives import all_reduce_sum
 from hf_fsdp2.parallel.compiling import eager
+from hf_fsdp2.parallel.context import shard_sequence, whole_sequences
 from hf_fsdp2.train.loss import (
     IGNORE_INDEX,
     LossPlan,
@@ -134,6 +136,8 @@ def evaluate_loss(
     tokens = 0
     with torch.no_grad(), eager():
         for batch in batches:
+            if collectives.cp_size() > 1:  # this rank's part of each sequence, as in training
+                batch = shard_sequence(batch, collectives.cp_size(), collectives.cp_rank())
             tokens += count_target_tokens(batch["labels"])  # host labels: no device read
             rows = shifted_target_rows(batch["labels"]) if plan.chunk_tokens > 0 else None
             on_device = {k: v.to(device) for k, v in batch.items()}
@@ -191,7 +195,8 @@ def generate_samples(
     was_training = model.training
     model.eval()
     texts = []
-    with torch.no_grad(), eager():
+    # Every rank decodes the same whole sequence: context-parallel attention would read them as parts of one.
+    with torch.no_grad(), eager(), whole_sequences(model):
         for prompt in prompts:
             ids = torch.tensor([prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
             for _ in range(max_new_tokens):

@@ -196,7 +196,9 @@ def build_accelerator(
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     parallelism = None
     if mesh is not None and mesh.hybrid:
-        parallelism = ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard)
+        # dp_shard x cp: context-parallel ranks share the parameter shards (torchtitan's dp_shard_cp); the
+        # all-to-all backend needs no cp dimension in Accelerate's mesh (its cp means ring attention hooks).
+        parallelism = ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.fsdp_shard)
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
@@ -239,7 +241,22 @@ def build_accelerator(
     accelerator.state.fsdp_plugin.mixed_precision_policy = policy
     # Every rank, right after the default group exists and before any other collective of the run.
     collectives.init_host_group(host_timeout_s)
+    if mesh is not None and mesh.cp > 1:
+        collectives.set_layout(
+            cp=mesh.cp, tp=mesh.tp, cp_group=context_parallel_group(mesh, accelerator.device)
+        )
     return accelerator
+
+
+def context_parallel_group(mesh: MeshPlan, device: torch.device) -> Any:
+    """This rank's context-parallel group: the ``cp`` ranks of the mesh dp_replicate x dp_shard x cp x tp (Accelerate's
+    order) that hold the same batch and the same tensor-parallel index (collective: every rank creates every
+    group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (mesh.dp_replicate * mesh.dp_shard, mesh.cp, mesh.tp)
+    grid = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "cp", "tp"))
+    return grid["cp"].get_group()
 
 
 def prepare_fsdp2(

@@ -46,9 +46,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Returns:
         A scalar fp32 tensor: the summed loss (0 when there is no target token).
     """
-    # Shift the labels (pad one ignored position at the end), not the logits: slicing the logits would
-    # copy the whole [tokens x vocab] tensor, and its gradient again in backward.
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)
+    # Shift the labels (pad ignored positions at the end), not the logits: slicing the logits would copy the whole
+    # [tokens x vocab] tensor, and its gradient again in backward. Labels one column wider than the logits (a
+    # context-parallel part: hf_fsdp2.parallel.context) carry the last position's target: nothing is padded.
+    shift_labels = F.pad(labels[:, 1:], (0, logits.size(1) - labels.size(1) + 1), value=IGNORE_INDEX)
+    shift_labels = shift_labels.to(logits.device)
     return F.cross_entropy(
         logits.to(accumulation_dtype(logits.dtype)).reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
@@ -248,7 +250,8 @@ def causal_lm_loss(
     Args:
         model: the causal LM (``plan_loss`` checked its head).
         inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
-        labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss.
+        labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss; ``[batch, seq + 1]``: the last
+            column is the last position's target (a context-parallel part, :func:`~hf_fsdp2.parallel.context.shard_sequence`).
         plan: from :func:`plan_loss`.
         rows: the chunked loss's target positions (:func:`shifted_target_rows` of the labels), computed from
             host labels so that no device read is needed; None = found here from ``labels``.
@@ -268,7 +271,7 @@ def causal_lm_loss(
         # Found here, before the model runs: under whole-model compile a nonzero() inside the head's hook would
         # break the graph there and recompile its remainder every step.
         rows = target_rows(targets)
-    request = _ChunkedLoss(targets, rows, plan)
+    request = _ChunkedLoss(targets, rows, plan, labels.size(1) - 1)
     with head_input_replaced(head, request):
         out = model(**inputs, **extra, use_cache=False)
     if request.result is None:
@@ -286,10 +289,11 @@ class _ChunkedLoss:
     targets: torch.Tensor
     rows: torch.Tensor
     plan: LossPlan
+    positions: int  # hidden positions that have a target column: labels' width - 1
     result: torch.Tensor | None = None
 
     def __call__(self, head: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
-        hidden = full[:, :-1].reshape(-1, full.size(-1))
+        hidden = full[:, : self.positions].reshape(-1, full.size(-1))
         weight = head.weight
         assert isinstance(weight, torch.Tensor)
         self.result = chunked_linear_cross_entropy_sum(

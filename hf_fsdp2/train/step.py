@@ -23,6 +23,7 @@ import torch
 from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.parallel.context import shard_sequence
 from hf_fsdp2.train.loss import (
     LossPlan,
     backward_scale,
@@ -82,7 +83,7 @@ class StepOutput:
     def loss(self) -> float:
         """The step's loss: summed CE over every rank / target tokens (collective: every rank calls it)."""
         total = collectives.all_reduce_sum(self.loss_sum.detach().double().reshape(1).clone())
-        return float(total[0]) / max(self.target_tokens, 1)
+        return float(total[0]) / collectives.tp_size() / max(self.target_tokens, 1)
 
     def aux_loss(self, micro_batches: int) -> float | None:
         """The step's mean router loss over every micro-batch of every rank (collective), or None."""
@@ -188,6 +189,9 @@ def forward_backward(
     Returns:
         (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
     """
+    cp = collectives.cp_size()
+    if cp > 1:  # context parallel: this rank's part of each sequence (its labels one column wider)
+        micro_batches = [shard_sequence(b, cp, collectives.cp_rank()) for b in micro_batches]
     with record_function("hf_fsdp2/count_tokens"):
         local = torch.tensor(
             [
@@ -199,8 +203,9 @@ def forward_backward(
         )
         # Every rank: the step's target-token count normalises the loss; with the processed count it gives
         # the step's padding efficiency.
-        global_tokens, global_processed = read_step_counts(local, guard)
-    scale = backward_scale(global_tokens, collectives.world())
+        # A tensor-parallel group's ranks hold the same batch: each counted it once.
+        global_tokens, global_processed = (v // collectives.tp_size() for v in read_step_counts(local, guard))
+    scale = backward_scale(global_tokens, collectives.grad_world())
     router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, batch in enumerate(micro_batches):

@@ -53,7 +53,7 @@ def logged_layout(session: Session, batch_rows: str) -> AttentionLayout:
 def examples_per_step(session: Session) -> int:
     """Examples (rows, pairs) one optimizer step reads across all ranks."""
     t = session.cfg.train
-    return session.world * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    return session.data_world * t.per_device_train_batch_size * t.gradient_accumulation_steps
 
 
 def check_one_step(session: Session, count: int, unit: str, holder: str) -> None:
@@ -72,7 +72,7 @@ def check_one_step(session: Session, count: int, unit: str, holder: str) -> None
     per_step = examples_per_step(session)
     if count < per_step:
         raise ConfigError(
-            f"one optimizer step needs world_size({session.world}) x per_device_train_batch_size"
+            f"one optimizer step needs {session.data_ranks_named} x per_device_train_batch_size"
             f"({t.per_device_train_batch_size}) x gradient_accumulation_steps({t.gradient_accumulation_steps}) "
             f"= {per_step} {unit} but the {holder} has {count}; lower the batch size or the accumulation"
         )
@@ -91,7 +91,7 @@ def sampled_stream(session: Session, dataset: Any, collator: Any) -> tuple[DataS
         set, else ``num_train_epochs`` worth).
     """
     d, t = session.cfg.data, session.cfg.train
-    sampler = ShardedSampler(len(dataset), rank=session.rank, world_size=session.world, seed=t.seed,
+    sampler = ShardedSampler(len(dataset), rank=session.data_rank, world_size=session.data_world, seed=t.seed,
         shuffle=t.train_sampling_strategy == "random",
     )  # fmt: skip
     loader = build_dataloader(

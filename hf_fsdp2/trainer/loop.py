@@ -7,7 +7,8 @@ objective; everything else here is shared, so every method checkpoints, resumes,
 
 from __future__ import annotations
 
-from hf_fsdp2.config import Config
+from hf_fsdp2 import collectives
+from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
 from hf_fsdp2.trainer.method import Method
@@ -15,6 +16,17 @@ from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokeniz
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.state import RunState
+
+
+def check_context_parallel(session: Session, method: Method) -> None:
+    """Refuse ``cp_size > 1`` for a method whose step does not split sequences (every rank alike)."""
+    if collectives.cp_size() > 1 and not method.context_parallel:
+        raise ConfigError(
+            f"cp_size={collectives.cp_size()} is not supported by the {method.name} recipe in this version: its "
+            "step scores whole sequences per rank (sequence log-probabilities, rewards or generations); context "
+            "parallel runs with the sft and cpt recipes. Use cp_size=1 (activation_checkpointing and "
+            "ce_chunk_tokens for long sequences)"
+        )
 
 
 def run(cfg: Config, method: Method) -> None:
@@ -28,6 +40,7 @@ def run(cfg: Config, method: Method) -> None:
     # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
         t = cfg.train
+        check_context_parallel(session, method)
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(

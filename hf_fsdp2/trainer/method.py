@@ -75,6 +75,9 @@ class Method:
             records of each source as the run tokenizes them (``load(source)`` gives them); raises the run's data
             error. None: the SFT data builder's reading (:func:`hf_fsdp2.methods.sft.data.preview_sft`).
         tags: model-card tags beyond the name.
+        context_parallel: the method's step splits each sequence over the ``cp_size`` ranks of a context-parallel
+            group (its loss is the token-level CE of :func:`hf_fsdp2.train.step.train_step`); others refuse
+            ``cp_size > 1``.
     """
 
     name: str
@@ -88,6 +91,7 @@ class Method:
     plan_notes: Callable[[Config, Any, Any], list[str]] = _no_notes
     preview_data: Callable[[Config, Any, Callable[[Any], Any], int], list[tuple[str, str]]] | None = None
     tags: tuple[str, ...] = ()
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_rows not in BATCH_ROWS:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
@@ -30,6 +31,7 @@ from hf_fsdp2.model import (
 )
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
 from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
+from hf_fsdp2.parallel.context import ContextParallelError, enable_context_parallel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
@@ -175,6 +177,18 @@ def build_model(
     if t.use_liger_kernel:
         apply_liger_kernels(model)
         logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
+    if collectives.cp_size() > 1:  # before sharding and compile: the attention modules run the all-to-all
+        if router_aux_coef(model.config):
+            raise ConfigError(
+                f"cp_size={collectives.cp_size()} with a MoE router loss (output_router_logits=true, "
+                f"router_aux_loss_coef={router_aux_coef(model.config):g}): the load-balancing loss is a product of "
+                "per-expert fractions over a micro-batch's tokens, and each context-parallel rank sees only its part "
+                "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
+            )
+        try:
+            logger.info("%s", enable_context_parallel(model, collectives.cp_group(), collectives.cp_size()))
+        except (ConfigError, ContextParallelError) as err:
+            raise ConfigError(str(err)) from err
     plan, compile_plan = session.sharding, session.compile_plan
     model, optimizer = prepare_fsdp2(
         accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan

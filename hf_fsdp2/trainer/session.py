@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_run
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.compat import check_versions
@@ -214,6 +215,23 @@ class Session:
     @property
     def rank(self) -> int:
         return self.accelerator.process_index
+
+    @property
+    def data_rank(self) -> int:
+        """Which batches this rank reads (ranks of one context/tensor-parallel group read the same)."""
+        return collectives.data_rank()
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that read different batches: world / (cp_size x tp_size)."""
+        return collectives.data_world()
+
+    @property
+    def data_ranks_named(self) -> str:
+        """The data-parallel rank count as messages name it."""
+        if self.data_world == self.world:
+            return f"world_size({self.world})"
+        return f"data-parallel ranks({self.data_world} = world_size {self.world} / (cp_size x tp_size))"
 
     @property
     def is_main(self) -> bool:

@@ -181,8 +181,12 @@ class RunState:
         self.first_step, self.last_saved = state.step + 1, state.step
         # The data position in examples of the epoch; with another world size or batch size the same
         # number of examples is skipped, in the new layout (see docs: resume on a different world size).
-        examples = state.batches_in_epoch * state.per_device_train_batch_size * state.world_size
-        per_batch = t.per_device_train_batch_size * session.world
+        examples = (
+            state.batches_in_epoch
+            * state.per_device_train_batch_size
+            * (state.data_world or state.world_size)
+        )
+        per_batch = t.per_device_train_batch_size * session.data_world
         if hasattr(self.stream, "load_state_dict"):  # a streamed corpus: each rank's own position
             if self.checkpointer.rank_data is None:
                 raise CheckpointError(
@@ -192,7 +196,7 @@ class RunState:
             self.stream.load_state_dict(self.checkpointer.rank_data)
         else:
             self.stream.start_at(state.epoch, examples // per_batch)
-        if state.world_size != session.world or examples % per_batch:
+        if (state.data_world or state.world_size) != session.data_world or examples % per_batch:
             logger.warning(
                 "resuming on %d ranks from a checkpoint of %d: weights and optimizer state are the same, the "
                 "order of the remaining examples of this epoch is not",
@@ -213,6 +217,7 @@ class RunState:
             epoch=self.stream.epoch,
             batches_in_epoch=self.stream.batches_in_epoch,
             world_size=self.session.world,
+            data_world=self.session.data_world,
             scheduler=self.scheduler.state_dict(),
             per_device_train_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,

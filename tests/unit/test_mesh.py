@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_fsdp2.config import ConfigError, FSDPArgs
-from hf_fsdp2.config.plans import MeshPlan, check_mesh, resolve_mesh
+from hf_fsdp2.config.plans import HeadSplit, MeshPlan, check_mesh, resolve_mesh, split_heads
 from hf_fsdp2.parallel.accelerator import launcher_mesh
 
 
@@ -32,18 +32,29 @@ def test_bad_sizes_are_refused_with_the_numbers(world: int, sizes: dict, message
         resolve_mesh(world, **kwargs)
 
 
-def test_tp_and_cp_are_checked_against_the_model_then_refused_with_the_reason() -> None:
+def test_tp_is_checked_against_the_model_then_refused_with_the_reason() -> None:
     with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_key_value_heads=2"):
         check_mesh(MeshPlan(1, 2, 4, 1), heads=8, kv_heads=2, max_length=1024)
     with pytest.raises(ConfigError, match="tp_size=2: tensor parallel is not available.*ReplicateParallel"):
         check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)
-    with pytest.raises(
-        ConfigError, match="cp_size=4 needs max_length divisible by 2 x cp_size = 8 .*max_length=1020"
-    ):
-        check_mesh(MeshPlan(1, 2, 1, 4), heads=8, kv_heads=2, max_length=1020)
-    with pytest.raises(ConfigError, match="cp_size=2: context parallel is not available.*CUDA SDPA kernels"):
-        check_mesh(MeshPlan(1, 2, 1, 2), heads=8, kv_heads=2, max_length=1024)
     check_mesh(MeshPlan(2, 4, 1, 1), heads=8, kv_heads=2, max_length=1000)  # HSDP: nothing to refuse
+
+
+def test_cp_all_to_all_needs_whole_query_heads_per_rank_and_repeats_kv_heads_when_they_do_not_divide() -> None:
+    with pytest.raises(ConfigError, match="cp_size=3 does not divide the model's num_attention_heads=8"):
+        check_mesh(MeshPlan(1, 2, 1, 3), heads=8, kv_heads=2, max_length=1024)
+    # Any max_length: each micro-batch is padded to a multiple of cp_size.
+    check_mesh(MeshPlan(1, 2, 1, 4), heads=8, kv_heads=2, max_length=1021)
+    assert split_heads(8, 2, 4) == HeadSplit(8, 2, 4, kv_repeat=2)  # 2 KV heads -> 4, one per rank
+    assert split_heads(8, 8, 4).kv_repeat == 1
+    assert split_heads(12, 3, 2).kv_repeat == 2  # 6 KV heads, 2 query heads each
+    with pytest.raises(ConfigError, match="cp_backend=ring is not built in this version.*all_to_all"):
+        check_mesh(MeshPlan(1, 2, 1, 2, "ring"), heads=8, kv_heads=2, max_length=1024)
+    with pytest.raises(ConfigError, match="cp_backend='ulysses' is not one of auto, all_to_all, ring"):
+        resolve_mesh(4, dp_replicate=None, dp_shard=None, tp=None, cp=2, cp_backend="ulysses")
+    mesh = resolve_mesh(8, dp_replicate=2, dp_shard=None, tp=None, cp=2)
+    assert (mesh.dp_shard, mesh.fsdp_shard, mesh.cp_backend) == (2, 4, "all_to_all")
+    assert "context parallel 2 (all_to_all)" in mesh.describe()
 
 
 def test_the_recipe_keys_win_over_the_launchers_parallelism_config(monkeypatch: pytest.MonkeyPatch) -> None:

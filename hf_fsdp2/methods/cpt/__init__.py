@@ -15,4 +15,5 @@ METHOD = Method(
     objective=sft_objective,
     batch_rows="corpus",
     preview_data=preview_sft,
+    context_parallel=True,
 )

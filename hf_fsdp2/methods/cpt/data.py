@@ -196,7 +196,7 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
             seed=t.seed,
             stopping_strategy="all_exhausted",
         )
-    documents = split_dataset_by_node(documents, rank=session.rank, world_size=session.world)
+    documents = split_dataset_by_node(documents, rank=session.data_rank, world_size=session.data_world)
     rows = StreamingRows(documents, tokenizer, d.max_length, text_column=d.text_column,
                          cross_document_attention=d.cross_document_attention)  # fmt: skip
     per_step = examples_per_step(session)

@@ -38,12 +38,14 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
     uses_kl = p.loss_type == "kto"
     if uses_kl:
         train = PairList(
-            with_kl_completions(train, world_size=session.world, batch_size=t.per_device_train_batch_size)
+            with_kl_completions(
+                train, world_size=session.data_world, batch_size=t.per_device_train_batch_size
+            )
         )
         if eval_examples is not None:
             eval_batch = cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size
             eval_examples = PairList(
-                with_kl_completions(eval_examples, world_size=session.world, batch_size=eval_batch)
+                with_kl_completions(eval_examples, world_size=session.data_world, batch_size=eval_batch)
             )
     collator = UnpairedCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length, kl=uses_kl)
     per_step = examples_per_step(session)

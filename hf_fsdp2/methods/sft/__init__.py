@@ -44,4 +44,5 @@ METHOD = Method(
     build_data=build_sft_data,
     objective=sft_objective,
     preview_data=preview_sft,
+    context_parallel=True,
 )

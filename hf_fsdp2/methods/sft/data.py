@@ -76,7 +76,7 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
             data.train,
             dataset if d.packing else None,
             batch_size=t.per_device_train_batch_size,
-            world_size=session.world,
+            world_size=session.data_world,
             seed=t.seed,
             padding_free=d.padding_free,
         )

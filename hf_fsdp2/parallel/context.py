@@ -1,0 +1,241 @@
+"""Context parallel, all-to-all (Ulysses-style): each sequence split over the ``cp`` ranks of a group.
+
+Each rank of a context-parallel group holds ``1/cp`` of every sequence of the micro-batch (contiguous positions:
+rank ``i`` the ``i``-th part), so activations, norms, MLPs and the loss cost ``1/cp`` per rank. Attention needs the
+whole sequence: around it, one all-to-all hands each rank every position of ``heads/cp`` heads (heads scattered,
+sequence gathered), the run's own attention kernel runs on them over the whole sequence, and a second all-to-all
+gives each rank its positions back with every head. torch's autograd all-to-all
+(``all_to_all_single_autograd``) carries the gradients the same way back; gloo has it, so this backend runs on CPU.
+
+Masks: the kernel sees whole sequences, so the mask is built here from the whole sequence's ``position_ids``
+(handed to every layer as the keyword :data:`POSITIONS_KEY`): causal, no attention across the documents of a packed
+or padding-free row (a position that does not follow its predecessor starts a document, as transformers detects
+them), and the layer's sliding window when it has one. Right padding needs no mask: causal attention never lets a
+real token see the padding after it.
+
+The loss: each rank scores its own positions, including the last one, whose next token lies on the next rank: its
+labels carry one more column than its input (:func:`shard_sequence`), which the losses of :mod:`hf_fsdp2.train.loss`
+read as "the targets of every position". Token counts are then each rank's own; their sum over the ranks is the
+batch's, so the step's loss (sum over every target token / their count) and its gradient are the flat run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hf_fsdp2.config.plans import split_heads
+from hf_fsdp2.labels import IGNORE_INDEX
+
+ATTENTION_NAME = "hf_fsdp2_cp_all_to_all"
+POSITIONS_KEY = "hf_fsdp2_cp_positions"
+# The run's own kernels that the all-to-all wraps (flex needs its block mask built for the whole sequence).
+INNER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+class ContextParallelError(ValueError):
+    """A context-parallel setting the model or batch cannot run; the message says why and what to do."""
+
+
+def shard_sequence(batch: dict[str, torch.Tensor], cp: int, index: int) -> dict[str, torch.Tensor]:
+    """Context-parallel rank ``index``'s part of a collated micro-batch (host tensors, every rank of the group
+    holding the same batch).
+
+    The sequence is padded to a multiple of ``cp`` (padding: no target, a document of its own), cut into ``cp``
+    contiguous parts; this rank keeps its part of ``input_ids`` and ``position_ids`` (the whole row's positions
+    when the batch has none: transformers numbers a padded row 0..n-1), and its labels with one more column: the
+    label of the position after its last one (-100 on the last rank). The whole row's ``position_ids`` of a packed
+    or padding-free batch ride along as :data:`POSITIONS_KEY` for the attention mask.
+
+    Raises:
+        ContextParallelError: a left-padded batch (its padding would sit before real tokens of another rank).
+    """
+    ids, labels = batch["input_ids"], batch["labels"]
+    rows, width = ids.shape
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ContextParallelError(
+            "context parallel needs right-padded batches (padding after the tokens); this batch has padding before "
+            "tokens: set the tokenizer's padding_side to 'right'"
+        )
+    pad = (-width) % cp
+    if pad:
+        ids = F.pad(ids, (0, pad), value=0)
+        labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
+        if positions is not None:  # the padding: a document of its own, attending to itself only
+            positions = torch.cat([positions, torch.arange(pad).expand(rows, pad).to(positions)], dim=1)
+    full = width + pad
+    part = full // cp
+    start, end = index * part, (index + 1) * part
+    whole = positions if positions is not None else torch.arange(full).expand(rows, full)
+    out = {
+        "input_ids": ids[:, start:end].contiguous(),
+        "labels": F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, start : end + 1].contiguous(),
+        "position_ids": whole[:, start:end].contiguous(),
+    }
+    if positions is not None:
+        out[POSITIONS_KEY] = positions.contiguous()
+    return out
+
+
+def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    out = all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return wait_tensor(out)
+
+
+def gather_sequence(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    """``[batch, heads, part, dim]`` on each rank -> ``[batch, heads / cp, part x cp, dim]``: this rank's heads
+    over the whole sequence (the parts in rank order)."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # [cp, b, h/cp, s, d]: chunk j goes to rank j
+    got = _all_to_all(chunks, group)  # [cp, b, h/cp, s, d]: rank i's part of my heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def scatter_sequence(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    """The inverse for the kernel's output: ``[batch, part x cp, heads / cp, dim]`` -> ``[batch, part, heads,
+    dim]`` (this rank's positions, every head)."""
+    b, full, h, d = x.shape
+    s = full // cp
+    chunks = x.reshape(b, cp, s, h, d).transpose(0, 1)  # [cp, b, s, h, d]: part j goes back to rank j
+    got = _all_to_all(chunks, group)  # [cp, b, s, h, d]: rank i's heads of my part
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
+
+
+def allowed_pairs(
+    positions: torch.Tensor | None, length: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[batch or 1, 1, length, length]`` booleans, True where query q may attend to key k: k <= q, the same
+    document (from whole-row ``positions``; None: one document), and q - k < ``window`` when given."""
+    q = torch.arange(length, device=device)
+    allowed = (q[None, :] <= q[:, None])[None, None]
+    if window is not None:
+        allowed = allowed & ((q[:, None] - q[None, :]) < window)[None, None]
+    if positions is not None:
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        doc = starts.long().cumsum(dim=1)
+        allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
+    return allowed
+
+
+class _Groups:
+    """The attention module as the kernel sees it after a KV repeat: its KV groups per query head changed."""
+
+    def __init__(self, module: torch.nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _inner(module: torch.nn.Module, name: str) -> Any:
+    if name == "eager":  # each modeling file has its own (Gemma2's soft-caps), beside the attention class
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def cp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention interface the model runs under context parallel (registered as :data:`ATTENTION_NAME`):
+    all-to-all to whole sequences, the run's kernel with the whole sequence's mask, all-to-all back.
+
+    ``query``: ``[batch, heads, part, dim]`` (this rank's positions); returns ``[batch, part, heads, dim]``.
+    """
+    group, split, name = getattr(module, "_hf_fsdp2_cp")  # noqa: B009  # set by enable_context_parallel
+    positions = kwargs.pop(POSITIONS_KEY, None)
+    kwargs.pop("is_causal", None)  # causality is this function's mask
+    if split.kv_repeat > 1:
+        key = key.repeat_interleave(split.kv_repeat, dim=1)
+        value = value.repeat_interleave(split.kv_repeat, dim=1)
+        module = _Groups(module, split.heads // (split.kv_heads * split.kv_repeat))  # type: ignore[assignment]
+    q, k, v = (gather_sequence(t, group, split.cp) for t in (query, key, value))
+    window = kwargs.get("sliding_window")
+    length = q.shape[2]
+    mask: torch.Tensor | None = None
+    if name.startswith("flash"):
+        if positions is not None:  # transformers' flash path finds the documents in the whole row's positions
+            kwargs["position_ids"] = positions.to(q.device)
+    elif name == "eager" or positions is not None or window is not None:
+        allowed = allowed_pairs(positions, length, window, q.device)
+        if name == "eager":
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        else:
+            mask = allowed
+    out, _ = _inner(module, name)(module, q, k, v, mask, **kwargs)
+    return scatter_sequence(out, group, split.cp), None
+
+
+def register_attention() -> None:
+    """Make :data:`ATTENTION_NAME` an attention implementation transformers models can run (idempotent)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, cp_attention)
+
+
+def enable_context_parallel(model: torch.nn.Module, group: Any, cp: int) -> str:
+    """Run ``model``'s attention through :func:`cp_attention` over ``group`` (``cp`` ranks), wrapping the kernel
+    the model was loaded with. Call before sharding and compiling. Returns the line the run logs.
+
+    Raises:
+        ContextParallelError: a kernel the all-to-all cannot wrap, or heads that do not split.
+    """
+    config: Any = getattr(model, "config")  # noqa: B009  # a transformers model's
+    name = getattr(config, "_attn_implementation", None) or "eager"
+    if name not in INNER_KERNELS:
+        raise ContextParallelError(
+            f"context parallel (all-to-all) wraps the attention kernels {', '.join(INNER_KERNELS)}; the model runs "
+            f"{name!r}: set attn_implementation to sdpa (or flash_attention_2 on GPU)"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    split = split_heads(int(text.num_attention_heads), getattr(text, "num_key_value_heads", None), cp)
+    register_attention()
+    marked = 0
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups") or type(module).__name__.endswith("Attention"):
+            setattr(module, "_hf_fsdp2_cp", (group, split, name))  # noqa: B010  # read by cp_attention
+            marked += 1
+    if not marked:
+        raise ContextParallelError(f"{type(model).__name__} has no attention module the all-to-all can wrap")
+    for sub in {id(c): c for c in (config, text)}.values():
+        sub._attn_implementation = ATTENTION_NAME
+    return (
+        f"context parallel: all-to-all over {cp} ranks around the {name} kernel ({marked} attention modules): "
+        f"{split.describe()}; each rank holds 1/{cp} of every sequence"
+    )
+
+
+@contextlib.contextmanager
+def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s attention with its own kernel inside the block (no all-to-all): for forwards where every rank
+    holds the same whole sequence (greedy samples at eval), which the all-to-all would read as ``cp`` parts of one.
+    A no-op for a model without context parallel."""
+    inner = next((getattr(m, "_hf_fsdp2_cp")[2] for m in model.modules() if hasattr(m, "_hf_fsdp2_cp")), None)  # noqa: B009
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+            configs[id(config)] = config
+    for config in configs.values():
+        config._attn_implementation = inner
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._attn_implementation = ATTENTION_NAME
