@@ -160,6 +160,7 @@ def cp_attention(
     group, split, name = getattr(module, "_hf_fsdp2_cp")  # noqa: B009  # set by enable_context_parallel
     positions = kwargs.pop(POSITIONS_KEY, None)
     kwargs.pop("is_causal", None)  # causality is this function's mask
+    kernel = _inner(module, name)  # the module's own (its modeling file's eager), before any proxy
     if split.kv_repeat > 1:
         key = key.repeat_interleave(split.kv_repeat, dim=1)
         value = value.repeat_interleave(split.kv_repeat, dim=1)
@@ -178,7 +179,7 @@ def cp_attention(
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
         else:
             mask = allowed
-    out, _ = _inner(module, name)(module, q, k, v, mask, **kwargs)
+    out, _ = kernel(module, q, k, v, mask, **kwargs)
     return scatter_sequence(out, group, split.cp), None
 
 

@@ -1,0 +1,167 @@
+"""Context parallel (all-to-all) on 4 gloo processes.
+
+- The attention parts equal the whole-sequence model (fp64) on Llama (GQA, sdpa and eager), Qwen3 (one KV head,
+  repeated), Gemma2 (sliding window, soft-capped logits) and Mixtral (MoE), packed and padded, for cp 4 and for two
+  cp-2 groups holding different batches.
+- The SFT recipe with cp 2 x dp_shard 2 trains the losses of flat FSDP2 over 4 ranks and of one process (fp32,
+  accumulation, chat data whose target counts change every step), exports the same model, and resumes a flat
+  checkpoint.
+- Continued pre-training of rows of 2,048 tokens packed from several documents on a Qwen3-MoE model, with activation
+  checkpointing, the chunked loss and LoRA: cp 2 x dp_shard 2 equals flat FSDP2 over 4 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.families import make_family_dir
+from support.launch import REPO, SFT, torchrun
+from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl
+
+from hf_fsdp2.observe.logs import read_metrics
+
+pytestmark = pytest.mark.four_procs
+WORKER = Path(__file__).parent / "workers" / "cp_attention_worker.py"
+CPT = REPO / "recipes" / "cpt.py"
+STEPS = 4
+
+
+def test_attention_parts_equal_the_whole_sequence_on_every_family(tmp_path: Path) -> None:
+    torchrun(WORKER, [str(tmp_path)], nproc=4)
+    ranks = json.loads((tmp_path / "result.json").read_text())
+    assert len(ranks) == 4 and all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    for results in ranks:
+        assert len(results) == 10  # 5 cases x (cp 4, cp 2)
+        for case, r in results.items():
+            got, want = r["loss"]
+            # fp64: rounding only. Gemma2's RMSNorm computes in fp32 whatever the dtype (its norm weights' gradients
+            # carry fp32 rounding, ~1e-7); the MoE model runs in fp32 (torch's grouped_mm has no fp64).
+            tol = 1e-12 if r["dtype"] == "torch.float64" and "gemma2" not in case else 2e-6
+            assert r["tokens"][0] == r["tokens"][1], case  # the parts' target counts sum to the batch's
+            assert abs(got - want) <= tol * abs(want), case
+            assert r["grad_rel"] <= tol, (case, r["grad_rel"])
+            assert r["whole_sequences_diff"] == 0.0, case  # samples: the model's own kernel, untouched
+    lines = {case: r["line"] for case, r in ranks[0].items()}
+    assert "repeated 4x before the all-to-all" in lines["qwen3_one_kv_head_packed/cp4"]
+    assert "around the eager kernel" in lines["gemma2_sliding_softcap_packed/cp2"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cp")
+    return make_tiny_llama_dir(root / "model", seed=5), write_chat_jsonl(root / "chat.jsonl", 64, seed=5)
+
+
+def _args(assets: tuple[Path, Path], out: Path, batch: int, *extra: str) -> list[str]:
+    model, data = assets
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
+            "2", "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
+            "--train_sampling_strategy", "sequential", *extra]  # fmt: skip
+
+
+def _same(got: list[dict], want: list[dict], steps: list[int], single: list[dict] | None = None) -> None:
+    """Losses within 1e-5 relative, target counts equal; gradient norms within twice what flat FSDP2 itself deviates
+    from one process (fp32 reduction order; tests/distributed/test_hsdp.py measured it)."""
+    by_step, ref = {r["step"]: r for r in got}, {r["step"]: r for r in want}
+    alone = {r["step"]: r for r in single or want}
+    for step in steps:
+        assert by_step[step]["target_tokens"] == ref[step]["target_tokens"], step
+        assert by_step[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        envelope = max(
+            2 * abs(ref[step]["grad_norm"] - alone[step]["grad_norm"]), 2e-6 * ref[step]["grad_norm"]
+        )
+        assert abs(by_step[step]["grad_norm"] - ref[step]["grad_norm"]) <= envelope, (step, envelope)
+
+
+@pytest.fixture(scope="module")
+def flat(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flat") / "run"
+    torchrun(SFT, _args(assets, out, 2, "--save_steps", "2"), nproc=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(assets, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One process, the same global micro-batches (8 examples each): the reference for float noise."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    torchrun(SFT, _args(assets, out, 8, "--export_verify", "false"), nproc=1)
+    return read_metrics(out / "metrics.jsonl")
+
+
+def test_cp2_x_dp2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model(
+    assets, flat, single, tmp_path: Path
+) -> None:
+    out = tmp_path / "cp"
+    # 2 data-parallel ranks: 4 examples each per micro-batch, the flat run's 8 in all.
+    proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2"), nproc=4)
+    log = proc.stdout + proc.stderr
+    assert "context parallel 2 (all_to_all): each sequence split over 2 ranks, 2 data-parallel ranks" in log
+    assert "context parallel: all-to-all over 2 ranks around the sdpa kernel" in log
+    assert "export verified" in log
+    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
+          single)  # fmt: skip
+    # fp32 master weights after 4 AdamW steps differ by reduction order only; the bf16 exports agree to one bf16
+    # rounding step (2^-7 relative), as HSDP's do.
+    got, want = load_file(out / "model.safetensors"), load_file(flat / "model.safetensors")
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_a_flat_checkpoint_resumes_with_context_parallel(assets, flat, single, tmp_path: Path) -> None:
+    out = tmp_path / "resumed"
+    out.mkdir()
+    (out / "checkpoint-2").symlink_to(flat / "checkpoint-2", target_is_directory=True)
+    (out / "latest").write_text("2\n")
+    proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2", "--resume_from_checkpoint", "latest",
+                               "--export_verify", "false"), nproc=4)  # fmt: skip
+    assert "resumed from" in proc.stdout + proc.stderr
+    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), [3, 4], single)
+
+
+@pytest.fixture(scope="module")
+def long_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Documents of 150 to 900 words (each word a token or two): every 2,048-token row packs several of them."""
+    root = tmp_path_factory.mktemp("cp_long")
+    rng = random.Random(7)
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(150, 900)))}) + "\n"
+                            for _ in range(90)))  # fmt: skip
+    # Qwen3-MoE without its router loss (refused under cp: each rank would see part of the token fractions).
+    model = make_family_dir(root / "model", "qwen3_moe", seed=3, overrides={"output_router_logits": False,
+                                                                             "max_position_embeddings": 2048})  # fmt: skip
+    return model, docs
+
+
+def _cpt_args(corpus: tuple[Path, Path], out: Path, batch: int, *extra: str) -> list[str]:
+    model, docs = corpus
+    return ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--output_dir", str(out),
+            "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "2",
+            "--max_length", "2048", "--cross_document_attention", "false", "--mixed_precision", "no",
+            "--logging_steps", "1", "--learning_rate", "1e-3", "--activation_checkpointing", "full",
+            "--ce_chunk_tokens", "512", "--use_peft", "true", "--lora_r", "4", "--export_verify", "false",
+            *extra]  # fmt: skip
+
+
+def test_packed_rows_of_2048_tokens_over_several_documents_with_ac_chunked_loss_and_lora(
+    long_corpus, tmp_path: Path
+) -> None:
+    torchrun(CPT, _cpt_args(long_corpus, tmp_path / "flat", 1), nproc=4)
+    proc = torchrun(CPT, _cpt_args(long_corpus, tmp_path / "cp", 2, "--cp_size", "2"), nproc=4)
+    log = proc.stdout + proc.stderr
+    assert "context parallel: all-to-all over 2 ranks" in log
+    got, want = (
+        read_metrics(tmp_path / "cp" / "metrics.jsonl"),
+        read_metrics(tmp_path / "flat" / "metrics.jsonl"),
+    )
+    assert [r["target_tokens"] for r in got] == [r["target_tokens"] for r in want]
+    assert all(r["target_tokens"] > 4 * 2 * 2000 for r in want)  # 8 full rows of 2,048 per step
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), g["step"]
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), g["step"]

@@ -1,0 +1,164 @@
+"""Worker for tests/distributed/test_context_parallel.py: the all-to-all context-parallel attention gives each rank
+exactly its part of the whole-sequence model, in fp64, on every family and kernel listed, for cp = world (4) and for
+two cp groups of 2 that hold different batches. The loss summed over a group equals the whole batch's; the
+gradients summed over a group equal the whole batch's. Rank 0 writes ``<out>/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence, whole_sequences
+from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
+
+SMALL = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256
+)
+# (name, config class, extra keys, attention kernel, packed rows): heads 4 and KV heads 2 unless said.
+CASES = [
+    (
+        "llama_gqa_sdpa_packed",
+        "LlamaConfig",
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+        "sdpa",
+        True,
+    ),
+    (
+        "llama_eager_padded",
+        "LlamaConfig",
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+        "eager",
+        False,
+    ),
+    # One KV head: repeated to cp before the all-to-all.
+    (
+        "qwen3_one_kv_head_packed",
+        "Qwen3Config",
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16},
+        "sdpa",
+        True,
+    ),  # fmt: skip
+    # Sliding window (5 < the documents) and soft-capped attention logits, in the family's own eager kernel.
+    (
+        "gemma2_sliding_softcap_packed",
+        "Gemma2Config",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+        "eager",
+        True,
+    ),  # fmt: skip
+    (
+        "mixtral_moe_sdpa_padded",
+        "MixtralConfig",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        "sdpa",
+        False,
+    ),  # fmt: skip
+]
+
+
+def batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
+    """Two rows of 23 tokens (not a multiple of 2 or 4: parts are padded); packed: documents of 9, 8 and 6 tokens;
+    padded: the second row right-padded after 15 tokens. Labels mask each row's first 3 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 2, 23
+    ids = torch.randint(0, SMALL["vocab_size"], (rows, width), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    if packed:
+        positions = torch.cat([torch.arange(9), torch.arange(8), torch.arange(6)]).expand(rows, width).clone()
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    mask = torch.ones(rows, width, dtype=torch.long)
+    mask[1, 15:] = 0
+    labels[1, 15:] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int) -> dict:
+    name, cls, extra, kernel, packed = case
+    config = getattr(transformers, cls)(**SMALL, **extra)
+    torch.manual_seed(0)
+    # fp64, but MoE experts in fp32: torch's grouped_mm (transformers' experts kernel) has no fp64.
+    dtype = torch.float32 if "moe" in name else torch.float64
+    whole = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kernel).to(dtype)
+    part = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kernel).to(dtype)
+    part.load_state_dict(whole.state_dict())
+    data = batch(seed, packed)
+    plan = LossPlan()
+    want = causal_lm_loss(
+        whole, {k: v for k, v in data.items() if k != "labels"}, data["labels"], plan
+    ).ce_sum
+    tokens = count_target_tokens(data["labels"])
+    (want / tokens).backward()
+    line = enable_context_parallel(part, group, cp)
+    mine = shard_sequence(data, cp, index)
+    got = causal_lm_loss(part, {k: v for k, v in mine.items() if k != "labels"}, mine["labels"], plan).ce_sum
+    counts = torch.tensor([count_target_tokens(mine["labels"])])
+    dist.all_reduce(counts, group=group)
+    (got / tokens).backward()
+    loss = got.detach().clone()
+    dist.all_reduce(loss, group=group)
+    worst = 0.0
+    for p, q in zip(part.parameters(), whole.parameters(), strict=True):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        worst = max(worst, float((grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-300)))
+    # Whole sequences on every rank (eval samples): the model's own kernel, no all-to-all.
+    with torch.no_grad(), whole_sequences(part):
+        same = part(input_ids=data["input_ids"][:1, :9]).logits
+        ref = whole(input_ids=data["input_ids"][:1, :9]).logits
+    return {
+        "line": line,
+        "tokens": [int(counts), tokens],
+        "loss": [float(loss), float(want)],
+        "grad_rel": worst,
+        "whole_sequences_diff": float((same - ref).abs().max()),
+        "dtype": str(dtype),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    results: dict = {}
+    try:
+        for case in CASES:
+            # cp = world: one group, one batch; cp = 2: two groups with different batches (seed by group).
+            results[f"{case[0]}/cp{world}"] = check(case, dist.group.WORLD, world, rank, seed=0)
+            results[f"{case[0]}/cp2"] = check(case, pairs[rank // 2], 2, rank % 2, seed=1 + rank // 2)
+    except Exception:  # noqa: BLE001 - reported to the test
+        results["error"] = traceback.format_exc()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "result.json").write_text(json.dumps(gathered, indent=1))
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
