@@ -255,8 +255,14 @@ def resolve_resume(output_dir: str | Path, value: str) -> Path:
     return path
 
 
-def check_config_compatible(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def check_config_compatible(
+    saved: dict[str, Any], current: dict[str, Any], data_worlds: tuple[int, int] = (1, 1)
+) -> list[str]:
     """Compare a checkpoint's config with the current one.
+
+    ``data_worlds``: the data-parallel ranks then and now (world / (cp x tp)). A per-device batch size that changes
+    with them so that the examples of a micro-step over all ranks stay the same (flat FSDP2 over 4 ranks with 2 each
+    -> cp 2 x dp 2 with 4 each) reads the same batches: allowed.
 
     Returns:
         Human-readable notes of harmless changes (to log).
@@ -267,6 +273,11 @@ def check_config_compatible(saved: dict[str, Any], current: dict[str, Any]) -> l
     bad = []
     for k in MUST_MATCH:
         then = saved.get(k, ABSENT_MEANS.get(k))
+        if (
+            k == "per_device_train_batch_size"
+            and (then or 0) * data_worlds[0] == current.get(k, 0) * data_worlds[1]
+        ):
+            continue  # the same examples per micro-step over all data-parallel ranks
         if then != current.get(k):
             why = _WHY.get(k, {}).get(then)
             bad.append(f"{k}: checkpoint {then!r} vs now {current.get(k)!r}" + (f" ({why})" if why else ""))

@@ -164,7 +164,9 @@ class RunState:
         session, t = self.session, self.session.cfg.train
         path = resolve_resume(session.output_dir, value)
         saved_cfg = yaml.safe_load((path / CONFIG_FILE).read_text())
-        for note in check_config_compatible(saved_cfg, session.cfg.to_flat_dict()):
+        saved_state = TrainerState.from_json((path / STATE_FILE).read_text())
+        worlds = (saved_state.data_world or saved_state.world_size, session.data_world)
+        for note in check_config_compatible(saved_cfg, session.cfg.to_flat_dict(), worlds):
             logger.info("resuming with a changed setting: %s", note)
         state = self.checkpointer.load(path, self.model, self.optimizer)
         if state.run_id:
