@@ -83,15 +83,7 @@ class CompilePlan:
         return out
 
 
-# What cannot run yet, and why (checked on this project's versions: accelerate 1.15, transformers 5.24, torch 2.13).
-TP_REFUSAL = (
-    "tensor parallel is not available in this version: accelerate 1.15 prepares a tp_size>1 model by importing "
-    "transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5.24 removed, so "
-    "accelerator.prepare fails with ImportError; composing transformers' apply_tensor_parallelism with "
-    "fully_shard by hand needs private APIs, and the chunked loss and the gather-free export would need "
-    "2-D (tensor x data) shards. Use HSDP (dp_replicate_size x dp_shard_size) or flat FSDP2 with "
-    "fsdp_cpu_offload / activation checkpointing for large models"
-)
+# What cannot run yet, and why (checked on this project's versions: accelerate 1.16, transformers 5.24, torch 2.13).
 CP_BACKENDS = ("auto", "all_to_all", "ring")
 RING_REFUSAL = (
     "cp_backend=ring is not built in this version: torch 2.13's ring attention (context_parallel) shards only CUDA "
@@ -142,6 +134,11 @@ class MeshPlan:
                 f"{self.dp_replicate * self.dp_shard} data-parallel ranks (dp_shard {self.dp_shard} x cp {self.cp} "
                 "share the parameter shards)"
             )
+        if self.tp > 1:
+            text += (
+                f"; tensor parallel {self.tp}: each decoder layer's linear weights split over {self.tp} ranks that "
+                f"read the same batches, every parameter a 2-D DTensor (data shards x tp)"
+            )
         return text
 
 
@@ -163,8 +160,7 @@ def resolve_mesh(
     """The mesh for ``world`` ranks from the configured sizes (None: 1, and ``dp_shard`` the rest).
 
     Raises:
-        ConfigError: sizes that do not multiply to the world size (with the numbers), or TP / CP > 1 (see
-            :data:`TP_REFUSAL`, :data:`RING_REFUSAL`).
+        ConfigError: sizes that do not multiply to the world size (with the numbers), or an unknown CP backend.
     """
     r = _size(dp_replicate, "dp_replicate_size") or 1
     t = _size(tp, "tp_size") or 1
@@ -243,7 +239,7 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
     """Refuse a mesh the model or this version cannot run, before any work.
 
     Tensor parallel splits attention heads (a rank needs whole KV heads: ``tp_size`` must divide both head
-    counts); TP > 1 is then refused (:data:`TP_REFUSAL`). Context parallel (all-to-all) gives each rank whole heads
+    counts) and leaves FSDP2 the other ranks (at least 2: ``tp_size`` < world size). Context parallel (all-to-all) gives each rank whole heads
     of the whole sequence: ``cp_size`` must divide the query heads (:func:`split_heads`); sequences of any length
     are padded to a multiple of ``cp_size`` per micro-batch. ``cp_backend=ring`` is refused (:data:`RING_REFUSAL`).
 
@@ -257,7 +253,11 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
                     f"tp_size={mesh.tp} does not divide the model's {name}={count}: each tensor-parallel rank "
                     "needs whole heads; choose a tp_size that divides it"
                 )
-        raise ConfigError(f"tp_size={mesh.tp}: {TP_REFUSAL}")
+        if mesh.fsdp_shard * mesh.dp_replicate == 1:
+            raise ConfigError(
+                f"tp_size={mesh.tp} takes every one of the {mesh.world} ranks: FSDP2 (through Accelerate) needs a data "
+                "dimension to shard over; choose a tp_size that leaves at least 2 data ranks (tp_size <= world size / 2)"
+            )
     if mesh.cp > 1:
         if mesh.cp_backend == "ring":
             raise ConfigError(f"cp_size={mesh.cp}: {RING_REFUSAL}")

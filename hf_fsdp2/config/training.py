@@ -245,7 +245,9 @@ class FSDPArgs:
     )
     tp_size: int | None = field(
         default=None,
-        metadata={"help": "Tensor-parallel size (not available in this version: refused if > 1)."},
+        metadata={
+            "help": "Tensor-parallel size: each decoder layer's linear weights split over this many ranks (the family's base_model_tp_plan), FSDP2 over the rest; 1 = none."
+        },
     )
     cp_size: int | None = field(
         default=None,

@@ -149,7 +149,8 @@ def evaluate_loss(
         torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device)])
     )
     total_loss, count = totals.tolist()  # the pass's one device read
-    total_tokens = int(count)
+    # The ranks of a tensor-parallel group score the same batches: each counted the loss and the tokens.
+    total_loss, total_tokens = total_loss / collectives.tp_size(), int(count) // collectives.tp_size()
     loss = total_loss / total_tokens if total_tokens else float("nan")
     perplexity = math.exp(loss) if math.isfinite(loss) and loss < 700 else float("inf")
     return EvalResult(loss, perplexity, total_tokens, time.perf_counter() - start)

@@ -148,6 +148,9 @@ class StepMeter:
         local[_RSS], local[_PEAK_RSS] = host_rss_bytes()
         table = collectives.gather_rows(local, self.device)  # [world, fields]
         sums, maxes = table.sum(dim=0).tolist(), table.max(dim=0).values.tolist()
+        # The ranks of a tensor-parallel group hold the same batch: each counted its loss, tokens and FLOPs.
+        for i in (_LOSS, _TOKENS, _FLOPS):
+            sums[i] /= collectives.tp_size()
         steps = max(self._interval_steps, 1)
         seconds = max(maxes[_STEP_TIME], 1e-9)
         tokens, flops = int(sums[_TOKENS]), sums[_FLOPS]

@@ -32,6 +32,7 @@ from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.noise import quiet_foreign_noise
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
+from hf_fsdp2.parallel.tensor import tp_prepared_by_torch
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -195,10 +196,14 @@ def build_accelerator(
     # Accelerate must not build another one from the launcher's variables behind it.
     os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     parallelism = None
-    if mesh is not None and mesh.hybrid:
+    if mesh is not None and (mesh.hybrid or mesh.tp > 1):
         # dp_shard x cp: context-parallel ranks share the parameter shards (torchtitan's dp_shard_cp); the
         # all-to-all backend needs no cp dimension in Accelerate's mesh (its cp means ring attention hooks).
-        parallelism = ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.fsdp_shard)
+        # tp innermost: the mesh whose "tp" dimension the model is split over (parallel/tensor.py) and whose data
+        # dimensions FSDP2 shards over, one root mesh as fully_shard's 2-D path requires.
+        parallelism = ParallelismConfig(
+            dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.fsdp_shard, tp_size=mesh.tp
+        )
     if on_cpu:
         # Accelerate only turns FSDP on for GPU-like types; on CPU it would hand back MULTI_CPU (DDP-style,
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
@@ -241,10 +246,9 @@ def build_accelerator(
     accelerator.state.fsdp_plugin.mixed_precision_policy = policy
     # Every rank, right after the default group exists and before any other collective of the run.
     collectives.init_host_group(host_timeout_s)
-    if mesh is not None and mesh.cp > 1:
-        collectives.set_layout(
-            cp=mesh.cp, tp=mesh.tp, cp_group=context_parallel_group(mesh, accelerator.device)
-        )
+    if mesh is not None and (mesh.cp > 1 or mesh.tp > 1):
+        group = context_parallel_group(mesh, accelerator.device) if mesh.cp > 1 else None
+        collectives.set_layout(cp=mesh.cp, tp=mesh.tp, cp_group=group)
     return accelerator
 
 
@@ -301,7 +305,9 @@ def prepare_fsdp2(
     with warnings.catch_warnings(), _torchao_checked_once():
         # Accelerate slices its flattened dp_shard_cp dim for HSDP's 2-D mesh; torch warns about a future change.
         warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
-        model, optimizer = accelerator.prepare(model, optimizer)
+        # A tensor-parallel model is split already (parallel/tensor.py): Accelerate shards it over the data dims only.
+        with tp_prepared_by_torch(accelerator):
+            model, optimizer = accelerator.prepare(model, optimizer)
     _repoint_optimizer(model, optimizer, group_names)
     if compile_plan.enabled and compile_plan.scope == "model":
         compile_model(model, compile_plan)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.chunked_ce import (
@@ -293,16 +294,19 @@ class _ChunkedLoss:
     result: torch.Tensor | None = None
 
     def __call__(self, head: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
-        hidden = full[:, : self.positions].reshape(-1, full.size(-1))
-        weight = head.weight
+        # Tensor parallel replicates the head over tp (parallel/tensor.py): its weight and input are DTensors
+        # holding the whole tensor on every tp rank, and the loss computes on those local tensors.
+        local = full.to_local() if isinstance(full, DTensor) else full
+        hidden = local[:, : self.positions].reshape(-1, local.size(-1))
+        weight = head.weight.to_local() if isinstance(head.weight, DTensor) else head.weight
         assert isinstance(weight, torch.Tensor)
         self.result = chunked_linear_cross_entropy_sum(
             hidden,
             weight,
-            self.targets.to(full.device),
+            self.targets.to(local.device),
             self.plan.chunk_tokens,
             self.plan.transform,
-            self.rows.to(full.device, non_blocking=True),
+            self.rows.to(local.device, non_blocking=True),
         )
         # The head itself runs on the last position only. Contiguous: a view's stride follows the sequence length,
         # which the head's compiled graph would be guarded on (one recompile per new stride, measured).

@@ -33,6 +33,7 @@ from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params
 from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
 from hf_fsdp2.parallel.context import ContextParallelError, enable_context_parallel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
+from hf_fsdp2.parallel.tensor import TensorParallelError, apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
 from hf_fsdp2.trainer.session import Session
@@ -167,6 +168,13 @@ def build_model(
         flops.head_dim, f"{peak:.4g} FLOP/s per device ({device_name})" if peak
         else f"nothing: no known peak for {device_name} (set peak_flops); achieved TFLOP/s are reported",
     )  # fmt: skip
+    # Tensor parallel before the optimizer (it holds the split parameters), CP, AC, compile and FSDP2.
+    if collectives.tp_size() > 1:
+        try:
+            tp_plan = tp_plan_for(model)
+        except TensorParallelError as err:
+            raise ConfigError(str(err)) from err
+        logger.info("%s", apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"], tp_plan))
     optimizer: torch.optim.Optimizer = build_adamw(
         param_groups(model, t.weight_decay),
         lr=t.learning_rate,

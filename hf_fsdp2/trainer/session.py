@@ -42,6 +42,7 @@ from hf_fsdp2.parallel.accelerator import (
 )
 from hf_fsdp2.parallel.kernels import check_liger_available
 from hf_fsdp2.parallel.launch_config import find_launch_request, fsdp_findings, world_findings
+from hf_fsdp2.parallel.tensor import check_tp_settings
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -107,6 +108,7 @@ class Session:
         on_gpu = has_accelerator_device()
         if t.use_liger_kernel:  # package and GPU checked before any work
             check_liger_available(on_gpu)
+        ram_efficient_set = f.fsdp_cpu_ram_efficient_loading  # None: unset (tensor parallel turns it off)
         # Before the plan and the model loads read it; the resolved value is what the saved config holds.
         loading_note = f.resolve_ram_efficient_loading(
             local_world_size(),
@@ -122,6 +124,13 @@ class Session:
             kv_heads=getattr(model_config, "num_key_value_heads", None),
             max_length=d.max_length,
         )
+        tp_note = check_tp_settings(
+            mesh.tp, use_peft=cfg.peft.use_peft, load_in_4bit=cfg.peft.load_in_4bit, liger=t.use_liger_kernel,
+            ram_efficient_loading=ram_efficient_set,
+        )  # fmt: skip
+        if tp_note:
+            f.fsdp_cpu_ram_efficient_loading, loading_note = False, tp_note
+            sharding = f.sharding_plan(on_gpu=on_gpu)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
             f"load_in_4bit=true with HSDP (dp_replicate_size={mesh.dp_replicate}) is not supported: the NF4 "

@@ -32,15 +32,21 @@ def test_bad_sizes_are_refused_with_the_numbers(world: int, sizes: dict, message
         resolve_mesh(world, **kwargs)
 
 
-def test_tp_is_checked_against_the_model_then_refused_with_the_reason() -> None:
+def test_tp_needs_whole_heads_per_rank_and_data_ranks_for_fsdp2() -> None:
     with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_key_value_heads=2"):
         check_mesh(MeshPlan(1, 2, 4, 1), heads=8, kv_heads=2, max_length=1024)
-    with pytest.raises(ConfigError, match="tp_size=2: tensor parallel is not available.*ReplicateParallel"):
-        check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)
+    with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_attention_heads=6"):
+        check_mesh(MeshPlan(1, 2, 4, 1), heads=6, kv_heads=2, max_length=1024)
+    with pytest.raises(ConfigError, match="tp_size=4 takes every one of the 4 ranks"):
+        check_mesh(MeshPlan(1, 1, 4, 1), heads=8, kv_heads=4, max_length=1024)
+    check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)  # tp 2 x dp_shard 2
+    assert "tensor parallel 2" in MeshPlan(1, 2, 2, 1).describe()
     check_mesh(MeshPlan(2, 4, 1, 1), heads=8, kv_heads=2, max_length=1000)  # HSDP: nothing to refuse
 
 
-def test_cp_all_to_all_needs_whole_query_heads_per_rank_and_repeats_kv_heads_when_they_do_not_divide() -> None:
+def test_cp_all_to_all_needs_whole_query_heads_per_rank_and_repeats_kv_heads_when_they_do_not_divide() -> (
+    None
+):
     with pytest.raises(ConfigError, match="cp_size=3 does not divide the model's num_attention_heads=8"):
         check_mesh(MeshPlan(1, 2, 1, 3), heads=8, kv_heads=2, max_length=1024)
     # Any max_length: each micro-batch is padded to a multiple of cp_size.

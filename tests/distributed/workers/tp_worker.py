@@ -1,0 +1,114 @@
+"""Worker for tests/distributed/test_tensor_parallel.py: tensor parallel 2 x FSDP2 over 2 data ranks (4 ranks, one
+mesh) gives the whole model's loss and gradients in fp64, on Llama (GQA, untied head, plain logits) and Qwen3 (per-head
+q/k norms, tied head, the chunked loss), with two data ranks holding different batches of unequal target counts. The
+gradient norm comes from the library's clip over 2-D DTensors. Rank 0 writes ``<out>/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from hf_fsdp2.parallel.tensor import apply_tensor_parallel, tp_plan_for
+from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
+from hf_fsdp2.train.step import clip_grad_norm
+
+SMALL = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+# (name, config class, extra keys, chunk tokens of the loss: 0 = plain logits)
+CASES = [
+    ("llama_gqa_untied_plain", "LlamaConfig", {"tie_word_embeddings": False}, 0),
+    ("qwen3_qk_norm_tied_chunked", "Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}, 8),
+]
+DP, TP, ROWS, SEQ = 2, 2, 3, 12
+
+
+def _batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A data rank's batch: random tokens, labels with a rank-dependent number of ignored positions."""
+    gen = torch.Generator().manual_seed(100 + dp_rank)
+    ids = torch.randint(0, SMALL["vocab_size"], (ROWS, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[:, : 3 + 2 * dp_rank] = -100  # prompts of different lengths: unequal target counts per data rank
+    return ids, labels
+
+
+def _model(cls: str, extra: dict) -> torch.nn.Module:
+    config = getattr(transformers, cls)(**SMALL, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.double()
+
+
+def run_case(cls: str, extra: dict, chunk: int, mesh) -> dict:
+    plan = LossPlan(chunk_tokens=chunk)
+    dp_rank = mesh["dp_shard_cp"].get_local_rank()
+    batches = [_batch(r) for r in range(DP)]
+    total = sum(count_target_tokens(labels) for _, labels in batches)
+    # The whole model on both data ranks' batches (every rank computes it alike).
+    ref = _model(cls, extra)
+    want = sum(causal_lm_loss(ref, {"input_ids": i}, lab, plan).ce_sum for i, lab in batches) / total
+    want.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])).item()
+    # Tensor parallel over tp, then FSDP2 per decoder layer and the root over the data ranks.
+    model = _model(cls, extra)
+    line = apply_tensor_parallel(model, mesh["tp"], tp_plan_for(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard_cp"])
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+    ids, labels = batches[dp_rank]
+    local = causal_lm_loss(model, {"input_ids": ids}, labels, plan).ce_sum
+    (local * DP / total).backward()  # FSDP2 averages over the DP data ranks
+    got = torch.tensor([local.item()], dtype=torch.float64)
+    dist.all_reduce(got)  # every rank; each tp rank of a data rank counted its batch once
+    grad_rel = 0.0
+    placements = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        scale = ref_grads[name].abs().max().item() or 1.0
+        grad_rel = max(grad_rel, (grad - ref_grads[name]).abs().max().item() / scale)
+        placements[name] = str(tuple(param.placements)) if isinstance(param, DTensor) else "plain"
+    norm = clip_grad_norm(model, 1e9).item()  # the library's clip over 2-D DTensors
+    return {
+        "loss": [got.item() / TP / total, want.item()],
+        "grad_rel": grad_rel,
+        "norm": [norm, ref_norm],
+        "line": line,
+        "placements": placements,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    out = Path(parser.parse_args().out)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard_cp", "tp"))
+    results: dict = {}
+    for name, cls, extra, chunk in CASES:
+        try:
+            results[name] = run_case(cls, extra, chunk, mesh)
+        except Exception:  # reported, so the test shows every case's failure
+            results[name] = {"error": traceback.format_exc()}
+            print(results[name]["error"], file=sys.stderr)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Tensor parallel's plan and refusals, without processes: the family's base_model_tp_plan expanded to the model's
+modules; a family without a plan, MoE and other styles torch cannot apply, and the settings that do not compose with
+TP refused naming the reason and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.parallel.tensor import TensorParallelError, check_tp_settings, tp_plan_for
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _model(cls: str, **extra: object) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**SMALL, **extra))
+
+
+def test_the_family_plan_is_expanded_to_every_decoder_layer() -> None:
+    plan = tp_plan_for(_model("Qwen3Config", num_key_value_heads=2, head_dim=8))
+    assert plan.family == "qwen3"
+    assert plan.styles["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan.styles["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert len(plan.styles) == 2 * 9  # q/k/v, q/k norms, o, gate/up/down per layer
+    assert "10 colwise, 4 replicated_with_grad_allreduce, 4 rowwise" in plan.describe(
+        2
+    ) and "no loss parallel" in plan.describe(2)
+
+
+def test_a_family_without_a_plan_is_refused_by_name() -> None:
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=4)
+    )
+    with pytest.raises(
+        TensorParallelError, match=r"GPT2LMHeadModel \(model_type 'gpt2'\) has no tensor-parallel plan"
+    ):
+        tp_plan_for(model)
+
+
+def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
+    moe = _model("Qwen3MoeConfig", num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=16)  # fmt: skip
+    with pytest.raises(TensorParallelError, match=r"qwen3_moe's base_model_tp_plan uses \['moe_tp_experts', "
+                                                  r"'packed_colwise'\].*no torch DTensor equivalent"):  # fmt: skip
+        tp_plan_for(moe)
+    with pytest.raises(
+        TensorParallelError, match=r"phi3's base_model_tp_plan uses \['colwise_gather_output'"
+    ):
+        tp_plan_for(_model("Phi3Config", num_key_value_heads=2, pad_token_id=0))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(use_peft=True), "use_peft / load_in_4bit is not supported: LoRA wraps the linear layers"),
+        (dict(load_in_4bit=True), "use_peft / load_in_4bit is not supported"),
+        (dict(liger=True), "use_liger_kernel=true is not supported"),
+        (dict(ram_efficient_loading=True), "fsdp_cpu_ram_efficient_loading=true is not supported.*set "
+                                           "fsdp_cpu_ram_efficient_loading=false"),
+    ],
+)  # fmt: skip
+def test_settings_that_do_not_compose_with_tp_are_refused(settings: dict, message: str) -> None:
+    kwargs = dict(use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None) | settings
+    with pytest.raises(ConfigError, match=f"tp_size=2 with {message}"):
+        check_tp_settings(2, **kwargs)
+
+
+def test_unset_ram_efficient_loading_is_turned_off_under_tp_only() -> None:
+    kwargs = dict(use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None)
+    assert check_tp_settings(1, **kwargs) is None
+    note = check_tp_settings(2, **kwargs)
+    assert note is not None and note.startswith("fsdp_cpu_ram_efficient_loading=false (tp_size=2")
+    assert (
+        check_tp_settings(2, **(kwargs | {"ram_efficient_loading": False})) is None
+    )  # the recipe's own false
