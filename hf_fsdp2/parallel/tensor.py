@@ -224,9 +224,23 @@ def tp_prepared_by_torch(accelerator: Any) -> Iterator[None]:
         return
     config.tp_size = 1
     try:
+        if getattr(
+            config, "tp_enabled", True
+        ):  # this accelerate decides otherwise: its _prepare_tp would run
+            raise RuntimeError(
+                "accelerate's ParallelismConfig.tp_enabled no longer follows tp_size (accelerate "
+                f"{_accelerate_version()}): its own tensor-parallel prepare would run on the split model; install the "
+                "accelerate docs/compatibility.md lists as tested (pip install 'accelerate==1.16.*') or use tp_size=1"
+            )
         yield
     finally:
         config.tp_size = size
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return str(getattr(accelerate, "__version__", "?"))
 
 
 def check_tp_settings(

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from hf_fsdp2.config import ConfigError
-from hf_fsdp2.parallel.tensor import TensorParallelError, check_tp_settings, tp_plan_for
+from hf_fsdp2.parallel.tensor import TensorParallelError, check_tp_settings, tp_plan_for, tp_prepared_by_torch
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
 
@@ -75,3 +75,25 @@ def test_unset_ram_efficient_loading_is_turned_off_under_tp_only() -> None:
     assert (
         check_tp_settings(2, **(kwargs | {"ram_efficient_loading": False})) is None
     )  # the recipe's own false
+
+
+def test_accelerates_own_tp_prepare_is_skipped_for_the_block_only() -> None:
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    with tp_prepared_by_torch(SimpleNamespace(parallelism_config=config)):
+        assert not config.tp_enabled  # accelerate's _prepare_tp (ImportError on transformers 5) does not run
+    assert config.tp_size == 2 and config.tp_enabled
+
+    class Stubborn:  # an accelerate whose tp_enabled no longer reads tp_size
+        tp_size, tp_enabled = 2, True
+
+    stubborn = Stubborn()
+    with (
+        pytest.raises(RuntimeError, match="tp_enabled no longer follows tp_size"),
+        tp_prepared_by_torch(SimpleNamespace(parallelism_config=stubborn)),
+    ):
+        pass
+    assert stubborn.tp_size == 2
