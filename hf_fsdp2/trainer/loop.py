@@ -11,7 +11,7 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
-from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.trainer.method import Method, check_tensor_parallel
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
@@ -41,6 +41,7 @@ def run(cfg: Config, method: Method) -> None:
     with Session.start(cfg) as session:
         t = cfg.train
         check_context_parallel(session, method)
+        check_tensor_parallel(method, collectives.tp_size())
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.config import Config
+from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
@@ -78,6 +78,9 @@ class Method:
         context_parallel: the method's step splits each sequence over the ``cp_size`` ranks of a context-parallel
             group (its loss is the token-level CE of :func:`hf_fsdp2.train.step.train_step`); others refuse
             ``cp_size > 1``.
+        tensor_parallel: the method's step is :func:`hf_fsdp2.train.step.train_step`'s token-level CE, whose counts
+            and loss count a tensor-parallel group's batch once; others refuse ``tp_size > 1``
+            (:func:`check_tensor_parallel`).
     """
 
     name: str
@@ -92,6 +95,7 @@ class Method:
     preview_data: Callable[[Config, Any, Callable[[Any], Any], int], list[tuple[str, str]]] | None = None
     tags: tuple[str, ...] = ()
     context_parallel: bool = False
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_rows not in BATCH_ROWS:
@@ -102,3 +106,18 @@ class Method:
             raise ValueError(
                 f"method name {self.name!r} must be a Python identifier (it names recipes/NAME.py)"
             )
+
+
+def check_tensor_parallel(method: Method, tp: int) -> None:
+    """Refuse ``tp`` > 1 for a method whose step normalises its loss by its own counts over every rank (they would
+    count a tensor-parallel group's batch ``tp`` times).
+
+    Raises:
+        ConfigError: naming the method, ``tp`` and the recipes that support it.
+    """
+    if tp > 1 and not method.tensor_parallel:
+        raise ConfigError(
+            f"tp_size={tp} is not supported by the {method.name} recipe in this version: its step normalises the "
+            "loss by counts over every rank, which would count each tensor-parallel group's batch tp_size times; "
+            "tensor parallel runs with the sft and cpt recipes. Use tp_size=1 (FSDP2 or HSDP)"
+        )

@@ -97,3 +97,15 @@ def test_accelerates_own_tp_prepare_is_skipped_for_the_block_only() -> None:
     ):
         pass
     assert stubborn.tp_size == 2
+
+
+def test_only_methods_whose_step_counts_a_tp_groups_batch_once_accept_tp() -> None:
+    from hf_fsdp2.methods import get_method
+    from hf_fsdp2.trainer.method import check_tensor_parallel
+
+    for name in ("sft", "cpt"):
+        check_tensor_parallel(get_method(name), 2)
+    for name in ("dpo", "kto", "rm", "grpo"):
+        with pytest.raises(ConfigError, match=f"tp_size=2 is not supported by the {name} recipe"):
+            check_tensor_parallel(get_method(name), 2)
+        check_tensor_parallel(get_method(name), 1)

@@ -16,4 +16,5 @@ METHOD = Method(
     batch_rows="corpus",
     preview_data=preview_sft,
     context_parallel=True,
+    tensor_parallel=True,
 )

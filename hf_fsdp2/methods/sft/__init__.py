@@ -45,4 +45,5 @@ METHOD = Method(
     objective=sft_objective,
     preview_data=preview_sft,
     context_parallel=True,
+    tensor_parallel=True,
 )
