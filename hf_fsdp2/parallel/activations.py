@@ -212,7 +212,12 @@ class _LiveOutputs(TorchDispatchMode):
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
                 storage = value.untyped_storage()
-                ptr = storage.data_ptr()
+                try:
+                    ptr = storage.data_ptr()
+                except (
+                    RuntimeError
+                ):  # a wrapper subclass (an async collective's result): its data is counted where made
+                    continue
                 known = self.storages.get(ptr)
                 # An address is reused once its storage is freed: the newest storage there is the one that counts.
                 if storage.nbytes() and (known is None or known[0].expired()):
