@@ -258,12 +258,6 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
                 f"tp_size={mesh.tp} takes every one of the {mesh.world} ranks: FSDP2 (through Accelerate) needs a data "
                 "dimension to shard over; choose a tp_size that leaves at least 2 data ranks (tp_size <= world size / 2)"
             )
-        if mesh.cp > 1:
-            raise ConfigError(
-                f"tp_size={mesh.tp} with cp_size={mesh.cp} is not supported in this version: the all-to-all "
-                "context-parallel attention scatters the model's configured heads, not the heads / tp_size each "
-                "tensor-parallel rank holds (its reshape fails); use tensor parallel or context parallel, not both"
-            )
     if mesh.cp > 1:
         if mesh.cp_backend == "ring":
             raise ConfigError(f"cp_size={mesh.cp}: {RING_REFUSAL}")

@@ -190,9 +190,10 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, cp_attention)
 
 
-def enable_context_parallel(model: torch.nn.Module, group: Any, cp: int) -> str:
+def enable_context_parallel(model: torch.nn.Module, group: Any, cp: int, tp: int = 1) -> str:
     """Run ``model``'s attention through :func:`cp_attention` over ``group`` (``cp`` ranks), wrapping the kernel
-    the model was loaded with. Call before sharding and compiling. Returns the line the run logs.
+    the model was loaded with (``tp``: the tensor-parallel size, whose ranks hold heads / tp each). Call before
+    sharding and compiling. Returns the line the run logs.
 
     Raises:
         ContextParallelError: a kernel the all-to-all cannot wrap, or heads that do not split.
@@ -205,7 +206,9 @@ def enable_context_parallel(model: torch.nn.Module, group: Any, cp: int) -> str:
             f"{name!r}: set attn_implementation to sdpa (or flash_attention_2 on GPU)"
         )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    split = split_heads(int(text.num_attention_heads), getattr(text, "num_key_value_heads", None), cp)
+    # Under tensor parallel each rank's attention holds heads / tp of them: those are what the all-to-all scatters.
+    kv = getattr(text, "num_key_value_heads", None)
+    split = split_heads(int(text.num_attention_heads) // tp, kv // tp if kv else None, cp)
     register_attention()
     marked = 0
     for module in model.modules():

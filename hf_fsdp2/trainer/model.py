@@ -194,7 +194,12 @@ def build_model(
                 "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
             )
         try:
-            logger.info("%s", enable_context_parallel(model, collectives.cp_group(), collectives.cp_size()))
+            logger.info(
+                "%s",
+                enable_context_parallel(
+                    model, collectives.cp_group(), collectives.cp_size(), collectives.tp_size()
+                ),
+            )
         except (ConfigError, ContextParallelError) as err:
             raise ConfigError(str(err)) from err
     plan, compile_plan = session.sharding, session.compile_plan
