@@ -108,6 +108,7 @@ def _recipe_findings(
     import torch
 
     from hf_fsdp2.doctor.recipe import (
+        context_parallel_findings,
         data_findings,
         disk_findings,
         hub_findings,
@@ -134,6 +135,7 @@ def _recipe_findings(
     found, plan = memory_findings(cfg, model_config, method=get_method(recipe), world=world, budget=budget,
                                   device="cuda" if on_gpu else "cpu")  # fmt: skip
     out += found
+    out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
     out += wrap_findings(model_config, settings, cfg)
     out += disk_findings(cfg, plan)
     out += output_findings(cfg)

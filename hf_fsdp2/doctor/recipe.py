@@ -47,7 +47,8 @@ def memory_findings(
     limit = (1 - DEFAULT_HEADROOM) * budget
     if plan.peak <= limit:
         return [Finding("ok", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU", "fits")], plan
-    tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM)
+    tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM,
+                      context_parallel=bool(getattr(method, "context_parallel", False)))  # fmt: skip
     fitting = [c for c in tried if c.fits]
     fix = (
         "set " + ", ".join(f"{k}: {v}" for k, v in fitting[0].changes.items()) + f" (peak {human_bytes(fitting[0].plan.peak)})"
@@ -212,3 +213,74 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
             )
         )
     return out
+
+
+def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, world: int) -> list[Finding]:
+    """The context-parallel layout (``cp_size > 1``) checked as the run checks it before any work: the mesh against
+    the world size and the heads (:func:`~hf_fsdp2.config.plans.check_mesh`, :func:`~hf_fsdp2.config.plans.split_heads`),
+    the method (:func:`~hf_fsdp2.trainer.loop.check_method_context_parallel`), a MoE router loss (refused by the run's
+    model build) and the attention kernel the all-to-all wraps. Nothing when the recipe asks for no context parallel.
+    """
+    from hf_fsdp2.config.plans import check_mesh, split_heads
+    from hf_fsdp2.methods import get_method, method_names
+    from hf_fsdp2.parallel.accelerator import launcher_mesh
+    from hf_fsdp2.parallel.context import INNER_KERNELS
+    from hf_fsdp2.train.loss import router_aux_coef
+    from hf_fsdp2.trainer.loop import check_method_context_parallel
+
+    f, m = cfg.fsdp, cfg.model
+    asked = f.cp_size if f.cp_size is not None else launcher_mesh().get("cp_size")
+    if not asked or asked == 1:
+        return []
+    supported = [n for n in method_names() if get_method(n).context_parallel]
+    refusing = [n for n in method_names() if n not in supported]
+    recipes = f"{', '.join(supported)} support it; {', '.join(refusing)} refuse it"
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    try:
+        mesh = f.mesh_plan(world, launcher_mesh())
+        check_mesh(mesh, heads=heads, kv_heads=kv_heads, max_length=cfg.data.max_length)
+    except ConfigError as err:
+        return [
+            Finding(
+                "error",
+                "context parallel",
+                f"cp_size {asked} at world size {world}",
+                str(err).splitlines()[0],
+            )
+        ]
+    out: list[Finding] = []
+    try:
+        check_method_context_parallel(method, mesh.cp)
+    except ConfigError as err:
+        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with the {method.name} recipe",
+                           str(err).splitlines()[0], recipes))  # fmt: skip
+    coef = router_aux_coef(model_config)
+    if coef:
+        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
+                           f"=true, router_aux_loss_coef={coef:g})", "the load-balancing loss is a product of per-expert "
+                           "fractions over a micro-batch's tokens; each context-parallel rank sees only its part of them",
+                           "set output_router_logits=false in the model config or cp_size=1"))  # fmt: skip
+    kernel = m.attn_implementation
+    if kernel != "auto" and kernel not in INNER_KERNELS:
+        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with attn_implementation {kernel}",
+                           f"the all-to-all wraps {', '.join(INNER_KERNELS)}", "set attn_implementation to sdpa "
+                           "(or flash_attention_2 on GPU)"))  # fmt: skip
+    if out:
+        return out
+    data_ranks = mesh.world // (mesh.cp * mesh.tp)
+    # Per tensor-parallel rank, as check_mesh splits them.
+    split = (
+        split_heads(int(heads) // mesh.tp, int(kv_heads) // mesh.tp if kv_heads else None, mesh.cp)
+        if heads
+        else None
+    )
+    part = -(-cfg.data.max_length // mesh.cp)
+    what = (
+        f"each sequence over {mesh.cp} ranks ({part} of max_length {cfg.data.max_length} tokens each), "
+        f"{data_ranks} data-parallel ranks (world {mesh.world} / cp {mesh.cp}), parameters sharded over "
+        f"{mesh.fsdp_shard} ranks (dp_shard {mesh.dp_shard} x cp {mesh.cp})"
+        + (f"; {split.describe()}" if split else "")
+        + f"; {recipes}"
+    )
+    return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]

@@ -4,6 +4,7 @@ largest working set, with the run's activation checkpointing, loss path and atte
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_fsdp2.config.plans import ACPlan
 from hf_fsdp2.lora.quantize import is_nf4
+from hf_fsdp2.plan.context import meta_context_parallel, rank_inputs
 from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable, layer_classes
 from hf_fsdp2.plan.saved import SavedBytes, SavedTensorMeter, param_storages, storages
 from hf_fsdp2.plan.settings import PlanError, PlanSettings
@@ -211,14 +213,24 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     )
     live = _LiveBytes(params)
     meter = SavedTensorMeter(model, layer_cls)
+    # Context parallel: the run's all-to-all attention on rank 0's part of each sequence (hf_fsdp2.plan.context).
+    parallel = meta_context_parallel(model, settings.cp) if settings.cp > 1 else contextlib.nullcontext()
     try:
         # Data-dependent sizes (nonzero: the rows with a target) read as "every element": the planned batch
         # is full rows, every token a target.
-        with _MetaForward(settings.device_type), live, fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
+        with (
+            _MetaForward(settings.device_type),
+            live,
+            fx_config.patch(meta_nonzero_assume_all_nonzero=True),  # type: ignore[attr-defined]
+            parallel,
+        ):
             ids = torch.zeros(shape, dtype=torch.long, device="meta")
-            inputs = _planned_inputs(ids, layout, compute or _param_dtype(model))
+            if settings.cp > 1:
+                inputs, labels = rank_inputs(ids, layout, settings.cp)
+            else:
+                inputs, labels = _planned_inputs(ids, layout, compute or _param_dtype(model)), ids
             with meter:
-                out = causal_lm_loss(model, inputs, ids, loss_plan)
+                out = causal_lm_loss(model, inputs, labels, loss_plan)
             saved = meter.result(offload_layer_inputs=offload)
             on_device = meter.result()
             total = out.ce_sum if out.aux_loss is None else out.ce_sum + out.aux_loss

@@ -52,7 +52,9 @@ class PlanSettings:
 
     Attributes:
         world_size: processes of the run.
-        dp_shard: ranks a parameter is sharded over (``dp_shard_size``; HSDP); None = ``world_size``.
+        dp_shard: ranks a parameter is sharded over (``dp_shard_size`` x ``cp_size``; HSDP); None = ``world_size``.
+        cp: context-parallel ranks each sequence is split over (``cp_size``; all-to-all backend): they share the
+            parameter shards (``cp`` divides the sharded ranks) and each runs ``1/cp`` of every sequence.
         micro_batch: sequences per micro-batch per rank (``per_device_train_batch_size``).
         seq_len: tokens per sequence (``max_length``: the planned batch is full, no padding).
         ac: activation checkpointing (``activation_checkpointing``, ``ac_every_k``).
@@ -77,6 +79,7 @@ class PlanSettings:
 
     world_size: int = 1
     dp_shard: int | None = None
+    cp: int = 1
     micro_batch: int = 1
     seq_len: int = 512
     ac: ACPlan = field(default_factory=ACPlan)
@@ -103,6 +106,11 @@ class PlanSettings:
             problems.append(f"world_size={self.world_size} must be >= 1")
         if self.shard_size < 1 or self.world_size % self.shard_size:
             problems.append(f"dp_shard_size={self.dp_shard} must divide world_size={self.world_size}")
+        if self.cp < 1 or self.shard_size % self.cp:
+            problems.append(
+                f"cp_size={self.cp} must divide the {self.shard_size} ranks a parameter is sharded over (dp_shard_size "
+                "x cp_size): context-parallel ranks share the parameter shards"
+            )
         if self.micro_batch < 1:
             problems.append(f"per_device_train_batch_size={self.micro_batch} must be >= 1")
         if self.seq_len < 2:
@@ -172,6 +180,11 @@ class PlanSettings:
             if self.shard_size != self.world_size
             else ""
         )
+        if self.cp > 1:
+            mesh += (
+                f", context parallel {self.cp} ({self.world_size // self.cp} data-parallel ranks, each sequence over "
+                f"{self.cp} ranks)"
+            )
         loss = f"chunked CE {self.ce_chunk_tokens}" if self.ce_chunk_tokens > 0 else "plain CE (full logits)"
         return (
             f"{mesh}, micro-batch {self.micro_batch} x {self.seq_len} tokens, mixed_precision={self.mixed_precision}, "
@@ -213,7 +226,8 @@ class PlanSettings:
         rows = method.rows_per_example(cfg) if method is not None else 1
         return cls(
             world_size=world_size,
-            dp_shard=mesh.dp_shard,
+            dp_shard=mesh.fsdp_shard,  # context-parallel ranks share the parameter shards
+            cp=mesh.cp,
             micro_batch=t.per_device_train_batch_size * rows,
             seq_len=d.max_length,
             ac=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=device_type == "cuda"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
+from hf_fsdp2.plan.context import ContextPlan, context_plan
 from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
 from hf_fsdp2.plan.settings import GIB, MIB, PlanSettings
 from hf_fsdp2.plan.state import Unit, fsdp_buffer_bytes, fsdp_units, state_bytes
@@ -30,6 +31,7 @@ class MemoryPlan:
     compute: ComputeBytes
     units: list[Unit]
     layout: AttentionLayout | None = None
+    context: ContextPlan | None = None  # cp_size > 1: the all-to-all's per-layer shapes
 
     def rank_total(self, rank: int) -> dict[str, int]:
         """Every item of one rank, its peak included."""
@@ -65,7 +67,8 @@ class MemoryPlan:
             "trainable_params": self.trainable_params,
             "settings": {
                 "world_size": s.world_size,
-                "dp_shard_size": s.shard_size,
+                "dp_shard_size": s.shard_size // s.cp,
+                "cp_size": s.cp,
                 "per_device_train_batch_size": s.micro_batch,
                 "max_length": s.seq_len,
                 "activation_checkpointing": s.ac.mode,
@@ -83,6 +86,20 @@ class MemoryPlan:
                 "attention": None if self.layout is None else self.layout.kernel,
                 "dense_mask": None if self.layout is None else self.layout.dense_mask,
             },
+            "context_parallel": None
+            if self.context is None
+            else {
+                "cp_size": self.context.split.cp,
+                "tokens_per_rank": self.context.part,
+                "query_heads_per_rank": self.context.split.heads // self.context.split.cp,
+                "kv_heads_per_rank": self.context.split.kv_heads
+                * self.context.split.kv_repeat
+                // self.context.split.cp,
+                "kv_repeat": self.context.split.kv_repeat,
+                "gathered_qkv_bytes_per_layer": self.context.gathered_bytes,
+                "scattered_output_bytes_per_layer": self.context.scattered_bytes,
+                "mask_bytes_per_layer": self.context.mask_bytes,
+            },  # fmt: skip
             "worst_rank": self.worst_rank,
             "peak": self.peak,
             "ranks": [self.rank_total(r) for r in range(len(self.per_rank))],
@@ -97,7 +114,12 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
         PlanError: a model or setting that cannot be planned, with the reason.
     """
     check_plannable(model_config)
+    layout = settings.layout(model_config)
     model = build_meta_model(model_config, settings)
+    context = None
+    if settings.cp > 1:  # before the meta forward: the run's refusals (heads, kernel) first
+        itemsize = (settings.compute_dtype or next(p.dtype for p in model.parameters())).itemsize
+        context = context_plan(model_config, settings, layout, itemsize)
     per_rank = [state_bytes(model, settings, rank) for rank in range(settings.world_size)]
     units = fsdp_units(model, settings)
     buffers, note = fsdp_buffer_bytes(units, settings)
@@ -111,7 +133,8 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
         fsdp_note=note,
         compute=compute_bytes(model_config, settings),
         units=units,
-        layout=settings.layout(model_config),
+        layout=layout,
+        context=context,
     )
 
 
@@ -157,9 +180,11 @@ def format_plan(plan: MemoryPlan) -> str:
         "optimizer": "exp_avg, exp_avg_sq, step" + ("; in host memory" if s.cpu_offload else ""),
         "fsdp_buffers": plan.fsdp_note,
         "activations": f"activation_checkpointing={s.ac.mode}"
+        + (f"; {plan.context.part} tokens per sequence (1/{s.cp})" if plan.context else "")
         + (f"; {human_bytes(items['host_activations'])} in host memory" if s.ac.mode == "offload" else ""),
         "loss_logits": f"chunked CE ({s.ce_chunk_tokens} tokens)" if s.ce_chunk_tokens else "fp32 log-probs",
-        "transient": "logits, gradients of activations, a recomputed layer",
+        "transient": "logits, gradients of activations, a recomputed layer"
+        + ("; the all-to-all's copies and the mask" if plan.context else ""),
     }
     if s.cpu_offload:
         for key in ("params", "grads", "optimizer"):
@@ -170,6 +195,8 @@ def format_plan(plan: MemoryPlan) -> str:
         + (f"; {plan.layout.describe(why=False)}" if plan.layout else ""),
         f"{'item':<36} {'rank ' + str(rank):>11}  note",
     ]
+    if plan.context is not None:
+        lines.insert(1, plan.context.describe(human_bytes))
     for key, label in ROWS:
         lines.append(f"{label:<36} {human_bytes(items[key]):>11}  {notes[key]}".rstrip())
     spread = [plan.rank_total(r)["peak"] for r in range(len(plan.per_rank))]

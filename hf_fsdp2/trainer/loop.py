@@ -20,9 +20,19 @@ from hf_fsdp2.trainer.state import RunState
 
 def check_context_parallel(session: Session, method: Method) -> None:
     """Refuse ``cp_size > 1`` for a method whose step does not split sequences (every rank alike)."""
-    if collectives.cp_size() > 1 and not method.context_parallel:
+    check_method_context_parallel(method, collectives.cp_size())
+
+
+def check_method_context_parallel(method: Method, cp: int) -> None:
+    """Refuse ``cp`` > 1 for a method whose step does not split sequences (the run's check; the plan and doctor ask
+    it before any process group exists).
+
+    Raises:
+        ConfigError: naming the method, ``cp`` and the recipes that support it.
+    """
+    if cp > 1 and not method.context_parallel:
         raise ConfigError(
-            f"cp_size={collectives.cp_size()} is not supported by the {method.name} recipe in this version: its "
+            f"cp_size={cp} is not supported by the {method.name} recipe in this version: its "
             "step scores whole sequences per rank (sequence log-probabilities, rewards or generations); context "
             "parallel runs with the sft and cpt recipes. Use cp_size=1 (activation_checkpointing and "
             "ce_chunk_tokens for long sequences)"

@@ -1,0 +1,200 @@
+"""Context parallel in the memory plan (``cp_size > 1``, the all-to-all backend of :mod:`hf_fsdp2.parallel.context`).
+
+Each rank of a context-parallel group holds ``ceil(S / cp)`` tokens of every sequence (``S`` padded to a multiple of
+``cp``), so the meta forward of :mod:`hf_fsdp2.plan.compute` runs at that width: activations, norms, MLPs, the loss
+and logits cost ``1/cp``. Around each attention the run's own :func:`~hf_fsdp2.parallel.context.cp_attention` runs
+on the meta model too (:func:`meta_context_parallel`): q, k, v of ``[b, heads, S/cp, d]`` become ``[b, heads/cp, S,
+d]`` (KV heads repeated when they do not divide), the kernel runs on the whole sequence with ``heads/cp`` heads (its
+saved tensors and temporaries are those of ``S`` tokens), the ``[b, 1, S, S]`` mask is built per layer when the run
+builds one, and the output goes back as ``[b, S/cp, heads, d]``. The all-to-all, which needs a process group, is
+replaced there by a local copy of the same shape (what a rank receives), so every byte the run allocates around it
+is counted by the meta forward. :class:`ContextPlan` states those per-layer sizes from the shapes alone, for the
+plan's lines and its tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import torch
+
+from hf_fsdp2.config.plans import ConfigError, HeadSplit, split_heads
+from hf_fsdp2.plan.settings import PlanError, PlanSettings
+
+if TYPE_CHECKING:
+    from hf_fsdp2.attention_layout import AttentionLayout
+
+
+def _text_config(model_config: Any) -> Any:
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def head_dim(model_config: Any) -> int:
+    """The attention head size of a config (``head_dim`` when it has one, else hidden / heads)."""
+    text = _text_config(model_config)
+    explicit = getattr(text, "head_dim", None)
+    return int(explicit) if explicit else int(text.hidden_size) // int(text.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """The per-layer bytes the all-to-all adds on one rank, from the shapes alone.
+
+    Attributes:
+        split: the head split (:func:`~hf_fsdp2.config.plans.split_heads`, as the run makes it).
+        rows: rows of a micro-batch (1 when padding-free).
+        tokens: the whole sequence a row has after padding to a multiple of ``cp`` (``S``).
+        head_dim: size of one head.
+        itemsize: bytes of the compute dtype.
+        kernel: the run's attention kernel the all-to-all wraps.
+        mask_rows: rows of the ``[rows, 1, S, S]`` mask the run builds per layer (1 for a plain causal one of one
+            document per row), 0 when it builds none.
+        mask_itemsize: 1 (bool, for sdpa) or the compute dtype's (an additive mask, for eager).
+    """
+
+    split: HeadSplit
+    rows: int
+    tokens: int
+    head_dim: int
+    itemsize: int
+    kernel: str
+    mask_rows: int
+    mask_itemsize: int
+
+    @property
+    def part(self) -> int:
+        """Tokens of each sequence one rank holds: ``S / cp``."""
+        return self.tokens // self.split.cp
+
+    @property
+    def gathered_bytes(self) -> int:
+        """q, k and v after the first all-to-all: ``[rows, heads/cp, S, d]`` and twice ``[rows, kv x repeat / cp,
+        S, d]``; the kernel keeps them for backward."""
+        s = self.split
+        heads = s.heads // s.cp + 2 * (s.kv_heads * s.kv_repeat) // s.cp
+        return self.rows * heads * self.tokens * self.head_dim * self.itemsize
+
+    @property
+    def scattered_bytes(self) -> int:
+        """The output after the second all-to-all: ``[rows, S/cp, heads, d]`` (the kernel's ``[rows, S, heads/cp,
+        d]`` output is as large)."""
+        return self.rows * self.part * self.split.heads * self.head_dim * self.itemsize
+
+    @property
+    def mask_bytes(self) -> int:
+        """The ``[rows, 1, S, S]`` mask built per layer (0 when none)."""
+        return self.mask_rows * self.tokens * self.tokens * self.mask_itemsize
+
+    def describe(self, human_bytes: Callable[[float], str]) -> str:
+        """The plan's line: what context parallel does and what it costs per layer (sizes written by
+        ``human_bytes``, the table's)."""
+        s = self.split
+        mask = (
+            f"; a [{self.mask_rows}, 1, {self.tokens}, {self.tokens}] "
+            f"{'bool' if self.mask_itemsize == 1 else 'additive'} mask per layer {human_bytes(self.mask_bytes)}"
+            if self.mask_rows
+            else "; no mask (causal kernel)"
+        )
+        return (
+            f"context parallel {s.cp} (all-to-all around the {self.kernel} kernel): each rank holds {self.part} of "
+            f"the {self.tokens} tokens of every sequence (activations, MLPs, loss and logits at 1/{s.cp}); per "
+            f"attention: {s.describe()}, q/k/v gathered {human_bytes(self.gathered_bytes)} (kept by the kernel), "
+            f"output scattered back {human_bytes(self.scattered_bytes)}{mask}"
+        )
+
+
+def rank_tokens(settings: PlanSettings, padding_free: bool) -> tuple[int, int]:
+    """The micro-batch a rank runs: ``(rows, whole-sequence tokens S)``; each rank holds ``S / cp`` of them (the
+    width padded to a multiple of ``cp``, as :func:`~hf_fsdp2.parallel.context.shard_sequence` pads it)."""
+    rows, width = (
+        (1, settings.micro_batch * settings.seq_len)
+        if padding_free
+        else (settings.micro_batch, settings.seq_len)
+    )
+    return rows, width + (-width) % settings.cp
+
+
+def builds_mask(layout: AttentionLayout, model_config: Any) -> bool:
+    """Whether :func:`~hf_fsdp2.parallel.context.cp_attention` builds a ``[b, 1, S, S]`` mask: for eager always, for
+    sdpa when rows hold several documents or the model has a sliding window; flash kernels take position_ids."""
+    if layout.kernel.startswith("flash"):
+        return False
+    window = getattr(_text_config(model_config), "sliding_window", None)
+    return layout.kernel == "eager" or layout.packing or layout.padding_free or bool(window)
+
+
+def context_plan(
+    model_config: Any, settings: PlanSettings, layout: AttentionLayout, itemsize: int
+) -> ContextPlan:
+    """The :class:`ContextPlan` of a run with ``settings.cp > 1``, refusing what the run refuses.
+
+    Raises:
+        PlanError: heads that do not split over ``cp`` (the run's :func:`split_heads`), or a kernel the all-to-all
+            cannot wrap.
+    """
+    from hf_fsdp2.parallel.context import INNER_KERNELS
+
+    if layout.kernel not in INNER_KERNELS:
+        raise PlanError(
+            f"context parallel (all-to-all) wraps the attention kernels {', '.join(INNER_KERNELS)}; this run's "
+            f"kernel is {layout.kernel!r}: set attn_implementation to sdpa (or flash_attention_2 on GPU)"
+        )
+    text = _text_config(model_config)
+    try:
+        split = split_heads(
+            int(text.num_attention_heads), getattr(text, "num_key_value_heads", None), settings.cp
+        )
+    except ConfigError as err:
+        raise PlanError(str(err)) from err
+    rows, tokens = rank_tokens(settings, layout.padding_free)
+    mask = builds_mask(layout, model_config)
+    # One document per row and no window: allowed_pairs gives one [1, 1, S, S] mask for every row.
+    mask_rows = (rows if (layout.packing or layout.padding_free) else 1) if mask else 0
+    return ContextPlan(
+        split=split, rows=rows, tokens=tokens, head_dim=head_dim(model_config), itemsize=itemsize,
+        kernel=layout.kernel, mask_rows=mask_rows, mask_itemsize=1 if layout.kernel == "sdpa" else itemsize,
+    )  # fmt: skip
+
+
+def _received(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    """What the all-to-all hands a rank, without a process group: a new tensor of the input's shape (the input made
+    contiguous first, as the run's collective does); gradients flow through as the collective's do."""
+    return chunks.contiguous().clone()
+
+
+@contextlib.contextmanager
+def meta_context_parallel(model: torch.nn.Module, cp: int) -> Iterator[None]:
+    """Run ``model``'s attention through the run's :func:`~hf_fsdp2.parallel.context.cp_attention` over ``cp``
+    emulated ranks inside the block (the meta model: no process group; each all-to-all a local copy of its shape)."""
+    from hf_fsdp2.parallel import context
+
+    try:
+        context.enable_context_parallel(model, None, cp)
+    except (ConfigError, context.ContextParallelError) as err:
+        raise PlanError(str(err)) from err
+    with mock.patch.object(context, "_all_to_all", _received):
+        yield
+
+
+def rank_inputs(
+    ids: torch.Tensor, layout: AttentionLayout, cp: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rank 0's part of the planned micro-batch ``ids`` (``[rows, S]``) as the run's step hands it to the model
+    (:func:`~hf_fsdp2.parallel.context.shard_sequence`: no attention mask, the part's position_ids, the whole row's
+    positions for a mask over documents) and its labels (one column wider)."""
+    from hf_fsdp2.parallel.context import POSITIONS_KEY, shard_sequence
+
+    batch = {"input_ids": ids, "labels": ids}
+    documents = (layout.padding_free or layout.packing) and not layout.kernel.startswith("flash")
+    if documents:
+        batch["position_ids"] = torch.zeros_like(ids)
+    # shard_sequence numbers a row's positions on the host: the meta forward needs every input on meta.
+    part = {k: v.to(ids.device) for k, v in shard_sequence(batch, cp, 0).items()}
+    inputs = {k: v for k, v in part.items() if k != "labels"}
+    if not documents:
+        inputs.pop(POSITIONS_KEY, None)
+    return inputs, part["labels"]
