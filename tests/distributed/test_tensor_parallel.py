@@ -5,7 +5,8 @@
   same gradient norm from the 2-D DTensors (tests/distributed/workers/tp_worker.py).
 - The SFT recipe with tp 2 x dp_shard 2 trains the losses, target counts and gradient norms of flat FSDP2 over 4 ranks
   on the same data-parallel batch (per_device_train_batch_size doubles as the data world halves; fp32, accumulation,
-  chat data with unequal target counts), on Llama and Qwen3, and exports a verified folder equal to the flat one.
+  chat data with unequal target counts; eval every 2 steps), on Llama and Qwen3, and exports a verified folder equal to
+  the flat one.
 - A checkpoint resumes across layouts: tp 2 x dp 2 -> flat 4 and flat 4 -> tp 2 x dp 2 give the uninterrupted losses.
 MoE families are refused (their plan's expert styles have no torch equivalent): tests/unit/test_tensor_parallel.py.
 """
@@ -31,7 +32,7 @@ STEPS = 4
 # Gradient norms in fp32: flat FSDP2 over 4 ranks itself moves this tiny model's norm from one process's by up to
 # 2.5e-4 relative by step 4 (measured on llama3_untied: 5.1e-5, 1.5e-4, 2.0e-4, 2.5e-4 at steps 1-4; its gradients
 # are sums with heavy cancellation, and AdamW's first steps amplify their rounding); tensor parallel reduces in yet
-# another order (measured 2.5e-5 .. 8.9e-5 from flat). Twice flat's own deviation bounds it; the fp64 worker shows
+# another order (measured 1.6e-5 .. 8.9e-5 from flat on both families). Twice flat's own deviation bounds it; the fp64 worker shows
 # the split itself exact (6e-16).
 GRAD_NORM_RTOL = 5e-4
 
@@ -76,7 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, s
                 "--max_steps", str(STEPS), "--per_device_train_batch_size", str(2 * tp),
                 "--gradient_accumulation_steps", "2", "--max_length", "64", "--mixed_precision", "no",
                 "--logging_steps", "1", "--learning_rate", "1e-3", "--train_sampling_strategy", "sequential",
-                "--tp_size", str(tp), *extra]  # fmt: skip
+                "--eval_split_fraction", "0.25", "--eval_steps", "2", "--tp_size", str(tp), *extra]  # fmt: skip
         if out is None:
             args += ["--save_steps", "2"]
         proc = torchrun(SFT, args, nproc=4)
@@ -89,8 +90,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, s
 
 
 def _same(got: Path, want: Path, steps: list[int]) -> None:
-    """Losses within 1e-5 relative (measured: 6e-8), target and processed token counts equal (a tensor-parallel
-    group's batch counted once), gradient norms within :data:`GRAD_NORM_RTOL`."""
+    """Losses and eval losses within 1e-5 relative (measured: 6e-8), target, processed and eval token counts equal
+    (a tensor-parallel group's batch counted once), gradient norms within :data:`GRAD_NORM_RTOL`."""
     by_step = {r["step"]: r for r in read_metrics(got / "metrics.jsonl")}
     ref = {r["step"]: r for r in read_metrics(want / "metrics.jsonl")}
     for step in steps:
@@ -98,6 +99,9 @@ def _same(got: Path, want: Path, steps: list[int]) -> None:
         assert by_step[step]["tokens"] == ref[step]["tokens"], step
         assert by_step[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
         assert by_step[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=GRAD_NORM_RTOL), step
+        if step % 2 == 0:  # eval every 2 steps
+            assert by_step[step]["eval_tokens"] == ref[step]["eval_tokens"], step
+            assert by_step[step]["eval_loss"] == pytest.approx(ref[step]["eval_loss"], rel=1e-5), step
 
 
 @pytest.mark.parametrize(("family", "plan"), [("llama3_untied", "llama"), ("qwen3", "qwen3")])
