@@ -165,3 +165,19 @@ def test_packed_rows_of_2048_tokens_over_several_documents_with_ac_chunked_loss_
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), g["step"]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), g["step"]
+
+
+@pytest.mark.slow
+def test_tp2_x_cp2_x_dp2_on_8_ranks_trains_like_flat_fsdp(assets, flat, single, tmp_path: Path) -> None:
+    """Tensor, context and data parallel together, once: 8 gloo processes (2 tensor-parallel ranks per context-parallel
+    rank, 2 of those per data rank, 2 data ranks reading 4 examples each: the flat run's 8 per micro-step)."""
+    out = tmp_path / "tpcp"
+    proc = torchrun(
+        SFT, _args(assets, out, 4, "--tp_size", "2", "--cp_size", "2", "--export_verify", "false"), nproc=8
+    )
+    log = proc.stdout + proc.stderr
+    assert "context parallel 2 (all_to_all)" in log and "tensor parallel 2" in log
+    # 4 heads / tp 2 = 2 per tensor-parallel rank, 1 per context-parallel rank; 1 KV head per tp rank, repeated.
+    assert "1 query heads and 1 key/value heads per rank" in log and "repeated 2x" in log
+    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
+          single)  # fmt: skip
