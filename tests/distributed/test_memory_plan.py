@@ -9,7 +9,8 @@ kernels run, so the test holds them to equality). A 3-row linear layer at world 
 
 The same for adapters over a frozen base, wrapped as a run wraps them: QLoRA (the decoder linears in NF4, sharded by
 FSDP2 with their scales; a wider tiny Llama so that every weight splits over 4 ranks) and QDoRA on the tied Qwen3.
-World 1 is the one-GPU QLoRA run, whose FSDP2 unshard path differs (no all-gather).
+World 1 is the one-GPU QLoRA run, whose FSDP2 unshard path differs (no all-gather). Context parallel: cp 2 over 2
+ranks (the run's all-to-all attention, half of each sequence per rank) against the plan with cp_size 2.
 """
 
 from __future__ import annotations
@@ -120,3 +121,34 @@ def test_world_4_matches_the_plan_exactly_uneven_and_empty_chunks(models, tmp_pa
     optimizer = [measured[r]["models"]["llama"]["none"]["optimizer"] for r in range(4)]
     assert optimizer[0] == optimizer[1] == optimizer[2] > optimizer[3]
     assert measured[3]["probe"]["weight_rows"] == 0  # rank 3 holds nothing of the probe, yet a padded buffer
+
+
+def test_context_parallel_world_2_matches_the_plan(models, tmp_path: Path):
+    """cp_size 2 over 2 ranks (the all-to-all backend, as the run's build_model and step apply it): each rank runs
+    half of each sequence, its attention over the whole sequence with half the heads. The plan's sharded state (over
+    dp_shard 1 x cp 2) and the meta forward's activations and loss (the run's cp_attention, the all-to-all a local
+    copy) equal what the real run holds and saves."""
+    batch, seq, chunk = SHAPES["llama"]
+    spec = f"llama={models['llama']}:{batch}:{seq}:{chunk}"
+    torchrun(WORKER, ["--models", spec, "--cp", "2", "--out", str(tmp_path)], nproc=2, timeout=300)
+    measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    config = AutoConfig.from_pretrained(models["llama"])
+    flat = {}
+    for mode in MODES:
+        settings = PlanSettings(
+            world_size=2, cp=2, micro_batch=batch, seq_len=seq, ac=ACPlan(mode, every_k=2, pin_memory=False),
+            mixed_precision="bf16", ce_chunk_tokens=chunk, device_type="cpu",
+        )  # fmt: skip
+        meta = build_meta_model(config, settings)
+        compute = compute_bytes(config, settings)
+        flat[mode] = compute_bytes(config, settings.replace(cp=1)).saved.activations
+        for rank in range(2):
+            got = measured[rank]["models"]["llama"][mode]
+            want = state_bytes(meta, settings, rank)
+            where = f"cp 2 {mode} rank {rank}"
+            assert (want["params"], want["grads"], want["optimizer"]) == (
+                got["params"], got["grads"], got["optimizer"],
+            ), where  # fmt: skip
+            assert (compute.saved.activations, compute.saved.loss) == (got["activations"], got["loss"]), where
+    # Half of each sequence per rank: full checkpointing keeps exactly half of the flat run's layer inputs.
+    assert measured[0]["models"]["llama"]["full"]["activations"] * 2 == flat["full"]

@@ -5,6 +5,8 @@ checkpointing mode: load the model, shard it as a run does (``prepare_fsdp2``, b
 micro-batch through the run's loss with ``SavedTensorMeter`` around the forward (the bytes kept for backward),
 backward, an AdamW step; then sum the unique storages of the local parameter shards, gradient shards and
 optimizer state. A 3-row linear layer sharded alone shows the padded storage of ranks whose chunk is empty.
+With --cp N the mesh is context parallel over every rank and each model runs as the run applies it (the all-to-all
+attention, each rank its part of the sequences: hf_fsdp2.parallel.context).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from hf_fsdp2.config.plans import ACPlan, CompilePlan, LoraSettings, ShardingPlan
+from hf_fsdp2 import collectives
+from hf_fsdp2.config.plans import ACPlan, CompilePlan, LoraSettings, MeshPlan, ShardingPlan
 from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.quantize import quantize_base
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
 from hf_fsdp2.plan import SavedTensorMeter
 from hf_fsdp2.train.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
 from hf_fsdp2.train.optim import build_adamw, param_groups
@@ -66,18 +70,26 @@ def measure(
         quantize_base(model, layer_cls, shards=acc.num_processes)
     if adapter:
         model = apply_lora(model, LoraSettings(r=8, use_dora="dora" in adapter), seed=0)
+    cp = collectives.cp_size()
+    if cp > 1:  # as the run's build_model: the all-to-all attention before sharding
+        enable_context_parallel(model, collectives.cp_group(), cp)
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     # offload is refused by build_accelerator on CPU (host memory already); prepare_fsdp2 applies it as asked.
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=False))
     model, opt = prepare_fsdp2(acc, model, opt, layer_cls, sharding=sharding)
     loss_plan = plan_loss(model, chunk)
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + collectives.data_rank())  # a cp group's ranks: the same batch
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    labels = ids
+    if cp > 1:  # as the run's step: this rank's part of each sequence, its labels one column wider
+        part = shard_sequence({**inputs, "labels": ids}, cp, collectives.cp_rank())
+        labels = part.pop("labels")
+        inputs = part
     with SavedTensorMeter(model, layer_cls) as meter:
-        out = causal_lm_loss(model, inputs, ids, loss_plan)
+        out = causal_lm_loss(model, inputs, labels, loss_plan)
     saved = meter.result()
-    tokens = count_target_tokens(ids) * acc.num_processes  # every rank has the same count here
+    tokens = count_target_tokens(labels) * acc.num_processes  # every rank has the same count here
     (out.ce_sum * backward_scale(tokens, acc.num_processes)).backward()
     del out
     grads = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
@@ -106,9 +118,13 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=[], help="name=folder:batch:seq:ce_chunk_tokens")
     ap.add_argument("--adapters", nargs="*", default=[], help="name=folder:batch:seq:ce_chunk_tokens:adapter")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--cp", type=int, default=1, help="context-parallel ranks (all of them: the mesh is cp only)"
+    )
     args = ap.parse_args()
+    mesh = MeshPlan(cp=args.cp) if args.cp > 1 else None
     acc = build_accelerator(
-        ShardingPlan(), mixed_precision="bf16", compile_plan=CompilePlan(), force_cpu=True
+        ShardingPlan(), mixed_precision="bf16", compile_plan=CompilePlan(), force_cpu=True, mesh=mesh
     )
     rank = acc.process_index
     report: dict = {"world": acc.num_processes, "models": {}}
@@ -125,7 +141,8 @@ def main() -> None:
             mode: measure(acc, folder, mode, int(batch), int(seq), int(chunk), rank, adapter)
             for mode in MODES
         }
-    report["probe"] = empty_shard_probe()
+    if args.cp == 1:  # the probe shards alone over every rank
+        report["probe"] = empty_shard_probe()
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     acc.end_training()
 
