@@ -202,13 +202,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     return plan.describe(tp_mesh.size())
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a DTensor replicated over tp (the whole tensor; its gradient taken as replicated), or
-    the tensor itself: for code that computes on plain tensors inside a replicated module's call (the chunked
-    loss)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 @contextlib.contextmanager
 def tp_prepared_by_torch(accelerator: Any) -> Iterator[None]:
     """Within the block, ``accelerator.prepare`` does not run its own tensor-parallel preparation: accelerate 1.16's
@@ -244,18 +237,35 @@ def _accelerate_version() -> str:
 
 
 def check_tp_settings(
-    tp: int, *, use_peft: bool, load_in_4bit: bool, liger: bool, ram_efficient_loading: bool | None
-) -> str | None:
-    """Refuse what does not compose with tensor parallel yet, before any work; returns the log line when an unset
-    ``fsdp_cpu_ram_efficient_loading`` (``ram_efficient_loading=None``) is turned off for it, else None.
+    tp: int,
+    *,
+    use_peft: bool,
+    load_in_4bit: bool,
+    liger: bool,
+    ram_efficient_loading: bool | None,
+    torch_compile: bool | None,
+    compile_default: bool,
+) -> dict[str, str]:
+    """Refuse what does not compose with tensor parallel yet, before any work.
+
+    Args:
+        tp: ``tp_size``.
+        use_peft / load_in_4bit / liger: the run's LoRA, QLoRA and Liger settings.
+        ram_efficient_loading / torch_compile: the recipe's values (None: unset).
+        compile_default: whether an unset ``torch_compile`` would compile (a GPU is visible).
+
+    Returns:
+        The unset keys tensor parallel turns off -> the line for the log (empty without TP). The caller sets
+        ``fsdp_cpu_ram_efficient_loading`` and ``torch_compile`` to false whenever ``tp > 1``.
 
     Raises:
-        ConfigError: LoRA / QLoRA, Liger kernels, or ``fsdp_cpu_ram_efficient_loading=true`` with ``tp_size>1``.
+        ConfigError: LoRA / QLoRA, Liger kernels, ``fsdp_cpu_ram_efficient_loading=true`` or ``torch_compile=true``
+            with ``tp_size>1``.
     """
     from hf_fsdp2.config import ConfigError
 
     if tp <= 1:
-        return None
+        return {}
     if use_peft or load_in_4bit:
         raise ConfigError(
             f"tp_size={tp} with use_peft / load_in_4bit is not supported: LoRA wraps the linear layers the plan "
@@ -272,9 +282,21 @@ def check_tp_settings(
             "state dict, which holds only rank 0's tensor-parallel part of each split weight once the plan is "
             "applied; set fsdp_cpu_ram_efficient_loading=false (every rank loads the checkpoint, then keeps its part)"
         )
-    if ram_efficient_loading is False:
-        return None  # the recipe's own setting: nothing to change
-    return (
-        f"fsdp_cpu_ram_efficient_loading=false (tp_size={tp}: each rank loads the checkpoint and keeps its part of "
-        "the split weights; Accelerate's rank-0 broadcast would carry rank 0's part only)"
+    compile_reason = (
+        "torch 2.13's AOT tracing of a decoder layer holding DTensor tensor-parallel modules fails "
+        "(BackendCompilerFailed: RecursionError: maximum recursion depth exceeded, measured on CPU/inductor)"
     )
+    if torch_compile:
+        raise ConfigError(
+            f"tp_size={tp} with torch_compile=true is not supported in this version: {compile_reason}; set "
+            "torch_compile=false"
+        )
+    off: dict[str, str] = {}
+    if ram_efficient_loading is None:
+        off["fsdp_cpu_ram_efficient_loading"] = (
+            f"fsdp_cpu_ram_efficient_loading=false (tp_size={tp}: each rank loads the checkpoint and keeps its part "
+            "of the split weights; Accelerate's rank-0 broadcast would carry rank 0's part only)"
+        )
+    if torch_compile is None and compile_default:
+        off["torch_compile"] = f"torch_compile=false (tp_size={tp}: {compile_reason})"
+    return off

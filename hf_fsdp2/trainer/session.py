@@ -124,13 +124,14 @@ class Session:
             kv_heads=getattr(model_config, "num_key_value_heads", None),
             max_length=d.max_length,
         )
-        tp_note = check_tp_settings(
+        tp_off = check_tp_settings(
             mesh.tp, use_peft=cfg.peft.use_peft, load_in_4bit=cfg.peft.load_in_4bit, liger=t.use_liger_kernel,
-            ram_efficient_loading=ram_efficient_set,
+            ram_efficient_loading=ram_efficient_set, torch_compile=f.torch_compile, compile_default=on_gpu,
         )  # fmt: skip
-        if tp_note:
-            f.fsdp_cpu_ram_efficient_loading, loading_note = False, tp_note
-            sharding = f.sharding_plan(on_gpu=on_gpu)
+        if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
+            f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
+            sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+            loading_note = tp_off.get("fsdp_cpu_ram_efficient_loading", loading_note)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
             f"load_in_4bit=true with HSDP (dp_replicate_size={mesh.dp_replicate}) is not supported: the NF4 "
@@ -162,6 +163,8 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
+        if "torch_compile" in tp_off:
+            logger.info("%s", tp_off["torch_compile"])
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(

@@ -51,6 +51,12 @@ def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
         tp_plan_for(_model("Phi3Config", num_key_value_heads=2, pad_token_id=0))
 
 
+_SETTINGS = dict(
+    use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None, torch_compile=None,
+    compile_default=True,
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -59,22 +65,26 @@ def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
         (dict(liger=True), "use_liger_kernel=true is not supported"),
         (dict(ram_efficient_loading=True), "fsdp_cpu_ram_efficient_loading=true is not supported.*set "
                                            "fsdp_cpu_ram_efficient_loading=false"),
+        (dict(torch_compile=True), "torch_compile=true is not supported in this version: .*RecursionError.*set "
+                                   "torch_compile=false"),
     ],
 )  # fmt: skip
 def test_settings_that_do_not_compose_with_tp_are_refused(settings: dict, message: str) -> None:
-    kwargs = dict(use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None) | settings
     with pytest.raises(ConfigError, match=f"tp_size=2 with {message}"):
-        check_tp_settings(2, **kwargs)
+        check_tp_settings(2, **(_SETTINGS | settings))
+    assert check_tp_settings(1, **(_SETTINGS | settings)) == {}  # nothing to refuse without TP
 
 
-def test_unset_ram_efficient_loading_is_turned_off_under_tp_only() -> None:
-    kwargs = dict(use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None)
-    assert check_tp_settings(1, **kwargs) is None
-    note = check_tp_settings(2, **kwargs)
-    assert note is not None and note.startswith("fsdp_cpu_ram_efficient_loading=false (tp_size=2")
-    assert (
-        check_tp_settings(2, **(kwargs | {"ram_efficient_loading": False})) is None
-    )  # the recipe's own false
+def test_unset_ram_efficient_loading_and_compile_are_turned_off_under_tp_with_a_log_line() -> None:
+    off = check_tp_settings(2, **_SETTINGS)
+    assert off["fsdp_cpu_ram_efficient_loading"].startswith("fsdp_cpu_ram_efficient_loading=false (tp_size=2")
+    assert off["torch_compile"].startswith("torch_compile=false (tp_size=2")
+    # The recipe's own false, or a compile that would be off anyway (no GPU): nothing to say.
+    quiet = _SETTINGS | {"ram_efficient_loading": False, "torch_compile": None, "compile_default": False}
+    assert check_tp_settings(2, **quiet) == {}
+    assert check_tp_settings(2, **(_SETTINGS | {"torch_compile": False})).keys() == {
+        "fsdp_cpu_ram_efficient_loading"
+    }
 
 
 def test_accelerates_own_tp_prepare_is_skipped_for_the_block_only() -> None:
