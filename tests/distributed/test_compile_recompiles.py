@@ -16,8 +16,10 @@ from support.numerics import assert_same_maths
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 WORKER = Path(__file__).parent / "workers" / "recompile_worker.py"
-COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded"]
-CONFIGS = ["eager:pf", "eager:padded", *COMPILED]
+# cppf: context parallel over the 2 ranks (one padding-free batch, each rank half of every row; the all-to-all inside
+# each compiled layer), under regional compile, the GPU default.
+COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf"]
+CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", *COMPILED]
 STEPS, EVAL_AFTER = 4, 1
 # Warm-up: regional compiles in step 0 with the sequence dims dynamic and never again. The whole model compiles
 # in step 0 and once more in step 1: the frames between FSDP2's graph breaks (rotary, each layer, the norm, the
@@ -46,7 +48,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_data_changes_shapes_every_step(results):
-    for layout in ("pf", "padded"):
+    for layout in ("pf", "padded", "cppf"):
         run = results[f"eager:{layout}"]
         assert len(set(run["targets"])) == STEPS, run["targets"]  # a new chunk-loop count every step
         assert len(set(run["tokens"])) >= STEPS - 1, run["tokens"]  # (this rank's) token count changes too

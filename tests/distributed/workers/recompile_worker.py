@@ -24,6 +24,7 @@ from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, shifted_target_rows
 
 BATCH = 2
@@ -61,12 +62,16 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     opt = torch.optim.SGD(model.parameters(), lr=0.05)  # linear in the gradient: rounding is not amplified
     _Plan.backend = args.backend
     compile_plan = _Plan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
+    cp = layout.startswith("cp")  # context parallel over both ranks: one batch, each rank half of every row
+    collectives.set_layout(cp=2 if cp else 1, cp_group=torch.distributed.group.WORLD if cp else None)
+    if cp:
+        enable_context_parallel(model, torch.distributed.group.WORLD, 2)
     model, opt = prepare_fsdp2(
         acc, model, opt, decoder_layer_classes(model), sharding=ShardingPlan(), compile_plan=compile_plan
     )
     collate = (
         PackedCollator(tokenizer.pad_token_id, padding_free=True)
-        if layout == "pf"
+        if layout.endswith("pf")
         else PaddingCollator(tokenizer.pad_token_id)
     )
     plan = LossPlan(8)  # chunks of 8 target rows: the chunk count changes with the step's targets
@@ -75,8 +80,11 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     out: dict = {"loss_sums": [], "targets": [], "tokens": [], "compile": [], "eval_loss": []}
     train, held_out = data[: -2 * world], data[-2 * world :]
     for step in range(args.steps):
-        first = (step * world + rank) * BATCH
+        # Context parallel: both ranks read the batches rank 1 reads without it (their target counts all differ).
+        first = (step * world + (1 if cp else rank)) * BATCH
         batch = collate(train[first : first + BATCH])
+        if cp:
+            batch = shard_sequence(batch, 2, rank)
         rows = shifted_target_rows(batch["labels"])
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         loss = causal_lm_loss(model, inputs, batch["labels"], plan, rows).ce_sum
@@ -91,10 +99,14 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
         out["tokens"].append(int(batch["input_ids"].numel()))
         out["compile"].append(watch.take())
         if step == args.eval_after:  # eval and generation between steps, as the recipe does
-            batches = eval_batches(held_out, rank=rank, world_size=world, batch_size=BATCH, collator=collate)
+            data_rank, data_world = (0, 1) if cp else (rank, world)
+            batches = eval_batches(
+                held_out, rank=data_rank, world_size=data_world, batch_size=BATCH, collator=collate
+            )
             out["eval_loss"].append(evaluate_loss(model, batches, torch.device("cpu"), plan=plan).loss)
             generate_samples(model, tokenizer, ["red green"], max_new_tokens=3, device=torch.device("cpu"))
             out["compile"].append(watch.take())
+    collectives.set_layout()
     return out
 
 
