@@ -194,13 +194,13 @@ def run_recipe(main: Any) -> None:
         if os.environ.get("RANK", "0") == "0":
             _say(str(err), 2)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
-        if not collectives.gather_before_exit() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # No group to meet in (a refusal before one exists): every rank raised the same error, each when its
-            # own start-up got there. Rank 0 has said it and leaves; the others wait for the launcher to end them
-            # when it sees rank 0 leave: a rank leaving first would make the launcher kill rank 0 before it has
-            # said it (a fixed short wait lost that race on a loaded machine). A single process waits for no one.
-            if os.environ.get("RANK", "0") != "0":
-                time.sleep(60.0)
+        # No group to meet in (a refusal before one exists): every rank raised the same error, each when its own
+        # start-up got there. Rank 0 has said it and leaves; the others wait for the launcher to end them when it
+        # sees rank 0 leave: a rank leaving first would make the launcher kill rank 0 before it has said it (a fixed
+        # short wait lost that race on a loaded machine). A single process waits for no one.
+        alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        if not collectives.gather_before_exit() and not alone and os.environ.get("RANK", "0") != "0":
+            time.sleep(60.0)
         leave(2)
     except Exception as err:
         # Another rank's process ended mid-collective (kill -9, the OOM killer, a crash): the transport's error names
