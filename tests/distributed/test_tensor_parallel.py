@@ -7,7 +7,8 @@
   on the same data-parallel batch (per_device_train_batch_size doubles as the data world halves; fp32, accumulation,
   chat data with unequal target counts; eval every 2 steps), on Llama and Qwen3, and exports a verified folder equal to
   the flat one.
-- A checkpoint resumes across layouts: tp 2 x dp 2 -> flat 4 and flat 4 -> tp 2 x dp 2 give the uninterrupted losses.
+- A checkpoint resumes across layouts: tp 2 x dp 2 -> flat 4 and flat 4 -> tp 2 x dp 2 give the uninterrupted losses;
+  `hf-fsdp2 export` of a tp 2 x dp 2 checkpoint (one process, from its 2-D DCP shards) equals the run's own export.
 MoE families are refused (their plan's expert styles have no torch equivalent): tests/unit/test_tensor_parallel.py.
 """
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.families import make_family_dir
-from support.launch import SFT, torchrun
+from support.launch import REPO, SFT, python, torchrun
 from support.tiny import write_chat_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
@@ -140,3 +141,17 @@ def test_checkpoints_resume_across_layouts(run: Callable[..., tuple[Path, str]],
                      out=out)  # fmt: skip
         assert "resumed from" in log and "at step 2" in log
         _same(out, flat if layout == 1 else tp, [3, 4])
+
+
+def test_the_offline_export_of_a_tp_checkpoint_equals_the_runs_export(
+    run: Callable[..., tuple[Path, str]], tmp_path: Path
+) -> None:
+    tp, _ = run("llama3_untied", 2)
+    proc = python(
+        REPO / "hf_fsdp2" / "cli.py", ["export", str(tp / "checkpoint-4"), str(tmp_path / "offline")]
+    )
+    assert "export verified" in proc.stdout + proc.stderr
+    got, want = load_file(tmp_path / "offline" / "model.safetensors"), load_file(tp / "model.safetensors")
+    assert got.keys() == want.keys()
+    for key in want:  # the same fp32 master weights, rounded once: bit for bit
+        assert torch.equal(got[key], want[key]), key
