@@ -55,6 +55,8 @@ class PlanSettings:
         dp_shard: ranks a parameter is sharded over (``dp_shard_size`` x ``cp_size``; HSDP); None = ``world_size``.
         cp: context-parallel ranks each sequence is split over (``cp_size``; all-to-all backend): they share the
             parameter shards (``cp`` divides the sharded ranks) and each runs ``1/cp`` of every sequence.
+        tp: tensor-parallel ranks (``tp_size``; innermost): not modelled, the figures are FSDP2's over ``dp_shard``
+            ranks, an upper bound (:meth:`describe` says so).
         micro_batch: sequences per micro-batch per rank (``per_device_train_batch_size``).
         seq_len: tokens per sequence (``max_length``: the planned batch is full, no padding).
         ac: activation checkpointing (``activation_checkpointing``, ``ac_every_k``).
@@ -80,6 +82,7 @@ class PlanSettings:
     world_size: int = 1
     dp_shard: int | None = None
     cp: int = 1
+    tp: int = 1
     micro_batch: int = 1
     seq_len: int = 512
     ac: ACPlan = field(default_factory=ACPlan)
@@ -104,8 +107,10 @@ class PlanSettings:
         problems = []
         if self.world_size < 1:
             problems.append(f"world_size={self.world_size} must be >= 1")
-        if self.shard_size < 1 or self.world_size % self.shard_size:
-            problems.append(f"dp_shard_size={self.dp_shard} must divide world_size={self.world_size}")
+        if self.shard_size < 1 or self.tp < 1 or self.world_size % (self.shard_size * self.tp):
+            problems.append(
+                f"dp_shard_size={self.dp_shard} x tp_size={self.tp} must divide world_size={self.world_size}"
+            )
         if self.cp < 1 or self.shard_size % self.cp:
             problems.append(
                 f"cp_size={self.cp} must divide the {self.shard_size} ranks a parameter is sharded over (dp_shard_size "
@@ -144,8 +149,8 @@ class PlanSettings:
         return MIXED_PRECISION[self.mixed_precision]
 
     def shard_index(self, rank: int) -> int:
-        """The rank's position on the shard dimension (Accelerate's mesh is replicate x shard, row-major)."""
-        return rank % self.shard_size
+        """The rank's position on the shard dimension (Accelerate's mesh is replicate x shard x tp, row-major)."""
+        return (rank // self.tp) % self.shard_size
 
     def replace(self, **changes: Any) -> PlanSettings:
         return dataclasses.replace(self, **changes)
@@ -175,11 +180,16 @@ class PlanSettings:
 
     def describe(self) -> str:
         ac = self.ac.mode + (f" (k={self.ac.every_k})" if self.ac.mode == "every_k" else "")
+        replicas = self.world_size // (self.shard_size * self.tp)
         mesh = f"world {self.world_size}" + (
-            f" (HSDP: {self.world_size // self.shard_size} x {self.shard_size})"
-            if self.shard_size != self.world_size
-            else ""
+            f" (HSDP: {replicas} x {self.shard_size})" if replicas > 1 else ""
         )
+        if self.tp > 1:
+            mesh += (
+                f", tensor parallel {self.tp} (not modelled: the figures are FSDP2's over {self.shard_size} ranks "
+                f"without it, an upper bound; TP divides the split layers' state, their gathered copies and the "
+                f"activations inside attention and the MLP by {self.tp})"
+            )
         if self.cp > 1:
             mesh += (
                 f", context parallel {self.cp} ({self.world_size // self.cp} data-parallel ranks, each sequence over "
@@ -228,6 +238,7 @@ class PlanSettings:
             world_size=world_size,
             dp_shard=mesh.fsdp_shard,  # context-parallel ranks share the parameter shards
             cp=mesh.cp,
+            tp=mesh.tp,
             micro_batch=t.per_device_train_batch_size * rows,
             seq_len=d.max_length,
             ac=ACPlan(f.ac_mode(), f.ac_every_k, pin_memory=device_type == "cuda"),

@@ -119,3 +119,16 @@ def test_only_methods_whose_step_counts_a_tp_groups_batch_once_accept_tp() -> No
         with pytest.raises(ConfigError, match=f"tp_size=2 is not supported by the {name} recipe"):
             check_tensor_parallel(get_method(name), 2)
         check_tensor_parallel(get_method(name), 1)
+
+
+def test_the_memory_plan_names_tp_as_not_modelled_and_not_as_hsdp() -> None:
+    from hf_fsdp2.plan.settings import PlanError, PlanSettings
+
+    text = PlanSettings(world_size=4, dp_shard=2, tp=2, device_type="cpu").describe()
+    assert text.startswith("world 4, tensor parallel 2 (not modelled: the figures are FSDP2's over 2 ranks")
+    assert "HSDP" not in text
+    hsdp = PlanSettings(world_size=8, dp_shard=2, tp=2, device_type="cpu")
+    assert hsdp.describe().startswith("world 8 (HSDP: 2 x 2), tensor parallel 2")
+    assert [hsdp.shard_index(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # tp innermost
+    with pytest.raises(PlanError, match="dp_shard_size=4 x tp_size=2 must divide world_size=4"):
+        PlanSettings(world_size=4, dp_shard=4, tp=2)
