@@ -148,9 +148,11 @@ class StepMeter:
         local[_RSS], local[_PEAK_RSS] = host_rss_bytes()
         table = collectives.gather_rows(local, self.device)  # [world, fields]
         sums, maxes = table.sum(dim=0).tolist(), table.max(dim=0).values.tolist()
-        # The ranks of a tensor-parallel group hold the same batch: each counted its loss, tokens and FLOPs.
+        # The ranks of a tensor-parallel group hold the same batch: each counted its loss, tokens and FLOPs. Those of a
+        # context-parallel group too, but each computes (and sums the loss of) its part of every row only: each
+        # counted the whole batch's tokens and FLOPs, the group's parts add up to its loss.
         for i in (_LOSS, _TOKENS, _FLOPS):
-            sums[i] /= collectives.tp_size()
+            sums[i] /= collectives.tp_size() * (1 if i == _LOSS else collectives.cp_size())
         steps = max(self._interval_steps, 1)
         seconds = max(maxes[_STEP_TIME], 1e-9)
         tokens, flops = int(sums[_TOKENS]), sums[_FLOPS]

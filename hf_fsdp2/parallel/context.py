@@ -42,7 +42,9 @@ class ContextParallelError(ValueError):
     """A context-parallel setting the model or batch cannot run; the message says why and what to do."""
 
 
-def shard_sequence(batch: dict[str, torch.Tensor], cp: int, index: int) -> dict[str, torch.Tensor]:
+def shard_sequence(
+    batch: dict[str, torch.Tensor], cp: int, index: int, *, check_padding: bool = True
+) -> dict[str, torch.Tensor]:
     """Context-parallel rank ``index``'s part of a collated micro-batch (host tensors, every rank of the group
     holding the same batch).
 
@@ -52,13 +54,16 @@ def shard_sequence(batch: dict[str, torch.Tensor], cp: int, index: int) -> dict[
     label of the position after its last one (-100 on the last rank). The whole row's ``position_ids`` of a packed
     or padding-free batch ride along as :data:`POSITIONS_KEY` for the attention mask.
 
+    Tensors stay where they are (device inputs, host labels). ``check_padding=False`` skips the right-padding check
+    (a read of the mask: a host sync for a device mask) where the collator is known to pad on the right.
+
     Raises:
         ContextParallelError: a left-padded batch (its padding would sit before real tokens of another rank).
     """
     ids, labels = batch["input_ids"], batch["labels"]
     rows, width = ids.shape
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+    if check_padding and mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ContextParallelError(
             "context parallel needs right-padded batches (padding after the tokens); this batch has padding before "
             "tokens: set the tokenizer's padding_side to 'right'"
@@ -68,11 +73,13 @@ def shard_sequence(batch: dict[str, torch.Tensor], cp: int, index: int) -> dict[
         ids = F.pad(ids, (0, pad), value=0)
         labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
         if positions is not None:  # the padding: a document of its own, attending to itself only
-            positions = torch.cat([positions, torch.arange(pad).expand(rows, pad).to(positions)], dim=1)
+            positions = torch.cat(
+                [positions, torch.arange(pad, device=positions.device).expand(rows, pad)], dim=1
+            )
     full = width + pad
     part = full // cp
     start, end = index * part, (index + 1) * part
-    whole = positions if positions is not None else torch.arange(full).expand(rows, full)
+    whole = positions if positions is not None else torch.arange(full, device=ids.device).expand(rows, full)
     out = {
         "input_ids": ids[:, start:end].contiguous(),
         "labels": F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, start : end + 1].contiguous(),

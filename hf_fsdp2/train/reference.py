@@ -29,6 +29,46 @@ def completion_logps(
     *,
     sequence_labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`row_logps` of the whole rows, under context parallel too: there each rank scores its part of every row
+    (:func:`~hf_fsdp2.parallel.context.shard_sequence`) and the per-row sums are added over the cp group by an
+    autograd all-reduce, so every rank of the group holds the whole rows' sums (and backward sends each part's
+    gradient back). The counts and the loss over them are then the same on every rank of the group: the callers
+    count pairs once per group (:func:`counts_here`)."""
+    cp = collectives.cp_size()
+    if cp <= 1:
+        return row_logps(model, inputs, labels, plan, sequence_labels=sequence_labels)
+    from torch.distributed.nn.functional import all_reduce
+
+    from hf_fsdp2.parallel.context import shard_sequence
+
+    index = collectives.cp_rank()
+    # The preference collators pad on the right: no read of the device mask to check it.
+    part = shard_sequence({**inputs, "labels": labels}, cp, index, check_padding=False)
+    whole = None
+    if sequence_labels is not None:
+        whole = shard_sequence({**inputs, "labels": sequence_labels}, cp, index, check_padding=False)[
+            "labels"
+        ]
+    part_inputs = {k: v for k, v in part.items() if k != "labels"}
+    sums, aux = row_logps(model, part_inputs, part["labels"], plan, sequence_labels=whole)
+    return all_reduce(sums, group=collectives.cp_group()), aux
+
+
+def counts_here() -> bool:
+    """Whether this rank adds its batches' pairs, tokens and metrics to the step's sums: every rank, but under context
+    parallel one rank per cp group (the group's ranks hold the same pairs and, after :func:`completion_logps`, the
+    same sums; summing all of them would count each pair cp_size times)."""
+    return collectives.cp_rank() == 0
+
+
+def row_logps(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    plan: LossPlan,
+    *,
+    sequence_labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row, the summed log-prob of its completion tokens (``labels != -100``), and the router loss.
 
     With ``plan.chunk_tokens > 0`` (the plan's probe showed the logits are the head's output after elementwise
@@ -184,8 +224,8 @@ def rank_batches(
     """This rank's :func:`even_batches` of ``pairs`` (the run's rank and world size), each :func:`to_device`."""
     for batch, real in even_batches(
         pairs,
-        rank=collectives.rank(),
-        world_size=collectives.world(),
+        rank=collectives.data_rank(),  # a context-parallel group reads the same pairs
+        world_size=collectives.data_world(),
         batch_size=batch_size,
         collator=collator,
     ):
@@ -203,7 +243,7 @@ def precompute_reference(
     table = torch.zeros((len(pairs), 2), dtype=torch.float64, device=device)
     for on_device, real in rank_batches(pairs, collator=collator, batch_size=batch_size, device=device):
         logps = reference.logps(on_device).double()
-        if real:
+        if real and counts_here():  # written once per cp group: the all-reduce below adds the groups' rows
             b = on_device["pair_index"].numel()
             table[on_device["pair_index"], 0] = logps[:b]
             table[on_device["pair_index"], 1] = logps[b:]

@@ -33,9 +33,9 @@ def check_method_context_parallel(method: Method, cp: int) -> None:
     if cp > 1 and not method.context_parallel:
         raise ConfigError(
             f"cp_size={cp} is not supported by the {method.name} recipe in this version: its "
-            "step scores whole sequences per rank (sequence log-probabilities, rewards or generations); context "
-            "parallel runs with the sft and cpt recipes. Use cp_size=1 (activation_checkpointing and "
-            "ce_chunk_tokens for long sequences)"
+            "step scores whole sequences per rank (rewards, generations, KL pairs); context parallel runs with the "
+            "sft, cpt and dpo recipes. Use cp_size=1 (activation_checkpointing and ce_chunk_tokens for long "
+            "sequences)"
         )
 
 

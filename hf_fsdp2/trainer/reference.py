@@ -20,8 +20,10 @@ from typing import Any
 
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+from hf_fsdp2 import collectives
 from hf_fsdp2.config.reference import ReferenceArgs
 from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
+from hf_fsdp2.parallel.context import enable_context_parallel
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.reference import (
     AdapterDisabled,
@@ -67,6 +69,8 @@ def load_reference(
     disable_dropout(model)
     model.requires_grad_(False)
     model.eval()
+    if collectives.cp_size() > 1:  # the reference scores the same parts of the rows as the policy
+        enable_context_parallel(model, collectives.cp_group(), collectives.cp_size(), collectives.tp_size())
     model = fsdp2_prepare_model(session.accelerator, model)
     logger.info(
         "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",

@@ -21,13 +21,14 @@ import torch
 from safetensors.torch import load_file
 from support.families import make_family_dir
 from support.launch import REPO, SFT, torchrun
-from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl
+from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl, write_pairs_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
 
 pytestmark = pytest.mark.four_procs
 WORKER = Path(__file__).parent / "workers" / "cp_attention_worker.py"
 CPT = REPO / "recipes" / "cpt.py"
+DPO = REPO / "recipes" / "dpo.py"
 STEPS = 4
 
 
@@ -181,3 +182,51 @@ def test_tp2_x_cp2_x_dp2_on_8_ranks_trains_like_flat_fsdp(assets, flat, single, 
     assert "1 query heads and 1 key/value heads per rank" in log and "repeated 2x" in log
     _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
           single)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pairs(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pairs_jsonl(tmp_path_factory.mktemp("cp_pairs") / "pairs.jsonl", 48, seed=3)
+
+
+def _dpo_args(model: Path, data: Path, out: Path, batch: int, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+            "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "2",
+            "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
+            "--train_sampling_strategy", "sequential", "--export_verify", "false", "--eval_split_fraction", "0.25",
+            "--eval_steps", "3", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flat_extra", "cp_extra"),
+    [
+        # DPO: the flat run's live reference forward against the cp run's precomputed table (both through the
+        # parts: the table is written once per cp group).
+        ((), ("--precompute_ref_log_probs", "true")),
+        # ORPO: reference-free, its NLL over the chosen rows' whole sequences (the second label set, cut alike).
+        (("--loss_type", "orpo"), ("--loss_type", "orpo")),
+    ],
+    ids=["dpo", "orpo"],
+)
+def test_preference_pairs_split_over_2_ranks_train_like_whole_pairs(
+    assets, pairs, tmp_path: Path, flat_extra: tuple, cp_extra: tuple
+) -> None:
+    model = assets[0]
+    torchrun(DPO, _dpo_args(model, pairs, tmp_path / "flat", 2, *flat_extra), nproc=2)
+    proc = torchrun(DPO, _dpo_args(model, pairs, tmp_path / "cp", 4, "--cp_size", "2", *cp_extra), nproc=2)
+    assert "context parallel: all-to-all over 2 ranks" in proc.stdout + proc.stderr
+    got, want = (
+        read_metrics(tmp_path / "cp" / "metrics.jsonl"),
+        read_metrics(tmp_path / "flat" / "metrics.jsonl"),
+    )
+    assert len(got) == len(want) and any("eval_loss" in r for r in want)
+    for g, w in zip(got, want, strict=True):
+        # Every logged mean (loss, rewards, log-probs, accuracies, margins, NLL, eval) and count: the pairs counted
+        # once per cp group, not cp_size times.
+        assert g.keys() == w.keys()
+        for key, value in w.items():
+            # Not compared: timings, rates, memory (machine state) and padding (parts pad to a multiple of cp_size).
+            skip = ("_s", "per_s", "per_device", "mfu", "gib", "padding", "eta")
+            if not isinstance(value, float | int) or any(part in key for part in skip):
+                continue
+            assert value == pytest.approx(g[key], rel=1e-5, abs=1e-6), (g["step"], key)

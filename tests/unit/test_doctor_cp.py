@@ -41,7 +41,7 @@ def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
     assert "2 data-parallel ranks (world 8 / cp 4)" in found.message
     assert "parameters sharded over 8 ranks (dp_shard 2 x cp 4)" in found.message
     assert "2 query heads and 1 key/value heads per rank" in found.message and "repeated 2x" in found.message
-    assert "sft, cpt support it" in found.message and "dpo" in found.message and "grpo" in found.message
+    assert "sft, cpt, dpo support it; kto, rm, grpo refuse it" in found.message
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
         (6, LLAMA, "sft", {"cp_size": 3}, "cp_size=3 does not divide the model's num_attention_heads=8"),
         (3, LLAMA, "sft", {"cp_size": 2}, "does not divide the world size 3"),
         (4, LLAMA, "sft", {"cp_size": 2, "cp_backend": "ring"}, "cp_backend=ring is not built"),
-        (4, LLAMA, "dpo", {"cp_size": 2}, "cp_size=2 is not supported by the dpo recipe"),
+        (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (
             4,

@@ -143,6 +143,6 @@ def test_the_plan_command_refuses_cp_for_a_recipe_without_it(
     assert cli.main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["context_parallel"]["cp_size"] == 2 and out["settings"]["cp_size"] == 2
-    assert cli.main(["plan", "--recipe", "dpo", *argv[1:]]) != 0
+    assert cli.main(["plan", "--recipe", "kto", *argv[1:]]) != 0
     err = capsys.readouterr().err
-    assert "cp_size=2 is not supported by the dpo recipe" in err and "sft and cpt" in err
+    assert "cp_size=2 is not supported by the kto recipe" in err and "sft, cpt and dpo" in err

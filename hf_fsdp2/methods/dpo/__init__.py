@@ -38,4 +38,5 @@ METHOD = Method(
     rows_per_example=lambda cfg: 2,  # the chosen and the rejected row of each pair, one forward
     plan_notes=_notes,
     preview_data=preview_pairs,
+    context_parallel=True,  # each rank scores its part of every row; the row sums are all-reduced over the group
 )

@@ -28,6 +28,7 @@ from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
 from hf_fsdp2.train.reference import (
     Reference,
     completion_logps,
+    counts_here,
     evaluating,
     rank_batches,
     row_inputs,
@@ -151,19 +152,26 @@ def dpo_forward_backward(
     fulls = [
         nll_labels(b, settings) for b in micro_batches
     ]  # from the host batches: no read back from the device
+    here = counts_here()  # under context parallel, one rank per cp group counts the group's pairs
     local = torch.tensor(
         [
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
             sum(_nll_tokens(b, full) for b, full in zip(micro_batches, fulls, strict=True)),
-        ],
+        ]
+        if here
+        else [0, 0, 0, 0],
         dtype=torch.long,
         device=device,
     )
     pairs, tokens, processed, chosen_tokens = read_step_counts(local, guard)  # the step's one host read
-    scale = collectives.world() / pairs if pairs else 0.0
-    nll_scale = settings.nll_weight * collectives.world() / chosen_tokens if chosen_tokens else 0.0
+    # FSDP2 averages over every rank. Under context parallel each rank of a group computes the group's whole loss
+    # from the all-reduced sums, whose backward adds the cp ranks' equal output gradients: cp x each part's share;
+    # dividing by cp leaves the gradient of the mean over the step's pairs (tests/distributed: equal to cp 1).
+    world = collectives.world() / collectives.cp_size()
+    scale = world / pairs if pairs else 0.0
+    nll_scale = settings.nll_weight * world / chosen_tokens if chosen_tokens else 0.0
     router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device)
@@ -178,11 +186,13 @@ def dpo_forward_backward(
         objective = losses.sum() * scale
         if nll_scale:
             objective = objective + nll * nll_scale
-            loss_sum += nll.detach().double() * (settings.nll_weight * pairs / chosen_tokens)
+            if here:
+                loss_sum += nll.detach().double() * (settings.nll_weight * pairs / chosen_tokens)
         total = router.added(objective, aux)
         total.backward()
-        loss_sum += losses.detach().double().sum()
-        sums += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
+        if here:
+            loss_sum += losses.detach().double().sum()
+            sums += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
         del total, objective, policy, losses, nll
     return loss_sum, pairs, sums, router.sum, tokens, processed, chosen_tokens
 
@@ -240,7 +250,7 @@ def evaluate_preferences(
             policy, nll, _ = policy_logps(model, on_device, settings, full)
         lengths = on_device["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
-        if real:
+        if real and counts_here():
             sums[0] += losses.double().sum()
             sums[1] += losses.numel()
             sums[2] += _nll_tokens(on_device, full)
