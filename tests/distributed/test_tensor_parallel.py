@@ -9,7 +9,7 @@
   the flat one.
 - A checkpoint resumes across layouts: tp 2 x dp 2 -> flat 4 and flat 4 -> tp 2 x dp 2 give the uninterrupted losses;
   `hf-fsdp2 export` of a tp 2 x dp 2 checkpoint (one process, from its 2-D DCP shards) equals the run's own export.
-MoE families are refused (their plan's expert styles have no torch equivalent): tests/unit/test_tensor_parallel.py.
+MoE families are refused (their plan's expert styles have no torch equivalent): tests/unit/test_tp_settings.py.
 """
 
 from __future__ import annotations
