@@ -1,8 +1,9 @@
 """Tensor parallel 2 x FSDP2 over 2 data ranks on 4 gloo processes (one mesh: dp_shard_cp x tp).
 
 - The split model's loss and every gradient equal the whole model's in fp64 (Llama with GQA and an untied head on
-  plain logits; Qwen3 with per-head q/k norms, a tied head and the chunked loss), and the library's clip reads the
-  same gradient norm from the 2-D DTensors (tests/distributed/workers/tp_worker.py).
+  plain logits; Qwen3 with per-head q/k norms, a tied head and the chunked loss; Gemma3 with per-head norms, sliding
+  window and soft-capped logits), and the library's clip reads the same gradient norm from the 2-D DTensors
+  (tests/distributed/workers/tp_worker.py).
 - The SFT recipe with tp 2 x dp_shard 2 trains the losses, target counts and gradient norms of flat FSDP2 over 4 ranks
   on the same data-parallel batch (per_device_train_batch_size doubles as the data world halves; fp32, accumulation,
   chat data with unequal target counts; eval every 2 steps), on Llama and Qwen3, and exports a verified folder equal to
@@ -43,14 +44,19 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
     ranks = json.loads((tmp_path / "result.json").read_text())
     assert len(ranks) == 4
     for results in ranks:
-        assert set(results) == {"llama_gqa_untied_plain", "qwen3_qk_norm_tied_chunked"}
+        assert set(results) == {
+            "llama_gqa_untied_plain", "qwen3_qk_norm_tied_chunked", "gemma3_qk_norm_sliding_softcap_plain"
+        }  # fmt: skip
         for case, r in results.items():
             assert "error" not in r, r.get("error")
+            # fp64: rounding only. Gemma's RMSNorm computes in fp32 whatever the dtype: its gradients carry fp32
+            # rounding (measured 1.9e-7), as in tests/distributed/test_context_parallel.py.
+            tol = 2e-6 if "gemma" in case else 1e-12
             got, want = r["loss"]
-            assert abs(got - want) <= 1e-12 * abs(want), case
-            assert r["grad_rel"] <= 1e-12, (case, r["grad_rel"])
+            assert abs(got - want) <= tol * abs(want), case
+            assert r["grad_rel"] <= tol, (case, r["grad_rel"])
             norm, ref_norm = r["norm"]
-            assert abs(norm - ref_norm) <= 1e-12 * ref_norm, case
+            assert abs(norm - ref_norm) <= tol * ref_norm, case
             # Split layers: (data shard, tp shard); everything else replicated over tp.
             assert r["placements"]["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
             assert r["placements"]["model.norm.weight"] == "(Shard(dim=0), Replicate())"

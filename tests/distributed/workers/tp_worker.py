@@ -1,7 +1,8 @@
 """Worker for tests/distributed/test_tensor_parallel.py: tensor parallel 2 x FSDP2 over 2 data ranks (4 ranks, one
-mesh) gives the whole model's loss and gradients in fp64, on Llama (GQA, untied head, plain logits) and Qwen3 (per-head
-q/k norms, tied head, the chunked loss), with two data ranks holding different batches of unequal target counts. The
-gradient norm comes from the library's clip over 2-D DTensors. Rank 0 writes ``<out>/result.json``.
+mesh) gives the whole model's loss and gradients in fp64, on Llama (GQA, untied head, plain logits), Qwen3 (per-head
+q/k norms, tied head, the chunked loss) and Gemma3 (per-head norms, sliding window, soft-capped logits), with two data
+ranks holding different batches of unequal target counts. The gradient norm comes from the library's clip over 2-D
+DTensors. Rank 0 writes ``<out>/result.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ SMALL = dict(
 CASES = [
     ("llama_gqa_untied_plain", "LlamaConfig", {"tie_word_embeddings": False}, 0),
     ("qwen3_qk_norm_tied_chunked", "Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}, 8),
+    # Per-head q/k norms of the (1 + weight) kind, sliding-window layers and soft-capped logits (the model's own).
+    (
+        "gemma3_qk_norm_sliding_softcap_plain",
+        "Gemma3TextConfig",
+        {"head_dim": 16, "sliding_window": 5, "final_logit_softcapping": 30.0},
+        0,
+    ),
 ]
 DP, TP, ROWS, SEQ = 2, 2, 3, 12
 
