@@ -39,6 +39,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
                 "learning_rate": 1e-3, "max_length": 64, "logging_steps": 1, "gradient_checkpointing": True,
                 # fp32 throughout, so that the exported weights are exactly the ones evaluated at the end
                 "mixed_precision": "no", "export_dtype": "float32",
+                # The export is evaluated against the run's own eval loss below; its reload check is tested where it
+                # is the subject (tests/unit/test_export*.py, tests/distributed/test_verify_matrix.py).
+                "export_verify": False,
                 "eval_dataset_name": str(eval_data), "eval_dataset_split": "train", "eval_steps": 2,
                 "per_device_eval_batch_size": 2, "eval_prompts": ["alpha bravo", "red green"],
                 "eval_max_new_tokens": 4, "report_to": "tensorboard", "profile_steps": "2-3",
