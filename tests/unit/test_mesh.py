@@ -40,8 +40,12 @@ def test_tp_needs_whole_heads_per_rank_and_data_ranks_for_fsdp2() -> None:
     with pytest.raises(ConfigError, match="tp_size=4 takes every one of the 4 ranks"):
         check_mesh(MeshPlan(1, 1, 4, 1), heads=8, kv_heads=4, max_length=1024)
     check_mesh(MeshPlan(1, 2, 2, 2), heads=8, kv_heads=2, max_length=1024)  # tp x cp: cp splits heads / tp
-    with pytest.raises(ConfigError, match="cp_size=4 does not divide the model's num_attention_heads=2 \\(per tensor"):
-        check_mesh(MeshPlan(1, 1, 4, 4), heads=8, kv_heads=4, max_length=1024)  # 8 heads / tp 4 = 2 per tp rank
+    with pytest.raises(
+        ConfigError, match="cp_size=4 does not divide the model's num_attention_heads=2 \\(per tensor"
+    ):
+        check_mesh(
+            MeshPlan(1, 1, 4, 4), heads=8, kv_heads=4, max_length=1024
+        )  # 8 heads / tp 4 = 2 per tp rank
     check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)  # tp 2 x dp_shard 2
     assert "tensor parallel 2" in MeshPlan(1, 2, 2, 1).describe()
     check_mesh(MeshPlan(2, 4, 1, 1), heads=8, kv_heads=2, max_length=1000)  # HSDP: nothing to refuse
