@@ -26,7 +26,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         read_model_config,
         recommend,
     )
-    from hf_fsdp2.trainer.loop import check_method_context_parallel
+    from hf_fsdp2.trainer.method import check_context_parallel
 
     argv = recipe_argv(args)
     budget = None
@@ -53,7 +53,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         settings = PlanSettings.from_config(
             cfg, world_size=args.world_size, device_type=args.device, method=method
         )
-        check_method_context_parallel(method, settings.cp)  # the run's refusal of cp for dpo, kto, rm, grpo
+        check_context_parallel(method, settings.cp)  # the run's refusal of cp for dpo, kto, rm, grpo
         if budget is None and args.device == "cuda" and torch.cuda.is_available():  # this machine's GPU
             budget = torch.cuda.get_device_properties(0).total_memory
         tried = (

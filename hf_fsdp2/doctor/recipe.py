@@ -218,7 +218,7 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
 def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, world: int) -> list[Finding]:
     """The context-parallel layout (``cp_size > 1``) checked as the run checks it before any work: the mesh against
     the world size and the heads (:func:`~hf_fsdp2.config.plans.check_mesh`, :func:`~hf_fsdp2.config.plans.split_heads`),
-    the method (:func:`~hf_fsdp2.trainer.loop.check_method_context_parallel`), a MoE router loss (refused by the run's
+    the method (:func:`~hf_fsdp2.trainer.method.check_context_parallel`), a MoE router loss (refused by the run's
     model build) and the attention kernel the all-to-all wraps. Nothing when the recipe asks for no context parallel.
     """
     from hf_fsdp2.config.plans import check_mesh, split_heads
@@ -226,7 +226,7 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     from hf_fsdp2.parallel.accelerator import launcher_mesh
     from hf_fsdp2.parallel.context import INNER_KERNELS
     from hf_fsdp2.train.loss import router_aux_coef
-    from hf_fsdp2.trainer.loop import check_method_context_parallel
+    from hf_fsdp2.trainer.method import check_context_parallel
 
     f, m = cfg.fsdp, cfg.model
     asked = f.cp_size if f.cp_size is not None else launcher_mesh().get("cp_size")
@@ -251,7 +251,7 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
         ]
     out: list[Finding] = []
     try:
-        check_method_context_parallel(method, mesh.cp)
+        check_context_parallel(method, mesh.cp)
     except ConfigError as err:
         out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with the {method.name} recipe",
                            str(err).splitlines()[0], recipes))  # fmt: skip

@@ -8,35 +8,14 @@ objective; everything else here is shared, so every method checkpoints, resumes,
 from __future__ import annotations
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.config import Config, ConfigError
+from hf_fsdp2.config import Config
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
-from hf_fsdp2.trainer.method import Method, check_tensor_parallel
+from hf_fsdp2.trainer.method import Method, check_context_parallel, check_tensor_parallel
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.state import RunState
-
-
-def check_context_parallel(session: Session, method: Method) -> None:
-    """Refuse ``cp_size > 1`` for a method whose step does not split sequences (every rank alike)."""
-    check_method_context_parallel(method, collectives.cp_size())
-
-
-def check_method_context_parallel(method: Method, cp: int) -> None:
-    """Refuse ``cp`` > 1 for a method whose step does not split sequences (the run's check; the plan and doctor ask
-    it before any process group exists).
-
-    Raises:
-        ConfigError: naming the method, ``cp`` and the recipes that support it.
-    """
-    if cp > 1 and not method.context_parallel:
-        raise ConfigError(
-            f"cp_size={cp} is not supported by the {method.name} recipe in this version: its "
-            "step scores whole sequences per rank (rewards, generations, KL pairs); context parallel runs with the "
-            "sft, cpt and dpo recipes. Use cp_size=1 (activation_checkpointing and ce_chunk_tokens for long "
-            "sequences)"
-        )
 
 
 def run(cfg: Config, method: Method) -> None:
@@ -50,7 +29,7 @@ def run(cfg: Config, method: Method) -> None:
     # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
         t = cfg.train
-        check_context_parallel(session, method)
+        check_context_parallel(method, collectives.cp_size())
         check_tensor_parallel(method, collectives.tp_size())
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:

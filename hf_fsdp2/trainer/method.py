@@ -121,3 +121,19 @@ def check_tensor_parallel(method: Method, tp: int) -> None:
             "loss by counts over every rank, which would count each tensor-parallel group's batch tp_size times; "
             "tensor parallel runs with the sft and cpt recipes. Use tp_size=1 (FSDP2 or HSDP)"
         )
+
+
+def check_context_parallel(method: Method, cp: int) -> None:
+    """Refuse ``cp`` > 1 for a method whose step does not split sequences (the run's check; the plan and doctor ask
+    it before any process group exists).
+
+    Raises:
+        ConfigError: naming the method, ``cp`` and the recipes that support it.
+    """
+    if cp > 1 and not method.context_parallel:
+        raise ConfigError(
+            f"cp_size={cp} is not supported by the {method.name} recipe in this version: its "
+            "step scores whole sequences per rank (rewards, generations, KL pairs); context parallel runs with the "
+            "sft, cpt and dpo recipes. Use cp_size=1 (activation_checkpointing and ce_chunk_tokens for long "
+            "sequences)"
+        )
