@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ def _yaml_to_argv(values: dict[str, Any], path: str, keys: _Keys) -> list[str]:
             argv.extend(str(v) for v in value)
         elif isinstance(value, bool):
             argv.append(f"--{key}={'true' if value else 'false'}")
+        elif isinstance(value, dict) and key.endswith("_kwargs"):
+            argv.append(f"--{key}={json.dumps(value)}")  # keys named *_kwargs (TRL's) take a mapping, as JSON
         elif isinstance(value, dict):
             raise ConfigError(f"{key}: a mapping in {path} where a single value is expected: {value!r}")
         else:

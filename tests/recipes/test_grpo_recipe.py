@@ -104,7 +104,7 @@ def _plain_loop(
         batch, parts = [], []
         for rank in (0, 1):
             mine = records[rank::2][(step - 1) * B : step * B]
-            prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+            prompts = [tok(r["prompt"])["input_ids"] for r in mine]  # as TRL: with BOS
             repeated = [p for p in prompts for _ in range(G)]
             completions = generator.generate(repeated, seed=rollout_seed(SEED, step, rank))
             texts = tok.batch_decode(completions, skip_special_tokens=True)

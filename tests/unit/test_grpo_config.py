@@ -99,7 +99,7 @@ def test_prompts_come_from_prompt_records_or_chat_records_and_bad_ones_are_named
         [user], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert out[1]["prompt_ids"] == list(chat) == out[2]["prompt_ids"]
-    assert out[0]["prompt_ids"] == chatml_tokenizer("a plain prompt", add_special_tokens=False)["input_ids"]
+    assert out[0]["prompt_ids"] == chatml_tokenizer("a plain prompt")["input_ids"]  # with BOS, as TRL
     with pytest.raises(ConfigError, match="d.jsonl record 0: no 'prompt' column nor 'messages'"):
         tokenize_prompts([{"text": "x"}], chatml_tokenizer, limit=64, long_examples="drop", source="d.jsonl")
     with pytest.raises(ConfigError, match="record 0: the prompt has .* tokens, over .* = 2"):

@@ -3,11 +3,18 @@ no reference model unless a KL term is asked for)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from hf_fsdp2.config.plans import check
 
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+# generation_kwargs that have a key of their own (which also scores the log-probs, or shapes the rollout): refused
+# there, so one setting has one place.
+OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
+            "do_sample": "(always sampled; eval is greedy)", "num_return_sequences": "num_generations"}  # fmt: skip
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -86,6 +93,32 @@ class GrpoArgs:
     log_completions: int = field(
         default=4, metadata={"help": "Eval samples (prompt, completion, reward) logged at each eval step."}
     )
+    # Issue 42 items 2-3 (helper "semantics"): what samples, and how prompts are rendered, as TRL 1.16's keys.
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "Penalty on tokens already in the prompt or completion (TRL's default 1.0: none); the "
+            "model's generation_config value is not inherited."
+        },  # fmt: skip
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Keep tokens of at least min_p x the top token's probability (default: off)."},
+    )
+    generation_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "More transformers GenerationConfig fields, a mapping (YAML) or JSON object "
+            "(CLI), applied last: e.g. {suppress_tokens: [5]}.",
+        },  # fmt: skip
+    )
+    chat_template_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra apply_chat_template arguments for message-list prompts (and reward "
+            "models), a mapping or JSON object: e.g. {enable_thinking: false}.",
+        },  # fmt: skip
+    )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
@@ -113,6 +146,53 @@ class GrpoArgs:
         )
         check(self.scale_rewards in SCALE_REWARDS,
               f"scale_rewards={self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")  # fmt: skip
+        check(
+            self.repetition_penalty > 0,
+            f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0: none)",
+        )
+        check(
+            self.min_p is None or 0 <= self.min_p <= 1,
+            f"min_p={self.min_p} must be in [0, 1] (or unset: off)",
+        )
+        sampling_kwargs(self.generation_kwargs)
+        json_mapping(self.chat_template_kwargs, "chat_template_kwargs")
         check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
               f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs: one "
               "weight per function")  # fmt: skip
+
+
+def json_mapping(value: str | None, key: str) -> dict[str, Any]:
+    """The key's JSON object (``{}`` when unset).
+
+    Raises:
+        ConfigError: not JSON, or JSON that is not an object.
+    """
+    if value is None:
+        return {}
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as err:
+        out = err
+    check(isinstance(out, dict), f"{key}={value!r} is not a JSON object ({out}); give a mapping in the YAML or "
+          f"--{key} '{{\"name\": value}}'")  # fmt: skip
+    return out  # type: ignore[return-value]
+
+
+def sampling_kwargs(value: str | None) -> dict[str, Any]:
+    """``generation_kwargs`` as a dict: fields of transformers' ``GenerationConfig`` without a key of their own.
+
+    Raises:
+        ConfigError: not a JSON object, a field GenerationConfig does not have, or one with a key of its own.
+    """
+    out = json_mapping(value, "generation_kwargs")
+    for name in out:
+        check(name not in OWN_KEYS, f"generation_kwargs sets {name!r}, which has a key of its own here: set "
+              f"{OWN_KEYS.get(name)} instead")  # fmt: skip
+    if out:
+        from transformers import GenerationConfig
+
+        known = set(GenerationConfig().to_dict())
+        unknown = sorted(set(out) - known)
+        check(not unknown, f"generation_kwargs has {unknown}, not fields of transformers' GenerationConfig; see "
+              "https://huggingface.co/docs/transformers/main_classes/text_generation")  # fmt: skip
+    return out

@@ -5,32 +5,35 @@ functions, sharded per rank like every recipe's data."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
-from hf_fsdp2.methods.grpo.config import GrpoArgs
+from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping
 from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, where: str) -> list[int]:
+def _prompt_ids(prompt: Any, tokenizer: Any, where: str, template_kwargs: Mapping[str, Any]) -> list[int]:
+    """A prompt's ids as TRL 1.16's ``GRPOTrainer._tokenize_prompts`` makes them: a string with the tokenizer's
+    special tokens (the BOS of Llama, Gemma, Mistral), a message list through the chat template with the generation
+    prompt and ``chat_template_kwargs`` (the template writes its own BOS)."""
     if isinstance(prompt, list):
         if tokenizer.chat_template is None:
             raise ConfigError(f"{where}: the prompt is a message list but the tokenizer has no chat template; give "
                               "chat_template, or plain string prompts")  # fmt: skip
         out = tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            [prompt], add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
         )
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return list(out["input_ids"][0])
     if not isinstance(prompt, str) or not prompt:
         raise ConfigError(f"{where}: prompt={prompt!r} is not a non-empty string or message list")
-    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text=[prompt])["input_ids"][0])
 
 
 def _as_prompt_record(record: dict[str, Any], where: str) -> dict[str, Any]:
@@ -55,16 +58,22 @@ def _as_prompt_record(record: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def tokenize_prompts(
-    records: Any, tokenizer: Any, *, limit: int, long_examples: str, source: str
+    records: Any,
+    tokenizer: Any,
+    *,
+    limit: int,
+    long_examples: str,
+    source: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[dict]:
-    """Prompt examples ``{prompt_ids, prompt, columns, index}``; a prompt over ``limit`` tokens is dropped (counted)
-    or, with ``long_examples: error``, refused naming the record."""
+    """Prompt examples ``{prompt_ids, prompt, columns, index}`` (ids as :func:`_prompt_ids`); a prompt over
+    ``limit`` tokens is dropped (counted) or, with ``long_examples: error``, refused naming the record."""
     out: list[dict] = []
     dropped = 0
     for i, record in enumerate(records):
         where = f"{source} record {i}"
         record = _as_prompt_record(dict(record), where)
-        ids = _prompt_ids(record["prompt"], tokenizer, where)
+        ids = _prompt_ids(record["prompt"], tokenizer, where, chat_template_kwargs or {})
         if len(ids) > limit:
             if long_examples == "error":
                 raise ConfigError(f"{where}: the prompt has {len(ids)} tokens, over max_length - max_completion_length"
@@ -102,6 +111,7 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
     d = cfg.data
     g: GrpoArgs = cfg.method
     limit = d.max_length - g.max_completion_length
+    template_kwargs = json_mapping(g.chat_template_kwargs, "chat_template_kwargs")
 
     def load() -> tuple[list[dict], list[dict] | None]:
         train = []
@@ -111,12 +121,12 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
             if mapping:
                 raw = apply_column_mapping(raw, mapping, source.describe())
             train += tokenize_prompts(raw, tokenizer, limit=limit, long_examples=d.long_examples,
-                                      source=source.describe())  # fmt: skip
+                                      source=source.describe(), chat_template_kwargs=template_kwargs)  # fmt: skip
         evals = None
         eval_source = d.eval_source()
         if eval_source is not None:
             evals = tokenize_prompts(load_source(eval_source), tokenizer, limit=limit, long_examples=d.long_examples,
-                                     source="eval")  # fmt: skip
+                                     source="eval", chat_template_kwargs=template_kwargs)  # fmt: skip
         elif d.eval_split_fraction:
             cut = max(1, int(len(train) * d.eval_split_fraction))
             train, evals = train[cut:], train[:cut]
@@ -142,6 +152,8 @@ def preview_prompts(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: 
     out = []
     for source in d.sources():
         rows = tokenize_prompts(load(source), tokenizer, limit=limit, long_examples=d.long_examples,
-                                source=source.describe())  # fmt: skip
+                                source=source.describe(),
+                                chat_template_kwargs=json_mapping(cfg.method.chat_template_kwargs,
+                                                                  "chat_template_kwargs"))  # fmt: skip
         out.append((source.describe(), f"prompts, {len(rows)} of the first {read} records tokenized"))
     return out

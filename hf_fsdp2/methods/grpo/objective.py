@@ -14,11 +14,18 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.methods.grpo.config import GrpoArgs
+from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping, sampling_kwargs
 from hf_fsdp2.methods.grpo.data import collate_prompts
 from hf_fsdp2.methods.grpo.loss import GrpoSettings
-from hf_fsdp2.methods.grpo.rewards import RewardFunction, combine, resolve_reward_functions, score_completions
-from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator
+from hf_fsdp2.methods.grpo.rewards import (
+    RewardContext,
+    RewardFunction,
+    combine,
+    resolve_reward_functions,
+    reward_metrics,
+    score_completions,
+)
+from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, stop_token_ids
 from hf_fsdp2.methods.grpo.step import GrpoStepSettings, grpo_step, no_grad_logps
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.method import Objective, StepFn
@@ -67,6 +74,8 @@ class GrpoEvaluator:
         out = {"eval_reward": total[0] / max(total[1], 1.0), "eval_prompts": float(len(self.prompts))}
         for i, f in enumerate(self.functions):
             out[f"eval_rewards/{f.name}/mean"] = total[2 + 2 * i] / max(total[3 + 2 * i], 1.0)
+        # The functions' log_metric values of the eval batches (every rank), named as TRL's eval metrics.
+        out.update({f"eval_{k}": v for k, v in reward_metrics(self.functions, self.generator.device).items()})
         if rank == 0:
             for prompt, completion in texts[: self.samples]:
                 logger.info("eval sample at step %d: %r -> %r", step, str(prompt)[-120:], completion[:200])
@@ -105,20 +114,39 @@ def _build_grpo(
     g: GrpoArgs = cfg.method
     t = cfg.train
     tokenizer = data.collator.tokenizer
+    # Issue 42 item 4: TRL's trainer_state for the reward functions (global_step: the updates done so far).
+    per_epoch = max(data.steps_per_epoch, 1)
+
+    def trainer_state() -> Any:
+        from transformers import TrainerState
+
+        done = int(getattr(scheduler, "last_epoch", 0))
+        return TrainerState(global_step=done, max_steps=data.total_steps, epoch=done / per_epoch,
+                            num_train_epochs=math.ceil(data.total_steps / per_epoch))  # fmt: skip
+
     functions = resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
                                          format_pattern=g.reward_format_pattern,
-                                         max_completion_length=g.max_completion_length)  # fmt: skip
+                                         max_completion_length=g.max_completion_length,
+                                         context=RewardContext(state=trainer_state), device=session.device,
+                                         template_kwargs=json_mapping(g.chat_template_kwargs,
+                                                                      "chat_template_kwargs"))  # fmt: skip
     grpo = GrpoSettings(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
                         max_completion_length=g.max_completion_length, num_generations=g.num_generations,
                         scale_rewards=g.scale_rewards)  # fmt: skip
     settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
                                 cfg.fsdp.fsdp_sync_each_microbatch, t.seed)  # fmt: skip
-    eos = [int(i) for i in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
-    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
-                                gather=g.rollout_gather)  # fmt: skip
-    generator = TransformersGenerator(
-        model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling
+    # Issue 42 items 1-2: stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built
+    # from the keys alone, so the sampled distribution is the scored one.
+    eos = stop_token_ids(
+        tokenizer.eos_token_id, getattr(model.module.generation_config, "eos_token_id", None)
     )
+    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
+                                gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
+                                generation_kwargs=sampling_kwargs(g.generation_kwargs))  # fmt: skip
+    generator = TransformersGenerator(model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling,
+                                      bos_id=tokenizer.bos_token_id)  # fmt: skip
+    if session.is_main:
+        logger.info(generator.describe())
     reference = _reference(session, model)
     if session.is_main and getattr(model.module.config, "output_router_logits", False):
         logger.warning("GRPO adds no MoE router load-balancing loss (TRL adds router_aux_loss_coef x aux_loss): the "
@@ -156,8 +184,12 @@ def grpo_objective(cfg: Config) -> Objective:
           "prompt and one completion each, padded; set both to false")  # fmt: skip
     check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
           f"{g.max_completion_length}: the prompt gets what is left")  # fmt: skip
-    resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
-                             format_pattern=g.reward_format_pattern)  # fmt: skip
+    resolve_reward_functions(
+        g.reward_funcs,
+        g.reward_weights,
+        reference_column=g.reward_reference_column,
+        format_pattern=g.reward_format_pattern,
+    )  # fmt: skip (reward models: loaded later)
     if not cfg.fsdp.torch_compile:
         # The rollout decodes one token at a time through the decoder layers with a growing KV cache: compiled
         # layers would see a new shape at every token (recompiles, or dynamo's fallback to eager at its limit).
