@@ -331,7 +331,11 @@ def _run_async(coroutines: Sequence[Any]) -> list[Any]:
 def _call(spec: RewardFunction, kwargs: Mapping[str, Any]) -> Any:
     """One function's values (an async one run to completion)."""
     out = spec.fn(**kwargs)
-    return _run_async([out])[0] if inspect.isawaitable(out) else out
+    if inspect.isawaitable(out):
+        out = _run_async([out])[0]
+        if isinstance(out, BaseException):
+            raise out
+    return out
 
 
 def score_completions(
