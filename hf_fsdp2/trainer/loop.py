@@ -58,9 +58,12 @@ def run(cfg: Config, method: Method) -> None:
         model.module.train()
         for step in range(state.first_step, data.total_steps + 1):
             observer.start_step(step)
-            micro_batches = [next(batches) for _ in range(t.gradient_accumulation_steps)]
+            # A method that buffers its batches across steps (GRPO's generation batches) says what a step reads.
+            reads = data.reads_per_step(step) if data.reads_per_step else t.gradient_accumulation_steps
+            micro_batches = [next(batches) for _ in range(reads)]
             out = train_step(micro_batches)
-            observer.end_step(step, micro_batches, out, model.module, epoch=data.stream.epoch)
+            trained = getattr(out, "trained", None) or micro_batches  # the rows the meter counts
+            observer.end_step(step, trained, out, model.module, epoch=data.stream.epoch)
             if state.after_step(step, data.total_steps):  # SIGTERM: saved, stop here
                 observer.close()
                 session.accelerator.end_training()

@@ -34,8 +34,10 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     rng = random.Random(5)
     data = root / "prompts.jsonl"
     with data.open("w") as fh:
-        for i in range(16):  # sequential order: rank 0 reads the even records, rank 1 the odd ones
-            kind = "flat" if i % 2 else ("skip" if i == 2 else "vary")
+        for i in range(
+            16
+        ):  # sequential order, 4 prompts per generation batch: rank 1 samples records 4k+2, 4k+3
+            kind = "flat" if i % 4 >= 2 else ("skip" if i == 4 else "vary")
             prompt = " ".join(rng.choices(WORDS, k=rng.randint(2, 7)))
             fh.write(json.dumps({"prompt": prompt, "answer": rng.choice(WORDS), "kind": kind}) + "\n")
     (root / "grpo_rewards.py").write_text(REWARDS)
@@ -60,7 +62,7 @@ def _ending_model(folder: Path) -> Path:
 
 def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(B), "--num_generations", str(G),
+            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(B * G), "--num_generations", str(G),
             "--max_completion_length", str(MAX_NEW), "--max_length", "64", "--mixed_precision", "no",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential",
             "--logging_steps", "1", "--seed", str(SEED), "--reward_funcs", "grpo_rewards:by_kind",
@@ -68,11 +70,21 @@ def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 
 def _plain_loop(
-    assets: dict[str, Path], loss_type: str, iterations: int = 1, beta: float = 0.0
+    assets: dict[str, Path],
+    loss_type: str,
+    iterations: int = 1,
+    beta: float = 0.0,
+    per_device: int = B * G,
+    accumulation: int = 1,
+    steps_per_generation: int | None = None,
+    rollout_batch: int | None = None,
 ) -> list[dict]:
-    """The same run in one process: rank r's prompts are records r, r+2, ... in order, sampled with rank r's seed;
-    ``iterations`` updates per generation batch against the sampler's log-probs; ``beta``: KL to the model as loaded
-    (a frozen copy)."""
+    """The same run in one process, written from TRL's meaning: every generation batch takes the next
+    ``per_device x 2 ranks x steps_per_generation / G`` records in order, each repeated G times, rank r sampling its
+    contiguous share (in calls of ``rollout_batch``, seeded as rank r's); the rewards of both ranks normalised per
+    group (a group may span the ranks); each step one update over ``accumulation`` micro-batches of ``per_device``
+    completions per rank from the buffered batch, ``iterations`` passes per generation batch against the sampler's
+    log-probs (kept when the batch outlives a step); ``beta``: KL to the model as loaded (a frozen copy)."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,6 +103,13 @@ def _plain_loop(
     settings = GrpoSettings(loss_type=loss_type, max_completion_length=MAX_NEW, num_generations=G, beta=beta)
     generator = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
                                       settings=SamplingSettings(MAX_NEW, temperature=0.9))  # fmt: skip
+    spg = steps_per_generation or accumulation
+    every, share = (
+        spg * iterations,
+        per_device * spg,
+    )  # micro-batches per generation batch; completions per rank
+    prompts_per = 2 * share // G
+    rollout_batch = rollout_batch or share
 
     def token_logps(net: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
         width = row["completion_mask"].shape[1]
@@ -99,38 +118,61 @@ def _plain_loop(
         ]
         return torch.log_softmax(logits / 0.9, -1).gather(-1, row["input_ids"][:, -width:, None]).squeeze(-1)
 
-    rows_out = []
-    for step in range(1, STEPS + 1):
-        batch, parts = [], []
+    def sample(number: int) -> dict:
+        mine = records[(number - 1) * prompts_per : number * prompts_per]
+        repeated = [tok(r["prompt"])["input_ids"] for r in mine for _ in range(G)]  # as TRL: with BOS
+        kinds = {k: [r[k] for r in mine for _ in range(G)] for k in ("answer", "kind")}
+        tables, rows, completions_all = [], {}, []
         for rank in (0, 1):
-            mine = records[rank::2][(step - 1) * B : step * B]
-            prompts = [tok(r["prompt"])["input_ids"] for r in mine]  # as TRL: with BOS
-            repeated = [p for p in prompts for _ in range(G)]
-            completions = generator.generate(repeated, seed=rollout_seed(SEED, step, rank))
+            part = repeated[rank * share : (rank + 1) * share]
+            completions: list[list[int]] = []
+            for c in range(-(-share // rollout_batch)):
+                completions += generator.generate(part[c * rollout_batch : (c + 1) * rollout_batch],
+                                                  seed=rollout_seed(SEED, number, rank + 2 * c))  # fmt: skip
             texts = tok.batch_decode(completions, skip_special_tokens=True)
-            columns = {k: [r[k] for r in mine for _ in range(G)] for k in ("answer", "kind")}
-            table = score_completions(functions, [r["prompt"] for r in mine for _ in range(G)], texts, completions,
-                                      columns)  # fmt: skip
-            rewards = combine(table, functions)
-            advantages, _ = group_advantages(rewards, settings)
-            parts.append(rewards)
-            row = _rows(repeated, completions, tok.pad_token_id)
-            with torch.no_grad():
-                old = token_logps(model, row) if iterations > 1 else None
-                ref = token_logps(reference, row) if beta else None
-            batch.append((row, advantages, old, ref))
-        for _ in range(iterations):
-            sums = [grpo_loss_sums(token_logps(model, row), old, ref, adv, row["completion_mask"], settings)
-                    for row, adv, old, ref in batch]  # fmt: skip
-            loss = sum(x.loss for x in sums) / sum(x.count for x in sums)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            optimizer.step()
-            optimizer.zero_grad()
-        kl = sum(float(x.kl) for x in sums) / sum(float(x.tokens) for x in sums)
-        rewards = torch.cat(parts)
-        rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm, "kl": kl,
-                         "reward": float(rewards.nanmean())})  # fmt: skip
+            columns = {k: v[rank * share : (rank + 1) * share] for k, v in kinds.items()}
+            prompts = [r["prompt"] for r in mine for _ in range(G)][rank * share : (rank + 1) * share]
+            tables.append(score_completions(functions, prompts, texts, completions, columns))
+            completions_all.append((part, completions))
+        rewards = combine(torch.cat(tables), functions)
+        advantages, zero = group_advantages(rewards, settings)
+        for rank, (part, completions) in enumerate(completions_all):
+            for j in range(spg):
+                cut = slice(j * per_device, (j + 1) * per_device)
+                row = _rows(part[cut], completions[cut], tok.pad_token_id)
+                adv = advantages[rank * share : (rank + 1) * share][cut]
+                with torch.no_grad():
+                    old = token_logps(model, row) if accumulation % every else None
+                    ref = token_logps(reference, row) if beta else None
+                rows[rank, j] = (row, adv, old, ref)
+        tokens = sum(int(r[0]["completion_mask"].sum()) for r in rows.values())
+        return {"rows": rows, "rewards": rewards, "tokens": tokens, "zero": float(zero.double().mean())}
+
+    rows_out, batch = [], None
+    for step in range(1, STEPS + 1):
+        micro = []
+        for i in range(accumulation):
+            m = (step - 1) * accumulation + i
+            if m % every == 0:
+                batch = sample(m // every + 1)
+            assert batch is not None
+            micro += [(batch, batch["rows"][rank, m % spg]) for rank in (0, 1)]
+        loss = torch.zeros(())
+        kl = tokens = 0.0
+        for gen, (row, adv, old, ref) in micro:
+            sums = grpo_loss_sums(token_logps(model, row), old, ref, adv, row["completion_mask"], settings)
+            norm = {"dapo": gen["tokens"] * accumulation / spg, "bnpo": accumulation * 2}.get(
+                loss_type, per_device * accumulation * 2
+            )
+            loss = loss + sums.loss / norm
+            kl, tokens = kl + float(sums.kl), tokens + float(sums.tokens)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        assert batch is not None
+        rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm, "kl": kl / tokens,
+                         "reward": float(batch["rewards"].nanmean()), "frac_reward_zero_std": batch["zero"]})  # fmt: skip
     return rows_out
 
 
@@ -152,36 +194,49 @@ def dapo_run(assets, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, st
     return out, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize(
-    ("loss_type", "iterations", "beta", "gather"),
-    [("dapo", 1, 0.0, "full"), ("grpo", 1, 0.0, "layer"), ("dr_grpo", 2, 0.1, "full")],
-)
+CASES = {  # name: (loss_type, iterations, beta, gather, per_device, accumulation, steps_per_generation, rollout batch)
+    "dapo": ("dapo", 1, 0.0, "full", B * G, 1, None, None),
+    # 32 completions per generation batch (2 micro-batches of 8 per rank), sampled every 2 steps in 4 generate calls
+    # of at most 5 per rank with the model gathered per layer (its ranks decoding in step); the sampler's log-probs
+    "grpo": ("grpo", 1, 0.0, "layer", B * G, 1, 2, 5),
+    # micro-batches of 2 completions, 3 per step, each generation batch trained twice (2 steps): 3 prompts of 4
+    # completions over 2 ranks of 6, so a prompt's group spans the ranks; the KL to a frozen sharded copy
+    "dr_grpo": ("dr_grpo", 2, 0.1, "full", 2, 3, None, None),
+    "bnpo": ("bnpo", 1, 0.0, "full", 4, 2, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
-    assets, tmp_path, monkeypatch, request, loss_type, iterations, beta, gather
+    assets, tmp_path, monkeypatch, request, case
 ):
-    """dr_grpo with num_iterations 2 (the second update's ratio against the sampler's log-probs) and beta 0.1 (the KL
-    to a frozen sharded copy of the model as loaded); grpo with the rollout gathered per layer (rollout_gather:
-    layer), its ranks decoding in step."""
+    """Every step's loss, gradient norm, reward (and KL) equal the plain loop of TRL's batch and step meaning."""
+    loss_type, iterations, beta, gather, per_device, accumulation, spg, rollout_batch = CASES[case]
     monkeypatch.syspath_prepend(str(assets["root"]))
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    if loss_type == "dapo":  # the module's dapo run (its checkpoints change no number)
+    if case == "dapo":  # the module's dapo run (its checkpoints change no number)
         run, log = request.getfixturevalue("dapo_run")
     else:
         run = tmp_path / "run"
-        proc = torchrun(GRPO, _args(assets, run, *_extra(loss_type, iterations, beta, gather)), nproc=2)
+        extra = [*_extra(loss_type, iterations, beta, gather), "--per_device_train_batch_size", str(per_device),
+                 "--gradient_accumulation_steps", str(accumulation)]  # fmt: skip
+        extra += ["--steps_per_generation", str(spg)] if spg else []
+        extra += ["--rollout_batch_size", str(rollout_batch)] if rollout_batch else []
+        proc = torchrun(GRPO, _args(assets, run, *extra), nproc=2)
         log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
     got = read_metrics(run / "metrics.jsonl")
-    want = _plain_loop(assets, loss_type, iterations, beta)
+    want = _plain_loop(assets, loss_type, iterations, beta, per_device, accumulation, spg, rollout_batch)
     for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "reward", *(("kl",) if beta else ())):
+        for key in ("loss", "grad_norm", "reward", "frac_reward_zero_std", *(("kl",) if beta else ())):
             assert abs(g[key] - w[key]) <= 1e-4 * abs(w[key]) + 1e-6, (g["step"], key, g[key], w[key])
-    # Rank 1's groups are all flat (half the groups of every step), and record 2's group is unscorable at step 2.
-    assert all(r["frac_reward_zero_std"] >= 0.5 for r in got), [r["frac_reward_zero_std"] for r in got]
+    # Half the prompts are flat (all of rank 1's in the 8-per-rank runs), and record 4's group is unscorable.
+    assert all(r["frac_reward_zero_std"] >= 0.25 for r in got), [r["frac_reward_zero_std"] for r in got]
     # Completions end at different lengths (the ranks run different numbers of decoding steps).
     assert any(r["completions/min_length"] < r["completions/max_length"] for r in got), got
     assert {"rewards/grpo_rewards:by_kind/mean", "completions/mean_length",
-            "clip_ratio/region_mean"} <= set(got[0])  # fmt: skip
+            "clip_ratio/region_mean", "entropy"} <= set(got[0])  # fmt: skip
+    assert all(r["entropy"] > 0 for r in got)
     assert any(abs(r["loss"]) > 1e-7 for r in got) or any(r["grad_norm"] > 0 for r in got)
 
 

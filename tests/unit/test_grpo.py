@@ -242,3 +242,123 @@ def test_the_guard_stops_or_warns_after_three_steps_without_a_signal(
     assert len(warnings) == 1 and "on_collapse is warn" in warnings[0] and "COLLAPSE" not in warnings[0], (
         warnings
     )
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "level", "quantile", "beta"),
+    [("bnpo", "token", 1.0, 0.0), ("grpo", "sequence", 1.0, 0.04), ("dapo", "sequence", 1.0, 0.0),
+     ("dapo", "token", 0.5, 0.04), ("bnpo", "token", 0.2, 0.0), ("dr_grpo", "sequence", 0.5, 0.0)],
+)  # fmt: skip
+def test_bnpo_gspo_and_the_entropy_mask_equal_trls_compute_loss(
+    model_dir: Path, loss_type: str, level: str, quantile: float, beta: float
+) -> None:
+    """loss_type bnpo, importance_sampling_level sequence (GSPO) and top_entropy_quantile (TRL's
+    get_high_entropy_mask over the micro-batch's completion tokens): loss, gradients and the entropy and clip-ratio
+    metrics equal TRL 1.16's ``_compute_loss`` fed the same tensors (completions of lengths 6, 3, 1, 5)."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_fsdp2.methods.grpo.loss import high_entropy_mask, token_logps_and_entropy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = _batch(tokenizer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"]
+    settings = GrpoSettings(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, num_generations=2,
+                            max_completion_length=MAX_COMPLETION, importance_sampling_level=level)  # fmt: skip
+    advantages, _ = group_advantages(torch.tensor([1.0, 0.0, 0.2, 0.9]), settings)
+    g = torch.Generator().manual_seed(3)
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        current = completion_token_logps(ours, ids, attention, MAX_COMPLETION, TEMPERATURE)
+        old = current + 0.3 * torch.randn(current.shape, generator=g)
+        ref = current + 0.2 * torch.randn(current.shape, generator=g)
+    logps, entropies = token_logps_and_entropy(ours, ids, attention, mask, TEMPERATURE, entropy=True)
+    assert entropies is not None
+    keep = high_entropy_mask(entropies, mask, 1 - quantile) if quantile < 1 else None
+    sums = grpo_loss_sums(logps, old, ref if beta else None, advantages, mask, settings, entropy_mask=keep,
+                          entropies=entropies)  # fmt: skip
+    mine = sums.loss / sums.count
+    mine.backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = datasets.Dataset.from_list([{"prompt": "a b"}] * 4)
+        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=4,
+                            max_completion_length=MAX_COMPLETION, loss_type=loss_type, beta=beta, epsilon=0.2,
+                            epsilon_high=0.28, temperature=TEMPERATURE, report_to="none",
+                            importance_sampling_level=level, top_entropy_quantile=quantile)  # fmt: skip
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                              args=config, train_dataset=data, processing_class=tokenizer)  # fmt: skip
+        trainer.current_gradient_accumulation_steps = 1
+        inputs = {**batch, "advantages": advantages, "old_per_token_logps": old,
+                  "num_items_in_batch": mask.sum().float()}  # fmt: skip
+        if beta:
+            inputs["ref_per_token_logps"] = ref
+        trainer.model.train()
+        theirs = trainer._compute_loss(trainer.model, inputs)
+        theirs.backward()
+        assert math.isclose(float(mine), float(theirs), rel_tol=1e-4, abs_tol=1e-7), (
+            float(mine),
+            float(theirs),
+        )
+        grads = dict(trainer.model.named_parameters())
+        worst = max(
+            float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max().clamp(min=1e-12))
+            for name, p in ours.named_parameters()
+        )
+        assert worst < 1e-4, worst
+        metrics = trainer._metrics["train"]
+        entropy = float(sums.entropy / sums.tokens)
+        assert math.isclose(entropy, metrics["entropy"][-1], rel_tol=1e-5), (entropy, metrics["entropy"][-1])
+        region = float((sums.clipped_low + sums.clipped_high) / sums.clip_count)
+        assert math.isclose(region, metrics["clip_ratio/region_mean"][-1], rel_tol=1e-6, abs_tol=1e-9)
+        if keep is not None:  # TRL's own mask of the same entropies (one process: its gather is the identity)
+            assert torch.equal(keep, trainer.get_high_entropy_mask(entropies, mask, 1 - quantile))
+            assert 0 < int(keep.sum()) < int(mask.sum())
+
+
+def test_truncated_completions_leave_the_loss_as_trls_mask_says() -> None:
+    """mask_truncated_completions: a completion whose last token is not an end token (nor the pad id: TRL's
+    ``eos_and_pad``) keeps its tokens in the rows but not in the loss mask, as TRL's ``completion_mask * ~is_truncated``;
+    dapo's normaliser counts the loss tokens of every rank."""
+    from hf_fsdp2.methods.grpo.batching import generation_layout
+    from hf_fsdp2.methods.grpo.rewards import RewardFunction
+    from hf_fsdp2.methods.grpo.step import GrpoStepSettings, rollout
+
+    eos, pad = 2, 0
+    outputs = [[5, 6, eos], [7, 8, 9], [4, pad], [3]]
+
+    class Fixed:  # the completions in order, over the generate calls (rollout_batch_size 3: calls of 3 and 1)
+        eos_ids = [eos]
+        device = torch.device("cpu")
+        calls: list[int] = []
+
+        def generate(self, prompts, *, seed, greedy=False):  # type: ignore[no-untyped-def]
+            done = sum(self.calls)
+            self.calls.append(len(prompts))
+            return [list(o) for o in outputs[done : done + len(prompts)]]
+
+    class Tok:
+        pad_token_id = pad
+
+        def batch_decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+            return [" ".join(map(str, i)) for i in ids]
+
+    layout = generation_layout(per_device=2, ranks=1, gradient_accumulation_steps=2, num_generations=2,
+                               num_iterations=1, generation_batch_size=None, steps_per_generation=None,
+                               rollout_batch_size=3)  # fmt: skip
+    assert layout.rollout_chunks == 2 and layout.prompts == 2
+    settings = GrpoStepSettings(GrpoSettings(num_generations=2), 1.0, 1, 1.0, False, 0, layout,
+                                mask_truncated_completions=True)  # fmt: skip
+    function = RewardFunction("len", lambda completions, **kw: [float(len(c)) for c in completions], 1.0)
+    batch = {"prompt_ids": [[11, 12], [13]], "prompts": ["p", "q"], "columns": {}, "index": [0, 1]}
+    roll = rollout(batch, Fixed(), [function], Tok(), settings, number=1, device=torch.device("cpu"))
+    eos_and_pad = [eos, pad]
+    is_truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in outputs])  # TRL's line
+    masks = torch.cat([torch.nn.functional.pad(r["completion_mask"], (0, 3 - r["completion_mask"].shape[1]))
+                       for r in roll.rows])  # fmt: skip
+    loss_masks = torch.cat([torch.nn.functional.pad(r["loss_mask"], (0, 3 - r["loss_mask"].shape[1]))
+                            for r in roll.rows])  # fmt: skip
+    assert torch.equal(loss_masks, masks * (~is_truncated).unsqueeze(1).int())
+    assert Fixed.calls == [3, 1] and roll.loss_tokens == int(loss_masks.sum()) == 5

@@ -29,7 +29,7 @@ METHOD = Method(
     # token (recompiles, or dynamo's fallback to eager at its limit). torch_compile: true compiles anyway.
     defaults={"torch_compile": False},
     batch_rows="padded",
-    rows_per_example=lambda cfg: cfg.method.num_generations,  # each prompt's group of completions
+    # per_device_train_batch_size counts completions (TRL's meaning): a micro-batch row is one completion.
     plan_notes=_notes,
     preview_data=preview_prompts,
 )

@@ -9,7 +9,8 @@ from typing import Any
 
 from hf_fsdp2.config.plans import check
 
-GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # generation_kwargs that have a key of their own (which also scores the log-probs, or shapes the rollout): refused
 # there, so one setting has one place.
 OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -90,8 +91,63 @@ class GrpoArgs:
             "models whose full copy does not fit beside their shards."
         },
     )
-    log_completions: int = field(
-        default=4, metadata={"help": "Eval samples (prompt, completion, reward) logged at each eval step."}
+    # Issue 42 items 5 and 8 (helper "steps"): TRL 1.16's batch and step meaning, loss options, logging, scoring.
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per generation batch over all ranks (TRL's key); default "
+            "per_device_train_batch_size x data-parallel ranks x steps_per_generation. Not with "
+            "steps_per_generation."
+        },  # fmt: skip
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches (of per_device_train_batch_size completions per rank) one generation batch "
+            "feeds (TRL's key); default gradient_accumulation_steps. Not with generation_batch_size."
+        },  # fmt: skip
+    )
+    rollout_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions a rank generates per generate call (its KV cache holds this many sequences); "
+            "default all of its generation batch at once."
+        },  # fmt: skip
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Completions that did not end with an end-of-sequence token are left out of the loss "
+            "(TRL's key; DAPO's practice)."
+        },  # fmt: skip
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "token: one ratio per token; sequence: one per completion from the mean log-ratio over "
+            "its tokens (GSPO; TRL recommends loss_type grpo with it)."
+        },  # fmt: skip
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Keep in the policy loss only the tokens in this top quantile of entropy over the "
+            "micro-batch of every rank (TRL's key; 1.0: every token; the paper: 0.2)."
+        },  # fmt: skip
+    )
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "At each logged step, a table of the prompts, completions, rewards and advantages of the "
+            "generation batches since the last one in metrics.jsonl (and wandb/trackio), as TRL."
+        },  # fmt: skip
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows of that table logged per step (default all); also the eval samples logged "
+            "(default 4)."
+        },  # fmt: skip
     )
     # Issue 42 items 2-3 (helper "semantics"): what samples, and how prompts are rendered, as TRL 1.16's keys.
     repetition_penalty: float = field(
@@ -140,6 +196,21 @@ class GrpoArgs:
             f"epsilon_high={self.epsilon_high} must be >= 0",
         )
         check(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
+        check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level="
+              f"{self.importance_sampling_level!r} is not one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")  # fmt: skip
+        check(0.0 <= self.top_entropy_quantile <= 1.0,
+              f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every token)")  # fmt: skip
+        check(self.generation_batch_size is None or self.steps_per_generation is None,
+              f"generation_batch_size={self.generation_batch_size} and steps_per_generation="
+              f"{self.steps_per_generation} are both set: set one (the other follows from it)")  # fmt: skip
+        for key in (
+            "generation_batch_size",
+            "steps_per_generation",
+            "rollout_batch_size",
+            "num_completions_to_print",
+        ):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"{key}={value} must be >= 1 (or unset)")
         check(
             self.rollout_gather in ("full", "layer"),
             f"rollout_gather={self.rollout_gather!r} is not full or layer",

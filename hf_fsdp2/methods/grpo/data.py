@@ -12,8 +12,9 @@ from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
+from hf_fsdp2.methods.grpo.batching import generation_stream
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping
-from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
+from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
@@ -135,14 +136,13 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
         return train, evals
 
     train, evals = rank0_first(load)
-    check_one_step(session, len(train), "prompts", "data")
     collator = PromptCollator(tokenizer)
-    stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
-    per_step = examples_per_step(session)
-    logger.info("GRPO data: %d prompts, %s; %d steps (%d per epoch), %d prompts x %d generations per step",
-                len(train), f"{len(evals)} eval prompts" if evals else "no eval set", total_steps, steps_per_epoch,
-                per_step, g.num_generations)  # fmt: skip
-    return TrainData(stream, collator, evals, steps_per_epoch, total_steps, per_step, train_set=train)
+    # One stream batch per generation batch, the same prompts on every rank (batching.py: TRL's step meaning).
+    stream, steps_per_epoch, total_steps, layout = generation_stream(session, train, collator)
+    logger.info("GRPO data: %d prompts, %s; %d steps (%d per epoch), %d prompts x %d generations per generation "
+                "batch", len(train), f"{len(evals)} eval prompts" if evals else "no eval set", total_steps,
+                steps_per_epoch, layout.prompts, g.num_generations)  # fmt: skip
+    return TrainData(stream, collator, evals, steps_per_epoch, total_steps, layout.prompts, train_set=train)
 
 
 def preview_prompts(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: int) -> list[tuple[str, str]]:

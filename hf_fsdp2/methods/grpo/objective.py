@@ -14,6 +14,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
+from hf_fsdp2.methods.grpo.batching import layout_of
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping, sampling_kwargs
 from hf_fsdp2.methods.grpo.data import collate_prompts
 from hf_fsdp2.methods.grpo.loss import GrpoSettings
@@ -26,7 +27,7 @@ from hf_fsdp2.methods.grpo.rewards import (
     score_completions,
 )
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, stop_token_ids
-from hf_fsdp2.methods.grpo.step import GrpoStepSettings, grpo_step, no_grad_logps
+from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.method import Objective, StepFn
 from hf_fsdp2.trainer.model import TrainModel
@@ -100,11 +101,24 @@ def _reference(
 
         def adapter_free(row: dict[str, torch.Tensor]) -> torch.Tensor:
             with module.disable_adapter():  # type: ignore[operator]
-                return no_grad_logps(module, row, temperature, session.device)
+                return no_grad_logps(module, row, temperature, session.device, model.loss_plan)
 
         return adapter_free
     frozen = load_reference(session, model.loss_plan, None, g.ref_model_name_or_path, "GRPO")
-    return lambda row: no_grad_logps(frozen.model, row, temperature, session.device)  # type: ignore[attr-defined]
+    return lambda row: no_grad_logps(frozen.model, row, temperature, session.device, frozen.plan)  # type: ignore[attr-defined]
+
+
+def _tracker_table(session: Session) -> Callable[[list[dict[str, Any]]], None]:
+    """Rank 0's ``log_completions`` rows to the trackers that take tables (wandb, trackio: ``log_table``)."""
+
+    def log(rows: list[dict[str, Any]]) -> None:
+        columns = list(rows[0])
+        data = [[v if isinstance(v, int | float) or v is None else str(v) for v in r.values()] for r in rows]
+        for tracker in session.accelerator.trackers:
+            if hasattr(tracker, "log_table"):
+                tracker.log_table("completions", columns=columns, data=data, step=int(rows[-1]["step"]))
+
+    return log
 
 
 def _build_grpo(
@@ -132,9 +146,19 @@ def _build_grpo(
                                                                       "chat_template_kwargs"))  # fmt: skip
     grpo = GrpoSettings(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
                         max_completion_length=g.max_completion_length, num_generations=g.num_generations,
-                        scale_rewards=g.scale_rewards)  # fmt: skip
+                        scale_rewards=g.scale_rewards,
+                        importance_sampling_level=g.importance_sampling_level)  # fmt: skip
+    # Issue 42 items 5 and 8: TRL's generation batches and steps (batching.py); the run's loss plan chunks scoring.
+    layout = layout_of(cfg, session.data_world)
+    check(not t.save_steps or t.save_steps % layout.boundary_steps == 0,
+          f"save_steps={t.save_steps} would checkpoint inside a generation batch (one ends every "
+          f"{layout.boundary_steps} steps: gradient_accumulation_steps={layout.gradient_accumulation_steps}, "
+          f"steps_per_generation={layout.steps_per_generation} x num_iterations={layout.num_iterations}), which "
+          f"does not resume exactly; set save_steps to a multiple of {layout.boundary_steps}")  # fmt: skip
     settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
-                                cfg.fsdp.fsdp_sync_each_microbatch, t.seed)  # fmt: skip
+                                cfg.fsdp.fsdp_sync_each_microbatch, t.seed, layout, model.loss_plan,
+                                g.mask_truncated_completions, g.top_entropy_quantile, g.log_completions,
+                                g.num_completions_to_print)  # fmt: skip
     # Issue 42 items 1-2: stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built
     # from the keys alone, so the sampled distribution is the scored one.
     eos = stop_token_ids(
@@ -155,17 +179,32 @@ def _build_grpo(
                 "per generation batch; rewards %s", g.loss_type, g.epsilon, grpo.high, grpo.beta, g.num_generations,
                 g.scale_rewards, g.num_iterations, ", ".join(f"{f.name} x{f.weight:g}" for f in functions))  # fmt: skip
 
-    def step(micro_batches: Sequence[dict[str, Any]]) -> Any:
-        number = int(getattr(scheduler, "last_epoch", 0)) + 1  # restored on resume: the same sampling seeds
-        return grpo_step(model.module, optimizer, scheduler, micro_batches, generator=generator, functions=functions,
-                         tokenizer=tokenizer, reference=reference, settings=settings, device=session.device,
-                         step=number, rank=session.rank)  # fmt: skip
+    logger.info("GRPO batches: %d completions per generation batch (%d prompts x %d generations; %d per rank in %d "
+                "generate call(s)), sampled every %d micro-batch(es); a step is one optimizer update of %d "
+                "micro-batch(es) x %d completions per rank; checkpoints at the end of a generation batch (every %d "
+                "step(s)) resume exactly, others start a new one", layout.generation_batch_size, layout.prompts,
+                g.num_generations, layout.per_rank, layout.rollout_chunks, layout.generate_every,
+                layout.gradient_accumulation_steps, layout.per_device, layout.boundary_steps)  # fmt: skip
+    step = GrpoStepper(
+        model.module,
+        optimizer,
+        scheduler,
+        generator=generator,
+        functions=functions,
+        tokenizer=tokenizer,
+        reference=reference,
+        settings=settings,
+        device=session.device,
+    )
+    data.reads_per_step = step.reads  # one prompt batch per generation batch, not one per micro-batch
+    if g.log_completions and session.is_main:
+        step.table_sink = _tracker_table(session)
 
     evaluator = None
     if data.eval_set:
         evaluator = GrpoEvaluator(data.eval_set, generator, functions, tokenizer,
                                   cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
-                                  g.log_completions)  # fmt: skip
+                                  4 if g.num_completions_to_print is None else g.num_completions_to_print)  # fmt: skip
     return step, evaluator
 
 

@@ -1,12 +1,17 @@
 """GRPO's rollout phase in the memory plan: while completions are generated every FSDP unit is gathered (one full
-copy of the model per rank, in the compute dtype) and the KV cache of every sequence the rank generates grows to
-``max_length`` tokens, beside the sharded parameters and optimizer state (gradients are freed by then). The
-training phase is the plan's table; the run's peak is the larger of the two."""
+copy of the model per rank, in the compute dtype; ``rollout_gather: layer``: FSDP2's own units in flight) and the KV
+cache of the sequences of one generate call (``rollout_batch_size``; default the rank's whole share of the
+generation batch) grows to ``max_length`` tokens, beside the sharded parameters and optimizer state (gradients are
+freed by then). The training phase is the plan's table: micro-batches of ``per_device_train_batch_size``
+completions, scored through the chunked head when ``ce_chunk_tokens`` > 0 (the plan's chunked loss: the same
+``[chunk x vocab]`` blocks); the run's peak is the larger of the two."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from hf_fsdp2.methods.grpo.batching import layout_of
 
 _BYTES = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
 
@@ -17,7 +22,8 @@ class RolloutBytes:
     kv_cache: int
     logits: int  # one position's logits per sequence, fp32
     state: int  # this rank's sharded parameters and optimizer state
-    sequences: int
+    sequences: int  # per generate call
+    chunks: int = 1  # generate calls per generation batch
 
     @property
     def peak(self) -> int:
@@ -34,7 +40,8 @@ def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
     heads = int(getattr(text, "num_attention_heads", 1))
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps * g.num_generations
+    layout = layout_of(cfg, plan.settings.world_size)  # GRPO refuses cp and tp: every rank is data-parallel
+    sequences = layout.rollout_batch_size
     kv = 2 * layers * kv_heads * head_dim * sequences * d.max_length * size
     state = plan.per_rank[plan.worst_rank]
     layered = getattr(g, "rollout_gather", "full") == "layer"  # FSDP2's own units in flight, as in training
@@ -44,6 +51,7 @@ def rollout_bytes(plan: Any, model_config: Any, cfg: Any) -> RolloutBytes:
         logits=sequences * int(getattr(text, "vocab_size", 0)) * 4,
         state=int(state["params"] + state["optimizer"]),
         sequences=sequences,
+        chunks=layout.rollout_chunks,
     )
 
 
@@ -57,6 +65,7 @@ def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
         f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): "
         f"{'FSDP buffers (rollout_gather: layer)' if cfg.method.rollout_gather == 'layer' else 'the model gathered'} "
         f"{human_bytes(r.gathered)} + "
-        f"KV cache {human_bytes(r.kv_cache)} ({r.sequences} sequences x max_length {cfg.data.max_length}) + last "
+        f"KV cache {human_bytes(r.kv_cache)} ({r.sequences} sequences x max_length {cfg.data.max_length}, one of "
+        f"{r.chunks} generate call(s) per generation batch: rollout_batch_size) + last "
         f"logits {human_bytes(r.logits)} + sharded parameters and optimizer state {human_bytes(r.state)}"
     )

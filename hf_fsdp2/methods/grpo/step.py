@@ -1,38 +1,61 @@
-"""One GRPO step on one rank: rollout, rewards, advantages, then ``num_iterations`` optimizer updates on the batch.
+"""GRPO's steps on one rank, with TRL 1.16's batch and step meaning (:mod:`.batching`): a step is one optimizer
+update over ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size`` completions, taken from
+a buffered generation batch; a new generation batch is sampled every ``steps_per_generation x num_iterations``
+micro-batches.
 
-A step reads ``gradient_accumulation_steps`` micro-batches of prompts per rank (every rank the same count). Their
-prompts, each repeated ``num_generations`` times, are generated in one rollout phase (:mod:`.rollout`: the
-policy gathered once), scored by the reward functions (:mod:`.rewards`) and normalised per prompt group (groups
-never span ranks; ``scale_rewards: batch`` takes its deviation from an all-reduce every rank runs). The completions
-then go through the policy in ``gradient_accumulation_steps`` micro-batches, with the loss of :mod:`.grpo` summed
-and divided by the global count (completions, or completion tokens for ``dapo``) of every rank.
+A generation batch: every rank reads the same prompts (one stream batch), repeats each ``num_generations`` times and
+generates its own contiguous share of the completions (:mod:`.rollout`, ``rollout_batch_size`` per generate call,
+the same number of calls on every rank), scores them (:mod:`.rewards`), and gathers every rank's rewards, so groups
+are normalised as TRL's whatever rank they fell on. The sampler's log-probs are kept when the batch outlives one
+optimizer step (TRL's rule, :attr:`~.batching.GenerationLayout.needs_old_logps`), the reference's when ``beta`` > 0.
 
-With ``num_iterations`` > 1 the same generation batch is trained on that many times (one optimizer update each),
-the ratio taken against the log-probs of the policy that sampled it (computed once, without gradient); the
-learning-rate schedule moves once per step, after the last update. Every rank runs the same collectives whatever
-its completions: one rollout phase, the same number of forwards and backwards, one count all-reduce per update.
+The loss of a step is TRL's: each micro-batch's numerator (:func:`~.loss.grpo_loss_sums`) over its normaliser
+(completions of the step for grpo and dr_grpo, the step's micro-batches for bnpo, and for dapo the generation
+batch's completion tokens x ``gradient_accumulation_steps / steps_per_generation``), summed over the micro-batches
+and ranks. Every rank runs the same collectives whatever its completions: the same generations, forwards, backwards
+and one count all-reduce per step.
 
-A step with no completion of non-zero advantage on any rank (every reward None, or every group's rewards equal)
-has nothing to learn from: its counts ride on the step's count all-reduce, and the run's guard stops the run (or
-warns, ``on_collapse``) after ``COLLAPSE_STEPS`` such steps in a row, naming the reward functions
-(:meth:`hf_fsdp2.train.nonfinite.NonFiniteGuard.no_signal`).
+Resuming: the buffer is not checkpointed. A checkpoint at the end of a generation batch (every
+:attr:`~.batching.GenerationLayout.boundary_steps` steps; ``save_steps`` must be a multiple) resumes exactly; one
+inside a generation batch (the last step's, SIGTERM's) resumes, as TRL's, with a new generation batch.
+
+A step with no completion of non-zero advantage on any rank has nothing to learn from: the run's guard stops the
+run (or warns, ``on_collapse``) after ``COLLAPSE_STEPS`` such steps in a row, naming the reward functions.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.methods.grpo.loss import GrpoSettings, completion_token_logps, group_advantages, grpo_loss_sums
+from hf_fsdp2.methods.grpo.batching import GenerationLayout
+from hf_fsdp2.methods.grpo.loss import (
+    GrpoSettings,
+    group_advantages,
+    grpo_loss_sums,
+    high_entropy_mask,
+    token_logps_and_entropy,
+)
+from hf_fsdp2.methods.grpo.metrics import (
+    STATS,
+    GrpoStepOutput,
+    Rollout,
+    completion_rows,
+    no_signal_fix,
+    no_signal_message,
+    signal_counts,
+)
 from hf_fsdp2.methods.grpo.rewards import RewardError, RewardFunction, combine, score_completions
-from hf_fsdp2.methods.grpo.rollout import Generator, rollout_seed
+from hf_fsdp2.methods.grpo.rollout import Generator, is_clipped, rollout_seed
+from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import guard_of
 from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update, read_step_counts
+
+__all__ = ["GrpoStepOutput", "GrpoStepper", "Rollout", "no_signal_fix", "no_signal_message", "signal_counts"]
 
 
 @dataclass(frozen=True)
@@ -43,20 +66,12 @@ class GrpoStepSettings:
     max_grad_norm: float
     sync_each_microbatch: bool
     seed: int
-
-
-@dataclass
-class Rollout:
-    """A step's generation batch on this rank: rows (prompt left-padded + completion right-padded) per micro-batch."""
-
-    rows: list[dict[str, torch.Tensor]]
-    rewards: torch.Tensor  # [completions]
-    per_function: torch.Tensor  # [completions, functions]
-    advantages: torch.Tensor
-    zero_std: torch.Tensor
-    lengths: list[int]
-    completions: list[str]
-    prompts: list[Any]
+    layout: GenerationLayout | None = None  # required by GrpoStepper
+    plan: LossPlan | None = None  # the run's loss plan: chunked scoring when its chunk_tokens > 0
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
 
 
 def _rows(
@@ -78,254 +93,237 @@ def _rows(
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": mask}
 
 
+def _generate(
+    generator: Generator, prompts: list[Sequence[int]], layout: GenerationLayout, seed: int, number: int
+) -> list[list[int]]:
+    """This rank's completions in ``rollout_chunks`` generate calls (the same count on every rank)."""
+    rank, size = collectives.rank(), layout.rollout_batch_size
+    out: list[list[int]] = []
+    for chunk in range(layout.rollout_chunks):
+        part = prompts[chunk * size : (chunk + 1) * size]
+        out += generator.generate(part, seed=rollout_seed(seed, number, rank + chunk * layout.ranks))
+    return out
+
+
 def rollout(
-    micro_batches: Sequence[dict[str, Any]],
+    batch: dict[str, Any],
     generator: Generator,
     functions: Sequence[RewardFunction],
     tokenizer: Any,
     settings: GrpoStepSettings,
     *,
-    step: int,
-    rank: int,
+    number: int,
     device: torch.device,
 ) -> Rollout:
-    """Generate, score and normalise this rank's completions of the step (every rank calls it)."""
-    g = settings.grpo.num_generations
-    prompts = [p for b in micro_batches for p in b["prompt_ids"]]
-    repeated = [p for p in prompts for _ in range(g)]
-    completion_ids = generator.generate(repeated, seed=rollout_seed(settings.seed, step, rank))
+    """Sample, score and normalise one generation batch (``batch``: its prompts, the same on every rank; every rank
+    calls it). ``number``: the generation batch's 1-based number (its sampling seeds)."""
+    layout = settings.layout
+    assert layout is not None
+    g, rank = settings.grpo.num_generations, collectives.rank()
+    share = slice(rank * layout.per_rank, (rank + 1) * layout.per_rank)
+    repeated = [p for p in batch["prompt_ids"] for _ in range(g)][share]
+    completion_ids = _generate(generator, repeated, layout, settings.seed, number)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    raw_prompts = [p for b in micro_batches for p in b["prompts"] for _ in range(g)]
-    columns: dict[str, list[Any]] = {}
-    for b in micro_batches:
-        for key, values in b["columns"].items():
-            columns.setdefault(key, []).extend(v for v in values for _ in range(g))
-    indices = [i for b in micro_batches for i in b["index"] for _ in range(g)]
-    # A function that raises on one rank's completions stops every rank here, with its name and the example (the
-    # other ranks would otherwise wait in the next collective); one host all-gather of the outcome per step.
+    raw_prompts = [p for p in batch["prompts"] for _ in range(g)][share]
+    columns = {key: [v for v in values for _ in range(g)][share] for key, values in batch["columns"].items()}
+    indices = [i for i in batch["index"] for _ in range(g)][share]
+    # A function that raises on one rank's completions stops every rank here, with its name and the example.
     table = collectives.run_on_all(
         "scoring the completions",
         lambda: score_completions(functions, raw_prompts, texts, completion_ids, columns, indices=indices),
         RewardError,
     )
-    rewards = combine(table, functions)
-    batch_std = None
-    if settings.grpo.scale_rewards == "batch":  # every rank, whatever its rewards: the global deviation
-        valid = ~torch.isnan(rewards)
-        r = torch.where(valid, rewards, torch.zeros_like(rewards)).double()
-        local = torch.stack([valid.sum().double(), r.sum(), (r * r).sum()]).to(device)
-        n, s, ss = collectives.all_reduce_sum(local).tolist()
-        batch_std = torch.tensor(math.sqrt(max(ss - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan)
-    advantages, zero_std = group_advantages(rewards, settings.grpo, batch_std)
-    rows, start = [], 0
-    for b in micro_batches:
-        count = len(b["prompt_ids"]) * g
-        rows.append(
-            _rows(
-                repeated[start : start + count], completion_ids[start : start + count], tokenizer.pad_token_id
-            )
-        )
-        rows[-1]["advantages"] = advantages[start : start + count]
-        start += count
-    return Rollout(
-        rows, rewards, table, advantages, zero_std, [len(c) for c in completion_ids], texts, raw_prompts
-    )
+    ends = [*generator.eos_ids, int(tokenizer.pad_token_id)]
+    truncated = [settings.mask_truncated_completions and is_clipped(c, ends) for c in completion_ids]
+    in_loss = [0 if cut else len(c) for c, cut in zip(completion_ids, truncated, strict=True)]
+    # Every rank's rewards and loss tokens in one gather: groups may span ranks (TRL's gather of the rewards).
+    functions_n = table.shape[1]
+    gathered = collectives.gather_rows([*table.flatten().tolist(), *map(float, in_loss)], device)
+    everyone = gathered[:, : layout.per_rank * functions_n].reshape(-1, functions_n).to(table.dtype)
+    loss_tokens = int(gathered[:, layout.per_rank * functions_n :].sum())
+    all_rewards = combine(everyone, functions)
+    all_advantages, all_zero = group_advantages(all_rewards, settings.grpo)
+    advantages, zero_std, rewards = all_advantages[share], all_zero[share], all_rewards[share]
+    whole = Rollout([], all_rewards, everyone, all_advantages, all_zero, [], [], [])
+    rows = []
+    for j in range(layout.steps_per_generation):
+        part = slice(j * layout.per_device, (j + 1) * layout.per_device)
+        row = _rows(repeated[part], completion_ids[part], tokenizer.pad_token_id)
+        row["advantages"] = advantages[part]
+        keep = torch.tensor([not cut for cut in truncated[part]], dtype=torch.long)
+        row["loss_mask"] = row["completion_mask"] * keep[:, None]
+        rows.append(row)
+    return Rollout(rows, rewards, table, advantages, zero_std, [len(c) for c in completion_ids], texts, raw_prompts,
+                   sum(is_clipped(c, generator.eos_ids) for c in completion_ids), signal_counts(whole),
+                   loss_tokens)  # fmt: skip
 
 
-def _logps(model: torch.nn.Module, row: dict[str, torch.Tensor], temperature: float, device: torch.device):  # type: ignore[no-untyped-def]
-    width = row["completion_mask"].shape[1]
-    return completion_token_logps(
-        model, row["input_ids"].to(device), row["attention_mask"].to(device), width, temperature
-    )
+def score_rows(
+    model: torch.nn.Module,
+    row: dict[str, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+    plan: LossPlan | None = None,
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of a micro-batch's completions (chunked under ``plan``)."""
+    return token_logps_and_entropy(model, row["input_ids"].to(device), row["attention_mask"].to(device),
+                                   row["completion_mask"], temperature, plan, entropy=entropy)  # fmt: skip
 
 
 def no_grad_logps(
-    model: torch.nn.Module, row: dict[str, torch.Tensor], temperature: float, device: torch.device
-):  # type: ignore[no-untyped-def]
+    model: torch.nn.Module,
+    row: dict[str, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+    plan: LossPlan | None = None,
+) -> torch.Tensor:
     """Per-token log-probs without gradient, in eval mode (no dropout); the mode is restored."""
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return _logps(model, row, temperature, device)
+            return score_rows(model, row, temperature, device, plan)[0]
     finally:
         model.train(was)
 
 
-@dataclass
-class GrpoStepOutput:
-    """What a GRPO step did (the observer's fields; the statistics are this rank's sums until logged)."""
-
-    loss_sum: torch.Tensor
-    count: int
-    target_tokens: int
-    processed_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
-    stats: torch.Tensor  # kl, clipped low, clipped high (token sums), tokens
-    roll: Rollout
-    function_names: list[str]
-    beta: float
-    device: torch.device
-
-    @property
-    def loss_count(self) -> int:
-        return self.count
-
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        """TRL's names: reward, reward_std, rewards/<fn>/mean|std, completions/*, clip_ratio/*, kl, frac_reward_zero_std
-        (collective: every rank calls it)."""
-        r, table = self.roll.rewards.double(), self.roll.per_function.double()
-        valid = ~torch.isnan(r)
-        parts = [self.stats.double().cpu(), torch.stack([valid.sum().double(), r.nan_to_num().sum(),
-                 (r.nan_to_num() ** 2).sum(), self.roll.zero_std.double().sum(), torch.tensor(float(r.numel()))])]  # fmt: skip
-        for i in range(table.shape[1]):
-            col = table[:, i]
-            ok = ~torch.isnan(col)
-            parts.append(
-                torch.stack([ok.sum().double(), col.nan_to_num().sum(), (col.nan_to_num() ** 2).sum()])
-            )
-        lengths = torch.tensor(self.roll.lengths, dtype=torch.float64)
-        parts.append(torch.stack([lengths.sum(), (lengths >= 0).sum().double()]))
-        total = collectives.all_reduce_sum(torch.cat(parts).to(self.device)).cpu()
-        lows = collectives.all_reduce_max([-float(lengths.min()), float(lengths.max())])
-        kl, low, high, tokens = total[:4].tolist()
-        n, s, ss, zero, completions = total[4:9].tolist()
-
-        def std(count: float, total_: float, squares: float) -> float:
-            return (
-                math.sqrt(max(squares - total_ * total_ / count, 0.0) / (count - 1))
-                if count > 1
-                else math.nan
-            )
-
-        out = {"reward": s / n if n else math.nan, "reward_std": std(n, s, ss), "frac_reward_zero_std": zero / completions,
-               "clip_ratio/low_mean": low / max(tokens, 1), "clip_ratio/high_mean": high / max(tokens, 1),
-               "clip_ratio/region_mean": (low + high) / max(tokens, 1)}  # fmt: skip
-        if self.beta:
-            out["kl"] = kl / max(tokens, 1)
-        at = 9
-        for name in self.function_names:
-            c, fs, fss = total[at : at + 3].tolist()
-            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = (
-                (fs / c if c else math.nan),
-                std(c, fs, fss),
-            )
-            at += 3
-        length_sum, length_n = total[at : at + 2].tolist()
-        out["completions/mean_length"] = length_sum / max(length_n, 1)
-        out["completions/min_length"], out["completions/max_length"] = -float(lows[0]), float(lows[1])
-        return out
+def _pooled_entropies(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's completion-token entropies of this micro-batch (TRL pads across the processes and gathers)."""
+    counts = collectives.gather_rows([float(values.numel())], values.device)
+    width = int(counts.max())
+    padded = torch.full((width,), -1e9, dtype=torch.float64)
+    padded[: values.numel()] = values.detach().double().cpu()
+    rows = collectives.gather_rows(padded.tolist(), values.device).flatten()
+    return rows[rows != -1e9].float()
 
 
-def signal_counts(roll: Rollout) -> list[int]:
-    """This rank's counts a step without a learning signal is decided and named from (summed over the ranks):
-    completions with a non-zero advantage, completions, completions with a reward, and per reward function the
-    completions it scored (did not return None for)."""
-    scored = (~torch.isnan(roll.per_function)).sum(dim=0).tolist() if roll.per_function.numel() else []
-    return [
-        int((roll.advantages != 0).sum()),
-        int(roll.rewards.numel()),
-        int((~torch.isnan(roll.rewards)).sum()),
-        *(int(n) for n in scored),
-    ]
+class GrpoStepper:
+    """The GRPO step function of a run (the loop calls it once per optimizer step), holding the generation batch
+    across steps; :meth:`reads` tells the loop how many prompt batches a step takes from the stream."""
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
+                 generator: Generator, functions: Sequence[RewardFunction], tokenizer: Any,
+                 reference: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None, settings: GrpoStepSettings,
+                 device: torch.device) -> None:  # fmt: skip
+        if settings.layout is None:
+            raise ValueError("GrpoStepper needs settings.layout (batching.layout_of)")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.generator, self.functions, self.tokenizer = generator, list(functions), tokenizer
+        self.reference, self.settings, self.device = reference, settings, device
+        self.layout: GenerationLayout = settings.layout
+        self.roll: Rollout | None = None
+        self.table: list[dict[str, Any]] = []
+        self.table_sink: Callable[[list[dict[str, Any]]], None] | None = None  # trackers' tables (rank 0)
 
-def no_signal_message(counts: Sequence[int], names: Sequence[str], generations: int, step: int) -> str:
-    """What a step without a learning signal had (``counts``: :func:`signal_counts` summed over the ranks), the
-    reward functions named."""
-    _, completions, rewarded, *scored = counts
-    per_function = ", ".join(
-        f"{name!r} scored {n} of {completions}" for name, n in zip(names, scored, strict=True)
-    )
-    if rewarded == 0:
-        return (
-            f"no usable reward: every reward function returned None for every completion (at step {step}: "
-            f"{per_function}), so GRPO has no advantage to learn from (loss 0, gradient 0)"
+    def _starts(self, step: int) -> list[bool]:
+        """Per micro-batch of ``step``: whether it starts a generation batch (the first one after a start inside
+        a generation batch does, as TRL's empty buffer on resume)."""
+        ga, every = self.layout.gradient_accumulation_steps, self.layout.generate_every
+        first = (step - 1) * ga
+        return [(first + i) % every == 0 or (i == 0 and self.roll is None) for i in range(ga)]
+
+    def reads(self, step: int) -> int:
+        """Prompt batches ``step`` reads from the stream (every rank the same)."""
+        return sum(self._starts(step))
+
+    def _sample(self, batch: dict[str, Any], number: int, step: int) -> Rollout:
+        s = self.settings
+        roll = rollout(
+            batch, self.generator, self.functions, self.tokenizer, s, number=number, device=self.device
         )
-    return (
-        f"no usable reward: within every group of {generations} completions of a prompt the reward was the same "
-        f"(zero variance in every group), so every advantage is 0 (at step {step}: {rewarded} of {completions} "
-        f"completions rewarded; {per_function})"
-    )
+        roll.step = step
+        if self.layout.needs_old_logps:
+            roll.old = [no_grad_logps(self.model, r, s.temperature, self.device, s.plan) for r in roll.rows]
+        if self.reference is not None and s.grpo.beta:
+            roll.refs = [self.reference(r) for r in roll.rows]
+        if s.log_completions:  # every rank takes part; rank 0 keeps the rows
+            parts = collectives.gather_objects((roll.prompts, roll.completions))
+            prompts = [p for part in parts for p in part[0]]
+            texts = [c for part in parts for c in part[1]]
+            whole = collectives.gather_rows(torch.cat([roll.per_function.flatten(), roll.advantages]).tolist(),
+                                            self.device)  # fmt: skip
+            f = roll.per_function.shape[1]
+            per_function = whole[:, : -len(roll.advantages)].reshape(-1, f)
+            advantages = whole[:, -len(roll.advantages) :].flatten()
+            if collectives.rank() == 0:
+                self.table += completion_rows(prompts, texts, per_function, advantages,
+                                              [fn.name for fn in self.functions], step)  # fmt: skip
+        return roll
 
-
-def no_signal_fix(counts: Sequence[int]) -> str:
-    """What to do about a step without a learning signal (``counts`` as :func:`no_signal_message`)."""
-    if counts[2] == 0:
-        return (
-            "Make the reward function return a float for the completions it can score (None marks one it cannot): "
-            "check the dataset columns it reads and what it expects of a completion"
-        )
-    return (
-        "Give the rewards a spread within a group: raise num_generations or temperature, or use a reward with "
-        "partial credit (the task may be out of the model's reach, or always solved)"
-    )
-
-
-def grpo_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    micro_batches: Sequence[dict[str, Any]],
-    *,
-    generator: Generator,
-    functions: Sequence[RewardFunction],
-    tokenizer: Any,
-    reference: Any,
-    settings: GrpoStepSettings,
-    device: torch.device,
-    step: int,
-    rank: int,
-) -> GrpoStepOutput:
-    """One step (module docstring); ``reference``: a callable ``(row) -> [B, T]`` reference log-probs, or None."""
-    roll = rollout(
-        micro_batches, generator, functions, tokenizer, settings, step=step, rank=rank, device=device
-    )
-    for batch, row in zip(micro_batches, roll.rows, strict=True):  # what the meter counts: the trained rows
-        batch["input_ids"], batch["attention_mask"] = row["input_ids"], row["attention_mask"]
-    s = settings.grpo
-    dapo = s.loss_type == "dapo"
-    local = torch.tensor([
-        sum(int(r["completion_mask"].sum()) if dapo else r["completion_mask"].shape[0] for r in roll.rows),
-        sum(int(r["completion_mask"].sum()) for r in roll.rows),
-        sum(r["input_ids"].numel() for r in roll.rows),
-        *signal_counts(roll),
-    ], dtype=torch.long)  # fmt: skip
-    # The step's one host read of its counts, carrying the previous step's non-finite flags (the guard acts here)
-    # and the reward counts every rank decides a step without a learning signal from, alike.
-    guard = guard_of(optimizer)
-    count, tokens, processed, *signal = read_step_counts(local.to(device), guard)
-    if guard is not None:
-        silent = signal[0] == 0
-        guard.no_signal(
-            step,
-            silent,
-            lambda: no_signal_message(signal, [f.name for f in functions], s.num_generations, step),
-            no_signal_fix(signal),
-        )
-    scale = collectives.world() / count if count else 0.0
-    old = (
-        [no_grad_logps(model, r, settings.temperature, device) for r in roll.rows]
-        if settings.num_iterations > 1
-        else None
-    )
-    refs = [reference(r) for r in roll.rows] if reference is not None and s.beta else None
-    grad_norm, lr = torch.zeros(()), 0.0
-    for iteration in range(settings.num_iterations):  # the last update's loss and statistics are logged
+    def __call__(self, prompt_batches: Sequence[dict[str, Any]]) -> GrpoStepOutput:
+        step = (
+            int(getattr(self.scheduler, "last_epoch", 0)) + 1
+        )  # restored on resume: the same sampling seeds
+        s, layout, device = self.settings, self.layout, self.device
+        ga, spg = layout.gradient_accumulation_steps, layout.steps_per_generation
+        pending = list(prompt_batches)
+        micro: list[tuple[Rollout, int]] = []
+        for i, starts in enumerate(self._starts(step)):
+            m = (step - 1) * ga + i
+            if starts:
+                self.roll = self._sample(pending.pop(0), m // layout.generate_every + 1, step)
+            assert self.roll is not None
+            micro.append((self.roll, m % spg))
+        rows = [roll.rows[j] for roll, j in micro]
+        local = torch.tensor([sum(int(r["loss_mask"].sum()) for r in rows),
+                              sum(r["input_ids"].numel() for r in rows)], dtype=torch.long)  # fmt: skip
+        guard = guard_of(self.optimizer)
+        # The step's one host read of its counts, carrying the previous step's non-finite flags.
+        tokens, processed = read_step_counts(local.to(device), guard)
+        signal = self.roll.signal if self.roll is not None else []
+        silent = all(roll.signal[0] == 0 for roll, _ in micro)
+        if guard is not None:
+            names = [f.name for f in self.functions]
+            guard.no_signal(step, silent, lambda: no_signal_message(signal, names, s.grpo.num_generations, step),
+                            no_signal_fix(signal))  # fmt: skip
+        world = collectives.world()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        stats = torch.zeros(4, dtype=torch.float64, device=device)
-        for i, row in enumerate(roll.rows):
-            choose_gradient_sync(model, i, len(roll.rows), settings.sync_each_microbatch)
-            logps = _logps(model, row, settings.temperature, device)
-            mask = row["completion_mask"].to(device)
-            sums = grpo_loss_sums(logps, old[i] if old else None, refs[i] if refs else None,
-                                  row["advantages"].to(device), mask, s)  # fmt: skip
-            (sums.loss * scale).backward()
-            loss_sum += sums.loss.detach().double()
-            stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.tokens]).double()
-        last = iteration == settings.num_iterations - 1
-        grad_norm, lr = clip_and_update(model, optimizer, scheduler if last else None, loss_sum, settings.max_grad_norm,
-                                        count)  # fmt: skip
-    return GrpoStepOutput(loss_sum, count, tokens, processed, grad_norm, lr, stats.cpu(), roll,
-                          [f.name for f in functions], s.beta, device)  # fmt: skip
+        stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+        want_entropy = True  # TRL's entropy metric; the top_entropy_quantile mask
+        for i, (roll, j) in enumerate(micro):
+            choose_gradient_sync(self.model, i, len(micro), s.sync_each_microbatch)
+            row = roll.rows[j]
+            logps, entropies = score_rows(
+                self.model, row, s.temperature, device, s.plan, entropy=want_entropy
+            )
+            mask = row["loss_mask"].to(device)
+            entropy_mask = None
+            if s.top_entropy_quantile < 1.0:
+                assert entropies is not None
+                pooled = _pooled_entropies(entropies[mask.bool()])
+                entropy_mask = high_entropy_mask(
+                    entropies, mask, 1 - s.top_entropy_quantile, pooled.to(device)
+                )
+            sums = grpo_loss_sums(logps, roll.old[j] if roll.old else None, roll.refs[j] if roll.refs else None,
+                                  row["advantages"].to(device), mask, s.grpo, entropy_mask=entropy_mask,
+                                  entropies=entropies)  # fmt: skip
+            normaliser = self._normaliser(roll)
+            if normaliser > 0:
+                (sums.loss * (world / normaliser)).backward()
+            else:  # nothing in the loss on any rank: the same backward, a zero gradient
+                (sums.loss * 0.0).backward()
+            if normaliser > 0:
+                loss_sum += sums.loss.detach().double() / normaliser
+            stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.clip_count, sums.tokens,
+                                  sums.entropy]).double()  # fmt: skip
+        grad_norm, lr = clip_and_update(
+            self.model, self.optimizer, self.scheduler, loss_sum, s.max_grad_norm, tokens
+        )
+        table = self.table if s.log_completions and collectives.rank() == 0 else None
+        assert self.roll is not None
+        return GrpoStepOutput(loss_sum, 1, tokens, processed, grad_norm, lr, stats.cpu(), self.roll,
+                              [f.name for f in self.functions], s.grpo.beta, device, self.functions,
+                              [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows],
+                              table, s.num_completions_to_print, self.table_sink)  # fmt: skip
+
+    def _normaliser(self, roll: Rollout) -> float:
+        """What a micro-batch's numerator is divided by (TRL's per loss type, over every rank)."""
+        layout, kind = self.layout, self.settings.grpo.loss_type
+        ga = layout.gradient_accumulation_steps
+        if kind == "dapo":
+            return roll.loss_tokens * ga / layout.steps_per_generation
+        if kind == "bnpo":
+            return float(ga * layout.ranks)
+        return float(layout.per_device * ga * layout.ranks)
