@@ -85,13 +85,8 @@ class CompilePlan:
 
 # What cannot run yet, and why (checked on this project's versions: accelerate 1.16, transformers 5.24, torch 2.13).
 CP_BACKENDS = ("auto", "all_to_all", "ring")
-RING_REFUSAL = (
-    "cp_backend=ring is not built in this version: torch 2.13's ring attention (context_parallel) shards only CUDA "
-    "SDPA kernels (on CPU it fails with 'aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
-    "strategy'), drops the attention mask (no packing, no padding-free batches) and needs load-balanced "
-    "2 x cp_size chunks through the loss; use cp_backend=all_to_all (the default), which runs on CUDA with any "
-    "kernel, packing included"
-)
+# auto = all_to_all everywhere (any kernel, any mask, CPU and GPU); ring only when asked for, on CUDA, causal rows
+# only (hf_fsdp2.parallel.ring.check_ring_settings refuses the rest at start-up, where the device and data are known).
 
 
 @dataclass(frozen=True)
@@ -241,7 +236,8 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
     Tensor parallel splits attention heads (a rank needs whole KV heads: ``tp_size`` must divide both head
     counts) and leaves FSDP2 the other ranks (at least 2: ``tp_size`` < world size). Context parallel (all-to-all) gives each rank whole heads
     of the whole sequence: ``cp_size`` must divide the query heads (:func:`split_heads`); sequences of any length
-    are padded to a multiple of ``cp_size`` per micro-batch. ``cp_backend=ring`` is refused (:data:`RING_REFUSAL`).
+    are padded to a multiple of ``cp_size`` per micro-batch. ``cp_backend=ring`` splits no heads (its refusals:
+    :func:`hf_fsdp2.parallel.ring.check_ring_settings`).
 
     Raises:
         ConfigError: naming the sizes and the numbers that do not fit.
@@ -258,11 +254,8 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
                 f"tp_size={mesh.tp} takes every one of the {mesh.world} ranks: FSDP2 (through Accelerate) needs a data "
                 "dimension to shard over; choose a tp_size that leaves at least 2 data ranks (tp_size <= world size / 2)"
             )
-    if mesh.cp > 1:
-        if mesh.cp_backend == "ring":
-            raise ConfigError(f"cp_size={mesh.cp}: {RING_REFUSAL}")
-        if heads is not None:
-            split_heads(heads // mesh.tp, kv_heads // mesh.tp if kv_heads else None, mesh.cp)
+    if mesh.cp > 1 and heads is not None and mesh.cp_backend != "ring":  # ring splits no heads
+        split_heads(heads // mesh.tp, kv_heads // mesh.tp if kv_heads else None, mesh.cp)
 
 
 @dataclass(frozen=True)

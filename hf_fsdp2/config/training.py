@@ -260,8 +260,8 @@ class FSDPArgs:
         default="auto",
         metadata={
             "help": "Context-parallel backend: all_to_all (Ulysses-style: heads scattered, whole sequences around "
-            "attention; any attention kernel, packing, CPU and GPU), ring (torch's ring attention: CUDA SDPA "
-            "only), or auto (all_to_all)."
+            "attention; any attention kernel, packing, CPU and GPU), ring (torch's ring attention: CUDA, SDPA, "
+            "causal rows only: no packing or padding-free rows), or auto (always all_to_all)."
         },
     )
     gradient_checkpointing: bool = field(

@@ -262,7 +262,19 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
                            "fractions over a micro-batch's tokens; each context-parallel rank sees only its part of them",
                            "set output_router_logits=false in the model config or cp_size=1"))  # fmt: skip
     kernel = m.attn_implementation
-    if kernel != "auto" and kernel not in INNER_KERNELS:
+    if mesh.cp_backend == "ring":  # the run's own start-up check; CUDA is the run's node's, not this one's
+        from hf_fsdp2.attention_layout import method_rows
+        from hf_fsdp2.parallel.ring import check_ring_settings
+
+        packing, padding_free = method_rows(cfg.data, method.batch_rows)
+        try:
+            check_ring_settings(method=method.name, on_gpu=True, packing=packing, padding_free=padding_free,
+                                attn_implementation=kernel, model_config=model_config)  # fmt: skip
+        except ConfigError as err:
+            out.append(
+                Finding("error", "context parallel", f"cp_size {mesh.cp} with cp_backend ring", str(err))
+            )
+    elif kernel != "auto" and kernel not in INNER_KERNELS:
         out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with attn_implementation {kernel}",
                            f"the all-to-all wraps {', '.join(INNER_KERNELS)}", "set attn_implementation to sdpa "
                            "(or flash_attention_2 on GPU)"))  # fmt: skip
@@ -272,7 +284,7 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     # Per tensor-parallel rank, as check_mesh splits them.
     split = (
         split_heads(int(heads) // mesh.tp, int(kv_heads) // mesh.tp if kv_heads else None, mesh.cp)
-        if heads
+        if heads and mesh.cp_backend != "ring"
         else None
     )
     part = -(-cfg.data.max_length // mesh.cp)
@@ -281,6 +293,7 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
         f"{data_ranks} data-parallel ranks (world {mesh.world} / cp {mesh.cp}), parameters sharded over "
         f"{mesh.fsdp_shard} ranks (dp_shard {mesh.dp_shard} x cp {mesh.cp})"
         + (f"; {split.describe()}" if split else "")
+        + ("; ring attention: CUDA, SDPA, causal rows only" if mesh.cp_backend == "ring" else "")
         + f"; {recipes}"
     )
     return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]

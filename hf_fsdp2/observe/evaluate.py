@@ -25,6 +25,7 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.collectives import all_reduce_sum
 from hf_fsdp2.parallel.compiling import eager
 from hf_fsdp2.parallel.context import shard_sequence, whole_sequences
+from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import (
     IGNORE_INDEX,
     LossPlan,
@@ -134,10 +135,12 @@ def evaluate_loss(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    with torch.no_grad(), eager():
+    ring = ring_mesh(model) if collectives.cp_size() > 1 else None
+    shard = shard_ring if ring is not None else shard_sequence
+    with torch.no_grad(), eager(), ring_context(ring):
         for batch in batches:
             if collectives.cp_size() > 1:  # this rank's part of each sequence, as in training
-                batch = shard_sequence(batch, collectives.cp_size(), collectives.cp_rank())
+                batch = shard(batch, collectives.cp_size(), collectives.cp_rank())
             tokens += count_target_tokens(batch["labels"])  # host labels: no device read
             rows = shifted_target_rows(batch["labels"]) if plan.chunk_tokens > 0 else None
             on_device = {k: v.to(device) for k, v in batch.items()}

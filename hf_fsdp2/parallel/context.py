@@ -34,6 +34,7 @@ from hf_fsdp2.labels import IGNORE_INDEX
 
 ATTENTION_NAME = "hf_fsdp2_cp_all_to_all"
 POSITIONS_KEY = "hf_fsdp2_cp_positions"
+RING_ATTENTION_NAME = "hf_fsdp2_cp_ring"  # the ring backend's interface (hf_fsdp2.parallel.ring)
 # The run's own kernels that the all-to-all wraps (flex needs its block mask built for the whole sequence).
 INNER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
@@ -241,12 +242,13 @@ def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
     configs: dict[int, Any] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+        if getattr(config, "_attn_implementation", None) in (ATTENTION_NAME, RING_ATTENTION_NAME):
             configs[id(config)] = config
+    names = {key: config._attn_implementation for key, config in configs.items()}
     for config in configs.values():
         config._attn_implementation = inner
     try:
         yield
     finally:
-        for config in configs.values():
-            config._attn_implementation = ATTENTION_NAME
+        for key, config in configs.items():
+            config._attn_implementation = names[key]

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.parallel.context import shard_sequence
+from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import (
     LossPlan,
     backward_scale,
@@ -190,8 +191,10 @@ def forward_backward(
         (this rank's summed CE, summed router loss or None, global target tokens, global processed tokens).
     """
     cp = collectives.cp_size()
+    ring = ring_mesh(model) if cp > 1 else None  # ring attention: torch's load-balanced layout and context
     if cp > 1:  # context parallel: this rank's part of each sequence (its labels one column wider)
-        micro_batches = [shard_sequence(b, cp, collectives.cp_rank()) for b in micro_batches]
+        shard = shard_ring if ring is not None else shard_sequence
+        micro_batches = [shard(b, cp, collectives.cp_rank()) for b in micro_batches]
     with record_function("hf_fsdp2/count_tokens"):
         local = torch.tensor(
             [
@@ -216,11 +219,12 @@ def forward_backward(
         # The collator decides the inputs: attention_mask for padded batches, position_ids alone for packed
         # or padding-free ones, which transformers honours only without a KV cache.
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        with record_function("hf_fsdp2/forward_loss"):
-            out = causal_lm_loss(model, inputs, batch["labels"], settings.loss, rows)
-            total = router.added(out.ce_sum * scale, out.aux_loss)
-        with record_function("hf_fsdp2/backward"):
-            total.backward()
+        with ring_context(ring):  # the backward too: ring attention's gradients pass around the group as well
+            with record_function("hf_fsdp2/forward_loss"):
+                out = causal_lm_loss(model, inputs, batch["labels"], settings.loss, rows)
+                total = router.added(out.ce_sum * scale, out.aux_loss)
+            with record_function("hf_fsdp2/backward"):
+                total.backward()
         loss_sum += out.ce_sum.detach().float()
         del out, total
     return loss_sum, router.sum, global_tokens, global_processed

@@ -8,7 +8,9 @@ objective; everything else here is shared, so every method checkpoints, resumes,
 from __future__ import annotations
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.attention_layout import method_rows
 from hf_fsdp2.config import Config
+from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
 from hf_fsdp2.trainer.method import Method, check_context_parallel, check_tensor_parallel
@@ -30,6 +32,12 @@ def run(cfg: Config, method: Method) -> None:
     with Session.start(cfg) as session:
         t = cfg.train
         check_context_parallel(method, collectives.cp_size())
+        # What ring attention cannot run, before the model loads.
+        if collectives.cp_size() > 1 and cfg.fsdp.cp_backend == "ring":
+            packing, padding_free = method_rows(cfg.data, method.batch_rows)
+            check_ring_settings(method=method.name, on_gpu=session.device.type == "cuda", packing=packing,
+                                padding_free=padding_free, attn_implementation=cfg.model.attn_implementation,
+                                model_config=session.model_config)  # fmt: skip
         check_tensor_parallel(method, collectives.tp_size())
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:

@@ -33,6 +33,7 @@ from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params
 from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
 from hf_fsdp2.parallel.context import ContextParallelError, enable_context_parallel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
+from hf_fsdp2.parallel.ring import enable_ring_attention
 from hf_fsdp2.parallel.tensor import TensorParallelError, apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
@@ -194,12 +195,13 @@ def build_model(
                 "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
             )
         try:
-            logger.info(
-                "%s",
-                enable_context_parallel(
+            if f.cp_backend == "ring":  # auto: all_to_all (hf_fsdp2.config.plans.CP_BACKENDS)
+                line = enable_ring_attention(model, collectives.cp_group(), collectives.cp_size())
+            else:
+                line = enable_context_parallel(
                     model, collectives.cp_group(), collectives.cp_size(), collectives.tp_size()
-                ),
-            )
+                )
+            logger.info("%s", line)
         except (ConfigError, ContextParallelError) as err:
             raise ConfigError(str(err)) from err
     plan, compile_plan = session.sharding, session.compile_plan

@@ -49,7 +49,14 @@ def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
     [
         (6, LLAMA, "sft", {"cp_size": 3}, "cp_size=3 does not divide the model's num_attention_heads=8"),
         (3, LLAMA, "sft", {"cp_size": 2}, "does not divide the world size 3"),
-        (4, LLAMA, "sft", {"cp_size": 2, "cp_backend": "ring"}, "cp_backend=ring is not built"),
+        (
+            4,
+            LLAMA,
+            "sft",
+            {"cp_size": 2, "cp_backend": "ring", "packing": "true"},
+            "cp_backend=ring with packed rows",
+        ),
+        (4, LLAMA, "dpo", {"cp_size": 2, "cp_backend": "ring"}, "cp_backend=ring with the dpo recipe"),
         (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (
@@ -100,3 +107,13 @@ def test_the_doctor_runs_the_cp_check_with_the_accelerate_configs_world(
     report = run_doctor([*argv, "--cp_size", "4"], packaged_accelerate_config("fsdp2_cpu.yaml"), environ={})
     recipe = next(v for k, v in report.sections.items() if k.startswith("recipe"))
     assert [f.level for f in recipe if f.check == "context parallel"] == ["error"]
+
+
+def test_the_ring_backend_is_reported_with_what_it_needs(tmp_path: Path) -> None:
+    (found,) = _found(
+        tmp_path, 6, cp_size=3, cp_backend="ring"
+    )  # 3 does not divide 8 heads: ring splits none
+    assert found.level == "ok" and found.value == "cp_size 3 (ring)"
+    assert (
+        "ring attention: CUDA, SDPA, causal rows only" in found.message and "query heads" not in found.message
+    )

@@ -61,8 +61,8 @@ def test_cp_all_to_all_needs_whole_query_heads_per_rank_and_repeats_kv_heads_whe
     assert split_heads(8, 2, 4) == HeadSplit(8, 2, 4, kv_repeat=2)  # 2 KV heads -> 4, one per rank
     assert split_heads(8, 8, 4).kv_repeat == 1
     assert split_heads(12, 3, 2).kv_repeat == 2  # 6 KV heads, 2 query heads each
-    with pytest.raises(ConfigError, match="cp_backend=ring is not built in this version.*all_to_all"):
-        check_mesh(MeshPlan(1, 2, 1, 2, "ring"), heads=8, kv_heads=2, max_length=1024)
+    # Ring splits no heads: the mesh passes; its refusals are hf_fsdp2.parallel.ring.check_ring_settings'.
+    check_mesh(MeshPlan(1, 2, 1, 2, "ring"), heads=8, kv_heads=2, max_length=1024)
     with pytest.raises(ConfigError, match="cp_backend='ulysses' is not one of auto, all_to_all, ring"):
         resolve_mesh(4, dp_replicate=None, dp_shard=None, tp=None, cp=2, cp_backend="ulysses")
     mesh = resolve_mesh(8, dp_replicate=2, dp_shard=None, tp=None, cp=2)
