@@ -19,6 +19,7 @@ from hf_fsdp2.methods.grpo.rewards import (
     RewardContext,
     RewardError,
     combine,
+    extra_columns,
     resolve_reward_functions,
     reward_metrics,
     score_completions,
@@ -198,6 +199,7 @@ def test_trls_reward_functions_and_a_reward_model_score_as_in_trl(folders, train
                                                                  "curriculum/batch": [4.0]}  # fmt: skip
     assert context.extras == dict(trainer._pending_extra_logs) == {"chars": [len(str(c)) for c in
             ([[{"role": "assistant", "content": t}] for t in TEXTS] if kind != "string" else TEXTS)]}  # fmt: skip
+    assert [row["chars"] for row in extra_columns(functions, len(TEXTS))] == context.extras["chars"]
     score_completions(functions, prompts, TEXTS, IDS, COLUMNS)  # a second batch before the log
     assert reward_metrics(functions, torch.device("cpu")) == {
         "curriculum/progress": 0.25,

@@ -22,6 +22,7 @@ from hf_fsdp2.methods.grpo.rewards import (
     RewardContext,
     RewardFunction,
     combine,
+    extra_columns,
     resolve_reward_functions,
     reward_metrics,
     score_completions,
@@ -64,7 +65,9 @@ class GrpoEvaluator:
             table.append(
                 score_completions(self.functions, batch["prompts"], completions, ids, batch["columns"])
             )
-            texts += list(zip(batch["prompts"], completions, strict=True))
+            texts += list(
+                zip(batch["prompts"], completions, extra_columns(self.functions, len(ids)), strict=True)
+            )
         local = torch.cat(table) if table else torch.zeros((0, len(self.functions)))
         rewards = combine(local, self.functions) if len(local) else torch.zeros(0)
         parts = [torch.tensor([float(rewards.nan_to_num().sum()), float((~rewards.isnan()).sum())])]
@@ -78,8 +81,9 @@ class GrpoEvaluator:
         # The functions' log_metric values of the eval batches (every rank), named as TRL's eval metrics.
         out.update({f"eval_{k}": v for k, v in reward_metrics(self.functions, self.generator.device).items()})
         if rank == 0:
-            for prompt, completion in texts[: self.samples]:
-                logger.info("eval sample at step %d: %r -> %r", step, str(prompt)[-120:], completion[:200])
+            for prompt, completion, extra in texts[: self.samples]:  # with the functions' log_extra columns
+                logger.info("eval sample at step %d: %r -> %r%s", step, str(prompt)[-120:], completion[:200],
+                            f" {extra}" if extra else "")  # fmt: skip
         logger.info(
             "eval at step %d: reward %.4f over %d prompts", step, out["eval_reward"], len(self.prompts)
         )

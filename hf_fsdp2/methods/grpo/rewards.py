@@ -9,7 +9,8 @@ value per completion: a float, int, bool or numpy scalar, or ``None`` (or NaN) f
 completion no function scores gets no advantage and stays out of its group's baseline (as TRL). ``async def``
 functions run concurrently on one event loop of a daemon thread, as TRL runs them. ``log_metric(name, value)``
 values are averaged over the ranks and the steps since the last log and logged under ``name`` (``eval_<name>`` at
-evaluation); ``log_extra(column, values)`` columns go with the eval samples in the log.
+evaluation); ``log_extra(column, values)`` columns (one value per completion) are kept with the batch's completions
+(:func:`extra_columns`), shown with the eval samples in the log, as TRL shows them in its completions table.
 
 Built-ins (their settings are recipe keys):
 
@@ -408,6 +409,14 @@ def reward_metrics(functions: Sequence[RewardFunction], device: torch.device) ->
     they have a context: every rank calls it with the same functions)."""
     context = next((f.context for f in functions if f.context is not None), None)
     return context.flush(device) if context is not None else {}
+
+
+def extra_columns(functions: Sequence[RewardFunction], count: int) -> list[dict[str, Any]]:
+    """The last scoring's ``log_extra`` columns, one dict per completion (of ``count``), as TRL's completions table
+    shows them: a column of another length than the batch is left out."""
+    context = next((f.context for f in functions if f.context is not None), None)
+    columns = {k: v for k, v in (context.extras if context is not None else {}).items() if len(v) == count}
+    return [{k: v[i] for k, v in columns.items()} for i in range(count)]
 
 
 def combine(rewards: torch.Tensor, functions: Sequence[RewardFunction]) -> torch.Tensor:
