@@ -4,8 +4,10 @@
 # world size 1 (bf16, regional compile, activation checkpointing, chunked CE) on a tied/untied tiny Llama built
 # in code, each export verified and reloaded on the GPU; LoRA + merge; QLoRA (4-bit NF4 base) + merge; activation
 # offload vs none; a CUDA memory snapshot; `bench/gpu_bench.py --quick` (1B shape); the 1B memory plan vs the
-# measured peak; the GRPO recipe (rollout on the FSDP2 policy, rewards, verified export); the Liger test.
-# Nothing is downloaded. A failing check does not stop the others; each has a budget, printed beside its time.
+# measured peak; the GRPO recipe (rollout on the FSDP2 policy, rewards, verified export); the Liger test; with 2+
+# GPUs, ring context parallel (cp 2 ring vs all-to-all vs cp 1 at 8k tokens; skipped on one GPU: NCCL forbids two
+# ranks on one device). Nothing is downloaded. A failing check does not stop the others; each has a budget,
+# printed beside its time.
 #
 #   bash scripts/gpu_check.sh                  # scripts/setup.sh first (CUDA torch where nvidia-smi lists a GPU)
 #   bash scripts/gpu_check.sh --no-setup       # .venv as it is

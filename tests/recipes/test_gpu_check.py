@@ -28,6 +28,7 @@ CHECKS = [
     "memory_plan_1b",
     "grpo_tiny",
     "liger",
+    "ring_cp",
 ]
 RECIPE_CHECKS = ["sft_tiny[tied]", "sft_tiny[untied]", "lora_merge", "memory_snapshot"]
 
@@ -53,7 +54,8 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
     assert proc.stdout.rstrip().endswith(f"GPU check summary: {out}")
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["torch"] == torch.__version__
-    assert [c["name"] for c in report["checks"]] == CHECKS
+    # Files run longest first by tests/conftest.py's measured durations: the order across files is not fixed.
+    assert sorted(c["name"] for c in report["checks"]) == sorted(CHECKS)
     assert (report["passed"], report["failed"], report["skipped"]) == (len(CHECKS), 0, 0)
     for check in report["checks"]:
         assert check["ok"] is True and check["error_tail"] is None and check["seconds"] >= 0, check
@@ -71,9 +73,16 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
     assert "fsdp2.yaml --num_processes 1 " in commands["grpo_tiny"]
     assert "-m hf_fsdp2.methods grpo --config" in commands["grpo_tiny"]
     assert all(c["budget_s"] > 0 for c in report["checks"])
+    one_gpu = [c["budget_s"] for c in report["checks"] if c["min_gpus"] == 1]
+    assert report["budget_s"] == sum(one_gpu) <= report["total_budget_s"] == 540
+    # The ring check needs 2 GPUs (skipped on one H200): its budget apart, its three launch lines validated.
+    assert report["multi_gpu_budget_s"] == 150 and commands["ring_cp"].startswith("accelerate launch ")
+    ring = next(c["figures"] for c in report["checks"] if c["name"] == "ring_cp")
     assert (
-        report["budget_s"] == sum(c["budget_s"] for c in report["checks"]) <= report["total_budget_s"] == 540
+        "--num_processes 1 " in ring["cp1:command"]
+        and "-m hf_fsdp2.methods cpt --config" in ring["cp1:command"]
     )
+    assert "--num_processes 2 " in ring["ring:command"] and "--num_processes 2 " in ring["all_to_all:command"]
     assert "time / budget" in proc.stdout
     # The recipes it would run hold the GPU path: bf16, regional compile, activation checkpointing, chunked CE.
     recipe = (out.parent / "summary.work").glob("test_sft_tiny_tied_0/sft/recipe.yaml")
