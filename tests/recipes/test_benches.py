@@ -155,3 +155,58 @@ def test_gpu_bench_charges_each_document_at_its_own_length_as_the_recipe_meter()
         # Charging every token at T = seq (the old count) overstates the FLOPs by more than 10%.
         at_seq = seq * fm.per_token(seq)
         assert at_seq / flops > 1.10, at_seq / flops
+
+
+def test_gpu_bench_parallel_charges_the_long_sequence_as_the_recipe_meter(monkeypatch):
+    """cp x tp ranks each count their data rank's whole row; the meter divides by cp x tp: the bench's FLOPs per
+    device are what the recipe's meter reports for the same ranks (8 ranks: cp 4 x tp 2, and dp 2 x cp 2 x tp 2)."""
+    from hf_fsdp2.observe import meter as meter_module
+
+    bench = load_bench("gpu_bench_parallel")
+    fm = bench.flops_model("8b")
+    assert fm.layers == 32 and fm.heads == 32 and fm.head_dim == 128
+    seq = 131072
+    for cp, tp in ((4, 2), (2, 2)):
+        m = StepMeter(flops=fm, world_size=8, device=torch.device("cpu"), total_steps=1, peak_flops=None,
+                      pad_token_id=None)  # fmt: skip
+        m.start_step()
+        m.count([{"input_ids": torch.zeros(1, seq, dtype=torch.long)}])  # this rank's data rank's whole row
+        m.end_step(target_tokens=seq - 1, sync=False)
+        monkeypatch.setattr(meter_module.collectives, "gather_rows", lambda values, device=None: torch.tensor(
+            [list(values)] * 8, dtype=torch.float64))  # fmt: skip
+        monkeypatch.setattr(meter_module.collectives, "cp_size", lambda cp=cp: cp)
+        monkeypatch.setattr(meter_module.collectives, "tp_size", lambda tp=tp: tp)
+        m.collect(step=1, loss_sum=torch.tensor(0.0))
+        got = bench.per_device_flops(fm, seq, nproc=8, cp=cp, tp=tp)
+        assert math.isclose(got, m.totals["flops"] / 8, rel_tol=1e-12), (cp, tp)
+        # The attention of the whole 128k row is most of it, charged at T = seq, never at the part a rank holds.
+        attention = 12 * fm.layers * fm.heads * fm.head_dim * seq * seq
+        assert attention / fm.for_sequences([seq]) > 0.8
+        assert math.isclose(got, fm.for_sequences([seq]) * (8 // (cp * tp)) / 8, rel_tol=1e-12)
+
+
+def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path):
+    """--smoke: cp 2 (all-to-all) on 2 gloo processes, the library's mesh, CP, FSDP2 and step; a cp-1 run of the
+    same shape, rows and init gives the same losses (fp32); --dry-run plans 8k-128k on 8B without running."""
+    bench = REPO / "bench" / "gpu_bench_parallel.py"
+    python(bench, ["--smoke", "--out", str(tmp_path / "cp2.json")], timeout=600)
+    python(bench, ["--cpu", "--shape", "tiny", "--seq", "256", "--warmup", "1", "--steps", "1",
+                   "--out", str(tmp_path / "cp1.json")], timeout=600)  # fmt: skip
+    (cp2,) = json.loads((tmp_path / "cp2.json").read_text())["results"]
+    (cp1,) = json.loads((tmp_path / "cp1.json").read_text())["results"]
+    assert "error" not in cp2 and "error" not in cp1, (cp2.get("traceback"), cp1.get("traceback"))
+    assert cp2["cp"].startswith("context parallel: all-to-all over 2 ranks") and "cp" not in cp1
+    assert len(cp2["losses"]) == 2 and all(math.isfinite(x) for x in cp2["losses"])
+    for a, b in zip(cp2["losses"], cp1["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (cp2["losses"], cp1["losses"])
+    assert cp2["tokens_per_s"] > 0 and math.isclose(
+        cp2["tflops_per_device"], cp2["tflop_per_device_per_step"] / cp2["step_s"], rel_tol=1e-9
+    )
+    plan = tmp_path / "plan.json"
+    python(bench, ["--dry-run", "--shape", "8b", "--cp", "8", "--cp-backend", "ring", "--seq",
+                   "8192,32768,131072", "--out", str(plan)])  # fmt: skip
+    rows = json.loads(plan.read_text())["results"]
+    assert [r["seq"] for r in rows] == [8192, 32768, 131072] and all("tokens_per_s" not in r for r in rows)
+    assert all("--nproc_per_node 8 " in r["launch"] and "--cp-backend ring" in r["launch"] for r in rows)
+    # Per device, 128k costs more than 16x 8k: the attention grows with the square of the row.
+    assert rows[2]["tflop_per_device_per_step"] > 16 * rows[0]["tflop_per_device_per_step"]
