@@ -130,8 +130,8 @@ def register_plan(subparsers: Subparsers) -> None:
         "--recipe",
         choices=method_names(),
         default="sft",
-        help="the recipe the config is for: dpo and rm run 2 rows per pair; kto 1 with gradient; grpo its "
-        "num_generations per prompt and its rollout phase (default: sft)",
+        help="the recipe the config is for: dpo and rm run 2 rows per pair; kto 1 with gradient; grpo "
+        "micro-batches of completions and its rollout phase (default: sft)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     # Any other --key value pairs are recipe overrides, collected by main() (parse_known_args).
