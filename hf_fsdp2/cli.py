@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train
+from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train, vllm_serve
 from hf_fsdp2.commands.common import BadInput, Subparsers, user_error
 from hf_fsdp2.methods import method_names
 from hf_fsdp2.noise import quiet_foreign_noise
@@ -33,6 +33,7 @@ SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     plan.register_plan,
     plot.register_plot,
     doctor.register_doctor,
+    vllm_serve.register_vllm_serve,
 )
 
 

@@ -23,6 +23,8 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# GRPO's vLLM rollouts get an environment of their own (.venv-vllm; idempotent, skipped where vLLM does not install).
+bash scripts/setup_vllm.sh
 stamp=.venv/.hf_fsdp2_setup
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

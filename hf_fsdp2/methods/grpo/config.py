@@ -17,6 +17,12 @@ OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
             "do_sample": "(always sampled; eval is greedy)", "num_return_sequences": "num_generations"}  # fmt: skip
 SCALE_REWARDS = ("group", "batch", "none")
+IS_MODES = (
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+)  # vllm_importance_sampling_mode
 
 
 @dataclass
@@ -175,6 +181,51 @@ class GrpoArgs:
             "models), a mapping or JSON object: e.g. {enable_thinking: false}.",
         },  # fmt: skip
     )
+    # Issue 42 items 6-7 (helper "vllm"): vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm_*.py, docs/grpo.md).
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Sample the rollouts with vLLM (a server: hf-fsdp2 vllm-serve)."}
+    )
+    vllm_mode: str = field(
+        default="server",
+        metadata={
+            "help": "server: a separate hf-fsdp2 vllm-serve process (colocate is not built: docs/grpo.md)."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "The server's URL (http://host:port); overrides host and port."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "The server's host (TRL's default)."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "The server's port (TRL's default)."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait at start for the server to answer (TRL's key)."}
+    )
+    vllm_request_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds one request may take (a rank's rollout, a layer's weights)."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "vllm_mode colocate only (not built); the server takes its own flag."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight each token's loss by the trainer/vLLM probability ratio, truncated or masked."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={"help": "token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's default)."},
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the ratio (clipped, or masked above)."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the ratio (default none)."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated in TRL: vllm_importance_sampling_clip_max, which it sets."},
+    )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
@@ -226,10 +277,40 @@ class GrpoArgs:
             f"min_p={self.min_p} must be in [0, 1] (or unset: off)",
         )
         sampling_kwargs(self.generation_kwargs)
+        self.validate_vllm()
         json_mapping(self.chat_template_kwargs, "chat_template_kwargs")
         check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
               f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs: one "
               "weight per function")  # fmt: skip
+
+    def validate_vllm(self) -> None:
+        """The vLLM keys' checks (colocate refused: why in docs/grpo.md)."""
+        check(
+            self.vllm_mode in ("server", "colocate"),
+            f"vllm_mode={self.vllm_mode!r} is not server or colocate",
+        )
+        check(not (self.use_vllm and self.vllm_mode == "colocate"), "vllm_mode=colocate is not built: vLLM would "
+              "run inside each training process, but vLLM 0.32 pins transformers<5.20 (and its own torch) while the "
+              "trainer's environment has transformers 5.24, so it cannot import beside the trainer and colocate could not "
+              "be tested; use vllm_mode: server with `hf-fsdp2 vllm-serve --model <model> --port <port>`")  # fmt: skip
+        check(self.vllm_importance_sampling_mode in IS_MODES, f"vllm_importance_sampling_mode="
+              f"{self.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}")  # fmt: skip
+        low, high = self.vllm_importance_sampling_clip_min, self.is_clip_max
+        check(low is None or high is None or low < high, f"vllm_importance_sampling_clip_min={low} must be below "
+              f"vllm_importance_sampling_clip_max={high}")  # fmt: skip
+        for key in ("vllm_server_timeout", "vllm_request_timeout"):
+            check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0 (seconds)")
+        check(0 < self.vllm_server_port < 65536, f"vllm_server_port={self.vllm_server_port} is not a port")
+
+    @property
+    def is_clip_max(self) -> float | None:
+        """C_max: vllm_importance_sampling_cap when set (TRL's deprecated name), else ..._clip_max."""
+        cap = self.vllm_importance_sampling_cap
+        return self.vllm_importance_sampling_clip_max if cap is None else cap
+
+    @property
+    def vllm_url(self) -> str:
+        return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
 
 
 def json_mapping(value: str | None, key: str) -> dict[str, Any]:

@@ -189,6 +189,7 @@ def grpo_loss_sums(
     *,
     entropy_mask: torch.Tensor | None = None,
     entropies: torch.Tensor | None = None,
+    is_ratio: torch.Tensor | None = None,
 ) -> LossSums:
     """The micro-batch's loss numerator and count for ``settings.loss_type`` (module docstring); the step's loss is
     the sum of the numerators over the step divided by the sum of the counts. ``entropy_mask``: the tokens the
@@ -196,6 +197,8 @@ def grpo_loss_sums(
     ``entropies``: per-token entropies, summed over the mask for the ``entropy`` metric."""
     policy, kl, ratio = policy_terms(logps, old_logps, ref_logps, advantages, mask, settings)
     loss = policy if entropy_mask is None else policy * entropy_mask.to(policy.dtype)
+    if is_ratio is not None:  # vLLM's importance sampling correction (vllm_is.py): the surrogate, not the KL
+        loss = loss * is_ratio.to(loss.dtype)
     if settings.beta != 0.0:
         loss = loss + settings.beta * kl
     mask = mask.to(logps.dtype)

@@ -38,6 +38,9 @@ class Rollout:
     old: list[torch.Tensor] | None = None  # the sampler's log-probs per micro-batch
     refs: list[torch.Tensor] | None = None  # the reference's
     step: int = 0  # the step that sampled it
+    sampling: dict[str, float] = field(
+        default_factory=dict
+    )  # vLLM's importance sampling metrics (vllm_is.py)
 
 
 @dataclass
@@ -117,6 +120,7 @@ class GrpoStepOutput:
         out.update(
             reward_metrics(self.functions, self.device)
         )  # every rank: the functions' log_metric values
+        out.update(self.roll.sampling)
         if (
             self.table is not None
         ):  # rank 0, with log_completions: written to metrics.jsonl (trackers: objective)

