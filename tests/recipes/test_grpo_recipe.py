@@ -78,20 +78,29 @@ def _plain_loop(
     accumulation: int = 1,
     steps_per_generation: int | None = None,
     rollout_batch: int | None = None,
+    mask_truncated: bool = False,
+    quantile: float = 1.0,
 ) -> list[dict]:
     """The same run in one process, written from TRL's meaning: every generation batch takes the next
     ``per_device x 2 ranks x steps_per_generation / G`` records in order, each repeated G times, rank r sampling its
     contiguous share (in calls of ``rollout_batch``, seeded as rank r's); the rewards of both ranks normalised per
     group (a group may span the ranks); each step one update over ``accumulation`` micro-batches of ``per_device``
     completions per rank from the buffered batch, ``iterations`` passes per generation batch against the sampler's
-    log-probs (kept when the batch outlives a step); ``beta``: KL to the model as loaded (a frozen copy)."""
+    log-probs (kept when the batch outlives a step); ``beta``: KL to the model as loaded (a frozen copy);
+    ``mask_truncated``: completions not ending in EOS or pad out of the loss; ``quantile``: the surrogate over the
+    tokens of at least that entropy quantile of both ranks' micro-batch (TRL's mask)."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_fsdp2.methods.grpo.loss import GrpoSettings, group_advantages, grpo_loss_sums
+    from hf_fsdp2.methods.grpo.loss import GrpoSettings, group_advantages, grpo_loss_sums, high_entropy_mask
     from hf_fsdp2.methods.grpo.rewards import combine, resolve_reward_functions, score_completions
-    from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, rollout_seed
+    from hf_fsdp2.methods.grpo.rollout import (
+        SamplingSettings,
+        TransformersGenerator,
+        is_clipped,
+        rollout_seed,
+    )
     from hf_fsdp2.methods.grpo.step import _rows
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
@@ -111,12 +120,17 @@ def _plain_loop(
     prompts_per = 2 * share // G
     rollout_batch = rollout_batch or share
 
-    def token_logps(net: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    def token_scores(net: torch.nn.Module, row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         width = row["completion_mask"].shape[1]
         logits = net(input_ids=row["input_ids"], attention_mask=row["attention_mask"]).logits[
             :, -width - 1 : -1
         ]
-        return torch.log_softmax(logits / 0.9, -1).gather(-1, row["input_ids"][:, -width:, None]).squeeze(-1)
+        logps = torch.log_softmax(logits / 0.9, -1)
+        entropy = -(logps.exp() * logps).sum(-1).detach()
+        return logps.gather(-1, row["input_ids"][:, -width:, None]).squeeze(-1), entropy
+
+    def token_logps(net: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        return token_scores(net, row)[0]
 
     def sample(number: int) -> dict:
         mine = records[(number - 1) * prompts_per : number * prompts_per]
@@ -140,12 +154,15 @@ def _plain_loop(
             for j in range(spg):
                 cut = slice(j * per_device, (j + 1) * per_device)
                 row = _rows(part[cut], completions[cut], tok.pad_token_id)
+                ends = [tok.eos_token_id, tok.pad_token_id]
+                kept = [not (mask_truncated and is_clipped(c, ends)) for c in completions[cut]]
+                row["loss_mask"] = row["completion_mask"] * torch.tensor(kept)[:, None].long()
                 adv = advantages[rank * share : (rank + 1) * share][cut]
                 with torch.no_grad():
                     old = token_logps(model, row) if accumulation % every else None
                     ref = token_logps(reference, row) if beta else None
                 rows[rank, j] = (row, adv, old, ref)
-        tokens = sum(int(r[0]["completion_mask"].sum()) for r in rows.values())
+        tokens = sum(int(r[0]["loss_mask"].sum()) for r in rows.values())
         return {"rows": rows, "rewards": rewards, "tokens": tokens, "zero": float(zero.double().mean())}
 
     rows_out, batch = [], None
@@ -158,20 +175,30 @@ def _plain_loop(
             assert batch is not None
             micro += [(batch, batch["rows"][rank, m % spg]) for rank in (0, 1)]
         loss = torch.zeros(())
-        kl = tokens = 0.0
-        for gen, (row, adv, old, ref) in micro:
-            sums = grpo_loss_sums(token_logps(model, row), old, ref, adv, row["completion_mask"], settings)
-            norm = {"dapo": gen["tokens"] * accumulation / spg, "bnpo": accumulation * 2}.get(
-                loss_type, per_device * accumulation * 2
+        kl = tokens = entropy = 0.0
+        for k in range(0, len(micro), 2):  # one micro-batch of each rank: the entropy mask pools both
+            pair = micro[k : k + 2]
+            scores = [token_scores(model, row) for _, (row, *_) in pair]
+            pooled = torch.cat(
+                [e[row["loss_mask"].bool()] for (_, e), (_, (row, *_)) in zip(scores, pair, strict=True)]
             )
-            loss = loss + sums.loss / norm
-            kl, tokens = kl + float(sums.kl), tokens + float(sums.tokens)
+            for (logps, ent), (gen, (row, adv, old, ref)) in zip(scores, pair, strict=True):
+                mask = row["loss_mask"]
+                keep = high_entropy_mask(ent, mask, 1 - quantile, pooled) if quantile < 1 else None
+                sums = grpo_loss_sums(logps, old, ref, adv, mask, settings, entropy_mask=keep, entropies=ent)
+                norm = {"dapo": gen["tokens"] * accumulation / spg, "bnpo": accumulation * 2}.get(
+                    loss_type, per_device * accumulation * 2
+                )
+                loss = loss + sums.loss / norm
+                kl, tokens = kl + float(sums.kl), tokens + float(sums.tokens)
+                entropy += float(sums.entropy)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         optimizer.zero_grad()
         assert batch is not None
         rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm, "kl": kl / tokens,
+                         "entropy": entropy / tokens,
                          "reward": float(batch["rewards"].nanmean()), "frac_reward_zero_std": batch["zero"]})  # fmt: skip
     return rows_out
 
@@ -202,8 +229,11 @@ CASES = {  # name: (loss_type, iterations, beta, gather, per_device, accumulatio
     # micro-batches of 2 completions, 3 per step, each generation batch trained twice (2 steps): 3 prompts of 4
     # completions over 2 ranks of 6, so a prompt's group spans the ranks; the KL to a frozen sharded copy
     "dr_grpo": ("dr_grpo", 2, 0.1, "full", 2, 3, None, None),
+    # with mask_truncated_completions, top_entropy_quantile 0.5 (the mask over both ranks' tokens) and log_completions
     "bnpo": ("bnpo", 1, 0.0, "full", 4, 2, None, None),
 }
+OPTIONS = {"bnpo": ["--mask_truncated_completions", "true", "--top_entropy_quantile", "0.5", "--log_completions",
+                    "true", "--num_completions_to_print", "3"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -222,13 +252,24 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
                  "--gradient_accumulation_steps", str(accumulation)]  # fmt: skip
         extra += ["--steps_per_generation", str(spg)] if spg else []
         extra += ["--rollout_batch_size", str(rollout_batch)] if rollout_batch else []
+        extra += OPTIONS.get(case, [])
         proc = torchrun(GRPO, _args(assets, run, *extra), nproc=2)
         log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
     got = read_metrics(run / "metrics.jsonl")
-    want = _plain_loop(assets, loss_type, iterations, beta, per_device, accumulation, spg, rollout_batch)
+    options = OPTIONS.get(case, [])
+    want = _plain_loop(assets, loss_type, iterations, beta, per_device, accumulation, spg, rollout_batch,
+                       mask_truncated="--mask_truncated_completions" in options,
+                       quantile=0.5 if "--top_entropy_quantile" in options else 1.0)  # fmt: skip
     for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "reward", "frac_reward_zero_std", *(("kl",) if beta else ())):
+        for key in (
+            "loss",
+            "grad_norm",
+            "reward",
+            "frac_reward_zero_std",
+            "entropy",
+            *(("kl",) if beta else ()),
+        ):
             assert abs(g[key] - w[key]) <= 1e-4 * abs(w[key]) + 1e-6, (g["step"], key, g[key], w[key])
     # Half the prompts are flat (all of rank 1's in the 8-per-rank runs), and record 4's group is unscorable.
     assert all(r["frac_reward_zero_std"] >= 0.25 for r in got), [r["frac_reward_zero_std"] for r in got]
@@ -237,6 +278,22 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     assert {"rewards/grpo_rewards:by_kind/mean", "completions/mean_length",
             "clip_ratio/region_mean", "entropy"} <= set(got[0])  # fmt: skip
     assert all(r["entropy"] > 0 for r in got)
+    # mask_truncated_completions: some completions were cut at max_completion_length, so the mask did something
+    clipped = [r["completions/clipped_ratio"] for r in got]
+    assert "--mask_truncated_completions" not in options or any(0 < c < 1 for c in clipped), clipped
+    # log_completions: TRL's table of every rank's rows of the step's generation batch, 3 printed
+    if "--log_completions" in options:
+        for r in got:
+            assert len(r["completions"]) == 3 and r["completions"][0]["step"] == r["step"], r["completions"]
+            assert set(r["completions"][0]) == {
+                "step",
+                "prompt",
+                "completion",
+                "grpo_rewards:by_kind",
+                "advantage",
+            }
+    else:
+        assert all("completions" not in r for r in got)
     assert any(abs(r["loss"]) > 1e-7 for r in got) or any(r["grad_norm"] > 0 for r in got)
 
 
