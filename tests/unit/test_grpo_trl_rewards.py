@@ -268,3 +268,43 @@ def test_reward_model_names_are_checked(tmp_path: Path) -> None:
     (fn,) = resolve_reward_functions([str(tmp_path / "not_a_model")])
     with pytest.raises(RewardError, match="cannot be loaded as a sequence classifier"):
         fn.fn.load(torch.device("cpu"))  # type: ignore[attr-defined]
+
+
+def test_evaluation_logs_what_the_functions_logged(folders: dict[str, Path], caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The eval pass (one process here): the functions' log_metric values as ``eval_<name>`` (TRL's eval names),
+    their log_extra columns beside each eval sample in the log."""
+    import logging
+
+    from transformers import TrainerState
+
+    from hf_fsdp2.methods.grpo.data import tokenize_prompts
+    from hf_fsdp2.methods.grpo.objective import GrpoEvaluator
+
+    class Fixed:  # a generator answering the same ids for every prompt
+        device = torch.device("cpu")
+        eos_ids = [2]
+
+        def generate(self, prompts: Any, *, seed: int, greedy: bool = False) -> list[list[int]]:
+            return [[22172, 3186]] * len(prompts)
+
+    monkeypatch.syspath_prepend(str(folders["root"]))
+    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    records = [
+        {"prompt": [{"role": "user", "content": p}], "ground_truth": "x", "task": "math"} for p in STRINGS
+    ]
+    prompts = tokenize_prompts(records, tok, limit=64, long_examples="error", source="eval")
+    context = RewardContext(state=lambda: TrainerState(global_step=6, max_steps=12))
+    functions = resolve_reward_functions(["doc_rewards:curriculum", "doc_rewards:format_reward_func"],
+                                         context=context)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hf_fsdp2"):
+        out = GrpoEvaluator(prompts, Fixed(), functions, tok, batch_size=3, samples=2).run(
+            torch.nn.Linear(1, 1), 6
+        )
+    assert (
+        out["eval_curriculum/progress"] == 0.5 and out["eval_curriculum/batch"] == 2.0
+    )  # batches of 3 and 1
+    samples = [r.getMessage() for r in caplog.records if "eval sample" in r.getMessage()]
+    chars = len(str([{"role": "assistant", "content": "hello world"}]))  # curriculum's len(str(completion))
+    assert len(samples) == 2 and all(s.endswith(f"-> 'hello world' {{'chars': {chars}}}") for s in samples), (
+        samples
+    )
