@@ -236,6 +236,26 @@ OPTIONS = {"bnpo": ["--mask_truncated_completions", "true", "--top_entropy_quant
                     "true", "--num_completions_to_print", "3"]}  # fmt: skip
 
 
+def _case_args(case: str) -> list[str]:
+    loss_type, iterations, beta, gather, per_device, accumulation, spg, rollout_batch = CASES[case]
+    extra = [*_extra(loss_type, iterations, beta, gather), "--per_device_train_batch_size", str(per_device),
+             "--gradient_accumulation_steps", str(accumulation)]  # fmt: skip
+    extra += ["--steps_per_generation", str(spg)] if spg else []
+    extra += ["--rollout_batch_size", str(rollout_batch)] if rollout_batch else []
+    return extra + OPTIONS.get(case, [])
+
+
+@pytest.fixture(scope="module")
+def grpo_run(assets, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The grpo case (a generation batch every 2 steps), a checkpoint every step: step 1's is inside a generation
+    batch. Its folder and log."""
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(assets["root"]))
+        proc = torchrun(GRPO, _args(assets, out, *_case_args("grpo"), "--save_steps", "1"), nproc=2)
+    return out, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     assets, tmp_path, monkeypatch, request, case
@@ -244,16 +264,11 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     loss_type, iterations, beta, gather, per_device, accumulation, spg, rollout_batch = CASES[case]
     monkeypatch.syspath_prepend(str(assets["root"]))
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
-    if case == "dapo":  # the module's dapo run (its checkpoints change no number)
-        run, log = request.getfixturevalue("dapo_run")
+    if case in ("dapo", "grpo"):  # the module's runs (their checkpoints change no number)
+        run, log = request.getfixturevalue(f"{case}_run")
     else:
         run = tmp_path / "run"
-        extra = [*_extra(loss_type, iterations, beta, gather), "--per_device_train_batch_size", str(per_device),
-                 "--gradient_accumulation_steps", str(accumulation)]  # fmt: skip
-        extra += ["--steps_per_generation", str(spg)] if spg else []
-        extra += ["--rollout_batch_size", str(rollout_batch)] if rollout_batch else []
-        extra += OPTIONS.get(case, [])
-        proc = torchrun(GRPO, _args(assets, run, *extra), nproc=2)
+        proc = torchrun(GRPO, _args(assets, run, *_case_args(case)), nproc=2)
         log = proc.stdout + proc.stderr
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
     got = read_metrics(run / "metrics.jsonl")
@@ -412,3 +427,27 @@ def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path, 
         ("no_learning_signal", "stopped", STEPS)
     ]
     assert json.loads((out / "summary.json").read_text())["stopped"] == "no_learning_signal"
+
+
+def test_a_run_resumed_inside_a_generation_batch_trains_on_the_same_completions(
+    assets, grpo_run, tmp_path, monkeypatch
+) -> None:
+    """checkpoint-1 of the grpo case falls inside a generation batch (sampled at step 1, trained on at steps 1 and
+    2): each rank's buffered completions, advantages and sampler's log-probs are in it, so the resumed run's step 2
+    (no sampling) and step 3 (the next generation batch) repeat the uninterrupted run's."""
+    monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
+    straight, log = grpo_run
+    assert "sampled every 2 micro-batch(es)" in log, log[-3000:]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
+    (resumed / "latest").write_text("1\n")
+    args = _args(assets, resumed, *_case_args("grpo"), "--save_steps", "1", "--resume_from_checkpoint", "latest",
+                 "--export_verify", "false")  # fmt: skip
+    torchrun(GRPO, args, nproc=2)
+    a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
+    b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
+    assert sorted(b) == [2, 3], sorted(b)
+    for step in (2, 3):
+        for key in ("loss", "grad_norm", "reward", "entropy", "completions/mean_length"):
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key, a[step][key])

@@ -60,16 +60,16 @@ def test_generation_batches_and_steps() -> None:
     groups (8 completions of a prompt over 2 ranks of 4)."""
     one = _layout()
     assert [one.generations_in(s) for s in (1, 2, 3)] == [1, 1, 1] and not one.needs_old_logps
-    assert one.boundary_steps == 1 and one.steps_per_epoch(12) == 6  # 12 prompts, 2 per generation batch
+    assert one.steps_per_epoch(12) == 6  # 12 prompts, 2 per generation batch
     twice = _layout(num_iterations=2)
     assert [twice.generations_in(s) for s in (1, 2, 3, 4)] == [1, 0, 1, 0] and twice.needs_old_logps
-    assert twice.boundary_steps == 2 and twice.steps_per_epoch(12) == 12
+    assert twice.steps_per_epoch(12) == 12
     often = _layout(steps_per_generation=1)
     assert [often.generations_in(s) for s in (1, 2)] == [2, 2] and not often.needs_old_logps
     odd = _layout(
         gradient_accumulation_steps=2, steps_per_generation=3
     )  # 3 micro-batches per generation, 2 per step
-    assert [odd.generations_in(s) for s in (1, 2, 3, 4)] == [1, 1, 0, 1] and odd.boundary_steps == 3
+    assert [odd.generations_in(s) for s in (1, 2, 3, 4)] == [1, 1, 0, 1]
     spans = _layout(ranks=2, num_generations=8, gradient_accumulation_steps=1)
     assert spans.per_rank == 4 and spans.prompts == 1 and spans.generation_batch_size == 8
     assert (

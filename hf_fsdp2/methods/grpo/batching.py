@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hf_fsdp2.config.plans import check
+from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,6 @@ class GenerationLayout:
         (``gradient_accumulation_steps % generate_every != 0``); otherwise the ratio is taken against the current
         log-probs (detached: 1)."""
         return self.gradient_accumulation_steps % self.generate_every != 0
-
-    @property
-    def boundary_steps(self) -> int:
-        """Steps between two ends of a generation batch on a step's end (a checkpoint there resumes exactly)."""
-        ga = self.gradient_accumulation_steps
-        return math.lcm(ga, self.generate_every) // ga
 
     def generations_in(self, step: int) -> int:
         """Generation batches sampled during ``step`` (1-based) from its start on a clean run."""
@@ -145,6 +140,28 @@ def layout_of(cfg: object, ranks: int) -> GenerationLayout:
     )
 
 
+class _Holder(Protocol):
+    def buffer_state(self) -> dict[str, Any]: ...
+
+    def load_buffer(self, state: dict[str, Any]) -> None: ...
+
+
+class GenerationStream(DataStream):
+    """The prompt stream, whose per-rank checkpoint state also holds the step's buffered generation batch
+    (``holder``: the GRPO stepper), so a run resumed inside a generation batch trains on the same completions."""
+
+    holder: _Holder | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = self.holder.buffer_state() if self.holder is not None else None
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "buffer": buffer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_at(state["epoch"], state["batches_in_epoch"])
+        if self.holder is not None and state.get("buffer") is not None:
+            self.holder.load_buffer(state["buffer"])
+
+
 def generation_stream(session: Any, train: Any, collator: Any) -> tuple[Any, int, int, GenerationLayout]:
     """The stream of generation batches' prompts (one stream batch per generation batch; every rank reads the same
     prompts, in the run's seeded order) and the run's step counts: ``max_steps`` when set, else
@@ -153,8 +170,6 @@ def generation_stream(session: Any, train: Any, collator: Any) -> tuple[Any, int
     Raises:
         ConfigError: a bad layout (:func:`generation_layout`), or fewer prompts than one generation batch.
     """
-    from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
-
     t = session.cfg.train
     layout = layout_of(session.cfg, session.data_world)
     check(len(train) >= layout.prompts,
@@ -167,4 +182,4 @@ def generation_stream(session: Any, train: Any, collator: Any) -> tuple[Any, int
                               num_workers=session.cfg.data.dataloader_num_workers)  # fmt: skip
     steps_per_epoch = layout.steps_per_epoch(len(train))
     total = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
-    return DataStream(loader, sampler, layout.prompts), steps_per_epoch, total, layout
+    return GenerationStream(loader, sampler, layout.prompts), steps_per_epoch, total, layout

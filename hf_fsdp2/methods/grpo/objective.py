@@ -14,7 +14,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.methods.grpo.batching import layout_of
+from hf_fsdp2.methods.grpo.batching import GenerationStream, layout_of
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping, sampling_kwargs
 from hf_fsdp2.methods.grpo.data import collate_prompts
 from hf_fsdp2.methods.grpo.loss import GrpoSettings
@@ -155,11 +155,6 @@ def _build_grpo(
                         importance_sampling_level=g.importance_sampling_level)  # fmt: skip
     # Issue 42 items 5 and 8: TRL's generation batches and steps (batching.py); the run's loss plan chunks scoring.
     layout = layout_of(cfg, session.data_world)
-    check(not t.save_steps or t.save_steps % layout.boundary_steps == 0,
-          f"save_steps={t.save_steps} would checkpoint inside a generation batch (one ends every "
-          f"{layout.boundary_steps} steps: gradient_accumulation_steps={layout.gradient_accumulation_steps}, "
-          f"steps_per_generation={layout.steps_per_generation} x num_iterations={layout.num_iterations}), which "
-          f"does not resume exactly; set save_steps to a multiple of {layout.boundary_steps}")  # fmt: skip
     settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
                                 cfg.fsdp.fsdp_sync_each_microbatch, t.seed, layout, model.loss_plan,
                                 g.mask_truncated_completions, g.top_entropy_quantile, g.log_completions,
@@ -191,10 +186,10 @@ def _build_grpo(
 
     logger.info("GRPO batches: %d completions per generation batch (%d prompts x %d generations; %d per rank in %d "
                 "generate call(s)), sampled every %d micro-batch(es); a step is one optimizer update of %d "
-                "micro-batch(es) x %d completions per rank; checkpoints at the end of a generation batch (every %d "
-                "step(s)) resume exactly, others start a new one", layout.generation_batch_size, layout.prompts,
-                g.num_generations, layout.per_rank, layout.rollout_chunks, layout.generate_every,
-                layout.gradient_accumulation_steps, layout.per_device, layout.boundary_steps)  # fmt: skip
+                "micro-batch(es) x %d completions per rank; the buffered generation batch is checkpointed with "
+                "each rank's data position", layout.generation_batch_size, layout.prompts, g.num_generations,
+                layout.per_rank, layout.rollout_chunks, layout.generate_every, layout.gradient_accumulation_steps,
+                layout.per_device)  # fmt: skip
     step = GrpoStepper(
         model.module,
         optimizer,
@@ -207,6 +202,8 @@ def _build_grpo(
         device=session.device,
     )
     data.reads_per_step = step.reads  # one prompt batch per generation batch, not one per micro-batch
+    if isinstance(data.stream, GenerationStream):  # checkpoints carry the buffered generation batch
+        data.stream.holder = step
     if g.log_completions and session.is_main:
         step.table_sink = _tracker_table(session)
 

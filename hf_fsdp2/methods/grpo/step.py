@@ -15,9 +15,11 @@ batch's completion tokens x ``gradient_accumulation_steps / steps_per_generation
 and ranks. Every rank runs the same collectives whatever its completions: the same generations, forwards, backwards
 and one count all-reduce per step.
 
-Resuming: the buffer is not checkpointed. A checkpoint at the end of a generation batch (every
-:attr:`~.batching.GenerationLayout.boundary_steps` steps; ``save_steps`` must be a multiple) resumes exactly; one
-inside a generation batch (the last step's, SIGTERM's) resumes, as TRL's, with a new generation batch.
+Resuming: the buffered generation batch (rows, advantages, the sampler's and the reference's log-probs, its
+metrics) is each rank's part of a checkpoint (:class:`~.batching.GenerationStream`), so a run resumed inside a
+generation batch trains on the same completions as the uninterrupted one (on the same number of ranks, as every
+per-rank data position). A stepper started without a buffer inside a generation batch samples a new one first, as
+TRL's empty buffer does.
 
 A step with no completion of non-zero advantage on any rank has nothing to learn from: the run's guard stops the
 run (or warns, ``on_collapse``) after ``COLLAPSE_STEPS`` such steps in a row, naming the reward functions.
@@ -229,6 +231,14 @@ class GrpoStepper:
     def reads(self, step: int) -> int:
         """Prompt batches ``step`` reads from the stream (every rank the same)."""
         return sum(self._starts(step))
+
+    def buffer_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's buffer: the generation batch and the completions table."""
+        return {"roll": self.roll, "table": list(self.table)}
+
+    def load_buffer(self, state: dict[str, Any]) -> None:
+        """The buffer of a resumed checkpoint (before the first step)."""
+        self.roll, self.table[:] = state["roll"], state["table"]
 
     def _sample(self, batch: dict[str, Any], number: int, step: int) -> Rollout:
         s = self.settings
