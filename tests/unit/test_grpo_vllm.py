@@ -276,8 +276,8 @@ def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_
 
 def test_probe_bound_scales_with_the_coarser_dtype() -> None:
     logps = torch.tensor([-0.5, -10.0])
-    assert probe_bound(logps, "float32", "float32") == pytest.approx(16 * 2**-24 * 11)
-    assert probe_bound(logps, "bfloat16", "float32") == pytest.approx(16 * 2**-8 * 11)
+    assert probe_bound(logps, "float32", "float32") == pytest.approx(32 * 2**-24 * math.sqrt(2) * 11)
+    assert probe_bound(logps, "bfloat16", "float32", 3) == pytest.approx(32 * 2**-8 * 2 * 11)
 
 
 def test_vllm_serve_finds_a_python_with_vllm_or_says_how_to_build_one(tmp_path, monkeypatch) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.request
@@ -198,17 +199,20 @@ def push_weights(model: torch.nn.Module, client: VllmClient, version: int) -> in
     return count
 
 
-def probe_bound(trainer_logps: torch.Tensor, server_dtype: str, compute_dtype: str) -> float:
+def probe_bound(trainer_logps: torch.Tensor, server_dtype: str, compute_dtype: str, layers: int = 1) -> float:
     """How far the server's log-prob of a token may be from the trainer's when both run the same weights:
-    16 units of roundoff of the coarser of the two dtypes, times the largest log-prob's magnitude (plus 1).
+    ``32 u sqrt(layers + 1) (1 + max |logp|)``, u the unit roundoff of the coarser of the two dtypes.
 
-    Both sides compute the same function with different kernels (fused q/k/v and gate/up, another reduction
-    order), so they agree to a few roundings of the log-probs' magnitude: measured on CPU in float32, the largest
-    difference is one unit in the last place of a log-prob of ~10 nats (9.5e-7), against a bound of ~1.1e-5 here;
-    a single AdamW step at lr 1e-3 moves them by ~1e-2 (tests/recipes/test_grpo_vllm.py).
+    Both sides compute the same function with different kernels (fused q/k/v and gate/up, other reduction orders):
+    each decoder layer (and the head) adds rounding errors of relative size ~u that accumulate like a random walk
+    (sqrt of the depth), and a log-prob's error scales with its magnitude. Measured on CPU in float32: a 2-layer
+    model differs by at most 9.5e-7 (bound 3.8e-5), SmolLM2-135M (30 layers) by 6.3e-6 (bound ~4e-5); one AdamW
+    update at lr 1e-3 moves the probe's log-probs by more than 100 bounds (tests/recipes/test_grpo_vllm_server.py).
+    In bfloat16 the bound is ~1,000x wider (u = 2^-8): the probe then catches a server on other weights after many
+    updates, not after one small one.
     """
     u = max(UNIT_ROUNDOFF.get(server_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-8))
-    return 16.0 * u * (1.0 + float(trainer_logps.abs().max()))
+    return 32.0 * u * math.sqrt(layers + 1) * (1.0 + float(trainer_logps.abs().max()))
 
 
 class VllmGenerator:
@@ -284,7 +288,8 @@ class VllmGenerator:
         row = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                "completion_mask": torch.ones((1, len(completion)), dtype=torch.long)}  # fmt: skip
         mine = no_grad_logps(self.model, row, 1.0, self.device)[0].double().cpu()
-        bound = probe_bound(mine, self.server_dtype, self.compute_dtype)
+        layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
+        bound = probe_bound(mine, self.server_dtype, self.compute_dtype, layers)
 
         def ask() -> float:
             if collectives.rank() != 0:
@@ -297,7 +302,7 @@ class VllmGenerator:
                 raise VllmServerError(
                     f"the vLLM server at {self.client.url} answers with other weights than the trainer's: the probe "
                     f"completion's log-probs differ by up to {diff:.3g} nats (bound {bound:.3g} for {self.server_dtype} "
-                    f"vs {self.compute_dtype}) after weights version {self.version}; was it restarted, or does another "
+                    f"vs {self.compute_dtype}, {layers} layers) after weights version {self.version}; was it restarted, or does another "
                     "trainer send it weights? Restart it and the run (it resumes from its last checkpoint)"
                 )  # fmt: skip
             return diff
