@@ -1,7 +1,8 @@
 """GRPO, online RL with verifiable rewards: ``config`` (its keys), ``data`` (prompts and the columns the reward
-functions read), ``rollout`` (sampling completions from the sharded policy), ``rewards`` (built-in and user reward
-functions), ``loss`` (TRL's formulas), ``step`` (rollout, scoring, the clipped surrogate loss), ``objective`` (the
-generator, the reference, the step and the evaluator of a run)."""
+functions read), ``batching`` (TRL's generation batches and steps), ``rollout`` (sampling completions from the sharded
+policy), ``rewards`` (built-in and user reward functions), ``loss`` (TRL's formulas, the chunked scoring), ``step``
+(the buffered generation batch, rewards, the clipped surrogate loss, one update per step), ``metrics`` (what a step
+logs), ``objective`` (the generator, the reference, the step and the evaluator of a run)."""
 
 from __future__ import annotations
 

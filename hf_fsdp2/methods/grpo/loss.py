@@ -1,5 +1,6 @@
-"""GRPO's arithmetic: group-normalised advantages and the clipped surrogate loss (``grpo``, ``dr_grpo``, ``dapo``),
-with an optional KL penalty to a reference, as TRL 1.16's ``GRPOTrainer`` defines them.
+"""GRPO's arithmetic: group-normalised advantages and the clipped surrogate loss (``grpo``, ``dr_grpo``, ``dapo``,
+``bnpo``), with an optional KL penalty to a reference, as TRL 1.16's ``GRPOTrainer`` defines them; and the scoring
+of completions (per-token log-probs and entropies), chunked through the output head's hook.
 
 For each prompt the rollout samples ``num_generations`` completions; a completion's reward is the weighted sum of the
 reward functions' values, its advantage that reward minus its group's mean reward, divided by the group's standard
@@ -11,17 +12,20 @@ one on the first iteration over a generation batch):
     loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * r * (exp(ref - logp) - (ref - logp) - 1)
 
 (the factor r on the KL term: ``use_bias_correction_kl``, TRL's default, the unbiased reverse-KL gradient of
-DeepSeek-V3.2; without it the k3 estimator alone)
+DeepSeek-V3.2; without it the k3 estimator alone). With ``importance_sampling_level: sequence`` (GSPO) r is one
+ratio per completion, ``exp`` of the mean of ``logp - old_logp`` over its tokens; with TRL's entropy mask
+(``top_entropy_quantile``) the surrogate term keeps only the high-entropy tokens (:func:`high_entropy_mask`).
 
 and the loss of a batch, over its completion tokens (mask):
 
 - ``grpo``: each completion's mean over its tokens, then the mean over completions;
 - ``dr_grpo``: the sum over every token divided by (completions x ``max_completion_length``);
-- ``dapo``: the sum over every token divided by the number of tokens.
+- ``dapo``: the sum over every token divided by the number of tokens;
+- ``bnpo``: each micro-batch's sum divided by its own tokens (TRL's "local batch"), averaged over micro-batches.
 
-:func:`grpo_loss_sums` returns the numerator and the count (completions, or tokens for ``dapo``) of one micro-batch,
-so the step divides by the global count over every micro-batch of every rank, as the other recipes' steps do:
-the step's loss is then the same whatever the split across micro-batches and ranks.
+:func:`grpo_loss_sums` returns the numerator and the count (completions, 1 for ``bnpo``, tokens for ``dapo``) of one
+micro-batch; the step (:mod:`.step`) divides each numerator by TRL's normaliser over every micro-batch of every
+rank (for ``dapo`` the generation batch's tokens, scaled to one update).
 """
 
 from __future__ import annotations
