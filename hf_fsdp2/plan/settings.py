@@ -34,7 +34,7 @@ class PlannedMethod(Protocol):
         ...
 
     def rows_per_example(self, cfg: Any) -> int:
-        """Rows of one example in a forward (2 for a pair, num_generations for a GRPO prompt)."""
+        """Rows of one example in a forward (2 for a pair; 1 for a GRPO completion)."""
         ...
 
     def plan_notes(self, cfg: Any, plan: Any, model_config: Any) -> list[str]:

@@ -69,7 +69,7 @@ class Method:
         defaults: this method's defaults for keys of the shared sections (applied under the YAML and the command
             line, so a value the user gives wins): e.g. GRPO's ``torch_compile: false``.
         batch_rows: one of :data:`BATCH_ROWS`: how the attention layout and the memory plan read its rows.
-        rows_per_example: ``cfg -> rows`` of one example in a forward (2 for a pair, num_generations for a prompt).
+        rows_per_example: ``cfg -> rows`` of one example in a forward (2 for a pair; GRPO: 1, a completion).
         plan_notes: ``(cfg, plan, model_config) -> lines`` the memory plan adds (what it leaves out, other phases).
         preview_data: ``(cfg, tokenizer, load, read) -> [(source, what)]``: doctor's reading of the first ``read``
             records of each source as the run tokenizes them (``load(source)`` gives them); raises the run's data
