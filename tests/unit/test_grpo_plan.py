@@ -53,3 +53,23 @@ def test_rollout_batch_size_splits_the_kv_cache_into_calls() -> None:
     assert (whole.sequences, whole.chunks, split.sequences, split.chunks) == (12, 1, 4, 3)
     assert whole.kv_cache == 3 * split.kv_cache and whole.logits == 3 * split.logits
     assert "one of 3 generate call(s)" in rollout_note(plan, config, split_cfg)
+
+
+def test_a_generation_batch_the_ranks_cannot_hold_is_named_not_raised() -> None:
+    """The plan of 1 rank for a layout of 2 (3 completions, groups of 4): the rollout line says why, as the run
+    would refuse it, and the training table is still made."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    cfg = parse_method_config("grpo", ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+                                       "--per_device_train_batch_size", "3", "--num_generations", "4",
+                                       "--max_length", "128"])  # fmt: skip
+    plan = plan_memory(
+        config, PlanSettings.from_config(cfg, world_size=1, device_type="cpu", method=get_method("grpo"))
+    )
+    note = rollout_note(plan, config, cfg)
+    assert (
+        note.startswith("GRPO rollout phase not planned: generation_batch_size (3 = ")
+        and "num_generations (4)" in note
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hf_fsdp2.config import ConfigError
 from hf_fsdp2.methods.grpo.batching import layout_of
 
 _BYTES = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
@@ -59,7 +60,10 @@ def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
     """One line for the plan: the rollout phase's bytes per rank against the training peak."""
     from hf_fsdp2.plan.table import human_bytes
 
-    r = rollout_bytes(plan, model_config, cfg)
+    try:
+        r = rollout_bytes(plan, model_config, cfg)
+    except ConfigError as err:  # a generation batch these ranks cannot hold: the run refuses it the same way
+        return f"GRPO rollout phase not planned: {err}"
     which = "the run's peak" if r.peak > plan.peak else "under the training peak"
     return (
         f"GRPO rollout phase {human_bytes(r.peak)} per rank ({which}): "
