@@ -257,3 +257,31 @@ def test_a_server_that_is_not_up_stops_every_rank_with_one_clear_error(assets, t
         "within vllm_server_timeout=3 s"
     ) in errors[0]
     assert "hf-fsdp2 vllm-serve --model" in errors[0]
+
+
+@needs_vllm
+def test_a_generation_batch_over_two_steps_syncs_once_per_rollout_and_resumes_inside_it(
+    assets, server, tmp_path, monkeypatch
+) -> None:
+    """steps_per_generation 2: a rollout every 2 updates, so the weights go to the server before steps 1 and 3 only
+    (the update of step 1 is sent with step 3's rollout); a run resumed from checkpoint-1 (inside the generation
+    batch, its buffer in the checkpoint: no rollout, no sync at step 2) repeats steps 2 and 3."""
+    monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
+    extra = ("--save_steps", "1", "--steps_per_generation", "2")
+    straight = tmp_path / "straight"
+    proc = torchrun(GRPO, _args(assets, straight, server, *extra), nproc=2)
+    log = proc.stdout + proc.stderr
+    assert log.count("probe passed") == 2, log[-3000:]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
+    (resumed / "latest").write_text("1\n")
+    proc = torchrun(
+        GRPO, _args(assets, resumed, server, *extra, "--resume_from_checkpoint", "latest"), nproc=2
+    )
+    assert (proc.stdout + proc.stderr).count("probe passed") == 1  # step 3's rollout only
+    a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
+    b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
+    for step in (2, 3):
+        for key in ("loss", "grad_norm", "reward", "sampling/importance_sampling_ratio/mean"):
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
