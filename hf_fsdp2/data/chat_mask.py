@@ -9,10 +9,12 @@ assembles the ids and labels from the encoded strings (the caller encodes a whol
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from hf_fsdp2.data.records import _Chat, _record_error
+from hf_fsdp2.data.tool_calls import render_problem, template_name, template_takes_tools
 from hf_fsdp2.labels import IGNORE_INDEX
 
 
@@ -47,29 +49,53 @@ def trim_after_end_of_turn(
 
 def render(
     tokenizer: PreTrainedTokenizerBase,
-    turns: list[dict[str, str]],
+    turns: list[dict[str, Any]],
     generation_prompt: bool,
     *,
     source: str,
     index: int,
     columns: Sequence[str],
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """``turns`` rendered by the chat template; a template error becomes a `RecordError` naming the record.
+    """``turns`` rendered by the chat template, which receives ``tools`` (as TRL's SFTTrainer passes them); a template
+    error becomes a `RecordError` naming the record.
 
     Raises:
         ValueError: The tokenizer has no chat template.
-        RecordError: The template rejected the conversation.
+        RecordError: The template rejected the conversation, or it has tools and the template reads no ``tools``.
     """
     if tokenizer.chat_template is None:
         raise ValueError(
             f"{source or 'The dataset'} has conversational prompt/completion records but the tokenizer "
             "has no chat_template; set tokenizer.chat_template."
         )
+    tool_use = bool(tools) or any(t["role"] == "tool" or t.get("tool_calls") for t in turns)
+    if tools and not template_takes_tools(tokenizer):
+        raise _record_error(
+            source,
+            index,
+            list(columns),
+            f"the record has tools but {template_name(tokenizer)} never reads 'tools', so the schemas would be "
+            "dropped",
+            "Use a chat template with tool support (Qwen2.5/Qwen3, Llama 3.1/3.2, Mistral...), or drop the "
+            "record's tools.",
+            "template without tools",
+        )
     try:
         rendered = tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=generation_prompt
+            turns, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
         )
     except Exception as err:
+        if tool_use:
+            raise _record_error(
+                source,
+                index,
+                list(columns),
+                f"{template_name(tokenizer)} failed on this tool-calling conversation: {err}",
+                "Use a chat template with tool support (Qwen2.5/Qwen3, Llama 3.1/3.2, Mistral...), or fix the record "
+                "to the shape the template expects.",
+                "template cannot render tools",
+            ) from err
         # Templates reject conversations with raise_exception (e.g. "roles must alternate"); the
         # bare message would not say which record.
         raise _record_error(
@@ -92,10 +118,36 @@ def chat_strings(
     renders = [(chat.messages, False)]
     for turn in chat.trained or []:
         renders += [(chat.messages[:turn], True), (chat.messages[: turn + 1], False)]
-    return [
-        render(tokenizer, turns, prompt, source=source, index=index, columns=columns)
+    strings = [
+        render(tokenizer, turns, prompt, source=source, index=index, columns=columns, tools=chat.tools)
         for turns, prompt in renders
     ]
+    missing = render_problem(chat.messages, chat.tools, chat.trained, strings[0])
+    if missing:
+        raise _record_error(
+            source,
+            index,
+            list(columns),
+            f"{template_name(tokenizer)} rendered this tool-calling conversation without {missing}",
+            "Use a chat template that renders tools, tool calls, tool results and reasoning (Qwen2.5/Qwen3, Llama "
+            "3.1/3.2, Mistral...), or drop what it cannot show from the record.",
+            "template cannot render tools",
+        )
+    return strings
+
+
+_TOOL_PREFIX_HINT = (
+    " Tool-calling templates such as Qwen3's render an assistant turn differently when it is the last message (an "
+    "empty <think></think> block) and drop the reasoning of turns before the last user turn: give each assistant "
+    "turn after the last user turn its reasoning_content, train the last turn only (chat_loss=last_assistant), or "
+    "split the conversation into one record per assistant turn."
+)
+
+
+def _tool_use(chat: _Chat) -> bool:
+    return bool(chat.tools) or any(
+        m["role"] == "tool" or m.get("tool_calls") or m.get("reasoning_content") for m in chat.messages
+    )
 
 
 def chat_labels(
@@ -130,7 +182,8 @@ def chat_labels(
                     f"the chat template's render of the {name} assistant turn {turn} does not tokenize to a "
                     "prefix of the whole conversation, so assistant tokens cannot be located",
                     "Use a chat template that renders earlier turns identically whatever follows, or set "
-                    "chat_loss=all (assistant_only_loss=false).",
+                    "chat_loss=all (assistant_only_loss=false)."
+                    + (_TOOL_PREFIX_HINT if _tool_use(chat) else ""),
                     "chat template not prefix-stable",
                 )
         end = trim_after_end_of_turn(tokenizer, input_ids, len(before), len(through), special)

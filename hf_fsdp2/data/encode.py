@@ -97,8 +97,10 @@ class BatchTokenizer:
         long_examples: str,
         on_bad_record: str,
         source: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools
         self.dataset_format = dataset_format
         self.max_length = max_length
         self.chat_loss = chat_loss
@@ -189,6 +191,7 @@ class BatchTokenizer:
                     completion_only_loss=self.completion_only_loss,
                     source=self.source,
                     index=index,
+                    tools=self.tools,
                 )
                 record_strings = self._strings(normalised, record, index)
                 items.append(normalised)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2.data.records import SHAREGPT_ROLES, RecordError
+from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools, template_message
 from hf_fsdp2.labels import IGNORE_INDEX
 
 PREFERENCE_COLUMNS = ("chosen", "rejected")
@@ -39,18 +40,36 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping)
 
 
-def _messages(value: list[Any], where: str, column: str) -> list[dict[str, str]]:
+def _messages(value: list[Any], where: str, column: str) -> list[dict[str, Any]]:
+    """Message dicts for the chat template: role and content, plus an assistant's tool calls and reasoning and a
+    tool turn's name and call id (`hf_fsdp2.data.tool_calls.template_message`)."""
     out = []
     for i, m in enumerate(value):
         role = m.get("role", SHAREGPT_ROLES.get(str(m.get("from")), m.get("from")))
         content = m.get("content", m.get("value"))
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        try:
+            message = template_message({k: v for k, v in m.items() if k not in ("from", "value")})
+        except ToolDataError as err:
+            raise RecordError(f"{where}: {column} message {i}: {err}", "bad tool call") from err
+        if message.get("tool_calls") and content is None:
+            content = ""
+        if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
             raise RecordError(
-                f"{where}: {column} message {i} needs a role (system/user/assistant) and text content, got {m!r:.200}",
+                f"{where}: {column} message {i} needs a role (system/user/assistant/tool) and text content, got "
+                f"{m!r:.200}",
                 "bad message",
             )
-        out.append({"role": str(role), "content": content})
+        out.append({**message, "role": str(role), "content": content})
     return out
+
+
+def record_tools(record: Mapping[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """A preference record's ``tools`` (`hf_fsdp2.data.tool_calls.parse_tools`), given to the chat template as
+    TRL 1.16's DPOTrainer does."""
+    try:
+        return parse_tools(record.get("tools"))
+    except ToolDataError as err:
+        raise RecordError(f"{where}: {err}", "bad tools") from err
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -141,21 +160,30 @@ class PreferenceStats:
 
 
 def tokenize_pair(
-    tokenizer: Any, prompt: Any, chosen: Any, rejected: Any, where: str
+    tokenizer: Any,
+    prompt: Any,
+    chosen: Any,
+    rejected: Any,
+    where: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """``(prompt_ids, chosen_ids, rejected_ids)``: the shared prompt and each completion's tokens."""
     prompt_ids, (chosen_ids, rejected_ids) = tokenize_completions(
-        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where, tools
     )
     return prompt_ids, chosen_ids, rejected_ids
 
 
 def tokenize_completions(
-    tokenizer: Any, prompt: Any, completions: Mapping[str, Any], where: str
+    tokenizer: Any,
+    prompt: Any,
+    completions: Mapping[str, Any],
+    where: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[list[int]]]:
     """The prompt's tokens shared by every completion, and each completion's tokens (``completions``: column ->
     value, strings or message lists like the prompt): strings get EOS appended unless they end with it, message
-    lists are rendered with the chat template (the prompt with the generation prompt)."""
+    lists are rendered with the chat template (the prompt with the generation prompt), which receives ``tools``."""
     if all(isinstance(c, str) for c in completions.values()):
         eos = tokenizer.eos_token or ""
         prompt_ids = tokenizer(prompt)["input_ids"]
@@ -169,9 +197,9 @@ def tokenize_completions(
             )
         prompt = _messages(prompt, where, "prompt")
 
-        def render(messages: list[dict[str, str]], generation: bool) -> list[int]:
+        def render(messages: list[dict[str, Any]], generation: bool) -> list[int]:
             out = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation, tokenize=True, return_dict=True
+                messages, tools=tools, add_generation_prompt=generation, tokenize=True, return_dict=True
             )
             return list(out["input_ids"])
 
@@ -259,7 +287,7 @@ def tokenize_pairs(
         where = f"{source} record {index}" if source else f"record {index}"
         try:
             prompt_ids, chosen_ids, rejected_ids = tokenize_pair(
-                tokenizer, *split_prompt(record, where), where
+                tokenizer, *split_prompt(record, where), where, record_tools(record, where)
             )
             _check_distinct(prompt_ids, chosen_ids, rejected_ids, max_length, where)
             margin = _margin(record, where)

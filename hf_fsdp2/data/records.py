@@ -3,7 +3,8 @@ what gets tokenized.
 
 Formats (a column mapping renames other column names first):
 
-* ``messages``: OpenAI chat, a list of ``{"role", "content"}`` turns (system, user, assistant);
+* ``messages``: OpenAI chat, a list of ``{"role", "content"}`` turns (system, user, assistant, tool), with
+  optional ``tools`` schemas, assistant ``tool_calls`` and reasoning (`hf_fsdp2.data.tool_calls`);
 * ``conversations``: ShareGPT, a list of ``{"from", "value"}`` turns (``human``/``gpt``/``system``...);
 * ``prompt_completion``: ``prompt`` and ``completion``, two strings or two lists of chat turns;
 * ``alpaca``: ``instruction``, optional ``input``, ``output`` (and optional ``system``), rendered as a
@@ -20,6 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hf_fsdp2.data.tool_calls import (
+    ASSISTANT_KEYS,
+    TOOL_KEYS,
+    ToolDataError,
+    normalise_tool_calls,
+    parse_tools,
+)
+
 if TYPE_CHECKING:
     pass
 
@@ -28,6 +37,8 @@ DATASET_FORMATS = ("messages", "conversations", "prompt_completion", "alpaca", "
 """Record formats in the order `detect_format` tries them."""
 
 CHAT_ROLES = ("system", "user", "assistant")
+TOOL_CHAT_ROLES = (*CHAT_ROLES, "tool")
+"""Roles of OpenAI-style turns (``messages`` and conversational ``prompt_completion``): a ``tool`` turn is a result."""
 CHAT_LOSSES = ("assistant", "last_assistant", "all")
 """Chat targets: every assistant turn, the last assistant turn only, or every token."""
 LONG_EXAMPLE_POLICIES = ("truncate", "drop", "error")
@@ -138,8 +149,9 @@ def _validated_turns(
     role_key: str,
     content_key: str,
     role_names: Mapping[str, str],
-) -> list[dict[str, str]]:
-    """Check a list of chat turns and return them as ``{"role", "content"}`` dicts (other keys dropped)."""
+) -> list[dict[str, Any]]:
+    """Check a list of chat turns and return them as ``{"role", "content"}`` dicts, with an assistant's tool calls
+    and reasoning and a tool turn's name and call id where given (other keys dropped)."""
     columns = list(record)
     if turns_value is None:
         raise _record_error(
@@ -154,7 +166,7 @@ def _validated_turns(
             _FIX,
             "missing field",
         )
-    turns: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
     for turn_index, message in enumerate(turns_value):
         if not isinstance(message, Mapping):
             raise _record_error(
@@ -168,6 +180,14 @@ def _validated_turns(
             )
         raw_role, content = message.get(role_key), message.get(content_key)
         role = role_names.get(raw_role) if isinstance(raw_role, str) else None
+        try:
+            tool_calls = normalise_tool_calls(message.get("tool_calls")) if role == "assistant" else None
+        except ToolDataError as err:
+            raise _record_error(
+                source, index, columns, f"message {turn_index}: {err}", _FIX, "bad tool call"
+            ) from err
+        if tool_calls and content is None:
+            content = ""  # a turn that only calls tools (OpenAI writes content: null)
         if role is None:
             raise _record_error(
                 source,
@@ -195,7 +215,7 @@ def _validated_turns(
                 "Only text content is supported; flatten multi-part content to a string.",
                 "non-string content",
             )
-        if role == "assistant" and not content.strip():
+        if role == "assistant" and not content.strip() and not tool_calls:
             raise _record_error(
                 source,
                 index,
@@ -204,16 +224,43 @@ def _validated_turns(
                 "Drop the record or the empty turn: it would teach the model to answer with nothing.",
                 "empty assistant turn",
             )
-        # Only role and content are passed on: Arrow fills keys that other records have (name,
-        # tool_calls, ...) with None, and templates test such keys with `is defined`.
-        turns.append({"role": role, "content": content})
+        # Only role, content and the keys of the role's kind that have a value are passed on: Arrow fills keys that
+        # other records have with None, and templates test such keys with `is defined`.
+        turn: dict[str, Any] = {"role": role, "content": content}
+        if tool_calls:
+            turn["tool_calls"] = tool_calls
+        for key in ASSISTANT_KEYS[1:] if role == "assistant" else TOOL_KEYS if role == "tool" else ():
+            value = message.get(key)
+            if isinstance(value, str) and value:
+                turn[key] = value
+        turns.append(turn)
     return turns
 
 
+def _tool_order_problem(turns: list[dict[str, Any]]) -> str:
+    """Where a tool-calling conversation breaks the order user -> assistant; assistant with tool_calls -> one or more
+    tool turns -> assistant ("" when it does not)."""
+    body = turns[1:] if turns[0]["role"] == "system" else turns
+    if body[0]["role"] != "user":
+        return "it must start with a user turn (after an optional system turn)"
+    for previous, turn in zip(body, body[1:], strict=False):
+        calls = previous["role"] == "assistant" and bool(previous.get("tool_calls"))
+        allowed = {"user": ("assistant",), "tool": ("tool", "assistant")}.get(
+            previous["role"], ("tool",) if calls else ("user",)
+        )
+        if turn["role"] not in allowed:
+            after = "an assistant turn with tool_calls" if calls else f"a {previous['role']} turn"
+            return f"{turn['role']} after {after} (expected {' or '.join(allowed)})"
+    if body[-1]["role"] != "assistant":
+        return "it must end with an assistant turn"
+    return ""
+
+
 def _check_role_order(
-    turns: list[dict[str, str]], record: Mapping[str, Any], source: str, index: int
+    turns: list[dict[str, Any]], record: Mapping[str, Any], source: str, index: int
 ) -> None:
-    """Optional system turn, then user and assistant alternating, starting with user, ending with assistant."""
+    """Optional system turn, then user and assistant alternating, starting with user, ending with assistant; an
+    assistant turn with tool_calls is followed by its tool results, then the assistant again."""
     roles = [turn["role"] for turn in turns]
     if "assistant" not in roles:
         raise _record_error(
@@ -224,6 +271,20 @@ def _check_role_order(
             "Every conversation needs at least one assistant turn to learn from; drop the record.",
             "no assistant turn",
         )
+    if "tool" in roles or any(turn.get("tool_calls") for turn in turns):
+        problem = _tool_order_problem(turns)
+        if problem:
+            raise _record_error(
+                source,
+                index,
+                list(record),
+                f"wrong role order {roles}: {problem}; a tool-calling conversation is an optional system turn, then "
+                "user -> assistant, an assistant turn with tool_calls -> its tool turns -> assistant, ending with "
+                "assistant",
+                _FIX,
+                "wrong role order",
+            )
+        return
     body = roles[1:] if roles[0] == "system" else roles
     expected = ["user" if i % 2 == 0 else "assistant" for i in range(len(body))]
     if body != expected or body[-1:] != ["assistant"]:
@@ -240,10 +301,12 @@ def _check_role_order(
 
 @dataclass
 class _Chat:
-    """A conversation and the indices of the assistant turns to train on (None: every token)."""
+    """A conversation, the indices of the assistant turns to train on (None: every token), and the tool schemas the
+    chat template receives (None: no tools)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     trained: list[int] | None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -255,13 +318,24 @@ class _Plain:
     train_prompt: bool
 
 
-def _trained_turns(messages: list[dict[str, str]], chat_loss: str, first: int = 0) -> list[int] | None:
+def _trained_turns(messages: list[dict[str, Any]], chat_loss: str, first: int = 0) -> list[int] | None:
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if chat_loss == "all":
         return None
     if chat_loss == "last_assistant":
         return assistant[-1:]
     return assistant
+
+
+def _record_tools(
+    record: Mapping[str, Any], source: str, index: int, default: list[dict[str, Any]] | None
+) -> list[dict[str, Any]] | None:
+    """The record's ``tools`` (`parse_tools`), else ``default``."""
+    try:
+        tools = parse_tools(record.get("tools"))
+    except ToolDataError as err:
+        raise _record_error(source, index, list(record), str(err), _FIX, "bad tools") from err
+    return tools if tools is not None else default
 
 
 def _normalise_record(
@@ -272,15 +346,17 @@ def _normalise_record(
     completion_only_loss: bool,
     source: str,
     index: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> _Chat | _Plain:
-    """Turn a record of any format into a conversation or a plain prompt/completion (or text)."""
+    """Turn a record of any format into a conversation or a plain prompt/completion (or text); ``tools``: the
+    schemas of a record without its own ``tools`` (`hf_fsdp2.data.tool_calls`)."""
     if dataset_format == "messages":
         turns = _validated_turns(
             record.get("messages"), record, source, index,
-            column="messages", role_key="role", content_key="content", role_names={r: r for r in CHAT_ROLES},
+            column="messages", role_key="role", content_key="content", role_names={r: r for r in TOOL_CHAT_ROLES},
         )  # fmt: skip
         _check_role_order(turns, record, source, index)
-        return _Chat(turns, _trained_turns(turns, chat_loss))
+        return _Chat(turns, _trained_turns(turns, chat_loss), _record_tools(record, source, index, tools))
     if dataset_format == "conversations":
         turns = _validated_turns(
             record.get("conversations"), record, source, index,
@@ -315,7 +391,7 @@ def _normalise_record(
         prompt, completion = record.get("prompt"), record.get("completion")
         if isinstance(prompt, list) or isinstance(completion, list):
             # Conversational prompt/completion (as in TRL): two lists of turns rendered as one chat.
-            names = {r: r for r in CHAT_ROLES}
+            names = {r: r for r in TOOL_CHAT_ROLES}
             prompt_turns = _validated_turns(
                 prompt,
                 record,
@@ -333,7 +409,8 @@ def _normalise_record(
             turns = prompt_turns + completion_turns
             _check_role_order(turns, record, source, index)
             first = len(prompt_turns)
-            return _Chat(turns, _trained_turns(turns, "assistant", first) if completion_only_loss else None)
+            trained = _trained_turns(turns, "assistant", first) if completion_only_loss else None
+            return _Chat(turns, trained, _record_tools(record, source, index, tools))
         prompt_text = _required_string(record, "prompt", source, index)
         completion_text = _required_string(record, "completion", source, index)
         if not completion_text.strip():

@@ -38,9 +38,10 @@ from hf_fsdp2.data.records import (
     LONG_EXAMPLE_POLICIES,
     detect_format,
 )
+from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools
 
 # Bump when tokenization changes, so that caches written by older code are not reused.
-_PIPELINE_VERSION = 2
+_PIPELINE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ def tokenize_dataset(
     on_bad_record: str = "error",
     source: str = "",
     num_proc: int | None = None,
+    tools: list[dict[str, Any]] | str | None = None,
 ) -> tuple[datasets.Dataset, TokenizeStats]:
     """Tokenize records into ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where there is no loss).
 
@@ -134,7 +136,9 @@ def tokenize_dataset(
       ``"last_assistant"`` on the last one only, ``"all"`` on every token. A trained turn includes the
       template's end-of-turn token (e.g. ``<|im_end|>``, which the model must learn to emit) but not
       whitespace the template puts after it. Conversational prompt/completion trains on the assistant
-      turns of the completion (or every token without ``completion_only_loss``).
+      turns of the completion (or every token without ``completion_only_loss``). Tool-calling chats
+      (`hf_fsdp2.data.tool_calls`): the template receives the record's ``tools`` (else ``tools``); assistant
+      ``tool_calls`` are trained like the assistant's text, ``tool`` results are not.
     * ``prompt_completion`` strings: ``[bos] + tokens(prompt) + tokens(completion) + [eos]``, BOS only if
       the tokenizer adds one by default. Prompt and completion are tokenized separately so their
       boundary is a token boundary. With ``completion_only_loss`` only completion and EOS are targets.
@@ -157,6 +161,7 @@ def tokenize_dataset(
         on_bad_record: ``"error"`` raises on the first bad record; ``"skip"`` skips and counts them.
         source: Name of the dataset used in messages (e.g. its path).
         num_proc: Processes for the map (None: this process).
+        tools: Tool schemas (a list or its JSON string) for the chat records without a ``tools`` column value.
 
     Returns:
         The tokenized dataset (columns ``input_ids``, ``labels``, ``length``, ``num_targets``) and its
@@ -189,6 +194,10 @@ def tokenize_dataset(
             f"{source or 'the dataset'} lacks {missing} (columns found: {columns}). Rename the columns with "
             "dataset_column_mapping or set dataset_format='auto'."
         )
+    try:
+        default_tools = parse_tools(tools)
+    except ToolDataError as err:
+        raise ValueError(f"The tools given for {source or 'the dataset'}: {err}.") from err
     function = BatchTokenizer(
         tokenizer,
         dataset_format=dataset_format,
@@ -198,6 +207,7 @@ def tokenize_dataset(
         long_examples=long_examples,
         on_bad_record=on_bad_record,
         source=source,
+        tools=default_tools,
     )
     settings = [
         dataset_format,
@@ -207,6 +217,7 @@ def tokenize_dataset(
         long_examples,
         on_bad_record,
         source,
+        default_tools,
     ]
     fingerprint = Hasher.hash(
         [_PIPELINE_VERSION, dataset._fingerprint, tokenizer_fingerprint(tokenizer), settings]

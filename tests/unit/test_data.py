@@ -511,7 +511,7 @@ GOOD_CHAT = {"messages": SINGLE_TURN, "id": "a"}
             [GOOD_CHAT, {"messages": [{"role": "tool", "content": "{}"}, {"role": "assistant", "content": "x"}],
                          "id": "b"}],
             1,
-            "message 0 has unknown role 'tool'",
+            r"wrong role order \['tool', 'assistant'\]: it must start with a user turn",
         ),
         (
             [GOOD_CHAT, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}],

@@ -12,6 +12,7 @@ from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.sources import parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
+from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools, template_message
 from hf_fsdp2.methods.grpo.batching import generation_stream
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping
 from hf_fsdp2.trainer.data import TrainData
@@ -20,16 +21,30 @@ from hf_fsdp2.trainer.session import Session
 logger = logging.getLogger("hf_fsdp2")
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, where: str, template_kwargs: Mapping[str, Any]) -> list[int]:
+def _prompt_ids(
+    prompt: Any, tokenizer: Any, where: str, template_kwargs: Mapping[str, Any], tools: Any = None
+) -> list[int]:
     """A prompt's ids as TRL 1.16's ``GRPOTrainer._tokenize_prompts`` makes them: a string with the tokenizer's
     special tokens (the BOS of Llama, Gemma, Mistral), a message list through the chat template with the generation
-    prompt and ``chat_template_kwargs`` (the template writes its own BOS)."""
+    prompt and ``chat_template_kwargs`` (the template writes its own BOS). A record's ``tools`` (JSON schemas, or
+    their JSON string) reach the template as TRL's ``tools`` do; tool calls in the prompt are passed in the HF shape
+    (`hf_fsdp2.data.tool_calls.template_message`)."""
     if isinstance(prompt, list):
         if tokenizer.chat_template is None:
             raise ConfigError(f"{where}: the prompt is a message list but the tokenizer has no chat template; give "
                               "chat_template, or plain string prompts")  # fmt: skip
+        try:
+            schemas = parse_tools(tools)
+            messages = [template_message(m) if isinstance(m, Mapping) else m for m in prompt]
+        except ToolDataError as err:
+            raise ConfigError(f"{where}: {err}") from err
+        # A record's tools win over chat_template_kwargs' (which then act as every record's default).
+        kwargs = {
+            **template_kwargs,
+            **({"tools": schemas} if schemas or "tools" not in template_kwargs else {}),
+        }
         out = tokenizer.apply_chat_template(
-            [prompt], add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+            [messages], add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
         )
         return list(out["input_ids"][0])
     if not isinstance(prompt, str) or not prompt:
@@ -74,7 +89,7 @@ def tokenize_prompts(
     for i, record in enumerate(records):
         where = f"{source} record {i}"
         record = _as_prompt_record(dict(record), where)
-        ids = _prompt_ids(record["prompt"], tokenizer, where, chat_template_kwargs or {})
+        ids = _prompt_ids(record["prompt"], tokenizer, where, chat_template_kwargs or {}, record.get("tools"))
         if len(ids) > limit:
             if long_examples == "error":
                 raise ConfigError(f"{where}: the prompt has {len(ids)} tokens, over max_length - max_completion_length"
