@@ -16,6 +16,7 @@ tokens; the trained spans are compared as text, cut from the rendered string by 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +317,22 @@ def test_dpo_pairs_render_tools_and_tool_calls() -> None:
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in tokenizer.decode(
         pair["chosen_ids"]
     )
+
+
+def test_show_data_highlights_the_tool_calls_and_not_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hf_fsdp2 import cli
+
+    tokenizer_for("qwen2_5").save_pretrained(tmp_path / "tok")
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"messages": weather_chat(), "tools": json.dumps(TOOLS)}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
+                      "max_length: 2048\n")  # fmt: skip
+    assert cli.main(["show-data", "--config", str(recipe), "--color", "never"]) == 0
+    shown = capsys.readouterr().out.split("=== ", 1)[1]
+    spans = re.findall(r"\[\[(.*?)\]\]", shown, flags=re.S)
+    assert [s.strip() for s in spans] == [CALL_QWEN, "It is 21 degrees in Paris.<|im_end|>"]
+    assert "<tools>" in shown and '"name": "get_weather", "description"' in shown  # the schemas, untrained
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in shown  # the result, untrained
