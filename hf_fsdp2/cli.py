@@ -13,7 +13,19 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from hf_fsdp2.commands import demo, doctor, export, plan, plot, push, score, show_data, train, vllm_serve
+from hf_fsdp2.commands import (
+    demo,
+    doctor,
+    eval_harness,
+    export,
+    plan,
+    plot,
+    push,
+    score,
+    show_data,
+    train,
+    vllm_serve,
+)
 from hf_fsdp2.commands.common import BadInput, Subparsers, user_error
 from hf_fsdp2.methods import method_names
 from hf_fsdp2.noise import quiet_foreign_noise
@@ -26,6 +38,7 @@ SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     demo.register_eval_task,
     demo.register_eval_preference,
     score.register_score,
+    eval_harness.register_eval_harness,
     export.register_export,
     export.register_merge_adapter,
     push.register_push,

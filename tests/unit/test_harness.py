@@ -1,0 +1,137 @@
+"""hf-fsdp2 eval-harness on tiny models: an export, a LoRA adapter over its base (before/after), a checkpoint exported
+on the fly; lm-eval's numbers against a direct computation with transformers on the same items."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from support.harness import direct_scores, harness_answers, harness_logliks
+from support.tiny import make_tiny_llama_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_fsdp2.cli import main
+from hf_fsdp2.harness.evaluate import evaluate_and_report
+from hf_fsdp2.harness.models import HarnessError
+from hf_fsdp2.harness.report import CARD_BEGIN, update_model_card
+from hf_fsdp2.harness.run import choose_backend
+from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK
+
+pytest.importorskip("lm_eval")
+N = 4  # items per local task
+TASKS = f"{DATES_TASK},{DATES_MC_TASK}"
+
+
+def _direct(folder: Path, adapter: Path | None = None) -> dict:  # type: ignore[type-arg]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return direct_scores(model, tokenizer, N)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("harness") / "base", seed=1)
+
+
+def test_export_folder_numbers_equal_transformers_item_by_item(base: Path, tmp_path: Path) -> None:
+    model = tmp_path / "export"
+    shutil.copytree(base, model)
+    (model / "README.md").write_text("# card\n")
+    report = evaluate_and_report(
+        model, [DATES_TASK, DATES_MC_TASK], local_items=N, log_samples=True, device="cpu"
+    )
+    direct = _direct(base)
+    assert harness_answers(report.after["samples"][DATES_TASK]) == direct["answers"]
+    got = harness_logliks(report.after["samples"][DATES_MC_TASK])
+    assert [x for row in got for x in row] == pytest.approx(
+        [x for row in direct["logliks"] for x in row], abs=1e-4
+    )
+    assert report.after["tasks"][DATES_TASK]["exact_match"] == direct["exact_match"]
+    assert report.after["tasks"][DATES_MC_TASK]["acc"] == direct["acc"]
+    assert report.after["tasks"][DATES_MC_TASK]["n"] == N
+    assert report.after["backend"] == "hf" and "vllm" in report.after["backend_reason"]
+    saved = json.loads((model / "eval_harness.json").read_text())
+    assert saved["after"]["tasks"] == report.after["tasks"] and "samples" not in saved["after"]
+    card = (model / "README.md").read_text()
+    assert card.startswith("# card") and CARD_BEGIN in card and f"| {DATES_MC_TASK} | acc |" in card
+
+
+def test_adapter_over_its_base_with_a_before_after_table(base: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    (adapter / "README.md").write_text("# adapter card\n")
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    status = main(["eval-harness", str(adapter), "--tasks", TASKS, "--base", str(base), "--local-items", str(N),
+                   "--device", "cpu"])  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "| task | metric | before | after | change | items |" in out
+    saved = json.loads((adapter / "eval_harness.json").read_text())
+    after, before = _direct(base, adapter), _direct(base)
+    assert after["logliks"] != before["logliks"]  # the adapter changes the model
+    assert saved["after"]["tasks"][DATES_MC_TASK]["acc"] == after["acc"]
+    assert saved["before"]["tasks"][DATES_MC_TASK]["acc"] == before["acc"]
+    assert saved["after"]["adapter"] == str(adapter) and saved["after"]["base_model"] == str(base)
+    assert "Before: `" in (adapter / "README.md").read_text()
+
+
+def test_checkpoint_is_exported_on_the_fly_and_removed_after(base: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    trained = make_tiny_llama_dir(tmp_path / "trained", seed=5)
+    state = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).state_dict()
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that one process is saving
+        dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    cfg = {"model_name_or_path": str(base), "export_dtype": "float32"}
+    (ckpt / "hf_fsdp2_config.yaml").write_text(yaml.safe_dump(cfg))
+    status = main(
+        ["eval-harness", str(ckpt), "--tasks", DATES_MC_TASK, "--local-items", str(N), "--device", "cpu"]
+    )
+    assert status == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "run" / "eval_harness-checkpoint-3.json").read_text())
+    assert saved["after"]["kind"] == "checkpoint"
+    assert saved["after"]["tasks"][DATES_MC_TASK]["acc"] == _direct(trained)["acc"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "checkpoint-3",
+        "eval_harness-checkpoint-3.json",
+    ]
+
+
+def test_bad_inputs_name_the_value_and_the_fix(base: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["eval-harness", str(base), "--tasks", "no_such_task_xyz", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_task_xyz" in err and "--include-path" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["eval-harness", str(tmp_path / "empty"), "--tasks", DATES_TASK]) == 2
+    assert "is not a model folder" in capsys.readouterr().err
+    with pytest.raises(HarnessError, match="--backend vllm: vllm does not import"):
+        choose_backend("vllm")
+
+
+def test_a_new_card_section_replaces_the_old_one(tmp_path: Path) -> None:
+    card = tmp_path / "README.md"
+    card.write_text("# m\n")
+    update_model_card(card, f"{CARD_BEGIN}\nold\n<!-- /hf_fsdp2:eval-harness -->")
+    update_model_card(card, f"{CARD_BEGIN}\nnew\n<!-- /hf_fsdp2:eval-harness -->")
+    text = card.read_text()
+    assert "new" in text and "old" not in text and text.count(CARD_BEGIN) == 1
+    assert not update_model_card(tmp_path / "none.md", "x")
