@@ -37,6 +37,19 @@ def _fp16(value: Any) -> Any:
     return "fp16" if _as_bool("fp16", value) else SKIP
 
 
+def _optim(value: Any) -> Any:
+    # The Trainer's AdamW spellings are the one AdamW here (torch's, fused on CPU and GPU); muon is hf_fsdp2's key.
+    text = str(value).strip().lower()
+    if text in ("adamw", "adamw_torch", "adamw_torch_fused"):
+        return "adamw"
+    if text == "muon":
+        return "muon"
+    raise ConfigError(
+        f"optim={value!r} has no equivalent here: use adamw (torch AdamW; adamw_torch and adamw_torch_fused mean "
+        "it too) or muon (Muon on the decoder matrices, AdamW on the rest)"
+    )
+
+
 def _one_of(key: str, accepted: Sequence[str], hint: str) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if str(value) in accepted:
@@ -124,15 +137,7 @@ ALIASES: dict[str, Alias] = {
     "resume_from_checkpoint": Alias(
         "resume_from_checkpoint", _resume, "Trainer: true -> latest, false -> none (also over the YAML's)"
     ),
-    "optim": Alias(
-        "learning_rate",
-        _one_of(
-            "optim",
-            ["adamw_torch", "adamw_torch_fused"],
-            "the optimizer is torch AdamW, fused on CPU and GPU",
-        ),
-        "Trainer",
-    ),  # fmt: skip
+    "optim": Alias("optim", _optim, "Trainer: adamw_torch / adamw_torch_fused -> adamw; muon as is"),
     # axolotl
     "base_model": Alias("model_name_or_path", _same, "axolotl"),
     "sequence_len": Alias("max_length", _same, "axolotl"),

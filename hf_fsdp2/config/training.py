@@ -50,6 +50,29 @@ class TrainArgs:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    optim: Literal["adamw", "muon"] = field(
+        default="adamw",
+        metadata={
+            "help": "adamw (torch AdamW on everything) or muon (torch.optim.Muon's update on the decoder layers' 2-D "
+            "matrices, orthogonalised across FSDP2 shards; AdamW on embeddings, head, norms, biases)."
+        },
+    )
+    muon_lr: float | None = field(
+        default=None,
+        metadata={
+            "help": "Muon's peak learning rate; unset: learning_rate (what muon_adjust_lr match_rms_adamw is for)."
+        },
+    )
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum."})
+    muon_nesterov: bool = field(default=True, metadata={"help": "Muon's Nesterov momentum."})
+    muon_ns_steps: int = field(default=5, metadata={"help": "Muon's Newton-Schulz iterations."})
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = field(
+        default="match_rms_adamw",
+        metadata={
+            "help": "Muon's per-matrix lr scale: match_rms_adamw (Moonlight: 0.2 sqrt(max(m, n)), AdamW's lr and "
+            "weight decay carry over) or original (Keller Jordan: sqrt(max(1, m / n)), lr around 0.02)."
+        },
+    )
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = field(
         default="cosine", metadata={"help": "Decay after warmup: cosine, linear or constant."}
     )
@@ -170,6 +193,15 @@ class TrainArgs:
         check(
             0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
             "adam_beta1 and adam_beta2 must be in [0, 1)",
+        )
+        check(
+            self.muon_lr is None or (self.muon_lr > 0 and math.isfinite(self.muon_lr)),
+            f"muon_lr={self.muon_lr} must be > 0 (or unset: learning_rate)",
+        )
+        check(0 <= self.muon_momentum < 1, f"muon_momentum={self.muon_momentum} must be in [0, 1)")
+        check(
+            1 <= self.muon_ns_steps < 100,
+            f"muon_ns_steps={self.muon_ns_steps} must be in [1, 99] (torch: < 100)",
         )
         check(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         check(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")

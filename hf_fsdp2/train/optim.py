@@ -104,18 +104,24 @@ def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -
     return warmup_steps if warmup_steps > 0 else math.ceil(round(warmup_ratio * total_steps, 9))
 
 
-def restore_scheduler(scheduler: LambdaLR, state: dict, peak_lr: float) -> None:
+def restore_scheduler(scheduler: LambdaLR, state: dict, peak_lr: float, muon_lr: float | None = None) -> None:
     """Load a saved schedule position and apply the current run's schedule from it.
 
     The step count comes from the checkpoint; the peak LR and the schedule's shape (total steps,
     warmup, kind) are this run's, so a resumed run that changed ``learning_rate`` or ``max_steps``
     follows its new schedule from the resumed step instead of silently keeping the old one.
+    ``muon_lr``: the peak of an ``optim=muon`` run's Muon group (unset: ``peak_lr``).
     """
     scheduler.load_state_dict(state)
-    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+    scheduler.base_lrs = [
+        muon_lr if muon_lr is not None and group.get("algorithm") == "muon" else peak_lr
+        for group in scheduler.optimizer.param_groups
+    ]
     step = scheduler.last_epoch
-    for group, fn in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["lr"] = peak_lr * fn(step)
+    for group, fn, peak in zip(
+        scheduler.optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+    ):
+        group["lr"] = peak * fn(step)
     # get_last_lr() answers from this private field (LRScheduler sets it in step()); guarded, as it is written
     # (docs/compatibility.md): a scheduler without it would silently log the old rate.
     if not isinstance(getattr(scheduler, "_last_lr", None), list):

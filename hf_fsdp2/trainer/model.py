@@ -36,6 +36,7 @@ from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.parallel.ring import enable_ring_attention
 from hf_fsdp2.parallel.tensor import TensorParallelError, apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
+from hf_fsdp2.train.muon import MuonSettings, build_muon_adamw
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
 from hf_fsdp2.trainer.session import Session
 
@@ -176,13 +177,31 @@ def build_model(
         except TensorParallelError as err:
             raise ConfigError(str(err)) from err
         logger.info("%s", apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"], tp_plan))
-    optimizer: torch.optim.Optimizer = build_adamw(
-        param_groups(model, t.weight_decay),
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_epsilon,
-        device_type=session.device.type,
-    )
+    optimizer: torch.optim.Optimizer
+    # optim=muon: Muon on the decoder layers' matrices (orthogonalised across the shards), AdamW on the rest.
+    if t.optim == "muon":
+        if collectives.tp_size() > 1:
+            raise ConfigError(
+                f"optim=muon with tp_size={collectives.tp_size()}: Muon orthogonalises whole matrices gathered from "
+                "FSDP2's row blocks, and tensor parallel splits them along another dimension too; use optim=adamw "
+                "with tensor parallel, or tp_size=1"
+            )
+        muon = MuonSettings(t.muon_lr or t.learning_rate, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
+                            t.muon_adjust_lr, t.weight_decay)  # fmt: skip
+        optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,
+                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                            device_type=session.device.type)  # fmt: skip
+        logger.info("%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s", split.describe(),
+                    muon.lr, muon.momentum, " (Nesterov)" if muon.nesterov else "", muon.ns_steps,
+                    muon.adjust_lr)  # fmt: skip
+    else:
+        optimizer = build_adamw(
+            param_groups(model, t.weight_decay),
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            device_type=session.device.type,
+        )
     if t.use_liger_kernel:
         apply_liger_kernels(model)
         logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")

@@ -179,7 +179,7 @@ class RunState:
                 "to resume exactly, or start a new run",
                 path.name, "; ".join(changed[:5]), state.epoch, state.batches_in_epoch,
             )  # fmt: skip
-        restore_scheduler(self.scheduler, state.scheduler, t.learning_rate)
+        restore_scheduler(self.scheduler, state.scheduler, t.learning_rate, t.muon_lr)
         self.first_step, self.last_saved = state.step + 1, state.step
         # The data position in examples of the epoch; with another world size or batch size the same
         # number of examples is skipped, in the new layout (see docs: resume on a different world size).
