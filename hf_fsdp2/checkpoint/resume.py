@@ -44,6 +44,7 @@ MUST_MATCH = (
     "use_peft",
     "dataset_mixture",
     "dataset_column_mapping",
+    "dataset_tools",
     "dataset_revision",
     "chat_loss",
     "long_examples",

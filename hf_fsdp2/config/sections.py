@@ -94,6 +94,13 @@ class DataArgs:
         default_factory=list,
         metadata={"help": "Rename columns before format detection: 'question=prompt,answer=completion'."},
     )
+    dataset_tools: str | None = field(
+        default=None,
+        metadata={
+            "help": "Tool schemas the chat template receives for every chat record without its own 'tools': a JSON "
+            "list, or the path of a .json file holding one (docs/sft.md, tool-calling data)."
+        },
+    )
     dataset_num_proc: int | None = field(
         default=None,
         metadata={"help": "Processes that tokenize (datasets.map num_proc); the result is cached."},

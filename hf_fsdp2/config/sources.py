@@ -18,6 +18,7 @@ CANONICAL_COLUMNS = (
     "output",
     "system",
     "text",
+    "tools",
 )
 """Column names a ``dataset_column_mapping`` may map to."""
 

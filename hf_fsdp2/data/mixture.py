@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.tokenize import TokenizeStats, tokenize_dataset
+from hf_fsdp2.data.tool_calls import read_tools_option
 from hf_fsdp2.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def build_sft_datasets(
     long_examples: str = "truncate",
     on_bad_record: str = "error",
     num_proc: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
     eval_source: DataSource | None = None,
     eval_split_fraction: float = 0.0,
     load: Callable[[DataSource], datasets.Dataset] = load_source,
@@ -111,6 +113,7 @@ def build_sft_datasets(
         dataset_format, chat_loss, completion_only_loss, long_examples, on_bad_record, num_proc: As in
             `tokenize_dataset`; the same for every source.
         column_mapping: Column renames applied to every source (see `apply_column_mapping`).
+        tools: Tool schemas for the chat records without their own (``dataset_tools``).
         eval_source: A separate eval source (its weight is ignored), or None.
         eval_split_fraction: Fraction of the training examples held out for eval, in ``[0, 1)``.
         load: How a source is read (tests replace it).
@@ -149,6 +152,7 @@ def build_sft_datasets(
             on_bad_record=on_bad_record,
             source=source.describe(),
             num_proc=num_proc,
+            tools=tools,
         )
         if bad_lines:  # lines that were not records at all: skipped before tokenizing, counted here
             skipped = dict(stats.skipped)
@@ -236,6 +240,7 @@ def build_sft_datasets_from_config(
         long_examples=d.long_examples,
         on_bad_record=d.on_bad_record,
         num_proc=d.dataset_num_proc,
+        tools=read_tools_option(d.dataset_tools),
         eval_source=parse_source(d.eval_dataset_name, split=d.eval_dataset_split)
         if d.eval_dataset_name
         else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # Keys of a message passed on to the chat template besides role and content, by role. Others are dropped: Arrow fills
@@ -192,3 +193,26 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
         out["tool_calls"] = calls
         out.setdefault("content", "")
     return out
+
+
+def read_tools_option(value: str | None) -> list[dict[str, Any]] | None:
+    """The recipe's ``dataset_tools``: a JSON list of schemas, or the path of a ``.json`` file holding one.
+
+    Raises:
+        ValueError: A missing file, or text that is not a JSON list of schema dicts; names the key and the value.
+    """
+    if value is None or not value.strip():
+        return None
+    text = value
+    if not value.lstrip().startswith(("[", "{")):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"dataset_tools={value!r} is neither a JSON list of tool schemas nor an existing .json file; give "
+                "one of them."
+            )
+        text = path.read_text()
+    try:
+        return parse_tools(text)
+    except ToolDataError as err:
+        raise ValueError(f"dataset_tools={value:.120}: {err}.") from err

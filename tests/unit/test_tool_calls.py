@@ -336,3 +336,33 @@ def test_show_data_highlights_the_tool_calls_and_not_the_results(
     assert [s.strip() for s in spans] == [CALL_QWEN, "It is 21 degrees in Paris.<|im_end|>"]
     assert "<tools>" in shown and '"name": "get_weather", "description"' in shown  # the schemas, untrained
     assert '<tool_response>\n{"temp": 21}\n</tool_response>' in shown  # the result, untrained
+
+
+def test_dataset_tools_gives_every_record_without_its_own_the_schemas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recipe key ``dataset_tools`` (a JSON list or a .json file): the records without tools get them; a record's
+    own tools win; a bad value is one error line naming the key."""
+    from hf_fsdp2 import cli
+
+    tokenizer = tokenizer_for("qwen2_5")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    search = {"type": "function", "function": {"name": "search_web", "parameters": {"type": "object"}}}
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"messages": weather_chat()}) + "\n"
+                    + json.dumps({"messages": weather_chat(), "tools": json.dumps([search, *TOOLS])}) + "\n")  # fmt: skip
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
+                      "max_length: 2048\n")  # fmt: skip
+    argv = ["show-data", "--config", str(recipe), "--color", "never", "--tokens"]
+    for tools in (str(tmp_path / "tools.json"), json.dumps(TOOLS)):
+        assert cli.main([*argv, "--dataset_tools", tools]) == 0
+        first, second = capsys.readouterr().out.split("=== ")[1:3]
+        ids = [int(line.split()[2]) for line in first.splitlines() if re.match(r"^\s+\d+ [T.]\s", line)]
+        expected = tokenizer.apply_chat_template(weather_chat({"city": "Paris"}), tools=TOOLS, tokenize=True,
+                                                 return_dict=True)["input_ids"]  # fmt: skip
+        assert ids == list(expected)
+        assert "search_web" not in first and "search_web" in second
+    assert cli.main([*argv, "--dataset_tools", str(tmp_path / "missing.json")]) == 2
+    assert "dataset_tools=" in capsys.readouterr().err
