@@ -27,6 +27,7 @@ from hf_fsdp2.data.pairs import (
     PreferenceCollator,
     PreferenceStats,
     length_fate,
+    record_tools,
     split_prompt,
     tokenize_completions,
 )
@@ -49,7 +50,7 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
         for index in range(start, min(start + UNPAIR_BLOCK, len(records))):
             where = f"{source} record {index}" if source else f"record {index}"
             try:
-                block.append((where, *split_prompt(records[index], where)))
+                block.append((where, *split_prompt(records[index], where), records[index].get("tools")))
             except RecordError as err:
                 block.append((where, err))
         for label, position in ((True, 2), (False, 3)):
@@ -59,8 +60,9 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
                         out.append({"where": item[0], "error": item[1]})
                     continue
                 out.append(
-                    {"prompt": item[1], "completion": item[position], "label": label, "where": item[0]}
-                )
+                    {"prompt": item[1], "completion": item[position], "label": label, "where": item[0],
+                     "tools": item[4]}
+                )  # fmt: skip
     return out
 
 
@@ -125,7 +127,7 @@ def tokenize_unpaired(
                 raise item["error"]
             prompt, completion, label = check_record(item, where)
             prompt_ids, (completion_ids,) = tokenize_completions(
-                tokenizer, prompt, {"completion": completion}, where
+                tokenizer, prompt, {"completion": completion}, where, record_tools(item, where)
             )
             if not completion_ids:
                 raise RecordError(f"{where}: the completion has no token of its own", "empty completion")

@@ -29,6 +29,7 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.pairs import tokenize_pairs
 from hf_fsdp2.data.records import RecordError
 from hf_fsdp2.data.tokenize import tokenize_dataset
+from hf_fsdp2.data.unpaired import tokenize_unpaired
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.grpo.data import tokenize_prompts
 
@@ -366,3 +367,16 @@ def test_dataset_tools_gives_every_record_without_its_own_the_schemas(
         assert "search_web" not in first and "search_web" in second
     assert cli.main([*argv, "--dataset_tools", str(tmp_path / "missing.json")]) == 2
     assert "dataset_tools=" in capsys.readouterr().err
+
+
+def test_kto_records_and_pairs_unpaired_render_their_tools() -> None:
+    tokenizer = tokenizer_for("qwen2_5")
+    chat = weather_chat()
+    expected = tokenizer.apply_chat_template(weather_chat({"city": "Paris"})[:4], tools=TOOLS, tokenize=True,
+                                             add_generation_prompt=True, return_dict=True)["input_ids"]  # fmt: skip
+    unpaired = {"prompt": chat[:4], "completion": [chat[4]], "label": True, "tools": json.dumps(TOOLS)}
+    pair = {"prompt": chat[:4], "chosen": [chat[4]], "rejected": [{"role": "assistant", "content": "No."}],
+            "tools": TOOLS}  # fmt: skip
+    for records in ([unpaired], [pair]):
+        examples, _ = tokenize_unpaired(records, tokenizer, max_length=4096)
+        assert all(e["prompt_ids"] == list(expected) for e in examples), records
