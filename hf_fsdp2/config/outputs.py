@@ -41,6 +41,16 @@ class ExportArgs:
         default=None,
         metadata={"help": "Largest probe-logit difference accepted; default by dtype (docs/export.md)."},
     )
+    eval_harness_tasks: str | None = field(
+        default=None,
+        metadata={
+            "help": "After the verified export, rank 0 runs lm-evaluation-harness on it for these comma-separated "
+            "tasks (hf-fsdp2 eval-harness; pip install 'hf_fsdp2[eval]'): eval_harness.json and the model card."
+        },
+    )
+    eval_harness_limit: int | None = field(
+        default=None, metadata={"help": "First N items of each eval_harness_tasks task; default all."}
+    )
     push_to_hub: bool = field(
         default=False,
         metadata={"help": "Upload the export (with metrics and resolved config) to hub_model_id."},
@@ -80,6 +90,18 @@ class ExportArgs:
         check(
             self.export_verify_atol is None or self.export_verify_atol > 0,
             f"export_verify_atol={self.export_verify_atol} must be > 0 (or unset for the default by dtype)",
+        )
+        if self.eval_harness_tasks:  # said before training, not after it
+            import importlib.util
+
+            check(
+                importlib.util.find_spec("lm_eval") is not None,
+                f"eval_harness_tasks={self.eval_harness_tasks!r} needs lm-evaluation-harness, which is not installed; "
+                "pip install 'hf_fsdp2[eval]' (the lm-eval package), or unset eval_harness_tasks",
+            )
+        check(
+            self.eval_harness_limit is None or self.eval_harness_limit > 0,
+            f"eval_harness_limit={self.eval_harness_limit} must be > 0 (or unset for every item)",
         )
         for key, on in (
             ("push_to_hub", self.push_to_hub),

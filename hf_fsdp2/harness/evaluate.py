@@ -3,6 +3,7 @@ card. The command, a recipe's ``eval_harness_tasks`` and the demo call it."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from hf_fsdp2.harness.report import (
     write_results,
 )
 from hf_fsdp2.harness.run import require_lm_eval, run_harness
+
+logger = logging.getLogger("hf_fsdp2")
 
 
 @dataclass
@@ -110,3 +113,33 @@ def evaluate_and_report(
     return HarnessReport(
         after=after, before=before, results_path=results, card=card, table=results_table(after, before)
     )
+
+
+def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None) -> HarnessReport | None:
+    """A recipe's ``eval_harness_tasks``: the harness on the run's verified export (rank 0, once the other ranks are
+    released). A failure is logged with the command that reruns it, and never touches the export.
+
+    Args:
+        folder: the run's export folder (``output_dir``; a LoRA run's adapter is evaluated over its base).
+        tasks: comma-separated lm-eval task names.
+        limit: items per task (None: all).
+
+    Returns:
+        The report, or None when the evaluation failed.
+    """
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    rerun = f"hf-fsdp2 eval-harness {folder} --tasks {','.join(names)}" + (
+        f" --limit {limit}" if limit else ""
+    )
+    try:
+        report = evaluate_and_report(folder, names, limit=limit)
+    except Exception as err:  # whatever it was: the export is complete and verified, and stays as it is
+        logger.error(
+            "eval_harness_tasks: the evaluation failed (%s: %s); the export in %s is complete and unchanged. "
+            "Rerun the evaluation with: %s", type(err).__name__, err, folder, rerun,
+        )  # fmt: skip
+        return None
+    for line in report.table:
+        logger.info("eval-harness %s", line)
+    logger.info("eval-harness results: %s", report.results_path)
+    return report

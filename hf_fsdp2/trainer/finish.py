@@ -1,4 +1,5 @@
-"""The end of a run: the verified export (full model, or LoRA adapter and merge), the summary, the push.
+"""The end of a run: the verified export (full model, or LoRA adapter and merge), the summary, the benchmarks
+(``eval_harness_tasks``, rank 0), the push.
 
 A failure of the export (a rejected verification, a full disk, a bug) never loses the run: the final state is
 first saved as a sharded checkpoint (every rank: export failures are raised on every rank), and the error
@@ -23,6 +24,7 @@ from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder
 from hf_fsdp2.export.writer import export_model
+from hf_fsdp2.harness.evaluate import evaluate_after_export
 from hf_fsdp2.lora.adapter import LoraError
 from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import auto_class_name
@@ -163,6 +165,8 @@ def finish(
             "resume), stopping cleanly",
             last_step, " and was verified" if e.export_verify else "", session.output_dir, skipped,
         )  # fmt: skip
+    if session.is_main and e.eval_harness_tasks and not stopped:  # rank 0 alone: the others are released
+        evaluate_after_export(session.output_dir, e.eval_harness_tasks, limit=e.eval_harness_limit)
     if session.is_main and e.push_to_hub and e.hub_model_id and not stopped:
         push_folder(
             session.output_dir,

@@ -135,3 +135,42 @@ def test_a_new_card_section_replaces_the_old_one(tmp_path: Path) -> None:
     text = card.read_text()
     assert "new" in text and "old" not in text and text.count(CARD_BEGIN) == 1
     assert not update_model_card(tmp_path / "none.md", "x")
+
+
+def test_a_recipes_eval_harness_tasks_run_on_its_export_and_a_failure_keeps_it(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_fsdp2.harness.evaluate import evaluate_after_export
+
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    report = evaluate_after_export(run, f" {DATES_MC_TASK} ,", limit=2)
+    assert report is not None and report.after["tasks"][DATES_MC_TASK]["n"] == 2
+    assert (run / "eval_harness.json").is_file()
+    files = sorted(p.name for p in run.iterdir())
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA out of memory")  # a crash in the middle of lm-eval
+
+    monkeypatch.setattr("hf_fsdp2.harness.evaluate.run_harness", crash)
+    with caplog.at_level("ERROR", logger="hf_fsdp2"):
+        assert evaluate_after_export(run, DATES_MC_TASK, limit=2) is None
+    assert "RuntimeError: CUDA out of memory" in caplog.text and "the export in" in caplog.text
+    assert f"hf-fsdp2 eval-harness {run} --tasks {DATES_MC_TASK} --limit 2" in caplog.text
+    assert sorted(p.name for p in run.iterdir()) == files
+
+
+def test_eval_harness_keys_are_checked_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from hf_fsdp2.config import ConfigError
+    from hf_fsdp2.config.outputs import ExportArgs
+
+    with pytest.raises(ConfigError, match="eval_harness_limit=0 must be > 0"):
+        ExportArgs(eval_harness_limit=0).validate(save_steps=0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "lm_eval" else real(n, *a))
+    with pytest.raises(
+        ConfigError, match=r"needs lm-evaluation-harness, which is not installed; pip install"
+    ):
+        ExportArgs(eval_harness_tasks="arc_easy").validate(save_steps=0)
