@@ -11,7 +11,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 # mixed_precision values -> the dtype FSDP2 computes in (None: the parameters' own dtype).
-MIXED_PRECISION: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+# fp8: bf16 for everything torchao's float8 does not convert (hf_fsdp2.parallel.float8).
+MIXED_PRECISION: dict[str, torch.dtype | None] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "no": None,
+    "fp8": torch.bfloat16,
+}
 
 
 def dtype_named(name: str, key: str = "dtype", allowed: tuple[str, ...] | None = None) -> torch.dtype:

@@ -26,7 +26,7 @@ from transformers import HfArgumentParser
 from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.peft import PeftArgs
-from hf_fsdp2.config.plans import ConfigError, check
+from hf_fsdp2.config.plans import ConfigError, check, check_float8_combination
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
 from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 
@@ -65,6 +65,11 @@ class Config:
         self.observe.validate(has_eval=d.has_eval())
         if self.method is not None and hasattr(self.method, "validate"):
             self.method.validate()
+        if t.mixed_precision == "fp8":
+            check_float8_combination(
+                load_in_4bit=p.load_in_4bit, use_peft=p.use_peft, tp_size=f.tp_size or 1,
+                ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
+            )  # fmt: skip
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
             compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)
             check(

@@ -14,6 +14,7 @@ from hf_fsdp2.config.plans import (
     ACPlan,
     CompilePlan,
     ConfigError,
+    Float8Plan,
     MeshPlan,
     ShardingPlan,
     check,
@@ -125,8 +126,24 @@ class TrainArgs:
         default=None,
         metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."},
     )
-    mixed_precision: Literal["bf16", "fp16", "no"] = field(
-        default="bf16", metadata={"help": "Compute dtype; wins over the accelerate config file's value."}
+    mixed_precision: Literal["bf16", "fp16", "no", "fp8"] = field(
+        default="bf16",
+        metadata={
+            "help": "Compute dtype; wins over the accelerate config file's value. fp8: the decoder layers' linears "
+            "in torchao float8 (Ada/Hopper GPUs), the rest bf16."
+        },
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = field(
+        default="tensorwise",
+        metadata={"help": "torchao float8 scaling: tensorwise (float8 all-gather) or rowwise (accurate)."},
+    )
+    fp8_all_gather: bool | None = field(
+        default=None,
+        metadata={"help": "FSDP2 all-gathers float8 weights (tensorwise only); unset: on with tensorwise."},
+    )
+    fp8_emulate: bool = field(
+        default=False,
+        metadata={"help": "Emulate the float8 rounding without FP8 hardware (CPU, older GPUs): slow; tests."},
     )
     ce_chunk_tokens: int = field(
         default=1024,
@@ -222,11 +239,22 @@ class TrainArgs:
         check(
             self.save_total_limit >= 0, f"save_total_limit={self.save_total_limit} must be >= 0 (0 keeps all)"
         )
+        if self.mixed_precision == "fp8":
+            self.float8_plan()  # recipe and all-gather agree
         if self.mixed_precision == "fp16":
             raise ConfigError(
                 "mixed_precision='fp16' needs a gradient scaler that FSDP2 training here does not use; "
                 "use 'bf16' (GPUs since Ampere) or 'no' (fp32)"
             )
+
+    def float8_plan(self) -> Float8Plan:
+        """The FP8 settings (``mixed_precision=fp8``); an unset ``fp8_all_gather`` is on with tensorwise scaling.
+
+        Raises:
+            ConfigError: ``fp8_all_gather=true`` with rowwise scaling.
+        """
+        gather = self.fp8_all_gather if self.fp8_all_gather is not None else self.fp8_recipe == "tensorwise"
+        return Float8Plan(self.fp8_recipe, self.fp8_emulate, gather)
 
 
 @dataclass
@@ -336,7 +364,7 @@ class FSDPArgs:
         return "full" if self.gradient_checkpointing else "none"
 
     def resolve_ram_efficient_loading(
-        self, local_world: int, *, resize_embeddings: bool, load_in_4bit: bool = False
+        self, local_world: int, *, resize_embeddings: bool, load_in_4bit: bool = False, float8: bool = False
     ) -> str:
         """Set an unset ``fsdp_cpu_ram_efficient_loading`` for this launch; returns the line for the log.
 
@@ -350,6 +378,7 @@ class FSDPArgs:
             local_world: processes on this node (``LOCAL_WORLD_SIZE``; 1 without a launcher).
             resize_embeddings: ``resize_token_embeddings``.
             load_in_4bit: ``load_in_4bit``: each rank quantises the weights itself, so each loads them.
+            float8: ``mixed_precision=fp8``: each rank converts its linears before sharding, so each loads them.
 
         Raises:
             ConfigError: ``fsdp_cpu_ram_efficient_loading=true`` with ``load_in_4bit``.
@@ -365,6 +394,9 @@ class FSDPArgs:
             return f"{key}=false (load_in_4bit=true: each rank loads the weights and quantises them)"
         if self.fsdp_cpu_ram_efficient_loading is not None:
             return f"{key}={str(self.fsdp_cpu_ram_efficient_loading).lower()} (set by the recipe)"
+        if float8:  # true is refused with fp8 (config.plans.check_float8_combination)
+            self.fsdp_cpu_ram_efficient_loading = False
+            return f"{key}=false (mixed_precision=fp8: every rank loads the weights before torchao converts them)"
         if resize_embeddings:
             self.fsdp_cpu_ram_efficient_loading = False
             return f"{key}=false (default: resize_token_embeddings=true needs every rank's weights)"

@@ -16,6 +16,7 @@ from hf_fsdp2.dtypes import dtype_named
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.files import file_names, is_supported, nbytes, plan_files
 from hf_fsdp2.export.naming import CheckpointLayout, checkpoint_layout, split_local_experts, tied_targets
+from hf_fsdp2.parallel.float8 import without_float8_wrapper
 
 EXPORT_DTYPES = ("bfloat16", "float32", "float16")
 
@@ -92,7 +93,12 @@ def make_plan(model: torch.nn.Module, dtype: str, max_shard_bytes: int) -> Expor
             cannot write shard by shard.
         ValueError: an unknown ``dtype``.
     """
-    raw = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    # FP8 runs: the master weights without torchao's float8-cast wrapper (the export is never float8).
+    raw = {
+        k: without_float8_wrapper(v)
+        for k, v in get_model_state_dict(model).items()
+        if isinstance(v, torch.Tensor)
+    }
     skip = tied_targets(model)
     raw = {k: v for k, v in raw.items() if k not in skip}
     if not raw:

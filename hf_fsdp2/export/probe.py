@@ -28,7 +28,19 @@ def reference_dtype(compute_dtype: torch.dtype) -> torch.dtype | None:
     return torch.float32 if compute_dtype in (torch.bfloat16, torch.float16) else None
 
 
-def probe_limit(compute_dtype: torch.dtype, logit_scale: float, noise: float = 0.0) -> float:
+# mixed_precision=fp8: the live model's decoder-layer matmuls round their operands to e4m3 (unit roundoff 2^-4),
+# the reload computes them in the compute dtype (bf16: 2^-8); the live side's rounding is that ratio larger.
+FLOAT8_NOISE_RATIO = 2.0**-4 / 2.0**-8
+
+
+def live_float8(model: torch.nn.Module) -> bool:
+    """True when the live model computes linears in float8 (torchao's ``Float8Linear``: ``mixed_precision=fp8``)."""
+    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def probe_limit(
+    compute_dtype: torch.dtype, logit_scale: float, noise: float = 0.0, *, float8: bool = False
+) -> float:
     """The largest probe-logit difference accepted when the reload uses the live model's rounded weights
     and compute dtype: only kernels differ (another device, another summation order, another attention
     kernel).
@@ -49,12 +61,14 @@ def probe_limit(compute_dtype: torch.dtype, logit_scale: float, noise: float = 0
         compute_dtype: the dtype both sides compute in.
         logit_scale: the largest live logit magnitude.
         noise: the reload's measured rounding noise (0: not measured).
+        float8: the live model computes in float8 (:func:`live_float8`): the noise term is ``FLOAT8_NOISE_RATIO``
+            times larger (its floor stays: the exact checks 1-3 still compare every byte).
 
     Returns:
         The limit (absolute).
     """
     rel = 1e-3 if compute_dtype in (torch.float32, torch.float64) else 5e-2
-    return max(rel * max(1.0, logit_scale), NOISE_MARGIN * noise)
+    return max(rel * max(1.0, logit_scale), NOISE_MARGIN * noise * (FLOAT8_NOISE_RATIO if float8 else 1.0))
 
 
 def _units(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -46,6 +46,7 @@ from hf_fsdp2.export.naming import tied_targets
 from hf_fsdp2.export.plan import ExportPlan, export_config, first_replica, make_plan
 from hf_fsdp2.export.probe import (
     compute_dtype_of,
+    live_float8,
     live_logits,
     probe_ids,
     probe_limit,
@@ -322,7 +323,9 @@ def verify_export(
         }
         found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
         if atol is None and "noise" in found:
-            found["atol"] = probe_limit(compute, report.logit_scale, found["noise"])
+            found["atol"] = probe_limit(
+                compute, report.logit_scale, found["noise"], float8=live_float8(model)
+            )
         found["reload_problems"], found["max_diff"] = _compare_reload(
             found, model, live, found.get("atol", report.atol)
         )

@@ -191,6 +191,9 @@ def build_accelerator(
         state_dict_type="SHARDED_STATE_DICT",
     )
     dynamo = TorchDynamoPlugin(backend="no")
+    # fp8: hf_fsdp2.parallel.float8 converts the decoder layers itself (accelerate's torchao path would convert every
+    # linear but the first and last, after AC and compile); the Accelerator's dtype is that of everything else.
+    mixed_precision = "bf16" if mixed_precision == "fp8" else mixed_precision
     timeout = timedelta(seconds=timeout_s)
     # The mesh is the recipe's (resolved from its keys or the launcher's, checked against the world size):
     # Accelerate must not build another one from the launcher's variables behind it.

@@ -32,6 +32,12 @@ from hf_fsdp2.model import (
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
 from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
 from hf_fsdp2.parallel.context import ContextParallelError, enable_context_parallel
+from hf_fsdp2.parallel.float8 import (
+    check_float8_hardware,
+    convert_float8,
+    finish_float8,
+    warn_without_compile,
+)
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.parallel.ring import enable_ring_attention
 from hf_fsdp2.parallel.tensor import TensorParallelError, apply_tensor_parallel, tp_plan_for
@@ -84,6 +90,11 @@ def build_model(
     """
     cfg, accelerator = session.cfg, session.accelerator
     m, d, t, f, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.observe
+    fp8 = t.float8_plan() if t.mixed_precision == "fp8" else None
+    if fp8 is not None:  # no FP8 hardware: refused (unless emulated) before any weight is read
+        for line in filter(None, (check_float8_hardware(fp8, session.device),
+                                  warn_without_compile(session.compile_plan.enabled))):  # fmt: skip
+            logger.warning("%s", line)
     # The kernel of the layout the data builder chose (the same decision; its flex/flash refusals come before
     # any weight is read, for DPO too). padding_free is resolved by now: no probe, nothing logged twice.
     attention = choose_attention_layout(
@@ -154,6 +165,9 @@ def build_model(
     if no_dropout:
         logger.info("dropout disabled: %d non-zero dropout rates set to 0", disable_dropout(model))
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
+    # FP8: torchao's Float8Linear in the decoder layers, before the optimizer holds the weights
+    if fp8 is not None:
+        logger.info("%s", convert_float8(model, layer_cls, fp8).describe(fp8))
     n_total, n_trainable = count_parameters(model)
     logger.info(
         "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
@@ -227,6 +241,8 @@ def build_model(
     model, optimizer = prepare_fsdp2(
         accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan
     )
+    if fp8 is not None:
+        logger.info("%s", finish_float8(model, optimizer, fp8, session.device))
     for name, (units, params) in sharded_units(model).items():
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
     if cfg.peft.load_in_4bit:

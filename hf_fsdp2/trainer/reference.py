@@ -55,7 +55,7 @@ def load_reference(
     cfg = session.cfg
     m, f = cfg.model, cfg.fsdp
     path = ref_model_name_or_path or m.model_name_or_path or ""
-    dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else m.torch_dtype
+    dtype = "bfloat16" if cfg.train.mixed_precision in ("bf16", "fp8") else m.torch_dtype
     model = load_model(
         path,
         dtype=dtype,

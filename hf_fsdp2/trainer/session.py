@@ -114,6 +114,7 @@ class Session:
             local_world_size(),
             resize_embeddings=m.resize_token_embeddings,
             load_in_4bit=cfg.peft.load_in_4bit,
+            float8=t.mixed_precision == "fp8",
         )
         sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
         # The device mesh: its sizes against the world size and the model, before the process group exists.
@@ -252,4 +253,4 @@ class Session:
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the model computes in under the run's mixed precision (None: its weights' dtype)."""
-        return torch.bfloat16 if self.cfg.train.mixed_precision == "bf16" else None
+        return torch.bfloat16 if self.cfg.train.mixed_precision in ("bf16", "fp8") else None

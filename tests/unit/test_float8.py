@@ -1,0 +1,190 @@
+"""``mixed_precision: fp8`` without processes: the e4m3/e5m2 bounds of one emulated float8 linear (forward and both
+gradients), what is converted and what stays bf16, the refusals (hardware, QLoRA, LoRA, TP, rank-0 loading,
+rowwise all-gather), the export's unwrapping and the verification's float8 probe limit.
+
+The bound of a float8 cast (derivation in tests/distributed/test_float8.py): a tensorwise-scaled cast to a format
+with m mantissa bits, largest value F and half-subnormal spacing h moves each element by at most
+``u |t| + amax(t) h / F`` with u = 2^-(m+1): e4m3 u = 2^-4, F = 448, h = 2^-10; e5m2 u = 2^-3, F = 57344, h = 2^-17.
+A product of cast operands then differs from the exact one by at most ``e(a)|b| + |a|e(b) + e(a)e(b)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.parse import parse_config
+from hf_fsdp2.config.plans import Float8Plan, check_float8_combination
+from hf_fsdp2.config.training import FSDPArgs, TrainArgs
+from hf_fsdp2.export.probe import FLOAT8_NOISE_RATIO, NOISE_MARGIN, live_float8, probe_limit
+from hf_fsdp2.parallel.float8 import (
+    check_float8_hardware,
+    convert_float8,
+    fp8_hardware_problem,
+    plan_float8,
+    warn_without_compile,
+    without_float8_wrapper,
+)
+
+E4M3 = (2.0**-4 + 2.0**-23, 448.0, 2.0**-10)
+E5M2 = (2.0**-3 + 2.0**-23, 57344.0, 2.0**-17)
+
+
+def cast_error(t: torch.Tensor, fmt: tuple[float, float, float]) -> torch.Tensor:
+    u, top, half_sub = fmt
+    return u * t.abs() + float(t.abs().max()) / top * half_sub
+
+
+def product_error(a: torch.Tensor, fa: tuple, b: torch.Tensor, fb: tuple) -> torch.Tensor:
+    """Elementwise bound of |a^ @ b^ - a @ b| for a cast to fa and b cast to fb."""
+    ea, eb = cast_error(a, fa), cast_error(b, fb)
+    return ea @ b.abs() + a.abs() @ eb + ea @ eb
+
+
+class Block(torch.nn.Module):
+    """A decoder-layer stand-in: attention-like linears, a router, a 24-wide linear and a LoRA-like adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(64, 64, bias=False)
+        self.up_proj = torch.nn.Linear(64, 128, bias=False)
+        self.gate = torch.nn.Linear(64, 16, bias=False)  # a MoE router: stays bf16
+        self.odd_proj = torch.nn.Linear(64, 24, bias=False)  # 24 is not a multiple of 16
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(64, 16, bias=False)})
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 64)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.lm_head = torch.nn.Linear(64, 10, bias=False)
+
+
+def test_one_float8_linear_forward_and_gradients_within_the_e4m3_e5m2_bounds() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    exact = torch.nn.Linear(64, 32, bias=False)
+    exact.weight.data.copy_(model[0].weight.data)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([model])
+
+    wrap = Wrap()
+    report = convert_float8(wrap, ["Sequential"], Float8Plan(emulate=True, all_gather=False))
+    assert report.converted == ["layers.0.0"]
+    x = torch.randn(8, 64) * torch.logspace(-3, 1, 64)  # values across decades: subnormal and normal ranges
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(8, 32) * 1e-3
+    y = model(x1)
+    y.backward(g)
+    y_exact = exact(x2)
+    y_exact.backward(g)
+    w = exact.weight.detach()
+    # forward: input and weight in e4m3
+    fwd = product_error(x, E4M3, w.T, E4M3)
+    assert ((y.detach() - y_exact.detach()).abs() <= fwd).all()
+    # grad of the input: grad_output in e5m2, weight in e4m3
+    gin = product_error(g, E5M2, w, E4M3)
+    diff_in = (x1.grad - x2.grad).abs()
+    assert (diff_in <= gin).all()
+    # the rounding is there (an fp32 backward would be ~1e-6 of the bound)
+    assert float((diff_in / gin).max()) > 0.01
+    # grad of the weight: grad_output in e5m2, input in e4m3
+    gw = product_error(g.T, E5M2, x, E4M3)
+    diff_w = (model[0].weight.grad - exact.weight.grad).abs()
+    assert (diff_w <= gw).all()
+    assert float((diff_w / gw).max()) > 0.01
+
+
+def test_plan_converts_decoder_linears_only() -> None:
+    report = plan_float8(Tiny(), ["Block"])
+    assert report.converted == [f"layers.{i}.{n}" for i in range(2) for n in ("q_proj", "up_proj")]
+    assert report.kept == [f"layers.{i}.{n}" for i in range(2) for n in ("gate", "lora_A.default")]
+    assert report.shape_skipped == [(f"layers.{i}.odd_proj", (24, 64)) for i in range(2)]
+    assert report.float8_params == 2 * (64 * 64 + 128 * 64)
+    text = report.describe(Float8Plan(emulate=True))
+    assert "layers.0.odd_proj (24, 64)" in text and "multiples of 16" in text
+
+
+def test_convert_swaps_only_the_planned_linears() -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = Tiny()
+    convert_float8(model, ["Block"], Float8Plan(emulate=True))
+    assert isinstance(model.layers[0].q_proj, Float8Linear)
+    for kept in (
+        model.layers[0].gate,
+        model.layers[0].odd_proj,
+        model.layers[0].lora_A["default"],
+        model.lm_head,
+    ):
+        assert type(kept) is torch.nn.Linear
+    assert live_float8(model) and not live_float8(Tiny())
+    # the export reads the plain master weight under torchao's float8-cast wrapper (same storage)
+    weight = model.layers[0].q_proj.weight
+    assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    plain = without_float8_wrapper(weight)
+    assert "float8" not in type(plain).__name__.lower() and plain.data_ptr() == weight._tensor.data_ptr()
+    other = torch.ones(3)
+    assert without_float8_wrapper(other) is other
+
+
+def test_nothing_convertible_is_refused() -> None:
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(24, 24))])
+    with pytest.raises(ConfigError, match="no decoder-layer linear.*multiples of 16"):
+        convert_float8(model, ["Sequential"], Float8Plan(emulate=True))
+
+
+def test_hardware_refusals() -> None:
+    assert "no FP8 matmul hardware on cpu" in str(fp8_hardware_problem("cpu", None))
+    assert "compute capability 8.0" in str(fp8_hardware_problem("cuda", (8, 0), "NVIDIA A100"))
+    assert fp8_hardware_problem("cuda", (9, 0), "NVIDIA H100") is None
+    assert fp8_hardware_problem("cuda", (8, 9), "NVIDIA L4") is None
+    with pytest.raises(
+        ConfigError, match="mixed_precision=fp8: no FP8 matmul hardware on cpu.*fp8_emulate=true"
+    ):
+        check_float8_hardware(Float8Plan(), torch.device("cpu"))
+    assert "emulates" in str(check_float8_hardware(Float8Plan(emulate=True), torch.device("cpu")))
+    assert "torch_compile=true" in str(warn_without_compile(False))
+    assert warn_without_compile(True) is None
+
+
+def test_config_keys_and_refusals() -> None:
+    assert TrainArgs(mixed_precision="fp8").float8_plan() == Float8Plan("tensorwise", False, True)
+    assert TrainArgs(mixed_precision="fp8", fp8_recipe="rowwise").float8_plan().all_gather is False
+    with pytest.raises(ConfigError, match="fp8_all_gather=true with fp8_recipe=rowwise.*tensorwise"):
+        TrainArgs(output_dir="o", mixed_precision="fp8", fp8_recipe="rowwise", fp8_all_gather=True).validate()
+    refusals = {
+        "load_in_4bit=true \\(QLoRA\\)": {"load_in_4bit": True},
+        "use_peft=true \\(LoRA\\)": {"use_peft": True},
+        "tp_size=2": {"tp_size": 2},
+        "fsdp_cpu_ram_efficient_loading=true": {"ram_efficient_loading": True},
+    }
+    base = {"load_in_4bit": False, "use_peft": False, "tp_size": 1, "ram_efficient_loading": None}
+    for message, change in refusals.items():
+        with pytest.raises(ConfigError, match=f"mixed_precision=fp8 with {message}.*(use|set) "):
+            check_float8_combination(**{**base, **change})
+    check_float8_combination(**base)
+    # rank-0-only loading: unset is resolved off under fp8 (every rank converts its own copy)
+    f = FSDPArgs()
+    assert "mixed_precision=fp8" in f.resolve_ram_efficient_loading(8, resize_embeddings=False, float8=True)
+    assert f.fsdp_cpu_ram_efficient_loading is False
+
+
+def test_parse_refuses_lora_with_fp8(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "o"),
+            "--mixed_precision", "fp8", "--use_peft", "true"]  # fmt: skip
+    with pytest.raises(ConfigError, match="use_peft=true \\(LoRA\\) is not supported"):
+        parse_config(argv)
+
+
+def test_probe_limit_allows_the_live_float8_rounding() -> None:
+    noise = 0.01
+    assert probe_limit(torch.bfloat16, 1.0, noise) == pytest.approx(max(0.05, NOISE_MARGIN * noise))
+    assert probe_limit(torch.bfloat16, 1.0, noise, float8=True) == pytest.approx(NOISE_MARGIN * noise * 16)
+    assert FLOAT8_NOISE_RATIO == 16.0  # e4m3's unit roundoff 2^-4 over bf16's 2^-8
