@@ -103,7 +103,8 @@ def split_params(model: torch.nn.Module, layer_cls: Iterable[str]) -> ParamSplit
     names = set(layer_cls)
     in_layers: set[int] = set()
     for module in model.modules():
-        if type(module).__name__ in names:
+        # The class or a base: fully_shard swaps a module's class for an FSDP subclass (FSDPLlamaDecoderLayer).
+        if any(cls.__name__ in names for cls in type(module).__mro__):
             in_layers.update(id(p) for p in module.parameters())
     muon: list[tuple[str, torch.nn.Parameter]] = []
     decay: list[tuple[str, torch.nn.Parameter]] = []

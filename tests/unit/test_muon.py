@@ -85,6 +85,13 @@ def test_split_muon_takes_decoder_matrices_only() -> None:
     assert "Muon on 4 decoder-layer matrices" in split.describe()
 
 
+def test_split_finds_the_layers_after_fully_shard_renamed_their_class() -> None:
+    model = Tiny()
+    for layer in model.layers:  # as fully_shard does: a subclass named FSDP<name>
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    assert len(split_params(model, ["Block"]).muon) == 4
+
+
 @pytest.mark.parametrize(
     "settings",
     [
