@@ -24,6 +24,7 @@ import datasets
 import pytest
 import trl
 from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
+from trl.data_utils import _tokenize as trl_tokenize
 
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.pairs import tokenize_pairs
@@ -135,6 +136,8 @@ def test_real_templates_train_the_calls_and_answers_not_the_tool_results(name: s
     example = tokenize([{"messages": messages, "tools": json.dumps(TOOLS)}], tokenizer)[0]
     template_messages = weather_chat({"city": "Paris"}, reasoning=reasoning)  # the HF shape: dict arguments
     texts = trained_texts(tokenizer, template_messages, example, TOOLS)
+    # The ids are those TRL 1.16's SFTTrainer tokenizes for these messages and tools (its tokenize_fn's call).
+    assert example["input_ids"] == list(trl_tokenize(tokenizer, template_messages, tools=TOOLS)["input_ids"])
     if name == "mistral_v3":  # [TOOL_CALLS] is the call's first token: trained, a special token of its own
         assert texts[0].startswith("[TOOL_CALLS]")
         texts[0] = texts[0].removeprefix("[TOOL_CALLS]")
