@@ -366,7 +366,8 @@ def _normalise_record(
         if isinstance(system, str) and system.strip() and turns[0]["role"] != "system":
             turns.insert(0, {"role": "system", "content": system})
         _check_role_order(turns, record, source, index)
-        return _Chat(turns, _trained_turns(turns, chat_loss))
+        # ShareGPT has no tool roles, but its system prompt may describe tools the template should list.
+        return _Chat(turns, _trained_turns(turns, chat_loss), _record_tools(record, source, index, tools))
     if dataset_format == "alpaca":
         instruction = _required_string(record, "instruction", source, index)
         output = _required_string(record, "output", source, index)

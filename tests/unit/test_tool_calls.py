@@ -383,3 +383,11 @@ def test_kto_records_and_pairs_unpaired_render_their_tools() -> None:
     for records in ([unpaired], [pair]):
         examples, _ = tokenize_unpaired(records, tokenizer, max_length=4096)
         assert all(e["prompt_ids"] == list(expected) for e in examples), records
+
+
+def test_sharegpt_records_pass_their_tools_to_the_template() -> None:
+    tokenizer = tokenizer_for("qwen2_5")
+    turns = [{"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": "Sunny."}]
+    example = tokenize([{"conversations": turns, "tools": TOOLS}], tokenizer)[0]
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]
+    assert trained_texts(tokenizer, messages, example, TOOLS) == ["Sunny.<|im_end|>"]
