@@ -46,8 +46,16 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   link
   exit 0
 fi
-start=$(date +%s)
 mkdir -p "$CACHE"
+# Two set-ups at once (two clones, or a test run beside a demo) must not build into one folder together: the second
+# waits for the first, then finds the stamp.
+exec 9> "$BUILT.lock"
+flock 9
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  link
+  exit 0
+fi
+start=$(date +%s)
 rm -rf "$BUILT"  # a build that stopped half-way has no stamp: start it again
 "$PY" -m venv "$BUILT"
 VENV_LINK=$VENV
