@@ -206,7 +206,7 @@ def test_positional_value_without_key_is_an_error() -> None:
 
 BAD_CHOICES = [
     ("lr_scheduler_type", "cosin"),
-    ("mixed_precision", "fp8"),
+    ("mixed_precision", "fp4"),
     ("torch_dtype", "float64"),
     ("export_dtype", "int8"),
     ("dataset_format", "chat"),
