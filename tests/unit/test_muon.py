@@ -200,3 +200,59 @@ def test_resumed_schedule_keeps_each_groups_peak() -> None:
     fresh = _ours(Tiny(), MuonSettings(lr=0.02))
     restore_scheduler(build_scheduler(fresh, "cosine", 0, 10), sched.state_dict(), 3e-3, 0.02)
     assert [g["lr"] for g in fresh.param_groups] == want and want[-1] > want[0]
+
+
+@pytest.mark.parametrize("name", ["sft", "cpt", "dpo", "kto", "rm", "grpo"])
+def test_every_method_reads_optim_muon_and_its_keys(name: str) -> None:
+    """Every method builds its optimizer in trainer/model.py::build_model from these keys: none refuses them."""
+    from hf_fsdp2.methods import method_names, parse_method_config
+
+    assert name in method_names()
+    argv = ["--model_name_or_path", "org/m", "--dataset_name", "d.jsonl", "--output_dir", "out", "--optim", "muon",
+            "--muon_lr", "0.01", "--muon_momentum", "0.9", "--muon_nesterov", "false", "--muon_ns_steps", "4",
+            "--muon_adjust_lr", "original"]  # fmt: skip
+    t = parse_method_config(name, argv).train
+    assert (t.optim, t.muon_lr, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr) == (
+        "muon",
+        0.01,
+        0.9,
+        False,
+        4,
+        "original",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optim", "sgd"], "optim='sgd' has no equivalent here"),
+        (["--optim", "muon", "--muon_momentum", "1.0"], "muon_momentum=1.0 must be in [0, 1)"),
+        (["--optim", "muon", "--muon_ns_steps", "0"], "muon_ns_steps=0 must be in [1, 99]"),
+        (["--optim", "muon", "--muon_lr", "-1"], "muon_lr=-1.0 must be > 0"),
+    ],
+)
+def test_bad_muon_values_are_refused_with_the_key(argv: list[str], message: str) -> None:
+    import re
+
+    from hf_fsdp2.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(
+            ["--model_name_or_path", "org/m", "--dataset_name", "d.jsonl", "--output_dir", "out", *argv]
+        )
+
+
+def test_reward_score_head_and_lora_split() -> None:
+    """A reward model's score head is AdamW's; under LoRA only the adapters' matrices train, all on Muon."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1)  # fmt: skip
+    rm = LlamaForSequenceClassification(config)
+    split = split_params(rm, ["LlamaDecoderLayer"])
+    assert len(split.muon) == 14 and "score.weight" in [n for n, _ in split.adamw_decay]
+    lora = get_peft_model(rm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+    split = split_params(lora, ["LlamaDecoderLayer"])
+    assert len(split.muon) == 8 and all(".lora_" in n for n, _ in split.muon)
+    assert [n for n, _ in split.adamw_decay] == ["base_model.model.score.modules_to_save.default.weight"]
