@@ -77,6 +77,8 @@ class PlanSettings:
             gradients are kept between them).
         sync_each_microbatch: ``fsdp_sync_each_microbatch``.
         trust_remote_code: ``trust_remote_code``.
+        fp8_all_gather: under ``mixed_precision=fp8``, FSDP2 all-gathers the float8 linears' weights in float8
+            (``fp8_all_gather``; 1 byte per element instead of the compute dtype's).
     """
 
     world_size: int = 1
@@ -102,6 +104,7 @@ class PlanSettings:
     gradient_accumulation_steps: int = 1
     sync_each_microbatch: bool = True
     trust_remote_code: bool = False
+    fp8_all_gather: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -258,4 +261,5 @@ class PlanSettings:
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             sync_each_microbatch=f.fsdp_sync_each_microbatch,
             trust_remote_code=m.trust_remote_code,
+            fp8_all_gather=t.float8_plan().all_gather if t.mixed_precision == "fp8" else True,
         )

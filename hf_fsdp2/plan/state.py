@@ -5,6 +5,7 @@ state as FSDP2 splits them (:func:`state_bytes`), the ``fully_shard`` units Acce
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,17 +80,73 @@ class Unit:
     reshard_after_forward: bool
 
 
-def _gathered_bytes(param: torch.Tensor, settings: PlanSettings) -> int:
+def _gathered_bytes(param: torch.Tensor, settings: PlanSettings, float8: frozenset[int] = frozenset()) -> int:
     """Bytes of one parameter unsharded by the all-gather: in the compute dtype (padded rows included); an NF4
-    weight gathers its 4-bit codes, scales and scale factors (torchao's all-gather hooks) and dequantises per use."""
+    weight gathers its 4-bit codes, scales and scale factors (torchao's all-gather hooks) and dequantises per use;
+    a float8 linear's weight (``float8``: their ids) 1 byte per element under ``fp8_all_gather``."""
     if is_nf4(param):
         return nf4_bytes(param)
     compute = settings.compute_dtype
     padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, 0)[1]
-    return (
-        padded * settings.shard_size * _row_numel(param)
-        * (compute.itemsize if compute is not None else param.element_size())
-    )  # fmt: skip
+    itemsize = 1 if id(param) in float8 else compute.itemsize if compute is not None else param.element_size()
+    return padded * settings.shard_size * _row_numel(param) * itemsize
+
+
+def float8_weight_ids(model: torch.nn.Module, settings: PlanSettings) -> frozenset[int]:
+    """Ids of the weights FSDP2 all-gathers as float8: the linears ``mixed_precision=fp8`` converts
+    (:func:`hf_fsdp2.parallel.float8.plan_float8`) under ``fp8_all_gather``; empty otherwise."""
+    from hf_fsdp2.parallel.float8 import plan_float8
+
+    if settings.mixed_precision != "fp8" or not settings.fp8_all_gather:
+        return frozenset()
+    report = plan_float8(model, layer_classes(model, settings))
+    return frozenset(id(model.get_submodule(name).weight) for name in report.converted)
+
+
+@dataclass(frozen=True)
+class Float8Traffic:
+    """``mixed_precision=fp8``: the float8 weight copies and what FSDP2's all-gathers carry per optimizer step.
+
+    Attributes:
+        linears: decoder-layer linears in float8.
+        weights: their weight elements (each has a float8 copy per matmul: 1 byte per element).
+        gathers_per_step: all-gathers of each decoder layer per micro-batch (2 with reshard_after_forward:
+            forward and backward), times the micro-batches.
+        bf16_bytes: bytes one rank receives for those weights per step with a bf16 all-gather.
+        fp8_bytes: the same with ``fp8_all_gather`` (equal to ``bf16_bytes`` without it).
+    """
+
+    linears: int
+    weights: int
+    gathers_per_step: int
+    bf16_bytes: int
+    fp8_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.bf16_bytes - self.fp8_bytes
+
+    def describe(self, human: Any) -> str:
+        return (
+            f"FP8: {self.linears} decoder-layer linears in float8, {self.weights / 1e6:.1f}M weights (a float8 copy "
+            f"of each: {human(self.weights)} when gathered); all-gather per step and rank {human(self.fp8_bytes)} "
+            f"instead of {human(self.bf16_bytes)} in bf16 (saves {human(self.saved_bytes)})"
+        )
+
+
+def float8_traffic(model: torch.nn.Module, settings: PlanSettings) -> Float8Traffic | None:
+    """The float8 counts of a ``mixed_precision=fp8`` run (None for other runs). A rank receives (shards - 1) /
+    shards of each gathered weight (its own shard it has)."""
+    from hf_fsdp2.parallel.float8 import plan_float8
+
+    if settings.mixed_precision != "fp8":
+        return None
+    report = plan_float8(model, layer_classes(model, settings))
+    gathers = (2 if settings.reshard_after_forward else 1) * settings.gradient_accumulation_steps
+    shards = settings.shard_size
+    received = report.float8_params * (shards - 1) // shards * gathers
+    return Float8Traffic(len(report.converted), report.float8_params, gathers, 2 * received,
+                         received if settings.fp8_all_gather else 2 * received)  # fmt: skip
 
 
 def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
@@ -102,6 +159,7 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
 
     seen: set[int] = set()
     units: list[Unit] = []
+    float8 = float8_weight_ids(model, settings)
 
     def add(name: str, modules: list[torch.nn.Module], reshard: bool) -> bool:
         params = []
@@ -117,7 +175,7 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
                 name=name,
                 numel=sum(p.numel() for p in params),
                 trainable_numel=sum(p.numel() for p in params if p.requires_grad),
-                gathered_bytes=sum(_gathered_bytes(p, settings) for p in params),
+                gathered_bytes=sum(_gathered_bytes(p, settings, float8) for p in params),
                 reshard_after_forward=reshard,
             )
         )

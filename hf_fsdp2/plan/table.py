@@ -11,7 +11,14 @@ from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
 from hf_fsdp2.plan.context import ContextPlan, context_plan
 from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
 from hf_fsdp2.plan.settings import GIB, MIB, PlanSettings
-from hf_fsdp2.plan.state import Unit, fsdp_buffer_bytes, fsdp_units, state_bytes
+from hf_fsdp2.plan.state import (
+    Float8Traffic,
+    Unit,
+    float8_traffic,
+    fsdp_buffer_bytes,
+    fsdp_units,
+    state_bytes,
+)
 
 if TYPE_CHECKING:
     from hf_fsdp2.attention_layout import AttentionLayout
@@ -32,6 +39,7 @@ class MemoryPlan:
     units: list[Unit]
     layout: AttentionLayout | None = None
     context: ContextPlan | None = None  # cp_size > 1: the all-to-all's per-layer shapes
+    float8: Float8Traffic | None = None  # mixed_precision=fp8: float8 weights and all-gather bytes
 
     def rank_total(self, rank: int) -> dict[str, int]:
         """Every item of one rank, its peak included."""
@@ -104,6 +112,7 @@ class MemoryPlan:
             "peak": self.peak,
             "ranks": [self.rank_total(r) for r in range(len(self.per_rank))],
             "units": [dataclasses.asdict(u) for u in self.units],
+            "float8": dataclasses.asdict(self.float8) if self.float8 is not None else None,
         }
 
 
@@ -135,6 +144,7 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
         units=units,
         layout=layout,
         context=context,
+        float8=float8_traffic(model, settings),
     )
 
 
@@ -197,6 +207,8 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     if plan.context is not None:
         lines.insert(1, plan.context.describe(human_bytes))
+    if plan.float8 is not None:
+        lines.insert(1, plan.float8.describe(human_bytes))
     for key, label in ROWS:
         lines.append(f"{label:<36} {human_bytes(items[key]):>11}  {notes[key]}".rstrip())
     spread = [plan.rank_total(r)["peak"] for r in range(len(plan.per_rank))]

@@ -188,3 +188,43 @@ def test_probe_limit_allows_the_live_float8_rounding() -> None:
     assert probe_limit(torch.bfloat16, 1.0, noise) == pytest.approx(max(0.05, NOISE_MARGIN * noise))
     assert probe_limit(torch.bfloat16, 1.0, noise, float8=True) == pytest.approx(NOISE_MARGIN * noise * 16)
     assert FLOAT8_NOISE_RATIO == 16.0  # e4m3's unit roundoff 2^-4 over bf16's 2^-8
+
+
+def test_memory_plan_counts_float8_weights_and_all_gather_savings() -> None:
+    import transformers
+
+    from hf_fsdp2.plan import PlanSettings, plan_memory
+    from hf_fsdp2.plan.table import format_plan
+
+    hidden, inter, layers, kv = 256, 512, 3, 2  # head_dim 64: q/o 256x256, k/v 128x256
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=inter,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv)  # fmt: skip
+    per_layer = 2 * hidden * hidden + 2 * 128 * hidden + 3 * hidden * inter
+    norms = 2 * hidden
+    base = {
+        "world_size": 4,
+        "micro_batch": 1,
+        "seq_len": 32,
+        "device_type": "cpu",
+        "gradient_accumulation_steps": 2,
+    }
+    bf16 = plan_memory(config, PlanSettings(**base, mixed_precision="bf16"))
+    fp8 = plan_memory(config, PlanSettings(**base, mixed_precision="fp8"))
+    assert bf16.float8 is None and fp8.float8 is not None
+    f = fp8.float8
+    assert (f.linears, f.weights) == (7 * layers, layers * per_layer)
+    assert (
+        f.gathers_per_step == 2 * 2
+    )  # forward + backward re-gather (reshard_after_forward), 2 micro-batches
+    received = layers * per_layer * 3 // 4 * 4  # 3/4 of each weight comes from the other ranks, 4 gathers
+    assert (f.bf16_bytes, f.fp8_bytes, f.saved_bytes) == (2 * received, received, received)
+    # each decoder-layer unit gathers its float8 weights at 1 byte and its norms in bf16
+    layer_units = [u for u in fp8.units if u.name not in ("embedding", "tail", "root")]
+    assert [u.gathered_bytes for u in layer_units] == [per_layer + 2 * norms] * layers
+    assert [u.gathered_bytes for u in bf16.units if u.name == layer_units[0].name] == [
+        2 * per_layer + 2 * norms
+    ]
+    assert "21 decoder-layer linears in float8" in format_plan(fp8)
+    # without fp8_all_gather the all-gather is bf16: no saving
+    plain = plan_memory(config, PlanSettings(**base, mixed_precision="fp8", fp8_all_gather=False)).float8
+    assert plain is not None and plain.saved_bytes == 0
