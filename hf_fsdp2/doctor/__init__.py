@@ -111,6 +111,7 @@ def _recipe_findings(
         context_parallel_findings,
         data_findings,
         disk_findings,
+        float8_findings,
         hub_findings,
         memory_findings,
         output_findings,
@@ -136,6 +137,7 @@ def _recipe_findings(
                                   device="cuda" if on_gpu else "cpu")  # fmt: skip
     out += found
     out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
+    out += float8_findings(cfg, on_gpu)
     out += wrap_findings(model_config, settings, cfg)
     out += disk_findings(cfg, plan)
     out += output_findings(cfg)

@@ -297,3 +297,26 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
         + f"; {recipes}"
     )
     return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]
+
+
+def float8_findings(cfg: Config, on_gpu: bool) -> list[Finding]:
+    """``mixed_precision=fp8`` before a run: refused without FP8 hardware unless ``fp8_emulate`` (the run's own check
+    and message), a warning when emulated or not compiled; nothing for other runs."""
+    import torch
+
+    from hf_fsdp2.parallel.float8 import check_float8_hardware, warn_without_compile
+
+    t = cfg.train
+    if t.mixed_precision != "fp8":
+        return []
+    plan = t.float8_plan()
+    value = f"{plan.recipe}, all-gather {'float8' if plan.all_gather else 'bf16'}"
+    try:
+        emulated = check_float8_hardware(plan, torch.device("cuda" if on_gpu else "cpu"))
+    except ConfigError as err:
+        return [Finding("error", "fp8", value, str(err))]
+    out = [Finding("warning", "fp8", value, emulated)] if emulated else []
+    slow = warn_without_compile(cfg.fsdp.compile_plan(on_gpu=on_gpu).enabled)
+    if slow:
+        out.append(Finding("warning", "fp8 compile", str(cfg.fsdp.torch_compile).lower(), slow))
+    return out or [Finding("ok", "fp8", value, "FP8 hardware; decoder-layer linears in float8, compiled")]

@@ -228,3 +228,17 @@ def test_memory_plan_counts_float8_weights_and_all_gather_savings() -> None:
     # without fp8_all_gather the all-gather is bf16: no saving
     plain = plan_memory(config, PlanSettings(**base, mixed_precision="fp8", fp8_all_gather=False)).float8
     assert plain is not None and plain.saved_bytes == 0
+
+
+def test_doctor_says_the_same_before_a_run() -> None:
+    from hf_fsdp2.doctor.recipe import float8_findings
+
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
+    assert float8_findings(parse_config(argv), on_gpu=False) == []
+    refused = float8_findings(parse_config([*argv, "--mixed_precision", "fp8"]), on_gpu=False)
+    assert [f.level for f in refused] == ["error"]
+    assert "no FP8 matmul hardware on cpu" in refused[0].message and "fp8_emulate=true" in refused[0].message
+    emulated = float8_findings(
+        parse_config([*argv, "--mixed_precision", "fp8", "--fp8_emulate", "true"]), False
+    )
+    assert [(f.check, f.level) for f in emulated] == [("fp8", "warning"), ("fp8 compile", "warning")]
