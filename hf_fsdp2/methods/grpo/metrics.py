@@ -63,6 +63,7 @@ class GrpoStepOutput:
     table: list[dict[str, Any]] | None = None  # log_completions (rank 0): the rows since the last logged step
     table_limit: int | None = None  # num_completions_to_print
     table_sink: Callable[[list[dict[str, Any]]], None] | None = None  # the trackers' table (objective)
+    timing: Callable[[torch.device], dict[str, float]] | None = None  # rollout/* (timing.py; issue 42 item 9)
 
     @property
     def loss_count(self) -> int:
@@ -121,6 +122,8 @@ class GrpoStepOutput:
             reward_metrics(self.functions, self.device)
         )  # every rank: the functions' log_metric values
         out.update(self.roll.sampling)
+        if self.timing is not None:  # every rank: the rollout's seconds and tokens since the last log
+            out.update(self.timing(self.device))
         if (
             self.table is not None
         ):  # rank 0, with log_completions: written to metrics.jsonl (trackers: objective)

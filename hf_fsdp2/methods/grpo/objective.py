@@ -29,6 +29,7 @@ from hf_fsdp2.methods.grpo.rewards import (
 )
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, stop_token_ids
 from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
+from hf_fsdp2.methods.grpo.timing import TimedGenerator
 from hf_fsdp2.methods.grpo.vllm_client import build_vllm_generator
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.method import Objective, StepFn
@@ -194,7 +195,7 @@ def _build_grpo(
         model.module,
         optimizer,
         scheduler,
-        generator=generator,
+        generator=TimedGenerator(generator),  # issue 42 item 9: rollout/* metrics (eval not counted)
         functions=functions,
         tokenizer=tokenizer,
         reference=reference,

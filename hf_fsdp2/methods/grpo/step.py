@@ -333,7 +333,8 @@ class GrpoStepper:
         return GrpoStepOutput(loss_sum, 1, tokens, processed, grad_norm, lr, stats.cpu(), self.roll,
                               [f.name for f in self.functions], s.grpo.beta, device, self.functions,
                               [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows],
-                              table, s.num_completions_to_print, self.table_sink)  # fmt: skip
+                              table, s.num_completions_to_print, self.table_sink,
+                              getattr(self.generator, "rollout_metrics", None))  # fmt: skip
 
     def _normaliser(self, roll: Rollout) -> float:
         """What a micro-batch's numerator is divided by (TRL's per loss type, over every rank)."""

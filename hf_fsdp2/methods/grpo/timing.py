@@ -1,0 +1,75 @@
+"""The rollout's own clock (issue 42 item 9): :class:`TimedGenerator` wraps a generation backend (the
+:class:`~.rollout.Generator` protocol) and counts the seconds spent in its ``generate`` calls and the completion tokens
+they returned, so a run logs generation tokens/s beside the meter's step time and training tokens/s, for
+transformers' ``generate`` and for the vLLM server alike. The vLLM client's weight sync (sent inside the first
+``generate`` after an update) is counted apart, so generation tokens/s is the sampling speed of each backend."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hf_fsdp2 import collectives
+
+ROLLOUT_METRICS = (
+    "rollout/generate_s",
+    "rollout/weight_sync_s",
+    "rollout/completion_tokens",
+    "rollout/tokens_per_s",
+)
+"""What :meth:`TimedGenerator.rollout_metrics` logs, for the steps since the last logged one: the seconds spent generating
+(the slowest rank's, the weight sync left out), the seconds spent sending weights to a vLLM server (0 without one),
+the completion tokens sampled on every rank, and their ratio (generation tokens/s of the whole run)."""
+
+
+class TimedGenerator:
+    """``inner`` with a clock around ``generate``; every other attribute is ``inner``'s (``eos_ids``,
+    ``take_logps``, ``correction``, ``describe``...), so the stepper sees the same backend."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds, self.tokens, self.calls = 0.0, 0, 0
+        self._sync_seen = self._sync_total()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this wrapper does not define: the backend's own attributes.
+        if name == "inner":  # not yet set (copy/pickle build the object without __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _sync_total(self) -> float:
+        """The backend's weight-sync seconds so far (VllmGenerator.sync_seconds; 0 for transformers)."""
+        return float(getattr(self.inner, "sync_seconds", 0.0))
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
+    ) -> list[list[int]]:
+        """The backend's completions, timed; their tokens counted."""
+        start = time.perf_counter()
+        out = self.inner.generate(prompts, seed=seed, greedy=greedy)
+        self.seconds += time.perf_counter() - start
+        self.tokens += sum(len(c) for c in out)
+        self.calls += 1
+        return list(out)
+
+    def rollout_metrics(self, device: torch.device) -> dict[str, float]:
+        """:data:`ROLLOUT_METRICS` since the last call, then the counters start again (collective: every rank calls
+        it, as the step's other metrics). Ranks generate side by side, so the run's rollout time is the slowest
+        rank's and its tokens are every rank's. ``device``: where the backend's collectives take tensors."""
+        sync = self._sync_total() - self._sync_seen
+        generating = max(self.seconds - sync, 0.0)
+        count = torch.tensor([float(self.tokens)], dtype=torch.float64, device=device)
+        tokens = float(collectives.all_reduce_sum(count).item())
+        wall, sync_wall = collectives.all_reduce_max([generating, sync])
+        self.seconds, self.tokens, self.calls = 0.0, 0, 0
+        self._sync_seen = self._sync_total()
+        return {
+            "rollout/generate_s": wall,
+            "rollout/weight_sync_s": sync_wall,
+            "rollout/completion_tokens": tokens,
+            "rollout/tokens_per_s": tokens / wall if wall > 0 else math.nan,
+        }
