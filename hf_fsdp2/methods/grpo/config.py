@@ -47,7 +47,8 @@ class GrpoArgs:
     disable_dropout: bool = field(
         default=True,
         metadata={
-            "help": "Set every dropout of the policy and reference to 0 (TRL's default), so log-probs are exact."
+            "help": "Set every dropout of the policy and reference to 0, so log-probs are exact (TRL 1.16's default "
+            "is false: docs/grpo.md, defaults that differ)."
         },
     )
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
