@@ -3,8 +3,12 @@ card. The command, a recipe's ``eval_harness_tasks`` and the demo call it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,9 +119,17 @@ def evaluate_and_report(
     )
 
 
-def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None) -> HarnessReport | None:
-    """A recipe's ``eval_harness_tasks``: the harness on the run's verified export (rank 0, once the other ranks are
-    released). A failure is logged with the command that reruns it, and never touches the export.
+# The launcher's and accelerate's variables: without them the evaluation is one plain process (lm-eval would otherwise
+# build an Accelerator for the run's world size and wait for ranks that have ended).
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_")
+
+
+def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None) -> dict[str, Any] | None:
+    """A recipe's ``eval_harness_tasks``: ``hf-fsdp2 eval-harness`` on the run's verified export (rank 0, once the
+    other ranks are released), in a process of its own without the launcher's environment. A failure is logged with
+    the command that reruns it, and never touches the export.
 
     Args:
         folder: the run's export folder (``output_dir``; a LoRA run's adapter is evaluated over its base).
@@ -125,21 +137,34 @@ def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None)
         limit: items per task (None: all).
 
     Returns:
-        The report, or None when the evaluation failed.
+        The command's JSON line (``results``, ``model_card``, ``tasks``), or None when the evaluation failed.
     """
     names = [t.strip() for t in tasks.split(",") if t.strip()]
-    rerun = f"hf-fsdp2 eval-harness {folder} --tasks {','.join(names)}" + (
-        f" --limit {limit}" if limit else ""
+    argv = [
+        "eval-harness",
+        str(folder),
+        "--tasks",
+        ",".join(names),
+        *(["--limit", str(limit)] if limit else []),
+    ]
+    rerun = "hf-fsdp2 " + " ".join(argv)
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)
+    }
+    logger.info("eval_harness_tasks: %s", rerun)
+    # stderr (lm-eval's progress, an error's line) goes to the run's log as it comes; stdout is the table + JSON.
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_fsdp2.cli", *argv], env=env, stdout=subprocess.PIPE, text=True
     )
-    try:
-        report = evaluate_and_report(folder, names, limit=limit)
-    except Exception as err:  # whatever it was: the export is complete and verified, and stays as it is
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
         logger.error(
-            "eval_harness_tasks: the evaluation failed (%s: %s); the export in %s is complete and unchanged. "
-            "Rerun the evaluation with: %s", type(err).__name__, err, folder, rerun,
+            "eval_harness_tasks: the evaluation failed (exit status %d; its error is above); the export in %s is "
+            "complete and unchanged. Rerun the evaluation with: %s", done.returncode, folder, rerun,
         )  # fmt: skip
         return None
-    for line in report.table:
+    for line in lines[:-1]:
         logger.info("eval-harness %s", line)
-    logger.info("eval-harness results: %s", report.results_path)
-    return report
+    result: dict[str, Any] = json.loads(lines[-1])
+    logger.info("eval-harness results: %s", result["results"])
+    return result

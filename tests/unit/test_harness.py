@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -144,20 +145,21 @@ def test_a_recipes_eval_harness_tasks_run_on_its_export_and_a_failure_keeps_it(
 
     run = tmp_path / "run"
     shutil.copytree(base, run)
-    report = evaluate_after_export(run, f" {DATES_MC_TASK} ,", limit=2)
-    assert report is not None and report.after["tasks"][DATES_MC_TASK]["n"] == 2
-    assert (run / "eval_harness.json").is_file()
-    files = sorted(p.name for p in run.iterdir())
-
-    def crash(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("CUDA out of memory")  # a crash in the middle of lm-eval
-
-    monkeypatch.setattr("hf_fsdp2.harness.evaluate.run_harness", crash)
+    # A rank of a 2-process launch: the evaluation must run as one plain process all the same.
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    result = evaluate_after_export(run, f" {DATES_MC_TASK} ,", limit=2)
+    assert result is not None and result["tasks"][DATES_MC_TASK]["n"] == 2
+    assert json.loads((run / "eval_harness.json").read_text())["after"]["tasks"] == result["tasks"]
+    files = {p.name: p.read_bytes() for p in run.iterdir()}
+    # A crashed evaluation (out of memory, a task that needs the hub on an offline node): exit status 1.
+    crashed = subprocess.CompletedProcess(args=[], returncode=1, stdout="")
+    monkeypatch.setattr("hf_fsdp2.harness.evaluate.subprocess.run", lambda *a, **k: crashed)
     with caplog.at_level("ERROR", logger="hf_fsdp2"):
         assert evaluate_after_export(run, DATES_MC_TASK, limit=2) is None
-    assert "RuntimeError: CUDA out of memory" in caplog.text and "the export in" in caplog.text
+    assert "the evaluation failed (exit status" in caplog.text and "complete and unchanged" in caplog.text
     assert f"hf-fsdp2 eval-harness {run} --tasks {DATES_MC_TASK} --limit 2" in caplog.text
-    assert sorted(p.name for p in run.iterdir()) == files
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == files
 
 
 def test_eval_harness_keys_are_checked_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
