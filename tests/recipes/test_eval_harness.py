@@ -28,7 +28,9 @@ def test_smollm2_harness_numbers_equal_transformers(tmp_path: Path) -> None:
     model_dir = tmp_path / "smollm2"  # the card is written into the folder: a copy, the weights linked
     model_dir.mkdir()
     for f in cached.iterdir():
-        (model_dir / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, model_dir / f.name)
+        (model_dir / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(
+            f, model_dir / f.name
+        )
     (model_dir / "README.md").write_text("# SmolLM2\n")
     report = evaluate_and_report(
         model_dir, [DATES_TASK, DATES_MC_TASK], local_items=N, log_samples=True, device="cpu", batch_size=4
@@ -39,5 +41,30 @@ def test_smollm2_harness_numbers_equal_transformers(tmp_path: Path) -> None:
     assert report.after["tasks"][DATES_TASK]["exact_match"] == direct["exact_match"]
     assert report.after["tasks"][DATES_MC_TASK]["acc"] == direct["acc"]
     assert report.after["settings"]["apply_chat_template"] is True  # SmolLM2 has a chat template
-    assert json.loads((model_dir / "eval_harness.json").read_text())["after"]["tasks"] == report.after["tasks"]
+    assert (
+        json.loads((model_dir / "eval_harness.json").read_text())["after"]["tasks"] == report.after["tasks"]
+    )
     assert f"| {DATES_TASK} | exact_match |" in (model_dir / "README.md").read_text()
+
+
+def test_a_2_rank_run_with_eval_harness_tasks_scores_its_export(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    from support.runs import sft_2ranks, shared_assets, write_recipe
+
+    model, data = shared_assets(tmp_path_factory)
+    out = tmp_path / "run"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        model,
+        data,
+        out,
+        max_steps=1,
+        eval_harness_tasks=DATES_MC_TASK,
+        eval_harness_limit=2,
+    )
+    done = sft_2ranks(recipe)
+    saved = json.loads((out / "eval_harness.json").read_text())
+    assert saved["after"]["tasks"][DATES_MC_TASK]["n"] == 2 and saved["after"]["model"] == str(out)
+    assert f"| {DATES_MC_TASK} | acc |" in (out / "README.md").read_text()  # the card of the export
+    assert f"hf-fsdp2 eval-harness {out} --tasks {DATES_MC_TASK} --limit 2" in done.stderr
