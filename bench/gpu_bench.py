@@ -112,9 +112,11 @@ DEFAULT_CONFIGS = (
 DEFAULT_TRL = "none:none,liger:none"
 # --quick: the smallest run that still says something about the GPU path (one H200, ~1-2 min): the 1B
 # shape at seq 4096, eager beside regional compile (chunked loss, no AC), 2 + 5 steps, no TRL runner.
-QUICK = {"configs": "eager:none:chunked,regional:none:chunked", "trl": "", "warmup": 2, "steps": 5,
-         "budget_s": 150.0}  # fmt: skip
-COMPILE_SCOPES, LOSS_PATHS = ("eager", "regional", "model"), ("plain", "chunked")
+# With FP8 hardware (sm_89+) the regional runner's FP8 twin too (torchao float8 decoder linears, float8 all-gather):
+# a GPU without it lists the FP8 runner as skipped, with the reason.
+QUICK = {"configs": "eager:none:chunked,regional:none:chunked,regional:none:chunked:fp8", "trl": "", "warmup": 2,
+         "steps": 5, "budget_s": 150.0}  # fmt: skip
+COMPILE_SCOPES, LOSS_PATHS, PRECISIONS = ("eager", "regional", "model"), ("plain", "chunked"), ("bf16", "fp8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,7 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--configs", default=DEFAULT_CONFIGS, help="hf_fsdp2 runners, compile:ac:loss, comma-separated"
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="hf_fsdp2 runners, compile:ac:loss[:bf16|fp8], comma-separated (fp8: mixed_precision fp8, torchao)",
+    )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="add an fp8 twin after each bf16 hf_fsdp2 runner: bf16 vs FP8 tokens/s",
     )
     ap.add_argument(
         "--trl", default=DEFAULT_TRL, help="TRL runners, kernels:ac (none|liger : none|full); '' for none"
@@ -171,13 +180,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                or item.split(":")[0] not in ("none", "liger") or item.split(":")[1] not in ("none", "full"))]  # fmt: skip
     if bad_trl:
         ap.error(f"--trl {bad_trl}: each TRL runner is kernels:ac, kernels none|liger, ac none|full")
-    bad = [item for item in args.configs.split(",") if item and (len(item.split(":")) != 3
+    bad = [item for item in args.configs.split(",") if item and (len(item.split(":")) not in (3, 4)
            or item.split(":")[0] not in COMPILE_SCOPES or item.split(":")[1] not in AC_MODES
-           or item.split(":")[2] not in LOSS_PATHS)]  # fmt: skip
+           or item.split(":")[2] not in LOSS_PATHS or (item.split(":") + ["bf16"])[3] not in PRECISIONS)]  # fmt: skip
     if bad:
         ap.error(
-            f"--configs {bad}: each hf_fsdp2 runner is compile:ac:loss, compile {'|'.join(COMPILE_SCOPES)}, "
-            f"ac {'|'.join(AC_MODES)}, loss {'|'.join(LOSS_PATHS)}"
+            f"--configs {bad}: each hf_fsdp2 runner is compile:ac:loss[:precision], compile "
+            f"{'|'.join(COMPILE_SCOPES)}, ac {'|'.join(AC_MODES)}, loss {'|'.join(LOSS_PATHS)}, precision "
+            f"{'|'.join(PRECISIONS)} (default bf16)"
+        )
+    if args.fp8:  # each bf16 runner, then its FP8 twin (an fp8 runner given as such stays)
+        bases = [i.removesuffix(":bf16") for i in args.configs.split(",") if i]
+        args.configs = ",".join(
+            dict.fromkeys(x for i in bases for x in ([i] if i.endswith(":fp8") else [i, f"{i}:fp8"]))
         )
     return args
 

@@ -14,18 +14,27 @@ from gpu_bench_work import BETAS, EPS, LR, batch_counts, build, max_mem_gib, pac
 
 
 def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
-    from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
+    from hf_fsdp2.config.plans import ACPlan, CompilePlan, Float8Plan, ShardingPlan
     from hf_fsdp2.observe.flops import flops_model, non_embedding_params
     from hf_fsdp2.parallel.accelerator import prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch
+    from hf_fsdp2.parallel.float8 import convert_float8, finish_float8, fp8_hardware_problem
     from hf_fsdp2.train.loss import plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
 
-    scope, ac, loss_path = item.split(":")
+    scope, ac, loss_path, precision = (item.split(":") + ["bf16"])[:4]
     device = acc.device
+    fp8 = Float8Plan(emulate=device.type != "cuda") if precision == "fp8" else None
+    if fp8 is not None and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        problem = fp8_hardware_problem("cuda", capability, torch.cuda.get_device_name(device))
+        if problem:
+            return {"skipped": f"mixed_precision=fp8: {problem}"}
     torch._dynamo.reset()
     model = build(args, device)
+    if fp8 is not None:  # before the optimizer and fully_shard, as the recipe does (trainer/model.py)
+        convert_float8(model, ("LlamaDecoderLayer",), fp8)
     flops = flops_model(model.config, non_embedding_params(model))
     opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
@@ -33,6 +42,8 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     model, opt = prepare_fsdp2(
         acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan
     )
+    if fp8 is not None:
+        finish_float8(model, opt, fp8, device)
     settings = StepSettings(plan_loss(model, 1024 if loss_path == "chunked" else 0), max_grad_norm=1.0)
     batches = [packed_batch(args.seq, model.config.vocab_size, i) for i in range(args.warmup + args.steps)]
     counts = [batch_counts(b, flops) for b in batches[args.warmup :]]
@@ -58,6 +69,7 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
         # every step's loss, read after the clock stopped (a read waits for the device)
         "losses": [o.loss() for o in outs],
         "layers": model.config.num_hidden_layers,
+        "precision": precision,
         **summarize(counts, seconds),
         "max_mem_allocated_gib": max_mem_gib(device),
         "final_loss": out.loss(),

@@ -34,7 +34,7 @@ from hf_fsdp2.observe.logs import read_metrics
 
 from .assets import make_model_dir
 from .conftest import Check, dry_run
-from .tolerances import bf16_loss_tolerance
+from .tolerances import bf16_loss_tolerance, fp8_loss_tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -441,7 +441,9 @@ def test_gpu_bench_quick(check: Check) -> None:
     """``bench/gpu_bench.py --quick``: the 1B shape, eager beside regional compile, 2 warm-up + 5 timed steps
     (compile happens in the warm-up, which is not timed). Fails when a runner has no figures (error, OOM,
     budget), regional compile recompiles during the timed steps (dynamo's counters), or the eager and compiled
-    losses of a step differ by more than the derived bf16 tolerance (tests/gpu/tolerances.py)."""
+    losses of a step differ by more than the derived bf16 tolerance (tests/gpu/tolerances.py). FP8: with FP8 tensor
+    cores (sm_89+) the regional runner's ``mixed_precision fp8`` twin too: tokens/s of both, no recompile after the
+    warm-up, each step's loss within the derived e4m3 bound of the bf16 one (``fp8_loss_tolerance``)."""
     bench = load_script("gpu_bench", REPO / "bench" / "gpu_bench.py")
     out = check.work / "gpu_bench.json"
     argv = ["--quick", "--out", str(out), "--work", str(check.work / "bench")]
@@ -467,9 +469,14 @@ def test_gpu_bench_quick(check: Check) -> None:
                                   f"{name}:recompiles_timed": r.get("recompiles_timed")})  # fmt: skip
         else:
             check.figures[f"{name}:error"] = str(r.get("error") or r.get("skipped"))[:300]
-    missing = [r["config"] for r in report["results"] if "tokens_per_s" not in r]
+    # The FP8 twin is skipped (with its reason in the figures) only on a GPU without FP8 tensor cores.
+    fp8_skipped = [
+        r for r in report["results"] if r["config"].endswith(":fp8") and "FP8" in str(r.get("skipped"))
+    ]
+    missing = [r["config"] for r in report["results"] if "tokens_per_s" not in r and r not in fp8_skipped]
     assert not missing, {k: v for k, v in check.figures.items() if k.endswith(":error")}
-    runs = {r["config"].split(":")[0]: r for r in report["results"]}
+    fp8 = next((r for r in report["results"] if r["config"].endswith(":fp8") and "tokens_per_s" in r), None)
+    runs = {r["config"].split(":")[0]: r for r in report["results"] if not r["config"].endswith(":fp8")}
     assert runs["regional"]["recompiles_timed"] == 0, runs["regional"]
     eager, compiled = runs["eager"]["losses"], runs["regional"]["losses"]
     tolerances = [bf16_loss_tolerance(e, runs["eager"]["layers"]) for e in eager]
@@ -477,6 +484,16 @@ def test_gpu_bench_quick(check: Check) -> None:
         abs(c - e) / t for e, c, t in zip(eager, compiled, tolerances, strict=True)
     )
     assert check.figures["max_loss_diff_over_tolerance"] <= 1.0, (eager, compiled, tolerances)
+    if (
+        fp8 is not None
+    ):  # mixed_precision fp8 (regional compile): no recompile after warm-up, loss within bound
+        assert fp8["recompiles_timed"] == 0, fp8
+        fp8_tol = [fp8_loss_tolerance(c, runs["regional"]["layers"]) for c in compiled]
+        check.figures["fp8_max_loss_diff_over_tolerance"] = max(
+            abs(f - c) / t for c, f, t in zip(compiled, fp8["losses"], fp8_tol, strict=True)
+        )
+        check.figures["fp8_over_bf16_tokens_per_s"] = fp8["tokens_per_s"] / runs["regional"]["tokens_per_s"]
+        assert check.figures["fp8_max_loss_diff_over_tolerance"] <= 1.0, (compiled, fp8["losses"], fp8_tol)
 
 
 @pytest.mark.budget(75)

@@ -23,3 +23,16 @@ def bf16_loss_tolerance(scale: float, layers: int) -> float:
         raise ValueError(f"layers={layers}: a decoder-only model has at least one layer")
     u = torch.finfo(torch.bfloat16).eps / 2
     return 2 * (layers + 2) * u * abs(scale)
+
+
+def fp8_loss_tolerance(scale: float, layers: int) -> float:
+    """Largest loss difference between a ``mixed_precision=fp8`` run and a bf16 run of the same maths, by the same
+    first-order argument: each decoder layer's output now comes from torchao float8 matmuls whose operands are
+    rounded to e4m3 (unit roundoff ``2**-4``: 3 mantissa bits) where bf16 rounds at ``2**-8``; the final norm and
+    the head stay bf16. So ``2 * (layers * 2**-4 + 2 * 2**-8) * scale``. A worst case (every rounding of every layer
+    in the same direction): loose for a deep model, where it only catches a broken FP8 path (NaN, a diverging or
+    wrong loss); the sharp elementwise bounds of each float8 linear are tested on CPU (tests/unit/test_float8.py,
+    tests/distributed/test_float8.py)."""
+    if layers < 1:
+        raise ValueError(f"layers={layers}: a decoder-only model has at least one layer")
+    return 2 * (layers * 2.0**-4 + 2 * torch.finfo(torch.bfloat16).eps / 2) * abs(scale)

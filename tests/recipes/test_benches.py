@@ -210,3 +210,20 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
     assert all("--nproc_per_node 8 " in r["launch"] and "--cp-backend ring" in r["launch"] for r in rows)
     # Per device, 128k costs more than 16x 8k: the attention grows with the square of the row.
     assert rows[2]["tflop_per_device_per_step"] > 16 * rows[0]["tflop_per_device_per_step"]
+
+
+def test_gpu_bench_fp8_flag_runs_a_bf16_and_an_fp8_twin(tmp_path: Path):
+    """``--fp8``: each hf_fsdp2 runner and its mixed_precision fp8 twin on the same rows (CPU: torchao's emulation
+    over fp32; on a GPU without FP8 tensor cores the twin is listed as skipped with the reason)."""
+    out = tmp_path / "gpu.json"
+    python(REPO / "bench" / "gpu_bench.py", ["--smoke", "--configs", "eager:none:chunked", "--fp8", "--trl", "",
+                                             "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)  # fmt: skip
+    runs = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(runs) == ["eager:none:chunked", "eager:none:chunked:fp8"]
+    bf16, fp8 = runs["eager:none:chunked"], runs["eager:none:chunked:fp8"]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    for r in (bf16, fp8):
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["timed_tokens"] == 256
+    # the same init and rows: the first step's loss (before any update) differs by the float8 rounding (its bound
+    # is tested in tests/distributed/test_float8.py)
+    assert fp8["losses"][0] != bf16["losses"][0] and all(math.isfinite(x) for x in fp8["losses"])

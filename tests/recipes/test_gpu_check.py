@@ -68,6 +68,13 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
             and "-m hf_fsdp2.methods sft --config" in commands[name]
         )
     assert commands["gpu_bench_quick"].startswith("python bench/gpu_bench.py --quick")
+    # the FP8 check: the quick bench's regional runner beside its mixed_precision fp8 twin (bf16 vs FP8 tokens/s)
+    quick = next(c["figures"] for c in report["checks"] if c["name"] == "gpu_bench_quick")
+    assert quick["configs"].split(",") == [
+        "eager:none:chunked",
+        "regional:none:chunked",
+        "regional:none:chunked:fp8",
+    ]
     assert commands["memory_plan_1b"].startswith("python bench/memory_plan_gpu.py --modes none,full")
     assert commands["liger"].startswith("HF_FSDP2_GPU_CHECK=1 python -m pytest")
     assert "fsdp2.yaml --num_processes 1 " in commands["grpo_tiny"]
