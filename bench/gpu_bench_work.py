@@ -14,6 +14,10 @@ SHAPES = {
     # Llama-3.2-1B
     "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
            "num_key_value_heads": 8, "vocab_size": 128256},
+    # Llama-3.1-8B: fp32 masters + AdamW are 16 bytes a parameter (~120 GiB) at world size 1, so on one H200 it runs
+    # only with activation checkpointing and short rows, if at all (an out-of-memory runner is reported as such)
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256},
     # a CPU-sized model with a real vocabulary (SmolLM2's size)
     "small": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 49152},
