@@ -310,13 +310,24 @@ class Float8Plan:
 
 
 def check_float8_combination(
-    *, load_in_4bit: bool, use_peft: bool, tp_size: int, ram_efficient_loading: bool | None
+    *,
+    load_in_4bit: bool,
+    use_peft: bool,
+    tp_size: int,
+    ram_efficient_loading: bool | None,
+    optim: str = "adamw",
 ) -> None:
     """What ``mixed_precision=fp8`` cannot be combined with, refused before any work.
 
     Raises:
-        ConfigError: QLoRA, LoRA, tensor parallel or rank-0-only loading (set to true) with fp8.
+        ConfigError: QLoRA, LoRA, tensor parallel, rank-0-only loading (set to true) or Muon with fp8.
     """
+    check(
+        optim == "adamw",
+        f"mixed_precision=fp8 with optim={optim} is not supported: Muon gathers and orthogonalises whole matrices, "
+        "and the float8 linears' weights are torchao float8-cast wrappers whose update through Muon hf_fsdp2 has not "
+        "verified; use optim=adamw with fp8, or mixed_precision=bf16 with Muon",
+    )
     check(
         not load_in_4bit,
         "mixed_precision=fp8 with load_in_4bit=true (QLoRA) is not supported: the NF4 base is dequantised to bf16 "

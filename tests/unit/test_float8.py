@@ -164,6 +164,7 @@ def test_config_keys_and_refusals() -> None:
         "use_peft=true \\(LoRA\\)": {"use_peft": True},
         "tp_size=2": {"tp_size": 2},
         "fsdp_cpu_ram_efficient_loading=true": {"ram_efficient_loading": True},
+        "optim=muon": {"optim": "muon"},
     }
     base = {"load_in_4bit": False, "use_peft": False, "tp_size": 1, "ram_efficient_loading": None}
     for message, change in refusals.items():
