@@ -160,13 +160,13 @@ def run_harness(
 
     chosen, reason = choose_backend(backend)
     device = device or default_device()
-    paths = (
-        [str(write_local_tasks(work_dir / "tasks", n=local_items))] if set(tasks) & set(LOCAL_TASKS) else []
-    )
+    # lm-eval's own ~10,000 task files take ~10 s to index: read only for a name outside the local hf_fsdp2_ ones.
+    ours = all(t.startswith("hf_fsdp2_") for t in tasks)
+    local = ours or bool(set(tasks) & set(LOCAL_TASKS))
+    paths = [str(write_local_tasks(work_dir / "tasks", n=local_items))] if local else []
     if include_path is not None:
         paths.append(str(include_path))
-    # lm-eval's own ~10,000 task files take ~10 s to index: read only when a task is not a local one.
-    manager = TaskManager(include_path=paths or None, include_defaults=bool(set(tasks) - set(LOCAL_TASKS)))
+    manager = TaskManager(include_path=paths or None, include_defaults=not ours)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise HarnessError(

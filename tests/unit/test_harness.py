@@ -118,9 +118,9 @@ def test_checkpoint_is_exported_on_the_fly_and_removed_after(base: Path, tmp_pat
 
 
 def test_bad_inputs_name_the_value_and_the_fix(base: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["eval-harness", str(base), "--tasks", "no_such_task_xyz", "--device", "cpu"]) == 2
+    assert main(["eval-harness", str(base), "--tasks", "hf_fsdp2_datez", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "no_such_task_xyz" in err and "--include-path" in err
+    assert "hf_fsdp2_datez" in err and "--include-path" in err
     (tmp_path / "empty").mkdir()
     assert main(["eval-harness", str(tmp_path / "empty"), "--tasks", DATES_TASK]) == 2
     assert "is not a model folder" in capsys.readouterr().err
