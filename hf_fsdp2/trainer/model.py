@@ -200,6 +200,12 @@ def build_model(
                 "FSDP2's row blocks, and tensor parallel splits them along another dimension too; use optim=adamw "
                 "with tensor parallel, or tp_size=1"
             )
+        if f.fsdp_cpu_offload and session.device.type == "cuda":
+            raise ConfigError(
+                "optim=muon with fsdp_cpu_offload=true: the sharded gradients and momentum live in host memory, and "
+                "Muon's all-to-alls of the matrices run on the GPUs' NCCL group, which cannot send host tensors; use "
+                "optim=adamw with offload, or fsdp_cpu_offload=false"
+            )
         muon = MuonSettings(t.muon_lr or t.learning_rate, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
                             t.muon_adjust_lr, t.weight_decay)  # fmt: skip
         optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,

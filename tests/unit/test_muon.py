@@ -256,3 +256,13 @@ def test_reward_score_head_and_lora_split() -> None:
     split = split_params(lora, ["LlamaDecoderLayer"])
     assert len(split.muon) == 8 and all(".lora_" in n for n, _ in split.muon)
     assert [n for n, _ in split.adamw_decay] == ["base_model.model.score.modules_to_save.default.weight"]
+
+
+def test_a_torch_without_the_private_muon_functions_is_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.optim._muon as torch_muon
+
+    monkeypatch.delattr(torch_muon, "_zeropower_via_newtonschulz")
+    with pytest.raises(RuntimeError, match="use optim=adamw or the torch docs/compatibility.md lists"):
+        MuonAdamW([], [], MuonSettings(lr=1.0), lr=1.0, betas=(0.9, 0.9), eps=1e-8, fused=False)
