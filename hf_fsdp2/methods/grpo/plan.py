@@ -14,7 +14,7 @@ from typing import Any
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.methods.grpo.batching import layout_of
 
-_BYTES = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
+_BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
 
 
 @dataclass(frozen=True)
