@@ -47,24 +47,30 @@ def test_smollm2_harness_numbers_equal_transformers(tmp_path: Path) -> None:
     assert f"| {DATES_TASK} | exact_match |" in (model_dir / "README.md").read_text()
 
 
-def test_a_2_rank_run_with_eval_harness_tasks_scores_its_export(
+def test_a_2_rank_lora_run_scores_its_adapter_and_a_checkpoint_is_exported_on_the_fly(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
+    """``eval_harness_tasks`` on a LoRA run's export (the adapter over its base), then ``hf-fsdp2 eval-harness`` on
+    its checkpoint (the adapter exported on the fly): the same weights, the same log-likelihoods, the same score."""
     from support.runs import sft_2ranks, shared_assets, write_recipe
+
+    from hf_fsdp2.cli import main
 
     model, data = shared_assets(tmp_path_factory)
     out = tmp_path / "run"
+    lora = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "learning_rate": 1e-2, "save_steps": 1}
     recipe = write_recipe(
-        tmp_path / "r.yaml",
-        model,
-        data,
-        out,
-        max_steps=1,
-        eval_harness_tasks=DATES_MC_TASK,
-        eval_harness_limit=2,
-    )
+        tmp_path / "r.yaml", model, data, out, max_steps=1, eval_harness_tasks=DATES_MC_TASK, eval_harness_limit=2,
+        **lora,
+    )  # fmt: skip
     done = sft_2ranks(recipe)
-    saved = json.loads((out / "eval_harness.json").read_text())
-    assert saved["after"]["tasks"][DATES_MC_TASK]["n"] == 2 and saved["after"]["model"] == str(out)
+    saved = json.loads((out / "eval_harness.json").read_text())["after"]
+    assert saved["tasks"][DATES_MC_TASK]["n"] == 2 and saved["model"] == str(out)
+    assert saved["adapter"] == str(out) and saved["base_model"] == str(model)  # the adapter over its base
     assert f"| {DATES_MC_TASK} | acc |" in (out / "README.md").read_text()  # the card of the export
     assert f"hf-fsdp2 eval-harness {out} --tasks {DATES_MC_TASK} --limit 2" in done.stderr
+    assert main(["eval-harness", str(out / "checkpoint-1"), "--tasks", DATES_MC_TASK, "--limit", "2"]) == 0
+    again = json.loads((out / "eval_harness-checkpoint-1.json").read_text())["after"]
+    assert again["kind"] == "checkpoint" and again["base_model"] == str(model)
+    assert again["tasks"] == saved["tasks"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".eval-harness-export")]
