@@ -13,7 +13,7 @@ The bound (tests/distributed/workers/float8_worker.py computes it from the run's
   on its own input at every step, and the observed error must be a visible fraction of it (the rounding happened).
 * The loss, to first order: ``|L_fp8 - L| <= sum over converted linears of sum(|dL/dy| e_y)``, with dL/dy and the
   operands from the fp32 reference at the same weights (loaded from the FP8 model before each step).
-* e5m2 (the gradients' format: 2 mantissa bits, u = 2^-3) is bounded the same way in tests/unit/test_float8.py.
+* e5m2 (the gradients' format: 2 mantissa bits, u = 2^-3) is bounded the same way in tests/unit/test_float8_units.py.
 
 The training steps between the checks run in FP8 (weights updated from float8 gradients), so every step checks a
 new point of the FP8 trajectory.

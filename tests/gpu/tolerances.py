@@ -31,7 +31,7 @@ def fp8_loss_tolerance(scale: float, layers: int) -> float:
     rounded to e4m3 (unit roundoff ``2**-4``: 3 mantissa bits) where bf16 rounds at ``2**-8``; the final norm and
     the head stay bf16. So ``2 * (layers * 2**-4 + 2 * 2**-8) * scale``. A worst case (every rounding of every layer
     in the same direction): loose for a deep model, where it only catches a broken FP8 path (NaN, a diverging or
-    wrong loss); the sharp elementwise bounds of each float8 linear are tested on CPU (tests/unit/test_float8.py,
+    wrong loss); the sharp elementwise bounds of each float8 linear are tested on CPU (tests/unit/test_float8_units.py,
     tests/distributed/test_float8.py)."""
     if layers < 1:
         raise ValueError(f"layers={layers}: a decoder-only model has at least one layer")

@@ -213,7 +213,10 @@ def describe_sampling(config: Any, model_config: Any) -> str:
         ignored = {
             k: v
             for k, v in model_config.to_dict().items()
-            if k not in skip and (v or default.get(k)) and v != default.get(k) and v != getattr(config, k, None)
+            if k not in skip
+            and (v or default.get(k))
+            and v != default.get(k)
+            and v != getattr(config, k, None)
         }
     note = (
         f"; not from the model's generation_config: {', '.join(f'{k} {v}' for k, v in sorted(ignored.items()))}"
