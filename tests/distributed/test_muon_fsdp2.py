@@ -8,6 +8,7 @@ schedule on each, the documented data order (tests/support/reference.py).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -173,3 +174,14 @@ def test_lora_adapters_take_muon_on_two_ranks_as_in_one_process(setup, tmp_path:
     assert len(got) == steps and max(loss_rel) <= 1e-4, (got, expected)
     # Training moved the adapters (B starts at zero), so the equal losses are over changing weights.
     assert all(p.abs().max() > 0 for n, p in named if ".lora_B." in n)
+
+
+def test_three_ranks_uneven_and_empty_row_blocks_equal_torch_muon(tmp_path: Path):
+    """Rows that 3 ranks do not divide (13, 7, 11), a 2-row matrix (the third rank's block is empty) and a last
+    round with fewer matrices than ranks: the sharded parameters equal one process of torch.optim.Muon + AdamW."""
+    out = tmp_path / "w.json"
+    torchrun(Path(__file__).parent / "workers" / "muon_worker.py", ["--out", str(out)], nproc=3)
+    got = json.loads(out.read_text())
+    print(f"3 ranks: max relative parameter difference per step {got['diffs']}")
+    assert got["world"] == 3 and all(b > 0 for b in got["sent"])
+    assert max(got["diffs"]) <= 1e-5 and got["moved"][-1] > 1e-2, got
