@@ -282,7 +282,8 @@ class ShardingPlan:
         return self.activation_checkpointing
 
 
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_TENSORWISE = "tensorwise"  # the one scaling torchao all-gathers in float8
+FP8_RECIPES = (FP8_TENSORWISE, "rowwise")
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ class Float8Plan:
     def __post_init__(self) -> None:
         check(self.recipe in FP8_RECIPES, f"fp8_recipe={self.recipe!r} is not one of {list(FP8_RECIPES)}")
         check(
-            not (self.all_gather and self.recipe != "tensorwise"),
+            not (self.all_gather and self.recipe != FP8_TENSORWISE),
             f"fp8_all_gather=true with fp8_recipe={self.recipe}: torchao all-gathers float8 weights only with one "
             "scale per tensor; set fp8_recipe=tensorwise or fp8_all_gather=false",
         )

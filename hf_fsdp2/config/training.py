@@ -11,6 +11,7 @@ from hf_fsdp2.config.plans import (
     AC_MODES,
     COMPILE_MODES,
     COMPILE_SCOPES,
+    FP8_TENSORWISE,
     ACPlan,
     CompilePlan,
     ConfigError,
@@ -253,7 +254,7 @@ class TrainArgs:
         Raises:
             ConfigError: ``fp8_all_gather=true`` with rowwise scaling.
         """
-        gather = self.fp8_all_gather if self.fp8_all_gather is not None else self.fp8_recipe == "tensorwise"
+        gather = self.fp8_all_gather if self.fp8_all_gather is not None else self.fp8_recipe == FP8_TENSORWISE
         return Float8Plan(self.fp8_recipe, self.fp8_emulate, gather)
 
 

@@ -137,7 +137,7 @@ def _recipe_findings(
                                   device="cuda" if on_gpu else "cpu")  # fmt: skip
     out += found
     out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
-    out += float8_findings(cfg, on_gpu)
+    out += float8_findings(cfg, on_gpu, get_method(recipe))
     out += wrap_findings(model_config, settings, cfg)
     out += disk_findings(cfg, plan)
     out += output_findings(cfg)

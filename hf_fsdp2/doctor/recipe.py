@@ -299,18 +299,25 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]
 
 
-def float8_findings(cfg: Config, on_gpu: bool) -> list[Finding]:
-    """``mixed_precision=fp8`` before a run: refused without FP8 hardware unless ``fp8_emulate`` (the run's own check
-    and message), a warning when emulated or not compiled; nothing for other runs."""
+def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Finding]:
+    """``mixed_precision=fp8`` before a run: refused for a recipe that does not support it, or without FP8 hardware
+    unless ``fp8_emulate`` (the run's own checks and messages), a warning when emulated or not compiled; nothing for
+    other runs."""
     import torch
 
     from hf_fsdp2.parallel.float8 import check_float8_hardware, warn_without_compile
+    from hf_fsdp2.trainer.method import check_float8
 
     t = cfg.train
     if t.mixed_precision != "fp8":
         return []
     plan = t.float8_plan()
     value = f"{plan.recipe}, all-gather {'float8' if plan.all_gather else 'bf16'}"
+    if method is not None:
+        try:
+            check_float8(method, t.mixed_precision)
+        except ConfigError as err:
+            return [Finding("error", "fp8", f"mixed_precision fp8 with the {method.name} recipe", str(err))]
     try:
         emulated = check_float8_hardware(plan, torch.device("cuda" if on_gpu else "cpu"))
     except ConfigError as err:

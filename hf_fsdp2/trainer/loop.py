@@ -13,7 +13,7 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
-from hf_fsdp2.trainer.method import Method, check_context_parallel, check_tensor_parallel
+from hf_fsdp2.trainer.method import Method, check_context_parallel, check_float8, check_tensor_parallel
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.observer import Observer
 from hf_fsdp2.trainer.session import Session
@@ -39,6 +39,7 @@ def run(cfg: Config, method: Method) -> None:
                                 padding_free=padding_free, attn_implementation=cfg.model.attn_implementation,
                                 model_config=session.model_config)  # fmt: skip
         check_tensor_parallel(method, collectives.tp_size())
+        check_float8(method, t.mixed_precision)
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(

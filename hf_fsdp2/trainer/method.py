@@ -81,6 +81,8 @@ class Method:
         tensor_parallel: the method's step is :func:`hf_fsdp2.train.step.train_step`'s token-level CE, whose counts
             and loss count a tensor-parallel group's batch once; others refuse ``tp_size > 1``
             (:func:`check_tensor_parallel`).
+        float8: ``mixed_precision: fp8`` is verified with the method's step and the models it loads (the policy
+            only, no reference or reward model beside it, no weights sent elsewhere): :func:`check_float8`.
     """
 
     name: str
@@ -96,6 +98,7 @@ class Method:
     tags: tuple[str, ...] = ()
     context_parallel: bool = False
     tensor_parallel: bool = False
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_rows not in BATCH_ROWS:
@@ -136,4 +139,19 @@ def check_context_parallel(method: Method, cp: int) -> None:
             "step scores whole sequences per rank (rewards, generations, KL pairs); context parallel runs with the "
             "sft, cpt and dpo recipes. Use cp_size=1 (activation_checkpointing and ce_chunk_tokens for long "
             "sequences)"
+        )
+
+
+def check_float8(method: Method, mixed_precision: str) -> None:
+    """Refuse ``mixed_precision: fp8`` for a method whose run has not been verified with float8 linears (a frozen
+    reference or a reward model beside the policy, a score head, weights sent to a vLLM server).
+
+    Raises:
+        ConfigError: naming the method and the recipes that support it.
+    """
+    if mixed_precision == "fp8" and not method.float8:
+        raise ConfigError(
+            f"mixed_precision=fp8 is not supported by the {method.name} recipe in this version: FP8 training is "
+            "verified with the sft and cpt recipes only (its reference, reward or score models and weight syncs are "
+            "not). Use mixed_precision=bf16"
         )

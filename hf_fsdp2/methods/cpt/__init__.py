@@ -17,4 +17,5 @@ METHOD = Method(
     preview_data=preview_sft,
     context_parallel=True,
     tensor_parallel=True,
+    float8=True,  # tests/distributed/test_float8.py
 )
