@@ -17,6 +17,9 @@
 # `scripts/demo.sh --grpo` gives the model a short SFT (6 steps), then GRPO with verifiable rewards (exact match of
 # the answer, and the format; recipes/configs/grpo_cpu_demo.yaml), and prints the exact match on the 100 held-out
 # dates after the SFT and after GRPO, with the mean reward of the first and last logged steps.
+# `scripts/demo.sh --grpo --vllm` runs the same GRPO with rollouts from a vLLM server (hf-fsdp2 vllm-serve, in
+# .venv-vllm) that it starts on the SFT model and stops after (also on failure or ctrl-C), and prints each backend's
+# seconds per step, generation tokens/s and exact match after GRPO (the transformers side once --grpo ran).
 set -euo pipefail
 CONFIG=recipes/configs/demo_smollm2.yaml RUN=run SCORED=""
 if [[ "${1:-}" == "--lora" ]]; then
@@ -59,28 +62,91 @@ PY
     exit 0
 fi
 if [[ "${1:-}" == "--grpo" ]]; then
+    backend=${2:-}
+    if [[ -n "$backend" && "$backend" != --vllm ]]; then
+        echo "scripts/demo.sh --grpo takes --vllm or nothing, not '$backend'" >&2
+        exit 2
+    fi
     $HF demo-data "$OUT/data" --n-train 2000 --n-eval 100 --grpo > /dev/null
-    echo "== a short SFT (6 steps) to start from"
-    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/sft.py \
-        --config recipes/configs/demo_smollm2.yaml --model_name_or_path "$model" \
-        --dataset_name "$OUT/data/train.jsonl" --output_dir "$OUT/grpo_sft" --max_steps 6 --warmup_steps 1 > "$OUT/grpo_sft.log" 2>&1
-    before=$($HF eval-task "$OUT/grpo_sft" "$OUT/data/eval.jsonl" | tail -n 1)
-    echo "$before"
-    echo "== GRPO with FSDP2 on 2 CPU processes (accelerate launch)"
+    if [[ -f "$OUT/grpo_sft/config.json" && -f "$OUT/grpo_sft_eval.json" && -z "${DEMO_FRESH_SFT:-}" ]]; then
+        # The SFT is seeded and the same for both backends: the second demo starts from the first one's model.
+        echo "== the 6-step SFT of an earlier run ($OUT/grpo_sft; DEMO_FRESH_SFT=1 trains it again)"
+    else
+        echo "== a short SFT (6 steps) to start from"
+        .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/sft.py \
+            --config recipes/configs/demo_smollm2.yaml --model_name_or_path "$model" \
+            --dataset_name "$OUT/data/train.jsonl" --output_dir "$OUT/grpo_sft" --max_steps 6 --warmup_steps 1 > "$OUT/grpo_sft.log" 2>&1
+        $HF eval-task "$OUT/grpo_sft" "$OUT/data/eval.jsonl" | tail -n 1 > "$OUT/grpo_sft_eval.json"
+    fi
+    cat "$OUT/grpo_sft_eval.json"
+    run=$OUT/grpo vllm_args=() steps_args=()
+    # DEMO_GRPO_STEPS: fewer GRPO steps than the recipe's 30 (a quicker comparison of the two backends).
+    if [[ -n "${DEMO_GRPO_STEPS:-}" ]]; then steps_args=(--max_steps "$DEMO_GRPO_STEPS"); fi
+    if [[ "$backend" == --vllm ]]; then
+        # The vLLM server (hf-fsdp2 vllm-serve, in .venv-vllm) serves the SFT model; the trainer sends it its weights
+        # after every update. It runs in a session of its own (setsid), so stopping it stops vLLM's engine process
+        # too, on success, on failure and on ctrl-C (the EXIT trap).
+        if [[ ! -x .venv-vllm/bin/python ]]; then
+            echo "scripts/demo.sh --grpo --vllm: .venv-vllm is absent; build it with bash scripts/setup_vllm.sh" >&2
+            exit 2
+        fi
+        port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        server_log=$OUT/vllm_server.log server=""
+        stop_server() {
+            [[ -n "$server" ]] || return 0
+            kill -TERM -- "-$server" 2> /dev/null || true
+            for _ in $(seq 30); do kill -0 -- "-$server" 2> /dev/null || break; sleep 1; done
+            kill -KILL -- "-$server" 2> /dev/null || true
+            wait "$server" 2> /dev/null || true
+            echo "== vLLM server stopped (pid $server)"
+            server=""
+        }
+        trap stop_server EXIT
+        trap 'exit 130' INT
+        trap 'exit 143' TERM
+        echo "== the vLLM server on $OUT/grpo_sft, port $port (hf-fsdp2 vllm-serve; log $server_log)"
+        setsid "$HF" vllm-serve --model "$OUT/grpo_sft" --host 127.0.0.1 --port "$port" --dtype float32 \
+            --max-model-len 256 > "$server_log" 2>&1 &
+        server=$!
+        up=$(date +%s)
+        until grep -q "ready on http" "$server_log"; do
+            if ! kill -0 "$server" 2> /dev/null || (( $(date +%s) - up > 600 )); then
+                tail -n 20 "$server_log" >&2
+                echo "scripts/demo.sh: the vLLM server did not start within 600 s (log above: $server_log)" >&2
+                exit 1
+            fi
+            sleep 2
+        done
+        echo "   up in $(( $(date +%s) - up )) s"
+        run=$OUT/grpo_vllm vllm_args=(--use_vllm true --vllm_server_base_url "http://127.0.0.1:$port")
+    fi
+    echo "== GRPO with FSDP2 on 2 CPU processes (accelerate launch), rollouts by ${backend:+vLLM}${backend:-transformers generate}"
     .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/grpo.py \
         --config recipes/configs/grpo_cpu_demo.yaml --model_name_or_path "$OUT/grpo_sft" \
-        --dataset_name "$OUT/data/grpo_train.jsonl" --output_dir "$OUT/grpo" 2>&1 | tee "$OUT/grpo.log"
-    after=$($HF eval-task "$OUT/grpo" "$OUT/data/eval.jsonl" | tail -n 1)
-    echo "$after"
-    .venv/bin/python - "$before" "$after" "$(( $(date +%s) - start ))" "$OUT/grpo" <<'PY'
-import json, sys
-before, after, seconds, run = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
-summary = json.load(open(f"{run}/summary.json"))
-print(f"exact match after the SFT: {before['exact_match']:.0%}   after GRPO: {after['exact_match']:.0%}   "
-      f"({before['n']} held-out dates); mean reward step {rows[0]['step']}: {rows[0]['reward']:.3f}, step "
-      f"{rows[-1]['step']}: {rows[-1]['reward']:.3f}; peak memory {summary['peak_memory_gib']:.2f} GiB "
-      f"({summary['peak_memory_kind']}), {seconds} s in all")
+        --dataset_name "$OUT/data/grpo_train.jsonl" --output_dir "$run" "${vllm_args[@]}" "${steps_args[@]}" 2>&1 | tee "$run.log"
+    if [[ "$backend" == --vllm ]]; then stop_server; fi
+    $HF eval-task "$run" "$OUT/data/eval.jsonl" | tail -n 1 > "$run/demo_eval.json"
+    cat "$run/demo_eval.json"
+    # Both backends' figures when both ran (scripts/demo.sh --grpo, then --grpo --vllm, same $OUT).
+    .venv/bin/python - "$OUT" "$(( $(date +%s) - start ))" "$run" <<'PY'
+import json, os, sys
+out, seconds, this = sys.argv[1], sys.argv[2], sys.argv[3]
+before = json.load(open(f"{out}/grpo_sft_eval.json"))
+print(f"exact match after the SFT: {before['exact_match']:.0%} ({before['n']} held-out dates); {seconds} s in all")
+for name, run in (("transformers generate", f"{out}/grpo"), ("vLLM server", f"{out}/grpo_vllm")):
+    if not os.path.exists(f"{run}/demo_eval.json"):
+        print(f"{name:22s} not run here (scripts/demo.sh --grpo{' --vllm' if 'vllm' in run else ''})")
+        continue
+    rows = [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "rollout/generate_s" in r]
+    s = json.load(open(f"{run}/summary.json"))
+    after = json.load(open(f"{run}/demo_eval.json"))
+    gen = sum(r["rollout/generate_s"] for r in rows)
+    sync = sum(r["rollout/weight_sync_s"] for r in rows)
+    tokens = sum(r["rollout/completion_tokens"] for r in rows)
+    print(f"{name:22s} {s['train_time_s'] / s['steps']:6.1f} s/step over {s['steps']} steps (generating "
+          f"{gen / s['steps']:.1f}, weights to vLLM {sync / s['steps']:.1f}); generation {tokens / gen:5.1f} tok/s "
+          f"({int(tokens)} completion tokens); exact match after GRPO {after['exact_match']:.0%}; mean reward step "
+          f"{rows[0]['step']}: {rows[0]['reward']:.3f}, step {rows[-1]['step']}: {rows[-1]['reward']:.3f}")
 PY
     exit 0
 fi
