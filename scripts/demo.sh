@@ -120,7 +120,7 @@ if [[ "${1:-}" == "--grpo" ]]; then
         echo "   up in $(( $(date +%s) - up )) s"
         run=$OUT/grpo_vllm vllm_args=(--use_vllm true --vllm_server_base_url "http://127.0.0.1:$port")
     fi
-    echo "== GRPO with FSDP2 on 2 CPU processes (accelerate launch), rollouts by ${backend:+vLLM}${backend:-transformers generate}"
+    echo "== GRPO with FSDP2 on 2 CPU processes (accelerate launch), rollouts by $([[ -n "$backend" ]] && echo vLLM || echo transformers generate)"
     .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml recipes/grpo.py \
         --config recipes/configs/grpo_cpu_demo.yaml --model_name_or_path "$OUT/grpo_sft" \
         --dataset_name "$OUT/data/grpo_train.jsonl" --output_dir "$run" "${vllm_args[@]}" "${steps_args[@]}" 2>&1 | tee "$run.log"
