@@ -76,6 +76,21 @@ class Engine:
         executor = self.llm.llm_engine.model_executor
         return executor.driver_worker.worker.model_runner
 
+    def _repack_tied_head(self) -> None:
+        """vLLM's CPU backend multiplies by the output head through a packed copy of its weight made at load time
+        (dispatch_cpu_unquantized_gemm); a tied head's weight is the embedding's, reloaded in place, but the reload
+        does not remake its packed copy, so the head kept the first weights (SmolLM2-135M: log-probs 8e-3 nats off
+        the sent weights' after an embedding update, 2e-5 once remade). Remade here."""
+        if self.torch.cuda.is_available():
+            return
+        model = self._runner().get_model()
+        head = getattr(model, "lm_head", None)
+        if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            return
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "protocol": PROTOCOL, "model": self.model_path, "dtype": self.dtype,
                 "weights_version": self.version, "pid": os.getpid()}  # fmt: skip
@@ -146,6 +161,7 @@ class Engine:
                 )
             start = time.perf_counter()
             self._runner().reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+            self._repack_tied_head()
             self.llm.reset_prefix_cache()
             self.version = int(req["version"])
             seconds = time.perf_counter() - start
