@@ -14,7 +14,8 @@ from gpu_bench_work import BETAS, EPS, LR, batch_counts, build, max_mem_gib, pac
 
 
 def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
-    from hf_fsdp2.config.plans import ACPlan, CompilePlan, Float8Plan, ShardingPlan
+    from hf_fsdp2.config.float8 import Float8Plan
+    from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
     from hf_fsdp2.observe.flops import flops_model, non_embedding_params
     from hf_fsdp2.parallel.accelerator import prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch

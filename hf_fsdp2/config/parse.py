@@ -24,9 +24,10 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_fsdp2.config.aliases import ALIASES, apply_aliases, rewrite_argv
+from hf_fsdp2.config.float8 import check_float8_combination
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.peft import PeftArgs
-from hf_fsdp2.config.plans import ConfigError, check, check_float8_combination
+from hf_fsdp2.config.plans import ConfigError, check
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
 from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 

@@ -7,15 +7,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hf_fsdp2.config.float8 import FP8_TENSORWISE, Float8Plan
 from hf_fsdp2.config.plans import (
     AC_MODES,
     COMPILE_MODES,
     COMPILE_SCOPES,
-    FP8_TENSORWISE,
     ACPlan,
     CompilePlan,
     ConfigError,
-    Float8Plan,
     MeshPlan,
     ShardingPlan,
     check,
@@ -395,7 +394,7 @@ class FSDPArgs:
             return f"{key}=false (load_in_4bit=true: each rank loads the weights and quantises them)"
         if self.fsdp_cpu_ram_efficient_loading is not None:
             return f"{key}={str(self.fsdp_cpu_ram_efficient_loading).lower()} (set by the recipe)"
-        if float8:  # true is refused with fp8 (config.plans.check_float8_combination)
+        if float8:  # true is refused with fp8 (config.float8.check_float8_combination)
             self.fsdp_cpu_ram_efficient_loading = False
             return f"{key}=false (mixed_precision=fp8: every rank loads the weights before torchao converts them)"
         if resize_embeddings:

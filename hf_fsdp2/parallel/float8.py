@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.config.plans import ConfigError, Float8Plan
+from hf_fsdp2.config.float8 import Float8Plan
+from hf_fsdp2.config.plans import ConfigError
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.float8 import Float8Plan, check_float8_combination
 from hf_fsdp2.config.parse import parse_config
-from hf_fsdp2.config.plans import Float8Plan, check_float8_combination
 from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 from hf_fsdp2.export.probe import FLOAT8_NOISE_RATIO, NOISE_MARGIN, live_float8, probe_limit
 from hf_fsdp2.parallel.float8 import (

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_fsdp2.config.plans import CompilePlan, Float8Plan, ShardingPlan
+from hf_fsdp2.config.float8 import Float8Plan
+from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.parallel.float8 import convert_float8, finish_float8, float8_weight_names
