@@ -43,6 +43,19 @@ class ContextParallelError(ValueError):
     """A context-parallel setting the model or batch cannot run; the message says why and what to do."""
 
 
+def check_right_padded(mask: torch.Tensor | None) -> None:
+    """Refuse a left-padded batch: under context parallel its padding would sit before real tokens of another rank.
+
+    Raises:
+        ContextParallelError: ``mask`` has padding before tokens.
+    """
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ContextParallelError(
+            "context parallel needs right-padded batches (padding after the tokens); this batch has padding before "
+            "tokens: set the tokenizer's padding_side to 'right'"
+        )
+
+
 def shard_sequence(
     batch: dict[str, torch.Tensor], cp: int, index: int, *, check_padding: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -64,11 +77,8 @@ def shard_sequence(
     ids, labels = batch["input_ids"], batch["labels"]
     rows, width = ids.shape
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-    if check_padding and mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ContextParallelError(
-            "context parallel needs right-padded batches (padding after the tokens); this batch has padding before "
-            "tokens: set the tokenizer's padding_side to 'right'"
-        )
+    if check_padding:
+        check_right_padded(mask)
     pad = (-width) % cp
     if pad:
         ids = F.pad(ids, (0, pad), value=0)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hf_fsdp2.config.plans import ConfigError
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.parallel.context import RING_ATTENTION_NAME, ContextParallelError
+from hf_fsdp2.parallel.context import RING_ATTENTION_NAME, ContextParallelError, check_right_padded
 
 MARK = "_hf_fsdp2_ring"  # on each attention module: the cp device mesh (read by the step and the eval)
 RING_CPU_REFUSAL = (
@@ -77,11 +77,8 @@ def shard_ring(
     ids, labels = batch["input_ids"], batch["labels"]
     rows, width = ids.shape
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-    if check_padding and mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ContextParallelError(
-            "context parallel needs right-padded batches (padding after the tokens); this batch has padding before "
-            "tokens: set the tokenizer's padding_side to 'right'"
-        )
+    if check_padding:
+        check_right_padded(mask)
     if positions is not None and not torch.equal(positions, torch.arange(width).expand_as(positions)):
         raise ContextParallelError(
             "cp_backend=ring got a batch whose position_ids restart inside a row (packed or padding-free rows): "

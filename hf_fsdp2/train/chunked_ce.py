@@ -43,6 +43,20 @@ class LogitTransform:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
+    def chunk_logits(
+        self, h: torch.Tensor, head: torch.Tensor, acc: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk's logits ``transform(h @ head.T)`` in ``acc`` (scaled in place), and the soft-cap's tanh, which
+        the backward's derivative needs (None without a cap)."""
+        logits = (h @ head.t()).to(acc)
+        capped = None
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap:
+            capped = torch.tanh(logits / self.softcap)
+            logits = capped * self.softcap
+        return logits, capped
+
     def describe(self) -> str:
         parts = []
         if self.scale != 1.0:
@@ -97,13 +111,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             index = rows[start : start + chunk]
             h = hidden.index_select(0, index)
             t = targets.index_select(0, index)
-            logits = (h @ head.t()).to(acc)
-            capped = None
-            if transform.scale != 1.0:
-                logits.mul_(transform.scale)
-            if transform.softcap:
-                capped = torch.tanh(logits / transform.softcap)
-                logits = capped * transform.softcap
+            logits, capped = transform.chunk_logits(h, head, acc)
             picked = logits.gather(1, t[:, None]).squeeze(1)
             top = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more

@@ -381,13 +381,7 @@ def _chunk_logits(
     h: torch.Tensor, head: torch.Tensor, transform: LogitTransform, temperature: float, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``transform(h @ head.T) / temperature`` in ``acc``, and the soft-cap's tanh (its derivative needs it)."""
-    z = (h @ head.t()).to(acc)
-    capped = None
-    if transform.scale != 1.0:
-        z.mul_(transform.scale)
-    if transform.softcap:
-        capped = torch.tanh(z / transform.softcap)
-        z = capped * transform.softcap
+    z, capped = transform.chunk_logits(h, head, acc)
     return z.div_(temperature), capped
 
 
