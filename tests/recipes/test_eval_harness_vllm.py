@@ -1,0 +1,104 @@
+"""``hf-fsdp2 eval-harness`` with lm-eval's vLLM backend (issue 44 item 3), run in .venv-vllm (vLLM pins
+transformers<5.20; scripts/setup_vllm.sh installs lm-eval and the trainer's dependencies there): on the local tasks
+its greedy answers equal transformers' token for token and its log-likelihoods equal a direct computation with
+transformers (in this environment, transformers 5.24) on the same items (the answers up to the leading space vLLM's detokenizer keeps, which the
+task's exact_match ignores). Skipped, with the reason, without
+.venv-vllm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from support.harness import direct_scores, harness_answers, harness_logliks
+from support.launch import REPO
+
+from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK, write_local_tasks
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+N = 4  # items per local task
+# slow: ~160 s here at load ~8 (vLLM's import and engine start in a process of its own), as the SmolLM2 harness test.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it (setup.sh runs it)",
+    ),
+]
+# The command's code path (evaluate_and_report, as `hf-fsdp2 eval-harness MODEL --tasks ... --backend vllm`), with
+# lm-eval's per-item samples kept so that answers and log-likelihoods can be compared item by item.
+RUN = """
+import json, sys
+from pathlib import Path
+from hf_fsdp2.harness.evaluate import evaluate_and_report
+from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK, write_local_tasks
+report = evaluate_and_report(Path(sys.argv[1]), [DATES_TASK, DATES_MC_TASK], local_items=int(sys.argv[2]),
+                             log_samples=True, device="cpu", backend="vllm")
+keep = {t: [{"doc_id": s["doc_id"], "filtered_resps": s["filtered_resps"]} for s in v]
+        for t, v in report.after["samples"].items()}
+print("RESULT " + json.dumps({**{k: v for k, v in report.after.items() if k != "samples"}, "samples": keep}))
+"""
+
+
+def _model(folder: Path) -> Path:
+    """A tiny Llama vLLM's CPU attention takes (head size 32), its head untied and random, so that greedy answers are
+    non-empty strings of many tokens (a tied random head repeats the prompt's last token: a newline, answer "")."""
+    from support.tiny import (
+        CHATML_SPECIAL_TOKENS,
+        CHATML_TEMPLATE,
+        build_llama2_test_tokenizer,
+        save_tokenizer,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    tok.pad_token = tok.eos_token
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    save_tokenizer(tok, folder)
+    return folder
+
+
+def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = _model(tmp_path / "model")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}  # fmt: skip
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", RUN, str(model), str(N)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line.removeprefix("RESULT "))
+    assert got["backend"] == "vllm" and got["backend_reason"] == "vllm imports in this environment"
+    direct = direct_scores(
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model),
+        N,
+    )
+    answers = harness_answers(got["samples"][DATES_TASK])
+    # Greedy: the same tokens. vLLM detokenizes them in the prompt's context, so the SentencePiece tokenizer's first
+    # token keeps its space; transformers decodes them alone and drops it. The task's exact_match ignores it.
+    assert [a.lstrip() for a in answers] == direct["answers"] and all(len(a) > 10 for a in direct["answers"])
+    assert all(a.startswith(" ") for a in answers), answers
+    spec = yaml.safe_load((write_local_tasks(tmp_path / "tasks", n=1) / f"{DATES_TASK}.yaml").read_text())
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+
+    kwargs = {k: v for k, v in spec["metric_list"][0].items() if k == "regexes_to_ignore"}
+    assert exact_match_hf_evaluate([answers[0]], [direct["answers"][0]], **kwargs)["exact_match"] == 1.0
+    logliks = [x for row in harness_logliks(got["samples"][DATES_MC_TASK]) for x in row]
+    # vLLM's kernels (fused q/k/v, gate/up) round differently from transformers': ~1e-5 nats on ~-100 here.
+    assert logliks == pytest.approx([x for row in direct["logliks"] for x in row], abs=1e-3)
+    assert got["tasks"][DATES_TASK]["exact_match"] == direct["exact_match"]
+    assert got["tasks"][DATES_MC_TASK]["acc"] == direct["acc"] and got["tasks"][DATES_MC_TASK]["n"] == N
+    saved = json.loads((model / "eval_harness.json").read_text())["after"]
+    assert saved["backend"] == "vllm" and saved["tasks"] == got["tasks"]
