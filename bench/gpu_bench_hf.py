@@ -34,8 +34,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
             return {"skipped": f"mixed_precision=fp8: {problem}"}
     torch._dynamo.reset()
     model = build(args, device)
+    converted: list[str] = []
     if fp8 is not None:  # before the optimizer and fully_shard, as the recipe does (trainer/model.py)
-        convert_float8(model, ("LlamaDecoderLayer",), fp8)
+        converted = convert_float8(model, ("LlamaDecoderLayer",), fp8).converted
     flops = flops_model(model.config, non_embedding_params(model))
     opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
@@ -55,10 +56,22 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     def step(i: int) -> Any:  # the library's own step: the one every recipe runs
         return train_step(model, opt, None, [batches[i]], settings, device)
 
+    # FP8: before each warm-up step, the same forward without float8 casts at the same weights, and the loss bound of
+    # hf_fsdp2/parallel/float8_bound.py from it (the GPU check holds each warm-up step's FP8 loss to it)
+    reference = build(args, device).to(COMPUTE_DTYPE[device.type]) if fp8 is not None else None
+    probes: list[dict[str, float]] = []
     start = time.perf_counter()
-    outs = [step(i) for i in range(args.warmup)]  # compile happens here: not timed
+    outs = []
+    for i in range(args.warmup):  # compile happens here: not timed
+        probe = same_weights_reference(model, reference, converted, batches[i], device) if reference else None
+        outs.append(step(i))
+        if probe is not None:
+            probes.append({"step": i, "fp8_loss": outs[-1].loss(), **probe})
     sync(device)
     warmup_s = time.perf_counter() - start
+    if reference is not None:  # the timed steps' memory peak without the reference model
+        del reference
+        release_cache(device)
     compiled = watch.take()
     start = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
@@ -69,6 +82,7 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     return {
         # every step's loss, read after the clock stopped (a read waits for the device)
         "losses": [o.loss() for o in outs],
+        **({"fp8_probes": probes} if fp8 is not None else {}),
         "layers": model.config.num_hidden_layers,
         "precision": precision,
         **summarize(counts, seconds),
@@ -80,6 +94,55 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
         "recompiles_total": compiled.get("recompiles", 0.0),
         "warmup_s": warmup_s,
     }
+
+
+# The dtype the reference computes in: the FSDP2 policy's (bf16 on a GPU; fp32 on CPU, where the bench runs "no").
+COMPUTE_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+
+
+def same_weights_reference(
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    converted: list[str],
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+) -> dict[str, float]:
+    """The FP8 model's current weights loaded into ``reference`` (no float8 linears, eager, the compute dtype), its
+    loss on ``batch`` (the recipe's: summed CE over the target tokens) and the run-time FP8 loss bound from its
+    forward and backward (``Float8BoundProbe``)."""
+    from hf_fsdp2.parallel.float8 import without_float8_wrapper
+    from hf_fsdp2.parallel.float8_bound import Float8BoundProbe
+    from hf_fsdp2.train.loss import causal_lm_loss, count_target_tokens, plan_loss
+
+    dtype = next(reference.parameters()).dtype
+    state = {}
+    for key, value in model.state_dict().items():
+        plain = without_float8_wrapper(value)
+        plain = plain.full_tensor() if hasattr(plain, "full_tensor") else plain
+        # regional compile and activation checkpointing wrap modules: the plain model's names have neither
+        name = key.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        state[name] = plain.detach().to(dtype)
+    reference.load_state_dict(state)
+    reference.zero_grad(set_to_none=True)
+    inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+    probe = Float8BoundProbe(reference, converted, ("LlamaDecoderLayer",), dtype)
+    with probe:
+        out = causal_lm_loss(
+            reference, inputs, batch["labels"].to(device), plan_loss(reference, 0, probe=False)
+        )
+        loss = out.ce_sum.float() / count_target_tokens(batch["labels"])
+        loss.backward()
+    bound = probe.result()
+    reference.zero_grad(set_to_none=True)
+    return {"ref_loss": float(loss), "bound": bound.bound, "worst_case": bound.worst}
+
+
+def release_cache(device: torch.device) -> None:
+    """Free what was released (the reference model) and start the memory peak again."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def release(acc: Any) -> None:

@@ -14,6 +14,9 @@ The bound (tests/distributed/workers/float8_worker.py computes it from the run's
 * The loss, to first order: ``|L_fp8 - L| <= sum over converted linears of sum(|dL/dy| e_y)``, with dL/dy and the
   operands from the fp32 reference at the same weights (loaded from the FP8 model before each step).
 * e5m2 (the gradients' format: 2 mantissa bits, u = 2^-3) is bounded the same way in tests/unit/test_float8_units.py.
+* The GPU check's bound (hf_fsdp2/parallel/float8_bound.py): the same casts, their errors independent and uniform
+  over their rounding intervals, summed by Bernstein's inequality instead of in the same direction; checked at every
+  step beside the first-order one, and shown able to fail on deliberately broken FP8 forwards.
 
 The training steps between the checks run in FP8 (weights updated from float8 gradients), so every step checks a
 new point of the FP8 trajectory.
@@ -44,7 +47,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def numerics(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("fp8-numerics")
-    torchrun(WORKER, ["--model", str(tiny[0]), "--out", str(out), "--steps", "3"], nproc=2)
+    torchrun(WORKER, ["--model", str(tiny[0]), "--out", str(out), "--steps", "3", "--broken"], nproc=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -59,8 +62,34 @@ def test_fp8_linears_and_loss_within_the_e4m3_bound(numerics: list[dict]) -> Non
             assert step["linear_ratio_min"] > 0.01, step
             assert abs(step["loss"] - step["ref_loss"]) <= step["bound"], step
             assert step["loss"] != step["ref_loss"]  # the FP8 forward is not the fp32 one
+            # the GPU check's run-time bound (hf_fsdp2/parallel/float8_bound.py): holds, and is far sharper than the
+            # first-order worst case of the same casts
+            assert abs(step["loss"] - step["ref_loss"]) <= step["sharp_bound"] < step["sharp_worst"] / 20, (
+                step
+            )
     # the runs moved: three different FP8 trajectory points per rank
     assert len({s["ref_loss"] for s in numerics[0]["steps"]}) == 3
+
+
+def test_broken_fp8_forwards_fail_the_run_time_bound(numerics: list[dict]) -> None:
+    """The bound the GPU check holds FP8 to can fail: on the same ranks, after the 3 steps, deliberately broken FP8
+    forwards (float8_worker.MUTATIONS: a weight scale off by 4x in FSDP2's float8 all-gather, inputs cast with the
+    scale of a stale amax 16x too small) land outside it on some of their 4 batches, where the unbroken forward stays
+    inside on every one. The first-order tolerance this bound replaced (``2 (layers 2^-4 + 2 2^-8) loss``: 2.7 nats
+    here) passes every one of them: their losses move by 1e-2..6e-2 nats."""
+    for rank in numerics:
+        ratios = {
+            b["mutation"]: [abs(x["loss"] - x["ref_loss"]) / x["bound"] for x in b["batches"]]
+            for b in rank["broken"]
+        }
+        assert sorted(ratios) == ["none", "scale:0.25", "stale:16"] and all(
+            len(r) == 4 for r in ratios.values()
+        )
+        assert max(ratios["none"]) <= 1.0, ratios
+        assert max(ratios["scale:0.25"]) > 1.0 and max(ratios["stale:16"]) > 1.0, ratios
+        old = [2 * (2 * 2.0**-4 + 2 * 2.0**-8) * x["ref_loss"] for b in rank["broken"] for x in b["batches"]]
+        moved = [abs(x["loss"] - x["ref_loss"]) for b in rank["broken"] for x in b["batches"]]
+        assert all(m < o for m, o in zip(moved, old, strict=True))
 
 
 def test_all_gather_carries_float8_bytes(numerics: list[dict]) -> None:

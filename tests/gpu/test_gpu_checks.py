@@ -34,7 +34,7 @@ from hf_fsdp2.observe.logs import read_metrics
 
 from .assets import make_model_dir
 from .conftest import Check, dry_run
-from .tolerances import bf16_loss_tolerance, fp8_loss_tolerance
+from .tolerances import bf16_loss_tolerance, fp8_probe_figures
 
 pytestmark = pytest.mark.gpu
 
@@ -443,7 +443,10 @@ def test_gpu_bench_quick(check: Check) -> None:
     budget), regional compile recompiles during the timed steps (dynamo's counters), or the eager and compiled
     losses of a step differ by more than the derived bf16 tolerance (tests/gpu/tolerances.py). FP8: with FP8 tensor
     cores (sm_89+) the regional runner's ``mixed_precision fp8`` twin too: tokens/s of both, no recompile after the
-    warm-up, each step's loss within the derived e4m3 bound of the bf16 one (``fp8_loss_tolerance``)."""
+    warm-up, and each warm-up step's FP8 loss within the bound derived from e4m3 rounding of the loss of the same
+    forward without float8 casts at the same weights (hf_fsdp2/parallel/float8_bound.py, computed by the runner from
+    that reference forward's own tensors; ``fp8_probe_max_ratio`` <= 1). The FP8 trajectory is not compared with
+    the bf16 one step by step: after the first update the two runs hold different weights."""
     bench = load_script("gpu_bench", REPO / "bench" / "gpu_bench.py")
     out = check.work / "gpu_bench.json"
     argv = ["--quick", "--out", str(out), "--work", str(check.work / "bench")]
@@ -488,12 +491,9 @@ def test_gpu_bench_quick(check: Check) -> None:
         fp8 is not None
     ):  # mixed_precision fp8 (regional compile): no recompile after warm-up, loss within bound
         assert fp8["recompiles_timed"] == 0, fp8
-        fp8_tol = [fp8_loss_tolerance(c, runs["regional"]["layers"]) for c in compiled]
-        check.figures["fp8_max_loss_diff_over_tolerance"] = max(
-            abs(f - c) / t for c, f, t in zip(compiled, fp8["losses"], fp8_tol, strict=True)
-        )
+        check.figures.update(fp8_probe_figures(fp8["fp8_probes"]))
         check.figures["fp8_over_bf16_tokens_per_s"] = fp8["tokens_per_s"] / runs["regional"]["tokens_per_s"]
-        assert check.figures["fp8_max_loss_diff_over_tolerance"] <= 1.0, (compiled, fp8["losses"], fp8_tol)
+        assert check.figures["fp8_probe_max_ratio"] <= 1.0, fp8["fp8_probes"]
 
 
 @pytest.mark.budget(75)

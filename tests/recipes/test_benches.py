@@ -224,6 +224,17 @@ def test_gpu_bench_fp8_flag_runs_a_bf16_and_an_fp8_twin(tmp_path: Path):
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
     for r in (bf16, fp8):
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["timed_tokens"] == 256
-    # the same init and rows: the first step's loss (before any update) differs by the float8 rounding (its bound
-    # is tested in tests/distributed/test_float8.py)
+    # the same init and rows: the first step's loss (before any update) differs by the float8 rounding
     assert fp8["losses"][0] != bf16["losses"][0] and all(math.isfinite(x) for x in fp8["losses"])
+    # the GPU check's FP8 comparison on this CPU run: the warm-up step's FP8 loss within the run-time bound of the
+    # same forward without float8 casts at the same weights (hf_fsdp2/parallel/float8_bound.py); the reference is
+    # the bf16 runner's maths (fp32 here), so its loss is the bf16 runner's first one
+    from gpu.tolerances import fp8_probe_figures
+
+    figures = fp8_probe_figures(fp8["fp8_probes"])
+    probe = fp8["fp8_probes"][0]
+    assert len(fp8["fp8_probes"]) == 1 and probe["step"] == 0 and probe["fp8_loss"] == fp8["losses"][0]
+    assert abs(probe["ref_loss"] - bf16["losses"][0]) < 1e-5
+    assert figures["fp8_probe_max_ratio"] <= 1.0, fp8["fp8_probes"]
+    # far sharper than the first-order worst case, and the rounding is visible in it
+    assert figures["fp8_bound"][0] < figures["fp8_worst_case"][0] / 20 and figures["fp8_loss_diff"][0] > 0

@@ -22,6 +22,7 @@ from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
 from hf_fsdp2.parallel.float8 import convert_float8, finish_float8, float8_weight_names
+from hf_fsdp2.parallel.float8_bound import Float8BoundProbe
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 # e4m3fn: 3 mantissa bits (round to nearest: relative error <= 2^-4 for normal values), largest 448, subnormal
@@ -42,15 +43,100 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return getattr(full, "_tensor", full).detach().clone().float()
 
 
+# Deliberately broken FP8 forwards, each a bug the run-time loss bound must catch (test_float8.py), compared on
+# BROKEN_BATCHES batches each (with random tokens a bug moves the loss by a sum of random signs too: one batch can
+# land inside the bound by chance, several cannot):
+# "none": the control, the FP8 forward as it is (must pass on every batch);
+# "scale:0.25": FSDP2's float8 all-gather hands the dequantisation a weight scale 4x too small (a scale off by a
+#               factor: every float8 weight comes back 4x itself);
+# "stale:16": each input cast with the scale of an amax 16x too small (a stale amax): its larger values clip at 448.
+MUTATIONS = ("none", "scale:0.25", "stale:16")
+BROKEN_BATCHES = 4
+
+
+def _patch(mutation: str) -> list[tuple[object, str, object]]:
+    """Apply ``mutation`` to torchao's float8 casts; returns what to restore."""
+    import torchao.float8.float8_linear as f8_linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import tensor_to_scale
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    kind, _, factor_text = mutation.partition(":")
+    factor = float(factor_text or 1)
+    if kind == "scale":
+        original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+        def pre_all_gather(self, mesh):  # type: ignore[no-untyped-def]
+            data, (scale,) = original(self, mesh)
+            return data, (scale * factor,)
+
+        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre_all_gather  # type: ignore[method-assign]
+        return [(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", original)]
+    if kind == "stale":
+
+        def cast(hp, dtype, mm_config, *a, gemm_input_role=GemmInputRole.INPUT, **k):  # type: ignore[no-untyped-def]
+            if gemm_input_role is not GemmInputRole.INPUT:
+                return hp_tensor_to_float8_dynamic(
+                    hp, dtype, mm_config, *a, gemm_input_role=gemm_input_role, **k
+                )
+            scale = tensor_to_scale(hp, dtype) * factor
+            return hp_tensor_and_scale_to_float8(hp, scale, dtype, mm_config, gemm_input_role)
+
+        f8_linear.hp_tensor_to_float8_dynamic = cast  # type: ignore[assignment]
+        return [(f8_linear, "hp_tensor_to_float8_dynamic", hp_tensor_to_float8_dynamic)]
+    return []
+
+
+def break_and_compare(
+    mutation: str,
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    probe: Float8BoundProbe,
+    gen: torch.Generator,
+) -> dict:
+    """The FP8 model's loss with ``mutation`` applied against the reference at the same weights, and the bound, on
+    BROKEN_BATCHES batches."""
+    with torch.no_grad():
+        reference.load_state_dict({k: plain(v) for k, v in model.state_dict().items()})
+    rows = []
+    for _ in range(BROKEN_BATCHES):
+        ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+        with probe:
+            ref_loss = reference(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+        bound = probe.result()
+        reference.zero_grad(set_to_none=True)
+        restore = _patch(mutation)
+        try:
+            with torch.no_grad():
+                loss = float(model(input_ids=ids, labels=ids).loss)
+        finally:
+            for owner, name, value in restore:
+                setattr(owner, name, value)
+        rows.append({"loss": loss, "ref_loss": float(ref_loss), "bound": bound.bound, "worst": bound.worst})
+    return {"mutation": mutation, "batches": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--broken", action="store_true", help="after the steps, the deliberately broken FP8 forwards"
+    )
+    ap.add_argument(
+        "--weight-scale", type=float, default=1.0, help="multiply the loaded matrices (see the test)"
+    )
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     rank, world = acc.process_index, acc.num_processes
     model = load_model(args.model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.mul_(args.weight_scale)
     reference = copy.deepcopy(model)  # unsharded fp32, this rank's own
     layer_cls = decoder_layer_classes(model)
     plan = Float8Plan(emulate=True)
@@ -96,6 +182,7 @@ def main() -> None:
 
     for name in report.converted:
         model.get_submodule(name).register_forward_hook(check_linear(name))
+    probe = Float8BoundProbe(reference, report.converted, list(layer_cls), torch.float32)
     gen = torch.Generator().manual_seed(100 + rank)
     steps = []
     for _ in range(args.steps):
@@ -110,8 +197,12 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ref_loss = reference(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
+        with (
+            probe
+        ):  # the run-time bound (hf_fsdp2/parallel/float8_bound.py) from the same forward and backward
+            ref_loss = reference(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+        sharp = probe.result()
         # First-order bound: |dL| <= sum over converted linears of sum(|dL/dy| * E), with E the elementwise bound of
         # |y_fp8 - y| = |x^ W^T - x W^T| <= e(x) |W|^T + |x| e(W)^T + e(x) e(W)^T.
         bound = 0.0
@@ -126,12 +217,15 @@ def main() -> None:
                 "loss": float(loss),
                 "ref_loss": float(ref_loss),
                 "bound": bound,
+                "sharp_bound": sharp.bound,
+                "sharp_worst": sharp.worst,
                 "forward_sent": forward_sent,
                 "linear_ratio": max(ratios.values()),
                 "linear_ratio_min": min(ratios.values()),
             }
         )
         ratios.clear()
+    broken = [break_and_compare(m, model, reference, probe, gen) for m in MUTATIONS] if args.broken else []
     expected = {"float8": 0, "other": 0}
     for name, param in model.named_parameters():
         key = "float8" if name in float8_names else "other"
@@ -143,6 +237,7 @@ def main() -> None:
         "float8_names": float8_names,
         "expected_bytes": expected,
         "steps": steps,
+        "broken": broken,
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     acc.end_training()
