@@ -31,7 +31,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The test environment's site-packages: .venv's own and, where scripts/setup.sh made .venv over a shared base venv,
+    # the base's (added by a .pth file there, which a plain path line here does not run).
+    own = sysconfig.get_paths()["purelib"]
+    deps = [own, *(p for p in sys.path if p.rstrip("/").endswith("site-packages") and p != own)]
+    Path(site, "deps.pth").write_text("".join(f"{p}\n" for p in deps))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     return venv
