@@ -171,7 +171,7 @@ print(f"exact match before: {before['exact_match']:.0%}   after: {after['exact_m
       f"({before['n']} held-out dates, {seconds} s in all)")
 PY
 echo "== lm-evaluation-harness, local tasks (hf-fsdp2 eval-harness): the base model before, $OUT/$RUN$SCORED after"
-# The table, then the results' JSON line (kept in $OUT/$RUN$SCORED/eval_harness.json and its README.md model card).
+# The table and the line naming the results' JSON and the model card; the JSON line after them is for scripts.
 $HF eval-harness "$OUT/$RUN$SCORED" --base "$model" --tasks hf_fsdp2_dates,hf_fsdp2_dates_mc --local-items 16 \
     --batch-size 16 | head -n -1
 if [[ "$RUN" == qlora ]]; then

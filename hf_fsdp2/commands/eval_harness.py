@@ -18,6 +18,7 @@ def _run_eval_harness(args: argparse.Namespace) -> int:
     from hf_fsdp2.export import ExportError
     from hf_fsdp2.harness.evaluate import evaluate_and_report
     from hf_fsdp2.harness.models import HarnessError
+    from hf_fsdp2.harness.report import results_note
 
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     try:
@@ -31,6 +32,8 @@ def _run_eval_harness(args: argparse.Namespace) -> int:
         return user_error("eval-harness", err)
     for line in report.table:
         print(line)
+    # A person reading the table learns where the rest is; the JSON line stays last, for scripts.
+    print(results_note(report.results_path, report.card, report.after, report.before))
     summary = {"results": str(report.results_path), "model_card": str(report.card) if report.card else None}
     summary["tasks"] = report.after["tasks"]  # type: ignore[assignment]
     print(json.dumps(summary))
@@ -45,9 +48,9 @@ def register_eval_harness(subparsers: Subparsers) -> None:
             "Run lm-evaluation-harness (pip install 'hf_fsdp2[eval]') on MODEL: an export folder, a LoRA adapter "
             "folder (over the base its adapter_config.json names), a checkpoint-<step> folder (exported first, as "
             "`hf-fsdp2 export` does: gather-free, verified) or a hub id. The vLLM backend where vllm imports, "
-            "transformers otherwise. Prints a markdown table and a JSON line; writes the results as JSON "
-            "(MODEL/eval_harness.json; beside a checkpoint: <run>/eval_harness-checkpoint-<step>.json) and a "
-            "section of MODEL/README.md, the model card. Local tasks that need no hub: hf_fsdp2_dates "
+            "transformers otherwise. Prints a markdown table, a line naming the files written and lm-eval's "
+            "seconds, and a JSON line; writes the results as JSON (MODEL/eval_harness.json; beside a checkpoint: "
+            "<run>/eval_harness-checkpoint-<step>.json) and a section of MODEL/README.md, the model card. Local tasks that need no hub: hf_fsdp2_dates "
             "(generate_until) and hf_fsdp2_dates_mc (multiple_choice); docs/evaluation-harness.md."
         ),
     )

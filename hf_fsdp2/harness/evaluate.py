@@ -163,8 +163,7 @@ def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None)
             "complete and unchanged. Rerun the evaluation with: %s", done.returncode, folder, rerun,
         )  # fmt: skip
         return None
-    for line in lines[:-1]:
+    for line in lines[:-1]:  # the table, then the line naming the results' JSON and the card
         logger.info("eval-harness %s", line)
     result: dict[str, Any] = json.loads(lines[-1])
-    logger.info("eval-harness results: %s", result["results"])
     return result

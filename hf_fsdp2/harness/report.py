@@ -44,6 +44,28 @@ def results_table(after: dict[str, Any], before: dict[str, Any] | None = None) -
     return lines
 
 
+def results_note(
+    results: Path, card: Path | None, after: dict[str, Any], before: dict[str, Any] | None = None
+) -> str:
+    """The line under the table: where every figure went and how long lm-eval took on each model.
+
+    Args:
+        results: the JSON written (:func:`write_results`).
+        card: the model card that got the section, or None.
+        after: the model's results; before: the base model's, or None.
+
+    Returns:
+        ``results: PATH (...); model card: PATH; lm-eval N s on the model (+ M s on the base)``.
+    """
+    where = f"results: {results} (every metric with its stderr, the items, the settings)"
+    if card is not None:
+        where += f"; model card: {card}"
+    took = f"lm-eval {after['seconds']:.0f} s on the model"
+    if before is not None:
+        took += f" + {before['seconds']:.0f} s on the base"
+    return f"{where}; {took}"
+
+
 def card_section(after: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     """The model card's benchmark section: the table and how it was measured."""
     s = after["settings"]

@@ -85,6 +85,14 @@ def test_adapter_over_its_base_with_a_before_after_table(base: Path, tmp_path: P
     out = capsys.readouterr().out
     assert "| task | metric | before | after | change | items |" in out
     saved = json.loads((adapter / "eval_harness.json").read_text())
+    # Under the table, for a person (scripts/demo.sh prints all but the JSON line): where the figures are, how long.
+    note = out.splitlines()[-2]
+    assert note == (
+        f"results: {adapter / 'eval_harness.json'} (every metric with its stderr, the items, the settings); "
+        f"model card: {adapter / 'README.md'}; lm-eval {saved['after']['seconds']:.0f} s on the model + "
+        f"{saved['before']['seconds']:.0f} s on the base"
+    )
+    assert json.loads(out.splitlines()[-1])["results"] == str(adapter / "eval_harness.json")
     after, before = _direct(base, adapter), _direct(base)
     assert after["logliks"] != before["logliks"]  # the adapter changes the model
     assert saved["after"]["tasks"][DATES_MC_TASK]["acc"] == after["acc"]
