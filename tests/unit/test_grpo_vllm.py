@@ -106,8 +106,11 @@ def test_vllm_keys_trl_defaults_and_refusals() -> None:
         GrpoArgs(vllm_importance_sampling_cap=2.0).is_clip_max == 2.0
     )  # TRL's deprecated name sets clip_max
     assert GrpoArgs(vllm_server_base_url="http://h:9/").vllm_url == "http://h:9/"
-    with pytest.raises(ConfigError, match="vllm_mode=colocate is not built: .*transformers<5.20"):
-        GrpoArgs(reward_funcs=["format"], use_vllm=True, vllm_mode="colocate").validate()
+    GrpoArgs(
+        reward_funcs=["format"], use_vllm=True, vllm_mode="colocate"
+    ).validate()  # built: needs vLLM at run
+    with pytest.raises(ConfigError, match=r"vllm_gpu_memory_utilization=1.5 is not a fraction in \(0, 1\]"):
+        GrpoArgs(vllm_gpu_memory_utilization=1.5).validate()
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='tok' is not one of token_truncate"):
         GrpoArgs(vllm_importance_sampling_mode="tok").validate()
     with pytest.raises(ConfigError, match="clip_min=3.0 must be below vllm_importance_sampling_clip_max=3.0"):
@@ -298,3 +301,22 @@ def test_vllm_serve_finds_a_python_with_vllm_or_says_how_to_build_one(tmp_path, 
     cmd = vllm_serve.server_command(args, "/py")
     assert cmd[:3] == ["/py", "-P", str(vllm_serve.SERVER)] and vllm_serve.SERVER.exists()
     assert cmd[cmd.index("--port") + 1] == "9" and cmd[-2:] == ["--max-model-len", "128"]
+
+
+def test_colocate_in_a_python_without_vllm_stops_before_loading_and_names_the_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """This Python (.venv) has no vLLM: the recipe's objective refuses colocate, naming .venv-vllm's command."""
+    import importlib.util
+
+    from hf_fsdp2.config.parse import parse_config
+    from hf_fsdp2.methods.grpo.objective import grpo_objective
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python imports vllm: colocate runs here")
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\nreward_funcs: [format]\n"
+                      "use_vllm: true\nvllm_mode: colocate\n")  # fmt: skip
+    cfg = parse_config(["--config", str(recipe)], section=GrpoArgs, recipe="grpo")
+    with pytest.raises(
+        ConfigError, match=r"cannot import vllm .*\.venv-vllm/bin/python -m hf_fsdp2.cli train grpo"
+    ):
+        grpo_objective(cfg)

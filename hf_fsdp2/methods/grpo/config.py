@@ -189,7 +189,8 @@ class GrpoArgs:
     vllm_mode: str = field(
         default="server",
         metadata={
-            "help": "server: a separate hf-fsdp2 vllm-serve process (colocate is not built: docs/grpo.md)."
+            "help": "server: a separate hf-fsdp2 vllm-serve process; colocate: vLLM in each training process "
+            "(run with .venv-vllm's python: docs/grpo.md)."
         },
     )
     vllm_server_base_url: str | None = field(
@@ -205,7 +206,12 @@ class GrpoArgs:
         metadata={"help": "Seconds one request may take (a rank's rollout, a layer's weights)."},
     )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "vllm_mode colocate only (not built); the server takes its own flag."}
+        default=0.3,
+        metadata={"help": "vllm_mode colocate: each engine's GPU memory fraction (the server: a flag)."},
+    )
+    vllm_enable_sleep_mode: bool = field(  # issue 42 item 6, colocate (helper "colocate")
+        default=False,
+        metadata={"help": "colocate: the engine sleeps outside rollouts (GPU only; CPU vLLM has none)."},
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
@@ -285,15 +291,13 @@ class GrpoArgs:
               "weight per function")  # fmt: skip
 
     def validate_vllm(self) -> None:
-        """The vLLM keys' checks (colocate refused: why in docs/grpo.md)."""
+        """The vLLM keys' checks (colocate's vLLM import: at the run's start, vllm_colocate.require_vllm)."""
         check(
             self.vllm_mode in ("server", "colocate"),
             f"vllm_mode={self.vllm_mode!r} is not server or colocate",
         )
-        check(not (self.use_vllm and self.vllm_mode == "colocate"), "vllm_mode=colocate is not built: vLLM would "
-              "run inside each training process, but vLLM 0.32 pins transformers<5.20 (and its own torch) while the "
-              "trainer's environment has transformers 5.24, so it cannot import beside the trainer and colocate could not "
-              "be tested; use vllm_mode: server with `hf-fsdp2 vllm-serve --model <model> --port <port>`")  # fmt: skip
+        check(0 < self.vllm_gpu_memory_utilization <= 1, f"vllm_gpu_memory_utilization="
+              f"{self.vllm_gpu_memory_utilization} is not a fraction in (0, 1]")  # fmt: skip
         check(self.vllm_importance_sampling_mode in IS_MODES, f"vllm_importance_sampling_mode="
               f"{self.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}")  # fmt: skip
         low, high = self.vllm_importance_sampling_clip_min, self.is_clip_max

@@ -169,7 +169,13 @@ def _build_grpo(
                                 gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
                                 generation_kwargs=sampling_kwargs(g.generation_kwargs))  # fmt: skip
     generator: Any
-    if g.use_vllm:  # issue 42 items 6-7: rollouts from the vLLM server, weights sent after each update
+    colocate = g.use_vllm and g.vllm_mode == "colocate"
+    if colocate:  # issue 42 item 6: an engine in each rank, the weights loaded in-process
+        from hf_fsdp2.methods.grpo.vllm_colocate import build_colocate_generator
+
+        generator = build_colocate_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
+                                             session.device, str(cfg.model.model_name_or_path), cfg.data.max_length)  # fmt: skip
+    elif g.use_vllm:  # issue 42 items 6-7: rollouts from the vLLM server, weights sent after each update
         generator = build_vllm_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
                                          session.device)  # fmt: skip
     else:
@@ -231,6 +237,10 @@ def grpo_objective(cfg: Config) -> Objective:
           "prompt and one completion each, padded; set both to false")  # fmt: skip
     check(not (g.use_vllm and cfg.peft.use_peft), "use_vllm with use_peft is not built: the server would need the "
           "adapter merged into each layer before it is sent; train without LoRA, or without vLLM")  # fmt: skip
+    if g.use_vllm and g.vllm_mode == "colocate":  # before any loading: this Python must import vLLM
+        from hf_fsdp2.methods.grpo.vllm_colocate import require_vllm
+
+        require_vllm()
     check(not (g.use_vllm and g.generation_kwargs), f"generation_kwargs={g.generation_kwargs!r} with use_vllm: those "
           "are transformers GenerationConfig fields, which the vLLM server does not take; remove them")  # fmt: skip
     check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
