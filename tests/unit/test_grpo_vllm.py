@@ -317,6 +317,7 @@ def test_colocate_in_a_python_without_vllm_stops_before_loading_and_names_the_co
                       "use_vllm: true\nvllm_mode: colocate\n")  # fmt: skip
     cfg = parse_config(["--config", str(recipe)], section=GrpoArgs, recipe="grpo")
     with pytest.raises(
-        ConfigError, match=r"cannot import vllm .*\.venv-vllm/bin/python -m hf_fsdp2.cli train grpo"
+        ConfigError,
+        match=r"cannot import vllm .*\.venv-vllm/bin/python -m hf_fsdp2.cli train grpo --config_file .*fsdp2",
     ):
         grpo_objective(cfg)

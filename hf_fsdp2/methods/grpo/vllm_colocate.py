@@ -5,8 +5,9 @@ into every rank's engine.
 
 - Where it runs: a Python that imports both the trainer and vLLM. vLLM pins transformers<5.20 and its own torch,
   so that is ``.venv-vllm`` (``scripts/setup_vllm.sh`` installs the trainer's dependencies there under vLLM's pins):
-  ``PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli train grpo --config r.yaml``. Elsewhere the recipe
-  stops before loading with that command (:func:`require_vllm`).
+  ``PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli train grpo --config_file accelerate_configs/...
+  --config r.yaml`` (:func:`run_command`). Elsewhere the recipe stops before loading with that command
+  (:func:`require_vllm`).
 - Weights: one decoder layer at a time, straight from the FSDP2 shards: every rank all-gathers each parameter
   (``DTensor.full_tensor``, the same calls in the same order on every rank) and hands it to its engine's in-place
   reload, which fuses q/k/v and gate/up itself and frees it before the next; no rank builds the whole model apart
@@ -56,8 +57,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def run_command() -> str:
-    """The command that runs the GRPO recipe with the Python of the vLLM environment."""
-    return f"PYTHONPATH={REPO} {REPO / '.venv-vllm' / 'bin' / 'python'} -m hf_fsdp2.cli train grpo --config <recipe>"
+    """The command that runs the GRPO recipe with the Python of the vLLM environment (hf_fsdp2 from the checkout, where
+    the accelerate config is named by path: the packaged copy is only in an installed hf_fsdp2)."""
+    config = "fsdp2.yaml" if torch.cuda.is_available() else "fsdp2_cpu.yaml"
+    return (f"PYTHONPATH={REPO} {REPO / '.venv-vllm' / 'bin' / 'python'} -m hf_fsdp2.cli train grpo --config_file "
+            f"{REPO / 'accelerate_configs' / config} --config <recipe>")  # fmt: skip
 
 
 def require_vllm() -> None:
