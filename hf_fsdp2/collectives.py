@@ -397,6 +397,13 @@ def gone_ranks(wait_s: float = 2.0) -> list[int]:
     return []
 
 
+_PACKAGE = Path(os.path.realpath(__file__)).parent
+
+
+def _in_package(filename: str) -> bool:
+    return Path(os.path.realpath(filename)).is_relative_to(_PACKAGE)
+
+
 def _where(error: BaseException) -> str:
     """``"all_gather_object in rollout (hf_fsdp2/methods/grpo/step.py:106)"``: the torch.distributed call that
     failed and the library's code that made it (from the traceback; "" when neither is in it)."""
@@ -406,12 +413,13 @@ def _where(error: BaseException) -> str:
         name = frame.filename.replace(os.sep, "/")
         if name.endswith("torch/distributed/distributed_c10d.py") and not frame.name.startswith("_"):
             call = frame.name
-            ours = [f for f in frames[:i] if "/hf_fsdp2/" in f.filename.replace(os.sep, "/")]
-            ours = [f for f in ours if not f.filename.endswith("collectives.py")] or ours
+            # The package's own frames by its folder, not by a "/hf_fsdp2/" in the path: dependencies installed under
+            # a folder of that name (scripts/setup.sh's ~/.cache/hf_fsdp2/venv-base-*) are not the library.
+            ours = [f for f in frames[:i] if _in_package(f.filename)]
+            ours = [f for f in ours if os.path.realpath(f.filename) != os.path.realpath(__file__)] or ours
             if ours:
                 f = ours[-1]
-                path = f.filename.replace(os.sep, "/")
-                caller = f"{f.name} ({path[path.rindex('/hf_fsdp2/') + 1 :]}:{f.lineno})"
+                caller = f"{f.name} ({Path(os.path.realpath(f.filename)).relative_to(_PACKAGE.parent).as_posix()}:{f.lineno})"
             break
     return " in ".join(part for part in (call, caller) if part)
 

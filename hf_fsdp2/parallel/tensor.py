@@ -96,6 +96,15 @@ def tp_plan_for(model: nn.Module) -> TensorParallelPlan:
     names = [n for n, _ in model.named_modules()]
     if prefix and not any(n.startswith(prefix + ".") for n in names):
         prefix = ""  # the model is its own base model
+    # transformers 5.25 moved MoE experts out of the TP plan (into base_model_ep_plan): the plan above no longer names
+    # them, and its dense-MLP entries match nothing in an all-MoE model. Experts stay refused by name either way.
+    experts = [n for n in names if n.endswith(".experts")]
+    if experts:
+        raise TensorParallelError(
+            f"tp_size>1: {family} is a mixture-of-experts model ({len(experts)} expert blocks, e.g. {experts[0]}); "
+            "this version splits attention and dense MLPs only, not experts, so MoE families are not split; use "
+            "tp_size=1 for this model"
+        )
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
         full = f"{prefix}.{pattern}" if prefix else pattern

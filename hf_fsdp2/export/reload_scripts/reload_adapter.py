@@ -76,7 +76,11 @@ def load(request: dict[str, Any], auto: Any, dtype: str, dequantised: bool = Fal
     nf4 = request.get("nf4") or {}
     # The base as the run loaded it (an offline export of a bf16 run computes in fp32 from the bf16 values).
     base_dtype = request["nf4_dtype"] if nf4 else request.get("base_dtype") or dtype
-    base = auto.from_pretrained(request["base"], dtype=getattr(torch, base_dtype), **request.get("head", {}))
+    base = (
+        auto.from_pretrained(  # use_kernels=False: the modules the run computed with (compat.NO_HUB_KERNELS)
+            request["base"], dtype=getattr(torch, base_dtype), use_kernels=False, **request.get("head", {})
+        )
+    )
     if nf4:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 

@@ -23,7 +23,9 @@ import transformers
 def load(request: dict[str, Any], dtype: str) -> tuple[Any, dict[str, Any]]:
     """The folder loaded in ``dtype``, weights beyond the request's RAM offloaded to disk; and the loading info."""
     auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
-    kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"])
+    # use_kernels=False: the model's own modules, as the run computed with (hf_fsdp2/compat.py NO_HUB_KERNELS).
+    kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"],
+                  use_kernels=False)  # fmt: skip
     model, info = auto.from_pretrained(
         request["folder"], dtype=getattr(torch, dtype), output_loading_info=True,
         trust_remote_code=request.get("trust_remote_code", False), **kwargs,

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.compat import NO_HUB_KERNELS
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -145,7 +146,9 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                self.path, num_labels=1, **NO_HUB_KERNELS
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError) as err:
             raise RewardError(f"reward model {self.path!r} cannot be loaded as a sequence classifier with its "
