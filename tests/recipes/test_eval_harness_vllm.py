@@ -17,17 +17,17 @@ import torch
 import yaml
 from support.harness import direct_scores, harness_answers, harness_logliks
 from support.launch import REPO
+from support.vllm_models import NO_VLLM, VLLM_PYTHON, tiny_vllm_llama
 
 from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK, write_local_tasks
 
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 N = 4  # items per local task
 # slow: ~160 s here at load ~8 (vLLM's import and engine start in a process of its own), as the SmolLM2 harness test.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it (setup.sh runs it)",
+        reason=NO_VLLM,
     ),
 ]
 # The command's code path (evaluate_and_report, as `hf-fsdp2 eval-harness MODEL --tasks ... --backend vllm`), with
@@ -46,26 +46,7 @@ print("RESULT " + json.dumps({**{k: v for k, v in report.after.items() if k != "
 
 
 def _model(folder: Path) -> Path:
-    """A tiny Llama vLLM's CPU attention takes (head size 32), its head untied and random, so that greedy answers are
-    non-empty strings of many tokens (a tied random head repeats the prompt's last token: a newline, answer "")."""
-    from support.tiny import (
-        CHATML_SPECIAL_TOKENS,
-        CHATML_TEMPLATE,
-        build_llama2_test_tokenizer,
-        save_tokenizer,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
-    tok.pad_token = tok.eos_token
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)  # fmt: skip
-    torch.manual_seed(3)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    save_tokenizer(tok, folder)
-    return folder
+    return tiny_vllm_llama(folder, tied=False)
 
 
 def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Path) -> None:

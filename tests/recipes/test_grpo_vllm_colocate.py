@@ -14,50 +14,25 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from support.launch import REPO, free_port
 from support.tiny import WORDS
+from support.vllm_models import NO_VLLM, VLLM_PYTHON, tiny_vllm_llama
 
 from hf_fsdp2.observe.logs import read_metrics
 
 GRPO = REPO / "recipes" / "grpo.py"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # slow: two launches, each ~60 s of vLLM import and ~60 s of engine start per rank here (224 s at load ~6).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it (setup.sh runs it)",
+        reason=NO_VLLM,
     ),
 ]
 
 
 def _model(folder: Path) -> Path:
-    """A tiny Llama vLLM's CPU attention takes (head size 32), its output head tied to the embedding (the CPU
-    engine's packed head must be remade after each load), the end-of-sequence logit raised along the mean final hidden
-    state so that completions end at different lengths."""
-    from support.tiny import (
-        CHATML_SPECIAL_TOKENS,
-        CHATML_TEMPLATE,
-        build_llama2_test_tokenizer,
-        save_tokenizer,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
-    tok.pad_token = tok.eos_token
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        ids = torch.randint(3, 30000, (16, 12), generator=torch.Generator().manual_seed(0))
-        mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[tok.eos_token_id] = 6.0 * mean / mean.pow(2).sum()
-    model.save_pretrained(folder)
-    save_tokenizer(tok, folder)
-    return folder
+    return tiny_vllm_llama(folder, tied=True)
 
 
 def _launch(root: Path, out: Path, *extra: str) -> str:

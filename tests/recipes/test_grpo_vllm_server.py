@@ -21,46 +21,20 @@ import pytest
 import torch
 from support.launch import REPO, free_port, torchrun
 from support.tiny import WORDS
+from support.vllm_models import NO_VLLM, VLLM_PYTHON, tiny_vllm_llama
 
 from hf_fsdp2.observe.logs import read_metrics
 
 GRPO = REPO / "recipes" / "grpo.py"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 START_TIMEOUT_S = 600
 needs_vllm = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
-    reason=f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it (setup.sh runs it)",
+    reason=NO_VLLM,
 )
 
 
 def _model(folder: Path) -> Path:
-    """A tiny Llama vLLM's CPU attention takes (head size 32; it has no 16) with the Llama-2 tokenizer, its
-    end-of-sequence logit raised along the mean final hidden state so that completions end at different lengths.
-    Its output head is tied to the embedding (as SmolLM2's and Llama-3.2-1B's): vLLM's CPU engine packs the head's
-    weight once, and before vllm_server's repack the reloaded (tied) embedding never reached it, so the probe of
-    the second weight sync failed; the log-prob and GRPO tests below sync the weights several times."""
-    from support.tiny import (
-        CHATML_SPECIAL_TOKENS,
-        CHATML_TEMPLATE,
-        build_llama2_test_tokenizer,
-        save_tokenizer,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
-    tok.pad_token = tok.eos_token
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        ids = torch.randint(3, 30000, (16, 12), generator=torch.Generator().manual_seed(0))
-        mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[tok.eos_token_id] = 6.0 * mean / mean.pow(2).sum()
-    model.save_pretrained(folder)
-    save_tokenizer(tok, folder)
-    return folder
+    return tiny_vllm_llama(folder, tied=True)
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,9 @@ def test_lora_adapter_and_merged_exports_of_a_model_on_the_device(model_dir: Pat
     from hf_fsdp2.lora.save import export_lora
 
     model = apply_lora(
-        LlamaForCausalLM.from_pretrained(model_dir, use_kernels=False), LoraSettings(r=4, alpha=8, dropout=0.0), seed=0
+        LlamaForCausalLM.from_pretrained(model_dir, use_kernels=False),
+        LoraSettings(r=4, alpha=8, dropout=0.0),
+        seed=0,
     )
     with torch.no_grad():  # a non-zero delta, as after training
         for name, p in model.named_parameters():

@@ -359,20 +359,11 @@ def build_vllm_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.
                          device: torch.device) -> VllmGenerator:  # fmt: skip
     """The GRPO recipe's vLLM generator from its keys (``g``: GrpoArgs), connected (every rank waits for the
     server, up to ``vllm_server_timeout``), marked stale by every optimizer update."""
-    from hf_fsdp2.methods.grpo.vllm_is import ImportanceSampling
+    from hf_fsdp2.methods.grpo.vllm_is import correction_from_keys, engine_dtype_name
 
     client = VllmClient(ServerSettings(g.vllm_url, g.vllm_server_timeout, g.vllm_request_timeout))
-    correction = (
-        ImportanceSampling(
-            g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min, g.is_clip_max
-        )
-        if g.vllm_importance_sampling_correction
-        else None
-    )
-    param = next(model.parameters())
-    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(
-        mixed_precision, str(param.dtype).replace("torch.", "")
-    )
+    correction = correction_from_keys(g)
+    compute = engine_dtype_name(model, mixed_precision)
     probe = tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXT)
     generator = VllmGenerator(model, client, eos_ids=eos_ids, settings=sampling, probe=probe,  # type: ignore[arg-type]
                               compute_dtype=compute, device=device, correction=correction)  # fmt: skip

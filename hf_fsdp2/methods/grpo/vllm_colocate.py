@@ -289,20 +289,11 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
                              device: torch.device, model_path: str, max_model_len: int) -> ColocateGenerator:  # fmt: skip
     """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine on
     ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update."""
-    from hf_fsdp2.methods.grpo.vllm_is import ImportanceSampling
+    from hf_fsdp2.methods.grpo.vllm_is import correction_from_keys, engine_dtype_name
 
     require_vllm()
-    correction = (
-        ImportanceSampling(
-            g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min, g.is_clip_max
-        )
-        if g.vllm_importance_sampling_correction
-        else None
-    )
-    param = next(model.parameters())
-    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(
-        mixed_precision, str(param.dtype).replace("torch.", "")
-    )
+    correction = correction_from_keys(g)
+    compute = engine_dtype_name(model, mixed_precision)
     if g.vllm_enable_sleep_mode and not torch.cuda.is_available() and collectives.rank() == 0:
         logger.warning("vllm_enable_sleep_mode ignored: vLLM's CPU backend has no sleep mode (its sleep and wake_up "
                        "do nothing); the engine keeps its weights and KV cache while the trainer trains")  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,3 +117,21 @@ def padded_logps(logps: Sequence[Sequence[float]], width: int) -> torch.Tensor:
         if values:
             out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return out
+
+
+def correction_from_keys(g: Any) -> ImportanceSampling | None:
+    """The truncated importance-sampling correction the keys ask for (``g``: GrpoArgs), or None when it is off: one
+    reading for the server and the colocated engines."""
+    if not g.vllm_importance_sampling_correction:
+        return None
+    return ImportanceSampling(
+        g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min, g.is_clip_max
+    )
+
+
+def engine_dtype_name(model: torch.nn.Module, mixed_precision: str) -> str:
+    """The dtype vLLM samples in: the trainer's compute dtype (bf16 / fp16 mixed precision, else the weights')."""
+    param = next(model.parameters())
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(
+        mixed_precision, str(param.dtype).replace("torch.", "")
+    )
