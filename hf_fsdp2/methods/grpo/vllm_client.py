@@ -273,14 +273,9 @@ class VllmGenerator:
             logger.info("vLLM weights version %d: %d tensors sent layer by layer, probe passed (%.2f s)",
                         self.version, sent, time.perf_counter() - start)  # fmt: skip
 
-    def check_probe(self) -> float:
-        """The largest difference between the server's and the trainer's log-probs of the probe completion (every
-        rank computes the trainer's: a sharded forward; rank 0 asks the server).
-
-        Raises:
-            VllmServerError: on every rank, when the server answers with another weights version or outside
-                :func:`probe_bound`.
-        """
+    def _probe_reference(self) -> tuple[list[int], list[int], torch.Tensor, float, int]:
+        """The probe's prompt and completion ids, the trainer's log-probs of the completion (a sharded forward on
+        every rank), the bound an engine's answer must keep (:func:`probe_bound`) and the layer count it took."""
         from hf_fsdp2.methods.grpo.step import no_grad_logps
 
         prompt, completion = list(self.probe[0]), list(self.probe[1])
@@ -289,7 +284,23 @@ class VllmGenerator:
                "completion_mask": torch.ones((1, len(completion)), dtype=torch.long)}  # fmt: skip
         mine = no_grad_logps(self.model, row, 1.0, self.device)[0].double().cpu()
         layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
-        bound = probe_bound(mine, self.server_dtype, self.compute_dtype, layers)
+        return (
+            prompt,
+            completion,
+            mine,
+            probe_bound(mine, self.server_dtype, self.compute_dtype, layers),
+            layers,
+        )
+
+    def check_probe(self) -> float:
+        """The largest difference between the server's and the trainer's log-probs of the probe completion (every
+        rank computes the trainer's: a sharded forward; rank 0 asks the server).
+
+        Raises:
+            VllmServerError: on every rank, when the server answers with another weights version or outside
+                :func:`probe_bound`.
+        """
+        prompt, completion, mine, bound, layers = self._probe_reference()
 
         def ask() -> float:
             if collectives.rank() != 0:

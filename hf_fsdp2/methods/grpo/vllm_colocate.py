@@ -46,7 +46,6 @@ from hf_fsdp2.methods.grpo.vllm_client import (
     VllmGenerator,
     VllmServerError,
     layer_groups,
-    probe_bound,
 )
 
 logger = logging.getLogger("hf_fsdp2")
@@ -247,16 +246,8 @@ class ColocateGenerator(VllmGenerator):
         Raises:
             VllmServerError: on every rank, when some rank's engine answers outside :func:`~.vllm_client.probe_bound`.
         """
-        from hf_fsdp2.methods.grpo.step import no_grad_logps
-
         self._wake()
-        prompt, completion = list(self.probe[0]), list(self.probe[1])
-        ids = torch.tensor([prompt + completion])
-        row = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-               "completion_mask": torch.ones((1, len(completion)), dtype=torch.long)}  # fmt: skip
-        mine = no_grad_logps(self.model, row, 1.0, self.device)[0].double().cpu()
-        layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
-        bound = probe_bound(mine, self.server_dtype, self.compute_dtype, layers)
+        prompt, completion, mine, bound, layers = self._probe_reference()
 
         def ask() -> float:
             answer = self.client.logprobs(prompt, completion)
