@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.launch import REPO, SFT, torchrun
-from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl, write_unpaired_jsonl
+from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl, write_pairs_jsonl, write_unpaired_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
 
@@ -61,16 +61,6 @@ def _common(model: Path, data: Path, out: Path, batch: int, *extra: str) -> list
             "--save_steps", "0", "--seed", "0", *MUON, *extra]  # fmt: skip
 
 
-def _pairs(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with path.open("w") as fh:
-        for _ in range(n):
-            q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
-            a, b = (" ".join(rng.choices(WORDS, k=rng.randint(1, 8))) for _ in range(2))
-            fh.write(json.dumps({"prompt": q, "chosen": " " + a, "rejected": " " + b}) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("muon-recipes")
@@ -97,7 +87,7 @@ MATRICES = 14
 
 
 def test_dpo_with_muon_on_two_ranks_equals_one_process(model: Path, root: Path) -> None:
-    two, one, log = _two_and_one(REPO / "recipes" / "dpo.py", model, _pairs(root / "pairs.jsonl", 24, 1), root,
+    two, one, log = _two_and_one(REPO / "recipes" / "dpo.py", model, write_pairs_jsonl(root / "pairs.jsonl", 24, seed=1), root,
                                  "dpo", "--beta", "0.1")  # fmt: skip
     # the policy's matrices on Muon; the frozen reference has no optimizer (it would double the counts)
     assert f"Muon on {MATRICES} decoder-layer matrices" in log and "AdamW on 7 tensors" in log, log[-3000:]
@@ -114,7 +104,7 @@ def test_kto_with_muon_on_two_ranks_equals_one_process(model: Path, root: Path) 
 
 def test_rm_with_muon_on_two_ranks_equals_one_process_score_head_on_adamw(model: Path, root: Path) -> None:
     two, one, log = _two_and_one(
-        REPO / "recipes" / "rm.py", model, _pairs(root / "rm.jsonl", 24, 4), root, "rm"
+        REPO / "recipes" / "rm.py", model, write_pairs_jsonl(root / "rm.jsonl", 24, seed=4), root, "rm"
     )
     # the score head (outside the decoder layers) is AdamW's 8th tensor, beside the embeddings and the norms (the
     # sequence-classification model has no LM head)
