@@ -132,6 +132,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -seconds(_file_of(item)))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what the test modules imported (torch, transformers, ...) out of the garbage collector's walks
+    (``gc.freeze``): a full collection in a test would otherwise visit every imported object again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 _file_seconds: dict[str, float] = {}
 
 

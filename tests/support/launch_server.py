@@ -178,6 +178,7 @@ def main() -> None:
     )  # before hf_fsdp2 is imported: its forks are plain-transformers processes
     for module in PRELOAD:
         importlib.import_module(module)
+    reload_zygote.settle()
     global _ANSWERS
     answers = _ANSWERS = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # nothing but answers on the pipe the test reads

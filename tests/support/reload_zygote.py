@@ -144,6 +144,23 @@ def serve(listener: socket.socket) -> None:
         conn.close()
 
 
+def settle() -> None:
+    """Make what a forked process would redo once per process part of the fork: transformers' table of checkpoint
+    conversions (built at a process's first ``from_pretrained``: thousands of regular expressions, ~1 s of a core), and
+    the garbage collector's view of the imported modules, frozen (``gc.freeze``): a child's full collections then skip
+    them instead of walking every object (and copying every page of the heap it shares with this process)."""
+    import gc
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without the table
+        pass
+    else:
+        get_checkpoint_conversion_mapping("llama")
+    gc.collect()
+    gc.freeze()
+
+
 def start(path: str) -> int:
     """Import :data:`PRELOAD`, listen on the Unix socket ``path`` and fork the zygote from the calling process
     (which must not have imported hf_fsdp2); its pid. Connections made before it accepts wait in the backlog."""
@@ -151,6 +168,7 @@ def start(path: str) -> int:
         raise RuntimeError("the reload zygote must fork from a process that has not imported hf_fsdp2")
     for module in PRELOAD:
         __import__(module)
+    settle()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
