@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> None:
+    """The command line (``argv``, default sys.argv); each length's torchrun is ``run(command, env=, capture_output=True,
+    text=True, timeout=)`` (subprocess.run; the tests fork the same command line from a pre-imported interpreter)."""
     args = parse_args(argv)
     if args.worker:
         worker(args)
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.dry_run:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                proc = run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
                 entry.update(json.loads(out.read_text()) if out.is_file() else
                              {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]})  # fmt: skip
             except subprocess.TimeoutExpired:

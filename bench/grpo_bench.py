@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,15 @@ def figures(run: Path, warmup: int) -> dict[str, Any]:
             "peak_memory_gib": summary.get("peak_memory_gib"), "peak_memory_kind": summary.get("peak_memory_kind")}  # fmt: skip
 
 
-def run_backend(args: argparse.Namespace, backend: str, model: str, data: str, work: Path) -> dict[str, Any]:
+def run_backend(
+    args: argparse.Namespace,
+    backend: str,
+    model: str,
+    data: str,
+    work: Path,
+    run: Callable[..., Any] = subprocess.run,
+) -> dict[str, Any]:
+    """One backend's recipe run, its torchrun started by ``run`` (subprocess.run; the tests fork the same command)."""
     out = work / f"run_{backend}"
     extra = recipe_args(args, model, data, str(out))
     row: dict[str, Any] = {"backend": "transformers generate" if backend == "hf" else "vLLM server"}
@@ -245,8 +254,8 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, data: str, w
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     try:
         with (work / f"run_{backend}.log").open("w") as log:
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s,
-                                  cwd=REPO, check=False)  # fmt: skip
+            done = run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s, cwd=REPO,
+                       check=False)  # fmt: skip
     finally:
         if server is not None:
             stop_server(server)
@@ -271,7 +280,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> int:
+    """The command line (``argv``, default sys.argv); ``run`` starts each backend's torchrun (:func:`run_backend`)."""
     import tempfile
 
     args = parse_args(argv)
@@ -284,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = {"model": model, "procs": args.procs, "steps": args.steps, "warmup": args.warmup,
             "prompts_per_step": args.prompts, "generations": args.generations, "completion_tokens": args.completion,
             "prompt_tokens": args.prompt_tokens, "device": "cpu (gloo, fp32)" if args.cpu else "cuda (bf16)"}  # fmt: skip
-    rows = [run_backend(args, backend, model, data, work) for backend in args.backends]
+    rows = [run_backend(args, backend, model, data, work, run) for backend in args.backends]
     report = {"plan": plan, "results": rows}
     print(json.dumps(plan))
     print(table(rows))

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,10 @@ def sharding_worker(args: argparse.Namespace) -> None:
     acc.end_training()
 
 
-def sharding(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def sharding(
+    args: argparse.Namespace, work: Path, run: Callable[..., Any] = subprocess.run
+) -> dict[str, Any]:
+    """Each world size's torchrun, started by ``run`` (subprocess.run; the tests fork the same command line)."""
     rows = {}
     for world in [int(w) for w in args.worlds.split(",")]:
         out = work / f"sharding_{world}.json"
@@ -148,7 +152,7 @@ def sharding(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             *model_flags(args),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        proc = run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"world {world} failed:\n{proc.stderr[-4000:]}")
         r = json.loads(out.read_text())
@@ -174,7 +178,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> None:
+    """The command line (``argv``, default sys.argv); ``run`` starts the sharding part's torchrun (:func:`sharding`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("all", "activations", "sharding"), default="all")
     ap.add_argument("--vocab", type=int, default=49152)
@@ -193,7 +198,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker == "sharding":
         sharding_worker(args)
         sys.stdout.flush()
@@ -217,7 +222,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f} MiB" for k, v in act["loss_paths_mib"].items())
         )
     if args.part in ("all", "sharding"):
-        report["sharding"] = rows = sharding(args, work)
+        report["sharding"] = rows = sharding(args, work, run)
         print("\nper rank after one AdamW step (fp32 params, grads, exp_avg + exp_avg_sq), max over ranks")
         print(f"{'world':>5s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} {'total MiB':>10s} "
               f"{'B/param':>8s} {'x world 1':>9s}")  # fmt: skip

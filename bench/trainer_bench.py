@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -396,7 +396,9 @@ def child(runner: str, work: Path, out: Path, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> None:
+    """The command line (``argv``, default sys.argv); each run is ``run(command, cwd=, env=, capture_output=True,
+    text=True)`` (subprocess.run: a fresh process; the tests fork the same command line from a pre-imported one)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runners", default=",".join(RUNNERS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -412,7 +414,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(args.work)
     if args.child:
         child(args.child, work, Path(args.child_out), args)
@@ -439,7 +441,7 @@ def main() -> None:
         for runner in [*runners, "matmul"]:  # alternate: one run of each per round
             out = work / f"{runner}.{round_}.json"
             start = time.perf_counter()
-            proc = subprocess.run(
+            proc = run(
                 [sys.executable, __file__, "--child", runner, "--child-out", str(out), *passthrough],
                 cwd=REPO, env=env, capture_output=True, text=True,
             )  # fmt: skip

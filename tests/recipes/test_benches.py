@@ -1,16 +1,25 @@
 """The benchmark scripts run end to end at a tiny size (their figures come from full-size runs; see
-bench/README.md). What must hold at any size is checked: the same work, and what each switch changes."""
+bench/README.md). What must hold at any size is checked: the same work, and what each switch changes.
+
+A bench whose driver starts its runs itself (trainer_bench, memory_bench, gpu_bench_parallel, grpo_bench) runs its
+driver in this process, and each command line it builds is run by :func:`served`: the same script, arguments and
+ranks, forked from the launch server instead of a fresh interpreter (~7 CPU s of imports per process; the launcher
+is not what these tests check). gpu_bench's TRL runner is launched by the real ``accelerate launch``: that is checked."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
+from typing import IO, Any
 
 import torch
-from support.launch import REPO, python
+from support.launch import REPO, python, torchrun
 
 from hf_fsdp2.observe.flops import FlopsModel
 from hf_fsdp2.observe.meter import StepMeter
@@ -21,17 +30,64 @@ def load_bench(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there (trainer_bench's RecipePieces)
     spec.loader.exec_module(module)
     return module
 
 
+def _served_env_differences(env: dict[str, str]) -> list[str]:
+    """What a bench puts in its child's environment that a served process would not see. PYTHONPATH is left out: a
+    served process imports from the checkout and tests/ (the launch server's path). HF_HUB_OFFLINE,
+    TOKENIZERS_PARALLELISM and OMP_NUM_THREADS are set for served runs as the benches set them; CUDA_VISIBLE_DEVICES=""
+    (a --cpu run) changes nothing where torch sees no GPU."""
+    served = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    served.setdefault("OMP_NUM_THREADS", "1")
+    if not torch.cuda.is_available():
+        served["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")
+    return [f"{k}={v!r} (served: {served.get(k)!r})" for k, v in env.items()
+            if k != "PYTHONPATH" and served.get(k) != v]  # fmt: skip
+
+
+def served(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    stdout: IO[str] | int | None = None,
+    **_: Any,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, ...)`` for a bench's child command, ``python script args`` or ``python -m
+    torch.distributed.run [flags] script args``: the script runs on the same ranks with the same arguments, forked
+    from this worker's launch server (support.launch); ``stdout`` a file: the output goes there, as the bench asked."""
+    assert cmd[0] == sys.executable, (
+        f"a bench launched {cmd[0]}, not this interpreter ({sys.executable}): {cmd}"
+    )
+    differences = _served_env_differences(env or {})
+    assert not differences, (
+        f"the bench's child environment differs from a served run's: {differences}; cmd {cmd}"
+    )
+    limit = int(timeout or 900)
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        from torch.distributed.run import get_args_parser
+
+        launch = get_args_parser().parse_args(cmd[3:])  # torchrun's own reading of its flags
+        assert not launch.module and not launch.no_python, cmd
+        done = torchrun(launch.training_script, launch.training_script_args, nproc=int(launch.nproc_per_node),
+                        timeout=limit, check=False)  # fmt: skip
+    else:
+        assert Path(cmd[1]).suffix == ".py", f"served runs a script file, not {cmd[1:]}"
+        done = python(cmd[1], cmd[2:], timeout=limit, check=False)
+    if stdout is not None and not isinstance(stdout, int):
+        stdout.write(done.stdout + done.stderr)
+    return done
+
+
 def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     out = tmp_path / "tb.json"
-    python(
-        REPO / "bench" / "trainer_bench.py",
+    load_bench("trainer_bench").main(
         ["--rounds", "1", "--steps", "3", "--warmup", "1", "--hidden", "64", "--layers", "2",
          "--batch-size", "8", "--max-length", "256", "--work", str(tmp_path / "work"), "--json", str(out)],
-        timeout=900,
+        run=served,
     )  # fmt: skip
     table = json.loads(out.read_text())["medians"]
     assert set(table) == {"hf_fsdp2", "hf_fsdp2_padded", "hf_fsdp2_plain_ce", "trainer", "trl", "matmul"}
@@ -60,12 +116,11 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
 
 def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: Path):
     out = tmp_path / "mb.json"
-    python(
-        REPO / "bench" / "memory_bench.py",
+    load_bench("memory_bench").main(
         ["--hidden", "64", "--intermediate", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2",
          "--vocab", "4096", "--seq", "1024", "--batch", "2", "--repeats", "1", "--worlds", "1,2",
          "--work", str(tmp_path / "work"), "--json", str(out)],
-        timeout=900,
+        run=served,
     )  # fmt: skip
     report = json.loads(out.read_text())
     modes = report["activations"]["modes"]
@@ -188,10 +243,10 @@ def test_gpu_bench_parallel_charges_the_long_sequence_as_the_recipe_meter(monkey
 def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path):
     """--smoke: cp 2 (all-to-all) on 2 gloo processes, the library's mesh, CP, FSDP2 and step; a cp-1 run of the
     same shape, rows and init gives the same losses (fp32); --dry-run plans 8k-128k on 8B without running."""
-    bench = REPO / "bench" / "gpu_bench_parallel.py"
-    python(bench, ["--smoke", "--out", str(tmp_path / "cp2.json")], timeout=600)
-    python(bench, ["--cpu", "--shape", "tiny", "--seq", "256", "--warmup", "1", "--steps", "1",
-                   "--out", str(tmp_path / "cp1.json")], timeout=600)  # fmt: skip
+    bench = load_bench("gpu_bench_parallel")
+    bench.main(["--smoke", "--out", str(tmp_path / "cp2.json")], run=served)
+    bench.main(["--cpu", "--shape", "tiny", "--seq", "256", "--warmup", "1", "--steps", "1",
+                "--out", str(tmp_path / "cp1.json")], run=served)  # fmt: skip
     (cp2,) = json.loads((tmp_path / "cp2.json").read_text())["results"]
     (cp1,) = json.loads((tmp_path / "cp1.json").read_text())["results"]
     assert "error" not in cp2 and "error" not in cp1, (cp2.get("traceback"), cp1.get("traceback"))
@@ -203,8 +258,8 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
         cp2["tflops_per_device"], cp2["tflop_per_device_per_step"] / cp2["step_s"], rel_tol=1e-9
     )
     plan = tmp_path / "plan.json"
-    python(bench, ["--dry-run", "--shape", "8b", "--cp", "8", "--cp-backend", "ring", "--seq",
-                   "8192,32768,131072", "--out", str(plan)])  # fmt: skip
+    bench.main(["--dry-run", "--shape", "8b", "--cp", "8", "--cp-backend", "ring", "--seq", "8192,32768,131072",
+                "--out", str(plan)], run=served)  # fmt: skip
     rows = json.loads(plan.read_text())["results"]
     assert [r["seq"] for r in rows] == [8192, 32768, 131072] and all("tokens_per_s" not in r for r in rows)
     assert all("--nproc_per_node 8 " in r["launch"] and "--cp-backend ring" in r["launch"] for r in rows)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.launch import REPO, python
-from test_benches import load_bench
+from test_benches import load_bench, served
 
 
 def test_figures_leave_out_the_warmup_and_the_rollout_from_training_tokens_per_s(tmp_path: Path) -> None:
@@ -58,10 +58,12 @@ def test_dry_run_plans_both_backends_and_says_vllm_is_absent(tmp_path: Path) -> 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 def test_smoke_runs_the_recipe_and_reports_generation_and_training_tokens_per_s(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
-    python(REPO / "bench" / "grpo_bench.py", ["--smoke", "--work", str(tmp_path / "w"), "--out", str(out)],
-           timeout=600)  # fmt: skip
+    # The driver here, its torchrun of the recipe forked from the launch server (test_benches.served).
+    status = load_bench("grpo_bench").main(
+        ["--smoke", "--work", str(tmp_path / "w"), "--out", str(out)], run=served
+    )
     (row,) = json.loads(out.read_text())["results"]
-    assert "error" not in row, row.get("log_tail")
+    assert "error" not in row and status == 0, row.get("log_tail")
     assert row["backend"] == "transformers generate" and row["steps_timed"] == 2
     # A random model never ends early: every step samples 2 prompts x 2 completions x 4 tokens.
     assert row["completion_tokens_per_step"] == 16
