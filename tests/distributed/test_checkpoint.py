@@ -8,12 +8,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from support.launch import REPO, SFT, _env, free_port, torchrun
+from support import launch
+from support.launch import SFT, torchrun
 from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
@@ -212,39 +213,70 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(
         assert resumed[step] == full[step], step
 
 
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
+def _descendants(parents: dict[int, int], root: int) -> set[int]:
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        kids = [p for p, parent in parents.items() if parent == pid and p not in found]
+        found.update(kids)
+        todo.extend(kids)
+    return found
+
+
 def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(assets, tmp_path: Path):
+    """SIGTERM to one rank (a preempted node's process), not to the launcher (whose forwarding of it is tested in
+    tests/recipes/test_faults.py): the ranks are served (support.launch.torchrun), in a thread while this one signals.
+    The ranks are the processes that appear under a child of this process: the launch server's forks, or torchrun's
+    children with HF_FSDP2_TEST_LAUNCH_SERVER=0."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(SFT),
-        *_args(assets, out, "--max_steps", "400", "--save_steps", "1000"),
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if (out / "metrics.jsonl").is_file() and len(read_metrics(out / "metrics.jsonl")) >= 2:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the run logged no steps in time")
-        children = subprocess.run(
-            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-        ).stdout.split()
-        assert len(children) == 2
-        os.kill(int(children[-1]), signal.SIGTERM)  # preempt one rank
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    me = os.getpid()
+    if launch._server_enabled():
+        launch._server(launch._env())  # started first: its reload zygote is no rank
+    before = _descendants(_parents(), me)
+    done: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            done["proc"] = torchrun(
+                SFT,
+                _args(assets, out, "--max_steps", "400", "--save_steps", "1000"),
+                check=False,
+                timeout=480,
+            )
+        except BaseException as err:  # noqa: BLE001  # re-raised in the test's thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.time() + 240
+    while time.time() < deadline and thread.is_alive():
+        if (out / "metrics.jsonl").is_file() and len(read_metrics(out / "metrics.jsonl")) >= 2:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the run logged no steps in time: {done}")
+    parents = _parents()
+    children = set(p for p, parent in parents.items() if parent == me)
+    ranks = sorted(p for p in _descendants(parents, me) - before if parents.get(p) in children)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGTERM)  # preempt one rank
+    thread.join(timeout=300)
+    if "error" in done:
+        raise done["error"]  # type: ignore[misc]
+    proc = done["proc"]
+    assert isinstance(proc, subprocess.CompletedProcess)
+    output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "SIGTERM: saved checkpoint-" in output
     step = int((out / "latest").read_text())
