@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import launch
 from support.launch import REPO, SFT, _env, free_port, python
 from support.runs import copy_run, finished_run, sft_2ranks, shared_assets, write_recipe
 from support.tiny import write_chat_jsonl
@@ -53,21 +54,45 @@ def _one_error(proc: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+def _lock_taken(lock: Path) -> bool:
+    """The run's lock file exists and names its owner (it is created, then written)."""
+    try:
+        return bool(json.loads(lock.read_text() or "{}"))
+    except (OSError, ValueError):
+        return False
+
+
 def test_two_runs_into_one_output_dir_one_owns_it(assets, tmp_path: Path) -> None:
     model, data = assets
     out = tmp_path / "run"
-    procs = []
-    for seed in (11, 12):
-        recipe = _recipe(tmp_path / f"r{seed}.yaml", model, data, out, seed=seed, save_steps=2)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-        time.sleep(0.3)
-    results = [(p.wait(timeout=600), p.communicate()) for p in procs]
+    recipes = [
+        _recipe(tmp_path / f"r{seed}.yaml", model, data, out, seed=seed, save_steps=2) for seed in (11, 12)
+    ]
+    # The first run is torchrun itself in the background (the launch server serves one run at a time); the second,
+    # served, starts once the first holds the lock, so that it meets a live owner whichever way the race would go.
+    if launch._server_enabled():
+        launch._server(
+            launch._env()
+        )  # started now: the second run starts at once, before the first writes more
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(SFT), "--config", str(recipes[0])]  # fmt: skip
+    logs = [tmp_path / "first.out", tmp_path / "first.err"]  # files: no pipe fills while the second run runs
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        first = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=stdout, stderr=stderr)
+    try:
+        deadline = time.time() + 300
+        while not _lock_taken(out / ".hf_fsdp2.lock") and first.poll() is None and time.time() < deadline:
+            if not launch._server_enabled():  # two fresh launches: the second's own start-up is the stagger
+                break
+            time.sleep(0.02)
+        second = _sft(recipes[1], check=False)
+        results = [
+            (first.wait(timeout=600), (logs[0].read_text(), logs[1].read_text())),
+            (second.returncode, (second.stdout, second.stderr)),
+        ]
+    finally:
+        if first.poll() is None:
+            first.kill()
     codes = sorted(code for code, _ in results)
     assert codes[0] == 0 and codes[1] != 0, [r[1][1][-2000:] for r in results]
     winner = 11 if results[0][0] == 0 else 12
