@@ -20,8 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.families import make_family_dir
+from support.flat_reference import NO_CHECKPOINT, STEPS, FlatReference, flat_reference, sft_args
 from support.launch import REPO, SFT, torchrun
-from support.tiny import WORDS, make_tiny_llama_dir, write_chat_jsonl, write_pairs_jsonl
+from support.tiny import WORDS, write_pairs_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
 
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.four_procs
 WORKER = Path(__file__).parent / "workers" / "cp_attention_worker.py"
 CPT = REPO / "recipes" / "cpt.py"
 DPO = REPO / "recipes" / "dpo.py"
-STEPS = 4
 
 
 def test_attention_parts_equal_the_whole_sequence_on_every_family(tmp_path: Path) -> None:
@@ -53,17 +53,19 @@ def test_attention_parts_equal_the_whole_sequence_on_every_family(tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("cp")
-    return make_tiny_llama_dir(root / "model", seed=5), write_chat_jsonl(root / "chat.jsonl", 64, seed=5)
+def reference(tmp_path_factory: pytest.TempPathFactory) -> FlatReference:
+    """The tiny Llama, its chat data, flat FSDP2 over 4 ranks and one process: the same two runs as
+    tests/distributed/test_hsdp.py compares against, made once per session (tests/support/flat_reference.py)."""
+    return flat_reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def assets(reference: FlatReference) -> tuple[Path, Path]:
+    return reference.model, reference.data
 
 
 def _args(assets: tuple[Path, Path], out: Path, batch: int, *extra: str) -> list[str]:
-    model, data = assets
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
-            "2", "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
-            "--train_sampling_strategy", "sequential", *extra]  # fmt: skip
+    return sft_args(*assets, out, batch, *extra)
 
 
 def _same(got: list[dict], want: list[dict], steps: list[int], single: list[dict] | None = None) -> None:
@@ -81,18 +83,15 @@ def _same(got: list[dict], want: list[dict], steps: list[int], single: list[dict
 
 
 @pytest.fixture(scope="module")
-def flat(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("flat") / "run"
-    torchrun(SFT, _args(assets, out, 2, "--save_steps", "2"), nproc=4)
-    return out
+def flat(reference: FlatReference) -> Path:
+    """Flat FSDP2 over 4 ranks, 2 examples per rank per micro-batch, checkpoints at 2 and 4."""
+    return reference.flat
 
 
 @pytest.fixture(scope="module")
-def single(assets, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def single(reference: FlatReference) -> list[dict]:
     """One process, the same global micro-batches (8 examples each): the reference for float noise."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    torchrun(SFT, _args(assets, out, 8, "--export_verify", "false"), nproc=1)
-    return read_metrics(out / "metrics.jsonl")
+    return reference.single
 
 
 def test_cp2_x_dp2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model(
@@ -100,7 +99,7 @@ def test_cp2_x_dp2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model
 ) -> None:
     out = tmp_path / "cp"
     # 2 data-parallel ranks: 4 examples each per micro-batch, the flat run's 8 in all.
-    proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2"), nproc=4)
+    proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2", *NO_CHECKPOINT), nproc=4)
     log = proc.stdout + proc.stderr
     assert "context parallel 2 (all_to_all): each sequence split over 2 ranks, 2 data-parallel ranks" in log
     assert "context parallel: all-to-all over 2 ranks around the sdpa kernel" in log
@@ -121,7 +120,7 @@ def test_a_flat_checkpoint_resumes_with_context_parallel(assets, flat, single, t
     (out / "checkpoint-2").symlink_to(flat / "checkpoint-2", target_is_directory=True)
     (out / "latest").write_text("2\n")
     proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2", "--resume_from_checkpoint", "latest",
-                               "--export_verify", "false"), nproc=4)  # fmt: skip
+                               "--export_verify", "false", *NO_CHECKPOINT), nproc=4)  # fmt: skip
     assert "resumed from" in proc.stdout + proc.stderr
     _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), [3, 4], single)
 
@@ -147,7 +146,7 @@ def _cpt_args(corpus: tuple[Path, Path], out: Path, batch: int, *extra: str) -> 
             "--max_length", "2048", "--cross_document_attention", "false", "--mixed_precision", "no",
             "--logging_steps", "1", "--learning_rate", "1e-3", "--activation_checkpointing", "full",
             "--ce_chunk_tokens", "512", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--export_verify", "false",
-            *extra]  # fmt: skip
+            *NO_CHECKPOINT, *extra]  # fmt: skip
 
 
 def test_packed_rows_of_2048_tokens_over_several_documents_with_ac_chunked_loss_and_lora(
@@ -174,7 +173,9 @@ def test_tp2_x_cp2_x_dp2_on_8_ranks_trains_like_flat_fsdp(assets, flat, single, 
     rank, 2 of those per data rank, 2 data ranks reading 4 examples each: the flat run's 8 per micro-step)."""
     out = tmp_path / "tpcp"
     proc = torchrun(
-        SFT, _args(assets, out, 4, "--tp_size", "2", "--cp_size", "2", "--export_verify", "false"), nproc=8
+        SFT,
+        _args(assets, out, 4, "--tp_size", "2", "--cp_size", "2", "--export_verify", "false", *NO_CHECKPOINT),
+        nproc=8,
     )
     log = proc.stdout + proc.stderr
     assert "context parallel 2 (all_to_all)" in log and "tensor parallel 2" in log
@@ -194,7 +195,7 @@ def _dpo_args(model: Path, data: Path, out: Path, batch: int, *extra: str) -> li
             "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "2",
             "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
             "--train_sampling_strategy", "sequential", "--export_verify", "false", "--eval_split_fraction", "0.25",
-            "--eval_steps", "3", *extra]  # fmt: skip
+            "--eval_steps", "3", *NO_CHECKPOINT, *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize(

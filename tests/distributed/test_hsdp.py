@@ -13,27 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.flat_reference import NO_CHECKPOINT, STEPS, FlatReference, flat_reference, sft_args
 from support.launch import REPO, SFT, _env, free_port, torchrun
-from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 
 from hf_fsdp2.observe.logs import read_metrics
 
 pytestmark = pytest.mark.four_procs
-STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("hsdp")
-    return make_tiny_llama_dir(root / "model", seed=5), write_chat_jsonl(root / "chat.jsonl", 64, seed=5)
+def reference(tmp_path_factory: pytest.TempPathFactory) -> FlatReference:
+    """The tiny Llama, its chat data, flat FSDP2 over 4 ranks and one process: the same two runs as
+    tests/distributed/test_context_parallel.py compares against, made once per session
+    (tests/support/flat_reference.py)."""
+    return flat_reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def assets(reference: FlatReference) -> tuple[Path, Path]:
+    return reference.model, reference.data
 
 
 def _args(assets: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
-    model, data = assets
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-            "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
-            "--train_sampling_strategy", "sequential", *extra]  # fmt: skip
+    return sft_args(*assets, out, 2, *extra)
 
 
 def _same(got: list[dict], want: list[dict], steps: list[int], single: list[dict] | None = None) -> None:
@@ -51,28 +53,23 @@ def _same(got: list[dict], want: list[dict], steps: list[int], single: list[dict
 
 
 @pytest.fixture(scope="module")
-def single(assets, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def single(reference: FlatReference) -> list[dict]:
     """One process, the same global micro-batches (8 examples each): the reference for float noise."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    args = _args(assets, out, "--export_verify", "false")
-    args[args.index("--per_device_train_batch_size") + 1] = "8"
-    torchrun(SFT, args, nproc=1)
-    return read_metrics(out / "metrics.jsonl")
+    return reference.single
 
 
 @pytest.fixture(scope="module")
-def flat(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("flat") / "run"
-    proc = torchrun(SFT, _args(assets, out, "--save_steps", "2"), nproc=4)
-    assert "device mesh: flat FSDP2 over 4 ranks" in proc.stderr + proc.stdout
-    return out
+def flat(reference: FlatReference) -> Path:
+    """Flat FSDP2 over 4 ranks, 2 examples per rank per micro-batch, checkpoints at 2 and 4."""
+    assert "device mesh: flat FSDP2 over 4 ranks" in reference.flat_log
+    return reference.flat
 
 
 def test_hsdp_2x2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model(
     assets, flat, single, tmp_path
 ) -> None:
     out = tmp_path / "hsdp"
-    proc = torchrun(SFT, _args(assets, out, "--dp_replicate_size", "2"), nproc=4)
+    proc = torchrun(SFT, _args(assets, out, "--dp_replicate_size", "2", *NO_CHECKPOINT), nproc=4)
     log = proc.stdout + proc.stderr
     assert "HSDP: 2 replica groups x 2 shards" in log
     assert (
@@ -96,7 +93,7 @@ def test_a_flat_checkpoint_resumes_as_hsdp(assets, flat, single, tmp_path: Path)
     (out / "checkpoint-2").symlink_to(flat / "checkpoint-2", target_is_directory=True)
     (out / "latest").write_text("2\n")
     proc = torchrun(SFT, _args(assets, out, "--dp_replicate_size", "2", "--resume_from_checkpoint", "latest",
-                               "--export_verify", "false"), nproc=4)  # fmt: skip
+                               "--export_verify", "false", *NO_CHECKPOINT), nproc=4)  # fmt: skip
     assert "resumed from" in proc.stdout + proc.stderr
     _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), [3, 4], single)
 

@@ -37,6 +37,7 @@ STEPS = 4
 # another order (measured 1.6e-5 .. 8.9e-5 from flat on both families). Twice flat's own deviation bounds it; the fp64 worker shows
 # the split itself exact (6e-16).
 GRAD_NORM_RTOL = 5e-4
+RESUMED = "llama3_untied"  # the family whose checkpoints the resume and offline-export tests read
 
 
 def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: Path) -> None:
@@ -66,8 +67,9 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, str]]:
     """``run(family, tp, *extra)``: the 4-rank SFT run of a tiny ``family`` model, flat (tp=1, 2 rows per rank) or
-    tp 2 x dp_shard 2 (4 rows per rank: the same data-parallel batch), checkpoints at 2 and 4; each run once per
-    module. Returns its folder and log."""
+    tp 2 x dp_shard 2 (4 rows per rank: the same data-parallel batch); each run once per module. Returns its folder
+    and log. Only :data:`RESUMED`'s uninterrupted runs save checkpoints (at 2 and 4): no test reads another. Only the tp
+    runs verify their export: the tests read the flat runs' exported weights, never their verification's line."""
     root = tmp_path_factory.mktemp("tp")
     data = write_chat_jsonl(root / "chat.jsonl", 64, seed=5)
     done: dict[tuple, tuple[Path, str]] = {}
@@ -85,8 +87,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, s
                 "--gradient_accumulation_steps", "2", "--max_length", "64", "--mixed_precision", "no",
                 "--logging_steps", "1", "--learning_rate", "1e-3", "--train_sampling_strategy", "sequential",
                 "--eval_split_fraction", "0.25", "--eval_steps", "2", "--tp_size", str(tp), *extra]  # fmt: skip
-        if out is None:
-            args += ["--save_steps", "2"]
+        # Checkpoints at 2 and 4 where a test reads them; else none (a run saves at its last step by default).
+        args += ["--save_steps", "2" if out is None and family == RESUMED else "0"]
+        if tp == 1 and out is None:
+            args += ["--export_verify", "false"]
         proc = torchrun(SFT, args, nproc=4)
         result = (folder, proc.stdout + proc.stderr)
         if out is None:
@@ -136,14 +140,14 @@ def test_tp2_x_dp2_trains_like_flat_fsdp2_over_4_ranks_and_exports_the_same_mode
 def test_checkpoints_resume_across_layouts(run: Callable[..., tuple[Path, str]], tmp_path: Path) -> None:
     """DCP reshards on load: tp 2 x dp 2's checkpoint-2 resumes as flat FSDP2 over 4 ranks, and flat's as tp 2 x dp 2;
     steps 3 and 4 give the uninterrupted runs' losses."""
-    flat, _ = run("llama3_untied", 1)
-    tp, _ = run("llama3_untied", 2)
+    flat, _ = run(RESUMED, 1)
+    tp, _ = run(RESUMED, 2)
     for source, layout in ((tp, 1), (flat, 2)):
         out = tmp_path / f"from-tp{3 - layout}-to-tp{layout}"
         out.mkdir()
         (out / "checkpoint-2").symlink_to(source / "checkpoint-2", target_is_directory=True)
         (out / "latest").write_text("2\n")
-        _, log = run("llama3_untied", layout, "--resume_from_checkpoint", "latest", "--export_verify", "false",
+        _, log = run(RESUMED, layout, "--resume_from_checkpoint", "latest", "--export_verify", "false",
                      out=out)  # fmt: skip
         assert "resumed from" in log and "at step 2" in log
         _same(out, flat if layout == 1 else tp, [3, 4])
@@ -152,7 +156,7 @@ def test_checkpoints_resume_across_layouts(run: Callable[..., tuple[Path, str]],
 def test_the_offline_export_of_a_tp_checkpoint_equals_the_runs_export(
     run: Callable[..., tuple[Path, str]], tmp_path: Path
 ) -> None:
-    tp, _ = run("llama3_untied", 2)
+    tp, _ = run(RESUMED, 2)
     proc = python(
         REPO / "hf_fsdp2" / "cli.py", ["export", str(tp / "checkpoint-4"), str(tmp_path / "offline")]
     )
