@@ -3,6 +3,7 @@ during a save, SIGTERM, config mismatch, and a full disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -225,13 +226,22 @@ def _parents() -> dict[int, int]:
 
 
 def _descendants(parents: dict[int, int], root: int) -> set[int]:
-    found, todo = set(), [root]
+    """The processes under ``root`` (children, theirs, ...), from :func:`_parents`."""
+    found: set[int] = set()
+    todo = [root]
     while todo:
         pid = todo.pop()
         kids = [p for p, parent in parents.items() if parent == pid and p not in found]
         found.update(kids)
         todo.extend(kids)
     return found
+
+
+def _new_ranks(me: int, before: set[int]) -> list[int]:
+    """The processes not in ``before`` whose parent is a child of ``me``: a run's ranks (see the test below)."""
+    parents = _parents()
+    children = {p for p, parent in parents.items() if parent == me}
+    return sorted(p for p in _descendants(parents, me) - before if parents.get(p) in children)
 
 
 def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(assets, tmp_path: Path):
@@ -259,19 +269,26 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(assets, tmp_p
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.time() + 240
-    while time.time() < deadline and thread.is_alive():
-        if (out / "metrics.jsonl").is_file() and len(read_metrics(out / "metrics.jsonl")) >= 2:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"the run logged no steps in time: {done}")
-    parents = _parents()
-    children = set(p for p, parent in parents.items() if parent == me)
-    ranks = sorted(p for p in _descendants(parents, me) - before if parents.get(p) in children)
-    assert len(ranks) == 2, ranks
-    os.kill(ranks[-1], signal.SIGTERM)  # preempt one rank
-    thread.join(timeout=300)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and thread.is_alive():
+            if (out / "metrics.jsonl").is_file() and len(read_metrics(out / "metrics.jsonl")) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the run logged no steps in time: {done}")
+        ranks = _new_ranks(me, before)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGTERM)  # preempt one rank
+        thread.join(timeout=300)
+    finally:
+        if (
+            thread.is_alive()
+        ):  # a failed check: end the run, so that the launch server is free for the next test
+            for pid in _new_ranks(me, before):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            thread.join(timeout=60)
     if "error" in done:
         raise done["error"]  # type: ignore[misc]
     proc = done["proc"]
