@@ -47,7 +47,23 @@ def packaged_accelerate_config(name: str) -> Path:
     return path
 
 
+def _no_gpu_driver() -> bool:
+    """Linux without NVIDIA's driver library (libcuda) or AMD's GPU device (/dev/kfd, ROCm): torch could see no GPU.
+    Known without importing torch, which costs the launching process ~2 s of CPU before its own launcher starts."""
+    if sys.platform != "linux" or Path("/dev/kfd").exists():
+        return False
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False
+
+
 def gpu_count() -> int:
+    if _no_gpu_driver():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

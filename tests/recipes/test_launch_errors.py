@@ -105,3 +105,30 @@ def test_a_rank_killed_during_the_grpo_rollout_is_named_in_one_line(tmp_path: Pa
     ), err[-4000:]
     assert "Traceback" not in err and "Connection reset" not in err, err[-4000:]
     assert proc.returncode == 1
+
+
+# hf-fsdp2 train's own process on a machine without a GPU driver (libcuda made unloadable here): the packaged CPU
+# config is chosen without importing torch (~2 s of CPU before accelerate's launcher, which imports it anyway, starts).
+NO_DRIVER = """
+import ctypes, sys
+real = ctypes.CDLL
+def cdll(name, *args, **kwargs):
+    if name == "libcuda.so.1":
+        raise OSError(f"{name}: cannot open shared object file")
+    return real(name, *args, **kwargs)
+ctypes.CDLL = cdll
+from hf_fsdp2.launch import launch_command
+cmd = launch_command("sft", ["--config", "r.yaml"])
+print(cmd[cmd.index("--config_file") + 1].rsplit("/", 1)[-1], cmd[cmd.index("--num_processes") + 1], "torch" in sys.modules)
+"""
+
+
+def test_the_launching_process_finds_no_gpu_without_importing_torch() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_DRIVER], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if Path("/dev/kfd").exists():  # AMD's GPU device: torch (ROCm) is asked, as before
+        assert proc.stdout.split()[-1] == "True", proc.stdout
+    else:
+        assert proc.stdout.strip() == "fsdp2_cpu.yaml 2 False", proc.stdout
