@@ -23,6 +23,9 @@ DPO = REPO / "recipes" / "dpo.py"
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")  # fmt: skip
 LR, BETA = 1e-2, 0.1
+# No checkpoint unless a test asks for one (a later --save_steps wins): the end-of-run checkpoint (save_steps defaults
+# to 500, and the last step always saves) is a sharded save per launch that nothing reads. No number depends on it.
+NO_SAVE = ("--save_steps", "0")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def _dpo(assets: dict[str, Path], data: str, out: Path, *extra: str, nproc: int 
             str(out), "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
             "2", "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(LR), "--lr_scheduler_type",
             "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--beta", str(BETA),
-            "--export_verify", "false", *extra]  # fmt: skip
+            "--export_verify", "false", *NO_SAVE, *extra]  # fmt: skip
     return torchrun(DPO, args, nproc=nproc, check=check)
 
 
@@ -210,7 +213,8 @@ def test_lora_dpo_through_accelerate_launch_exports_a_verified_adapter_and_merge
         "accelerate_configs/fsdp2_cpu.yaml", DPO,
         ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["messages"]), "--output_dir",
          str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "64",
-         "--mixed_precision", "bf16", "--use_peft", "true", "--merge_adapter", "true", "--learning_rate", "1e-2"],
+         "--mixed_precision", "bf16", "--use_peft", "true", "--merge_adapter", "true", "--learning_rate", "1e-2",
+         *NO_SAVE],
         served=True,  # accelerate's environment for the config, ranks forked (test_sft_recipe.py runs the real one)
     )  # fmt: skip
     log = proc.stdout + proc.stderr

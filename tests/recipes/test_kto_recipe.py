@@ -23,6 +23,9 @@ from hf_fsdp2.observe.logs import read_metrics
 
 KTO = REPO / "recipes" / "kto.py"
 LR, BETA, STEPS = 1e-2, 0.5, 3
+# No test here reads a checkpoint: the end-of-run one (save_steps defaults to 500, and the last step always saves) is a
+# sharded save per launch that nothing reads. No number depends on it.
+NO_SAVE = ("--save_steps", "0")
 KEYS = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
         "logps/rejected")  # fmt: skip
 
@@ -39,7 +42,7 @@ def _run(assets: dict[str, Path], out: Path, *extra: str, nproc: int = 2, batch:
             str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch),
             "--gradient_accumulation_steps", str(accum), "--max_length", "64", "--mixed_precision", "no",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential",
-            "--logging_steps", "1", "--beta", str(BETA), "--export_verify", "false", *extra]  # fmt: skip
+            "--logging_steps", "1", "--beta", str(BETA), "--export_verify", "false", *NO_SAVE, *extra]  # fmt: skip
     return torchrun(KTO, args, nproc=nproc)
 
 
