@@ -158,6 +158,8 @@ def runs(root: Path) -> dict[str, tuple[Path, str]]:
     for case, (model, nf4, dora, world) in CASES.items():
         run = root / "runs" / case
         extra = ("--merge_adapter", "true") if case in MERGED else ()
+        if case != "qlora-llama3_untied":  # only that run's checkpoint-2 is read (the resume test): no saves
+            extra += ("--save_steps", "0")
         args = recipe_args(root / model, root / "chat.jsonl", run, nf4=nf4, dora=dora, extra=extra)
         proc = torchrun(SFT, args, nproc=world)
         out[case] = (run, proc.stdout + proc.stderr)
@@ -281,8 +283,10 @@ def test_qlora_resume_gives_the_uninterrupted_losses_and_adapter(root: Path, run
     out.mkdir()
     shutil.copytree(ckpt, out / "checkpoint-2")
     (out / "latest").write_text("2\n")
+    # save_steps 0: the resumed run's end checkpoint is never read.
     args = recipe_args(root / "llama3_untied", root / "chat.jsonl", out, nf4=True, dora=False,
-                       extra=("--resume_from_checkpoint", "latest", "--export_verify", "false"))  # fmt: skip
+                       extra=("--resume_from_checkpoint", "latest", "--export_verify", "false",
+                              "--save_steps", "0"))  # fmt: skip
     torchrun(SFT, args, nproc=WORLD)
     full = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
     resumed = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
@@ -328,10 +332,11 @@ def test_cpt_with_qlora_trains_full_rows_over_the_sharded_4bit_base(root: Path, 
     docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS[:40], k=rng.randint(20, 120)))}) + "\n"
                             for _ in range(40)))  # fmt: skip
     run = tmp_path / "cpt"
+    # save_steps 0: no test reads a checkpoint of this run.
     args = ["--model_name_or_path", str(root / "llama3_untied"), "--dataset_name", str(docs), "--output_dir", str(run),
             "--per_device_train_batch_size", "2", "--max_length", "64", "--max_steps", "6", "--learning_rate", "1e-2",
             "--logging_steps", "1", "--mixed_precision", "no", "--use_peft", "true", "--lora_r", "8",
-            "--load_in_4bit", "true"]  # fmt: skip
+            "--load_in_4bit", "true", "--save_steps", "0"]  # fmt: skip
     proc = torchrun(REPO / "recipes" / "cpt.py", args, nproc=WORLD)
     log = proc.stdout + proc.stderr
     rows = read_metrics(run / "metrics.jsonl")
@@ -425,8 +430,10 @@ def test_dpo_with_qlora_equals_the_one_process_loop_with_the_adapter_disabled_as
             "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(lr), "--lr_scheduler_type",
             "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--beta", str(beta),
             "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0", "--seed", str(SEED),
-            "--load_in_4bit", "true", "--weight_decay", "0.0", "--export_verify", "false"]  # fmt: skip
-    # (export_verify false: the subject is the per-step metrics; a QLoRA adapter's verification is asserted above.)
+            "--load_in_4bit", "true", "--weight_decay", "0.0", "--export_verify", "false",
+            "--save_steps", "0"]  # fmt: skip
+    # (export_verify false: the subject is the per-step metrics; a QLoRA adapter's verification is asserted above.
+    # save_steps 0: no test reads its end checkpoint.)
     proc = torchrun(REPO / "recipes" / "dpo.py", args, nproc=WORLD)
     assert "the base model with the LoRA adapter disabled" in proc.stdout + proc.stderr
     got = read_metrics(out / "metrics.jsonl")
