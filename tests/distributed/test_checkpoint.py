@@ -160,7 +160,7 @@ def test_resume_on_a_different_world_size_keeps_weights_and_optimizer(
             "--resume_from_checkpoint",
             str(one / "checkpoint-7"),
             "--save_steps",
-            "8",
+            "0",  # no checkpoint-8: nothing resumes it (its losses and export are what is checked)
         ),
         nproc=2,
     )
@@ -317,7 +317,19 @@ def test_resume_with_an_incompatible_config_is_refused_and_harmless_changes_are_
     assert "max_length: checkpoint 96 vs now 64" in text
     proc = torchrun(
         SFT,
-        _args(assets, out, "--resume_from_checkpoint", "latest", "--logging_steps", "2", "--max_steps", "4"),
+        # save_steps 0 (a change that is logged too): no end-of-run checkpoint, which nothing here reads.
+        _args(
+            assets,
+            out,
+            "--resume_from_checkpoint",
+            "latest",
+            "--logging_steps",
+            "2",
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "0",
+        ),  # fmt: skip
     )
     assert "resuming with a changed setting: logging_steps: 1 -> 2" in proc.stdout + proc.stderr
 

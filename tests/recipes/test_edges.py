@@ -170,7 +170,8 @@ def test_unreadable_json_lines_are_named_or_skipped_and_counted(assets, tmp_path
                     + ("\n".join(lines[5:]) + "\n").encode())  # fmt: skip
     error = _one_error(_sft(_recipe(tmp_path / "e.yaml", model, bad, tmp_path / "e"), check=False))
     assert f"{bad}:6: not valid JSON" in error and "2 such line(s)" in error and "on_bad_record=skip" in error
-    proc = _sft(_recipe(tmp_path / "s.yaml", model, bad, tmp_path / "s", on_bad_record="skip"))
+    # save_steps 0: no end-of-run checkpoint, which nothing here reads.
+    proc = _sft(_recipe(tmp_path / "s.yaml", model, bad, tmp_path / "s", on_bad_record="skip", save_steps=0))
     log = proc.stdout + proc.stderr
     assert "2 bad records skipped (2 unreadable line)" in log
     assert f"{bad}:7: not UTF-8 text (byte 0xff" in log
@@ -193,7 +194,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_res
     assert not (out / "metrics.jsonl").exists()
     resized = tmp_path / "resized"
     _sft(_recipe(tmp_path / "ok.yaml", model, data, resized, tokenizer_name_or_path=str(tmp_path / "tok"),
-                 resize_token_embeddings=True))  # fmt: skip
+                 resize_token_embeddings=True, save_steps=0))  # fmt: skip  # no checkpoint: nothing reads one
     assert json.loads((resized / "config.json").read_text())["vocab_size"] == rows + 2
 
 

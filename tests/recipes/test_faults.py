@@ -542,7 +542,8 @@ def test_sigterm_to_the_launcher_during_the_export_finishes_it_and_says_so(asset
 
     model, data = assets
     out = tmp_path / "run"
-    recipe = _recipe(tmp_path / "r.yaml", model, data, out, export_verify=True)  # its message says "verified"
+    # Its message says "verified"; no checkpoint (its end-of-run one: nothing resumes it, and the message names none).
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out, export_verify=True, save_steps=0)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
     proc = subprocess.Popen(
