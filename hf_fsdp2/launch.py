@@ -183,6 +183,12 @@ def launcher_main(argv: Sequence[str]) -> int:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
     except ChildFailedError as err:
         first, failure = err.get_first_failure()
+        # A rank killed by a signal printed nothing and the others' errors follow from losing it, but the agent stamps
+        # a killed rank when it notices, often after the rank that lost it wrote its error: the killed rank comes first.
+        killed = sorted((f.timestamp, rank) for rank, f in err.failures.items() if f.exitcode < 0)
+        if killed:
+            first = killed[0][1]
+            failure = err.failures[first]
         statuses = ", ".join(
             f"rank {rank}: {f.exitcode if f.exitcode >= 0 else f.signal_name()}"
             for rank, f in sorted(err.failures.items())

@@ -85,14 +85,18 @@ def test_the_launchers_line_says_a_rank_was_killed_by_a_signal(
     """Before, "exit status 1 (rank 1 failed first; ...); its error is above": a killed rank has no error above."""
     import accelerate.commands.launch as accelerate_launch
 
-    def killed(args: object) -> None:
+    for error_stamped_first in (False, True):
+        # The agent stamps a killed rank when it notices it: often after rank 0 wrote its error (seen in a whole run).
         failures = {1: _failure(1, -signal.SIGKILL, tmp_path), 0: _failure(0, 1, tmp_path)}
-        raise ChildFailedError("grpo", failures)
+        failures[0].timestamp, failures[1].timestamp = (100, 101) if error_stamped_first else (101, 100)
 
-    monkeypatch.setattr(accelerate_launch, "launch_command", killed)
-    assert launch.launcher_main([launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "grpo"]) == 1
-    line = capsys.readouterr().err.strip()
-    assert line.startswith(
-        "hf-fsdp2 train: exit status 1: rank 1 stopped (killed by signal 9, SIGKILL: kill -9, or the out-of-memory"
-    ), line
-    assert line.endswith("(rank 0: 1, rank 1: SIGKILL)") and "its error is above" not in line
+        def killed(args: object, failures: dict[int, ProcessFailure] = failures) -> None:
+            raise ChildFailedError("grpo", failures)
+
+        monkeypatch.setattr(accelerate_launch, "launch_command", killed)
+        assert launch.launcher_main([launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "grpo"]) == 1
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(
+            "hf-fsdp2 train: exit status 1: rank 1 stopped (killed by signal 9, SIGKILL: kill -9, or the out-of-memory"
+        ), line
+        assert line.endswith("(rank 0: 1, rank 1: SIGKILL)") and "its error is above" not in line
