@@ -4,9 +4,7 @@ generate_until) and accuracy (argmax of summed log-likelihoods) equal a direct c
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +17,6 @@ from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 N = 4
-
-
-@pytest.fixture(autouse=True)
-def _no_openmp_flag_left_behind() -> Iterator[None]:
-    """scikit-learn (lm-eval imports it in this process) sets KMP_DUPLICATE_LIB_OK when imported, for good: the next
-    launch from this pytest worker then sees an environment its launch server was not started with and starts a new
-    one (~10 s of CPU re-importing torch and the rest; tests/support/launch.py). The flag only matters while an
-    OpenMP runtime loads, which the import already did: if it was not set before the test, it is not after."""
-    before = os.environ.get("KMP_DUPLICATE_LIB_OK")
-    yield
-    if before is None:
-        os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
 
 
 def test_smollm2_harness_numbers_equal_transformers(tmp_path: Path) -> None:

@@ -206,6 +206,9 @@ _READ_AT_RUN_TIME = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    # Set for good by scikit-learn's import (lm-eval's, bitsandbytes'...) in the worker; read by an OpenMP runtime as
+    # it loads, and the server loads none that reads it (torch's is libgomp): a rank that loads one reads it then.
+    "KMP_DUPLICATE_LIB_OK",
 )
 
 

@@ -293,8 +293,11 @@ def test_memory_snapshot_needs_cuda(tmp_path: Path) -> None:
 def test_distributed_debug_sets_env_without_overriding(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # Set, then deleted: monkeypatch then restores each to unset at teardown, whatever the test sets (left set, they
+    # would restart the worker's launch server at its next launch: TORCH_CPP_LOG_LEVEL is read at torch's load).
     for name in ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_CPP_LOG_LEVEL", "NCCL_DEBUG_SUBSYS"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     try:
         shown = apply_distributed_debug("info", tmp_path)
