@@ -182,13 +182,19 @@ def launcher_main(argv: Sequence[str]) -> int:
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
     except ChildFailedError as err:
-        first, failure = err.get_first_failure()
-        # A rank killed by a signal printed nothing and the others' errors follow from losing it, but the agent stamps
-        # a killed rank when it notices, often after the rank that lost it wrote its error: the killed rank comes first.
-        killed = sorted((f.timestamp, rank) for rank, f in err.failures.items() if f.exitcode < 0)
-        if killed:
-            first = killed[0][1]
-            failure = err.failures[first]
+        # Which rank to name: one killed by a signal printed nothing and the others' errors follow from losing it, but
+        # the agent stamps a killed rank when it notices, often after the rank that lost it wrote its error, so a
+        # killed rank comes first; then a rank that exited with its own error; last one ended by SIGTERM, the agent's
+        # signal to the ranks still running once one failed (collateral, whatever its stamp). Ties: the earlier stamp.
+        failures = err.failures
+
+        def precedence(rank: int) -> tuple[int, float]:
+            f = failures[rank]
+            order = 2 if f.exitcode < 0 and f.signal_name() == "SIGTERM" else 0 if f.exitcode < 0 else 1
+            return order, f.timestamp
+
+        first = min(failures, key=precedence)
+        failure = failures[first]
         statuses = ", ".join(
             f"rank {rank}: {f.exitcode if f.exitcode >= 0 else f.signal_name()}"
             for rank, f in sorted(err.failures.items())
