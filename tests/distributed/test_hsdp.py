@@ -73,7 +73,7 @@ def test_hsdp_2x2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model(
     log = proc.stdout + proc.stderr
     assert "HSDP: 2 replica groups x 2 shards" in log
     assert (
-        "(Replicate(), Shard(dim=0)) on mesh (dp_replicate=2, dp_shard_cp=2), local (16001, 64) of (32002, 64)"
+        "(Replicate(), Shard(dim=0)) on mesh (dp_replicate=2, dp_shard_cp=2), local (1049, 64) of (2098, 64)"
         in log
     )
     assert "export verified" in log

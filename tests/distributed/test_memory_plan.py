@@ -3,7 +3,7 @@
 Two model shapes (a tiny Llama with untied head and chunked cross entropy; a tiny Qwen3 with tied embeddings,
 QK norms and the plain loss), every activation-checkpointing mode. Per rank: sharded parameter, gradient and
 AdamW bytes predicted from the config must equal the storages the rank holds after a step, exactly (uneven
-chunks included: vocab 32002 is not a multiple of 4); activations and loss bytes predicted by the meta forward
+chunks included: vocab 2098 is not a multiple of 4); activations and loss bytes predicted by the meta forward
 must equal what ``SavedTensorMeter`` counts on the real sharded run (the issue allows 10%; on CPU the same
 kernels run, so the test holds them to equality). A 3-row linear layer at world 4 leaves rank 3 an empty chunk.
 
@@ -119,7 +119,7 @@ def test_world_1_and_2_match_the_plan_exactly(models, tmp_path: Path):
 def test_world_4_matches_the_plan_exactly_uneven_and_empty_chunks(models, tmp_path: Path):
     measured = _measure(models, tmp_path, 4)
     _check(models, measured, 4)
-    # vocab 32002 rows in chunks of 8001: rank 3 holds 7999 rows, so its AdamW state is smaller.
+    # vocab 2098 rows in chunks of 525: rank 3 holds 523 rows, so its AdamW state is smaller.
     optimizer = [measured[r]["models"]["llama"]["none"]["optimizer"] for r in range(4)]
     assert optimizer[0] == optimizer[1] == optimizer[2] > optimizer[3]
     assert measured[3]["probe"]["weight_rows"] == 0  # rank 3 holds nothing of the probe, yet a padded buffer

@@ -5,6 +5,7 @@ with the offline command that exports it.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -42,10 +43,10 @@ def test_a_full_disk_during_the_export_is_named_in_one_line(assets, tmp_path: Pa
     model, data = assets
     disk = tmp_path / "disk"
     disk.mkdir()
-    # ~48 MiB a checkpoint (4.2M fp32 parameters + 2 AdamW moments), ~8 MiB the bf16 export: the checkpoint of step 2
-    # fits, then the export's parts fill the disk.
+    # ~4.3 MiB a checkpoint (343k fp32 parameters + 2 AdamW moments, measured 4.49 MB) and ~0.2 MiB the tokenizer and
+    # run files, ~0.7 MiB the bf16 export: the checkpoint of step 2 fits, then the export's parts fill the disk.
     if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=53M", "tmpfs", str(disk)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=4800k", "tmpfs", str(disk)], capture_output=True
     ).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
@@ -59,11 +60,11 @@ def test_a_full_disk_during_the_export_is_named_in_one_line(assets, tmp_path: Pa
         assert "CheckpointException" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
             -3000:
         ]
-        assert (
-            f"the staging folder {out / '.export-incomplete'} held " in error
-            and "MiB when it filled" in error
-        )
-        assert "MiB free now" in error and "the export needs about" in error
+        assert re.search(
+            rf"the staging folder {re.escape(str(out / '.export-incomplete'))} held [\d.]+ [KM]iB when it filled",
+            error,
+        ), error
+        assert re.search(r"[\d.]+ [KM]iB free now", error) and "the export needs about" in error
         assert rescue == (
             f"The trained weights are safe in {out / 'checkpoint-2'} (a sharded checkpoint). Export them offline "
             f"with: hf-fsdp2 export {out / 'checkpoint-2'} OUT_DIR"

@@ -56,7 +56,7 @@ def _ending_model(folder: Path) -> Path:
     eos = AutoTokenizer.from_pretrained(folder).eos_token_id
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        ids = torch.randint(3, 30000, (16, 12), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(3, 2000, (16, 12), generator=torch.Generator().manual_seed(0))
         mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
         model.lm_head.weight[eos] = 8.0 * mean / mean.pow(2).sum()
     model.save_pretrained(folder)

@@ -49,8 +49,9 @@ WORDS = [
 def make_tiny_llama_dir(
     path: Path, *, tie_word_embeddings: bool = False, seed: int = 0, layers: int = 2
 ) -> Path:
-    """Save a 2-layer, 64-wide Llama with the Llama-2 tokenizer (ChatML template) to ``path``."""
-    tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    """Save a 2-layer, 64-wide Llama with the cut Llama-2 tokenizer (2,097 ids with ChatML's markers; conftest.py's
+    :func:`small_llama2_tokenizer_json`) and the ChatML template to ``path``."""
+    tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, small=True)
     tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -76,7 +77,7 @@ def make_tiny_llama_dir(
 def save_tokenizer(tokenizer, path: Path) -> None:  # type: ignore[no-untyped-def]
     """``tokenizer.save_pretrained(path)``, with the added tokens listed in tokenizer_config.json as
     ``added_tokens_decoder``, as hub tokenizers saved by transformers 4 have them. Without that list transformers 5
-    parses the whole tokenizer.json (3.6 MB here) in Python to find them: ~0.2 s more of every load, paid by each
+    parses the whole tokenizer.json (3.6 MB for the whole Llama-2 vocabulary) in Python to find them: ~0.2 s more of every load, paid by each
     rank of each launched run and each export's reload. The tokenizer loaded is the same (tests/unit/test_data.py
     checks it)."""
     tokenizer.save_pretrained(path)

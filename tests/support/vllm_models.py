@@ -16,7 +16,7 @@ NO_VLLM = f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it (setup.sh
 
 
 def tiny_vllm_llama(folder: Path, *, tied: bool) -> Path:
-    """A tiny Llama vLLM's CPU attention takes (head size 32; it has no 16) with the Llama-2 tokenizer, saved to
+    """A tiny Llama vLLM's CPU attention takes (head size 32; it has no 16) with the cut Llama-2 tokenizer (conftest.py), saved to
     ``folder``.
 
     ``tied=True``: the output head tied to the embedding (as SmolLM2's and Llama-3.2-1B's: vLLM's CPU engine packs the
@@ -24,7 +24,7 @@ def tiny_vllm_llama(folder: Path, *, tied: bool) -> Path:
     and the end-of-sequence logit raised along the mean final hidden state so that completions end at different
     lengths. ``tied=False``: an untied random head, so that greedy answers are non-empty strings of many tokens (a
     tied random head repeats the prompt's last token: a newline, answer "")."""
-    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
+    tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, small=True)
     tok.pad_token = tok.eos_token
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
@@ -34,7 +34,7 @@ def tiny_vllm_llama(folder: Path, *, tied: bool) -> Path:
     model = LlamaForCausalLM(config)
     if tied:
         with torch.no_grad():
-            ids = torch.randint(3, 30000, (16, 12), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(3, 2000, (16, 12), generator=torch.Generator().manual_seed(0))
             mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
             model.lm_head.weight[tok.eos_token_id] = 6.0 * mean / mean.pow(2).sum()
     model.save_pretrained(folder)

@@ -26,7 +26,17 @@ TEMPERATURE, MAX_COMPLETION = 0.7, 6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("grpo") / "model", seed=11)
+    """The tiny Llama with its output head scaled 8x: a random head's next-token distributions are all near uniform
+    (entropies within 0.003 of ln 2098, 1e-6 apart), so which tokens a top-entropy quantile keeps would turn on
+    rounding; scaled, the batch's entropies lie 1e-3 or more apart."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_llama_dir(tmp_path_factory.mktemp("grpo") / "model", seed=11)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(folder)
+    return folder
 
 
 def _batch(tokenizer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]

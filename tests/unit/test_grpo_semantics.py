@@ -45,7 +45,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     end = tok.convert_tokens_to_ids(END_OF_TURN)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        ids = torch.randint(3, 30000, (16, 12), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(3, 2000, (16, 12), generator=torch.Generator().manual_seed(0))
         mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
         model.lm_head.weight[end] = 5.0 * mean / mean.pow(2).sum()
     model.generation_config.eos_token_id = [tok.eos_token_id, end]

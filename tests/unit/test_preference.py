@@ -310,12 +310,13 @@ def test_even_batches_give_every_rank_the_same_number_of_forwards_and_each_pair_
     assert counts == {2} and sorted(seen) == list(range(7))
 
 
-def test_precomputed_reference_is_the_models_log_probs_by_pair_index(
-    tmp_path: Path, chatml_tokenizer
-) -> None:
-    model = load_model(str(make_family_dir(tmp_path / "m", "qwen2", initializer_range=0.5))).double()
+def test_precomputed_reference_is_the_models_log_probs_by_pair_index(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = make_family_dir(tmp_path / "m", "qwen2", initializer_range=0.5)
+    model = load_model(str(folder)).double()
     records = [{"prompt": f"question {i}", "chosen": " yes" * (i + 1), "rejected": " no"} for i in range(5)]
-    pairs, _ = tokenize_pairs(records, chatml_tokenizer, max_length=32)
+    pairs, _ = tokenize_pairs(records, AutoTokenizer.from_pretrained(folder), max_length=32)
     collator = PreferenceCollator(pad_token_id=0, max_length=32)
     frozen = FrozenModel(model, LossPlan())
     table = precompute_reference(frozen, pairs, collator=collator, batch_size=2, device=torch.device("cpu"))
