@@ -105,10 +105,12 @@ def test_adapter_export_holds_every_ranks_slice_and_loads_with_peft(setup, lora_
     saved = load_file(lora_run / "adapter_model.safetensors")
     assert sorted(saved) == sorted(ref_adapter)
     for name, ref in ref_adapter.items():
-        # Every row (rank 0's and rank 1's halves of dim 0) equals the single-process run's.
+        # Every row (rank 0's and rank 1's halves of dim 0) equals the single-process run's. atol 1e-4 (values ~5e-3):
+        # after 6 AdamW steps at lr 3e-3 an element whose gradient is near 0 carries the reduction order's rounding,
+        # scaled up by Adam's normalisation (seen: one of 512 off by 2.9e-5); a wrong slice is off by ~1e-2.
         half = ref.shape[0] // 2
         for rows in (slice(0, half), slice(half, None)):
-            torch.testing.assert_close(saved[name][rows], ref[rows], rtol=1e-4, atol=1e-5, msg=name)
+            torch.testing.assert_close(saved[name][rows], ref[rows], rtol=1e-4, atol=1e-4, msg=name)
     b = [k for k in saved if "lora_B" in k]
     assert all(saved[k][saved[k].shape[0] // 2 :].abs().sum() > 0 for k in b)  # rank 1's rows trained
     # Plain PEFT loads it on the base and computes what the reference computes.
