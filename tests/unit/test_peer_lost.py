@@ -79,23 +79,30 @@ def _failure(rank: int, exitcode: int, tmp_path: Path) -> ProcessFailure:
     )
 
 
+def _launcher_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failures: dict[int, ProcessFailure]
+) -> tuple[int, str]:
+    """The status and the one line of ``hf-fsdp2 train``'s launcher when the ranks end with ``failures``."""
+    import accelerate.commands.launch as accelerate_launch
+
+    def failed(args: object) -> None:
+        raise ChildFailedError("sft", failures)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", failed)
+    status = launch.launcher_main([launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "sft"])
+    return status, capsys.readouterr().err.strip()
+
+
 def test_the_launchers_line_says_a_rank_was_killed_by_a_signal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Before, "exit status 1 (rank 1 failed first; ...); its error is above": a killed rank has no error above."""
-    import accelerate.commands.launch as accelerate_launch
-
     for error_stamped_first in (False, True):
         # The agent stamps a killed rank when it notices it: often after rank 0 wrote its error (seen in a whole run).
         failures = {1: _failure(1, -signal.SIGKILL, tmp_path), 0: _failure(0, 1, tmp_path)}
         failures[0].timestamp, failures[1].timestamp = (100, 101) if error_stamped_first else (101, 100)
-
-        def killed(args: object, failures: dict[int, ProcessFailure] = failures) -> None:
-            raise ChildFailedError("grpo", failures)
-
-        monkeypatch.setattr(accelerate_launch, "launch_command", killed)
-        assert launch.launcher_main([launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "grpo"]) == 1
-        line = capsys.readouterr().err.strip()
+        status, line = _launcher_line(monkeypatch, capsys, failures)
+        assert status == 1
         assert line.startswith(
             "hf-fsdp2 train: exit status 1: rank 1 stopped (killed by signal 9, SIGKILL: kill -9, or the out-of-memory"
         ), line
@@ -107,18 +114,11 @@ def test_a_rank_the_agent_ended_with_sigterm_is_not_named_as_the_cause(
 ) -> None:
     """Rank 0 stopped on a config error (status 2); the agent then sent SIGTERM to rank 1, still running. A whole run
     named rank 1 "stopped without an error of its own" when its stamp came first: rank 0's error is the cause."""
-    import accelerate.commands.launch as accelerate_launch
-
     for error_stamped_first in (False, True):
         failures = {1: _failure(1, -signal.SIGTERM, tmp_path), 0: _failure(0, 2, tmp_path)}
         failures[0].timestamp, failures[1].timestamp = (100, 101) if error_stamped_first else (101, 100)
-
-        def closed(args: object, failures: dict[int, ProcessFailure] = failures) -> None:
-            raise ChildFailedError("sft", failures)
-
-        monkeypatch.setattr(accelerate_launch, "launch_command", closed)
-        assert launch.launcher_main([launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "sft"]) == 2
-        line = capsys.readouterr().err.strip()
+        status, line = _launcher_line(monkeypatch, capsys, failures)
+        assert status == 2
         assert line.startswith(
             "hf-fsdp2 train: exit status 2 (rank 0 failed first; rank 0: 2, rank 1: SIGTERM)"
         ), line
