@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +27,6 @@ class TrainData:
     total_steps: int
     examples_per_step: int
     train_set: Any = None  # the training examples (the DPO recipe's reference pass reads them)
-    # step -> stream batches that step reads; None: gradient_accumulation_steps. Set by a method whose step keeps
-    # batches across steps (GRPO: one prompt batch per generation batch).
-    reads_per_step: Callable[[int], int] | None = None
 
 
 def logged_layout(session: Session, batch_rows: str) -> AttentionLayout:

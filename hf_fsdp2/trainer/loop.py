@@ -54,8 +54,10 @@ def run(cfg: Config, method: Method) -> None:
         scheduler = build_schedule(session, optimizer, data.total_steps)
         # The step function (SFT: token-normalised CE; DPO: the reference built or precomputed now).
         train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
-        # Resume, if asked; the disk checked for the checkpoints and export the run plans.
-        state = RunState(session, model.module, optimizer, scheduler, data.stream, data.total_steps)
+        # Resume, if asked (the step's buffer too); the disk checked for the checkpoints and export the run plans.
+        state = RunState(
+            session, model.module, optimizer, scheduler, data.stream, data.total_steps, train_step
+        )
         observer = Observer(
             session, model, tokenizer, eval_set=data.eval_set, collator=data.collator,
             first_step=state.first_step, total_steps=data.total_steps, evaluator=evaluator,
@@ -67,12 +69,11 @@ def run(cfg: Config, method: Method) -> None:
         model.module.train()
         for step in range(state.first_step, data.total_steps + 1):
             observer.start_step(step)
-            # A method that buffers its batches across steps (GRPO's generation batches) says what a step reads.
-            reads = data.reads_per_step(step) if data.reads_per_step else t.gradient_accumulation_steps
-            micro_batches = [next(batches) for _ in range(reads)]
+            # The step says what it reads: gradient_accumulation_steps batches, or (GRPO) one prompt batch per
+            # generation batch it samples.
+            micro_batches = [next(batches) for _ in range(train_step.reads(step))]
             out = train_step(micro_batches)
-            trained = getattr(out, "trained", None) or micro_batches  # the rows the meter counts
-            observer.end_step(step, trained, out, model.module, epoch=data.stream.epoch)
+            observer.end_step(step, list(out.trained), out, model.module, epoch=data.stream.epoch)
             if state.after_step(step, data.total_steps):  # SIGTERM: saved, stop here
                 observer.close()
                 session.accelerator.end_training()

@@ -2,26 +2,26 @@
 model card need to know of it) and the objective it builds once the model is sharded.
 
 The loop (:func:`hf_fsdp2.trainer.loop.run`), checkpoints, metrics and the export are shared; a method differs by its
-data and its objective. Every step function returns what the observer logs: ``loss_sum`` / ``loss_count`` (the loss),
-``target_tokens``, ``processed_tokens``, ``grad_norm``, ``lr`` and ``extra_metrics`` (collective).
+data and its objective. Its objective builds a :class:`~hf_fsdp2.train.step.Step`: the shared skeleton
+(:func:`~hf_fsdp2.train.step.train_step`) with the method's loss of a micro-batch
+(:class:`~hf_fsdp2.train.step.StepLoss`); every step returns a :class:`~hf_fsdp2.train.step.StepOutput`.
 
 The methods themselves live in :mod:`hf_fsdp2.methods` (one package each) and are found through its registry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hf_fsdp2.config import Config, ConfigError
+from hf_fsdp2.train.step import LossStep, Step, StepLoss, StepSettings
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
-
-StepFn = Callable[[Sequence[dict[str, torch.Tensor]]], Any]
 
 BATCH_ROWS = ("as_configured", "corpus", "padded")
 """How a method lays out its rows: ``as_configured`` (the data keys packing / padding_free decide), ``corpus``
@@ -42,9 +42,30 @@ class Objective:
         reward_model: the model is loaded with a scalar score head (``AutoModelForSequenceClassification``).
     """
 
-    build: Callable[[Session, TrainModel, torch.optim.Optimizer, Any, TrainData], tuple[StepFn, Any]]
+    build: Callable[[Session, TrainModel, torch.optim.Optimizer, Any, TrainData], tuple[Step, Any]]
     no_dropout: bool = False
     reward_model: bool = False
+
+
+def step_settings(session: Session, model: TrainModel) -> StepSettings:
+    """How the run's steps run: its loss plan, ``max_grad_norm`` and ``fsdp_sync_each_microbatch``."""
+    cfg = session.cfg
+    return StepSettings(model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
+
+
+def loss_step(
+    session: Session,
+    model: TrainModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    new_loss: Callable[[], StepLoss],
+) -> LossStep:
+    """The run's step for a method whose micro-batches come straight from its data stream: the shared skeleton with
+    a new ``new_loss()`` each step, ``gradient_accumulation_steps`` stream batches a step."""
+    return LossStep(
+        model.module, optimizer, scheduler, settings=step_settings(session, model), device=session.device,
+        new_loss=new_loss, reads_per_step=session.cfg.train.gradient_accumulation_steps,
+    )  # fmt: skip
 
 
 def _one_row(cfg: Config) -> int:

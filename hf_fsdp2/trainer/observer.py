@@ -17,6 +17,7 @@ from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.profiling import StepProfiler
 from hf_fsdp2.observe.trackers import tracker_config, tracker_values
 from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.train.step import StepOutput
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
 
@@ -91,7 +92,7 @@ class Observer:
         self.meter.start_step()
 
     def end_step(
-        self, step: int, micro_batches: list[dict[str, torch.Tensor]], out: Any, model: torch.nn.Module,
+        self, step: int, micro_batches: list[dict[str, torch.Tensor]], out: StepOutput, model: torch.nn.Module,
         epoch: int,
     ) -> dict[str, Any] | None:  # fmt: skip
         """Count, log (every ``logging_steps``, the last step and eval steps) and evaluate; every rank calls it.

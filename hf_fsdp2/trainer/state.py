@@ -24,6 +24,7 @@ from hf_fsdp2.observe.logs import append_metrics_event
 from hf_fsdp2.observe.summary import write_summary
 from hf_fsdp2.train.nonfinite import Finding, NonFiniteGuard, attach
 from hf_fsdp2.train.optim import restore_scheduler
+from hf_fsdp2.train.step import Step
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
@@ -42,8 +43,10 @@ class RunState:
         optimizer: its optimizer.
         scheduler: its learning-rate schedule.
         stream: the data stream (its position is saved and restored): a ``DataStream`` (epoch and micro-batches
-            consumed), or a stream with a per-rank ``state_dict`` (a streamed corpus).
+            consumed), or a stream with a per-rank ``state_dict`` (a streamed corpus, GRPO's prompts).
         total_steps: the run's last step (how many checkpoints it writes, for the disk-space check).
+        step: the run's step, whose buffer across steps (GRPO's generation batch) each rank's checkpoint keeps
+            beside its data position (None: a step without one).
 
     Raises:
         CheckpointError: a checkpoint that cannot be resumed, or a disk that cannot hold one checkpoint.
@@ -51,9 +54,10 @@ class RunState:
 
     def __init__(
         self, session: Session, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        stream: Any, total_steps: int = 0,
+        stream: Any, total_steps: int = 0, step: Step | None = None,
     ) -> None:  # fmt: skip
         cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
+        self.step = step
         self.session, self.model, self.optimizer, self.scheduler, self.stream = (
             session,
             model,
@@ -198,6 +202,9 @@ class RunState:
             self.stream.load_state_dict(self.checkpointer.rank_data)
         else:
             self.stream.start_at(state.epoch, examples // per_batch)
+        buffer = (self.checkpointer.rank_data or {}).get("buffer")
+        if self.step is not None and buffer is not None:
+            self.step.load_buffer(buffer)
         if (state.data_world or state.world_size) != session.data_world or examples % per_batch:
             logger.warning(
                 "resuming on %d ranks from a checkpoint of %d: weights and optimizer state are the same, the "
@@ -227,6 +234,9 @@ class RunState:
             data_files=self.data_files,
         )
         rank_data = self.stream.state_dict() if hasattr(self.stream, "state_dict") else None
+        buffer = self.step.buffer_state() if self.step is not None else None
+        if buffer is not None:  # this rank's buffer across steps, beside its data position
+            rank_data = {**(rank_data or {}), "buffer": buffer}
         self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
         self.last_saved = step
         if self.pusher is not None:

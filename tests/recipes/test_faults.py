@@ -273,10 +273,11 @@ def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> Non
     """The DPO objective's step reports to the same guard: a diverged step stops the run at the next step's read
     (stop), or its update is skipped on the device, weights unchanged (skip_step, fused AdamW)."""
     from hf_fsdp2.data.pairs import PreferenceCollator
-    from hf_fsdp2.methods.dpo.step import DPOSettings, dpo_step
+    from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.nonfinite import NonFiniteError, NonFiniteGuard, attach
     from hf_fsdp2.train.reference import FrozenModel
+    from hf_fsdp2.train.step import StepSettings, train_step
 
     model, _ = _tiny_model(tmp_path)
     reference, _ = _tiny_model(tmp_path / "ref")
@@ -287,11 +288,12 @@ def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> Non
         {"prompt_ids": [14, 15], "chosen_ids": [16], "rejected_ids": [17, 18, 19], "index": 1},
     ]
     batch = PreferenceCollator(pad_token_id=0, max_length=16)(pairs)
-    settings = DPOSettings(LossPlan())
+    settings, cpu = DPOSettings(), torch.device("cpu")
 
     def step():  # type: ignore[no-untyped-def]
         frozen = FrozenModel(reference, LossPlan())
-        return dpo_step(model, optimizer, None, [batch], frozen, settings, torch.device("cpu"))
+        loss = DPOLoss(frozen, settings, LossPlan(), cpu)
+        return train_step(model, optimizer, None, [batch], StepSettings(LossPlan()), cpu, loss)
 
     step()  # step 4: finite
     with torch.no_grad():

@@ -189,9 +189,10 @@ def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> None:
     from hf_fsdp2.data.pairs import PreferenceCollator
-    from hf_fsdp2.methods.dpo.step import DPOSettings, dpo_forward_backward
+    from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings
     from hf_fsdp2.train.loss import LossPlan, plan_loss
     from hf_fsdp2.train.reference import FrozenModel
+    from hf_fsdp2.train.step import StepSettings, forward_backward
 
     model = load_model(str(model_dir))
     plan = plan_loss(model, 8) if chunked else LossPlan()
@@ -205,8 +206,9 @@ def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> Non
     mode = FakeAccelerator()
     mode.put_module(model)
     with mode:
-        loss_sum, count, *_ = dpo_forward_backward(model, batches, reference, DPOSettings(plan), DEVICE)
-        assert count == 4 and loss_sum.device == DEVICE and not mode.mismatches
+        loss = DPOLoss(reference, DPOSettings(), plan, DEVICE)
+        acc = forward_backward(model, batches, StepSettings(plan), DEVICE, loss=loss)
+        assert acc.counts.loss_count == 4 and acc.loss_sum.device == DEVICE and not mode.mismatches
     # The one all-reduce of the step's pair and token counts; the completion positions come from the host labels.
     assert [what for what, _ in _library_reads(mode)] == ["tolist()"], _library_reads(mode)
 
@@ -224,9 +226,8 @@ def test_an_sft_step_reads_the_device_once(model_dir: Path, chunk: int) -> None:
     mode = FakeAccelerator()
     mode.put_module(model)
     with mode:
-        loss_sum, _, tokens, processed = forward_backward(
-            model, [batch, batch], StepSettings(LossPlan(chunk_tokens=chunk)), DEVICE
-        )
+        acc = forward_backward(model, [batch, batch], StepSettings(LossPlan(chunk_tokens=chunk)), DEVICE)
+        loss_sum, tokens, processed = acc.loss_sum, acc.counts.target_tokens, acc.counts.processed_tokens
         assert loss_sum.device == DEVICE and tokens == 2 * (2 * 11 - 4) and processed == 2 * 24
     assert not mode.mismatches
     # The step's token counts, all-reduced on the device and read once: they scale the loss before backward.
@@ -235,7 +236,7 @@ def test_an_sft_step_reads_the_device_once(model_dir: Path, chunk: int) -> None:
     plain = forward_backward(
         load_model(str(model_dir)), [batch, batch], StepSettings(LossPlan()), torch.device("cpu")
     )
-    torch.testing.assert_close(loss_sum.cpu(), plain[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss_sum.cpu(), plain.loss_sum, rtol=1e-5, atol=0)
 
 
 def test_a_training_step_with_its_stop_check_reads_the_device_once(
@@ -334,9 +335,10 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) -> None:
     from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
-    from hf_fsdp2.methods.kto.step import KTOSettings, kto_step
+    from hf_fsdp2.methods.kto.step import KTOLoss, KTOSettings
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.reference import FrozenModel
+    from hf_fsdp2.train.step import StepSettings, train_step
 
     model = load_model(str(model_dir))
     examples = with_kl_completions(
@@ -351,10 +353,13 @@ def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) 
     frozen = load_model(str(model_dir))
     mode.put_module(frozen)
     with mode:
-        out = kto_step(model, _optimizer(model), None, batches, FrozenModel(frozen, LossPlan()), KTOSettings(LossPlan()),
-                       DEVICE)  # fmt: skip
+        loss = KTOLoss(FrozenModel(frozen, LossPlan()), KTOSettings(), LossPlan(), DEVICE)
+        out = train_step(model, _optimizer(model), None, batches, StepSettings(LossPlan()), DEVICE, loss)
         assert (
-            out.examples == 6 and out.desirable == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
+            out.loss_count == 6
+            and loss.desirable == 4
+            and out.loss_sum.device == DEVICE
+            and not mode.mismatches
         )
     # The step's counts (all-reduced, read once); the KL estimate's sum and count stay on the device. (Not counted:
     # a cpu() the harness sees in torch's clip_grad_norm_, which stacks the per-group norms on the first gradient's
@@ -364,8 +369,9 @@ def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) 
 
 def test_a_reward_model_step_reads_the_device_once(model_dir: Path) -> None:
     from hf_fsdp2.data.pairs import PreferenceCollator
-    from hf_fsdp2.methods.rm.step import RewardSettings, reward_step
+    from hf_fsdp2.methods.rm.step import RewardLoss, RewardSettings
     from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.step import StepSettings, train_step
 
     torch.manual_seed(0)
     model = load_model(str(model_dir), reward_head=0)
@@ -383,6 +389,7 @@ def test_a_reward_model_step_reads_the_device_once(model_dir: Path) -> None:
     mode = FakeAccelerator()
     mode.put_module(model)
     with mode:
-        out = reward_step(model, _optimizer(model), None, batches, RewardSettings(LossPlan(), 0.01), DEVICE)
-        assert out.pairs == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
+        loss = RewardLoss(RewardSettings(0.01), DEVICE)
+        out = train_step(model, _optimizer(model), None, batches, StepSettings(LossPlan()), DEVICE, loss)
+        assert out.loss_count == 4 and out.loss_sum.device == DEVICE and not mode.mismatches
     assert [what for what, _ in _step_reads(mode)] == ["tolist()"], _library_reads(mode)

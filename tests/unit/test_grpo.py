@@ -359,8 +359,8 @@ def test_truncated_completions_leave_the_loss_as_trls_mask_says() -> None:
                                num_iterations=1, generation_batch_size=None, steps_per_generation=None,
                                rollout_batch_size=3)  # fmt: skip
     assert layout.rollout_chunks == 2 and layout.prompts == 2
-    settings = GrpoStepSettings(GrpoSettings(num_generations=2), 1.0, 1, 1.0, False, 0, layout,
-                                mask_truncated_completions=True)  # fmt: skip
+    settings = GrpoStepSettings(grpo=GrpoSettings(num_generations=2), temperature=1.0, num_iterations=1, seed=0,
+                                layout=layout, mask_truncated_completions=True)  # fmt: skip
     function = RewardFunction("len", lambda completions, **kw: [float(len(c)) for c in completions], 1.0)
     batch = {"prompt_ids": [[11, 12], [13]], "prompts": ["p", "q"], "columns": {}, "index": [0, 1]}
     roll = rollout(batch, Fixed(), [function], Tok(), settings, number=1, device=torch.device("cpu"))

@@ -83,11 +83,14 @@ def test_the_stepper_reads_a_prompt_batch_per_generation_batch_and_after_a_resum
     resume from a checkpoint there) samples a new one first, as TRL's empty buffer does."""
     from hf_fsdp2.methods.grpo.loss import GrpoSettings
     from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings
+    from hf_fsdp2.train.loss import LossPlan
+    from hf_fsdp2.train.step import StepSettings
 
     layout = _layout(num_iterations=2)
-    settings = GrpoStepSettings(GrpoSettings(num_generations=4), 1.0, 2, 1.0, False, 0, layout)
+    settings = GrpoStepSettings(grpo=GrpoSettings(num_generations=4), temperature=1.0, num_iterations=2, seed=0,
+                                layout=layout)  # fmt: skip
     stepper = GrpoStepper(None, None, None, generator=None, functions=[], tokenizer=None, reference=None,  # type: ignore[arg-type]
-                          settings=settings, device=None)  # type: ignore[arg-type]  # fmt: skip
+                          settings=settings, step=StepSettings(LossPlan()), device=None)  # type: ignore[arg-type]  # fmt: skip
     assert [stepper.reads(s) for s in (1, 3, 5)] == [1, 1, 1]
     assert stepper.reads(2) == 1  # nothing buffered yet: a resumed step 2 samples
     stepper.roll = object()  # type: ignore[assignment]  # a buffered generation batch

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from hf_fsdp2.methods.grpo.metrics import STATS, GrpoStepOutput, Rollout
+from hf_fsdp2.methods.grpo.metrics import STATS, GrpoStepMetrics, Rollout
 from hf_fsdp2.methods.grpo.timing import ROLLOUT_METRICS, TimedGenerator
 
 
@@ -87,11 +87,11 @@ def test_the_step_metrics_carry_the_rollout_timing() -> None:
     roll = Rollout(rows=[], rewards=torch.tensor([1.0, 0.0]), per_function=torch.tensor([[1.0], [0.0]]),
                    advantages=torch.tensor([0.5, -0.5]), zero_std=torch.tensor([0.0, 0.0]), lengths=[3, 3],
                    completions=["a", "b"], prompts=["p", "p"])  # fmt: skip
-    out = GrpoStepOutput(torch.zeros(()), 1, 6, 10, torch.zeros(()), 1e-5, torch.zeros(len(STATS)), roll, ["f"],
-                         0.0, torch.device("cpu"), timing=gen.rollout_metrics)  # fmt: skip
-    metrics = out.extra_metrics(1)
+    out = GrpoStepMetrics(
+        torch.zeros(len(STATS)), roll, ["f"], 0.0, torch.device("cpu"), timing=gen.rollout_metrics
+    )
+    metrics = out(1)
     assert metrics["rollout/completion_tokens"] == 6 and metrics["rollout/generate_s"] >= 0.01
     assert metrics["reward"] == pytest.approx(0.5)  # the step's own metrics are still there
-    plain = GrpoStepOutput(torch.zeros(()), 1, 6, 10, torch.zeros(()), 1e-5, torch.zeros(len(STATS)), roll, ["f"],
-                           0.0, torch.device("cpu"))  # fmt: skip
-    assert not any(k.startswith("rollout/") for k in plain.extra_metrics(1))
+    plain = GrpoStepMetrics(torch.zeros(len(STATS)), roll, ["f"], 0.0, torch.device("cpu"))
+    assert not any(k.startswith("rollout/") for k in plain(1))

@@ -237,7 +237,7 @@ def test_pair_losses_match_the_papers_formulas(loss_type: str, eps: float) -> No
         policy,
         reference,
         lengths,
-        DPOSettings(LossPlan(), beta=beta, loss_type=loss_type, label_smoothing=eps),
+        DPOSettings(beta=beta, loss_type=loss_type, label_smoothing=eps),
     )
     for i in range(2):
         dc, dr = policy[i] - reference[i], policy[2 + i] - reference[2 + i]
@@ -279,7 +279,7 @@ def test_reference_free_losses_equal_trls_own_loss_functions(
     )  # chosen (3), rejected (3)
     lengths = torch.tensor([4, 1, 2, 2, 3, 5])
     beta = 0.25
-    settings = DPOSettings(LossPlan(), beta=beta, loss_type=loss_type, label_smoothing=eps, simpo_gamma=gamma)
+    settings = DPOSettings(beta=beta, loss_type=loss_type, label_smoothing=eps, simpo_gamma=gamma)
     losses, chosen, rejected, extras = pair_losses(policy, None, lengths, settings)
     mean = policy / lengths.double()
     if loss_type == "simpo":

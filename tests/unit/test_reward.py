@@ -16,7 +16,6 @@ from hf_fsdp2.methods import parse_method_config
 from hf_fsdp2.methods.rm.objective import rm_objective
 from hf_fsdp2.methods.rm.step import RewardSettings, _metrics, _sums, bt_losses
 from hf_fsdp2.model import auto_class_name
-from hf_fsdp2.train.loss import LossPlan
 
 
 def parse_config(argv: list[str]) -> Config:
@@ -46,11 +45,11 @@ def test_the_collator_carries_the_margins_only_when_every_pair_has_one() -> None
 def test_the_bradley_terry_loss_and_the_statistics_are_the_hand_computed_ones() -> None:
     rewards = torch.tensor([1.0, -0.5, 0.2, 0.3])  # chosen 1.0, -0.5; rejected 0.2, 0.3
     margin = torch.tensor([0.5, 0.0])
-    settings = RewardSettings(LossPlan(), center_rewards_coefficient=0.1)
+    settings = RewardSettings(center_rewards_coefficient=0.1)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     want = [-math.log(sig(1.0 - 0.2 - 0.5)) + 0.1 * 1.2**2, -math.log(sig(-0.5 - 0.3)) + 0.1 * (-0.2) ** 2]
     assert bt_losses(rewards, margin, settings).tolist() == pytest.approx(want, rel=1e-6)
-    assert bt_losses(rewards, None, RewardSettings(LossPlan())).tolist() == pytest.approx(
+    assert bt_losses(rewards, None, RewardSettings()).tolist() == pytest.approx(
         [-math.log(sig(0.8)), -math.log(sig(-0.8))], rel=1e-6
     )
     sums, high, low = _sums(rewards)

@@ -16,7 +16,6 @@ from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods import parse_method_config
 from hf_fsdp2.methods.kto.objective import kto_objective
 from hf_fsdp2.methods.kto.step import KTOSettings, kto_losses
-from hf_fsdp2.train.loss import LossPlan
 
 
 def parse_config(argv: list[str], recipe: str = "kto") -> Config:
@@ -111,7 +110,7 @@ def test_the_collator_lays_out_the_examples_then_their_kl_rows() -> None:
 
 
 def test_the_losses_are_the_papers_per_example() -> None:
-    settings = KTOSettings(LossPlan(), beta=0.5, desirable_weight=1.5, undesirable_weight=0.8)
+    settings = KTOSettings(beta=0.5, desirable_weight=1.5, undesirable_weight=0.8)
     policy, reference = torch.tensor([-3.0, -2.0, -5.0]), torch.tensor([-4.0, -2.5, -4.0])
     good, kl = torch.tensor([True, False, False]), torch.tensor(0.3)
     losses, rewards = kto_losses(policy, reference, good, kl, settings)
@@ -124,7 +123,7 @@ def test_the_losses_are_the_papers_per_example() -> None:
     assert losses.tolist() == pytest.approx(want, rel=1e-6) and rewards.tolist() == pytest.approx(
         [0.5, 0.25, -0.5]
     )
-    apo = KTOSettings(LossPlan(), beta=0.5, loss_type="apo_zero_unpaired")
+    apo = KTOSettings(beta=0.5, loss_type="apo_zero_unpaired")
     losses, _ = kto_losses(policy, reference, good, kl, apo)
     assert losses.tolist() == pytest.approx([1 - sig(0.5), sig(0.25), sig(-0.5)], rel=1e-6)
 

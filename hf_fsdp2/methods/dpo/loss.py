@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from hf_fsdp2.methods.dpo.config import DPO_LOSS_TYPES as LOSS_TYPES
 from hf_fsdp2.methods.dpo.config import REFERENCE_FREE_LOSS_TYPES as REFERENCE_FREE
-from hf_fsdp2.train.loss import LossPlan
 
 # Per-pair quantities summed over pairs (then divided by the global pair count), as TRL logs them.
 METRICS = (
@@ -47,28 +46,22 @@ EXTRA_METRICS = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", 
 
 @dataclass(frozen=True)
 class DPOSettings:
-    """How a preference step runs (from the preference and train config sections).
+    """The preference objective's constants (from the method's config section; how the step runs, its loss plan
+    included, is :class:`~hf_fsdp2.train.step.StepSettings`).
 
     Attributes:
-        loss: the run's loss plan: the model's logit post-processing is applied by the model itself; with
-            ``chunk_tokens > 0`` the head runs on the completion positions only (no logits for the prompts).
         beta: DPO's beta (IPO's tau, SimPO's beta, ORPO's lambda).
         loss_type: one of :data:`LOSS_TYPES`.
         label_smoothing: ε of cDPO (sigmoid), robust DPO and SimPO.
         simpo_gamma: SimPO's target reward margin γ.
         cpo_alpha: weight of the chosen completions' NLL under SimPO.
-        max_grad_norm: clip the global gradient norm (0 = measured only).
-        sync_each_microbatch: reduce-scatter after every micro-batch, or only after the last.
     """
 
-    loss: LossPlan
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0
-    max_grad_norm: float = 1.0
-    sync_each_microbatch: bool = True
 
     @property
     def reference_free(self) -> bool:

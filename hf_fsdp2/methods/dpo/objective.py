@@ -11,10 +11,12 @@ import torch
 
 from hf_fsdp2.config import Config
 from hf_fsdp2.methods.dpo.config import DpoArgs
-from hf_fsdp2.methods.dpo.step import DPOSettings, dpo_step, evaluate_preferences
+from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings, evaluate_preferences
+from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.reference import Reference
+from hf_fsdp2.train.step import Step
 from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, StepFn
+from hf_fsdp2.trainer.method import Objective, loss_step
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.reference import build_reference
 from hf_fsdp2.trainer.session import Session
@@ -24,15 +26,17 @@ logger = logging.getLogger("hf_fsdp2")
 
 def _build_dpo(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
-) -> tuple[StepFn, Any]:
+) -> tuple[Step, Any]:
     cfg = session.cfg
     p: DpoArgs = cfg.method
     t = cfg.train
     settings = DPOSettings(
-        model.loss_plan, beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing,
-        simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha, max_grad_norm=t.max_grad_norm,
-        sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
-    )  # fmt: skip
+        beta=p.beta,
+        loss_type=p.loss_type,
+        label_smoothing=p.label_smoothing,
+        simpo_gamma=p.simpo_gamma,
+        cpo_alpha=p.cpo_alpha,
+    )
     if settings.reference_free:
         return _reference_free(session, model, optimizer, scheduler, data, settings)
     if p.loss_type == "sigmoid" and p.label_smoothing > 0:
@@ -43,15 +47,18 @@ def _build_dpo(
     logger.info("loss: DPO %s, beta %g, mean over the step's pairs", p.loss_type, p.beta)
     reference, eval_reference = build_reference(session, model, data, p)
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return dpo_step(
-            model.module, optimizer, scheduler, micro_batches, reference, settings, session.device
-        )
-
+    step = loss_step(
+        session,
+        model,
+        optimizer,
+        scheduler,
+        lambda: DPOLoss(reference, settings, model.loss_plan, session.device),
+    )
     evaluator = None
     if data.eval_set is not None:
         evaluator = PreferenceEvaluator(
             data.eval_set, eval_reference or reference, collator=data.collator, settings=settings,
+            plan=model.loss_plan,
             batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
             device=session.device,
         )  # fmt: skip
@@ -61,7 +68,7 @@ def _build_dpo(
 def _reference_free(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData,
     settings: DPOSettings,
-) -> tuple[StepFn, Any]:  # fmt: skip
+) -> tuple[Step, Any]:  # fmt: skip
     """SimPO and ORPO: the policy alone, no reference model or pass (the same on every rank: the run's objective)."""
     p: DpoArgs = session.cfg.method
     if settings.loss_type == "simpo":
@@ -71,14 +78,14 @@ def _reference_free(
         logger.info("loss: ORPO, NLL of the chosen sequences, prompt and completion (mean over their tokens) + %g x odds-ratio term (mean "
                     "over the step's pairs); reference-free", p.beta)  # fmt: skip
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return dpo_step(model.module, optimizer, scheduler, micro_batches, None, settings, session.device)
-
+    step = loss_step(
+        session, model, optimizer, scheduler, lambda: DPOLoss(None, settings, model.loss_plan, session.device)
+    )
     evaluator = None
     if data.eval_set is not None:
         t = session.cfg.train
         evaluator = PreferenceEvaluator(
-            data.eval_set, None, collator=data.collator, settings=settings,
+            data.eval_set, None, collator=data.collator, settings=settings, plan=model.loss_plan,
             batch_size=session.cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
             device=session.device,
         )  # fmt: skip
@@ -89,18 +96,18 @@ class PreferenceEvaluator:
     """DPO's evaluation: loss, rewards, accuracy and margins over every eval pair (every rank calls ``run``)."""
 
     def __init__(
-        self, pairs: Sequence[Any], reference: Reference | None, *, collator: Any, settings: DPOSettings, batch_size: int,
-        device: torch.device,
+        self, pairs: Sequence[Any], reference: Reference | None, *, collator: Any, settings: DPOSettings,
+        plan: LossPlan, batch_size: int, device: torch.device,
     ) -> None:  # fmt: skip
         self.pairs, self.reference, self.collator = pairs, reference, collator
-        self.settings, self.batch_size, self.device = settings, batch_size, device
+        self.settings, self.plan, self.batch_size, self.device = settings, plan, batch_size, device
 
     def run(
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
     ) -> dict[str, float]:
         out = evaluate_preferences(
             model, self.reference, self.pairs, collator=self.collator, batch_size=self.batch_size,
-            settings=self.settings, device=self.device,
+            settings=self.settings, plan=self.plan, device=self.device,
         )  # fmt: skip
         logger.info(
             "eval at step %d: loss %.4f, accuracy %.3f, margin %.4f (%d pairs)",

@@ -5,18 +5,17 @@ A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`
 PreferenceCollator`), and goes through the policy in one forward. A row's log-prob is the SUM of the log-probs of
 its completion tokens (TRL's definition).
 
-The step's loss is the mean over every pair of every micro-batch of every rank: each micro-batch's summed pair
-losses are scaled by ``world / global pairs`` before backward (FSDP2 averages over ranks); an objective with an NLL
-term (ORPO, SimPO with ``cpo_alpha``) adds the chosen rows' summed NLL (SimPO: their completions; ORPO: prompt and
-completion, :func:`nll_labels`) scaled by ``world / global NLL
-tokens``. Every rank runs the same forwards whatever its data: the reference forward (or table lookup; none when
-reference-free, for every rank alike: the objective is the run's) and the policy forward of each micro-batch.
+The step is the shared skeleton (:func:`hf_fsdp2.train.step.train_step`) with :class:`DPOLoss`: the loss is the
+mean over every pair of every micro-batch of every rank (each micro-batch's summed pair losses over the step's global
+pairs); an objective with an NLL term (ORPO, SimPO with ``cpo_alpha``) adds the chosen rows' summed NLL (SimPO: their
+completions; ORPO: prompt and completion, :func:`nll_labels`) over the step's global NLL tokens. Every rank runs the
+same forwards whatever its data: the reference forward (or table lookup; none when reference-free, for every rank
+alike: the objective is the run's) and the policy forward of each micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +23,8 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.dpo.loss import METRICS, DPOSettings, metric_sums, pair_losses
-from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.train.nonfinite import NonFiniteGuard
 from hf_fsdp2.train.reference import (
     Reference,
     completion_logps,
@@ -34,7 +34,7 @@ from hf_fsdp2.train.reference import (
     row_inputs,
     to_device,
 )
-from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
+from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 
 def nll_labels(batch: dict[str, torch.Tensor], settings: DPOSettings) -> torch.Tensor | None:
@@ -52,73 +52,15 @@ def nll_labels(batch: dict[str, torch.Tensor], settings: DPOSettings) -> torch.T
 
 
 def policy_logps(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: DPOSettings, full: torch.Tensor | None
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: LossPlan, full: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The policy's summed completion log-probs ``[2B]``, the chosen rows' summed NLL (over ``full``'s positions
     when given, :func:`nll_labels`; else over the completions), and the router loss."""
     if full is None:
-        sums, aux = completion_logps(model, row_inputs(batch), batch["labels"], settings.loss)
+        sums, aux = completion_logps(model, row_inputs(batch), batch["labels"], plan)
         return sums, -sums[: sums.size(0) // 2].sum(), aux
-    both, aux = completion_logps(
-        model, row_inputs(batch), batch["labels"], settings.loss, sequence_labels=full
-    )
+    both, aux = completion_logps(model, row_inputs(batch), batch["labels"], plan, sequence_labels=full)
     return both[0], -both[1][: both.size(1) // 2].sum(), aux
-
-
-# ---------------------------------------------------------------------------------------------------
-# The step
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DPOStepOutput:
-    """What a preference step did (tensors stay on the device until logged).
-
-    Attributes:
-        loss_sum: this rank's summed pair losses, plus (ORPO, SimPO with ``cpo_alpha``) its weighted chosen-token NLL
-            scaled by ``pairs / chosen_tokens``, so that ``loss_sum / pairs`` summed over ranks is the step's loss.
-        pairs: pairs of the step over every rank and micro-batch (the loss's denominator).
-        sums: this rank's :data:`METRICS` sums, then the objective's extra metrics'.
-        aux_sum: this rank's summed router loss (None without one).
-        target_tokens: completion tokens of the step over every rank (the tokens that carry the loss).
-        processed_tokens: tokens fed to the policy (padding included) over every rank.
-        grad_norm: global gradient norm before clipping.
-        lr: learning rate the step used.
-        chosen_tokens: chosen completion tokens of the step over every rank (the NLL's denominator).
-        extra_names: the objective's extra metrics (``nll_loss`` per chosen token, the others per pair).
-    """
-
-    loss_sum: torch.Tensor
-    pairs: int
-    sums: torch.Tensor
-    aux_sum: torch.Tensor | None
-    target_tokens: int
-    processed_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
-    chosen_tokens: int = 0
-    extra_names: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def loss_count(self) -> int:
-        """What the summed loss is divided by: the step's pairs."""
-        return self.pairs
-
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        """Rewards, accuracy, margins and log-probs as means over the step's pairs, the objective's extras, and
-        the router loss (collective: every rank calls it)."""
-        values = [self.sums.double()]
-        if self.aux_sum is not None:
-            values.append(self.aux_sum.detach().double().reshape(1))
-        total = collectives.all_reduce_sum(torch.cat(values))
-        names = (*METRICS, *self.extra_names)
-        out = {
-            name: float(total[i]) / max(self.chosen_tokens if name == "nll_loss" else self.pairs, 1)
-            for i, name in enumerate(names)
-        }
-        if self.aux_sum is not None:
-            out["aux_loss"] = float(total[len(names)]) / (micro_batches * collectives.world())
-        return out
 
 
 def _nll_tokens(batch: dict[str, torch.Tensor], full: torch.Tensor | None) -> int:
@@ -128,101 +70,88 @@ def _nll_tokens(batch: dict[str, torch.Tensor], full: torch.Tensor | None) -> in
     return int((labels[: batch["pair_index"].numel(), 1:] != IGNORE_INDEX).sum())
 
 
-def dpo_forward_backward(
-    model: torch.nn.Module,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
-    reference: Reference | None,
-    settings: DPOSettings,
-    device: torch.device,
-    guard: NonFiniteGuard | None = None,
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None, int, int, int]:
-    """Forward and backward of one preference step's micro-batches; gradients accumulate in the model.
+class DPOLoss(StepLoss):
+    """One preference step's loss (:class:`~hf_fsdp2.train.step.StepLoss`): per micro-batch, the summed pair losses
+    over the step's global pairs, plus (ORPO, SimPO with ``cpo_alpha``) the chosen rows' summed NLL over the step's
+    global NLL tokens, weighted by ``nll_weight``.
 
-    ``guard``: the previous step's non-finite flags are read with this step's counts, as in the SFT step.
-    ``reference``: None for a reference-free objective (``settings.reference_free``).
+    Under context parallel every rank of a cp group computes the group's whole loss from the all-reduced log-prob
+    sums, whose backward adds the cp ranks' equal output gradients: each term carries ``1 / cp_size``, which leaves
+    the gradient of the mean over the step's pairs (tests/distributed: equal to cp 1). One rank per cp group counts
+    the pairs and logs the sums (:func:`counts_here`).
 
-    Returns:
-        (summed loss as :class:`DPOStepOutput` defines it, global pairs, metric sums, summed router loss or None,
-        global completion tokens, global processed tokens, global chosen completion tokens).
+    The logged loss sum (fp64) is the summed pair losses plus the NLL scaled by ``pairs / chosen_tokens``, so that
+    ``loss_sum / pairs`` summed over ranks is the step's loss.
     """
-    if (reference is None) is not settings.reference_free:
-        raise ValueError(
-            f"loss_type={settings.loss_type!r} " + ("takes no reference" if reference else "needs one")
+
+    log_dtype = torch.float64
+
+    def __init__(
+        self, reference: Reference | None, settings: DPOSettings, plan: LossPlan, device: torch.device
+    ) -> None:
+        if (reference is None) is not settings.reference_free:
+            raise ValueError(
+                f"loss_type={settings.loss_type!r} " + ("takes no reference" if reference else "needs one")
+            )
+        self.reference, self.settings, self.plan, self.device = reference, settings, plan, device
+        self.here = counts_here()  # under context parallel, one rank per cp group counts the group's pairs
+        self.sums = torch.zeros(
+            len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device
         )
-    fulls = [
-        nll_labels(b, settings) for b in micro_batches
-    ]  # from the host batches: no read back from the device
-    here = counts_here()  # under context parallel, one rank per cp group counts the group's pairs
-    local = torch.tensor(
-        [
+        self.fulls: list[torch.Tensor | None] = []
+        self.pairs = self.chosen_tokens = 0
+
+    def prepare(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
+        # From the host batches: no read back from the device.
+        self.fulls = [nll_labels(b, self.settings) for b in micro_batches]
+        return micro_batches
+
+    def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
+        if not self.here:
+            return [0, 0, 0, 0]
+        return [
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
-            sum(_nll_tokens(b, full) for b, full in zip(micro_batches, fulls, strict=True)),
+            sum(_nll_tokens(b, full) for b, full in zip(micro_batches, self.fulls, strict=True)),
         ]
-        if here
-        else [0, 0, 0, 0],
-        dtype=torch.long,
-        device=device,
-    )
-    pairs, tokens, processed, chosen_tokens = read_step_counts(local, guard)  # the step's one host read
-    # FSDP2 averages over every rank. Under context parallel each rank of a group computes the group's whole loss
-    # from the all-reduced sums, whose backward adds the cp ranks' equal output gradients: cp x each part's share;
-    # dividing by cp leaves the gradient of the mean over the step's pairs (tests/distributed: equal to cp 1).
-    world = collectives.world() / collectives.cp_size()
-    scale = world / pairs if pairs else 0.0
-    nll_scale = settings.nll_weight * world / chosen_tokens if chosen_tokens else 0.0
-    router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.zeros(len(METRICS) + len(settings.extra_metrics), dtype=torch.float64, device=device)
-    for i, (batch, full) in enumerate(zip(micro_batches, fulls, strict=True)):
-        choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
-        batch = to_device(batch, device)
+
+    def begin(self, counts: Sequence[int], guard: NonFiniteGuard | None) -> StepCounts:
+        pairs, tokens, processed, chosen_tokens = counts
+        self.pairs, self.chosen_tokens = pairs, chosen_tokens
+        return StepCounts(
+            loss_count=pairs, loss_units=pairs, target_tokens=tokens, processed_tokens=processed
+        )
+
+    def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        s, full = self.settings, self.fulls[index]
+        batch = to_device(batch, self.device)
         # First, without gradient: the same forwards on every rank (none when reference-free, on every rank).
-        ref = reference.logps(batch) if reference is not None else None
-        policy, nll, aux = policy_logps(model, batch, settings, full)
+        ref = self.reference.logps(batch) if self.reference is not None else None
+        policy, nll, aux = policy_logps(model, batch, self.plan, full)
         lengths = batch["completion_mask"].sum(dim=1)
-        losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
-        objective = losses.sum() * scale
-        if nll_scale:
-            objective = objective + nll * nll_scale
-            if here:
-                loss_sum += nll.detach().double() * (settings.nll_weight * pairs / chosen_tokens)
-        total = router.added(objective, aux)
-        total.backward()
-        if here:
-            loss_sum += losses.detach().double().sum()
-            sums += metric_sums(policy, lengths, chosen, rejected, extras, settings, nll)
-        del total, objective, policy, losses, nll
-    return loss_sum, pairs, sums, router.sum, tokens, processed, chosen_tokens
+        losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, s)
+        share = 1 / collectives.cp_size()
+        terms = [LossTerm(losses.sum(), self.pairs, share)]
+        logged: list[torch.Tensor] = []
+        if s.nll_weight and self.chosen_tokens:
+            terms.append(LossTerm(nll, self.chosen_tokens, s.nll_weight * share))
+            if self.here:
+                logged.append(nll.detach().double() * (s.nll_weight * self.pairs / self.chosen_tokens))
+        if self.here:
+            logged.append(losses.detach().double().sum())
+            self.sums += metric_sums(policy, lengths, chosen, rejected, extras, s, nll)
+        return MicroLoss(tuple(terms), tuple(logged), aux)
 
-
-def dpo_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
-    reference: Reference | None,
-    settings: DPOSettings,
-    device: torch.device,
-) -> DPOStepOutput:
-    """One optimizer step of the preference objective over this rank's ``micro_batches`` (every rank calls it)."""
-    loss_sum, pairs, sums, aux_sum, tokens, processed, chosen_tokens = dpo_forward_backward(
-        model, micro_batches, reference, settings, device, guard_of(optimizer)
-    )
-    grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, pairs)
-    return DPOStepOutput(
-        loss_sum,
-        pairs,
-        sums,
-        aux_sum,
-        tokens,
-        processed,
-        grad_norm,
-        lr,
-        chosen_tokens,
-        settings.extra_metrics,
-    )
+    def metrics(self, micro_batches: int) -> dict[str, float]:
+        """Rewards, accuracy, margins and log-probs as means over the step's pairs, and the objective's extras
+        (``nll_loss`` per chosen token); collective: every rank calls it."""
+        total = collectives.all_reduce_sum(self.sums.double())
+        names = (*METRICS, *self.settings.extra_metrics)
+        return {
+            name: float(total[i]) / max(self.chosen_tokens if name == "nll_loss" else self.pairs, 1)
+            for i, name in enumerate(names)
+        }
 
 
 def evaluate_preferences(
@@ -233,6 +162,7 @@ def evaluate_preferences(
     collator: Any,
     batch_size: int,
     settings: DPOSettings,
+    plan: LossPlan,
     device: torch.device,
 ) -> dict[str, float]:
     """The preference loss and metrics of every eval pair, each once (every rank calls it; the mode is restored).
@@ -247,7 +177,7 @@ def evaluate_preferences(
         ref = reference.logps(on_device) if reference is not None else None
         full = nll_labels(on_device, settings)
         with evaluating(model):
-            policy, nll, _ = policy_logps(model, on_device, settings, full)
+            policy, nll, _ = policy_logps(model, on_device, plan, full)
         lengths = on_device["completion_mask"].sum(dim=1)
         losses, chosen, rejected, extras = pair_losses(policy, ref, lengths, settings)
         if real and counts_here():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
@@ -140,26 +140,16 @@ def layout_of(cfg: object, ranks: int) -> GenerationLayout:
     )
 
 
-class _Holder(Protocol):
-    def buffer_state(self) -> dict[str, Any]: ...
-
-    def load_buffer(self, state: dict[str, Any]) -> None: ...
-
-
 class GenerationStream(DataStream):
-    """The prompt stream, whose per-rank checkpoint state also holds the step's buffered generation batch
-    (``holder``: the GRPO stepper), so a run resumed inside a generation batch trains on the same completions."""
-
-    holder: _Holder | None = None
+    """The prompt stream, every rank reading the same prompts: its position is each rank's own checkpoint state
+    (the run's step adds its buffered generation batch beside it, :class:`~hf_fsdp2.train.step.Step`), resumed as it
+    was saved whatever the world size."""
 
     def state_dict(self) -> dict[str, Any]:
-        buffer = self.holder.buffer_state() if self.holder is not None else None
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "buffer": buffer}
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start_at(state["epoch"], state["batches_in_epoch"])
-        if self.holder is not None and state.get("buffer") is not None:
-            self.holder.load_buffer(state["buffer"])
 
 
 def generation_stream(session: Any, train: Any, collator: Any) -> tuple[Any, int, int, GenerationLayout]:

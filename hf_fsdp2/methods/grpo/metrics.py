@@ -1,5 +1,6 @@
-"""What a GRPO generation batch holds (:class:`Rollout`) and what a step reports: :class:`GrpoStepOutput` (the observer's fields and TRL's metric names), the counts a
-step without a learning signal is decided and named from, and the ``log_completions`` table."""
+"""What a GRPO generation batch holds (:class:`Rollout`) and what a step reports beyond the shared
+:class:`~hf_fsdp2.train.step.StepOutput`: :class:`GrpoStepMetrics` (TRL's metric names), the counts a step without a
+learning signal is decided and named from, and the ``log_completions`` table."""
 
 from __future__ import annotations
 
@@ -44,33 +45,22 @@ class Rollout:
 
 
 @dataclass
-class GrpoStepOutput:
-    """What a GRPO step did (the observer's fields; the statistics are this rank's sums until logged)."""
+class GrpoStepMetrics:
+    """A GRPO step's metrics under TRL's names (``metrics(micro_batches)``, collective; the statistics are this
+    rank's sums until logged)."""
 
-    loss_sum: torch.Tensor
-    count: int
-    target_tokens: int
-    processed_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
     stats: torch.Tensor  # STATS, this rank's sums over the step's micro-batches
     roll: Rollout  # the generation batch the step's last micro-batch came from
     function_names: list[str]
     beta: float
     device: torch.device
-    functions: Sequence[RewardFunction] = ()  # their log_metric values are logged (issue 42 item 4)
-    trained: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the rows trained on (the meter's)
+    functions: Sequence[RewardFunction] = ()  # their log_metric values are logged
     table: list[dict[str, Any]] | None = None  # log_completions (rank 0): the rows since the last logged step
     table_limit: int | None = None  # num_completions_to_print
     table_sink: Callable[[list[dict[str, Any]]], None] | None = None  # the trackers' table (objective)
-    timing: Callable[[torch.device], dict[str, float]] | None = None  # rollout/* (timing.py; issue 42 item 9)
+    timing: Callable[[torch.device], dict[str, float]] | None = None  # rollout/* (timing.py)
 
-    @property
-    def loss_count(self) -> int:
-        """1: ``loss_sum`` is already this rank's share of the step's normalised loss (summed over the ranks)."""
-        return 1
-
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
+    def __call__(self, micro_batches: int) -> dict[str, float]:
         """TRL's names: reward, reward_std, rewards/<fn>/mean|std, completions/*, clip_ratio/*, kl, frac_reward_zero_std
         (collective: every rank calls it)."""
         r, table = self.roll.rewards.double(), self.roll.per_function.double()

@@ -14,7 +14,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.methods.grpo.batching import GenerationStream, layout_of
+from hf_fsdp2.methods.grpo.batching import layout_of
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping, sampling_kwargs
 from hf_fsdp2.methods.grpo.data import collate_prompts
 from hf_fsdp2.methods.grpo.loss import GrpoSettings
@@ -31,8 +31,9 @@ from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerato
 from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
 from hf_fsdp2.methods.grpo.timing import TimedGenerator
 from hf_fsdp2.methods.grpo.vllm_client import build_vllm_generator
+from hf_fsdp2.train.step import Step
 from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, StepFn
+from hf_fsdp2.trainer.method import Objective, step_settings
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.reference import load_reference
 from hf_fsdp2.trainer.session import Session
@@ -129,7 +130,7 @@ def _tracker_table(session: Session) -> Callable[[list[dict[str, Any]]], None]:
 
 def _build_grpo(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
-) -> tuple[StepFn, Any]:
+) -> tuple[Step, Any]:
     cfg = session.cfg
     g: GrpoArgs = cfg.method
     t = cfg.train
@@ -156,10 +157,11 @@ def _build_grpo(
                         importance_sampling_level=g.importance_sampling_level)  # fmt: skip
     # Issue 42 items 5 and 8: TRL's generation batches and steps (batching.py); the run's loss plan chunks scoring.
     layout = layout_of(cfg, session.data_world)
-    settings = GrpoStepSettings(grpo, g.temperature, g.num_iterations, t.max_grad_norm,
-                                cfg.fsdp.fsdp_sync_each_microbatch, t.seed, layout, model.loss_plan,
-                                g.mask_truncated_completions, g.top_entropy_quantile, g.log_completions,
-                                g.num_completions_to_print)  # fmt: skip
+    settings = GrpoStepSettings(
+        grpo=grpo, temperature=g.temperature, num_iterations=g.num_iterations, seed=t.seed, layout=layout,
+        mask_truncated_completions=g.mask_truncated_completions, top_entropy_quantile=g.top_entropy_quantile,
+        log_completions=g.log_completions, num_completions_to_print=g.num_completions_to_print,
+    )  # fmt: skip
     # Issue 42 items 1-2: stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built
     # from the keys alone, so the sampled distribution is the scored one.
     eos = stop_token_ids(
@@ -206,11 +208,9 @@ def _build_grpo(
         tokenizer=tokenizer,
         reference=reference,
         settings=settings,
+        step=step_settings(session, model),
         device=session.device,
     )
-    data.reads_per_step = step.reads  # one prompt batch per generation batch, not one per micro-batch
-    if isinstance(data.stream, GenerationStream):  # checkpoints carry the buffered generation batch
-        data.stream.holder = step
     if g.log_completions and session.is_main:
         step.table_sink = _tracker_table(session)
 

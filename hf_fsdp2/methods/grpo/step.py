@@ -27,6 +27,7 @@ run (or warns, ``on_collapse``) after ``COLLAPSE_STEPS`` such steps in a row, na
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,7 @@ from hf_fsdp2.methods.grpo.loss import (
 )
 from hf_fsdp2.methods.grpo.metrics import (
     STATS,
-    GrpoStepOutput,
+    GrpoStepMetrics,
     Rollout,
     completion_rows,
     no_signal_fix,
@@ -55,22 +56,31 @@ from hf_fsdp2.methods.grpo.rewards import RewardError, RewardFunction, combine, 
 from hf_fsdp2.methods.grpo.rollout import Generator, is_clipped, rollout_seed
 from hf_fsdp2.methods.grpo.vllm_is import attach_sampling_logps
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.nonfinite import guard_of
-from hf_fsdp2.train.step import choose_gradient_sync, clip_and_update, read_step_counts
+from hf_fsdp2.train.nonfinite import NonFiniteGuard
+from hf_fsdp2.train.step import (
+    Batch,
+    LossTerm,
+    MicroLoss,
+    StepCounts,
+    StepLoss,
+    StepOutput,
+    StepSettings,
+    train_step,
+)
 
-__all__ = ["GrpoStepOutput", "GrpoStepper", "Rollout", "no_signal_fix", "no_signal_message", "signal_counts"]
+__all__ = ["GrpoStepper", "Rollout", "no_signal_fix", "no_signal_message", "signal_counts"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GrpoStepSettings:
+    """GRPO's own step settings (how the shared skeleton runs, the loss plan included, is
+    :class:`~hf_fsdp2.train.step.StepSettings`)."""
+
     grpo: GrpoSettings
     temperature: float
     num_iterations: int
-    max_grad_norm: float
-    sync_each_microbatch: bool
     seed: int
     layout: GenerationLayout | None = None  # required by GrpoStepper
-    plan: LossPlan | None = None  # the run's loss plan: chunked scoring when its chunk_tokens > 0
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     log_completions: bool = False
@@ -210,10 +220,16 @@ class GrpoStepper:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  generator: Generator, functions: Sequence[RewardFunction], tokenizer: Any,
                  reference: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None, settings: GrpoStepSettings,
-                 device: torch.device) -> None:  # fmt: skip
+                 step: StepSettings, device: torch.device) -> None:  # fmt: skip
         if settings.layout is None:
             raise ValueError("GrpoStepper needs settings.layout (batching.layout_of)")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # The run's loss plan chunks the scoring; the skeleton adds no router loss: GRPO's policy loss alone trains
+        # the router (the objective says so at start-up).
+        self.plan = step.loss
+        self.step_settings = dataclasses.replace(
+            step, loss=dataclasses.replace(step.loss, router_aux_coef=0.0)
+        )
         self.generator, self.functions, self.tokenizer = generator, list(functions), tokenizer
         self.reference, self.settings, self.device = reference, settings, device
         self.layout: GenerationLayout = settings.layout
@@ -248,7 +264,9 @@ class GrpoStepper:
         roll.step = step
         correction = getattr(self.generator, "correction", None)  # vLLM's importance sampling (vllm_is.py)
         if self.layout.needs_old_logps or correction is not None:
-            roll.old = [no_grad_logps(self.model, r, s.temperature, self.device, s.plan) for r in roll.rows]
+            roll.old = [
+                no_grad_logps(self.model, r, s.temperature, self.device, self.plan) for r in roll.rows
+            ]
         if correction is not None and roll.old is not None:
             for r, ratio in zip(roll.rows, correction.ratios(roll.old, roll.rows), strict=True):
                 r["is_ratio"] = ratio
@@ -269,11 +287,11 @@ class GrpoStepper:
                                               [fn.name for fn in self.functions], step)  # fmt: skip
         return roll
 
-    def __call__(self, prompt_batches: Sequence[dict[str, Any]]) -> GrpoStepOutput:
+    def __call__(self, prompt_batches: Sequence[Batch]) -> StepOutput:
         step = (
             int(getattr(self.scheduler, "last_epoch", 0)) + 1
         )  # restored on resume: the same sampling seeds
-        s, layout, device = self.settings, self.layout, self.device
+        layout = self.layout
         ga, spg = layout.gradient_accumulation_steps, layout.steps_per_generation
         pending = list(prompt_batches)
         micro: list[tuple[Rollout, int]] = []
@@ -284,57 +302,10 @@ class GrpoStepper:
             assert self.roll is not None
             micro.append((self.roll, m % spg))
         rows = [roll.rows[j] for roll, j in micro]
-        local = torch.tensor([sum(int(r["loss_mask"].sum()) for r in rows),
-                              sum(r["input_ids"].numel() for r in rows)], dtype=torch.long)  # fmt: skip
-        guard = guard_of(self.optimizer)
-        # The step's one host read of its counts, carrying the previous step's non-finite flags.
-        tokens, processed = read_step_counts(local.to(device), guard)
-        signal = self.roll.signal if self.roll is not None else []
-        silent = all(roll.signal[0] == 0 for roll, _ in micro)
-        if guard is not None:
-            names = [f.name for f in self.functions]
-            guard.no_signal(step, silent, lambda: no_signal_message(signal, names, s.grpo.num_generations, step),
-                            no_signal_fix(signal))  # fmt: skip
-        world = collectives.world()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
-        want_entropy = True  # TRL's entropy metric; the top_entropy_quantile mask
-        for i, (roll, j) in enumerate(micro):
-            choose_gradient_sync(self.model, i, len(micro), s.sync_each_microbatch)
-            row = roll.rows[j]
-            logps, entropies = score_rows(
-                self.model, row, s.temperature, device, s.plan, entropy=want_entropy
-            )
-            mask = row["loss_mask"].to(device)
-            entropy_mask = None
-            if s.top_entropy_quantile < 1.0:
-                assert entropies is not None
-                pooled = _pooled_entropies(entropies[mask.bool()])
-                entropy_mask = high_entropy_mask(
-                    entropies, mask, 1 - s.top_entropy_quantile, pooled.to(device)
-                )
-            sums = grpo_loss_sums(logps, roll.old[j] if roll.old else None, roll.refs[j] if roll.refs else None,
-                                  row["advantages"].to(device), mask, s.grpo, entropy_mask=entropy_mask,
-                                  entropies=entropies, is_ratio=row.get("is_ratio"))  # fmt: skip
-            normaliser = self._normaliser(roll)
-            if normaliser > 0:
-                (sums.loss * (world / normaliser)).backward()
-            else:  # nothing in the loss on any rank: the same backward, a zero gradient
-                (sums.loss * 0.0).backward()
-            if normaliser > 0:
-                loss_sum += sums.loss.detach().double() / normaliser
-            stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.clip_count, sums.tokens,
-                                  sums.entropy]).double()  # fmt: skip
-        grad_norm, lr = clip_and_update(
-            self.model, self.optimizer, self.scheduler, loss_sum, s.max_grad_norm, tokens
-        )
-        table = self.table if s.log_completions and collectives.rank() == 0 else None
-        assert self.roll is not None
-        return GrpoStepOutput(loss_sum, 1, tokens, processed, grad_norm, lr, stats.cpu(), self.roll,
-                              [f.name for f in self.functions], s.grpo.beta, device, self.functions,
-                              [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows],
-                              table, s.num_completions_to_print, self.table_sink,
-                              getattr(self.generator, "rollout_metrics", None))  # fmt: skip
+        loss = GrpoLoss(self, micro, step)
+        trained = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows]
+        return train_step(self.model, self.optimizer, self.scheduler, rows, self.step_settings, self.device, loss,
+                          trained=trained)  # fmt: skip
 
     def _normaliser(self, roll: Rollout) -> float:
         """What a micro-batch's numerator is divided by (TRL's per loss type, over every rank)."""
@@ -345,3 +316,63 @@ class GrpoStepper:
         if kind == "bnpo":
             return float(ga * layout.ranks)
         return float(layout.per_device * ga * layout.ranks)
+
+
+class GrpoLoss(StepLoss):
+    """One GRPO step's loss (:class:`~hf_fsdp2.train.step.StepLoss`) over its micro-batches of completions (each
+    ``(roll, j)``: micro-batch ``j`` of a buffered generation batch): TRL's numerator over TRL's normaliser per loss
+    type (:meth:`GrpoStepper._normaliser`). The logged loss sum is already normalised (``loss_count`` 1)."""
+
+    log_dtype = torch.float64
+
+    def __init__(self, stepper: GrpoStepper, micro: list[tuple[Rollout, int]], step: int) -> None:
+        self.stepper, self.micro_rolls, self.step = stepper, micro, step
+        self.stats = torch.zeros(len(STATS), dtype=torch.float64, device=stepper.device)
+
+    def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
+        return [
+            sum(int(r["loss_mask"].sum()) for r in micro_batches),
+            sum(r["input_ids"].numel() for r in micro_batches),
+        ]
+
+    def begin(self, counts: Sequence[int], guard: NonFiniteGuard | None) -> StepCounts:
+        tokens, processed = counts
+        st, s = self.stepper, self.stepper.settings
+        if guard is not None:
+            signal = st.roll.signal if st.roll is not None else []
+            silent = all(roll.signal[0] == 0 for roll, _ in self.micro_rolls)
+            names = [f.name for f in st.functions]
+            guard.no_signal(self.step, silent,
+                            lambda: no_signal_message(signal, names, s.grpo.num_generations, self.step),
+                            no_signal_fix(signal))  # fmt: skip
+        return StepCounts(loss_count=1, loss_units=tokens, target_tokens=tokens, processed_tokens=processed)
+
+    def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        st, s, device = self.stepper, self.stepper.settings, self.stepper.device
+        roll, j = self.micro_rolls[index]
+        row = batch
+        want_entropy = True  # TRL's entropy metric; the top_entropy_quantile mask
+        logps, entropies = score_rows(model, row, s.temperature, device, st.plan, entropy=want_entropy)
+        mask = row["loss_mask"].to(device)
+        entropy_mask = None
+        if s.top_entropy_quantile < 1.0:
+            assert entropies is not None
+            pooled = _pooled_entropies(entropies[mask.bool()])
+            entropy_mask = high_entropy_mask(entropies, mask, 1 - s.top_entropy_quantile, pooled.to(device))
+        sums = grpo_loss_sums(logps, roll.old[j] if roll.old else None, roll.refs[j] if roll.refs else None,
+                              row["advantages"].to(device), mask, s.grpo, entropy_mask=entropy_mask,
+                              entropies=entropies, is_ratio=row.get("is_ratio"))  # fmt: skip
+        normaliser = st._normaliser(roll)
+        # Nothing in the loss on any rank (normaliser 0): the same backward, a zero gradient.
+        logged = (sums.loss.detach().double() / normaliser,) if normaliser > 0 else ()
+        self.stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.clip_count, sums.tokens,
+                                   sums.entropy]).double()  # fmt: skip
+        return MicroLoss((LossTerm(sums.loss, normaliser),), logged)
+
+    def metrics(self, micro_batches: int) -> dict[str, float]:
+        st, s = self.stepper, self.stepper.settings
+        assert st.roll is not None
+        table = st.table if s.log_completions and collectives.rank() == 0 else None
+        return GrpoStepMetrics(self.stats.cpu(), st.roll, [f.name for f in st.functions], s.grpo.beta, st.device,
+                               st.functions, table, s.num_completions_to_print, st.table_sink,
+                               getattr(st.generator, "rollout_metrics", None))(micro_batches)  # fmt: skip

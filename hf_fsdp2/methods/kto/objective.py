@@ -12,10 +12,12 @@ import torch
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.kto.config import KtoArgs
-from hf_fsdp2.methods.kto.step import KTOSettings, evaluate_kto, kto_step
+from hf_fsdp2.methods.kto.step import KTOLoss, KTOSettings, evaluate_kto
+from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.reference import Reference
+from hf_fsdp2.train.step import Step
 from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, StepFn
+from hf_fsdp2.trainer.method import Objective, loss_step
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.reference import build_reference
 from hf_fsdp2.trainer.session import Session
@@ -27,18 +29,18 @@ class KTOEvaluator:
     """KTO's evaluation: loss, KL, rewards per kind and margin over every eval example (every rank calls ``run``)."""
 
     def __init__(
-        self, examples: Sequence[Any], reference: Reference, *, collator: Any, settings: KTOSettings, batch_size: int,
-        device: torch.device,
+        self, examples: Sequence[Any], reference: Reference, *, collator: Any, settings: KTOSettings,
+        plan: LossPlan, batch_size: int, device: torch.device,
     ) -> None:  # fmt: skip
         self.examples, self.reference, self.collator = examples, reference, collator
-        self.settings, self.batch_size, self.device = settings, batch_size, device
+        self.settings, self.plan, self.batch_size, self.device = settings, plan, batch_size, device
 
     def run(
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
     ) -> dict[str, float]:
         out = evaluate_kto(
             model, self.reference, self.examples, collator=self.collator, batch_size=self.batch_size,
-            settings=self.settings, device=self.device,
+            settings=self.settings, plan=self.plan, device=self.device,
         )  # fmt: skip
         logger.info(
             "eval at step %d: loss %.4f, kl %.4f, margin %.4f (%d examples)", step, out["eval_loss"],
@@ -49,15 +51,16 @@ class KTOEvaluator:
 
 def _build_kto(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
-) -> tuple[StepFn, Any]:
+) -> tuple[Step, Any]:
     cfg = session.cfg
     p: KtoArgs = cfg.method
     t = cfg.train
     settings = KTOSettings(
-        model.loss_plan, beta=p.beta, loss_type=p.loss_type, desirable_weight=p.desirable_weight,
-        undesirable_weight=p.undesirable_weight, max_grad_norm=t.max_grad_norm,
-        sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch,
-    )  # fmt: skip
+        beta=p.beta,
+        loss_type=p.loss_type,
+        desirable_weight=p.desirable_weight,
+        undesirable_weight=p.undesirable_weight,
+    )
     logger.info(
         "loss: %s, beta %g, desirable_weight %g, undesirable_weight %g, mean over the step's examples%s",
         "KTO" if settings.uses_kl else "APO-zero (unpaired)", p.beta, p.desirable_weight, p.undesirable_weight,
@@ -65,15 +68,18 @@ def _build_kto(
     )  # fmt: skip
     reference, eval_reference = build_reference(session, model, data, p, "KTO", "examples")
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return kto_step(
-            model.module, optimizer, scheduler, micro_batches, reference, settings, session.device
-        )
-
+    step = loss_step(
+        session,
+        model,
+        optimizer,
+        scheduler,
+        lambda: KTOLoss(reference, settings, model.loss_plan, session.device),
+    )
     evaluator = None
     if data.eval_set is not None:
         evaluator = KTOEvaluator(
             data.eval_set, eval_reference or reference, collator=data.collator, settings=settings,
+            plan=model.loss_plan,
             batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size, device=session.device,
         )  # fmt: skip
     return step, evaluator

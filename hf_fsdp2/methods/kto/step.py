@@ -27,9 +27,9 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.kto.config import KTO_LOSS_TYPES
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.nonfinite import NonFiniteGuard
 from hf_fsdp2.train.reference import Reference, completion_logps, evaluating, rank_batches, to_device
-from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
+from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 # Summed over the examples of each kind, divided by that kind's count when logged (TRL's names).
 SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
@@ -37,25 +37,20 @@ SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
 
 @dataclass(frozen=True)
 class KTOSettings:
-    """How a KTO step runs (from the preference and train config sections).
+    """The KTO objective's constants (from the method's config section; how the step runs, its loss plan included,
+    is :class:`~hf_fsdp2.train.step.StepSettings`).
 
     Attributes:
-        loss: the run's loss plan (the head on completion positions only when ``chunk_tokens > 0``).
         beta: KTO's beta.
         loss_type: one of :data:`KTO_LOSS_TYPES`.
         desirable_weight: weight of a desirable example's loss (TRL's ``desirable_weight``).
         undesirable_weight: weight of an undesirable example's loss.
-        max_grad_norm: clip the global gradient norm (0 = measured only).
-        sync_each_microbatch: reduce-scatter after every micro-batch, or only after the last.
     """
 
-    loss: LossPlan
     beta: float = 0.1
     loss_type: str = "kto"
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
-    max_grad_norm: float = 1.0
-    sync_each_microbatch: bool = True
 
     @property
     def uses_kl(self) -> bool:
@@ -134,104 +129,65 @@ def _metrics(sums: torch.Tensor, desirable: int, undesirable: int) -> dict[str, 
     return out
 
 
-@dataclass
-class KTOStepOutput:
-    """What a KTO step did (tensors stay on the device until logged).
+class KTOLoss(StepLoss):
+    """One KTO step's loss (:class:`~hf_fsdp2.train.step.StepLoss`): per micro-batch, the summed weighted example
+    losses over the step's global examples; the KL estimate ``z0`` of each micro-batch from its KL rows (one
+    all-reduce, :func:`kl_estimate`) before the policy's forward on the examples."""
 
-    Attributes:
-        loss_sum: this rank's summed weighted example losses (``loss_sum / examples`` summed over ranks is the loss).
-        examples: examples of the step over every rank and micro-batch.
-        desirable: desirable examples among them.
-        sums: this rank's :data:`SUMS`.
-        kl_sum: the step's KL estimates summed over its micro-batches (each the same on every rank).
-        aux_sum: this rank's summed router loss (None without one).
-        target_tokens / processed_tokens: completion tokens / tokens fed to the policy, over every rank.
-        grad_norm: global gradient norm before clipping.
-        lr: learning rate the step used.
-        uses_kl: whether ``kl`` is logged.
-    """
+    log_dtype = torch.float64
 
-    loss_sum: torch.Tensor
-    examples: int
-    desirable: int
-    sums: torch.Tensor
-    kl_sum: torch.Tensor
-    aux_sum: torch.Tensor | None
-    target_tokens: int
-    processed_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
-    uses_kl: bool = True
+    def __init__(
+        self, reference: Reference, settings: KTOSettings, plan: LossPlan, device: torch.device
+    ) -> None:
+        self.reference, self.settings, self.plan, self.device = reference, settings, plan, device
+        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+        self.kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.half: list[int] = []
+        self.examples = self.desirable = 0
 
-    @property
-    def loss_count(self) -> int:
-        """What the summed loss is divided by: the step's examples."""
-        return self.examples
+    def prepare(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
+        self.half = [int(b["label"].numel()) for b in micro_batches]
+        return micro_batches
 
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        """KL, rewards and log-probs per kind, margins, and the router loss (collective: every rank calls it)."""
-        values = [self.sums.double()]
-        if self.aux_sum is not None:
-            values.append(self.aux_sum.detach().double().reshape(1))
-        total = collectives.all_reduce_sum(torch.cat(values))
-        out = _metrics(total, self.desirable, self.examples - self.desirable)
-        if self.uses_kl:
-            out["kl"] = float(self.kl_sum) / micro_batches
-        if self.aux_sum is not None:
-            out["aux_loss"] = float(total[len(SUMS)]) / (micro_batches * collectives.world())
-        return out
-
-
-def kto_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
-    reference: Reference,
-    settings: KTOSettings,
-    device: torch.device,
-) -> KTOStepOutput:
-    """One optimizer step of KTO over this rank's ``micro_batches`` (every rank calls it)."""
-    guard: NonFiniteGuard | None = guard_of(optimizer)
-    half = [int(b["label"].numel()) for b in micro_batches]
-    local = torch.tensor(
-        [
-            sum(half),
+    def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
+        return [
+            sum(self.half),
             sum(int(b["label"].sum()) for b in micro_batches),
             sum(
                 int((b["labels"][:n, 1:] != IGNORE_INDEX).sum())
-                for b, n in zip(micro_batches, half, strict=True)
+                for b, n in zip(micro_batches, self.half, strict=True)
             ),
             sum(b["input_ids"].numel() for b in micro_batches),
-        ],
-        dtype=torch.long,
-        device=device,
-    )
-    examples, desirable, tokens, processed = read_step_counts(local, guard)  # the step's one host read
-    scale = collectives.world() / examples if examples else 0.0
-    router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
-    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, (batch, b) in enumerate(zip(micro_batches, half, strict=True)):
-        choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
-        batch = to_device(batch, device)
-        ref = reference.logps(batch)  # every row: the examples', then the KL rows'
-        kl = torch.zeros((), device=device)
-        if settings.uses_kl:
-            kl = kl_estimate(model, batch, ref[b:], settings.loss, real=True)
-            kl_sum += kl.double()
-        policy, aux = completion_logps(model, _rows(batch, slice(0, b)), batch["labels"][:b], settings.loss)
+        ]
+
+    def begin(self, counts: Sequence[int], guard: NonFiniteGuard | None) -> StepCounts:
+        examples, desirable, tokens, processed = counts
+        self.examples, self.desirable = examples, desirable
+        return StepCounts(
+            loss_count=examples, loss_units=examples, target_tokens=tokens, processed_tokens=processed
+        )
+
+    def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        s, b = self.settings, self.half[index]
+        batch = to_device(batch, self.device)
+        ref = self.reference.logps(batch)  # every row: the examples', then the KL rows'
+        kl = torch.zeros((), device=self.device)
+        if s.uses_kl:
+            kl = kl_estimate(model, batch, ref[b:], self.plan, real=True)
+            self.kl_sum += kl.double()
+        policy, aux = completion_logps(model, _rows(batch, slice(0, b)), batch["labels"][:b], self.plan)
         desirable_mask = batch["label"]
-        losses, rewards = kto_losses(policy, ref[:b], desirable_mask, kl, settings)
-        total = router.added(losses.sum() * scale, aux)
-        total.backward()
-        loss_sum += losses.detach().double().sum()
-        sums += _sums(rewards, policy, desirable_mask)
-        del total, losses, policy
-    grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, examples)
-    return KTOStepOutput(loss_sum, examples, desirable, sums, kl_sum, router.sum, tokens, processed, grad_norm, lr,
-                         settings.uses_kl)  # fmt: skip
+        losses, rewards = kto_losses(policy, ref[:b], desirable_mask, kl, s)
+        self.sums += _sums(rewards, policy, desirable_mask)
+        return MicroLoss((LossTerm(losses.sum(), self.examples),), (losses.detach().double().sum(),), aux)
+
+    def metrics(self, micro_batches: int) -> dict[str, float]:
+        """KL, rewards and log-probs per kind and margins (collective: every rank calls it)."""
+        total = collectives.all_reduce_sum(self.sums.double())
+        out = _metrics(total, self.desirable, self.examples - self.desirable)
+        if self.settings.uses_kl:
+            out["kl"] = float(self.kl_sum) / micro_batches
+        return out
 
 
 def evaluate_kto(
@@ -242,6 +198,7 @@ def evaluate_kto(
     collator: Any,
     batch_size: int,
     settings: KTOSettings,
+    plan: LossPlan,
     device: torch.device,
 ) -> dict[str, float]:
     """The KTO loss and metrics over every eval example, each once (every rank calls it; the mode is restored).
@@ -259,11 +216,9 @@ def evaluate_kto(
         with evaluating(model):
             kl = torch.zeros((), device=device)
             if settings.uses_kl:
-                kl = kl_estimate(model, on_device, ref[b:], settings.loss, real)
+                kl = kl_estimate(model, on_device, ref[b:], plan, real)
                 kl_sum += kl.double()
-            policy, _ = completion_logps(
-                model, _rows(on_device, slice(0, b)), on_device["labels"][:b], settings.loss
-            )
+            policy, _ = completion_logps(model, _rows(on_device, slice(0, b)), on_device["labels"][:b], plan)
         losses, rewards = kto_losses(policy, ref[:b], on_device["label"], kl, settings)
         batches += 1
         if real:

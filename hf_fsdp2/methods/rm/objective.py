@@ -13,9 +13,10 @@ import torch
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.dpo.data import build_dpo_data
-from hf_fsdp2.methods.rm.step import RewardSettings, evaluate_rewards, reward_step
+from hf_fsdp2.methods.rm.step import RewardLoss, RewardSettings, evaluate_rewards
+from hf_fsdp2.train.step import Step
 from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, StepFn
+from hf_fsdp2.trainer.method import Objective, loss_step
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
 
@@ -53,20 +54,17 @@ class RewardEvaluator:
 
 def _build_rm(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
-) -> tuple[StepFn, Any]:
+) -> tuple[Step, Any]:
     cfg = session.cfg
     t = cfg.train
     coef = cfg.method.center_rewards_coefficient
-    settings = RewardSettings(model.loss_plan, center_rewards_coefficient=coef, max_grad_norm=t.max_grad_norm,
-                              sync_each_microbatch=cfg.fsdp.fsdp_sync_each_microbatch)  # fmt: skip
+    settings = RewardSettings(center_rewards_coefficient=coef)
     logger.info(
         "loss: Bradley-Terry -logsigmoid(r_chosen - r_rejected - margin)%s, mean over the step's pairs",
         f" + {coef:g} x (r_chosen + r_rejected)^2" if coef else "",
     )
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return reward_step(model.module, optimizer, scheduler, micro_batches, settings, session.device)
-
+    step = loss_step(session, model, optimizer, scheduler, lambda: RewardLoss(settings, session.device))
     evaluator = None
     if data.eval_set is not None:
         evaluator = RewardEvaluator(

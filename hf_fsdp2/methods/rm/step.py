@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.nonfinite import guard_of
+from hf_fsdp2.train.nonfinite import NonFiniteGuard
 from hf_fsdp2.train.reference import evaluating, rank_batches, row_inputs, to_device
-from hf_fsdp2.train.step import RouterLoss, choose_gradient_sync, clip_and_update, read_step_counts
+from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 # Summed per pair (accuracy, margin) or per row (the reward's first two moments).
 SUMS = ("accuracy", "margin", "reward_sum", "reward_sq")
@@ -37,19 +36,13 @@ SUMS = ("accuracy", "margin", "reward_sum", "reward_sq")
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """How a reward-model step runs.
+    """The reward objective's constants (how the step runs is :class:`~hf_fsdp2.train.step.StepSettings`).
 
     Attributes:
-        loss: the run's loss plan (the router loss of a MoE model; no LM head).
         center_rewards_coefficient: weight of the centering term (TRL's name; 0 = none).
-        max_grad_norm: clip the global gradient norm (0 = measured only).
-        sync_each_microbatch: reduce-scatter after every micro-batch, or only after the last.
     """
 
-    loss: LossPlan
     center_rewards_coefficient: float = 0.0
-    max_grad_norm: float = 1.0
-    sync_each_microbatch: bool = True
 
 
 def rewards_of(
@@ -87,88 +80,47 @@ def _metrics(total: torch.Tensor, pairs: int, high: float, low: float) -> dict[s
             "mean_reward": mean, "std_reward": math.sqrt(variance), "min_reward": low, "max_reward": high}  # fmt: skip
 
 
-@dataclass
-class RewardStepOutput:
-    """What a reward step did (tensors stay on the device until logged).
+class RewardLoss(StepLoss):
+    """One reward-model step's loss (:class:`~hf_fsdp2.train.step.StepLoss`): per micro-batch, the summed pair losses
+    over the step's global pairs; the step's accuracy, margin and reward moments kept for its metrics."""
 
-    Attributes:
-        loss_sum: this rank's summed pair losses (``loss_sum / pairs`` summed over ranks is the step's loss).
-        pairs: pairs of the step over every rank and micro-batch.
-        sums: this rank's :data:`SUMS`.
-        high / low: this rank's largest and smallest reward of the step.
-        aux_sum: this rank's summed router loss (None without one).
-        target_tokens / processed_tokens: tokens of the rows (padding excluded / included), over every rank.
-        grad_norm: global gradient norm before clipping.
-        lr: learning rate the step used.
-    """
+    log_dtype = torch.float64
 
-    loss_sum: torch.Tensor
-    pairs: int
-    sums: torch.Tensor
-    high: torch.Tensor
-    low: torch.Tensor
-    aux_sum: torch.Tensor | None
-    target_tokens: int
-    processed_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
+    def __init__(self, settings: RewardSettings, device: torch.device) -> None:
+        self.settings, self.device = settings, device
+        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+        self.high = torch.full((), -math.inf, dtype=torch.float64, device=device)
+        self.low = torch.full((), math.inf, dtype=torch.float64, device=device)
+        self.pairs = 0
 
-    @property
-    def loss_count(self) -> int:
-        return self.pairs
-
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        """Accuracy, margin and the rewards' mean, std, min and max over the step (collective: every rank calls)."""
-        values = [self.sums.double()]
-        if self.aux_sum is not None:
-            values.append(self.aux_sum.detach().double().reshape(1))
-        total = collectives.all_reduce_sum(torch.cat(values))
-        high, neg_low = collectives.all_reduce_max([float(self.high), -float(self.low)])
-        out = _metrics(total, self.pairs, high, -neg_low)
-        if self.aux_sum is not None:
-            out["aux_loss"] = float(total[len(SUMS)]) / (micro_batches * collectives.world())
-        return out
-
-
-def reward_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
-    settings: RewardSettings,
-    device: torch.device,
-) -> RewardStepOutput:
-    """One optimizer step of the reward model over this rank's ``micro_batches`` (every rank calls it)."""
-    local = torch.tensor(
-        [
+    def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
+        return [
             sum(int(b["pair_index"].numel()) for b in micro_batches),
             sum(int(b["attention_mask"].sum()) for b in micro_batches),
             sum(b["input_ids"].numel() for b in micro_batches),
-        ],
-        dtype=torch.long,
-        device=device,
-    )
-    pairs, tokens, processed = read_step_counts(local, guard_of(optimizer))  # the step's one host read
-    scale = collectives.world() / pairs if pairs else 0.0
-    router = RouterLoss(settings.loss.router_aux_coef, len(micro_batches), device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
-    high = torch.full((), -math.inf, dtype=torch.float64, device=device)
-    low = torch.full((), math.inf, dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
-        choose_gradient_sync(model, i, len(micro_batches), settings.sync_each_microbatch)
-        batch = to_device(batch, device)
+        ]
+
+    def begin(self, counts: Sequence[int], guard: NonFiniteGuard | None) -> StepCounts:
+        pairs, tokens, processed = counts
+        self.pairs = pairs
+        return StepCounts(
+            loss_count=pairs, loss_units=pairs, target_tokens=tokens, processed_tokens=processed
+        )
+
+    def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        batch = to_device(batch, self.device)
         rewards, aux = rewards_of(model, batch)
-        losses = bt_losses(rewards, batch.get("margin"), settings)
-        total = router.added(losses.sum() * scale, aux)
-        total.backward()
-        loss_sum += losses.detach().double().sum()
+        losses = bt_losses(rewards, batch.get("margin"), self.settings)
         values, top, bottom = _sums(rewards)
-        sums += values
-        high, low = torch.maximum(high, top), torch.minimum(low, bottom)
-        del total, losses, rewards
-    grad_norm, lr = clip_and_update(model, optimizer, scheduler, loss_sum, settings.max_grad_norm, pairs)
-    return RewardStepOutput(loss_sum, pairs, sums, high, low, router.sum, tokens, processed, grad_norm, lr)
+        self.sums += values
+        self.high, self.low = torch.maximum(self.high, top), torch.minimum(self.low, bottom)
+        return MicroLoss((LossTerm(losses.sum(), self.pairs),), (losses.detach().double().sum(),), aux)
+
+    def metrics(self, micro_batches: int) -> dict[str, float]:
+        """Accuracy, margin and the rewards' mean, std, min and max over the step (collective: every rank calls)."""
+        total = collectives.all_reduce_sum(self.sums.double())
+        high, neg_low = collectives.all_reduce_max([float(self.high), -float(self.low)])
+        return _metrics(total, self.pairs, high, -neg_low)
 
 
 def evaluate_rewards(

@@ -3,29 +3,25 @@ when asked) and the objective, token-level cross entropy over the step's target 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hf_fsdp2.config import Config
 from hf_fsdp2.methods.sft.data import build_sft_data, preview_sft
-from hf_fsdp2.train.step import StepSettings, train_step
+from hf_fsdp2.train.step import Step, TokenLoss
 from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Method, Objective, StepFn
+from hf_fsdp2.trainer.method import Method, Objective, loss_step
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
 
 
 def _build_sft(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
-) -> tuple[StepFn, Any]:
-    cfg = session.cfg
-    settings = StepSettings(model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
-
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        return train_step(model.module, optimizer, scheduler, micro_batches, settings, session.device)
-
+) -> tuple[Step, Any]:
+    step = loss_step(
+        session, model, optimizer, scheduler, lambda: TokenLoss(model.loss_plan, session.device, model.module)
+    )
     return step, None
 
 

@@ -1,21 +1,18 @@
 """A training method defined outside hf_fsdp2: a config section of its own, SFT's data, an objective of its own (SFT's
-step, whose output carries a metric of the method's), registered with one call and run by the library's loop like any
-built-in method (tests/unit/test_methods.py launches it on 2 ranks)."""
+token loss in the shared step skeleton, with a metric of the method's), registered with one call and run by the
+library's loop like any built-in method (tests/unit/test_methods.py launches it on 2 ranks)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods import get_method, parse_method_config, register
-from hf_fsdp2.train.step import StepOutput, StepSettings, train_step
+from hf_fsdp2.train.step import TokenLoss
 from hf_fsdp2.trainer.finish import run_recipe
 from hf_fsdp2.trainer.loop import run
-from hf_fsdp2.trainer.method import Method, Objective
+from hf_fsdp2.trainer.method import Method, Objective, loss_step
 
 
 @dataclass
@@ -30,25 +27,22 @@ class ToyArgs:
         check(self.toy_weight > 0, f"toy_weight={self.toy_weight} must be > 0")
 
 
-@dataclass
-class ToyOutput(StepOutput):
-    """SFT's step output and the toy's metric."""
+class ToyLoss(TokenLoss):
+    """SFT's token loss and the toy's metric."""
 
-    weight: float = 1.0
+    weight = 1.0
 
-    def extra_metrics(self, micro_batches: int) -> dict[str, float]:
-        return {**super().extra_metrics(micro_batches), "toy/weight": self.weight}
+    def metrics(self, micro_batches: int) -> dict[str, float]:
+        return {**super().metrics(micro_batches), "toy/weight": self.weight}
 
 
 def _build(session: Any, model: Any, optimizer: Any, scheduler: Any, data: Any) -> tuple[Any, Any]:
-    cfg = session.cfg
-    settings = StepSettings(model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch)
+    def new_loss() -> ToyLoss:
+        loss = ToyLoss(model.loss_plan, session.device, model.module)
+        loss.weight = session.cfg.method.toy_weight
+        return loss
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        out = train_step(model.module, optimizer, scheduler, micro_batches, settings, session.device)
-        return ToyOutput(**vars(out), weight=cfg.method.toy_weight)
-
-    return step, None
+    return loss_step(session, model, optimizer, scheduler, new_loss), None
 
 
 TOY = register(
