@@ -139,7 +139,8 @@ def worker(args: argparse.Namespace) -> None:
     from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
     from hf_fsdp2.export import export_model
     from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-    from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+    from hf_fsdp2.parallel.accelerator import build_accelerator
+    from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(
@@ -149,8 +150,8 @@ def worker(args: argparse.Namespace) -> None:
     model = load_model(args.model, empty_weights=rank != 0)
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = load_tokenizer(args.model)
+    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
     # One training step first, so that the export runs as at the end of training (FSDP2 initialised,
     # optimizer state allocated), not right after loading.
     ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(rank))

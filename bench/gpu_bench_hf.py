@@ -17,9 +17,9 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     from hf_fsdp2.config.float8 import Float8Plan
     from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
     from hf_fsdp2.observe.flops import flops_model, non_embedding_params
-    from hf_fsdp2.parallel.accelerator import prepare_fsdp2
     from hf_fsdp2.parallel.compiling import CompileWatch
     from hf_fsdp2.parallel.float8 import convert_float8, finish_float8, fp8_hardware_problem
+    from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
     from hf_fsdp2.train.loss import plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
@@ -38,12 +38,12 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     if fp8 is not None:  # before the optimizer and fully_shard, as the recipe does (trainer/model.py)
         converted = convert_float8(model, ("LlamaDecoderLayer",), fp8).converted
     flops = flops_model(model.config, non_embedding_params(model))
-    opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
     compile_plan = CompilePlan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
-    model, opt = prepare_fsdp2(
-        acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding, compile_plan=compile_plan
+    model = parallelize(
+        model, acc, ParallelPlan(("LlamaDecoderLayer",), ac=sharding.ac, compile=compile_plan)
     )
+    opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
     if fp8 is not None:
         finish_float8(model, opt, fp8, device)
     settings = StepSettings(plan_loss(model, 1024 if loss_path == "chunked" else 0), max_grad_norm=1.0)

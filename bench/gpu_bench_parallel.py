@@ -27,7 +27,9 @@ allocator); a length that fails (OOM, a refusal) is reported with its error, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,20 @@ def launch_line(args: argparse.Namespace, seq: int, out: Path, port: int) -> lis
             "--master_addr", "127.0.0.1", "--master_port", str(port), str(Path(__file__).resolve()), *flags]  # fmt: skip
 
 
+@contextlib.contextmanager
+def logged_lines() -> Iterator[list[str]]:
+    """The lines the library logs inside the block."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("hf_fsdp2")
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of one sequence length (under torchrun): build, train, time; rank 0 writes the JSON."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -140,10 +156,9 @@ def worker(args: argparse.Namespace) -> None:
     from hf_fsdp2 import collectives
     from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
     from hf_fsdp2.observe.flops import peak_flops_for
-    from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
-    from hf_fsdp2.parallel.context import enable_context_parallel
-    from hf_fsdp2.parallel.ring import enable_ring_attention
-    from hf_fsdp2.parallel.tensor import apply_tensor_parallel, tp_plan_for
+    from hf_fsdp2.parallel.accelerator import build_accelerator
+    from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
+    from hf_fsdp2.parallel.tensor import tp_plan_for
     from hf_fsdp2.train.loss import plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
@@ -165,17 +180,22 @@ def worker(args: argparse.Namespace) -> None:
             model = LlamaForCausalLM(config)
         model.config.use_cache = False
         flops = flops_model(args.shape)
-        if args.tp > 1:
-            result["tp"] = apply_tensor_parallel(model, acc.torch_device_mesh["tp"], tp_plan_for(model))
+        tp = TensorParallel(acc.torch_device_mesh["tp"], tp_plan_for(model)) if args.tp > 1 else None
+        cp = (
+            ContextParallel(collectives.cp_group(), args.cp, args.cp_backend, args.tp)
+            if args.cp > 1
+            else None
+        )
+        plan = ParallelPlan(("LlamaDecoderLayer",), tp=tp, cp=cp, ac=sharding.ac, compile=compile_plan)
+        with logged_lines() as lines:  # the tp / cp lines parallelize logs, for the result
+            model = parallelize(model, acc, plan)
+        for line in lines:
+            for key, start in (("tp", "tensor parallel"), ("cp", "context parallel")):
+                if line.startswith(start):
+                    result[key] = line
         opt = build_adamw(
             param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
         )
-        if args.cp > 1 and args.cp_backend == "ring":
-            result["cp"] = enable_ring_attention(model, collectives.cp_group(), args.cp)
-        elif args.cp > 1:
-            result["cp"] = enable_context_parallel(model, collectives.cp_group(), args.cp, args.tp)
-        model, opt = prepare_fsdp2(acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding,
-                                   compile_plan=compile_plan)  # fmt: skip
         settings = StepSettings(plan_loss(model, 4096), max_grad_norm=1.0)
         gen = torch.Generator().manual_seed(1000 * collectives.data_rank())  # each data rank its own rows
         rows = [

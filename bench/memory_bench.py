@@ -105,14 +105,15 @@ def sharding_worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
-    from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+    from hf_fsdp2.parallel.accelerator import build_accelerator
+    from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
+    model = parallelize(model, acc, ParallelPlan(("LlamaDecoderLayer",)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, ("LlamaDecoderLayer",))
     ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(acc.process_index))
     loss_fn(model, ids, 1024).backward()
     opt.step()

@@ -103,7 +103,7 @@ def measure_mode(
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp2.model import decoder_layer_classes
-    from hf_fsdp2.parallel.accelerator import prepare_fsdp2
+    from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
     from hf_fsdp2.train.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
@@ -115,11 +115,11 @@ def measure_mode(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
     layer_cls = decoder_layer_classes(model)
+    sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=on_cuda))
+    model = parallelize(model, acc, ParallelPlan(layer_cls, ac=sharding.ac))
     opt: torch.optim.Optimizer = build_adamw(
         param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
     )
-    sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=on_cuda))
-    model, opt = prepare_fsdp2(acc, model, opt, layer_cls, sharding=sharding)
     model.train()
     loss_plan = plan_loss(model, args.ce_chunk_tokens)
     gen = torch.Generator().manual_seed(1)

@@ -30,8 +30,6 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import CompilePlan, MeshPlan, ShardingPlan
 from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.noise import quiet_foreign_noise
-from hf_fsdp2.parallel.activations import apply_activation_checkpointing
-from hf_fsdp2.parallel.compiling import compile_model, compile_regions
 from hf_fsdp2.parallel.tensor import tp_prepared_by_torch
 
 logger = logging.getLogger("hf_fsdp2")
@@ -266,56 +264,24 @@ def context_parallel_group(mesh: MeshPlan, device: torch.device) -> Any:
     return grid["cp"].get_group()
 
 
-def prepare_fsdp2(
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    layer_cls_names: tuple[str, ...],
-    *,
-    sharding: ShardingPlan | None = None,
-    compile_plan: CompilePlan | None = None,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """Shard ``model`` with one FSDP2 unit per decoder layer (plus embeddings, the head and the root).
-
-    In order: activation checkpointing of the decoder layers (``sharding.activation_checkpointing``),
-    regional compile of each layer (in place), ``fully_shard`` per layer then the root (Accelerate),
-    whole-model compile (in place) if asked. The optimizer is re-pointed at the sharded parameters.
-    Every rank takes part (collective when ``cpu_ram_efficient_loading`` broadcasts rank 0's weights).
-
-    Args:
-        accelerator: from :func:`build_accelerator`.
-        model: the unsharded model.
-        optimizer: built on the unsharded parameters.
-        layer_cls_names: decoder-layer class names (see ``model.decoder_layer_classes``).
-        sharding: the activation-checkpointing mode (the rest of the plan is in the accelerator already);
-            default no checkpointing.
-        compile_plan: torch.compile settings; default eager.
+def shard_with_accelerate(
+    accelerator: Accelerator, model: torch.nn.Module, layer_cls_names: tuple[str, ...]
+) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root, through Accelerate (its plugin holds the mesh, the
+    mixed-precision policy, resharding and offload); the step of :func:`hf_fsdp2.parallel.parallelize.parallelize`
+    after checkpointing and regional compile. Every rank takes part (collective when ``cpu_ram_efficient_loading``
+    broadcasts rank 0's weights). The optimizer is built afterwards, on the sharded parameters.
 
     Returns:
-        The sharded model and its optimizer.
+        The sharded model.
     """
-    sharding = sharding or ShardingPlan()
-    compile_plan = compile_plan or CompilePlan()
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
-    names = {id(p): name for name, p in model.named_parameters()}
-    group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    wrapped = apply_activation_checkpointing(model, sharding.ac, layer_cls_names)
-    if wrapped:
-        logger.info("activation checkpointing %s on %d decoder layers", sharding.ac.mode, len(wrapped))
-    if compile_plan.enabled and compile_plan.scope == "regional":
-        compiled = compile_regions(model, layer_cls_names, compile_plan)
-        logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
     with warnings.catch_warnings(), _torchao_checked_once():
         # Accelerate slices its flattened dp_shard_cp dim for HSDP's 2-D mesh; torch warns about a future change.
         warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
         # A tensor-parallel model is split already (parallel/tensor.py): Accelerate shards it over the data dims only.
         with tp_prepared_by_torch(accelerator):
-            model, optimizer = accelerator.prepare(model, optimizer)
-    _repoint_optimizer(model, optimizer, group_names)
-    if compile_plan.enabled and compile_plan.scope == "model":
-        compile_model(model, compile_plan)
-        logger.info("whole-model compile (in place, after fully_shard)")
-    return model, optimizer
+            return accelerator.prepare(model)
 
 
 def check_shared_state(state: Any) -> None:
@@ -370,29 +336,6 @@ def _torchao_checked_once() -> Iterator[None]:
         yield
     finally:
         modeling.is_torchao_available = check
-
-
-def _repoint_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]
-) -> None:
-    """Make every optimizer group hold exactly the sharded parameters of its names.
-
-    Accelerate maps the old parameters to the sharded ones by ``data_ptr``; parameters built on the
-    meta device (the ranks other than 0 under ``cpu_ram_efficient_loading``) all have data_ptr 0, so
-    that map sends them to the wrong tensors and those ranks would step the wrong weights. Re-pointing
-    by name is exact in every case; the optimizer has no state yet, so nothing else moves.
-
-    Raises:
-        RuntimeError: a name of the optimizer groups is not a parameter of the sharded model.
-    """
-    sharded = dict(model.named_parameters())
-    for group, wanted in zip(optimizer.param_groups, group_names, strict=True):
-        missing = [n for n in wanted if n not in sharded]
-        if missing:
-            raise RuntimeError(
-                f"parameters {missing[:5]} are not in the sharded model; cannot build the optimizer"
-            )
-        group["params"] = [sharded[n] for n in wanted]
 
 
 def describe_layout(model: torch.nn.Module) -> str:

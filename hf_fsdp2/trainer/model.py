@@ -15,6 +15,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.float8 import Float8Plan
 from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.naming import checkpoint_layout
 from hf_fsdp2.lora.adapter import apply_lora, format_memory_report, memory_report
@@ -30,17 +31,12 @@ from hf_fsdp2.model import (
     resize_embeddings,
 )
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
-from hf_fsdp2.parallel.accelerator import describe_layout, prepare_fsdp2, sharded_units
-from hf_fsdp2.parallel.context import ContextParallelError, enable_context_parallel
-from hf_fsdp2.parallel.float8 import (
-    check_float8_hardware,
-    convert_float8,
-    finish_float8,
-    warn_without_compile,
-)
+from hf_fsdp2.parallel.accelerator import describe_layout, sharded_units
+from hf_fsdp2.parallel.context import ContextParallelError
+from hf_fsdp2.parallel.float8 import check_float8_hardware, finish_float8, warn_without_compile
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
-from hf_fsdp2.parallel.ring import enable_ring_attention
-from hf_fsdp2.parallel.tensor import TensorParallelError, apply_tensor_parallel, tp_plan_for
+from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
+from hf_fsdp2.parallel.tensor import TensorParallelError, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.muon import MuonSettings, build_muon_adamw
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
@@ -76,25 +72,72 @@ class TrainModel:
 def build_model(
     session: Session, tokenizer: Any, *, no_dropout: bool = False, reward: bool = False
 ) -> tuple[TrainModel, torch.optim.Optimizer]:
-    """Load, wrap (LoRA), shard (FSDP2, activation checkpointing, compile) and plan the loss of the run's model.
+    """The run's model, in the order torchtitan builds one: load -> adapters (QLoRA, LoRA, Liger) ->
+    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (TP -> CP -> float8 -> AC -> compile -> FSDP2) -> the optimizer
+    on the sharded parameters (and FP8's post-step hook) -> the loss plan.
 
     Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).
     ``reward``: the model with a scalar score head (``AutoModelForSequenceClassification``, one label; a head the
     checkpoint lacks is initialised from ``seed``, the same on every rank) and no LM loss plan.
 
     Returns:
-        The model and its optimizer (built on the unsharded parameters, re-pointed at the shards).
+        The sharded model and its optimizer.
 
     Raises:
         ConfigError / ExportError / LoraError: a model the run cannot train or export, before any step.
     """
-    cfg, accelerator = session.cfg, session.accelerator
-    m, d, t, f, o = cfg.model, cfg.data, cfg.train, cfg.fsdp, cfg.observe
+    cfg = session.cfg
+    t, f = cfg.train, cfg.fsdp
     fp8 = t.float8_plan() if t.mixed_precision == "fp8" else None
     if fp8 is not None:  # no FP8 hardware: refused (unless emulated) before any weight is read
         for line in filter(None, (check_float8_hardware(fp8, session.device),
                                   warn_without_compile(session.compile_plan.enabled))):  # fmt: skip
             logger.warning("%s", line)
+    model = load_run_model(session, tokenizer, reward=reward)
+    model, quant = add_adapters(session, model, reward=reward, no_dropout=no_dropout)
+    layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
+    n_total, n_trainable = count_parameters(model)
+    logger.info(
+        "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
+    )
+    flops, peak = _flops_and_peak(session, model)
+    try:
+        model = parallelize(model, session.accelerator, parallel_plan(session, model, layer_cls, fp8))
+    except (
+        ContextParallelError,
+        TensorParallelError,
+    ) as err:  # a layout the model cannot take: the user's fix
+        raise ConfigError(str(err)) from err
+    optimizer = build_optimizer(session, model, layer_cls)
+    if fp8 is not None:
+        logger.info("%s", finish_float8(model, optimizer, fp8, session.device))
+    for name, (units, params) in sharded_units(model).items():
+        logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
+    if quant is not None:
+        held = local_nf4_bytes(model)
+        logger.info("4-bit base on this rank after sharding: %.3f MiB (%d bytes) of %d bytes in all (rank %d of %d)",
+                    held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
+    logger.info("parameter layout: %s", describe_layout(model))
+    loss_plan = run_loss_plan(model, t.ce_chunk_tokens, reward=reward)
+    plan, compile_plan = session.sharding, session.compile_plan
+    logger.info(
+        "activation checkpointing %s%s; torch.compile %s",
+        plan.ac.mode,
+        f" (k={plan.ac.every_k})" if plan.ac.mode == "every_k" else "",
+        f"{compile_plan.scope} (compile time reported apart from step time, as compile_s)"
+        if compile_plan.enabled
+        else "off",
+    )
+    return TrainModel(model, layer_cls, loss_plan, flops, peak), optimizer
+
+
+def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.nn.Module:
+    """The run's model as loaded (rank 0's weights; the other ranks build it on meta under rank-0 loading), with
+    its score head (``reward``), its embedding resized to the tokenizer where asked, and the export's checkpoint
+    layout and the packed-attention kernel checked now: a run the export or the batches cannot serve is refused
+    before training, not after it."""
+    cfg = session.cfg
+    m, d, t, f = cfg.model, cfg.data, cfg.train, cfg.fsdp
     # The kernel of the layout the data builder chose (the same decision; its flex/flash refusals come before
     # any weight is read, for DPO too). padding_free is resolved by now: no probe, nothing logged twice.
     attention = choose_attention_layout(
@@ -112,7 +155,7 @@ def build_model(
             attn_implementation=attention.attn_implementation,
             revision=m.model_revision,
             trust_remote_code=m.trust_remote_code,
-            # Rank-0-only loading: the other ranks build the model on meta and receive their shards in prepare.
+            # Rank-0-only loading: the other ranks build the model on meta and receive their shards in parallelize.
             empty_weights=bool(f.fsdp_cpu_ram_efficient_loading) and session.rank != 0,
             reward_head=tokenizer.pad_token_id if reward else None,
         )
@@ -143,6 +186,21 @@ def build_model(
             f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
             f"{attn!r}: set attn_implementation to one of them or turn packing off"
         )
+    return model
+
+
+def add_adapters(
+    session: Session, model: torch.nn.Module, *, reward: bool, no_dropout: bool
+) -> tuple[torch.nn.Module, Any]:
+    """QLoRA's NF4 base, the LoRA adapter, dropout off, Liger's kernels: what wraps or swaps the loaded model's
+    modules before it is parallelized.
+
+    Returns:
+        The model and QLoRA's quantization report (None without ``load_in_4bit``).
+    """
+    cfg = session.cfg
+    f, t = cfg.fsdp, cfg.train
+    quant = None
     if cfg.peft.load_in_4bit:  # QLoRA: the decoder layers' linear weights in NF4, before LoRA wraps them
         try:
             quant = quantize_base(
@@ -164,15 +222,103 @@ def build_model(
         logger.info(format_memory_report(memory_report(model), session.world))
     if no_dropout:
         logger.info("dropout disabled: %d non-zero dropout rates set to 0", disable_dropout(model))
-    layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
-    # FP8: torchao's Float8Linear in the decoder layers, before the optimizer holds the weights
-    if fp8 is not None:
-        logger.info("%s", convert_float8(model, layer_cls, fp8).describe(fp8))
-    n_total, n_trainable = count_parameters(model)
-    logger.info(
-        "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
+    if t.use_liger_kernel:
+        apply_liger_kernels(model)
+        logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
+    return model, quant
+
+
+def parallel_plan(
+    session: Session, model: torch.nn.Module, layer_cls: tuple[str, ...], fp8: Float8Plan | None
+) -> ParallelPlan:
+    """The run's :class:`~hf_fsdp2.parallel.parallelize.ParallelPlan` from its config and mesh; what a layout cannot
+    take is refused here, before any step.
+
+    Raises:
+        ConfigError: a family without a tensor-parallel plan, or context parallel with a MoE router loss.
+    """
+    tp = cp = None
+    if collectives.tp_size() > 1:
+        try:
+            tp = TensorParallel(session.accelerator.torch_device_mesh["tp"], tp_plan_for(model))
+        except TensorParallelError as err:
+            raise ConfigError(str(err)) from err
+    if collectives.cp_size() > 1:  # the attention modules run the exchange: before sharding and compile
+        if router_aux_coef(model.config):
+            raise ConfigError(
+                f"cp_size={collectives.cp_size()} with a MoE router loss (output_router_logits=true, "
+                f"router_aux_loss_coef={router_aux_coef(model.config):g}): the load-balancing loss is a product of "
+                "per-expert fractions over a micro-batch's tokens, and each context-parallel rank sees only its part "
+                "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
+            )
+        cp = ContextParallel(collectives.cp_group(), collectives.cp_size(), session.cfg.fsdp.cp_backend,
+                             collectives.tp_size())  # fmt: skip
+    return ParallelPlan(
+        layer_cls, tp=tp, cp=cp, float8=fp8, ac=session.sharding.ac, compile=session.compile_plan
     )
-    # MFU: FLOPs from the unsharded model's config; the peak from the GPU's name unless peak_flops is given.
+
+
+def build_optimizer(
+    session: Session, model: torch.nn.Module, layer_cls: tuple[str, ...]
+) -> torch.optim.Optimizer:
+    """The run's optimizer on the sharded parameters: AdamW (decay on matrices), or with ``optim: muon`` Muon on the
+    decoder layers' matrices (orthogonalised across the shards) and AdamW on the rest.
+
+    Raises:
+        ConfigError: Muon with tensor parallel, or with CPU offload on a GPU.
+    """
+    t, f = session.cfg.train, session.cfg.fsdp
+    if t.optim != "muon":
+        return build_adamw(
+            param_groups(model, t.weight_decay),
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            device_type=session.device.type,
+        )
+    if collectives.tp_size() > 1:
+        raise ConfigError(
+            f"optim=muon with tp_size={collectives.tp_size()}: Muon orthogonalises whole matrices gathered from "
+            "FSDP2's row blocks, and tensor parallel splits them along another dimension too; use optim=adamw "
+            "with tensor parallel, or tp_size=1"
+        )
+    if f.fsdp_cpu_offload and session.device.type == "cuda":
+        raise ConfigError(
+            "optim=muon with fsdp_cpu_offload=true: the sharded gradients and momentum live in host memory, and "
+            "Muon's all-to-alls of the matrices run on the GPUs' NCCL group, which cannot send host tensors; use "
+            "optim=adamw with offload, or fsdp_cpu_offload=false"
+        )
+    muon = MuonSettings(t.muon_lr or t.learning_rate, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
+                        t.muon_adjust_lr, t.weight_decay)  # fmt: skip
+    optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,
+                                        betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                        device_type=session.device.type)  # fmt: skip
+    logger.info("%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s", split.describe(),
+                muon.lr, muon.momentum, " (Nesterov)" if muon.nesterov else "", muon.ns_steps,
+                muon.adjust_lr)  # fmt: skip
+    return optimizer
+
+
+def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool) -> LossPlan:
+    """The loss path for the whole run, agreed by every rank (never chosen per batch), its notes logged."""
+    if (
+        reward
+    ):  # no LM head, no logits over the vocabulary: the step reads the score head's values. No router loss:
+        # transformers' sequence-classification models return none (TRL's RewardTrainer adds none either).
+        aux = router_aux_coef(model.config)
+        loss_plan = LossPlan(0, notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",
+                                       *([f"no router loss (router_aux_loss_coef {aux:g} ignored): a sequence-"
+                                          "classification model returns none"] if aux else [])))  # fmt: skip
+    else:
+        loss_plan = plan_loss(model, ce_chunk_tokens)
+    for line in loss_plan.notes:
+        logger.info("loss: %s", line)
+    return loss_plan
+
+
+def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsModel, float | None]:
+    """MFU's inputs: FLOPs from the unsharded model's config; the peak from the GPU's name unless ``peak_flops``."""
+    d, o = session.cfg.data, session.cfg.observe
     flops = flops_model(model.config, non_embedding_params(model))
     on_cuda = session.device.type == "cuda"
     device_name = torch.cuda.get_device_name(session.device) if on_cuda else "cpu"
@@ -184,100 +330,7 @@ def build_model(
         flops.head_dim, f"{peak:.4g} FLOP/s per device ({device_name})" if peak
         else f"nothing: no known peak for {device_name} (set peak_flops); achieved TFLOP/s are reported",
     )  # fmt: skip
-    # Tensor parallel before the optimizer (it holds the split parameters), CP, AC, compile and FSDP2.
-    if collectives.tp_size() > 1:
-        try:
-            tp_plan = tp_plan_for(model)
-        except TensorParallelError as err:
-            raise ConfigError(str(err)) from err
-        logger.info("%s", apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"], tp_plan))
-    optimizer: torch.optim.Optimizer
-    # optim=muon: Muon on the decoder layers' matrices (orthogonalised across the shards), AdamW on the rest.
-    if t.optim == "muon":
-        if collectives.tp_size() > 1:
-            raise ConfigError(
-                f"optim=muon with tp_size={collectives.tp_size()}: Muon orthogonalises whole matrices gathered from "
-                "FSDP2's row blocks, and tensor parallel splits them along another dimension too; use optim=adamw "
-                "with tensor parallel, or tp_size=1"
-            )
-        if f.fsdp_cpu_offload and session.device.type == "cuda":
-            raise ConfigError(
-                "optim=muon with fsdp_cpu_offload=true: the sharded gradients and momentum live in host memory, and "
-                "Muon's all-to-alls of the matrices run on the GPUs' NCCL group, which cannot send host tensors; use "
-                "optim=adamw with offload, or fsdp_cpu_offload=false"
-            )
-        muon = MuonSettings(t.muon_lr or t.learning_rate, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
-                            t.muon_adjust_lr, t.weight_decay)  # fmt: skip
-        optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,
-                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-                                            device_type=session.device.type)  # fmt: skip
-        logger.info("%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s", split.describe(),
-                    muon.lr, muon.momentum, " (Nesterov)" if muon.nesterov else "", muon.ns_steps,
-                    muon.adjust_lr)  # fmt: skip
-    else:
-        optimizer = build_adamw(
-            param_groups(model, t.weight_decay),
-            lr=t.learning_rate,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_epsilon,
-            device_type=session.device.type,
-        )
-    if t.use_liger_kernel:
-        apply_liger_kernels(model)
-        logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
-    if collectives.cp_size() > 1:  # before sharding and compile: the attention modules run the all-to-all
-        if router_aux_coef(model.config):
-            raise ConfigError(
-                f"cp_size={collectives.cp_size()} with a MoE router loss (output_router_logits=true, "
-                f"router_aux_loss_coef={router_aux_coef(model.config):g}): the load-balancing loss is a product of "
-                "per-expert fractions over a micro-batch's tokens, and each context-parallel rank sees only its part "
-                "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
-            )
-        try:
-            if f.cp_backend == "ring":  # auto: all_to_all (hf_fsdp2.config.plans.CP_BACKENDS)
-                line = enable_ring_attention(model, collectives.cp_group(), collectives.cp_size())
-            else:
-                line = enable_context_parallel(
-                    model, collectives.cp_group(), collectives.cp_size(), collectives.tp_size()
-                )
-            logger.info("%s", line)
-        except (ConfigError, ContextParallelError) as err:
-            raise ConfigError(str(err)) from err
-    plan, compile_plan = session.sharding, session.compile_plan
-    model, optimizer = prepare_fsdp2(
-        accelerator, model, optimizer, layer_cls, sharding=plan, compile_plan=compile_plan
-    )
-    if fp8 is not None:
-        logger.info("%s", finish_float8(model, optimizer, fp8, session.device))
-    for name, (units, params) in sharded_units(model).items():
-        logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
-    if cfg.peft.load_in_4bit:
-        held = local_nf4_bytes(model)
-        logger.info("4-bit base on this rank after sharding: %.3f MiB (%d bytes) of %d bytes in all (rank %d of %d)",
-                    held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
-    logger.info("parameter layout: %s", describe_layout(model))
-    # Every rank: the loss path for the whole run, agreed by all ranks (never chosen per batch).
-    if (
-        reward
-    ):  # no LM head, no logits over the vocabulary: the step reads the score head's values. No router loss:
-        # transformers' sequence-classification models return none (TRL's RewardTrainer adds none either).
-        aux = router_aux_coef(model.config)
-        loss_plan = LossPlan(0, notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",
-                                       *([f"no router loss (router_aux_loss_coef {aux:g} ignored): a sequence-"
-                                          "classification model returns none"] if aux else [])))  # fmt: skip
-    else:
-        loss_plan = plan_loss(model, t.ce_chunk_tokens)
-    for line in loss_plan.notes:
-        logger.info("loss: %s", line)
-    logger.info(
-        "activation checkpointing %s%s; torch.compile %s",
-        plan.ac.mode,
-        f" (k={plan.ac.every_k})" if plan.ac.mode == "every_k" else "",
-        f"{compile_plan.scope} (compile time reported apart from step time, as compile_s)"
-        if compile_plan.enabled
-        else "off",
-    )
-    return TrainModel(model, layer_cls, loss_plan, flops, peak), optimizer
+    return flops, peak
 
 
 def build_schedule(session: Session, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:

@@ -77,7 +77,7 @@ def run_mode(acc: Any, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_fsdp2.config.plans import ACPlan, ShardingPlan
-    from hf_fsdp2.parallel.accelerator import prepare_fsdp2
+    from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
     from hf_fsdp2.train.loss import plan_loss
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
@@ -93,9 +93,9 @@ def run_mode(acc: Any, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
-    opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, pin_memory=device.type == "cuda"))
-    model, opt = prepare_fsdp2(acc, model, opt, ("LlamaDecoderLayer",), sharding=sharding)
+    model = parallelize(model, acc, ParallelPlan(("LlamaDecoderLayer",), ac=sharding.ac))
+    opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     settings = StepSettings(plan_loss(model, 1024), max_grad_norm=1.0)
     gen = torch.Generator().manual_seed(1)
     batches = []

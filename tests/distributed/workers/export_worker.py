@@ -24,7 +24,8 @@ from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.export import ExportVerificationError, export_model, verify_export
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
@@ -64,8 +65,8 @@ def main() -> None:
     rank = acc.process_index
     model = load_model(args.model)
     tokenizer = None if args.no_tokenizer else load_tokenizer(args.model)
+    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model), sharding=plan)
 
     # One step, so that the exported weights are not the ones the model was loaded with.
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(rank))

@@ -24,7 +24,8 @@ from hf_fsdp2.lora.adapter import LoraError, apply_lora
 from hf_fsdp2.lora.merge import check_mergeable
 from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import build_accelerator, mixed_precision_policy, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator, mixed_precision_policy
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import plan_loss
 from hf_fsdp2.train.optim import build_adamw, param_groups
 from hf_fsdp2.train.step import StepSettings, train_step
@@ -37,8 +38,8 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
     if lora:
         model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     layers = decoder_layer_classes(model)
+    model = parallelize(model, acc, ParallelPlan(layers))
     opt = build_adamw(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, layers)
     plan = plan_loss(model, chunk)
     settings = StepSettings(plan, max_grad_norm=1.0)
     losses, aux, norms = [], [], []

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from hf_fsdp2.config.float8 import Float8Plan
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.parallel.float8 import convert_float8, finish_float8, float8_weight_names
 from hf_fsdp2.parallel.float8_bound import Float8BoundProbe
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 # e4m3fn: 3 mantissa bits (round to nearest: relative error <= 2^-4 for normal values), largest 448, subnormal
@@ -141,8 +142,8 @@ def main() -> None:
     layer_cls = decoder_layer_classes(model)
     plan = Float8Plan(emulate=True)
     report = convert_float8(model, layer_cls, plan)
+    model = parallelize(model, acc, ParallelPlan(layer_cls))
     opt = build_adamw(param_groups(model, 0.0), lr=3e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, layer_cls)
     finish_float8(model, opt, plan, acc.device)
     float8_names = float8_weight_names(model)
 

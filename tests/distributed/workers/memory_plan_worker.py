@@ -25,8 +25,9 @@ from hf_fsdp2.config.plans import ACPlan, CompilePlan, LoraSettings, MeshPlan, S
 from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.quantize import quantize_base
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.plan import SavedTensorMeter
 from hf_fsdp2.train.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss
 from hf_fsdp2.train.optim import build_adamw, param_groups
@@ -73,10 +74,10 @@ def measure(
     cp = collectives.cp_size()
     if cp > 1:  # as the run's build_model: the all-to-all attention before sharding
         enable_context_parallel(model, collectives.cp_group(), cp)
-    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     # offload is refused by build_accelerator on CPU (host memory already); prepare_fsdp2 applies it as asked.
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=False))
-    model, opt = prepare_fsdp2(acc, model, opt, layer_cls, sharding=sharding)
+    model = parallelize(model, acc, ParallelPlan(layer_cls, ac=sharding.ac))
+    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     loss_plan = plan_loss(model, chunk)
     gen = torch.Generator().manual_seed(100 + collectives.data_rank())  # a cp group's ranks: the same batch
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen)

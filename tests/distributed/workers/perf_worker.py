@@ -16,8 +16,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
@@ -43,12 +44,12 @@ def run(acc, model_dir: str, ac: str, scope: str | None, steps: int) -> dict:  #
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model(model_dir)
-    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plan = ShardingPlan(activation_checkpointing=ACPlan(ac, every_k=2, pin_memory=False))
     compile_plan = CompilePlan(enabled=scope is not None, scope=scope or "regional")
-    model, opt = prepare_fsdp2(
-        acc, model, opt, decoder_layer_classes(model), sharding=plan, compile_plan=compile_plan
+    model = parallelize(
+        model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
+    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     watch = CompileWatch(enabled=scope is not None).start()
     rank = acc.process_index
     out: dict = {"losses": [], "grad_norms": [], "events": [], "compile": []}

@@ -22,9 +22,10 @@ from hf_fsdp2.data.packing import PackedCollator
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.parallel.compiling import CompileWatch
 from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, shifted_target_rows
 
 BATCH = 2
@@ -59,16 +60,16 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model(args.model).double()  # float64: compiled vs eager differ by rounding only
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)  # linear in the gradient: rounding is not amplified
     _Plan.backend = args.backend
     compile_plan = _Plan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
     cp = layout.startswith("cp")  # context parallel over both ranks: one batch, each rank half of every row
     collectives.set_layout(cp=2 if cp else 1, cp_group=torch.distributed.group.WORLD if cp else None)
     if cp:
         enable_context_parallel(model, torch.distributed.group.WORLD, 2)
-    model, opt = prepare_fsdp2(
-        acc, model, opt, decoder_layer_classes(model), sharding=ShardingPlan(), compile_plan=compile_plan
+    model = parallelize(
+        model, acc, ParallelPlan(decoder_layer_classes(model), ac=ShardingPlan().ac, compile=compile_plan)
     )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)  # linear in the gradient: rounding is not amplified
     collate = (
         PackedCollator(tokenizer.pad_token_id, padding_free=True)
         if layout.endswith("pf")

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from hf_fsdp2.checkpoint.checkpointer import Checkpointer
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.model import decoder_layer_classes, load_model
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 
@@ -32,8 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     model = load_model(args.model)
+    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, decoder_layer_classes(model))
     ckpt = Checkpointer(
         Path(args.checkpoint).parent, keep_last=0, async_save=False, is_main_process=acc.is_main_process
     )

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
@@ -36,10 +37,10 @@ def main() -> None:
     rank = acc.process_index
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
-    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(
-        acc, model, opt, decoder_layer_classes(model), sharding=plan, compile_plan=compile_plan
+    model = parallelize(
+        model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
+    opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plain = load_model(args.model).eval()
     prompts, new_tokens = WORK[rank]
     settings = SamplingSettings(max_completion_length=new_tokens, do_sample=False, gather=args.gather)

@@ -20,7 +20,8 @@ from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.merge import build_merged_twin
 from hf_fsdp2.lora.save import export_lora
 from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
-from hf_fsdp2.parallel.accelerator import build_accelerator, prepare_fsdp2
+from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.optim import build_adamw, param_groups
 from hf_fsdp2.train.step import StepSettings, train_step
@@ -31,8 +32,8 @@ def trained(acc, model_dir: str, *, lora: bool, dtype: str):  # type: ignore[no-
     if lora:
         model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     layers = decoder_layer_classes(model)
+    model = parallelize(model, acc, ParallelPlan(layers))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
-    model, opt = prepare_fsdp2(acc, model, opt, layers)
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(acc.process_index))
     train_step(model, opt, None, [{"input_ids": ids, "labels": ids}], StepSettings(LossPlan(16)), acc.device)
     return model, layers

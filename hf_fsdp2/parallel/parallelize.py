@@ -1,0 +1,118 @@
+"""The one place that states the order in which a loaded model is parallelized (torchtitan's ``parallelize_llama``).
+
+:func:`parallelize` applies a :class:`ParallelPlan` to a model that is loaded, resized and wrapped with its adapters
+(LoRA, QLoRA) and kernels (Liger), in this order, each step a small function with explicit arguments:
+
+1. tensor parallel: the family's plan through torch's DTensor styles over the ``tp`` mesh (before anything wraps
+   the linears);
+2. context parallel: the attention modules run the all-to-all (or ring) exchange over the cp group;
+3. float8: torchao's ``Float8Linear`` in the decoder layers (before checkpointing and compile wrap them);
+4. activation checkpointing of the decoder layers;
+5. regional compile of each decoder layer, in place;
+6. FSDP2: ``fully_shard`` per decoder layer, then the root (through Accelerate, on the mesh and mixed-precision
+   policy its plugin holds);
+7. whole-model compile, when asked instead of regional.
+
+Expert parallel joins this list as one step after context parallel. The optimizer is built afterwards on the
+sharded parameters (:func:`hf_fsdp2.trainer.model.build_model`), and FP8's post-optimizer hook after it
+(:func:`~hf_fsdp2.parallel.float8.finish_float8`). Parallelism never edits model code: every step wraps or swaps
+modules of the loaded model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_fsdp2.config.float8 import Float8Plan
+from hf_fsdp2.config.plans import ACPlan, CompilePlan
+from hf_fsdp2.parallel.accelerator import shard_with_accelerate
+from hf_fsdp2.parallel.activations import apply_activation_checkpointing
+from hf_fsdp2.parallel.compiling import compile_model, compile_regions
+from hf_fsdp2.parallel.context import enable_context_parallel
+from hf_fsdp2.parallel.float8 import convert_float8
+from hf_fsdp2.parallel.ring import enable_ring_attention
+from hf_fsdp2.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallel's step: the ``tp`` mesh and the family's plan (:func:`~hf_fsdp2.parallel.tensor.tp_plan_for`)."""
+
+    mesh: DeviceMesh
+    plan: TensorParallelPlan
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Context parallel's step: the cp process group and size, the exchange (``all_to_all`` or ``ring``), and the
+    tensor-parallel size (the heads each rank holds)."""
+
+    group: Any
+    size: int
+    backend: str = "all_to_all"
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize` applies; None (or a disabled plan) skips a step.
+
+    Attributes:
+        layer_cls: the decoder-layer class names: FSDP2's units, what checkpointing and regional compile wrap.
+        tp: tensor parallel's step.
+        cp: context parallel's step.
+        float8: the FP8 settings (``mixed_precision: fp8``).
+        ac: activation checkpointing of the decoder layers.
+        compile: torch.compile (regional or whole-model).
+    """
+
+    layer_cls: tuple[str, ...]
+    tp: TensorParallel | None = None
+    cp: ContextParallel | None = None
+    float8: Float8Plan | None = None
+    ac: ACPlan = ACPlan()
+    compile: CompilePlan = CompilePlan()
+
+
+def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: ParallelPlan) -> torch.nn.Module:
+    """Parallelize ``model`` by ``plan``, in the order of the module docstring; every rank calls it.
+
+    Returns:
+        The sharded model (Accelerate's FSDP2 module; compiled in place where asked).
+
+    Raises:
+        TensorParallelError, ContextParallelError, ConfigError: a step the model cannot take (each names why).
+    """
+    if plan.tp is not None:
+        logger.info("%s", apply_tensor_parallel(model, plan.tp.mesh, plan.tp.plan))
+    if plan.cp is not None:
+        logger.info("%s", apply_context_parallel(model, plan.cp))
+    if plan.float8 is not None:
+        logger.info("%s", convert_float8(model, plan.layer_cls, plan.float8).describe(plan.float8))
+    wrapped = apply_activation_checkpointing(model, plan.ac, plan.layer_cls)
+    if wrapped:
+        logger.info("activation checkpointing %s on %d decoder layers", plan.ac.mode, len(wrapped))
+    if plan.compile.enabled and plan.compile.scope == "regional":
+        compiled = compile_regions(model, plan.layer_cls, plan.compile)
+        logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
+    model = shard_with_accelerate(accelerator, model, plan.layer_cls)
+    if plan.compile.enabled and plan.compile.scope == "model":
+        compile_model(model, plan.compile)
+        logger.info("whole-model compile (in place, after fully_shard)")
+    return model
+
+
+def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel) -> str:
+    """Run the model's attention over the cp group: torch's ring attention (``ring``) or the all-to-all exchange.
+    Returns the line the run logs."""
+    if cp.backend == "ring":
+        return enable_ring_attention(model, cp.group, cp.size)
+    return enable_context_parallel(model, cp.group, cp.size, cp.tp_size)
