@@ -17,6 +17,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from hf_fsdp2.config import ConfigError
     from hf_fsdp2.config.plans import parse_size_or_none
     from hf_fsdp2.methods import get_method, parse_method_config
+    from hf_fsdp2.parallel.accelerator import launcher_mesh
     from hf_fsdp2.plan import (
         PlanError,
         PlanSettings,
@@ -26,7 +27,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         read_model_config,
         recommend,
     )
-    from hf_fsdp2.trainer.method import check_context_parallel
+    from hf_fsdp2.trainer.registry import check_capabilities
 
     argv = recipe_argv(args)
     budget = None
@@ -53,11 +54,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         settings = PlanSettings.from_config(
             cfg, world_size=args.world_size, device_type=args.device, method=method
         )
-        check_context_parallel(method, settings.cp)  # the run's refusal of cp for dpo, kto, rm, grpo
+        # The run's refusal of a layout the method does not support (cp, ring, tp, fp8).
+        check_capabilities(method, cfg, cfg.fsdp.mesh_plan(args.world_size, launcher_mesh()))
         if budget is None and args.device == "cuda" and torch.cuda.is_available():  # this machine's GPU
             budget = torch.cuda.get_device_properties(0).total_memory
         tried = (
-            recommend(model_config, settings, budget, args.headroom, context_parallel=method.context_parallel)
+            recommend(
+                model_config,
+                settings,
+                budget,
+                args.headroom,
+                context_parallel=method.capabilities.context_parallel,
+            )
             if budget
             else []
         )

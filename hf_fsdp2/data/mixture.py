@@ -289,3 +289,13 @@ def format_trained_spans(
             piece = f"{_GREEN}{piece}{_RESET}" if color else f"[[{piece}]]"
         pieces.append(piece)
     return "".join(pieces)
+
+
+def preview_sft(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: int) -> list[tuple[str, str]]:
+    """Doctor's reading: the first ``read`` records of each source tokenized as the SFT and CPT recipes' builders do
+    (``cfg``: the run's config)."""
+    data = build_sft_datasets_from_config(cfg.data, tokenizer, seed=cfg.train.seed, load=load)
+    return [
+        (stats.source, f"{stats.dataset_format} records, {count} of the first {read} tokenized")
+        for stats, count in zip(data.stats, data.train_counts, strict=False)
+    ]

@@ -108,6 +108,7 @@ def _recipe_findings(
     import torch
 
     from hf_fsdp2.doctor.recipe import (
+        capability_findings,
         context_parallel_findings,
         data_findings,
         disk_findings,
@@ -136,6 +137,7 @@ def _recipe_findings(
     found, plan = memory_findings(cfg, model_config, method=get_method(recipe), world=world, budget=budget,
                                   device="cuda" if on_gpu else "cpu")  # fmt: skip
     out += found
+    out += capability_findings(cfg, method=get_method(recipe), world=world)
     out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
     out += float8_findings(cfg, on_gpu, get_method(recipe))
     out += wrap_findings(model_config, settings, cfg)

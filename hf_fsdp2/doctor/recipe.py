@@ -48,7 +48,7 @@ def memory_findings(
     if plan.peak <= limit:
         return [Finding("ok", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU", "fits")], plan
     tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM,
-                      context_parallel=bool(getattr(method, "context_parallel", False)))  # fmt: skip
+                      context_parallel=bool(method is not None and method.capabilities.context_parallel))  # fmt: skip
     fitting = [c for c in tried if c.fits]
     fix = (
         "set " + ", ".join(f"{k}: {v}" for k, v in fitting[0].changes.items()) + f" (peak {human_bytes(fitting[0].plan.peak)})"
@@ -161,7 +161,7 @@ def data_findings(cfg: Config, method: Any, tokenizer: Any) -> list[Finding]:
     import datasets
 
     from hf_fsdp2.data.loading import load_source
-    from hf_fsdp2.methods.sft.data import preview_sft
+    from hf_fsdp2.data.mixture import preview_sft
 
     d = cfg.data
 
@@ -218,21 +218,22 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
 def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, world: int) -> list[Finding]:
     """The context-parallel layout (``cp_size > 1``) checked as the run checks it before any work: the mesh against
     the world size and the heads (:func:`~hf_fsdp2.config.plans.check_mesh`, :func:`~hf_fsdp2.config.plans.split_heads`),
-    the method (:func:`~hf_fsdp2.trainer.method.check_context_parallel`), a MoE router loss (refused by the run's
-    model build) and the attention kernel the all-to-all wraps. Nothing when the recipe asks for no context parallel.
+    the method (:func:`~hf_fsdp2.trainer.registry.check_capabilities`, as :func:`capability_findings` reports it), a MoE
+    router loss (refused by the run's model build) and the attention kernel the all-to-all wraps. Nothing when the
+    recipe asks for no context parallel.
     """
     from hf_fsdp2.config.plans import check_mesh, split_heads
-    from hf_fsdp2.methods import get_method, method_names
+    from hf_fsdp2.methods import method_names
     from hf_fsdp2.parallel.accelerator import launcher_mesh
     from hf_fsdp2.parallel.context import INNER_KERNELS
     from hf_fsdp2.train.loss import router_aux_coef
-    from hf_fsdp2.trainer.method import check_context_parallel
+    from hf_fsdp2.trainer.registry import supporting
 
     f, m = cfg.fsdp, cfg.model
     asked = f.cp_size if f.cp_size is not None else launcher_mesh().get("cp_size")
     if not asked or asked == 1:
         return []
-    supported = [n for n in method_names() if get_method(n).context_parallel]
+    supported = supporting("context_parallel")
     refusing = [n for n in method_names() if n not in supported]
     recipes = f"{', '.join(supported)} support it; {', '.join(refusing)} refuse it"
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -249,12 +250,12 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
                 str(err).splitlines()[0],
             )
         ]
+    unsupported = not method.capabilities.context_parallel or (
+        mesh.cp_backend == "ring" and not method.capabilities.ring_attention
+    )
+    if unsupported:  # refused: capability_findings says so, with the reason
+        return []
     out: list[Finding] = []
-    try:
-        check_context_parallel(method, mesh.cp)
-    except ConfigError as err:
-        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with the {method.name} recipe",
-                           str(err).splitlines()[0], recipes))  # fmt: skip
     coef = router_aux_coef(model_config)
     if coef:
         out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
@@ -268,7 +269,7 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
 
         packing, padding_free = method_rows(cfg.data, method.batch_rows)
         try:
-            check_ring_settings(method=method.name, on_gpu=True, packing=packing, padding_free=padding_free,
+            check_ring_settings(on_gpu=True, packing=packing, padding_free=padding_free,
                                 attn_implementation=kernel, model_config=model_config)  # fmt: skip
         except ConfigError as err:
             out.append(
@@ -299,6 +300,28 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]
 
 
+def capability_findings(cfg: Config, *, method: Any, world: int) -> list[Finding]:
+    """The layouts the recipe asks for (context parallel, ring attention, tensor parallel, FP8) against what its
+    method supports: the run's own check (:func:`~hf_fsdp2.trainer.registry.check_capabilities`) and message. Nothing
+    when it asks for none; a mesh that does not fit the world is :func:`context_parallel_findings`'s to report."""
+    from hf_fsdp2.parallel.accelerator import launcher_mesh
+    from hf_fsdp2.trainer.registry import asked_layouts, check_capabilities
+
+    try:
+        mesh = cfg.fsdp.mesh_plan(world, launcher_mesh())
+    except ConfigError:
+        return []
+    asked = asked_layouts(cfg, mesh)
+    if not asked:
+        return []
+    names = ", ".join(layout.replace("_", " ") for layout in asked)
+    try:
+        check_capabilities(method, cfg, mesh)
+    except ConfigError as err:
+        return [Finding("error", "layouts", f"{names} with the {method.name} recipe", str(err))]
+    return [Finding("ok", "layouts", names, f"supported by the {method.name} recipe")]
+
+
 def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Finding]:
     """``mixed_precision=fp8`` before a run: refused for a recipe that does not support it, or without FP8 hardware
     unless ``fp8_emulate`` (the run's own checks and messages), a warning when emulated or not compiled; nothing for
@@ -306,18 +329,16 @@ def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Findi
     import torch
 
     from hf_fsdp2.parallel.float8 import check_float8_hardware, warn_without_compile
-    from hf_fsdp2.trainer.method import check_float8
 
     t = cfg.train
     if t.mixed_precision != "fp8":
         return []
     plan = t.float8_plan()
     value = f"{plan.recipe}, all-gather {'float8' if plan.all_gather else 'bf16'}"
-    if method is not None:
-        try:
-            check_float8(method, t.mixed_precision)
-        except ConfigError as err:
-            return [Finding("error", "fp8", f"mixed_precision fp8 with the {method.name} recipe", str(err))]
+    if (
+        method is not None and not method.capabilities.float8
+    ):  # refused: capability_findings says so, with why
+        return []
     try:
         emulated = check_float8_hardware(plan, torch.device("cuda" if on_gpu else "cpu"))
     except ConfigError as err:

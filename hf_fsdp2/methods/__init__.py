@@ -3,69 +3,25 @@ and the registry that recipes, ``hf-fsdp2 train``, doctor, the memory plan and t
 recipe names.
 
 Adding a method: a package whose ``__init__`` defines ``METHOD = Method(...)`` (:class:`~hf_fsdp2.trainer.method.Method`)
-and one line in :data:`BUILTIN`; a method outside this package calls :func:`register` and then runs like any other
-(``run(parse_method_config(method, argv), method)``). ``python -m hf_fsdp2.methods NAME --config r.yaml`` runs one
-(what ``hf-fsdp2 train NAME`` launches on every rank).
+and one line in :data:`~hf_fsdp2.trainer.registry.BUILTIN`; a method outside this package calls :func:`register` and
+then runs like any other (``run(parse_method_config(method, argv), method)``). ``python -m hf_fsdp2.methods NAME
+--config r.yaml`` runs one (what ``hf-fsdp2 train NAME`` launches on every rank). The registry itself lives in
+:mod:`hf_fsdp2.trainer.registry` (the loop's capability check reads it); its functions are imported here for recipes.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from hf_fsdp2.config import ConfigError
+from hf_fsdp2.trainer.registry import BUILTIN, get_method, method_names, register
+
+__all__ = ["BUILTIN", "get_method", "method_names", "parse_method_config", "register"]
 
 if TYPE_CHECKING:
     from hf_fsdp2.config import Config
     from hf_fsdp2.trainer.method import Method
-
-BUILTIN: dict[str, str] = {
-    "sft": "hf_fsdp2.methods.sft",
-    "cpt": "hf_fsdp2.methods.cpt",
-    "dpo": "hf_fsdp2.methods.dpo",
-    "kto": "hf_fsdp2.methods.kto",
-    "rm": "hf_fsdp2.methods.rm",
-    "grpo": "hf_fsdp2.methods.grpo",
-}
-"""Name -> the package that defines ``METHOD`` (imported on first use: listing the names imports nothing)."""
-
-_REGISTERED: dict[str, Method] = {}
-
-
-def method_names() -> list[str]:
-    """Every method's name: the built-in ones, then those registered in this process."""
-    return [*BUILTIN, *(name for name in _REGISTERED if name not in BUILTIN)]
-
-
-def register(method: Method) -> Method:
-    """Make ``method`` known by its name in this process (a method defined outside this package).
-
-    Raises:
-        ValueError: the name is a built-in method's, or another method registered under it.
-    """
-    if method.name in BUILTIN:
-        raise ValueError(f"method {method.name!r} is built in ({BUILTIN[method.name]}); choose another name")
-    known = _REGISTERED.get(method.name)
-    if known is not None and known is not method:
-        raise ValueError(f"another method is already registered as {method.name!r}; choose another name")
-    _REGISTERED[method.name] = method
-    return method
-
-
-def get_method(name: str) -> Method:
-    """The method called ``name``.
-
-    Raises:
-        ConfigError: no such method, naming the known ones.
-    """
-    if name in _REGISTERED:
-        return _REGISTERED[name]
-    if name not in BUILTIN:
-        raise ConfigError(f"unknown recipe {name!r}: one of {', '.join(method_names())}")
-    method: Method = importlib.import_module(BUILTIN[name]).METHOD
-    return method
 
 
 def _keys_elsewhere(method: Method) -> dict[str, str]:

@@ -187,23 +187,18 @@ def ring_model_refusal(config: Any) -> str | None:
     return None
 
 
-# The methods whose step is train.step.forward_backward (DPO's pairs shard the all-to-all way only).
-RING_METHODS = ("sft", "cpt")
-
-
 def check_ring_settings(
     *,
-    method: str,
     on_gpu: bool,
     packing: bool,
     padding_free: bool | None,
     attn_implementation: str,
     model_config: Any = None,
 ) -> None:
-    """Refuse, before any work, what ``cp_backend: ring`` cannot run.
+    """Refuse, before any work, what ``cp_backend: ring`` cannot run (which methods run it is their capability:
+    :func:`hf_fsdp2.trainer.method.check_capabilities`).
 
     Args:
-        method: the training method's name.
         on_gpu: whether the run has CUDA devices.
         packing: rows hold several documents (SFT ``packing``, CPT rows without ``cross_document_attention``).
         padding_free: ``padding_free`` as set (None: unset, which resolves off with SDPA on a GPU).
@@ -213,11 +208,6 @@ def check_ring_settings(
     Raises:
         ConfigError: naming the setting, its value and the fix.
     """
-    if method not in RING_METHODS:
-        raise ConfigError(
-            f"cp_backend=ring with the {method} recipe: its step shards sequences the all-to-all way only in this "
-            f"version (ring runs with {', '.join(RING_METHODS)}); use cp_backend=all_to_all (or auto)"
-        )
     if not on_gpu:
         raise ConfigError(RING_CPU_REFUSAL)
     if packing:

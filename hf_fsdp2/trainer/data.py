@@ -1,5 +1,6 @@
 """What every method's data builder returns (:class:`TrainData`: the stream of micro-batches, the eval set, the step
-count) and the pieces they share: the batch layout decision, the step-size checks, the sharded sampled stream."""
+count) and the pieces they share: the batch layout decision, the step-size checks, the sharded sampled stream, and the
+preference pairs' stream (DPO's and the reward model's data)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_fsdp2.attention_layout import AttentionLayout, attention_layout_for
+from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
+from hf_fsdp2.data.pairs import PreferenceCollator
+from hf_fsdp2.data.preference_sets import load_pairs
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
@@ -104,3 +108,29 @@ def sampled_stream(session: Session, dataset: Any, collator: Any) -> tuple[DataS
     steps_per_epoch = len(loader) // t.gradient_accumulation_steps
     total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
     return DataStream(loader, sampler, t.per_device_train_batch_size), steps_per_epoch, total_steps
+
+
+def build_pair_data(session: Session, tokenizer: Any, recipe: str) -> TrainData:
+    """Tokenize the run's preference pairs and build the stream of micro-batches, chosen rows then rejected rows
+    (every rank; rank 0 tokenizes first): the DPO and reward-model recipes' data (``recipe`` names it in messages).
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
+    """
+    d = session.cfg.data
+    if d.packing or d.padding_free:
+        raise ConfigError(
+            f"packing={d.packing}, padding_free={d.padding_free}: the {recipe} recipe batches each pair's chosen and "
+            "rejected rows padded side by side; set both to false"
+        )
+    train, eval_pairs = rank0_first(lambda: load_pairs(d, session.cfg.train.seed, tokenizer))
+    collator = PreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length)
+    per_step = examples_per_step(session)
+    check_one_step(session, len(train), "pairs", "data")
+    stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
+    logger.info(
+        "%s data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)", recipe,
+        len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
+        steps_per_epoch, per_step, 2 * per_step,
+    )  # fmt: skip
+    return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)

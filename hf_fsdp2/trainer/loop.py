@@ -10,12 +10,14 @@ from __future__ import annotations
 from hf_fsdp2 import collectives
 from hf_fsdp2.attention_layout import method_rows
 from hf_fsdp2.config import Config
+from hf_fsdp2.parallel.accelerator import launcher_mesh, world_size
 from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
 from hf_fsdp2.trainer.finish import finish
-from hf_fsdp2.trainer.method import Method, check_context_parallel, check_float8, check_tensor_parallel
+from hf_fsdp2.trainer.method import Method
 from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
 from hf_fsdp2.trainer.observer import Observer
+from hf_fsdp2.trainer.registry import check_capabilities
 from hf_fsdp2.trainer.session import Session
 from hf_fsdp2.trainer.state import RunState
 
@@ -28,18 +30,16 @@ def run(cfg: Config, method: Method) -> None:
         method: the training method.
     """
     objective = method.objective(cfg)  # the method's checks, every rank alike, before any work
+    # The layouts the method's step supports (cp, ring, tp, fp8), from the config and the launch's world alone.
+    check_capabilities(method, cfg, cfg.fsdp.mesh_plan(world_size(), launcher_mesh()))
     # Everything checkable before any work; the session owns the run folder.
     with Session.start(cfg) as session:
-        t = cfg.train
-        check_context_parallel(method, collectives.cp_size())
         # What ring attention cannot run, before the model loads.
         if collectives.cp_size() > 1 and cfg.fsdp.cp_backend == "ring":
             packing, padding_free = method_rows(cfg.data, method.batch_rows)
-            check_ring_settings(method=method.name, on_gpu=session.device.type == "cuda", packing=packing,
+            check_ring_settings(on_gpu=session.device.type == "cuda", packing=packing,
                                 padding_free=padding_free, attn_implementation=cfg.model.attn_implementation,
                                 model_config=session.model_config)  # fmt: skip
-        check_tensor_parallel(method, collectives.tp_size())
-        check_float8(method, t.mixed_precision)
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.config import Config, ConfigError
-from hf_fsdp2.train.step import LossStep, Step, StepLoss, StepSettings
+from hf_fsdp2.config import Config
+from hf_fsdp2.train.step import LossStep, Step, StepLoss, StepSettings, TokenLoss
 from hf_fsdp2.trainer.data import TrainData
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
@@ -68,12 +68,51 @@ def loss_step(
     )  # fmt: skip
 
 
+def _build_token_step(
+    session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
+) -> tuple[Step, Any]:
+    step = loss_step(
+        session, model, optimizer, scheduler, lambda: TokenLoss(model.loss_plan, session.device, model.module)
+    )
+    return step, None  # the SFT evaluator on data.eval_set
+
+
+TOKEN_OBJECTIVE = Objective(_build_token_step)
+"""Token-level cross entropy on the target tokens (SFT, continued pre-training): :class:`~hf_fsdp2.train.step.TokenLoss`
+in the shared step."""
+
+
+def token_objective(cfg: Config) -> Objective:
+    """The token-level objective of SFT and CPT (no keys of its own to check)."""
+    return TOKEN_OBJECTIVE
+
+
 def _one_row(cfg: Config) -> int:
     return 1
 
 
 def _no_notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
     return []
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The layouts a method's step supports beyond FSDP2 and HSDP (which every method runs); each is verified by the
+    tests named at the method's ``METHOD``. :func:`~hf_fsdp2.trainer.registry.check_capabilities` refuses the others before any work.
+
+    Attributes:
+        context_parallel: ``cp_size > 1`` with the all-to-all exchange: the step splits each sequence over the cp
+            ranks and counts a cp group's rows once (token CE; DPO's all-reduced row sums).
+        ring_attention: ``cp_backend: ring``: the step shards its rows in torch's load-balanced layout.
+        tensor_parallel: ``tp_size > 1``: the step counts a tensor-parallel group's batch once (token CE).
+        float8: ``mixed_precision: fp8``: verified with the method's step and the models it loads (the policy only,
+            no reference or reward model beside it, no weights sent elsewhere).
+    """
+
+    context_parallel: bool = False
+    ring_attention: bool = False
+    tensor_parallel: bool = False
+    float8: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,16 +133,10 @@ class Method:
         plan_notes: ``(cfg, plan, model_config) -> lines`` the memory plan adds (what it leaves out, other phases).
         preview_data: ``(cfg, tokenizer, load, read) -> [(source, what)]``: doctor's reading of the first ``read``
             records of each source as the run tokenizes them (``load(source)`` gives them); raises the run's data
-            error. None: the SFT data builder's reading (:func:`hf_fsdp2.methods.sft.data.preview_sft`).
+            error. None: the SFT data builder's reading (:func:`hf_fsdp2.data.mixture.preview_sft`).
         tags: model-card tags beyond the name.
-        context_parallel: the method's step splits each sequence over the ``cp_size`` ranks of a context-parallel
-            group (its loss is the token-level CE of :func:`hf_fsdp2.train.step.train_step`); others refuse
-            ``cp_size > 1``.
-        tensor_parallel: the method's step is :func:`hf_fsdp2.train.step.train_step`'s token-level CE, whose counts
-            and loss count a tensor-parallel group's batch once; others refuse ``tp_size > 1``
-            (:func:`check_tensor_parallel`).
-        float8: ``mixed_precision: fp8`` is verified with the method's step and the models it loads (the policy
-            only, no reference or reward model beside it, no weights sent elsewhere): :func:`check_float8`.
+        capabilities: the layouts beyond FSDP2/HSDP its step supports (:class:`Capabilities`), checked by
+            :func:`~hf_fsdp2.trainer.registry.check_capabilities` before any work.
     """
 
     name: str
@@ -117,9 +150,7 @@ class Method:
     plan_notes: Callable[[Config, Any, Any], list[str]] = _no_notes
     preview_data: Callable[[Config, Any, Callable[[Any], Any], int], list[tuple[str, str]]] | None = None
     tags: tuple[str, ...] = ()
-    context_parallel: bool = False
-    tensor_parallel: bool = False
-    float8: bool = False
+    capabilities: Capabilities = Capabilities()
 
     def __post_init__(self) -> None:
         if self.batch_rows not in BATCH_ROWS:
@@ -130,49 +161,3 @@ class Method:
             raise ValueError(
                 f"method name {self.name!r} must be a Python identifier (it names recipes/NAME.py)"
             )
-
-
-def check_tensor_parallel(method: Method, tp: int) -> None:
-    """Refuse ``tp`` > 1 for a method whose step normalises its loss by its own counts over every rank (they would
-    count a tensor-parallel group's batch ``tp`` times).
-
-    Raises:
-        ConfigError: naming the method, ``tp`` and the recipes that support it.
-    """
-    if tp > 1 and not method.tensor_parallel:
-        raise ConfigError(
-            f"tp_size={tp} is not supported by the {method.name} recipe in this version: its step normalises the "
-            "loss by counts over every rank, which would count each tensor-parallel group's batch tp_size times; "
-            "tensor parallel runs with the sft and cpt recipes. Use tp_size=1 (FSDP2 or HSDP)"
-        )
-
-
-def check_context_parallel(method: Method, cp: int) -> None:
-    """Refuse ``cp`` > 1 for a method whose step does not split sequences (the run's check; the plan and doctor ask
-    it before any process group exists).
-
-    Raises:
-        ConfigError: naming the method, ``cp`` and the recipes that support it.
-    """
-    if cp > 1 and not method.context_parallel:
-        raise ConfigError(
-            f"cp_size={cp} is not supported by the {method.name} recipe in this version: its "
-            "step scores whole sequences per rank (rewards, generations, KL pairs); context parallel runs with the "
-            "sft, cpt and dpo recipes. Use cp_size=1 (activation_checkpointing and ce_chunk_tokens for long "
-            "sequences)"
-        )
-
-
-def check_float8(method: Method, mixed_precision: str) -> None:
-    """Refuse ``mixed_precision: fp8`` for a method whose run has not been verified with float8 linears (a frozen
-    reference or a reward model beside the policy, a score head, weights sent to a vLLM server).
-
-    Raises:
-        ConfigError: naming the method and the recipes that support it.
-    """
-    if mixed_precision == "fp8" and not method.float8:
-        raise ConfigError(
-            f"mixed_precision=fp8 is not supported by the {method.name} recipe in this version: FP8 training is "
-            "verified with the sft and cpt recipes only (its reference, reward or score models and weight syncs are "
-            "not). Use mixed_precision=bf16"
-        )

@@ -21,6 +21,7 @@ from typing import Any
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.config import Config
 from hf_fsdp2.config.reference import ReferenceArgs
 from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
 from hf_fsdp2.parallel.context import enable_context_parallel
@@ -37,6 +38,18 @@ from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
+
+
+def reference_note(cfg: Config, name: str, free: str = "") -> list[str]:
+    """The memory plan's line for a frozen reference copy it does not count (none with precompute, LoRA or
+    ``free``): DPO's and KTO's."""
+    p = cfg.method
+    if p.precompute_ref_log_probs or cfg.peft.use_peft or getattr(p, "reference_free", False):
+        return []
+    return [
+        f"not planned: {name}'s reference model (a frozen sharded copy of the policy, its gathered layers during "
+        f"its forward); precompute_ref_log_probs: true, use_peft: true{free} trains without one"
+    ]
 
 
 def load_reference(

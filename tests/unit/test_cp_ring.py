@@ -187,14 +187,13 @@ def test_a_model_the_ring_cannot_run_is_refused(one_rank_group: Any) -> None:
 
 
 def _ok(**overrides: Any) -> dict[str, Any]:
-    return {"method": "sft", "on_gpu": True, "packing": False, "padding_free": None, "attn_implementation": "sdpa",
+    return {"on_gpu": True, "packing": False, "padding_free": None, "attn_implementation": "sdpa",
             "model_config": None, **overrides}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        ({"method": "dpo"}, "cp_backend=ring with the dpo recipe.*use cp_backend=all_to_all"),
         ({"on_gpu": False}, "runs on CUDA only.*no CPU sharding rule for SDPA"),
         ({"packing": True}, "with packed rows.*set packing=false, or use cp_backend=all_to_all"),
         ({"padding_free": True}, "with padding_free=true.*set padding_free=false"),
@@ -217,7 +216,7 @@ def test_what_the_ring_cannot_run_is_refused_by_name(overrides: dict[str, Any], 
 
 
 def test_what_the_ring_runs_passes_and_auto_stays_all_to_all() -> None:
-    check_ring_settings(**_ok(model_config=LlamaConfig(), attn_implementation="auto", method="cpt"))
+    check_ring_settings(**_ok(model_config=LlamaConfig(), attn_implementation="auto"))
     check_ring_settings(**_ok(model_config=MistralConfig(sliding_window=None), padding_free=False))
     assert "CUDA" in RING_CPU_REFUSAL
     # auto never picks ring; ring splits no heads (cp 3 with 8 heads runs, where all-to-all refuses it).

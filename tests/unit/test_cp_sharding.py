@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config import ConfigError, parse_config
+from hf_fsdp2.config.plans import MeshPlan
 from hf_fsdp2.methods import get_method
 from hf_fsdp2.parallel.context import (
     POSITIONS_KEY,
@@ -15,7 +16,7 @@ from hf_fsdp2.parallel.context import (
     shard_sequence,
 )
 from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum, shifted_target_rows
-from hf_fsdp2.trainer.method import check_context_parallel
+from hf_fsdp2.trainer.registry import check_capabilities
 
 
 def _batch(width: int = 7) -> dict[str, torch.Tensor]:
@@ -90,8 +91,14 @@ def test_the_loss_of_the_parts_is_the_loss_of_the_whole() -> None:
 
 
 def test_recipes_that_score_whole_sequences_refuse_cp() -> None:
+    cfg, cp2 = (
+        parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]),
+        MeshPlan(cp=2),
+    )
     for name in ("kto", "rm", "grpo"):
-        with pytest.raises(ConfigError, match=f"cp_size=2 is not supported by the {name} recipe"):
-            check_context_parallel(get_method(name), 2)
+        with pytest.raises(
+            ConfigError, match=f"cp_size=2 is not supported by the {name} recipe.*sft, cpt and dpo"
+        ):
+            check_capabilities(get_method(name), cfg, cp2)
     for name in ("sft", "cpt", "dpo"):
-        check_context_parallel(get_method(name), 2)
+        check_capabilities(get_method(name), cfg, cp2)

@@ -12,7 +12,7 @@ from support.tiny import make_tiny_llama_dir
 from transformers import LlamaConfig, MixtralConfig
 
 from hf_fsdp2.doctor import environment, run_doctor
-from hf_fsdp2.doctor.recipe import context_parallel_findings
+from hf_fsdp2.doctor.recipe import capability_findings, context_parallel_findings
 from hf_fsdp2.launch import packaged_accelerate_config
 from hf_fsdp2.methods import get_method, parse_method_config
 
@@ -29,8 +29,12 @@ def _cfg(tmp: Path, recipe: str = "sft", **overrides: object):  # type: ignore[n
 
 
 def _found(tmp: Path, world: int, model=LLAMA, recipe: str = "sft", **overrides: object):  # type: ignore[no-untyped-def]
-    cfg = _cfg(tmp, recipe, **overrides)
-    return context_parallel_findings(cfg, model, method=get_method(recipe), world=world)
+    cfg, method = _cfg(tmp, recipe, **overrides), get_method(recipe)
+    # As the doctor reports them: the layouts the method refuses, then the context-parallel layout itself.
+    found = capability_findings(cfg, method=method, world=world)
+    return [f for f in found if f.level != "ok"] + context_parallel_findings(
+        cfg, model, method=method, world=world
+    )
 
 
 def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
@@ -56,7 +60,13 @@ def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
             {"cp_size": 2, "cp_backend": "ring", "packing": "true"},
             "cp_backend=ring with packed rows",
         ),
-        (4, LLAMA, "dpo", {"cp_size": 2, "cp_backend": "ring"}, "cp_backend=ring with the dpo recipe"),
+        (
+            4,
+            LLAMA,
+            "dpo",
+            {"cp_size": 2, "cp_backend": "ring"},
+            "cp_backend=ring is not supported by the dpo recipe",
+        ),
         (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (4, LLAMA, "kto", {"cp_size": 2}, "cp_size=2 is not supported by the kto recipe"),
         (

@@ -248,21 +248,24 @@ def test_doctor_says_the_same_before_a_run() -> None:
 def test_only_the_verified_recipes_take_fp8_and_the_doctor_says_so() -> None:
     """sft and cpt are verified with float8 linears (tests/distributed/test_float8.py); the recipes with a reference,
     reward or score model, or weights sent to a vLLM server, are refused by name, in the run and in the doctor."""
-    from hf_fsdp2.doctor.recipe import float8_findings
+    from hf_fsdp2.config.plans import MeshPlan
+    from hf_fsdp2.doctor.recipe import capability_findings, float8_findings
     from hf_fsdp2.methods import get_method
-    from hf_fsdp2.trainer.method import check_float8
+    from hf_fsdp2.trainer.registry import check_capabilities
 
-    for name in ("sft", "cpt"):
-        check_float8(get_method(name), "fp8")
-    for name in ("dpo", "kto", "rm", "grpo"):
-        check_float8(get_method(name), "bf16")  # other precisions pass
-        with pytest.raises(ConfigError, match=f"mixed_precision=fp8 is not supported by the {name} recipe"):
-            check_float8(get_method(name), "fp8")
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--mixed_precision", "fp8",
             "--fp8_emulate", "true"]  # fmt: skip
-    found = float8_findings(parse_config(argv), False, get_method("grpo"))
-    assert [(f.check, f.level) for f in found] == [("fp8", "error")]
-    assert "verified with the sft and cpt recipes only" in found[0].message
+    fp8, bf16 = parse_config(argv), parse_config(argv[:6])
+    for name in ("sft", "cpt"):
+        check_capabilities(get_method(name), fp8, MeshPlan())
+    for name in ("dpo", "kto", "rm", "grpo"):
+        check_capabilities(get_method(name), bf16, MeshPlan())  # other precisions pass
+        with pytest.raises(ConfigError, match=f"mixed_precision=fp8 is not supported by the {name} recipe"):
+            check_capabilities(get_method(name), fp8, MeshPlan())
+    found = capability_findings(fp8, method=get_method("grpo"), world=1)
+    assert [(f.check, f.level) for f in found] == [("layouts", "error")]
+    assert "float8 runs with the sft and cpt recipes" in found[0].message
+    assert float8_findings(fp8, False, get_method("grpo")) == []  # said once, by the layouts finding
     assert [f.level for f in float8_findings(parse_config(argv), False, get_method("sft"))] == [
         "warning",
         "warning",

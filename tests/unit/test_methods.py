@@ -70,10 +70,10 @@ def test_the_toy_methods_key_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
     import importlib.util
     import sys
 
-    import hf_fsdp2.methods
+    import hf_fsdp2.trainer.registry
 
     # Registered into this test's own registry and module table: the other tests of this process see the built-ins.
-    monkeypatch.setattr(hf_fsdp2.methods, "_REGISTERED", {})
+    monkeypatch.setattr(hf_fsdp2.trainer.registry, "_REGISTERED", {})
     spec = importlib.util.spec_from_file_location("toy_recipe", TOY)
     assert spec is not None and spec.loader is not None
     toy = importlib.util.module_from_spec(spec)

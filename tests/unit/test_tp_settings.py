@@ -113,15 +113,20 @@ def test_accelerates_own_tp_prepare_is_skipped_for_the_block_only() -> None:
 
 
 def test_only_methods_whose_step_counts_a_tp_groups_batch_once_accept_tp() -> None:
+    from hf_fsdp2.config import parse_config
+    from hf_fsdp2.config.plans import MeshPlan
     from hf_fsdp2.methods import get_method
-    from hf_fsdp2.trainer.method import check_tensor_parallel
+    from hf_fsdp2.trainer.registry import check_capabilities
 
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"])
     for name in ("sft", "cpt"):
-        check_tensor_parallel(get_method(name), 2)
+        check_capabilities(get_method(name), cfg, MeshPlan(tp=2))
     for name in ("dpo", "kto", "rm", "grpo"):
-        with pytest.raises(ConfigError, match=f"tp_size=2 is not supported by the {name} recipe"):
-            check_tensor_parallel(get_method(name), 2)
-        check_tensor_parallel(get_method(name), 1)
+        with pytest.raises(
+            ConfigError, match=f"tp_size=2 is not supported by the {name} recipe.*sft and cpt"
+        ):
+            check_capabilities(get_method(name), cfg, MeshPlan(tp=2))
+        check_capabilities(get_method(name), cfg, MeshPlan())
 
 
 def test_the_memory_plan_names_tp_as_not_modelled_and_not_as_hsdp() -> None:

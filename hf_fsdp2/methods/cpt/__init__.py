@@ -3,19 +3,18 @@ resumable exactly) and SFT's objective, cross entropy on every token."""
 
 from __future__ import annotations
 
+from hf_fsdp2.data.mixture import preview_sft
 from hf_fsdp2.methods.cpt.data import build_cpt_data
-from hf_fsdp2.methods.sft import sft_objective
-from hf_fsdp2.methods.sft.data import preview_sft
-from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.trainer.method import Capabilities, Method, token_objective
 
 METHOD = Method(
     name="cpt",
     title="continued pre-training",
     build_data=build_cpt_data,
-    objective=sft_objective,
+    objective=token_objective,
     batch_rows="corpus",
     preview_data=preview_sft,
-    context_parallel=True,
-    tensor_parallel=True,
-    float8=True,  # tests/distributed/test_float8.py
+    # cp: test_context_parallel (all-to-all), tests/gpu/test_ring_cp_check (ring); tp: test_tensor_parallel; fp8:
+    # test_float8.
+    capabilities=Capabilities(context_parallel=True, ring_attention=True, tensor_parallel=True, float8=True),
 )

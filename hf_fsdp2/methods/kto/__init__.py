@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from hf_fsdp2.config import Config
-from hf_fsdp2.methods.dpo import reference_note
+from hf_fsdp2.data.preference_sets import preview_unpaired
 from hf_fsdp2.methods.kto.config import KtoArgs
-from hf_fsdp2.methods.kto.data import build_kto_data, preview_unpaired
+from hf_fsdp2.methods.kto.data import build_kto_data
 from hf_fsdp2.methods.kto.objective import kto_objective
 from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.trainer.reference import reference_note
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:

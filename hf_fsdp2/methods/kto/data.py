@@ -4,14 +4,12 @@ completions, and the stream of micro-batches."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from hf_fsdp2.collectives import rank0_first
 from hf_fsdp2.config import ConfigError
-from hf_fsdp2.config.sources import DataSource
-from hf_fsdp2.data.unpaired import UnpairedCollator, tokenize_unpaired, with_kl_completions
-from hf_fsdp2.methods.dpo.data import PairList, load_pairs, preview_tokenized
+from hf_fsdp2.data.preference_sets import PairList, load_pairs
+from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
 from hf_fsdp2.methods.kto.config import KtoArgs
 from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
 from hf_fsdp2.trainer.session import Session
@@ -34,7 +32,7 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
             f"packing={d.packing}, padding_free={d.padding_free}: the KTO recipe batches each example's row and its KL "
             "row padded side by side; set both to false"
         )
-    train, eval_examples = rank0_first(lambda: load_pairs(session, tokenizer, unpaired=True))
+    train, eval_examples = rank0_first(lambda: load_pairs(d, t.seed, tokenizer, unpaired=True))
     uses_kl = p.loss_type == "kto"
     if uses_kl:
         train = PairList(
@@ -89,10 +87,3 @@ def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:
             "4/3] (the KTO paper's eq. 8); e.g. desirable_weight %.2f, or undesirable_weight %.2f",
             good, w_good, bad, w_bad, ratio, bad * w_bad / good, good * w_good / bad,
         )  # fmt: skip
-
-
-def preview_unpaired(
-    cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
-) -> list[tuple[str, str]]:
-    """Doctor's reading: each source's first ``read`` records tokenized as unpaired examples."""
-    return preview_tokenized(cfg, tokenizer, load, read, tokenize_unpaired, "unpaired examples")

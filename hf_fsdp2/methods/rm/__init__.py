@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_fsdp2.config import Config
-from hf_fsdp2.methods.dpo.data import preview_pairs
+from hf_fsdp2.data.preference_sets import preview_pairs
 from hf_fsdp2.methods.rm.config import RmArgs
 from hf_fsdp2.methods.rm.objective import build_rm_data, rm_objective
 from hf_fsdp2.trainer.method import Method

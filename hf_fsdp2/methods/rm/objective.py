@@ -12,10 +12,9 @@ import torch
 
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.methods.dpo.data import build_dpo_data
 from hf_fsdp2.methods.rm.step import RewardLoss, RewardSettings, evaluate_rewards
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.data import TrainData
+from hf_fsdp2.trainer.data import TrainData, build_pair_data
 from hf_fsdp2.trainer.method import Objective, loss_step
 from hf_fsdp2.trainer.model import TrainModel
 from hf_fsdp2.trainer.session import Session
@@ -75,8 +74,8 @@ def _build_rm(
 
 
 def build_rm_data(session: Session, tokenizer: Any) -> TrainData:
-    """The DPO recipe's pairs and micro-batches (each row prompt + completion; the reward reads the whole row)."""
-    return build_dpo_data(session, tokenizer, "reward-model")
+    """The preference pairs and micro-batches (each row prompt + completion; the reward reads the whole row)."""
+    return build_pair_data(session, tokenizer, "reward-model")
 
 
 def rm_objective(cfg: Config) -> Objective:

@@ -4,7 +4,6 @@ batches when asked -> the sharded sampler and the stream of micro-batches, and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from hf_fsdp2.collectives import rank0_first
@@ -88,12 +87,3 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
         "training %d steps (%d per epoch), %d examples per step", total_steps, steps_per_epoch, per_step
     )
     return TrainData(stream, collator, data.eval, steps_per_epoch, total_steps, per_step)
-
-
-def preview_sft(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: int) -> list[tuple[str, str]]:
-    """Doctor's reading: the first ``read`` records of each source tokenized as the SFT recipe does."""
-    data = build_sft_datasets_from_config(cfg.data, tokenizer, seed=cfg.train.seed, load=load)
-    return [
-        (stats.source, f"{stats.dataset_format} records, {count} of the first {read} tokenized")
-        for stats, count in zip(data.stats, data.train_counts, strict=False)
-    ]

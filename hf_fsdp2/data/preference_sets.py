@@ -1,6 +1,6 @@
-"""The DPO recipe's data: preference sources -> tokenized pairs (prompt shared, loss masks on the completions) ->
-the sharded sampler and the stream of micro-batches (chosen rows then rejected rows), the eval pairs, the step
-count. Every rank tokenizes (rank 0 first, so a bad record is one error on every rank)."""
+"""Preference sources -> the training and eval sets of tokenized pairs (DPO, reward models) or unpaired examples
+(KTO): the weighted mixture, the eval split carved out first, each record's position as its ``index``; and doctor's
+reading of the first records of each source as a run tokenizes them."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from hf_fsdp2.collectives import rank0_first
-from hf_fsdp2.config import ConfigError
+from hf_fsdp2.config.sections import DataArgs
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.mixture import _weighted_indices
-from hf_fsdp2.data.pairs import PreferenceCollator, PreferenceStats, tokenize_pairs
+from hf_fsdp2.data.pairs import PreferenceStats, tokenize_pairs
 from hf_fsdp2.data.unpaired import tokenize_unpaired
-from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -28,9 +25,8 @@ class PairList(list):  # type: ignore[type-arg]
 
 
 def _tokenized(
-    source: DataSource, session: Session, tokenizer: Any, unpaired: bool = False
+    source: DataSource, d: DataArgs, tokenizer: Any, unpaired: bool = False
 ) -> tuple[list[dict[str, Any]], PreferenceStats]:
-    d = session.cfg.data
     raw = load_source(source, on_bad_record=d.on_bad_record)
     mapping = parse_column_mapping(d.dataset_column_mapping)
     if mapping:
@@ -55,18 +51,20 @@ def _reindexed(pairs: list[dict[str, Any]]) -> PairList:
     return PairList({**pair, "index": i} for i, pair in enumerate(pairs))
 
 
-def load_pairs(session: Session, tokenizer: Any, unpaired: bool = False) -> tuple[PairList, PairList | None]:
-    """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None); ``unpaired``:
-    KTO's examples (:func:`~hf_fsdp2.data.unpaired.tokenize_unpaired`) instead.
+def load_pairs(
+    d: DataArgs, seed: int, tokenizer: Any, unpaired: bool = False
+) -> tuple[PairList, PairList | None]:
+    """The training pairs (weighted mixture, eval carved out first) and the eval pairs (or None) of the data section
+    ``d``, shuffled and weighted from ``seed``; ``unpaired``: KTO's examples
+    (:func:`~hf_fsdp2.data.unpaired.tokenize_unpaired`) instead.
 
     Raises:
         ValueError / ConfigError / FileNotFoundError: bad data or settings, naming the source and record.
     """
-    d, t = session.cfg.data, session.cfg.train
     train: list[dict[str, Any]] = []
     held_out: list[dict[str, Any]] = []
     for salt, source in enumerate(d.sources()):
-        pairs, stats = _tokenized(source, session, tokenizer, unpaired)
+        pairs, stats = _tokenized(source, d, tokenizer, unpaired)
         logger.info(stats.describe(source.describe()))
         if not pairs:
             raise ValueError(f"{source.describe()}: no pair left to train on; see the counts above")
@@ -77,43 +75,18 @@ def load_pairs(session: Session, tokenizer: Any, unpaired: bool = False) -> tupl
                     f"eval_split_fraction={d.eval_split_fraction} holds out all {len(pairs)} pairs of "
                     f"{source.describe()}; lower it"
                 )
-            order = np.random.default_rng([t.seed, salt, 1]).permutation(len(pairs))
+            order = np.random.default_rng([seed, salt, 1]).permutation(len(pairs))
             held_out.extend(pairs[i] for i in np.sort(order[:n_eval]))
             pairs = [pairs[i] for i in np.sort(order[n_eval:])]
-        train.extend(pairs[i] for i in _weighted_indices(len(pairs), source.weight, t.seed, salt))
+        train.extend(pairs[i] for i in _weighted_indices(len(pairs), source.weight, seed, salt))
     eval_pairs: list[dict[str, Any]] | None = held_out or None
     eval_source = d.eval_source()
     if eval_source is not None:
-        eval_pairs, stats = _tokenized(eval_source, session, tokenizer, unpaired)
+        eval_pairs, stats = _tokenized(eval_source, d, tokenizer, unpaired)
         logger.info(stats.describe(eval_source.describe()))
         if not eval_pairs:
             raise ValueError(f"{eval_source.describe()}: no eval pair left; see the counts above")
     return _reindexed(train), _reindexed(eval_pairs) if eval_pairs else None
-
-
-def build_dpo_data(session: Session, tokenizer: Any, recipe: str = "DPO") -> TrainData:
-    """Tokenize the run's preference pairs and build the stream of micro-batches (every rank).
-
-    Raises:
-        ConfigError / ValueError / FileNotFoundError: bad data, raised on every rank as one error.
-    """
-    d = session.cfg.data
-    if d.packing or d.padding_free:
-        raise ConfigError(
-            f"packing={d.packing}, padding_free={d.padding_free}: the {recipe} recipe batches each pair's chosen and "
-            "rejected rows padded side by side; set both to false"
-        )
-    train, eval_pairs = rank0_first(lambda: load_pairs(session, tokenizer))
-    collator = PreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=d.max_length)
-    per_step = examples_per_step(session)
-    check_one_step(session, len(train), "pairs", "data")
-    stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
-    logger.info(
-        "%s data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)", recipe,
-        len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
-        steps_per_epoch, per_step, 2 * per_step,
-    )  # fmt: skip
-    return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
 
 
 def preview_tokenized(
@@ -140,3 +113,10 @@ def preview_pairs(
 ) -> list[tuple[str, str]]:
     """Doctor's reading: each source's first ``read`` records tokenized as preference pairs."""
     return preview_tokenized(cfg, tokenizer, load, read, tokenize_pairs, "preference pairs")
+
+
+def preview_unpaired(
+    cfg: Any, tokenizer: Any, load: Callable[[DataSource], Any], read: int
+) -> list[tuple[str, str]]:
+    """Doctor's reading: each source's first ``read`` records tokenized as unpaired examples."""
+    return preview_tokenized(cfg, tokenizer, load, read, tokenize_unpaired, "unpaired examples")
