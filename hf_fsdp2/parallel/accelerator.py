@@ -24,6 +24,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
 )
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_fsdp2 import collectives
@@ -265,17 +266,21 @@ def context_parallel_group(mesh: MeshPlan, device: torch.device) -> Any:
 
 
 def shard_with_accelerate(
-    accelerator: Accelerator, model: torch.nn.Module, layer_cls_names: tuple[str, ...]
+    accelerator: Accelerator, model: torch.nn.Module, layer_cls_names: tuple[str, ...], *, frozen: bool = False
 ) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root, through Accelerate (its plugin holds the mesh, the
     mixed-precision policy, resharding and offload); the step of :func:`hf_fsdp2.parallel.parallelize.parallelize`
     after checkpointing and regional compile. Every rank takes part (collective when ``cpu_ram_efficient_loading``
-    broadcasts rank 0's weights). The optimizer is built afterwards, on the sharded parameters.
+    broadcasts rank 0's weights). The optimizer is built afterwards, on the sharded parameters. ``frozen``: a copy
+    beside the trained model (a reference), sharded by Accelerate's FSDP2 function without being registered as the
+    accelerator's model (it prepares one model under FSDP2).
 
     Returns:
         The sharded model.
     """
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
+    if frozen:
+        return fsdp2_prepare_model(accelerator, model)
     with warnings.catch_warnings(), _torchao_checked_once():
         # Accelerate slices its flattened dp_shard_cp dim for HSDP's 2-D mesh; torch warns about a future change.
         warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")

@@ -72,6 +72,8 @@ class ParallelPlan:
         float8: the FP8 settings (``mixed_precision: fp8``).
         ac: activation checkpointing of the decoder layers.
         compile: torch.compile (regional or whole-model).
+        frozen: a frozen copy beside the trained model (a reference): sharded alike, on the same mesh and policy,
+            but not registered as the accelerator's model (Accelerate prepares one model under FSDP2).
     """
 
     layer_cls: tuple[str, ...]
@@ -80,6 +82,7 @@ class ParallelPlan:
     float8: Float8Plan | None = None
     ac: ACPlan = ACPlan()
     compile: CompilePlan = CompilePlan()
+    frozen: bool = False
 
 
 def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: ParallelPlan) -> torch.nn.Module:
@@ -103,7 +106,7 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
     if plan.compile.enabled and plan.compile.scope == "regional":
         compiled = compile_regions(model, plan.layer_cls, plan.compile)
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
-    model = shard_with_accelerate(accelerator, model, plan.layer_cls)
+    model = shard_with_accelerate(accelerator, model, plan.layer_cls, frozen=plan.frozen)
     if plan.compile.enabled and plan.compile.scope == "model":
         compile_model(model, plan.compile)
         logger.info("whole-model compile (in place, after fully_shard)")

@@ -18,13 +18,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.reference import ReferenceArgs
-from hf_fsdp2.model import disable_dropout, load_model, resize_embeddings
-from hf_fsdp2.parallel.context import enable_context_parallel
+from hf_fsdp2.model import decoder_layer_classes, disable_dropout, load_model, resize_embeddings
+from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, parallelize
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.reference import (
     AdapterDisabled,
@@ -82,9 +80,13 @@ def load_reference(
     disable_dropout(model)
     model.requires_grad_(False)
     model.eval()
-    if collectives.cp_size() > 1:  # the reference scores the same parts of the rows as the policy
-        enable_context_parallel(model, collectives.cp_group(), collectives.cp_size(), collectives.tp_size())
-    model = fsdp2_prepare_model(session.accelerator, model)
+    # Sharded as the policy (the layers it wraps, context parallel: the same parts of the rows), never compiled or
+    # checkpointed (no backward).
+    cp = None
+    if collectives.cp_size() > 1:
+        cp = ContextParallel(collectives.cp_group(), collectives.cp_size(), f.cp_backend, collectives.tp_size())
+    layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
+    model = parallelize(model, session.accelerator, ParallelPlan(layer_cls, cp=cp, frozen=True))
     logger.info(
         "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",
         objective,
