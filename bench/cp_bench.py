@@ -40,7 +40,7 @@ def _rank(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_fsdp2.parallel.activations import activation_bytes
-    from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
+    from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss
 
     device = torch.device(args.device)

@@ -35,7 +35,7 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     torch._dynamo.reset()
     model = build(args, device)
     converted: list[str] = []
-    if fp8 is not None:  # before the optimizer and fully_shard, as the recipe does (trainer/model.py)
+    if fp8 is not None:  # before the optimizer and fully_shard, as the recipe does (run/build.py)
         converted = convert_float8(model, ("LlamaDecoderLayer",), fp8).converted
     flops = flops_model(model.config, non_embedding_params(model))
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))

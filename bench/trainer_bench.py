@@ -8,7 +8,7 @@ run), the same tokenized examples (the recipe's own pipeline: chat template, ass
 the same order, batches of the same examples, fp32, AdamW with the same settings, constant learning
 rate, gradient clipping at 1.0, one process (hf_fsdp2 runs FSDP2 at world size 1). Runners:
 
-* ``hf_fsdp2``           the SFT recipe's pieces and loop (``hf_fsdp2.trainer``, the library's ``train_step``) on
+* ``hf_fsdp2``           the SFT recipe's pieces and loop (``hf_fsdp2.run``, the library's ``train_step``) on
                          its DEFAULT settings: padding-free batches (the start-up probe finds they give this model
                          the padded logits), chunked cross entropy;
 * ``hf_fsdp2_padded``    the same with ``padding_free: false`` (padded batches, as the Trainer);
@@ -202,16 +202,16 @@ class RecipePieces:
 def recipe_pieces(
     settings: dict[str, Any], out_dir: Path, extra: dict[str, Any], config_path: Path
 ) -> Iterator[RecipePieces]:
-    """Build the SFT recipe's pieces (hf_fsdp2.trainer) from ``settings`` + ``extra`` (its config written to
+    """Build the SFT recipe's pieces (hf_fsdp2.run) from ``settings`` + ``extra`` (its config written to
     ``config_path``), the model in train mode; after the body, the observer is closed and training ended."""
     import yaml
 
     from hf_fsdp2.config import parse_config
     from hf_fsdp2.methods.sft.data import build_sft_data
+    from hf_fsdp2.run.build import build_model, build_schedule, load_run_tokenizer
+    from hf_fsdp2.run.observer import Observer
+    from hf_fsdp2.run.session import Session
     from hf_fsdp2.train.step import StepSettings
-    from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
-    from hf_fsdp2.trainer.observer import Observer
-    from hf_fsdp2.trainer.session import Session
 
     config = {
         **settings,
@@ -243,7 +243,7 @@ def recipe_pieces(
 
 
 def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
-    """The SFT recipe's own pieces and loop (hf_fsdp2.trainer, hf_fsdp2.train.step.train_step), timed at each
+    """The SFT recipe's own pieces and loop (hf_fsdp2.run, hf_fsdp2.train.step.train_step), timed at each
     step's end; the metrics file and log line are written as in a recipe run."""
     from hf_fsdp2.train.step import train_step
 

@@ -11,15 +11,15 @@ GPU node (8 GPUs):
 CPU machine (2 gloo processes):
     torchrun --nproc_per_node 2 recipes/cpt.py --config recipes/configs/cpt_cpu_demo.yaml
 
-The loop, the checkpoints and the export are every method's (hf_fsdp2/trainer/loop.py); only the data differs
+The loop, the checkpoints and the export are every method's (hf_fsdp2/run/loop.py); only the data differs
 (hf_fsdp2/methods/cpt/).
 """
 
 from __future__ import annotations
 
 from hf_fsdp2.methods import get_method, parse_method_config
-from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.loop import run
+from hf_fsdp2.run.finish import run_recipe
+from hf_fsdp2.run.loop import run
 
 METHOD = get_method("cpt")
 

@@ -15,15 +15,15 @@ GPU node (8 GPUs):
 CPU machine (2 gloo processes):
     torchrun --nproc_per_node 2 recipes/rm.py --config recipes/configs/rm_cpu_demo.yaml
 
-The loop, the checkpoints and the verified export are every method's (hf_fsdp2/trainer/loop.py); this
+The loop, the checkpoints and the verified export are every method's (hf_fsdp2/run/loop.py); this
 method's config, data and objective are hf_fsdp2/methods/rm/.
 """
 
 from __future__ import annotations
 
 from hf_fsdp2.methods import get_method, parse_method_config
-from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.loop import run
+from hf_fsdp2.run.finish import run_recipe
+from hf_fsdp2.run.loop import run
 
 METHOD = get_method("rm")
 

@@ -9,7 +9,7 @@ CPU machine (2 gloo processes; the same FSDP2 code path):
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/configs/demo_smollm2.yaml
 Any key of the YAML can be overridden on the command line: ``--learning_rate 1e-5``.
 
-The run reads top to bottom in hf_fsdp2/trainer/loop.py (one screen): config -> session (accelerator, run folder)
+The run reads top to bottom in hf_fsdp2/run/loop.py (one screen): config -> session (accelerator, run folder)
 -> memory plan -> tokenizer -> data -> model (sharded) + optimizer -> schedule -> the method's step -> checkpoints
 (resume) -> loop (forward, loss, backward, clip, step, log) -> export. SFT's data and objective are
 hf_fsdp2/methods/sft/.
@@ -18,8 +18,8 @@ hf_fsdp2/methods/sft/.
 from __future__ import annotations
 
 from hf_fsdp2.methods import get_method, parse_method_config
-from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.loop import run
+from hf_fsdp2.run.finish import run_recipe
+from hf_fsdp2.run.loop import run
 
 METHOD = get_method("sft")
 

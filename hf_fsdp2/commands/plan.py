@@ -27,7 +27,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         read_model_config,
         recommend,
     )
-    from hf_fsdp2.trainer.registry import check_capabilities
+    from hf_fsdp2.run.registry import check_capabilities
 
     argv = recipe_argv(args)
     budget = None

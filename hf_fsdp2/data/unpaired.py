@@ -146,7 +146,7 @@ def tokenize_unpaired(
 
 
 def kl_groups(n: int, *, world_size: int, batch_size: int) -> list[list[int]]:
-    """The positions ``0..n-1`` grouped as the sequential sampler (or :func:`~hf_fsdp2.train.reference.even_batches`) deals
+    """The positions ``0..n-1`` grouped as the sequential sampler (or :func:`~hf_fsdp2.train.logps.even_batches`) deals
     them: rank ``r``'s ``k``-th batch is ``r + world·(k·B + j)``; the positions past a multiple of ``world`` (which the
     sampler drops) form their own group."""
     cut = n - n % world_size

@@ -351,8 +351,8 @@ def preference_win_rate(
     import torch
 
     from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
+    from hf_fsdp2.train.logps import completion_logps
     from hf_fsdp2.train.loss import LossPlan
-    from hf_fsdp2.train.reference import completion_logps
 
     pairs, _ = tokenize_pairs(records, tokenizer, max_length=10**6)
     collate = PreferenceCollator(pad_token_id=int(tokenizer.pad_token_id or 0), max_length=10**6)

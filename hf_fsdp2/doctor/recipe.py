@@ -218,16 +218,16 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
 def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, world: int) -> list[Finding]:
     """The context-parallel layout (``cp_size > 1``) checked as the run checks it before any work: the mesh against
     the world size and the heads (:func:`~hf_fsdp2.config.plans.check_mesh`, :func:`~hf_fsdp2.config.plans.split_heads`),
-    the method (:func:`~hf_fsdp2.trainer.registry.check_capabilities`, as :func:`capability_findings` reports it), a MoE
+    the method (:func:`~hf_fsdp2.run.registry.check_capabilities`, as :func:`capability_findings` reports it), a MoE
     router loss (refused by the run's model build) and the attention kernel the all-to-all wraps. Nothing when the
     recipe asks for no context parallel.
     """
     from hf_fsdp2.config.plans import check_mesh, split_heads
     from hf_fsdp2.methods import method_names
     from hf_fsdp2.parallel.accelerator import launcher_mesh
-    from hf_fsdp2.parallel.context import INNER_KERNELS
+    from hf_fsdp2.parallel.all_to_all import INNER_KERNELS
+    from hf_fsdp2.run.registry import supporting
     from hf_fsdp2.train.loss import router_aux_coef
-    from hf_fsdp2.trainer.registry import supporting
 
     f, m = cfg.fsdp, cfg.model
     asked = f.cp_size if f.cp_size is not None else launcher_mesh().get("cp_size")
@@ -302,10 +302,10 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
 
 def capability_findings(cfg: Config, *, method: Any, world: int) -> list[Finding]:
     """The layouts the recipe asks for (context parallel, ring attention, tensor parallel, FP8) against what its
-    method supports: the run's own check (:func:`~hf_fsdp2.trainer.registry.check_capabilities`) and message. Nothing
+    method supports: the run's own check (:func:`~hf_fsdp2.run.registry.check_capabilities`) and message. Nothing
     when it asks for none; a mesh that does not fit the world is :func:`context_parallel_findings`'s to report."""
     from hf_fsdp2.parallel.accelerator import launcher_mesh
-    from hf_fsdp2.trainer.registry import asked_layouts, check_capabilities
+    from hf_fsdp2.run.registry import asked_layouts, check_capabilities
 
     try:
         mesh = cfg.fsdp.mesh_plan(world, launcher_mesh())

@@ -50,7 +50,7 @@ def render_model_card(
         metrics: the last metrics.jsonl record, or None.
         world_size: ranks the run used, when known.
         recipe: the training method's name (its script is ``recipes/<recipe>.py``; a tag of the card).
-        recipe_title: what the method is, in a few words (:attr:`hf_fsdp2.trainer.method.Method.title`); default
+        recipe_title: what the method is, in a few words (:attr:`hf_fsdp2.run.method.Method.title`); default
             the name.
         repo_id: hub repo the card is for; the load command uses it (else a local path).
         reward: a reward model (one-label sequence classification): its tags and how to score with it.

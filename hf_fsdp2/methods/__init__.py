@@ -2,11 +2,11 @@
 and the registry that recipes, ``hf-fsdp2 train``, doctor, the memory plan and the model card ask instead of comparing
 recipe names.
 
-Adding a method: a package whose ``__init__`` defines ``METHOD = Method(...)`` (:class:`~hf_fsdp2.trainer.method.Method`)
-and one line in :data:`~hf_fsdp2.trainer.registry.BUILTIN`; a method outside this package calls :func:`register` and
+Adding a method: a package whose ``__init__`` defines ``METHOD = Method(...)`` (:class:`~hf_fsdp2.run.method.Method`)
+and one line in :data:`~hf_fsdp2.run.registry.BUILTIN`; a method outside this package calls :func:`register` and
 then runs like any other (``run(parse_method_config(method, argv), method)``). ``python -m hf_fsdp2.methods NAME
 --config r.yaml`` runs one (what ``hf-fsdp2 train NAME`` launches on every rank). The registry itself lives in
-:mod:`hf_fsdp2.trainer.registry` (the loop's capability check reads it); its functions are imported here for recipes.
+:mod:`hf_fsdp2.run.registry` (the loop's capability check reads it); its functions are imported here for recipes.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from hf_fsdp2.trainer.registry import BUILTIN, get_method, method_names, register
+from hf_fsdp2.run.registry import BUILTIN, get_method, method_names, register
 
 __all__ = ["BUILTIN", "get_method", "method_names", "parse_method_config", "register"]
 
 if TYPE_CHECKING:
     from hf_fsdp2.config import Config
-    from hf_fsdp2.trainer.method import Method
+    from hf_fsdp2.run.method import Method
 
 
 def _keys_elsewhere(method: Method) -> dict[str, str]:

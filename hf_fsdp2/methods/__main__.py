@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 
 from hf_fsdp2.methods import get_method, method_names, parse_method_config
-from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.loop import run
+from hf_fsdp2.run.finish import run_recipe
+from hf_fsdp2.run.loop import run
 
 
 def main(argv: list[str] | None = None) -> None:

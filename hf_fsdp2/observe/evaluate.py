@@ -23,8 +23,8 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.collectives import all_reduce_sum
+from hf_fsdp2.parallel.all_to_all import shard_sequence, whole_sequences
 from hf_fsdp2.parallel.compiling import eager
-from hf_fsdp2.parallel.context import shard_sequence, whole_sequences
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import (
     IGNORE_INDEX,

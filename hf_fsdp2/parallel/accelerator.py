@@ -266,7 +266,11 @@ def context_parallel_group(mesh: MeshPlan, device: torch.device) -> Any:
 
 
 def shard_with_accelerate(
-    accelerator: Accelerator, model: torch.nn.Module, layer_cls_names: tuple[str, ...], *, frozen: bool = False
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    layer_cls_names: tuple[str, ...],
+    *,
+    frozen: bool = False,
 ) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root, through Accelerate (its plugin holds the mesh, the
     mixed-precision policy, resharding and offload); the step of :func:`hf_fsdp2.parallel.parallelize.parallelize`

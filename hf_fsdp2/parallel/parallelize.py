@@ -14,7 +14,7 @@
 7. whole-model compile, when asked instead of regional.
 
 Expert parallel joins this list as one step after context parallel. The optimizer is built afterwards on the
-sharded parameters (:func:`hf_fsdp2.trainer.model.build_model`), and FP8's post-optimizer hook after it
+sharded parameters (:func:`hf_fsdp2.run.build.build_model`), and FP8's post-optimizer hook after it
 (:func:`~hf_fsdp2.parallel.float8.finish_float8`). Parallelism never edits model code: every step wraps or swaps
 modules of the loaded model.
 """
@@ -33,8 +33,8 @@ from hf_fsdp2.config.float8 import Float8Plan
 from hf_fsdp2.config.plans import ACPlan, CompilePlan
 from hf_fsdp2.parallel.accelerator import shard_with_accelerate
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
+from hf_fsdp2.parallel.all_to_all import enable_context_parallel
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
-from hf_fsdp2.parallel.context import enable_context_parallel
 from hf_fsdp2.parallel.float8 import convert_float8
 from hf_fsdp2.parallel.ring import enable_ring_attention
 from hf_fsdp2.parallel.tensor import TensorParallelPlan, apply_tensor_parallel

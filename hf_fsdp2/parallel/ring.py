@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hf_fsdp2.config.plans import ConfigError
 from hf_fsdp2.labels import IGNORE_INDEX
-from hf_fsdp2.parallel.context import RING_ATTENTION_NAME, ContextParallelError, check_right_padded
+from hf_fsdp2.parallel.all_to_all import RING_ATTENTION_NAME, ContextParallelError, check_right_padded
 
 MARK = "_hf_fsdp2_ring"  # on each attention module: the cp device mesh (read by the step and the eval)
 RING_CPU_REFUSAL = (
@@ -106,7 +106,7 @@ def ring_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention interface the model runs under ring context parallel (registered as
-    :data:`~hf_fsdp2.parallel.context.RING_ATTENTION_NAME`): causal SDPA without a mask, which torch's
+    :data:`~hf_fsdp2.parallel.all_to_all.RING_ATTENTION_NAME`): causal SDPA without a mask, which torch's
     ``context_parallel`` (entered by :func:`ring_context`) turns into ring attention over the cp group.
 
     ``query``: ``[batch, heads, part, dim]`` (this rank's positions); returns ``[batch, part, heads, dim]``.
@@ -196,7 +196,7 @@ def check_ring_settings(
     model_config: Any = None,
 ) -> None:
     """Refuse, before any work, what ``cp_backend: ring`` cannot run (which methods run it is their capability:
-    :func:`hf_fsdp2.trainer.method.check_capabilities`).
+    :func:`hf_fsdp2.run.method.check_capabilities`).
 
     Args:
         on_gpu: whether the run has CUDA devices.

@@ -1,8 +1,8 @@
-"""Context parallel in the memory plan (``cp_size > 1``, the all-to-all backend of :mod:`hf_fsdp2.parallel.context`).
+"""Context parallel in the memory plan (``cp_size > 1``, the all-to-all backend of :mod:`hf_fsdp2.parallel.all_to_all`).
 
 Each rank of a context-parallel group holds ``ceil(S / cp)`` tokens of every sequence (``S`` padded to a multiple of
 ``cp``), so the meta forward of :mod:`hf_fsdp2.plan.compute` runs at that width: activations, norms, MLPs, the loss
-and logits cost ``1/cp``. Around each attention the run's own :func:`~hf_fsdp2.parallel.context.cp_attention` runs
+and logits cost ``1/cp``. Around each attention the run's own :func:`~hf_fsdp2.parallel.all_to_all.cp_attention` runs
 on the meta model too (:func:`meta_context_parallel`): q, k, v of ``[b, heads, S/cp, d]`` become ``[b, heads/cp, S,
 d]`` (KV heads repeated when they do not divide), the kernel runs on the whole sequence with ``heads/cp`` heads (its
 saved tensors and temporaries are those of ``S`` tokens), the ``[b, 1, S, S]`` mask is built per layer when the run
@@ -109,7 +109,7 @@ class ContextPlan:
 
 def rank_tokens(settings: PlanSettings, padding_free: bool) -> tuple[int, int]:
     """The micro-batch a rank runs: ``(rows, whole-sequence tokens S)``; each rank holds ``S / cp`` of them (the
-    width padded to a multiple of ``cp``, as :func:`~hf_fsdp2.parallel.context.shard_sequence` pads it)."""
+    width padded to a multiple of ``cp``, as :func:`~hf_fsdp2.parallel.all_to_all.shard_sequence` pads it)."""
     rows, width = (
         (1, settings.micro_batch * settings.seq_len)
         if padding_free
@@ -119,7 +119,7 @@ def rank_tokens(settings: PlanSettings, padding_free: bool) -> tuple[int, int]:
 
 
 def builds_mask(layout: AttentionLayout, model_config: Any) -> bool:
-    """Whether :func:`~hf_fsdp2.parallel.context.cp_attention` builds a ``[b, 1, S, S]`` mask: for eager always, for
+    """Whether :func:`~hf_fsdp2.parallel.all_to_all.cp_attention` builds a ``[b, 1, S, S]`` mask: for eager always, for
     sdpa when rows hold several documents or the model has a sliding window; flash kernels take position_ids."""
     if layout.kernel.startswith("flash"):
         return False
@@ -136,7 +136,7 @@ def context_plan(
         PlanError: heads that do not split over ``cp`` (the run's :func:`split_heads`), or a kernel the all-to-all
             cannot wrap.
     """
-    from hf_fsdp2.parallel.context import INNER_KERNELS
+    from hf_fsdp2.parallel.all_to_all import INNER_KERNELS
 
     if layout.kernel not in INNER_KERNELS:
         raise PlanError(
@@ -168,15 +168,15 @@ def _received(chunks: torch.Tensor, group: Any) -> torch.Tensor:
 
 @contextlib.contextmanager
 def meta_context_parallel(model: torch.nn.Module, cp: int) -> Iterator[None]:
-    """Run ``model``'s attention through the run's :func:`~hf_fsdp2.parallel.context.cp_attention` over ``cp``
+    """Run ``model``'s attention through the run's :func:`~hf_fsdp2.parallel.all_to_all.cp_attention` over ``cp``
     emulated ranks inside the block (the meta model: no process group; each all-to-all a local copy of its shape)."""
-    from hf_fsdp2.parallel import context
+    from hf_fsdp2.parallel import all_to_all
 
     try:
-        context.enable_context_parallel(model, None, cp)
-    except (ConfigError, context.ContextParallelError) as err:
+        all_to_all.enable_context_parallel(model, None, cp)
+    except (ConfigError, all_to_all.ContextParallelError) as err:
         raise PlanError(str(err)) from err
-    with mock.patch.object(context, "_all_to_all", _received):
+    with mock.patch.object(all_to_all, "_all_to_all", _received):
         yield
 
 
@@ -184,9 +184,9 @@ def rank_inputs(
     ids: torch.Tensor, layout: AttentionLayout, cp: int
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Rank 0's part of the planned micro-batch ``ids`` (``[rows, S]``) as the run's step hands it to the model
-    (:func:`~hf_fsdp2.parallel.context.shard_sequence`: no attention mask, the part's position_ids, the whole row's
+    (:func:`~hf_fsdp2.parallel.all_to_all.shard_sequence`: no attention mask, the part's position_ids, the whole row's
     positions for a mask over documents) and its labels (one column wider)."""
-    from hf_fsdp2.parallel.context import POSITIONS_KEY, shard_sequence
+    from hf_fsdp2.parallel.all_to_all import POSITIONS_KEY, shard_sequence
 
     batch = {"input_ids": ids, "labels": ids}
     documents = (layout.padding_free or layout.packing) and not layout.kernel.startswith("flash")

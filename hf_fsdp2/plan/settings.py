@@ -26,7 +26,7 @@ DEFAULT_HEADROOM = 0.1
 
 
 class PlannedMethod(Protocol):
-    """What the plan reads of a training method (:class:`hf_fsdp2.trainer.method.Method` is one)."""
+    """What the plan reads of a training method (:class:`hf_fsdp2.run.method.Method` is one)."""
 
     @property
     def batch_rows(self) -> str:

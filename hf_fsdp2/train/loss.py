@@ -49,7 +49,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """
     # Shift the labels (pad ignored positions at the end), not the logits: slicing the logits would copy the whole
     # [tokens x vocab] tensor, and its gradient again in backward. Labels one column wider than the logits (a
-    # context-parallel part: hf_fsdp2.parallel.context) carry the last position's target: nothing is padded.
+    # context-parallel part: hf_fsdp2.parallel.all_to_all) carry the last position's target: nothing is padded.
     shift_labels = F.pad(labels[:, 1:], (0, logits.size(1) - labels.size(1) + 1), value=IGNORE_INDEX)
     shift_labels = shift_labels.to(logits.device)
     return F.cross_entropy(
@@ -252,7 +252,7 @@ def causal_lm_loss(
         model: the causal LM (``plan_loss`` checked its head).
         inputs: forward keyword arguments (input_ids and attention_mask or position_ids).
         labels: ``[batch, seq]`` labels aligned with input_ids, ``-100`` where no loss; ``[batch, seq + 1]``: the last
-            column is the last position's target (a context-parallel part, :func:`~hf_fsdp2.parallel.context.shard_sequence`).
+            column is the last position's target (a context-parallel part, :func:`~hf_fsdp2.parallel.all_to_all.shard_sequence`).
         plan: from :func:`plan_loss`.
         rows: the chunked loss's target positions (:func:`shifted_target_rows` of the labels), computed from
             host labels so that no device read is needed; None = found here from ``labels``.

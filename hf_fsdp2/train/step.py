@@ -30,7 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.parallel.context import shard_sequence
+from hf_fsdp2.parallel.all_to_all import shard_sequence
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens, shifted_target_rows
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of

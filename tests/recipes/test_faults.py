@@ -274,9 +274,9 @@ def test_a_dpo_step_is_watched_as_the_sft_step(tmp_path: Path, mode: str) -> Non
     (stop), or its update is skipped on the device, weights unchanged (skip_step, fused AdamW)."""
     from hf_fsdp2.data.pairs import PreferenceCollator
     from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings
+    from hf_fsdp2.train.logps import FrozenModel
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.nonfinite import NonFiniteError, NonFiniteGuard, attach
-    from hf_fsdp2.train.reference import FrozenModel
     from hf_fsdp2.train.step import StepSettings, train_step
 
     model, _ = _tiny_model(tmp_path)
@@ -337,7 +337,7 @@ def test_the_watch_adds_no_host_read_to_a_step(tmp_path: Path) -> None:
                 before = len(mode.host_reads)
                 train_step(model, optimizer, None, [batch], StepSettings(LossPlan()), DEVICE)
                 reads[watched].append(
-                    [w for w in mode.host_reads[before:] if w[1].split("/")[0] in ("train", "trainer")]
+                    [w for w in mode.host_reads[before:] if w[1].split("/")[0] in ("train", "run")]
                 )
     assert reads[True] == reads[False], reads
     assert [what for what, where in reads[True][1] if "read_step_counts" in where] == ["tolist()"], reads

@@ -213,7 +213,7 @@ def _node_with_only_torch(root: Path) -> Path:
 # Everything the recipes import (datasets with its dill/multiprocess/fsspec/pyarrow stack, peft, accelerate),
 # a JSON dataset loaded through datasets, and where hf_fsdp2 comes from.
 IMPORTS = """
-import sys, datasets, dill, multiprocess, peft, accelerate, transformers, hf_fsdp2, hf_fsdp2.trainer.loop
+import sys, datasets, dill, multiprocess, peft, accelerate, transformers, hf_fsdp2, hf_fsdp2.run.loop
 import hf_fsdp2.methods.sft, hf_fsdp2.methods.dpo, hf_fsdp2.methods.cpt
 print(datasets.load_dataset("json", data_files=sys.argv[1])["train"].num_rows, hf_fsdp2.__file__)
 """

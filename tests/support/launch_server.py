@@ -51,7 +51,7 @@ PRELOAD = (
     "peft",
     "safetensors.torch",
     "torchao",  # QLoRA's; transformers imports it in every from_pretrained when installed (~3 s)
-    "hf_fsdp2.trainer.loop",
+    "hf_fsdp2.run.loop",
     "hf_fsdp2.methods.sft",
     "hf_fsdp2.methods.dpo",
     "hf_fsdp2.methods.cpt",

@@ -69,9 +69,9 @@ def test_the_layer_line_is_the_import_checkers() -> None:
 def test_the_loop_shown_is_the_librarys() -> None:
     """The snippet's lines are the loop's own (compared line by line, the elisions aside)."""
     snippet = DOC.read_text().split("```python", 1)[1].split("```", 1)[0]
-    loop = (PACKAGE / "trainer" / "loop.py").read_text()
+    loop = (PACKAGE / "run" / "loop.py").read_text()
     for line in snippet.splitlines():
         code = line.split("#", 1)[0].strip()
         if code and "..." not in code:
-            assert code in loop, f"not in hf_fsdp2/trainer/loop.py: {code!r}"
+            assert code in loop, f"not in hf_fsdp2/run/loop.py: {code!r}"
     assert Path(REPO / "recipes" / "sft.py").read_text().count("\n") < 40  # a short script over the library

@@ -21,7 +21,7 @@ from transformers import (
 
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.plans import MeshPlan, check_mesh, resolve_mesh
-from hf_fsdp2.parallel.context import RING_ATTENTION_NAME, ContextParallelError, whole_sequences
+from hf_fsdp2.parallel.all_to_all import RING_ATTENTION_NAME, ContextParallelError, whole_sequences
 from hf_fsdp2.parallel.ring import (
     RING_CPU_REFUSAL,
     check_ring_settings,

@@ -9,14 +9,14 @@ import torch
 from hf_fsdp2.config import ConfigError, parse_config
 from hf_fsdp2.config.plans import MeshPlan
 from hf_fsdp2.methods import get_method
-from hf_fsdp2.parallel.context import (
+from hf_fsdp2.parallel.all_to_all import (
     POSITIONS_KEY,
     ContextParallelError,
     allowed_pairs,
     shard_sequence,
 )
+from hf_fsdp2.run.registry import check_capabilities
 from hf_fsdp2.train.loss import count_target_tokens, cross_entropy_sum, shifted_target_rows
-from hf_fsdp2.trainer.registry import check_capabilities
 
 
 def _batch(width: int = 7) -> dict[str, torch.Tensor]:

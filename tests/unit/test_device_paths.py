@@ -182,7 +182,7 @@ def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
     return [
         (what, where)
         for what, where in mode.host_reads
-        if where.split("/")[0] in ("train", "trainer", "observe")
+        if where.split("/")[0] in ("train", "run", "observe")
     ]
 
 
@@ -190,8 +190,8 @@ def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
 def test_a_dpo_step_reads_the_device_once(model_dir: Path, chunked: bool) -> None:
     from hf_fsdp2.data.pairs import PreferenceCollator
     from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings
+    from hf_fsdp2.train.logps import FrozenModel
     from hf_fsdp2.train.loss import LossPlan, plan_loss
-    from hf_fsdp2.train.reference import FrozenModel
     from hf_fsdp2.train.step import StepSettings, forward_backward
 
     model = load_model(str(model_dir))
@@ -251,9 +251,9 @@ def test_a_training_step_with_its_stop_check_reads_the_device_once(
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.config import parse_config
+    from hf_fsdp2.run.state import RunState
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.step import StepSettings, forward_backward
-    from hf_fsdp2.trainer.state import RunState
 
     monkeypatch.setattr(collectives, "_device", lambda: DEVICE)  # what NCCL's default group takes
     cfg = parse_config(
@@ -279,7 +279,7 @@ def test_a_training_step_with_its_stop_check_reads_the_device_once(
                     [
                         w
                         for w in mode.host_reads[before:]
-                        if w[1].split("/")[0] in ("hf_fsdp2", "train", "trainer")
+                        if w[1].split("/")[0] in ("hf_fsdp2", "train", "run")
                     ]
                 )
         assert [[what for what, _ in reads] for reads in reads_per_step] == [["tolist()"]] * 3, reads_per_step
@@ -336,8 +336,8 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) -> None:
     from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
     from hf_fsdp2.methods.kto.step import KTOLoss, KTOSettings
+    from hf_fsdp2.train.logps import FrozenModel
     from hf_fsdp2.train.loss import LossPlan
-    from hf_fsdp2.train.reference import FrozenModel
     from hf_fsdp2.train.step import StepSettings, train_step
 
     model = load_model(str(model_dir))

@@ -251,7 +251,7 @@ def test_only_the_verified_recipes_take_fp8_and_the_doctor_says_so() -> None:
     from hf_fsdp2.config.plans import MeshPlan
     from hf_fsdp2.doctor.recipe import capability_findings, float8_findings
     from hf_fsdp2.methods import get_method
-    from hf_fsdp2.trainer.registry import check_capabilities
+    from hf_fsdp2.run.registry import check_capabilities
 
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--mixed_precision", "fp8",
             "--fp8_emulate", "true"]  # fmt: skip

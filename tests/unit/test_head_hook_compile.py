@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_fsdp2.config.plans import CompilePlan
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.parallel.compiling import CompileWatch, compile_model
+from hf_fsdp2.train.logps import completion_logps
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, shifted_target_rows
-from hf_fsdp2.train.reference import completion_logps
 
 CALLS, WARMUP = 6, 2
 

@@ -16,7 +16,7 @@ from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.methods import BUILTIN, get_method, method_names, parse_method_config, register
 from hf_fsdp2.observe.logs import read_metrics
-from hf_fsdp2.trainer.method import Method, Objective
+from hf_fsdp2.run.method import Method, Objective
 
 TOY = REPO / "tests" / "data" / "toy_method" / "toy_recipe.py"
 
@@ -70,10 +70,10 @@ def test_the_toy_methods_key_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
     import importlib.util
     import sys
 
-    import hf_fsdp2.trainer.registry
+    import hf_fsdp2.run.registry
 
     # Registered into this test's own registry and module table: the other tests of this process see the built-ins.
-    monkeypatch.setattr(hf_fsdp2.trainer.registry, "_REGISTERED", {})
+    monkeypatch.setattr(hf_fsdp2.run.registry, "_REGISTERED", {})
     spec = importlib.util.spec_from_file_location("toy_recipe", TOY)
     assert spec is not None and spec.loader is not None
     toy = importlib.util.module_from_spec(spec)

@@ -204,7 +204,7 @@ def test_resumed_schedule_keeps_each_groups_peak() -> None:
 
 @pytest.mark.parametrize("name", ["sft", "cpt", "dpo", "kto", "rm", "grpo"])
 def test_every_method_reads_optim_muon_and_its_keys(name: str) -> None:
-    """Every method builds its optimizer in trainer/model.py::build_model from these keys: none refuses them."""
+    """Every method builds its optimizer in run/build.py::build_model from these keys: none refuses them."""
     from hf_fsdp2.methods import method_names, parse_method_config
 
     assert name in method_names()

@@ -16,8 +16,8 @@ from hf_fsdp2.data.records import RecordError
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.dpo.loss import DPOSettings, pair_losses
 from hf_fsdp2.model import disable_dropout, load_model
+from hf_fsdp2.train.logps import FrozenModel, completion_logps, even_batches, precompute_reference
 from hf_fsdp2.train.loss import LossPlan, plan_loss
-from hf_fsdp2.train.reference import FrozenModel, completion_logps, even_batches, precompute_reference
 
 # --- records -------------------------------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
 ) -> None:
     """Issue 40 item 5: a new run that fails before it saves anything never leaves the previous run's summary, card
     and weights beside its own config (a folder describing two runs); files no run writes are kept."""
-    from hf_fsdp2.trainer.session import claim_output_dir
+    from hf_fsdp2.run.session import claim_output_dir
 
     run = tmp_path / "run"
     (run / "checkpoint-4").mkdir(parents=True)

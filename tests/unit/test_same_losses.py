@@ -163,7 +163,7 @@ def test_a_tree_without_the_alias_gets_none_but_hf_fsdp2_is_still_checked(
     tool: ModuleType, tmp_path: Path
 ) -> None:
     """After the restructure the recipes import the library; only hf_fsdp2 must come from the tree."""
-    tree = _tree(tmp_path / "tree", "from hf_fsdp2.trainer.loop import run  # not hf_fsdp2.recipes")
+    tree = _tree(tmp_path / "tree", "from hf_fsdp2.run.loop import run  # not hf_fsdp2.recipes")
     assert not tool.recipes_alias(tree)
     assert tool.probed_modules(tree) == ["hf_fsdp2"]
     tool.link_package_dirs(tree)

@@ -116,7 +116,7 @@ def test_only_methods_whose_step_counts_a_tp_groups_batch_once_accept_tp() -> No
     from hf_fsdp2.config import parse_config
     from hf_fsdp2.config.plans import MeshPlan
     from hf_fsdp2.methods import get_method
-    from hf_fsdp2.trainer.registry import check_capabilities
+    from hf_fsdp2.run.registry import check_capabilities
 
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"])
     for name in ("sft", "cpt"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hf_fsdp2.data.mixture import preview_sft
 from hf_fsdp2.methods.cpt.data import build_cpt_data
-from hf_fsdp2.trainer.method import Capabilities, Method, token_objective
+from hf_fsdp2.run.method import Capabilities, Method, token_objective
 
 METHOD = Method(
     name="cpt",

@@ -23,8 +23,8 @@ from hf_fsdp2.data.corpus import RowsDataset, StreamingRows, best_fit_rows, conc
 from hf_fsdp2.data.loading import load_source, stream_source
 from hf_fsdp2.data.mixture import _weighted_indices
 from hf_fsdp2.data.packing import PackedCollator
-from hf_fsdp2.trainer.data import TrainData, examples_per_step, logged_layout, sampled_stream
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.data import TrainData, examples_per_step, logged_layout, sampled_stream
+from hf_fsdp2.run.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

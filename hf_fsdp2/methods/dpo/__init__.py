@@ -1,5 +1,5 @@
 """DPO and its variants (IPO, robust, hinge, cDPO), SimPO and ORPO: ``config`` (its keys), the preference pairs and
-their micro-batches (:func:`~hf_fsdp2.trainer.data.build_pair_data`, shared with reward models), ``loss`` (the objectives' formulas), ``step`` (the preference step and its evaluation),
+their micro-batches (:func:`~hf_fsdp2.run.data.build_pair_data`, shared with reward models), ``loss`` (the objectives' formulas), ``step`` (the preference step and its evaluation),
 ``objective`` (the reference, the step and the evaluator of a run)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.data.preference_sets import preview_pairs
 from hf_fsdp2.methods.dpo.config import DpoArgs
 from hf_fsdp2.methods.dpo.objective import dpo_objective
-from hf_fsdp2.trainer.data import TrainData, build_pair_data
-from hf_fsdp2.trainer.method import Capabilities, Method
-from hf_fsdp2.trainer.reference import reference_note
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.data import TrainData, build_pair_data
+from hf_fsdp2.run.method import Capabilities, Method
+from hf_fsdp2.run.reference import reference_note
+from hf_fsdp2.run.session import Session
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
@@ -21,7 +21,7 @@ def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
 
 
 def build_dpo_data(session: Session, tokenizer: Any) -> TrainData:
-    """The run's preference pairs and their micro-batches (:func:`~hf_fsdp2.trainer.data.build_pair_data`)."""
+    """The run's preference pairs and their micro-batches (:func:`~hf_fsdp2.run.data.build_pair_data`)."""
     return build_pair_data(session, tokenizer, "DPO")
 
 

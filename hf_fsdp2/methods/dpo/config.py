@@ -1,12 +1,12 @@
 """The DPO recipe's keys (TRL's names): DPO and its variants, SimPO and ORPO (``loss_type``), and the reference keys
-it shares with KTO (:class:`~hf_fsdp2.config.reference.ReferenceArgs`)."""
+it shares with KTO (:class:`~hf_fsdp2.config.preference.ReferenceArgs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.config.reference import ReferenceArgs
+from hf_fsdp2.config.preference import ReferenceArgs
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")  # no reference model, no reference pass

@@ -1,4 +1,4 @@
-"""The DPO recipe's objective: the reference (:mod:`hf_fsdp2.trainer.reference`, built before any step or resume),
+"""The DPO recipe's objective: the reference (:mod:`hf_fsdp2.run.reference`, built before any step or resume),
 the step, its evaluator. SimPO and ORPO (``loss_type``) are reference-free: no reference is built for them."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 from hf_fsdp2.config import Config
 from hf_fsdp2.methods.dpo.config import DpoArgs
 from hf_fsdp2.methods.dpo.step import DPOLoss, DPOSettings, evaluate_preferences
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.method import Objective, loss_step
+from hf_fsdp2.run.reference import build_reference
+from hf_fsdp2.run.session import Session
+from hf_fsdp2.train.logps import Reference
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.reference import Reference
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, loss_step
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.reference import build_reference
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

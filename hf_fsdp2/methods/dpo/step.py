@@ -1,5 +1,5 @@
 """The preference step (DPO and its variants, SimPO, ORPO) and its evaluation. The log-probs and references are
-:mod:`hf_fsdp2.train.reference` (none for the reference-free objectives); the formulas :mod:`hf_fsdp2.methods.dpo.loss`.
+:mod:`hf_fsdp2.train.logps` (none for the reference-free objectives); the formulas :mod:`hf_fsdp2.methods.dpo.loss`.
 
 A micro-batch holds B pairs as 2B rows, chosen rows then rejected rows (:class:`~hf_fsdp2.data.pairs.
 PreferenceCollator`), and goes through the policy in one forward. A row's log-prob is the SUM of the log-probs of
@@ -23,9 +23,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.dpo.loss import METRICS, DPOSettings, metric_sums, pair_losses
-from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.nonfinite import NonFiniteGuard
-from hf_fsdp2.train.reference import (
+from hf_fsdp2.train.logps import (
     Reference,
     completion_logps,
     counts_here,
@@ -34,6 +32,8 @@ from hf_fsdp2.train.reference import (
     row_inputs,
     to_device,
 )
+from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.train.nonfinite import NonFiniteGuard
 from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 

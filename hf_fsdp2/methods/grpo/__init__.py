@@ -13,7 +13,7 @@ from hf_fsdp2.methods.grpo.config import GrpoArgs
 from hf_fsdp2.methods.grpo.data import build_grpo_data, preview_prompts
 from hf_fsdp2.methods.grpo.objective import grpo_objective
 from hf_fsdp2.methods.grpo.plan import rollout_note
-from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.run.method import Method
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:

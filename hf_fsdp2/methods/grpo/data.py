@@ -15,8 +15,8 @@ from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools, template_message
 from hf_fsdp2.methods.grpo.batching import generation_stream
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -31,12 +31,12 @@ from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerato
 from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
 from hf_fsdp2.methods.grpo.timing import TimedGenerator
 from hf_fsdp2.methods.grpo.vllm_client import build_vllm_generator
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.method import Objective, step_settings
+from hf_fsdp2.run.reference import load_reference
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, step_settings
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.reference import load_reference
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

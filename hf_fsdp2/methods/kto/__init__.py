@@ -10,8 +10,8 @@ from hf_fsdp2.data.preference_sets import preview_unpaired
 from hf_fsdp2.methods.kto.config import KtoArgs
 from hf_fsdp2.methods.kto.data import build_kto_data
 from hf_fsdp2.methods.kto.objective import kto_objective
-from hf_fsdp2.trainer.method import Method
-from hf_fsdp2.trainer.reference import reference_note
+from hf_fsdp2.run.method import Method
+from hf_fsdp2.run.reference import reference_note
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:

@@ -1,12 +1,12 @@
 """The KTO recipe's keys (TRL's KTOConfig names) and the reference keys it shares with DPO
-(:class:`~hf_fsdp2.config.reference.ReferenceArgs`)."""
+(:class:`~hf_fsdp2.config.preference.ReferenceArgs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from hf_fsdp2.config.plans import check
-from hf_fsdp2.config.reference import ReferenceArgs
+from hf_fsdp2.config.preference import ReferenceArgs
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 

@@ -11,8 +11,8 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.preference_sets import PairList, load_pairs
 from hf_fsdp2.data.unpaired import UnpairedCollator, with_kl_completions
 from hf_fsdp2.methods.kto.config import KtoArgs
-from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, sampled_stream
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.data import TrainData, check_one_step, examples_per_step, sampled_stream
+from hf_fsdp2.run.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -1,5 +1,5 @@
 """The KTO recipe's objective: the reference (as DPO builds it: the LoRA base, a precomputed table, or a frozen sharded
-copy; :mod:`hf_fsdp2.trainer.reference`), the step and the evaluator (:mod:`hf_fsdp2.methods.kto.step`)."""
+copy; :mod:`hf_fsdp2.run.reference`), the step and the evaluator (:mod:`hf_fsdp2.methods.kto.step`)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.kto.config import KtoArgs
 from hf_fsdp2.methods.kto.step import KTOLoss, KTOSettings, evaluate_kto
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.method import Objective, loss_step
+from hf_fsdp2.run.reference import build_reference
+from hf_fsdp2.run.session import Session
+from hf_fsdp2.train.logps import Reference
 from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.reference import Reference
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.method import Objective, loss_step
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.reference import build_reference
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

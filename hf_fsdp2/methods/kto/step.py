@@ -26,9 +26,9 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods.kto.config import KTO_LOSS_TYPES
+from hf_fsdp2.train.logps import Reference, completion_logps, evaluating, rank_batches, to_device
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard
-from hf_fsdp2.train.reference import Reference, completion_logps, evaluating, rank_batches, to_device
 from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 # Summed over the examples of each kind, divided by that kind's count when logged (TRL's names).

@@ -10,7 +10,7 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.data.preference_sets import preview_pairs
 from hf_fsdp2.methods.rm.config import RmArgs
 from hf_fsdp2.methods.rm.objective import build_rm_data, rm_objective
-from hf_fsdp2.trainer.method import Method
+from hf_fsdp2.run.method import Method
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:

@@ -13,11 +13,11 @@ import torch
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.rm.step import RewardLoss, RewardSettings, evaluate_rewards
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData, build_pair_data
+from hf_fsdp2.run.method import Objective, loss_step
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.data import TrainData, build_pair_data
-from hf_fsdp2.trainer.method import Objective, loss_step
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

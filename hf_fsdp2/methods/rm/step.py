@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.train.logps import evaluating, rank_batches, row_inputs, to_device
 from hf_fsdp2.train.nonfinite import NonFiniteGuard
-from hf_fsdp2.train.reference import evaluating, rank_batches, row_inputs, to_device
 from hf_fsdp2.train.step import Batch, LossTerm, MicroLoss, StepCounts, StepLoss
 
 # Summed per pair (accuracy, margin) or per row (the reward's first two moments).

@@ -1,12 +1,12 @@
 """Supervised fine-tuning: ``data`` (chat / prompt-completion / text examples with loss masks, packed or padding-free
 when asked) and the objective, token-level cross entropy over the step's target tokens
-(:func:`~hf_fsdp2.trainer.method.token_objective`, shared with continued pre-training)."""
+(:func:`~hf_fsdp2.run.method.token_objective`, shared with continued pre-training)."""
 
 from __future__ import annotations
 
 from hf_fsdp2.data.mixture import preview_sft
 from hf_fsdp2.methods.sft.data import build_sft_data
-from hf_fsdp2.trainer.method import Capabilities, Method, token_objective
+from hf_fsdp2.run.method import Capabilities, Method, token_objective
 
 METHOD = Method(
     name="sft",

@@ -12,8 +12,8 @@ from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.data.mixture import build_sft_datasets_from_config
 from hf_fsdp2.data.packing import PackedCollator, layout_summary, pack_examples
 from hf_fsdp2.data.tokenize import TokenizeStats
-from hf_fsdp2.trainer.data import TrainData, check_one_step, examples_per_step, logged_layout, sampled_stream
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.data import TrainData, check_one_step, examples_per_step, logged_layout, sampled_stream
+from hf_fsdp2.run.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods import get_method, parse_method_config, register
+from hf_fsdp2.run.finish import run_recipe
+from hf_fsdp2.run.loop import run
+from hf_fsdp2.run.method import Method, Objective, loss_step
 from hf_fsdp2.train.step import TokenLoss
-from hf_fsdp2.trainer.finish import run_recipe
-from hf_fsdp2.trainer.loop import run
-from hf_fsdp2.trainer.method import Method, Objective, loss_step
 
 
 @dataclass

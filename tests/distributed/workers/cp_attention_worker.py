@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence, whole_sequences
+from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence, whole_sequences
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
 
 SMALL = dict(

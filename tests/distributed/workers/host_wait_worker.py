@@ -29,7 +29,7 @@ from hf_fsdp2.parallel.accelerator import build_accelerator
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.step import StepSettings, forward_backward
 
-LIBRARY = ("hf_fsdp2", "train", "trainer", "observe")  # the folders of hf_fsdp2's files in a read's place
+LIBRARY = ("hf_fsdp2", "train", "run", "observe")  # the folders of hf_fsdp2's files in a read's place
 
 
 def _sleep_then(seconds: float, value: str) -> str:

@@ -6,7 +6,7 @@ micro-batch through the run's loss with ``SavedTensorMeter`` around the forward 
 backward, an AdamW step; then sum the unique storages of the local parameter shards, gradient shards and
 optimizer state. A 3-row linear layer sharded alone shows the padded storage of ranks whose chunk is empty.
 With --cp N the mesh is context parallel over every rank and each model runs as the run applies it (the all-to-all
-attention, each rank its part of the sequences: hf_fsdp2.parallel.context).
+attention, each rank its part of the sequences: hf_fsdp2.parallel.all_to_all).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hf_fsdp2.lora.adapter import apply_lora
 from hf_fsdp2.lora.quantize import quantize_base
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.parallel.accelerator import build_accelerator
-from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
+from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
 from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.plan import SavedTensorMeter
 from hf_fsdp2.train.loss import backward_scale, causal_lm_loss, count_target_tokens, plan_loss

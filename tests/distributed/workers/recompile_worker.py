@@ -23,8 +23,8 @@ from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
 from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
 from hf_fsdp2.parallel.compiling import CompileWatch
-from hf_fsdp2.parallel.context import enable_context_parallel, shard_sequence
 from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, shifted_target_rows
 

@@ -32,15 +32,15 @@ from hf_fsdp2.model import (
 )
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
 from hf_fsdp2.parallel.accelerator import describe_layout, sharded_units
-from hf_fsdp2.parallel.context import ContextParallelError
+from hf_fsdp2.parallel.all_to_all import ContextParallelError
 from hf_fsdp2.parallel.float8 import check_float8_hardware, finish_float8, warn_without_compile
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
 from hf_fsdp2.parallel.tensor import TensorParallelError, tp_plan_for
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
 from hf_fsdp2.train.muon import MuonSettings, build_muon_adamw
 from hf_fsdp2.train.optim import build_adamw, build_scheduler, param_groups, warmup_steps_for
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

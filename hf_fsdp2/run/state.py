@@ -22,10 +22,10 @@ from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
 from hf_fsdp2.export.hub import CheckpointPusher
 from hf_fsdp2.observe.logs import append_metrics_event
 from hf_fsdp2.observe.summary import write_summary
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.nonfinite import Finding, NonFiniteGuard, attach
 from hf_fsdp2.train.optim import restore_scheduler
 from hf_fsdp2.train.step import Step
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -1,7 +1,7 @@
 """What the loop runs: a training method (its config section, data, objective and what the memory plan, doctor and
 model card need to know of it) and the objective it builds once the model is sharded.
 
-The loop (:func:`hf_fsdp2.trainer.loop.run`), checkpoints, metrics and the export are shared; a method differs by its
+The loop (:func:`hf_fsdp2.run.loop.run`), checkpoints, metrics and the export are shared; a method differs by its
 data and its objective. Its objective builds a :class:`~hf_fsdp2.train.step.Step`: the shared skeleton
 (:func:`~hf_fsdp2.train.step.train_step`) with the method's loss of a micro-batch
 (:class:`~hf_fsdp2.train.step.StepLoss`); every step returns a :class:`~hf_fsdp2.train.step.StepOutput`.
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from hf_fsdp2.config import Config
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import LossStep, Step, StepLoss, StepSettings, TokenLoss
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.session import Session
 
 BATCH_ROWS = ("as_configured", "corpus", "padded")
 """How a method lays out its rows: ``as_configured`` (the data keys packing / padding_free decide), ``corpus``
@@ -98,7 +98,7 @@ def _no_notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
 @dataclass(frozen=True)
 class Capabilities:
     """The layouts a method's step supports beyond FSDP2 and HSDP (which every method runs); each is verified by the
-    tests named at the method's ``METHOD``. :func:`~hf_fsdp2.trainer.registry.check_capabilities` refuses the others before any work.
+    tests named at the method's ``METHOD``. :func:`~hf_fsdp2.run.registry.check_capabilities` refuses the others before any work.
 
     Attributes:
         context_parallel: ``cp_size > 1`` with the all-to-all exchange: the step splits each sequence over the cp
@@ -136,7 +136,7 @@ class Method:
             error. None: the SFT data builder's reading (:func:`hf_fsdp2.data.mixture.preview_sft`).
         tags: model-card tags beyond the name.
         capabilities: the layouts beyond FSDP2/HSDP its step supports (:class:`Capabilities`), checked by
-            :func:`~hf_fsdp2.trainer.registry.check_capabilities` before any work.
+            :func:`~hf_fsdp2.run.registry.check_capabilities` before any work.
     """
 
     name: str

@@ -31,13 +31,13 @@ from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.observe.logs import last_metrics
 from hf_fsdp2.observe.summary import format_summary, run_summary, write_summary
 from hf_fsdp2.parallel.kernels import KernelError
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.method import Method
+from hf_fsdp2.run.observer import Observer
+from hf_fsdp2.run.session import Session
+from hf_fsdp2.run.state import RunState
 from hf_fsdp2.score_head import carries_score_head
 from hf_fsdp2.train.nonfinite import CollapseError, NonFiniteError
-from hf_fsdp2.trainer.method import Method
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.observer import Observer
-from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.state import RunState
 
 logger = logging.getLogger("hf_fsdp2")
 

@@ -15,7 +15,7 @@ from hf_fsdp2.config import ConfigError
 if TYPE_CHECKING:
     from hf_fsdp2.config import Config
     from hf_fsdp2.config.plans import MeshPlan
-    from hf_fsdp2.trainer.method import Method
+    from hf_fsdp2.run.method import Method
 
 BUILTIN: dict[str, str] = {
     "sft": "hf_fsdp2.methods.sft",

@@ -30,7 +30,7 @@ def completion_logps(
     sequence_labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`row_logps` of the whole rows, under context parallel too: there each rank scores its part of every row
-    (:func:`~hf_fsdp2.parallel.context.shard_sequence`) and the per-row sums are added over the cp group by an
+    (:func:`~hf_fsdp2.parallel.all_to_all.shard_sequence`) and the per-row sums are added over the cp group by an
     autograd all-reduce, so every rank of the group holds the whole rows' sums (and backward sends each part's
     gradient back). The counts and the loss over them are then the same on every rank of the group: the callers
     count pairs once per group (:func:`counts_here`)."""
@@ -39,7 +39,7 @@ def completion_logps(
         return row_logps(model, inputs, labels, plan, sequence_labels=sequence_labels)
     from torch.distributed.nn.functional import all_reduce
 
-    from hf_fsdp2.parallel.context import shard_sequence
+    from hf_fsdp2.parallel.all_to_all import shard_sequence
 
     index = collectives.cp_rank()
     # The preference collators pad on the right: no read of the device mask to check it.

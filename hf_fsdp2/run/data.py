@@ -15,7 +15,7 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 from hf_fsdp2.data.pairs import PreferenceCollator
 from hf_fsdp2.data.preference_sets import load_pairs
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.run.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -39,7 +39,7 @@ def logged_layout(session: Session, batch_rows: str) -> AttentionLayout:
 
     Args:
         session: the run (config, model config, device).
-        batch_rows: the method's :attr:`~hf_fsdp2.trainer.method.Method.batch_rows` (which settings decide packing
+        batch_rows: the method's :attr:`~hf_fsdp2.run.method.Method.batch_rows` (which settings decide packing
             and padding-free rows).
 
     Returns:

@@ -17,9 +17,9 @@ from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.profiling import StepProfiler
 from hf_fsdp2.observe.trackers import tracker_config, tracker_values
 from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import StepOutput
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.session import Session
 
 logger = logging.getLogger("hf_fsdp2")
 

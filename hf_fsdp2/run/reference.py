@@ -20,20 +20,20 @@ from typing import Any
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
-from hf_fsdp2.config.reference import ReferenceArgs
+from hf_fsdp2.config.preference import ReferenceArgs
 from hf_fsdp2.model import decoder_layer_classes, disable_dropout, load_model, resize_embeddings
 from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, parallelize
-from hf_fsdp2.train.loss import LossPlan
-from hf_fsdp2.train.reference import (
+from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.data import TrainData
+from hf_fsdp2.run.session import Session
+from hf_fsdp2.train.logps import (
     AdapterDisabled,
     FrozenModel,
     Precomputed,
     Reference,
     precompute_reference,
 )
-from hf_fsdp2.trainer.data import TrainData
-from hf_fsdp2.trainer.model import TrainModel
-from hf_fsdp2.trainer.session import Session
+from hf_fsdp2.train.loss import LossPlan
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -84,7 +84,9 @@ def load_reference(
     # checkpointed (no backward).
     cp = None
     if collectives.cp_size() > 1:
-        cp = ContextParallel(collectives.cp_group(), collectives.cp_size(), f.cp_backend, collectives.tp_size())
+        cp = ContextParallel(
+            collectives.cp_group(), collectives.cp_size(), f.cp_backend, collectives.tp_size()
+        )
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     model = parallelize(model, session.accelerator, ParallelPlan(layer_cls, cp=cp, frozen=True))
     logger.info(

@@ -1,7 +1,7 @@
 """The training loop every method runs: config -> session (accelerator, run folder) -> memory plan -> tokenizer ->
 data -> model (sharded) + optimizer -> schedule -> the method's step -> checkpoints (resume) -> loop -> export.
 
-A method (:class:`~hf_fsdp2.trainer.method.Method`, found through :mod:`hf_fsdp2.methods`) brings its data and its
+A method (:class:`~hf_fsdp2.run.method.Method`, found through :mod:`hf_fsdp2.methods`) brings its data and its
 objective; everything else here is shared, so every method checkpoints, resumes, logs and exports alike.
 """
 
@@ -13,13 +13,13 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.parallel.accelerator import launcher_mesh, world_size
 from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
-from hf_fsdp2.trainer.finish import finish
-from hf_fsdp2.trainer.method import Method
-from hf_fsdp2.trainer.model import build_model, build_schedule, load_run_tokenizer
-from hf_fsdp2.trainer.observer import Observer
-from hf_fsdp2.trainer.registry import check_capabilities
-from hf_fsdp2.trainer.session import Session
-from hf_fsdp2.trainer.state import RunState
+from hf_fsdp2.run.build import build_model, build_schedule, load_run_tokenizer
+from hf_fsdp2.run.finish import finish
+from hf_fsdp2.run.method import Method
+from hf_fsdp2.run.observer import Observer
+from hf_fsdp2.run.registry import check_capabilities
+from hf_fsdp2.run.session import Session
+from hf_fsdp2.run.state import RunState
 
 
 def run(cfg: Config, method: Method) -> None:
