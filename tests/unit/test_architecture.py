@@ -75,3 +75,62 @@ def test_the_loop_shown_is_the_librarys() -> None:
         if code and "..." not in code:
             assert code in loop, f"not in hf_fsdp2/run/loop.py: {code!r}"
     assert Path(REPO / "recipes" / "sft.py").read_text().count("\n") < 40  # a short script over the library
+
+
+def test_the_adding_a_method_checklist_is_the_method_contract() -> None:
+    """Every field of ``Method`` is an item of the checklist (in order), and nothing else is: a new field without its
+    item, or an item for a field that went away, fails here."""
+    import dataclasses
+
+    from hf_fsdp2.run.method import Method
+
+    section = DOC.read_text().split("### Adding a method", 1)[1].split("\n## ", 1)[0]
+    items = re.findall(r"^\d+\. `(\w+)`", section, flags=re.M)
+    assert items == [f.name for f in dataclasses.fields(Method)], items
+
+
+def test_a_method_folder_imports_no_other_method() -> None:
+    """What two methods share lives below them (data/, run/): a method's files never import another method's."""
+    import ast
+
+    from hf_fsdp2.run.registry import BUILTIN
+
+    methods = {module.rsplit(".", 1)[1] for module in BUILTIN.values()}
+    for name in methods:
+        for path in (PACKAGE / "methods" / name).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                modules = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    modules = [node.module]
+                elif isinstance(node, ast.Import):
+                    modules = [a.name for a in node.names]
+                for module in modules:
+                    parts = module.split(".")
+                    if parts[:2] == ["hf_fsdp2", "methods"] and len(parts) > 2:
+                        assert parts[2] == name, f"{path.relative_to(REPO)} imports {module}"
+
+
+def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
+    """The doc's order of the parallelize steps is the function's (tp, cp, float8, ac, compile, fsdp2, compile)."""
+    import inspect
+
+    from hf_fsdp2.parallel import parallelize
+
+    body = inspect.getsource(parallelize.parallelize)
+    calls = [
+        "apply_tensor_parallel",
+        "apply_context_parallel",
+        "convert_float8",
+        "apply_activation_checkpointing",
+        "compile_regions",
+        "shard_with_accelerate",
+        "compile_model",
+    ]
+    positions = [body.index(call) for call in calls]
+    assert positions == sorted(positions), calls
+    text = DOC.read_text()
+    assert (
+        "tensor parallel -> context parallel -> float8 ->\nactivation checkpointing -> regional compile -> FSDP2"
+        in text
+    )

@@ -180,9 +180,7 @@ def test_lora_adapter_and_merged_exports_of_a_model_on_the_device(model_dir: Pat
 def _library_reads(mode: FakeAccelerator) -> list[tuple[str, str]]:
     """The host reads of device tensors made by hf_fsdp2's own code (transformers' own are not ours to change)."""
     return [
-        (what, where)
-        for what, where in mode.host_reads
-        if where.split("/")[0] in ("train", "run", "observe")
+        (what, where) for what, where in mode.host_reads if where.split("/")[0] in ("train", "run", "observe")
     ]
 
 
