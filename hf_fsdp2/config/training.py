@@ -55,7 +55,7 @@ class TrainArgs:
         default="adamw",
         metadata={
             "help": "adamw (torch AdamW on everything) or muon (torch.optim.Muon's update on the decoder layers' 2-D "
-            "matrices, orthogonalised across FSDP2 shards; AdamW on embeddings, head, norms, biases)."
+            "matrices, orthogonalised across FSDP2 shards; AdamW on embeddings, head, norms, biases, LoRA factors)."
         },
     )
     muon_lr: float | None = field(
