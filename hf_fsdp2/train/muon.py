@@ -119,8 +119,9 @@ def split_params(model: torch.nn.Module, layer_cls: Iterable[str]) -> ParamSplit
     matrices only), anything outside the layers, and LoRA's A/B factors. Matrices outside the layers and the
     LoRA factors decay under AdamW (as under ``optim=adamw``).
 
-    LoRA's factors stay on AdamW as in Keller Jordan's Muon ("an optimizer for the hidden weights"; everything
-    else AdamW) and Moonlight's split: a layer's weight under LoRA is the frozen ``W`` plus ``B A``, and ``A``
+    LoRA's factors stay on AdamW: Keller Jordan's Muon ("an optimizer for the hidden weights"; everything else
+    AdamW) and Moonlight define Muon for a network's weight matrices, neither for adapter factors, and hf_fsdp2 does
+    not extend it to them. A layer's weight under LoRA is the frozen ``W`` plus ``B A``, and ``A``
     (r x in) and ``B`` (out x r) are low-rank halves of that update, not hidden weight matrices. Orthogonalising
     each factor's update sets its r singular values to one whatever the gradient's spectrum, does not orthogonalise
     the update of ``B A`` (what the layer sees), and torch's learning-rate adjustments are derived from a full
