@@ -217,7 +217,10 @@ def choose_attention_layout(
       (once the CPU probe shows the model's masks follow position_ids), padded batches with sdpa/eager;
     - the CPU: padding-free where the CPU probe (:func:`padding_free_matches`) shows the same logits
       (measured faster there: bench/trainer_bench.py);
-    - ``packing``: packed rows instead.
+    - ``packing``: packed rows instead, except under ``flash_attention_2``/``_3``: rows of several documents are
+      flattened into one row there, since transformers' flash path finds documents in ``position_ids`` only in a
+      one-row batch (``_is_packed_sequence``); kept as ``[rows, length]`` each would attend to the documents before
+      it in its row (so ``padding_free: false`` is refused there, a ConfigError).
 
     ``attn_implementation: auto`` keeps transformers' choice (sdpa, else eager), not flex_attention: transformers
     runs flex through ``torch.compile`` (Triton and a host C compiler on the node, compile time in the first
@@ -262,7 +265,25 @@ def choose_attention_layout(
         )
     dense = kernel in DENSE_MASK_ATTENTION
     warning = None
-    if padding_free is False:
+    if packing and kernel in _VARLEN_ATTENTION and not padding_free:
+        # transformers' flash path (_flash_attention_forward) finds documents in position_ids only when the batch
+        # has one row (_is_packed_sequence): kept as [rows, length], each document would attend to those before it
+        # in its row. Flattened into one row, every document is apart, at no cost to a varlen kernel.
+        if padding_free is False:
+            raise ConfigError(
+                f"padding_free=false with rows of several documents (packing=true, or continued pre-training "
+                f"without cross_document_attention) under attn_implementation={kernel}: transformers' flash path "
+                "keeps the documents of a batch apart only when the batch has one row, so each document of a kept "
+                "row would attend to the documents before it. Unset padding_free (the rows are then flattened into "
+                "one row, the same work for the varlen kernel), or keep rows with attn_implementation: "
+                "flex_attention or sdpa"
+            )
+        flat = True
+        why = (
+            f"rows of several documents flattened into one row: transformers' {kernel} path keeps documents "
+            "apart by position_ids only in a one-row batch"
+        )
+    elif padding_free is False:
         flat, why = False, "padding_free=false"
     elif padding_free is None and packing:
         flat, why = False, "packing=true packs rows instead"
@@ -320,10 +341,13 @@ def choose_attention_layout(
 def method_rows(data: Any, batch_rows: str) -> tuple[bool, bool | None]:
     """``(packing, padding_free)`` of a method's data section as the layout decision reads them, by the method's
     ``batch_rows``: ``as_configured`` (SFT) as set; ``corpus`` (CPT) rows hold several documents unless
-    ``cross_document_attention`` and are full already (padding-free only when asked); ``padded`` (pairs, unpaired
-    examples, prompt + completion rows) padded."""
+    ``cross_document_attention`` and are full already (padding-free only when asked, or under a flash kernel, which
+    separates documents only in a one-row batch); ``padded`` (pairs, unpaired examples, prompt + completion rows)
+    padded."""
     if batch_rows == "corpus":
-        return not data.cross_document_attention, bool(data.padding_free)
+        if data.cross_document_attention:  # one sequence per row
+            return False, bool(data.padding_free)
+        return True, data.padding_free
     if batch_rows == "padded":
         return False, False
     return bool(data.packing), data.padding_free
