@@ -155,7 +155,8 @@ class PackedCollator:
     ``attention_mask``; the first label of every example is ``IGNORE_INDEX``. Without
     ``padding_free`` the rows are right-padded to the longest (padding gets its own positions 0, 1, ...,
     so it forms a separate sequence that nothing real attends to, and ``IGNORE_INDEX`` labels); with
-    ``padding_free`` the whole batch is flattened into one row of shape ``(1, total_tokens)``.
+    ``padding_free`` the whole batch is flattened into one row of shape ``(1, total_tokens)``, the only layout in
+    which transformers' flash path keeps the examples apart (the module's docstring says what each kernel gets).
 
     Attributes:
         pad_token_id: Id written into padding positions.
