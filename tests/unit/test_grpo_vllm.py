@@ -277,6 +277,85 @@ def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_
     assert push_weights(model, gen.client, 3) == len(list(model.parameters()))
 
 
+class _WorkerProcess:
+    """One worker of vLLM's engine as ``collective_rpc`` reaches it (the worker wrapper): its in-place reload and its
+    model runner's model (no tied head)."""
+
+    def __init__(self, reads: int | None = None) -> None:
+        self.loaded: list[dict[str, torch.Tensor]] = []
+        self.reads = reads  # a loader that stops reading after this many tensors
+        self.model_runner = type("Runner", (), {"get_model": lambda _: torch.nn.Module()})()
+
+    def reload_weights(
+        self, weights_iterator: Iterator[tuple[str, torch.Tensor]], is_checkpoint_format: bool
+    ) -> None:
+        assert is_checkpoint_format
+        import itertools
+
+        self.loaded.append(dict(itertools.islice(weights_iterator, self.reads)))
+
+
+class _TensorParallelLLM:
+    """vLLM's ``LLM`` over its multi-process executor (``--tensor-parallel-size 2``): the executor has no
+    ``driver_worker`` (only the single-process one has), and ``collective_rpc`` sends the function by value
+    (cloudpickle) and its arguments pickled to every worker process, returning each worker's answer."""
+
+    def __init__(self, workers: list[_WorkerProcess]) -> None:
+        self.workers = workers
+        self.llm_engine = type("Engine", (), {"model_executor": object()})()
+        self.resets = 0
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+        import pickle
+
+        import cloudpickle
+
+        sent = cloudpickle.dumps(method), pickle.dumps((args, kwargs or {}))
+        answers = []
+        for worker in self.workers:
+            fn, (a, kw) = cloudpickle.loads(sent[0]), pickle.loads(sent[1])
+            answers.append(fn(worker, *a, **kw))
+        return answers
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+def test_a_commit_reaches_every_worker_of_a_tensor_parallel_engine() -> None:
+    """``hf-fsdp2 vllm-serve --tensor-parallel-size 2``: the staged tensors go to every worker through vLLM's
+    ``collective_rpc`` (each takes its shard of the full tensors), the answer counts the workers; a worker that
+    did not load them all fails the commit, and the engine keeps its version."""
+    from safetensors.torch import save
+
+    from hf_fsdp2.methods.grpo.vllm_server import Engine
+
+    sent = {"model.embed_tokens.weight": torch.randn(6, 4), "model.norm.weight": torch.randn(4)}
+
+    def engine(workers: list[_WorkerProcess]) -> Engine:
+        e = Engine.__new__(Engine)
+        e.llm, e.version, e.staged, e.lock = _TensorParallelLLM(workers), 0, {}, threading.Lock()
+        e.stage(save(dict(list(sent.items())[:1])))
+        e.stage(save(dict(list(sent.items())[1:])))
+        return e
+
+    workers = [_WorkerProcess(), _WorkerProcess()]
+    e = engine(workers)
+    answer = e.commit({"version": 1, "tensors": 2})
+    assert answer["weights_version"] == 1 and answer["workers"] == 2 and answer["loaded"] == 2
+    for w in workers:
+        assert len(w.loaded) == 1 and w.loaded[0].keys() == sent.keys()
+        assert all(torch.equal(w.loaded[0][k], v) for k, v in sent.items())
+    assert e.llm.resets == 1 and e.staged == {}
+    e = engine([_WorkerProcess(), _WorkerProcess(reads=1)])
+    with pytest.raises(
+        ValueError,
+        match=r"the engine's 2 workers loaded \[2, 1\] tensors of the 2 sent, so they no longer hold one model; the engine keeps version 0",
+    ):
+        e.commit({"version": 1, "tensors": 2})
+    assert e.version == 0
+
+
 def test_probe_bound_scales_with_the_coarser_dtype() -> None:
     logps = torch.tensor([-0.5, -10.0])
     assert probe_bound(logps, "float32", "float32") == pytest.approx(32 * 2**-24 * math.sqrt(2) * 11)
