@@ -45,6 +45,7 @@ from hf_fsdp2.methods.grpo.vllm_client import (
     VllmClient,
     VllmGenerator,
     VllmServerError,
+    extra_sampling,
     layer_groups,
 )
 
@@ -210,7 +211,7 @@ class ColocateGenerator(VllmGenerator):
         return (f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, {self.memory}, sleep "
                 f"mode {'on' if self.sleep_mode else 'off'}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
                 f"top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty {s.repetition_penalty:g}, stop ids "
-                f"{self.eos_ids}; importance sampling correction {self.correction or 'off'}")  # fmt: skip
+                f"{self.eos_ids}{extra_sampling(s)}; importance sampling correction {self.correction or 'off'}")  # fmt: skip
 
     def _wake(self) -> None:
         if self._asleep:
@@ -305,6 +306,7 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
                                   compute_dtype=compute, device=device, correction=correction,
                                   sleep_mode=g.vllm_enable_sleep_mode)  # fmt: skip
     generator.server_dtype = engine.dtype
+    generator.check_sampling_fields(engine.health())
     if torch.cuda.is_available():
         generator.memory = f"vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization:g}"
     generator._sleep()  # asleep until the first rollout (which loads the policy first)

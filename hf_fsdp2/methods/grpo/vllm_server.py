@@ -11,9 +11,11 @@ that dies is a failed request, never a hung collective).
 Endpoints (every answer is JSON):
 
 - ``GET /health``: the model, the dtype, the weights' version (0: as loaded; then the trainer's update count).
-- ``POST /generate`` ``{prompts, seeds, max_tokens, temperature, top_p, top_k, greedy, stop_token_ids}``: one
-  completion per prompt, its token ids and each token's sampling log-prob (vLLM's ``processed_logprobs``: after
-  temperature, top-k and top-p, the distribution the token was drawn from), each prompt with its own seed.
+- ``POST /generate`` ``{prompts, seeds, max_tokens, temperature, top_p, top_k, greedy, stop_token_ids,
+  generation_kwargs}``: one completion per prompt, its token ids and each token's sampling log-prob (vLLM's
+  ``processed_logprobs``: after temperature, top-k and top-p, the distribution the token was drawn from), each prompt
+  with its own seed; ``generation_kwargs``: more ``SamplingParams`` fields (``/health`` lists them as
+  ``sampling_fields``).
 - ``POST /weights`` (body: safetensors bytes of some tensors, HF names): staged; ``POST /weights/commit``
   ``{version, tensors}``: the staged tensors loaded into the engine at once (vLLM's in-place reload, which fuses
   q/k/v and gate/up itself), the prefix cache dropped, the version set. Staging keeps one CPU copy of the weights
@@ -40,7 +42,7 @@ from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-PROTOCOL = 1  # bumped when a request or answer changes shape; the client refuses another
+PROTOCOL = 2  # bumped when a request or answer changes shape; the client refuses another
 logger = logging.getLogger("hf_fsdp2.vllm_server")
 
 
@@ -98,8 +100,12 @@ class Engine:
         return len(counts)
 
     def health(self) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        # The fields a request's generation_kwargs may name (the trainer checks them before its first rollout).
+        fields = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
         return {"status": "ok", "protocol": PROTOCOL, "model": self.model_path, "dtype": self.dtype,
-                "weights_version": self.version, "pid": os.getpid()}  # fmt: skip
+                "weights_version": self.version, "pid": os.getpid(), "sampling_fields": fields}  # fmt: skip
 
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -107,6 +113,13 @@ class Engine:
         prompts: list[list[int]] = req["prompts"]
         seeds = req.get("seeds") or [None] * len(prompts)
         greedy = bool(req.get("greedy"))
+        extra = dict(
+            req.get("generation_kwargs") or {}
+        )  # SamplingParams fields, applied last (TRL's meaning)
+        if isinstance(extra.get("structured_outputs"), dict):  # JSON carries its fields, as TRL takes them
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
         params = [
             SamplingParams(
                 max_tokens=int(req["max_tokens"]),
@@ -118,6 +131,7 @@ class Engine:
                 seed=seed,
                 logprobs=0,
                 stop_token_ids=list(req.get("stop_token_ids") or []),
+                **extra,
             )  # fmt: skip
             for seed in seeds
         ]
