@@ -313,8 +313,7 @@ def prepare_fsdp2(
             model, optimizer = accelerator.prepare(model, optimizer)
     _repoint_optimizer(model, optimizer, group_names)
     if compile_plan.enabled and compile_plan.scope == "model":
-        compile_model(model, compile_plan)
-        logger.info("whole-model compile (in place, after fully_shard)")
+        logger.info("%s", compile_model(model, compile_plan))
     return model, optimizer
 
 
