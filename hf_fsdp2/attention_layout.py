@@ -48,12 +48,55 @@ def _probe_padding_free(
         return True, f"{attn_implementation} separates the examples of a row by position_ids (varlen kernels)"
     if attn_implementation != "auto" and attn_implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
         return False, f"attn_implementation={attn_implementation} does not separate examples by position_ids"
+    # Every step of the probe can meet a config it was not written for (a read-only attribute, a family whose
+    # shrunk copy does not build, a forward that raises): any failure keeps padded batches, which every model
+    # computes correctly, and says why. The failure depends on the config and this transformers alone, so every
+    # rank fails alike and takes the same layout.
+    stage = "shrink the config"
+    state = torch.random.get_rng_state()
+    try:
+        small = _shrunk_config(config)
+        stage = "build the model"
+        kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+        if attn_implementation != "auto":
+            kwargs["attn_implementation"] = attn_implementation
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, **kwargs)
+        stage = "run its forward"
+        diff, scale = _padded_against_flat(model)
+    except Exception as err:
+        return False, (
+            f"{PROBE_FAILED} (it could not {stage} of {type(config).__name__}: {type(err).__name__}: {err}); "
+            "padded batches kept"
+        )
+    finally:
+        torch.random.set_rng_state(state)
+    attn = getattr(model.config, "_attn_implementation", attn_implementation)
+    if diff <= 1e-4 * scale:  # fp32 rounding of the same maths (a different mask gives O(1) differences)
+        return (
+            True,
+            f"a probe forward with {attn} attention gives padded and padding-free batches the same logits",
+        )
+    return False, (
+        f"with {attn} attention its padding-free logits differ from the padded ones by {diff:.3g} (scale "
+        f"{scale:.3g}): this model's attention does not separate flattened examples"
+    )
+
+
+# The start of the reason when the probe itself failed (the layout then warns: a fallback is never silent).
+PROBE_FAILED = "the padding-free probe failed"
+
+
+def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` with its first two layers and a small MLP / vocabulary (the masking and attention code
+    stay the model's own). A per-layer list the config derives from ``num_hidden_layers`` (a read-only property,
+    e.g. Falcon-H1's ``layers_block_type``) follows by itself and is left alone."""
     small = copy.deepcopy(config)
     layers = min(2, int(getattr(small, "num_hidden_layers", 2) or 2))
     small.num_hidden_layers = layers
     for key in ("layer_types", "mlp_only_layers"):
         value = getattr(small, key, None)
-        if isinstance(value, list):
+        if isinstance(value, list) and len(value) != layers:
             setattr(small, key, value[:layers])
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(small, key, None):
@@ -62,17 +105,12 @@ def _probe_padding_free(
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 64:
             setattr(small, key, 0)
-    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
-    if attn_implementation != "auto":
-        kwargs["attn_implementation"] = attn_implementation
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(small, **kwargs)
-    except Exception as err:  # a config the probe cannot shrink: keep padded batches
-        return False, f"the probe could not build the model ({type(err).__name__}: {err})"
-    finally:
-        torch.random.set_rng_state(state)
+    return small
+
+
+def _padded_against_flat(model: torch.nn.Module) -> tuple[float, float]:
+    """The largest difference between the logits of two examples run padded and flattened into one row, and the
+    logits' scale."""
     model.eval()
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randint(3, 64, (5,), generator=gen), torch.randint(3, 64, (9,), generator=gen)
@@ -84,18 +122,7 @@ def _probe_padding_free(
         flat = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(9)])[None],
                      use_cache=False).logits  # fmt: skip
     want = torch.cat([padded[0, :5], padded[1]])
-    diff = float((flat[0] - want).abs().max())
-    scale = max(float(want.abs().max()), 1.0)
-    attn = getattr(model.config, "_attn_implementation", attn_implementation)
-    if diff <= 1e-4 * scale:  # fp32 rounding of the same maths (a different mask gives O(1) differences)
-        return (
-            True,
-            f"a probe forward with {attn} attention gives padded and padding-free batches the same logits",
-        )
-    return False, (
-        f"with {attn} attention its padding-free logits differ from the padded ones by {diff:.3g} (scale "
-        f"{scale:.3g}): this model's attention does not separate flattened examples"
-    )
+    return float((flat[0] - want).abs().max()), max(float(want.abs().max()), 1.0)
 
 
 # What makes a varlen kernel loadable: the flash-attn build itself, or the ``kernels`` package, from which
@@ -128,7 +155,8 @@ class AttentionLayout:
         dense_mask: transformers builds a dense ``[rows, 1, T, T]`` mask every forward to keep the documents of a
             row apart (documents share rows under sdpa or eager); the memory plan counts it.
         reason: why, for the start-up log.
-        warning: a cost the user chose explicitly (padding-free over a dense mask on a GPU), else None.
+        warning: a cost the user chose explicitly (padding-free over a dense mask on a GPU), or the padding-free
+            probe's failure (padded batches kept), else None.
     """
 
     padding_free: bool
@@ -189,7 +217,10 @@ def choose_attention_layout(
       (once the CPU probe shows the model's masks follow position_ids), padded batches with sdpa/eager;
     - the CPU: padding-free where the CPU probe (:func:`padding_free_matches`) shows the same logits
       (measured faster there: bench/trainer_bench.py);
-    - ``packing``: packed rows instead.
+    - ``packing``: packed rows instead, except under ``flash_attention_2``/``_3``: rows of several documents are
+      flattened into one row there, since transformers' flash path finds documents in ``position_ids`` only in a
+      one-row batch (``_is_packed_sequence``); kept as ``[rows, length]`` each would attend to the documents before
+      it in its row (so ``padding_free: false`` is refused there, a ConfigError).
 
     ``attn_implementation: auto`` keeps transformers' choice (sdpa, else eager), not flex_attention: transformers
     runs flex through ``torch.compile`` (Triton and a host C compiler on the node, compile time in the first
@@ -234,7 +265,25 @@ def choose_attention_layout(
         )
     dense = kernel in DENSE_MASK_ATTENTION
     warning = None
-    if padding_free is False:
+    if packing and kernel in _VARLEN_ATTENTION and not padding_free:
+        # transformers' flash path (_flash_attention_forward) finds documents in position_ids only when the batch
+        # has one row (_is_packed_sequence): kept as [rows, length], each document would attend to those before it
+        # in its row. Flattened into one row, every document is apart, at no cost to a varlen kernel.
+        if padding_free is False:
+            raise ConfigError(
+                f"padding_free=false with rows of several documents (packing=true, or continued pre-training "
+                f"without cross_document_attention) under attn_implementation={kernel}: transformers' flash path "
+                "keeps the documents of a batch apart only when the batch has one row, so each document of a kept "
+                "row would attend to the documents before it. Unset padding_free (the rows are then flattened into "
+                "one row, the same work for the varlen kernel), or keep rows with attn_implementation: "
+                "flex_attention or sdpa"
+            )
+        flat = True
+        why = (
+            f"rows of several documents flattened into one row: transformers' {kernel} path keeps documents "
+            "apart by position_ids only in a one-row batch"
+        )
+    elif padding_free is False:
         flat, why = False, "padding_free=false"
     elif padding_free is None and packing:
         flat, why = False, "packing=true packs rows instead"
@@ -258,6 +307,7 @@ def choose_attention_layout(
             if flat
             else probed
         )
+        warning = why if probed.startswith(PROBE_FAILED) else None
     elif gpu:
         flat = False
         better = " or ".join(["flex_attention"] * bool(getattr(cls, "_supports_flex_attn", False))
@@ -276,6 +326,7 @@ def choose_attention_layout(
             model_config, attn_implementation, trust_remote_code=trust_remote_code
         )
         why = f"padding_free auto: {probed}"
+        warning = why if probed.startswith(PROBE_FAILED) else None
     return AttentionLayout(
         padding_free=flat,
         packing=packing,
@@ -290,10 +341,13 @@ def choose_attention_layout(
 def method_rows(data: Any, batch_rows: str) -> tuple[bool, bool | None]:
     """``(packing, padding_free)`` of a method's data section as the layout decision reads them, by the method's
     ``batch_rows``: ``as_configured`` (SFT) as set; ``corpus`` (CPT) rows hold several documents unless
-    ``cross_document_attention`` and are full already (padding-free only when asked); ``padded`` (pairs, unpaired
-    examples, prompt + completion rows) padded."""
+    ``cross_document_attention`` and are full already (padding-free only when asked, or under a flash kernel, which
+    separates documents only in a one-row batch); ``padded`` (pairs, unpaired examples, prompt + completion rows)
+    padded."""
     if batch_rows == "corpus":
-        return not data.cross_document_attention, bool(data.padding_free)
+        if data.cross_document_attention:  # one sequence per row
+            return False, bool(data.padding_free)
+        return True, data.padding_free
     if batch_rows == "padded":
         return False, False
     return bool(data.packing), data.padding_free

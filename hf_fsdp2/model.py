@@ -164,6 +164,7 @@ def load_model(
             )
         # Tie as from_pretrained would: the meta-device construction leaves lm_head a separate parameter.
         model.tie_weights()
+        read_generation_files(model, name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     else:
         model = auto.from_pretrained(
             name_or_path,
@@ -182,6 +183,38 @@ def load_model(
     model.config.use_cache = False
     model.train()
     return model
+
+
+def read_generation_files(
+    model: torch.nn.Module, name_or_path: str, *, revision: str | None, trust_remote_code: bool
+) -> None:
+    """What ``from_pretrained`` reads beside config.json and the weights, read into a model built from its config.
+
+    A model built with ``from_config`` (the ranks other than 0 under ``fsdp_cpu_ram_efficient_loading``) derives its
+    ``generation_config`` from config.json: the end-of-turn ids of generation_config.json (Gemma's
+    ``<end_of_turn>``, Qwen's ``<|im_end|>``, Llama 3's three ids) and its sampling defaults would be rank 0's
+    only, so GRPO's ranks would stop generating at different tokens. This is the call ``from_pretrained`` makes
+    (transformers' ``adjust_generation_fn``): generation_config.json, else the fields config.json holds, and the
+    folder's custom ``generate`` under ``trust_remote_code``; every rank's model then generates as rank 0's.
+    """
+    adjust = getattr(model, "adjust_generation_fn", None)
+    can_generate = getattr(model, "can_generate", None)
+    if adjust is None or not callable(can_generate) or not can_generate():  # a reward model: nothing to read
+        return
+    adjust(
+        generation_config=None,
+        from_auto_class=True,
+        from_pipeline=None,
+        pretrained_model_name_or_path=name_or_path,
+        cache_dir=None,
+        force_download=False,
+        proxies=None,
+        local_files_only=False,
+        token=None,
+        revision=revision,
+        subfolder="",
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def _check_backbone_loaded(model: torch.nn.Module, missing: Any, name_or_path: str) -> None:

@@ -20,11 +20,15 @@ class Float8Plan:
             (one scale per row: more accurate, slower, all-gathers in bf16).
         emulate: torchao's emulation (the float8 rounding computed in high precision): runs on CPU, slow; tests.
         all_gather: FSDP2 all-gathers the converted weights as float8 (tensorwise only).
+        size_filter: keep the linears below torchao's size thresholds for ``recipe`` in bf16, where float8 is
+            slower than bf16 (``hf_fsdp2.parallel.float8.below_float8_size``); off: every linear whose dimensions
+            are multiples of 16 converts (tiny test models, whose linears are all below the thresholds).
     """
 
     recipe: str = "tensorwise"
     emulate: bool = False
     all_gather: bool = True
+    size_filter: bool = True
 
     def __post_init__(self) -> None:
         check(self.recipe in FP8_RECIPES, f"fp8_recipe={self.recipe!r} is not one of {list(FP8_RECIPES)}")

@@ -260,7 +260,7 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """What :func:`build_accelerator` and :func:`prepare_fsdp2` apply; every field is explicit.
+    """What :func:`build_accelerator` and :func:`~hf_fsdp2.parallel.parallelize.parallelize` apply; every field is explicit.
 
     ``activation_checkpointing`` takes an :class:`ACPlan`; ``True``/``False`` mean ``full``/``none``.
     """

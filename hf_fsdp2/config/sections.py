@@ -145,7 +145,8 @@ class DataArgs:
         default=False,
         metadata={
             "help": "Pack several examples per row of max_length (best-fit decreasing); position_ids restart "
-            "per example and no attention crosses examples."
+            "per example and no attention crosses examples (under flash_attention_2/3 a micro-batch's rows are "
+            "flattened into one row: transformers' flash path separates examples only in a one-row batch)."
         },
     )
     padding_free: bool | None = field(
@@ -155,7 +156,8 @@ class DataArgs:
             "on padding. Unset (SFT): on a GPU, on with flex_attention or flash_attention_2/3 and off with "
             "sdpa/eager (they would build a dense [T x T] mask over the row); on CPU, on when a probe forward "
             "shows padded and padding-free batches give the same logits. Logged at start. true with sdpa/eager "
-            "on a GPU is allowed but warned."
+            "on a GPU is allowed but warned; rows of several documents under flash_attention_2/3 are always "
+            "padding-free (false is refused there)."
         },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})

@@ -55,7 +55,7 @@ class TrainArgs:
         default="adamw",
         metadata={
             "help": "adamw (torch AdamW on everything) or muon (torch.optim.Muon's update on the decoder layers' 2-D "
-            "matrices, orthogonalised across FSDP2 shards; AdamW on embeddings, head, norms, biases)."
+            "matrices, orthogonalised across FSDP2 shards; AdamW on embeddings, head, norms, biases, LoRA factors)."
         },
     )
     muon_lr: float | None = field(
@@ -144,6 +144,13 @@ class TrainArgs:
     fp8_emulate: bool = field(
         default=False,
         metadata={"help": "Emulate the float8 rounding without FP8 hardware (CPU, older GPUs): slow; tests."},
+    )
+    fp8_size_filter: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep linears below torchao's size thresholds in bf16 (float8 is slower there: Llama-3-8B's "
+            "k_proj/v_proj); false converts every linear with dimensions multiple of 16."
+        },
     )
     ce_chunk_tokens: int = field(
         default=1024,
@@ -254,7 +261,7 @@ class TrainArgs:
             ConfigError: ``fp8_all_gather=true`` with rowwise scaling.
         """
         gather = self.fp8_all_gather if self.fp8_all_gather is not None else self.fp8_recipe == FP8_TENSORWISE
-        return Float8Plan(self.fp8_recipe, self.fp8_emulate, gather)
+        return Float8Plan(self.fp8_recipe, self.fp8_emulate, gather, self.fp8_size_filter)
 
 
 @dataclass

@@ -6,14 +6,28 @@ then indexes packed rows, so a resume stays O(1). Padding-free batches go furthe
 micro-batch (of examples or of packed rows) into one row without any padding.
 
 How the model keeps the examples apart: `PackedCollator` returns ``input_ids``, ``labels`` and
-``position_ids`` that restart at 0 for every example, and no ``attention_mask``. transformers
-(``masking_utils.find_packed_sequence_indices``) then finds the example boundaries from the position
-ids and builds a block-diagonal causal mask (sdpa, eager, flex_attention); flash-attention kernels take
-the same boundaries as variable-length sequences. Two conditions make that detection happen: no
-``attention_mask`` and no KV cache, so the model must be called with ``use_cache=False``. The first
-label of every example is ``IGNORE_INDEX``, so the last token of one example is never trained to predict
-the first token of the next. tests/unit/test_packing.py proves, for sdpa, eager and flex_attention on
-CPU, that the per-token losses of a packed batch equal those of each example run alone.
+``position_ids`` that restart at 0 for every example, and no ``attention_mask``; the model is called with
+``use_cache=False`` (transformers looks for examples in the position ids only without a mask and a KV cache).
+The first label of every example is ``IGNORE_INDEX``, so the last token of one example is never trained to
+predict the first token of the next. What reaches the attention kernel then depends on the kernel:
+
+- ``sdpa``, ``eager``: a dense block-diagonal causal mask ``[rows, 1, T, T]`` that transformers builds from
+  the position ids row by row (``masking_utils.find_packed_sequence_indices``), at any number of rows;
+- ``flex_attention``: the same blocks as a ``BlockMask``;
+- ``flash_attention_2``/``_3``: no mask. transformers' flash path finds the examples in the position ids only
+  when the batch has one row (``modeling_flash_attention_utils._is_packed_sequence``), and then runs the varlen
+  kernel with ``cu_seqlens`` at every restart; a batch of several rows runs the plain causal kernel on each row,
+  every example attending to the examples before it in its row. So under these kernels rows of several examples
+  are always flattened into one row (``padding_free``: `hf_fsdp2.attention_layout.choose_attention_layout`
+  decides it, and refuses ``padding_free: false`` there);
+- context parallel (all-to-all): `hf_fsdp2.parallel.all_to_all.cp_attention` gathers whole rows and builds the
+  block mask from their positions (sdpa, eager), or hands a flash kernel the boundaries explicitly
+  (``cu_seq_lens_q/k``, ``max_length_q/k``, which transformers' varlen path takes at any number of rows).
+
+tests/unit/test_packing.py proves, for sdpa, eager and flex_attention on CPU, that the per-token losses of a
+packed batch equal those of each example run alone; tests/unit/test_packed_flash.py proves it for the flash
+path (a stand-in varlen kernel behind transformers' own flash code records what it receives) for packed SFT
+rows, continued pre-training's rows and the context-parallel branch, at several rows per micro-batch.
 
 Padding efficiency = target-bearing tokens / tokens processed (every position of the batch tensor).
 """
@@ -33,10 +47,6 @@ from torch.utils.data import Dataset as TorchDataset
 
 from hf_fsdp2.data.loader import ShardedSampler
 from hf_fsdp2.labels import IGNORE_INDEX
-
-"""Attention implementations that honour packed ``position_ids`` in transformers: a block-diagonal mask
-(sdpa, eager, flex_attention: proven by the equivalence tests) or variable-length kernels
-(flash_attention_2/3: transformers' own path, not testable on CPU)."""
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -145,7 +155,8 @@ class PackedCollator:
     ``attention_mask``; the first label of every example is ``IGNORE_INDEX``. Without
     ``padding_free`` the rows are right-padded to the longest (padding gets its own positions 0, 1, ...,
     so it forms a separate sequence that nothing real attends to, and ``IGNORE_INDEX`` labels); with
-    ``padding_free`` the whole batch is flattened into one row of shape ``(1, total_tokens)``.
+    ``padding_free`` the whole batch is flattened into one row of shape ``(1, total_tokens)``, the only layout in
+    which transformers' flash path keeps the examples apart (the module's docstring says what each kernel gets).
 
     Attributes:
         pad_token_id: Id written into padding positions.

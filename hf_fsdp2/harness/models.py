@@ -39,6 +39,30 @@ def is_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / "trainer_state.json").is_file()
 
 
+def adapter_rank(folder: Path) -> int:
+    """The largest LoRA rank of an adapter folder: ``r`` and every ``rank_pattern`` override (PEFT's per-module
+    ranks), from its adapter_config.json.
+
+    Raises:
+        HarnessError: an unreadable adapter config, or one without an integer ``r``.
+    """
+    try:
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise HarnessError(
+            f"{folder / ADAPTER_CONFIG} cannot be read ({err}); re-export the adapter (hf-fsdp2 export)"
+        ) from err
+    saved = saved if isinstance(saved, dict) else {}
+    found: list[Any] = [saved.get("r"), *(saved.get("rank_pattern") or {}).values()]
+    ranks = [r for r in found if isinstance(r, int) and not isinstance(r, bool) and r > 0]
+    if len(ranks) != len(found):
+        raise HarnessError(
+            f"{folder / ADAPTER_CONFIG}: LoRA rank r={found[0]!r} and rank_pattern values {found[1:]} must be "
+            "positive integers; re-export the adapter (hf-fsdp2 export)"
+        )
+    return max(ranks)
+
+
 def adapter_model(folder: Path, *, source: str, base: str | None = None) -> EvalModel:
     """A PEFT adapter folder over its base: ``base``, else the adapter's ``base_model_name_or_path``.
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_fsdp2.harness.models import EvalModel, HarnessError
+from hf_fsdp2.harness.models import EvalModel, HarnessError, adapter_rank
 from hf_fsdp2.harness.tasks import LOCAL_TASKS, write_local_tasks
 
 logger = logging.getLogger("hf_fsdp2")
@@ -102,13 +102,45 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _model_args(model: EvalModel, backend: str, *, device: str, dtype: str) -> dict[str, Any]:
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig``'s ``MaxLoRARanks``: 1, 8, 16, 32, 64, 128,
+    256, 320, 512 in vLLM 0.32); call where vLLM imports."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
+
+
+def vllm_max_lora_rank(rank: int, allowed: Sequence[int], adapter: str) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank`` (lm-eval's default, 16, makes
+    vLLM refuse any adapter above it).
+
+    Raises:
+        HarnessError: ``rank`` above every value vLLM accepts.
+    """
+    fits = [r for r in sorted(allowed) if r >= rank]
+    if not fits:
+        raise HarnessError(
+            f"the adapter {adapter} has LoRA rank {rank}, above the largest max_lora_rank vLLM accepts "
+            f"({max(allowed)} of {list(allowed)}); evaluate it with --backend hf, or merge it first "
+            "(hf-fsdp2 merge-adapter) and evaluate the merged folder"
+        )
+    return fits[0]
+
+
+def _model_args(
+    model: EvalModel, backend: str, *, device: str, dtype: str, lora_ranks: Sequence[int] = ()
+) -> dict[str, Any]:
+    """lm-eval's model_args; ``lora_ranks``: the ``max_lora_rank`` values vLLM accepts (:func:`vllm_lora_ranks`),
+    for an adapter on the vLLM backend."""
     # CPUs have no fast bf16 (and fp32 makes scores reproducible): "auto" (the config's dtype) only on a GPU.
     dtype = ("float32" if device == "cpu" else "auto") if dtype == "auto" else dtype
     args: dict[str, Any] = {"pretrained": model.pretrained, "dtype": dtype}
     if backend == "vllm":
         if model.adapter:
-            args.update(enable_lora=True, lora_local_path=model.adapter)
+            rank = vllm_max_lora_rank(adapter_rank(Path(model.adapter)), lora_ranks, model.adapter)
+            args.update(enable_lora=True, lora_local_path=model.adapter, max_lora_rank=rank)
         return args
     if model.adapter:
         args["peft"] = model.adapter
@@ -210,7 +242,8 @@ def run_harness(
             "(`lm-eval ls tasks` lists them) or your own YAMLs under --include-path DIR"
         )
     use_chat = has_chat_template(model) if chat_template is None else chat_template
-    args = _model_args(model, chosen, device=device, dtype=dtype)
+    ranks = vllm_lora_ranks() if chosen == "vllm" and model.adapter else ()
+    args = _model_args(model, chosen, device=device, dtype=dtype, lora_ranks=ranks)
     if chosen == "vllm":
         prepare_vllm(device)
     logger.info("eval-harness: %s on %s (%s backend: %s)", ",".join(tasks), model.source, chosen, reason)

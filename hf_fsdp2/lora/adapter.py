@@ -32,7 +32,7 @@ class LoraError(RuntimeError):
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | None = None) -> torch.nn.Module:
     """Wrap a loaded (unsharded) causal LM with PEFT LoRA; the base is frozen, the adapter fp32.
 
-    Call it after loading and before sharding (``prepare_fsdp2``), then build the optimizer on the
+    Call it after loading and before sharding (``parallelize``), then build the optimizer on the
     result (``optim.param_groups`` keeps only trainable parameters).
 
     Args:

@@ -180,10 +180,10 @@ def build_accelerator(
         reshard_after_forward=plan.reshard_after_forward,
         cpu_offload=plan.cpu_offload,
         mixed_precision_policy=policy,
-        # The decoder-layer classes are known only once the model is loaded: prepare_fsdp2 sets them.
+        # The decoder-layer classes are known only once the model is loaded: shard_with_accelerate sets them.
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=[],
-        # hf_fsdp2 applies activation checkpointing and compile itself (prepare_fsdp2): more modes than
+        # hf_fsdp2 applies activation checkpointing and compile itself (parallelize): more modes than
         # accelerate's, and the same code on every path.
         activation_checkpointing=False,
         cpu_ram_efficient_loading=plan.cpu_ram_efficient_loading,

@@ -11,7 +11,9 @@ Masks: the kernel sees whole sequences, so the mask is built here from the whole
 (handed to every layer as the keyword :data:`POSITIONS_KEY`): causal, no attention across the documents of a packed
 or padding-free row (a position that does not follow its predecessor starts a document, as transformers detects
 them), and the layer's sliding window when it has one. Right padding needs no mask: causal attention never lets a
-real token see the padding after it.
+real token see the padding after it. A flash kernel takes no mask: it is handed the documents' boundaries over the
+rows laid end to end (``cu_seq_lens_q/k``, ``max_length_q/k``, :func:`varlen_boundaries`), which transformers' flash
+path takes at any number of rows, where from ``position_ids`` it finds documents in a one-row batch only.
 
 The loss: each rank scores its own positions, including the last one, whose next token lies on the next rank: its
 labels carry one more column than its input (:func:`shard_sequence`), which the losses of :mod:`hf_fsdp2.train.loss`
@@ -127,6 +129,14 @@ def scatter_sequence(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
 
 
+def document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """``[batch, length]`` booleans, True where a document starts in whole-row ``positions``: at every row's first
+    position and wherever a position does not follow its predecessor (as transformers detects packed documents)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts
+
+
 def allowed_pairs(
     positions: torch.Tensor | None, length: int, window: int | None, device: torch.device
 ) -> torch.Tensor:
@@ -137,18 +147,44 @@ def allowed_pairs(
     if window is not None:
         allowed = allowed & ((q[:, None] - q[None, :]) < window)[None, None]
     if positions is not None:
-        starts = torch.ones_like(positions, dtype=torch.bool)
-        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-        doc = starts.long().cumsum(dim=1)
+        doc = document_starts(positions).long().cumsum(dim=1)
         allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
     return allowed
 
 
-class _Groups:
-    """The attention module as the kernel sees it after a KV repeat: its KV groups per query head changed."""
+def varlen_boundaries(positions: torch.Tensor) -> dict[str, Any]:
+    """The documents of whole-row ``positions`` (``[batch, length]``) as transformers' flash path takes them at any
+    number of rows: ``cu_seq_lens_q/k``, where each document starts over the rows laid end to end (int32, ``[documents
+    + 1]``, the last entry ``batch x length``), and ``max_length_q/k``, the longest document (an int: flash-attn's
+    varlen kernels take it as one). No document spans two rows. Reads the device twice (the count and the longest),
+    as transformers' own detection from position_ids does in every layer."""
+    first = document_starts(positions).reshape(-1).nonzero().reshape(-1)
+    cu = torch.cat([first, first.new_tensor([positions.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
-    def __init__(self, module: torch.nn.Module, groups: int) -> None:
-        self._module, self.num_key_value_groups = module, groups
+
+class _InnerConfig:
+    """The model's config as the wrapped kernel reads it: naming that kernel, not this module's interface
+    (transformers' flash path loads its kernel functions by ``config._attn_implementation``)."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self._config, self._attn_implementation = config, name
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._config, key)
+
+
+class _KernelView:
+    """The attention module as the wrapped kernel sees it: its KV groups per query head after a KV repeat
+    (``groups``), and a config naming a flash kernel (``flash``); None: the module's own."""
+
+    def __init__(self, module: torch.nn.Module, groups: int | None, flash: str | None) -> None:
+        self._module = module
+        if groups is not None:
+            self.num_key_value_groups = groups
+        if flash is not None:
+            self.config = _InnerConfig(getattr(module, "config"), flash)  # noqa: B009  # a transformers module's
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -171,7 +207,8 @@ def cp_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention interface the model runs under context parallel (registered as :data:`ATTENTION_NAME`):
-    all-to-all to whole sequences, the run's kernel with the whole sequence's mask, all-to-all back.
+    all-to-all to whole sequences, the run's kernel with the whole sequence's mask (a flash kernel: its documents'
+    boundaries, :func:`varlen_boundaries`), all-to-all back.
 
     ``query``: ``[batch, heads, part, dim]`` (this rank's positions); returns ``[batch, part, heads, dim]``.
     """
@@ -179,17 +216,23 @@ def cp_attention(
     positions = kwargs.pop(POSITIONS_KEY, None)
     kwargs.pop("is_causal", None)  # causality is this function's mask
     kernel = _inner(module, name)  # the module's own (its modeling file's eager), before any proxy
+    groups, flash = None, name if name.startswith("flash") else None
     if split.kv_repeat > 1:
         key = key.repeat_interleave(split.kv_repeat, dim=1)
         value = value.repeat_interleave(split.kv_repeat, dim=1)
-        module = _Groups(module, split.heads // (split.kv_heads * split.kv_repeat))  # type: ignore[assignment]
+        groups = split.heads // (split.kv_heads * split.kv_repeat)
+    view = _KernelView(module, groups, flash) if groups is not None or flash else module
     q, k, v = (gather_sequence(t, group, split.cp) for t in (query, key, value))
     window = kwargs.get("sliding_window")
     length = q.shape[2]
     mask: torch.Tensor | None = None
-    if name.startswith("flash"):
-        if positions is not None:  # transformers' flash path finds the documents in the whole row's positions
-            kwargs["position_ids"] = positions.to(q.device)
+    if flash:
+        # The layer's position_ids are this rank's part, not the whole sequence the kernel runs on. Rows of several
+        # documents get their boundaries explicitly: from position_ids transformers' flash path separates documents
+        # only in a one-row batch. Without positions each row is one sequence, padded on the right: causal suffices.
+        kwargs.pop("position_ids", None)
+        if positions is not None:
+            kwargs.update(varlen_boundaries(positions.to(q.device)))
     elif name == "eager" or positions is not None or window is not None:
         allowed = allowed_pairs(positions, length, window, q.device)
         if name == "eager":
@@ -197,7 +240,7 @@ def cp_attention(
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
         else:
             mask = allowed
-    out, _ = kernel(module, q, k, v, mask, **kwargs)
+    out, _ = kernel(view, q, k, v, mask, **kwargs)
     return scatter_sequence(out, group, split.cp), None
 
 

@@ -15,8 +15,11 @@ they are the same in eager, regional and whole-model runs.
   hooks, so it compiles several graphs; compile time grows with depth.
 
 Shapes change every step with real data (sequence lengths, padding-free token counts). With
-``torch_compile_dynamic`` unset, the sequence dims are marked dynamic before the first compile, so a new
-length never recompiles (dynamo's automatic dynamic would recompile each graph once on the second length).
+``torch_compile_dynamic`` unset, a new length never recompiles (dynamo's automatic dynamic would recompile each
+graph once on the second length): under ``regional`` each layer's sequence dims are marked dynamic before its
+first compile; under ``model`` every frame compiles shape-generic from the first step (``dynamic=True``), because
+most frames start after one of FSDP2's graph breaks, on tensors eager code hands them, which nothing can mark
+(:func:`compile_model` says which breaks and why two recompiles remain).
 The chunked loss runs eagerly (``hf_fsdp2.train.chunked_ce``: its loop count is the step's target rows), and
 evaluation and generation run eagerly (:func:`eager`): no-grad, eval-mode and one-token-longer shapes would
 each be new graphs, filling dynamo's per-function recompile limit (8) that training needs.
@@ -55,13 +58,6 @@ _LAYER_SEQ_DIMS: dict[str, tuple[int, ...]] = {
     "attention_mask": (-2, -1),  # [batch, 1, query, key] when a dense mask is built
     "cache_position": (0,),
 }
-# The model's own inputs: [batch, seq] each.
-_MODEL_SEQ_DIMS: dict[str, tuple[int, ...]] = {
-    "input_ids": (1,),
-    "attention_mask": (1,),
-    "position_ids": (1,),
-    "labels": (1,),
-}
 
 
 def _mark_dims(value: Any, dims: tuple[int, ...]) -> None:
@@ -79,12 +75,12 @@ def mark_sequence_dims(args: tuple, kwargs: dict[str, Any], dims: dict[str, tupl
     """Mark the sequence dims of a call's tensor arguments dynamic (before the compiled call, never inside).
 
     Args:
-        args: positional arguments; the first one is marked as ``hidden_states`` / ``input_ids``.
+        args: positional arguments; the first one is marked as ``hidden_states``.
         kwargs: keyword arguments, marked by name from ``dims``.
         dims: argument name -> its sequence dims.
     """
     if args:
-        _mark_dims(args[0], dims.get("hidden_states", dims.get("input_ids", ())))
+        _mark_dims(args[0], dims.get("hidden_states", ()))
     for name, value in kwargs.items():
         if name in dims:
             _mark_dims(value, dims[name])
@@ -199,26 +195,54 @@ def compiled_call_slot() -> bool:
     return "_compiled_call_impl" in getattr(getattr(call, "__code__", None), "co_names", ())
 
 
-def compile_model(model: torch.nn.Module, plan: CompilePlan) -> None:
-    """Compile the whole (already sharded) model in place.
+def compile_model(model: torch.nn.Module, plan: CompilePlan) -> str:
+    """Compile the whole (already sharded) model in place; with ``plan.dynamic`` unset, shape-generic
+    (``dynamic=True``) from the first compile.
+
+    Why not the model inputs' sequence dims marked, as ``regional`` marks each layer's: dynamo breaks the graph at
+    every FSDP2 unit's hooks (``torch._dynamo.disable``'d in torch's ``_fsdp_common.py``: the root, the embedding,
+    each decoder layer, the tail), at transformers' ``capture_outputs`` (``next()`` on a dict key iterator, not
+    traceable) and then skips the decoder stack's loop (a graph break inside a loop falls back to eager), so
+    the rotary embedding, each layer, the final norm, the output class and the rest of the causal LM's forward
+    are frames of their own, started on tensors that eager code hands them. Marks on the inputs reach the first
+    frame only; each other frame compiled static and recompiled once on the second length (6 in the second step on
+    a 2-layer Llama, 8 in the first two steps with the 2 below). Shape-generic frames compile once.
+
+    The 2 recompiles that remain (both in the first step, none after): ``transformers.utils.deprecation``'s
+    ``deprecate_kwarg`` wraps the forwards of the causal LM, the model, the decoder layer and the attention, and
+    ``create_causal_mask``, in one ``wrapped_func`` code object, and dynamo keeps one cache per code object. Three
+    of them start frames: the causal LM's forward, the model's (a graph break inside it ends the causal LM's frame
+    at the call) and
+    ``create_causal_mask`` (called from the model's forward once that falls back to eager); the second and third
+    fail the earlier entries' guards on ``type(args[0])`` and ``len(args)``, which dynamo logs as recompiles. They
+    go only by not starting frames at those functions, which would take editing the model's code (DESIGN.md rule
+    5) or tracing FSDP2's hooks.
+
+    Returns:
+        The log line.
 
     Raises:
         ValueError: as :func:`check_compilable`.
     """
     check_compilable(model, plan)
     _configure_dynamo()
-    # What nn.Module.compile does (so FSDP2's and the loss's hooks still run through __call__), with the
-    # inputs' sequence dims marked dynamic before the compiled call when dynamic is unset.
+    # What nn.Module.compile does (so FSDP2's and the loss's hooks still run through __call__).
     if not compiled_call_slot():  # Guard: the private slot nn.Module.compile sets and __call__ runs
         raise RuntimeError(
             f"torch {torch.__version__}'s nn.Module.__call__ no longer runs _compiled_call_impl (what "
             "nn.Module.compile sets): the whole-model compile cannot install itself; set torch_compile_scope: regional, "
             "or use the torch docs/compatibility.md lists"
         )
-    compiled = torch.compile(model._call_impl, **plan.kwargs())
-    model._compiled_call_impl = (
-        _with_dynamic_seq(compiled, _MODEL_SEQ_DIMS) if plan.dynamic is None else compiled
+    kwargs = plan.kwargs()
+    if plan.dynamic is None:
+        kwargs["dynamic"] = True
+    model._compiled_call_impl = torch.compile(model._call_impl, **kwargs)
+    shapes = (
+        "shape-generic frames (dynamic=True: the frames between FSDP2's graph breaks cannot be marked)"
+        if plan.dynamic is None
+        else f"torch_compile_dynamic={plan.dynamic}"
     )
+    return f"whole-model compile (in place, after fully_shard): {shapes}"
 
 
 class _Counter(logging.Handler):

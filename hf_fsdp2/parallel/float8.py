@@ -7,8 +7,10 @@ bytes (half of bf16's traffic), and :func:`register_scale_precompute` computes t
 step for every layer in one pass (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), right after the step.
 
 What stays in bf16: the LM head, the embeddings, norms, MoE routers (small matmuls whose rounding moves the
-expert choice) and LoRA adapters (LoRA + FP8 is refused: ``hf_fsdp2.config.parse``), and linears whose dimensions
-are not multiples of 16 (``torch._scaled_mm`` cannot take them; listed in the log).
+expert choice) and LoRA adapters (LoRA + FP8 is refused: ``hf_fsdp2.config.parse``), linears whose dimensions
+are not multiples of 16 (``torch._scaled_mm`` cannot take them) and, with ``fp8_size_filter`` (the default),
+linears below torchao's size thresholds, where float8 is slower than bf16 (:func:`below_float8_size`: Llama-3-8B's
+``k_proj``/``v_proj``); both listed in the log.
 
 Why not accelerate's ``mixed_precision="fp8"`` (``AORecipeKwargs``): its ``prepare`` converts every ``nn.Linear``
 but the first and the last one of the model, routers and adapters included, after hf_fsdp2's activation
@@ -20,6 +22,7 @@ dtype of everything not converted.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,32 @@ FP8_DIM_MULTIPLE = 16
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 # Hopper (sm_90) is the first NVIDIA architecture with FP8 tensor cores torchao uses (Ada's sm_89 has them too).
 FP8_MIN_CAPABILITY = (8, 9)
+
+
+def below_float8_size(recipe: str, out_features: int, in_features: int) -> str | None:
+    """Why a linear of weight shape ``(out_features, in_features)`` (N, K) is faster in bf16 than in float8 under
+    ``recipe``; None when float8 pays.
+
+    torchao's auto filter (``torchao.float8._auto_filter_for_recipe``, which torchtitan's float8 converter applies
+    with ``filter_fqns = ["auto_filter_small_kn"]``), the same thresholds: a float8 linear casts its input, weight
+    and output gradient (an amax reduction, a scale and a cast each: memory-bound passes over M x K, N x K and
+    M x N elements) around each of its three matmuls, and below these sizes the matmuls' gain on FP8 tensor cores is
+    smaller than those passes cost (torchao's H100 benchmarks of each recipe). Rowwise scaling has a slower matmul
+    kernel and per-row scales, hence larger thresholds. At Llama-3-8B's shapes tensorwise keeps ``k_proj``/``v_proj``
+    (N = 1024, K = 4096) in bf16 and converts q/o (4096 x 4096), gate/up (14336 x 4096) and down (4096 x 14336).
+    """
+    n, k = out_features, in_features
+    if recipe == "rowwise":
+        if n <= 2048:
+            return "out_features <= 2048"
+        if k <= 1024:
+            return "in_features <= 1024"
+        if n <= 4096 and k <= 2048:
+            return "out_features <= 4096 and in_features <= 2048"
+        return None
+    if k <= 4096 and n <= 1024:
+        return "out_features <= 1024 and in_features <= 4096"
+    return None
 
 
 def float8_linear_config(plan: Float8Plan) -> Any:
@@ -104,6 +133,8 @@ class Float8Report:
     converted: list[str] = field(default_factory=list)
     shape_skipped: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # routers and adapters: bf16 by design
+    # below torchao's size thresholds (fp8_size_filter): (name, (out, in), the threshold that keeps it)
+    size_skipped: list[tuple[str, tuple[int, int], str]] = field(default_factory=list)
     float8_params: int = 0  # weight elements held as float8-cast weights
 
     def describe(self, plan: Float8Plan) -> str:
@@ -116,10 +147,29 @@ class Float8Report:
         if self.kept:
             lines.append(f"FP8: kept in bf16 (router/adapter): {', '.join(self.kept[:8])}"
                          f"{' ...' if len(self.kept) > 8 else ''}")  # fmt: skip
+        if self.size_skipped:
+            lines.append(
+                f"FP8: kept in bf16, below torchao's {plan.recipe} size thresholds (float8 is slower than bf16 there; "
+                f"fp8_size_filter=false converts them): {_by_layer_name(self.size_skipped)}"
+            )
         if self.shape_skipped:
             listed = ", ".join(f"{n} {s}" for n, s in self.shape_skipped)
             lines.append(f"FP8: left in bf16, dimensions not multiples of {FP8_DIM_MULTIPLE}: {listed}")
         return "\n".join(lines)
+
+
+def _by_layer_name(skipped: Sequence[tuple[str, tuple[int, int], str]]) -> str:
+    """``self_attn.k_proj (1024, 4096) x32, self_attn.v_proj (1024, 4096) x32 (out_features <= 1024 and ...)``: one
+    entry per name inside a decoder layer (everything up to the layer's index taken off) with the number of layers,
+    grouped by the threshold that keeps them, not 64 full names for a 32-layer model."""
+    groups: dict[str, dict[tuple[str, tuple[int, int]], int]] = {}
+    for name, shape, why in skipped:
+        inner = (re.sub(r"^.*?\.\d+\.", "", name), shape)
+        groups.setdefault(why, {})[inner] = groups.setdefault(why, {}).get(inner, 0) + 1
+    return "; ".join(
+        ", ".join(f"{inner} {shape} x{count}" for (inner, shape), count in names.items()) + f" ({why})"
+        for why, names in groups.items()
+    )
 
 
 def _in_decoder_layers(model: torch.nn.Module, layer_cls_names: Sequence[str]) -> list[str]:
@@ -127,19 +177,26 @@ def _in_decoder_layers(model: torch.nn.Module, layer_cls_names: Sequence[str]) -
     return [p + "." for p in prefixes]
 
 
-def plan_float8(model: torch.nn.Module, layer_cls_names: Sequence[str]) -> Float8Report:
+def plan_float8(
+    model: torch.nn.Module, layer_cls_names: Sequence[str], recipe: str, size_filter: bool
+) -> Float8Report:
     """Which linears :func:`convert_float8` converts: every ``nn.Linear`` inside a decoder layer whose dimensions
-    are multiples of 16, except routers and LoRA adapters. Nothing is changed."""
+    are multiples of 16, except routers and LoRA adapters and, with ``size_filter``, those below ``recipe``'s size
+    thresholds (:func:`below_float8_size`). Nothing is changed."""
     report = Float8Report()
     prefixes = _in_decoder_layers(model, layer_cls_names)
     for name, mod in model.named_modules():
         if type(mod) is not torch.nn.Linear or not any(name.startswith(p) for p in prefixes):
             continue
         leaf = name.rsplit(".", 1)[-1]
+        shape = (mod.out_features, mod.in_features)
+        small = below_float8_size(recipe, *shape) if size_filter else None
         if leaf in ROUTER_NAMES or "lora_" in name or ".base_layer" in name:
             report.kept.append(name)
         elif mod.in_features % FP8_DIM_MULTIPLE or mod.out_features % FP8_DIM_MULTIPLE:
-            report.shape_skipped.append((name, (mod.out_features, mod.in_features)))
+            report.shape_skipped.append((name, shape))
+        elif small is not None:
+            report.size_skipped.append((name, shape, small))
         else:
             report.converted.append(name)
             report.float8_params += mod.weight.numel()
@@ -156,7 +213,14 @@ def convert_float8(model: torch.nn.Module, layer_cls_names: Sequence[str], plan:
     """
     from torchao.float8 import convert_to_float8_training
 
-    report = plan_float8(model, layer_cls_names)
+    report = plan_float8(model, layer_cls_names, plan.recipe, plan.size_filter)
+    if not report.converted and report.size_skipped:
+        raise ConfigError(
+            f"mixed_precision=fp8 but every decoder-layer linear of {type(model).__name__} is below torchao's "
+            f"{plan.recipe} size thresholds, where float8 is slower than bf16 "
+            f"({_by_layer_name(report.size_skipped[:4])}); use mixed_precision=bf16, or fp8_size_filter=false to "
+            "convert them anyway (tests of FP8's numerics on small models)"
+        )
     if not report.converted:
         raise ConfigError(
             f"mixed_precision=fp8 but no decoder-layer linear of {type(model).__name__} can run in FP8 (dimensions "

@@ -108,8 +108,7 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
     model = shard_with_accelerate(accelerator, model, plan.layer_cls, frozen=plan.frozen)
     if plan.compile.enabled and plan.compile.scope == "model":
-        compile_model(model, plan.compile)
-        logger.info("whole-model compile (in place, after fully_shard)")
+        logger.info("%s", compile_model(model, plan.compile))
     return model
 
 

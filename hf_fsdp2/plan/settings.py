@@ -79,6 +79,8 @@ class PlanSettings:
         trust_remote_code: ``trust_remote_code``.
         fp8_all_gather: under ``mixed_precision=fp8``, FSDP2 all-gathers the float8 linears' weights in float8
             (``fp8_all_gather``; 1 byte per element instead of the compute dtype's).
+        fp8_recipe: ``fp8_recipe`` (its size thresholds decide which linears convert).
+        fp8_size_filter: ``fp8_size_filter``: linears below those thresholds stay in bf16.
     """
 
     world_size: int = 1
@@ -105,6 +107,8 @@ class PlanSettings:
     sync_each_microbatch: bool = True
     trust_remote_code: bool = False
     fp8_all_gather: bool = True
+    fp8_recipe: str = "tensorwise"
+    fp8_size_filter: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -262,4 +266,6 @@ class PlanSettings:
             sync_each_microbatch=f.fsdp_sync_each_microbatch,
             trust_remote_code=m.trust_remote_code,
             fp8_all_gather=t.float8_plan().all_gather if t.mixed_precision == "fp8" else True,
+            fp8_recipe=t.fp8_recipe,
+            fp8_size_filter=t.fp8_size_filter,
         )

@@ -99,7 +99,7 @@ def float8_weight_ids(model: torch.nn.Module, settings: PlanSettings) -> frozens
 
     if settings.mixed_precision != "fp8" or not settings.fp8_all_gather:
         return frozenset()
-    report = plan_float8(model, layer_classes(model, settings))
+    report = plan_float8(model, layer_classes(model, settings), settings.fp8_recipe, settings.fp8_size_filter)
     return frozenset(id(model.get_submodule(name).weight) for name in report.converted)
 
 
@@ -141,7 +141,7 @@ def float8_traffic(model: torch.nn.Module, settings: PlanSettings) -> Float8Traf
 
     if settings.mixed_precision != "fp8":
         return None
-    report = plan_float8(model, layer_classes(model, settings))
+    report = plan_float8(model, layer_classes(model, settings), settings.fp8_recipe, settings.fp8_size_filter)
     gathers = (2 if settings.reshard_after_forward else 1) * settings.gradient_accumulation_steps
     shards = settings.shard_size
     received = report.float8_params * (shards - 1) // shards * gathers

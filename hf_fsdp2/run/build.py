@@ -296,6 +296,8 @@ def build_optimizer(
     logger.info("%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s", split.describe(),
                 muon.lr, muon.momentum, " (Nesterov)" if muon.nesterov else "", muon.ns_steps,
                 muon.adjust_lr)  # fmt: skip
+    if (empty := split.warning()) is not None:
+        logger.warning("%s", empty)
     return optimizer
 
 

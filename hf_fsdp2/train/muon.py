@@ -29,6 +29,8 @@ import torch.distributed as dist
 logger = logging.getLogger("hf_fsdp2")
 
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn values
+# PEFT's LoRA factors (lora_A, lora_B, lora_embedding_A/B) and DoRA's magnitude: adapter tensors, never Muon's.
+LORA_NAME = ".lora_"
 
 
 def _torch_muon_pieces() -> tuple[
@@ -77,21 +79,54 @@ class ParamSplit:
     adamw_decay: list[tuple[str, torch.nn.Parameter]]
     adamw_no_decay: list[tuple[str, torch.nn.Parameter]]
 
+    @property
+    def lora(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The LoRA factors among AdamW's tensors (in the decay group, as under ``optim=adamw``)."""
+        return [(n, p) for n, p in self.adamw_decay if LORA_NAME in n]
+
     def describe(self) -> str:
-        """One log line: the two groups and their counts."""
+        """One log line: the two groups and their counts, the LoRA factors among AdamW's named."""
         count = lambda ps: sum(p.numel() for _, p in ps)  # noqa: E731
         adamw = self.adamw_decay + self.adamw_no_decay
+        lora = self.lora
+        adapters = (
+            f"; LoRA's A/B factors on AdamW: {len(lora)} tensors ({count(lora) / 1e6:.2f}M), low-rank r x d "
+            "halves of an update, not hidden weight matrices (Muon's)"
+            if lora
+            else ""
+        )
         return (
             f"optimizer Muon + AdamW: Muon on {len(self.muon)} decoder-layer matrices "
             f"({count(self.muon) / 1e6:.2f}M parameters), AdamW on {len(adamw)} tensors ({count(adamw) / 1e6:.2f}M: "
-            "embeddings, head, norms, biases, other non-2-D tensors)"
+            f"embeddings, head, norms, biases, other non-2-D tensors{adapters})"
+        )
+
+    def warning(self) -> str | None:
+        """The warning for a run whose Muon group is empty (LoRA alone trains): every tensor steps with AdamW."""
+        if self.muon or not self.lora:
+            return None
+        return (
+            "optim=muon with use_peft=true: every trainable tensor is a LoRA factor or outside the decoder-layer "
+            "matrices, so AdamW steps all of them (learning_rate; muon_lr and the muon_* keys do nothing) and this "
+            "run trains as optim=adamw would; Muon is for the hidden weight matrices of full fine-tuning (or "
+            "lora_modules_to_save inside the decoder layers)"
         )
 
 
 def split_params(model: torch.nn.Module, layer_cls: Iterable[str]) -> ParamSplit:
-    """Muon for the trainable 2-D matrices inside the decoder layers (LoRA's A and B there too), AdamW for the
-    rest: embeddings, the head (and a score head), norms, biases, 3-D expert tensors (torch.optim.Muon takes
-    2-D matrices only) and anything outside the layers. Matrices outside the layers decay under AdamW.
+    """Muon for the trainable 2-D hidden weight matrices inside the decoder layers, AdamW for the rest:
+    embeddings, the head (and a score head), norms, biases, 3-D expert tensors (torch.optim.Muon takes 2-D
+    matrices only), anything outside the layers, and LoRA's A/B factors. Matrices outside the layers and the
+    LoRA factors decay under AdamW (as under ``optim=adamw``).
+
+    LoRA's factors stay on AdamW: Keller Jordan's Muon ("an optimizer for the hidden weights"; everything else
+    AdamW) and Moonlight define Muon for a network's weight matrices, neither for adapter factors, and hf_fsdp2 does
+    not extend it to them. A layer's weight under LoRA is the frozen ``W`` plus ``B A``, and ``A``
+    (r x in) and ``B`` (out x r) are low-rank halves of that update, not hidden weight matrices. Orthogonalising
+    each factor's update sets its r singular values to one whatever the gradient's spectrum, does not orthogonalise
+    the update of ``B A`` (what the layer sees), and torch's learning-rate adjustments are derived from a full
+    matrix's shape (``original`` gives a 4096 x 16 ``B`` 16 times the rate of its 16 x 4096 ``A``). The learning
+    rates LoRA is known to train at are AdamW's.
 
     Args:
         model: the unsharded model (LoRA applied, if any).
@@ -112,7 +147,7 @@ def split_params(model: torch.nn.Module, layer_cls: Iterable[str]) -> ParamSplit
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim == 2 and id(param) in in_layers:
+        if param.ndim == 2 and id(param) in in_layers and LORA_NAME not in name:
             muon.append((name, param))
         else:
             (decay if param.ndim >= 2 else no_decay).append((name, param))
@@ -321,7 +356,7 @@ def build_muon_adamw(
     eps: float,
     device_type: str,
 ) -> tuple[MuonAdamW, ParamSplit]:
-    """The run's Muon + AdamW optimizer on the unsharded model (re-pointed at the shards by ``prepare_fsdp2``).
+    """The run's Muon + AdamW optimizer on the sharded model (built after ``parallelize``, as every optimizer is).
 
     Args:
         model: the model (LoRA applied, if any).

@@ -2,7 +2,8 @@
 
 - The attention parts equal the whole-sequence model (fp64) on Llama (GQA, sdpa and eager), Qwen3 (one KV head,
   repeated), Gemma2 (sliding window, soft-capped logits) and Mixtral (MoE), packed and padded, for cp 4 and for two
-  cp-2 groups holding different batches.
+  cp-2 groups holding different batches; and Llama's two rows of different documents under a flash kernel
+  (transformers' flash code, a stand-in flash-attn) equal the whole model under sdpa's block-diagonal mask.
 - The SFT recipe with cp 2 x dp_shard 2 trains the losses of flat FSDP2 over 4 ranks and of one process (fp32,
   accumulation, chat data whose target counts change every step), exports the same model, and resumes a flat
   checkpoint.
@@ -37,7 +38,7 @@ def test_attention_parts_equal_the_whole_sequence_on_every_family(tmp_path: Path
     ranks = json.loads((tmp_path / "result.json").read_text())
     assert len(ranks) == 4 and all("error" not in r for r in ranks), [r.get("error") for r in ranks]
     for results in ranks:
-        assert len(results) == 10  # 5 cases x (cp 4, cp 2)
+        assert len(results) == 12  # 6 cases x (cp 4, cp 2)
         for case, r in results.items():
             got, want = r["loss"]
             # fp64: rounding only. Gemma2's RMSNorm computes in fp32 whatever the dtype (its norm weights' gradients
@@ -47,6 +48,10 @@ def test_attention_parts_equal_the_whole_sequence_on_every_family(tmp_path: Path
             assert abs(got - want) <= tol * abs(want), case
             assert r["grad_rel"] <= tol, (case, r["grad_rel"])
             assert r["whole_sequences_diff"] == 0.0, case  # samples: the model's own kernel, untouched
+            # Flash: each rank's kernel ran over both whole rows (padded to 24), every document apart.
+            if "flash" in case:
+                assert r["flash_kinds"] == ["varlen"], case
+                assert r["cu_seqlens"] == [[0, 9, 17, 23, 24, 28, 40, 47, 48]], case
     lines = {case: r["line"] for case, r in ranks[0].items()}
     assert "repeated 4x before the all-to-all" in lines["qwen3_one_kv_head_packed/cp4"]
     assert "around the eager kernel" in lines["gemma2_sliding_softcap_packed/cp2"]

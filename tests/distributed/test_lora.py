@@ -203,7 +203,7 @@ def test_frozen_bf16_base_with_fp32_adapter_in_one_fsdp_unit(setup, tmp_path: Pa
 
 def test_rank0_only_loading_trains_the_same_adapter(setup, lora_run: Path, tmp_path: Path):
     """fsdp_cpu_ram_efficient_loading with LoRA: the other ranks build the PEFT model on meta and get rank 0's
-    weights and adapter init; the optimizer is re-pointed by name, so the run is the same run."""
+    weights and adapter init; the optimizer is built on the sharded parameters, so the run is the same run."""
     model_dir, data_file, _ = setup
     out = tmp_path / "rank0"
     torchrun(

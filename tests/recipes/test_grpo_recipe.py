@@ -404,6 +404,58 @@ def test_other_families_roll_out_train_and_export(assets, tmp_path, monkeypatch,
     )
 
 
+def test_every_rank_stops_at_the_end_ids_of_the_folders_generation_config(
+    assets, tmp_path, monkeypatch
+) -> None:
+    """A generation_config.json that makes every id but 100 an end token (config.json keeps the one </s>): rank 1
+    builds its model from config.json (fsdp_cpu_ram_efficient_loading, on by default here), yet every rank's
+    completions stop where plain generation with the folder's config stops, at their first end token (TRL's
+    union of the tokenizer's EOS and the generation config's ids); read per rank by the reward function."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fsdp2.methods.grpo.rollout import cut_at_eos, stop_token_ids
+
+    folder = make_tiny_llama_dir(tmp_path / "model", seed=3)
+    vocab = len(AutoTokenizer.from_pretrained(folder))
+    ends = [i for i in range(vocab) if not 100 <= i < 200]
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": ends}))
+    record = tmp_path / "completions.jsonl"
+    (tmp_path / "length_rewards.py").write_text(
+        "import json, os\n"
+        "def by_first(prompts, completions, completion_ids, **kw):\n"
+        f"    with open({str(record)!r}, 'a') as fh:\n"
+        "        fh.write(json.dumps({'rank': int(os.environ['RANK']), 'ids': [list(c) for c in completion_ids]}) + '\\n')\n"
+        "    return [float(c[0] % 7) for c in completion_ids]\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{assets['root']}")
+    args = _args({**assets, "model": folder}, tmp_path / "run", "--max_steps", "2",
+                 "--reward_funcs", "length_rewards:by_first", "--reward_weights", "1.0", "--export_verify",
+                 "false", *NO_SAVE)  # fmt: skip
+    torchrun(GRPO, args, nproc=2)
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    stops = stop_token_ids(
+        AutoTokenizer.from_pretrained(folder).eos_token_id, plain.generation_config.eos_token_id
+    )
+    assert stops == ends
+    seen: dict[int, list[list[int]]] = {0: [], 1: []}
+    for line in record.read_text().splitlines():
+        row = json.loads(line)
+        seen[row["rank"]] += row["ids"]
+    for rank, completions in seen.items():
+        # 2 steps of B x G completions per rank
+        assert len(completions) == 2 * B * G, (rank, len(completions))
+        lengths = [len(c) for c in completions]
+        # plain generation keeps every sampled token up to and including the first of the folder's end ids
+        assert lengths == [len(c) for c in cut_at_eos(_padded(completions), stops)], (rank, completions)
+        assert min(lengths) == 1, (rank, lengths)
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Completions of several lengths as one tensor (a pad that is no end id: 150)."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [150] * (width - len(r)) for r in rows])
+
+
 def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path, monkeypatch) -> None:
     """A reward function that returns None for every completion: at the third step without a usable reward every
     rank stops alike (exit status 2, one line naming the function; not a collapse blamed on the learning rate),

@@ -80,13 +80,14 @@ def server(assets: dict[str, Path]) -> Iterator[str]:
             proc.kill()
 
 
-def _generator(url: str, model: torch.nn.Module, eos: int, temperature: float = 0.9):  # type: ignore[no-untyped-def]
+def _generator(url: str, model: torch.nn.Module, eos: int, temperature: float = 0.9, **generation_kwargs):  # type: ignore[no-untyped-def]
     from hf_fsdp2.methods.grpo.rollout import SamplingSettings
     from hf_fsdp2.methods.grpo.vllm_client import ServerSettings, VllmClient, VllmGenerator
 
-    gen = VllmGenerator(model, VllmClient(ServerSettings(url, timeout=60)), eos_ids=[eos],
-                        settings=SamplingSettings(12, temperature=temperature), probe=([1, 450, 1996], [1354, 1701, 916]),
-                        compute_dtype="float32", device=torch.device("cpu"))  # fmt: skip
+    settings = SamplingSettings(12, temperature=temperature, generation_kwargs=generation_kwargs)
+    gen = VllmGenerator(model, VllmClient(ServerSettings(url, timeout=60)), eos_ids=[eos], settings=settings,
+                        probe=([1, 450, 1996], [1354, 1701, 916]), compute_dtype="float32",
+                        device=torch.device("cpu"))  # fmt: skip
     gen.connect()
     return gen
 
@@ -163,6 +164,26 @@ def test_sampled_logps_after_weight_syncs_equal_the_policys_and_the_probe_refuse
     assert float((after - before).abs().max()) > 100 * probe_bound(after, "float32", "float32", 2)
     with pytest.raises(VllmServerError, match="answers with other weights than the trainer's"):
         gen.check_probe()
+
+
+@needs_vllm
+def test_generation_kwargs_reach_the_engines_sampling_params(assets, server) -> None:
+    """generation_kwargs are vLLM SamplingParams fields with use_vllm (TRL's meaning): min_tokens 6 keeps every
+    completion from ending before 6 tokens, where the same rollout without it ends some earlier; a name the server's
+    SamplingParams lacks (transformers' suppress_tokens) is refused at connect, with the fields it has."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2.config import ConfigError
+
+    prompts, tok = _prompts(assets)
+    model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
+    plain = _generator(server, model, tok.eos_token_id).generate(prompts * 2, seed=4)
+    held = _generator(server, model, tok.eos_token_id, min_tokens=6).generate(prompts * 2, seed=4)
+    assert any(len(c) < 6 and c[-1] == tok.eos_token_id for c in plain), plain
+    assert all(len(c) >= 6 for c in held) and any(c[-1] == tok.eos_token_id for c in held), held
+    with pytest.raises(ConfigError, match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+                       r"SamplingParams .*whose fields are \[.*'min_tokens'"):  # fmt: skip
+        _generator(server, model, tok.eos_token_id, suppress_tokens=[5])
 
 
 def _args(assets: dict[str, Path], out: Path, url: str, *extra: str) -> list[str]:

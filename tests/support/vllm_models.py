@@ -40,3 +40,8 @@ def tiny_vllm_llama(folder: Path, *, tied: bool) -> Path:
     model.save_pretrained(folder)
     save_tokenizer(tok, folder)
     return folder
+
+
+# vLLM 0.32's LoRAConfig.max_lora_rank values (MaxLoRARanks); tests/recipes/test_eval_harness_vllm.py checks them
+# against the installed vLLM, the unit tests of the harness's model_args use them without it.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -159,7 +159,8 @@ TABLE = [
     ("cuda", "auto", False, False, frozenset(), False, "sdpa", False, False),
     ("cuda", "auto", None, True, frozenset(), False, "sdpa", True, False),  # packed rows: a mask per row
     ("cuda", "flex_attention", None, True, frozenset(), False, "flex_attention", False, False),
-    ("cuda", "flash_attention_2", None, True, FLASH, False, "flash_attention_2", False, False),
+    # rows of several documents under flash: one row (its varlen path finds documents only in a one-row batch)
+    ("cuda", "flash_attention_2", None, True, FLASH, True, "flash_attention_2", False, False),
     ("cpu", "auto", None, False, frozenset(), True, "sdpa", True, False),  # the probe; faster on CPU
     ("cpu", "sdpa", None, False, frozenset(), True, "sdpa", True, False),
     ("cpu", "eager", None, False, frozenset(), True, "eager", True, False),

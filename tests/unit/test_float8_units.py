@@ -1,5 +1,5 @@
 """``mixed_precision: fp8`` without processes: the e4m3/e5m2 bounds of one emulated float8 linear (forward and both
-gradients), what is converted and what stays bf16, the refusals (hardware, QLoRA, LoRA, TP, rank-0 loading,
+gradients), what is converted and what stays bf16 (torchao's size thresholds at Llama-3-8B's shapes), the refusals (hardware, QLoRA, LoRA, TP, rank-0 loading,
 rowwise all-gather), the export's unwrapping and the verification's float8 probe limit.
 
 The bound of a float8 cast (derivation in tests/distributed/test_float8.py): a tensorwise-scaled cast to a format
@@ -19,6 +19,7 @@ from hf_fsdp2.config.parse import parse_config
 from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 from hf_fsdp2.export.probe import FLOAT8_NOISE_RATIO, NOISE_MARGIN, live_float8, probe_limit
 from hf_fsdp2.parallel.float8 import (
+    below_float8_size,
     check_float8_hardware,
     convert_float8,
     fp8_hardware_problem,
@@ -74,7 +75,9 @@ def test_one_float8_linear_forward_and_gradients_within_the_e4m3_e5m2_bounds() -
             self.layers = torch.nn.ModuleList([model])
 
     wrap = Wrap()
-    report = convert_float8(wrap, ["Sequential"], Float8Plan(emulate=True, all_gather=False))
+    report = convert_float8(
+        wrap, ["Sequential"], Float8Plan(emulate=True, all_gather=False, size_filter=False)
+    )
     assert report.converted == ["layers.0.0"]
     x = torch.randn(8, 64) * torch.logspace(-3, 1, 64)  # values across decades: subnormal and normal ranges
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -101,7 +104,7 @@ def test_one_float8_linear_forward_and_gradients_within_the_e4m3_e5m2_bounds() -
 
 
 def test_plan_converts_decoder_linears_only() -> None:
-    report = plan_float8(Tiny(), ["Block"])
+    report = plan_float8(Tiny(), ["Block"], "tensorwise", size_filter=False)
     assert report.converted == [f"layers.{i}.{n}" for i in range(2) for n in ("q_proj", "up_proj")]
     assert report.kept == [f"layers.{i}.{n}" for i in range(2) for n in ("gate", "lora_A.default")]
     assert report.shape_skipped == [(f"layers.{i}.odd_proj", (24, 64)) for i in range(2)]
@@ -110,11 +113,69 @@ def test_plan_converts_decoder_linears_only() -> None:
     assert "layers.0.odd_proj (24, 64)" in text and "multiples of 16" in text
 
 
+LLAMA3_8B_LINEARS = {  # (out_features, in_features) inside each decoder layer
+    "self_attn.q_proj": (4096, 4096),
+    "self_attn.k_proj": (1024, 4096),
+    "self_attn.v_proj": (1024, 4096),
+    "self_attn.o_proj": (4096, 4096),
+    "mlp.gate_proj": (14336, 4096),
+    "mlp.up_proj": (14336, 4096),
+    "mlp.down_proj": (4096, 14336),
+}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_llama3_8b_keeps_k_and_v_in_bf16_as_torchao_does(recipe: str) -> None:
+    """At Llama-3-8B's shapes (two layers, on the meta device) torchao's size filter keeps k_proj/v_proj (N = 1024,
+    K = 4096) in bf16, where float8 is slower, and converts q/o/gate/up/down; the log line names what it kept."""
+    import transformers
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                                      num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = Float8Plan(recipe=recipe, all_gather=recipe == "tensorwise")
+    report = convert_float8(model, ["LlamaDecoderLayer"], plan)
+    for layer in model.model.layers:
+        kinds = {name: type(layer.get_submodule(name)) for name in LLAMA3_8B_LINEARS}
+        assert kinds == {
+            name: torch.nn.Linear if name.endswith(("k_proj", "v_proj")) else Float8Linear
+            for name in LLAMA3_8B_LINEARS
+        }
+    assert [name for name, _, _ in report.size_skipped] == [
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "v_proj")
+    ]
+    text = report.describe(plan)
+    assert f"FP8: kept in bf16, below torchao's {recipe} size thresholds" in text
+    assert "self_attn.k_proj (1024, 4096) x2, self_attn.v_proj (1024, 4096) x2" in text
+    assert "10 decoder-layer linears in float8" in text
+
+
+def test_size_rule_is_torchaos_auto_filter() -> None:
+    """below_float8_size states torchao's thresholds (torchao.float8._auto_filter_for_recipe) for both recipes: the
+    same answer on every shape of a grid around them, so a torchao that moves them fails here."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    sizes = [512, 1024, 1040, 2048, 2064, 4096, 4112, 8192, 14336]
+    for recipe in ("tensorwise", "rowwise"):
+        torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=[])
+        for n in sizes:
+            for k in sizes:
+                with torch.device("meta"):
+                    linear = torch.nn.Linear(k, n, bias=False)
+                assert (below_float8_size(recipe, n, k) is None) == torchao_filter(linear, "layers.0.proj"), (
+                    recipe,
+                    n,
+                    k,
+                )
+
+
 def test_convert_swaps_only_the_planned_linears() -> None:
     from torchao.float8.float8_linear import Float8Linear
 
     model = Tiny()
-    convert_float8(model, ["Block"], Float8Plan(emulate=True))
+    convert_float8(model, ["Block"], Float8Plan(emulate=True, size_filter=False))
     assert isinstance(model.layers[0].q_proj, Float8Linear)
     for kept in (
         model.layers[0].gate,
@@ -138,6 +199,12 @@ def test_nothing_convertible_is_refused() -> None:
     model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(24, 24))])
     with pytest.raises(ConfigError, match="no decoder-layer linear.*multiples of 16"):
         convert_float8(model, ["Sequential"], Float8Plan(emulate=True))
+    # every linear below torchao's thresholds: refused by name, with the knob that converts them anyway
+    model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 64))])
+    with pytest.raises(
+        ConfigError, match="below torchao's tensorwise size thresholds.*fp8_size_filter=false"
+    ):
+        convert_float8(model, ["Sequential"], Float8Plan(emulate=True))
 
 
 def test_hardware_refusals() -> None:
@@ -155,7 +222,8 @@ def test_hardware_refusals() -> None:
 
 
 def test_config_keys_and_refusals() -> None:
-    assert TrainArgs(mixed_precision="fp8").float8_plan() == Float8Plan("tensorwise", False, True)
+    assert TrainArgs(mixed_precision="fp8").float8_plan() == Float8Plan("tensorwise", False, True, True)
+    assert TrainArgs(mixed_precision="fp8", fp8_size_filter=False).float8_plan().size_filter is False
     assert TrainArgs(mixed_precision="fp8", fp8_recipe="rowwise").float8_plan().all_gather is False
     with pytest.raises(ConfigError, match="fp8_all_gather=true with fp8_recipe=rowwise.*tensorwise"):
         TrainArgs(output_dir="o", mixed_precision="fp8", fp8_recipe="rowwise", fp8_all_gather=True).validate()
@@ -208,7 +276,11 @@ def test_memory_plan_counts_float8_weights_and_all_gather_savings() -> None:
         "seq_len": 32,
         "device_type": "cpu",
         "gradient_accumulation_steps": 2,
+        "fp8_size_filter": False,  # these linears are all below torchao's thresholds
     }
+    # with the size filter (the default) the planner keeps them in bf16 as the run does: nothing in float8
+    filtered = plan_memory(config, PlanSettings(**{**base, "fp8_size_filter": True}, mixed_precision="fp8"))
+    assert filtered.float8 is not None and filtered.float8.linears == 0
     bf16 = plan_memory(config, PlanSettings(**base, mixed_precision="bf16"))
     fp8 = plan_memory(config, PlanSettings(**base, mixed_precision="fp8"))
     assert bf16.float8 is None and fp8.float8 is not None

@@ -119,6 +119,12 @@ def test_vllm_keys_trl_defaults_and_refusals() -> None:
         GrpoArgs(vllm_request_timeout=0.0).validate()
 
 
+# Some of vLLM 0.32's SamplingParams fields, as a server's /health lists them (tests/recipes/test_grpo_vllm_server.py
+# reads the real list).
+FAKE_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "min_tokens", "bad_words",
+                        "logit_bias", "max_tokens", "logprobs")  # fmt: skip
+
+
 class Fake:
     """A stand-in server: /health answers as the real one, the rest as ``behaviour`` says."""
 
@@ -144,6 +150,7 @@ class Fake:
                         "protocol": PROTOCOL,
                         "dtype": "float32",
                         "weights_version": fake.version,
+                        "sampling_fields": list(FAKE_SAMPLING_FIELDS),
                     }
                 )
 
@@ -183,10 +190,12 @@ def fake(request: pytest.FixtureRequest) -> Iterator[Fake]:
     server.server.shutdown()
 
 
-def _generator(url: str, model: torch.nn.Module | None = None, **kw: float) -> VllmGenerator:
+def _generator(
+    url: str, model: torch.nn.Module | None = None, settings: SamplingSettings | None = None, **kw: float
+) -> VllmGenerator:
     model = model or torch.nn.Linear(2, 2)
     client = VllmClient(ServerSettings(url, **kw))
-    gen = VllmGenerator(model, client, eos_ids=[2], settings=SamplingSettings(4), probe=([1], [2]),
+    gen = VllmGenerator(model, client, eos_ids=[2], settings=settings or SamplingSettings(4), probe=([1], [2]),
                         compute_dtype="float32", device=torch.device("cpu"))  # fmt: skip
     gen.check_probe = lambda: 0.0  # type: ignore[method-assign]  # a Linear has no log-probs; the real one: recipes
     return gen
@@ -275,6 +284,186 @@ def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_
     gen.generate([[1]], seed=0)
     assert gen.version == 2 and fake.version == 2
     assert push_weights(model, gen.client, 3) == len(list(model.parameters()))
+
+
+class _WorkerProcess:
+    """One worker of vLLM's engine as ``collective_rpc`` reaches it (the worker wrapper): its in-place reload and its
+    model runner's model (no tied head)."""
+
+    def __init__(self, reads: int | None = None) -> None:
+        self.loaded: list[dict[str, torch.Tensor]] = []
+        self.reads = reads  # a loader that stops reading after this many tensors
+        self.model_runner = type("Runner", (), {"get_model": lambda _: torch.nn.Module()})()
+
+    def reload_weights(
+        self, weights_iterator: Iterator[tuple[str, torch.Tensor]], is_checkpoint_format: bool
+    ) -> None:
+        assert is_checkpoint_format
+        import itertools
+
+        self.loaded.append(dict(itertools.islice(weights_iterator, self.reads)))
+
+
+class _TensorParallelLLM:
+    """vLLM's ``LLM`` over its multi-process executor (``--tensor-parallel-size 2``): the executor has no
+    ``driver_worker`` (only the single-process one has), and ``collective_rpc`` sends the function by value
+    (cloudpickle) and its arguments pickled to every worker process, returning each worker's answer."""
+
+    def __init__(self, workers: list[_WorkerProcess]) -> None:
+        self.workers = workers
+        self.llm_engine = type("Engine", (), {"model_executor": object()})()
+        self.resets = 0
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+        import pickle
+
+        import cloudpickle
+
+        sent = cloudpickle.dumps(method), pickle.dumps((args, kwargs or {}))
+        answers = []
+        for worker in self.workers:
+            fn, (a, kw) = cloudpickle.loads(sent[0]), pickle.loads(sent[1])
+            answers.append(fn(worker, *a, **kw))
+        return answers
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+def test_a_commit_reaches_every_worker_of_a_tensor_parallel_engine() -> None:
+    """``hf-fsdp2 vllm-serve --tensor-parallel-size 2``: the staged tensors go to every worker through vLLM's
+    ``collective_rpc`` (each takes its shard of the full tensors), the answer counts the workers; a worker that
+    did not load them all fails the commit, and the engine keeps its version."""
+    from safetensors.torch import save
+
+    from hf_fsdp2.methods.grpo.vllm_server import Engine
+
+    sent = {"model.embed_tokens.weight": torch.randn(6, 4), "model.norm.weight": torch.randn(4)}
+
+    def engine(workers: list[_WorkerProcess]) -> Engine:
+        e = Engine.__new__(Engine)
+        e.llm, e.version, e.staged, e.lock = _TensorParallelLLM(workers), 0, {}, threading.Lock()
+        e.stage(save(dict(list(sent.items())[:1])))
+        e.stage(save(dict(list(sent.items())[1:])))
+        return e
+
+    workers = [_WorkerProcess(), _WorkerProcess()]
+    e = engine(workers)
+    answer = e.commit({"version": 1, "tensors": 2})
+    assert answer["weights_version"] == 1 and answer["workers"] == 2 and answer["loaded"] == 2
+    for w in workers:
+        assert len(w.loaded) == 1 and w.loaded[0].keys() == sent.keys()
+        assert all(torch.equal(w.loaded[0][k], v) for k, v in sent.items())
+    assert e.llm.resets == 1 and e.staged == {}
+    e = engine([_WorkerProcess(), _WorkerProcess(reads=1)])
+    with pytest.raises(
+        ValueError,
+        match=r"the engine's 2 workers loaded \[2, 1\] tensors of the 2 sent, so they no longer hold one model; the engine keeps version 0",
+    ):
+        e.commit({"version": 1, "tensors": 2})
+    assert e.version == 0
+
+
+def test_generation_kwargs_with_vllm_are_sampling_params_fields() -> None:
+    """With use_vllm, generation_kwargs are vLLM SamplingParams fields (TRL's meaning): accepted at start-up (the names
+    are checked against the engine's own fields once it answers), those with a key of their own or that the run sets
+    itself refused by name; without vLLM they stay GenerationConfig fields."""
+    vllm = {"reward_funcs": ["format"], "use_vllm": True}
+    for kwargs in ('{"min_tokens": 2, "bad_words": ["no"]}', '{"suppress_tokens": [5]}'):
+        GrpoArgs(**vllm, generation_kwargs=kwargs).validate()
+    with pytest.raises(
+        ConfigError, match=r"has \['min_tokens'\], not fields of transformers' GenerationConfig"
+    ):
+        GrpoArgs(reward_funcs=["format"], generation_kwargs='{"min_tokens": 2}').validate()
+    for kwargs, message in (('{"max_tokens": 3}', "sets 'max_tokens', which has a key of its own here: set "
+                             "max_completion_length instead"),
+                            ('{"n": 2}', "set num_generations instead"),
+                            ('{"seed": 1}', "set seed \\(each prompt's sampling seed derives from it\\) instead"),
+                            ('{"logprobs": 5}', "sets 'logprobs', which the run sets itself \\(it asks for the "
+                             "sampled tokens' log-probs"),
+                            ('{"stop_token_ids": [7]}', "the end ids are the tokenizer's EOS and "
+                             "generation_config.json's eos_token_id")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            GrpoArgs(**vllm, generation_kwargs=kwargs).validate()
+
+
+@pytest.mark.parametrize("fake", ["ok"], indirect=True)
+def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are_refused(fake: Fake) -> None:
+    """The server gets generation_kwargs with every /generate (greedy too: eval samples as the rollout, as the
+    transformers path applies them to both configs); a name its SamplingParams lacks stops the run at connect,
+    before any rollout, with the name and the fields it has."""
+    kwargs = {"min_tokens": 2, "bad_words": ["no"]}
+    gen = _generator(fake.url, settings=SamplingSettings(4, generation_kwargs=kwargs))
+    gen.connect()
+    gen.stale = False  # no weights to send: the stand-in model is a Linear
+    assert "SamplingParams also bad_words ['no'], min_tokens 2; importance sampling" in gen.describe()
+    gen.generate([[1, 3]], seed=1)
+    gen.generate([[1]], seed=0, greedy=True)
+    sent = [json.loads(body)["generation_kwargs"] for path, body in fake.bodies if path == "/generate"]
+    assert sent == [kwargs, kwargs]
+    plain = _generator(fake.url)
+    plain.connect()
+    plain.stale = False
+    plain.generate([[1]], seed=0)
+    assert json.loads(fake.bodies[-1][1])["generation_kwargs"] == {}
+    odd = _generator(
+        fake.url, settings=SamplingSettings(4, generation_kwargs={"suppress_tokens": [5], "stop": ["."]})
+    )
+    with pytest.raises(ConfigError, match=rf"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+                       rf"SamplingParams \({fake.url}\); with use_vllm they go to SamplingParams \(TRL's meaning\), "
+                       r"whose fields are \['bad_words', 'logit_bias', 'logprobs', "):  # fmt: skip
+        odd.connect()
+
+
+class _ColocateEngine:
+    """The in-process engine (vllm_server.Engine's requests) of one rank, recording what it is asked."""
+
+    dtype, version = "float32", 0
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "protocol": PROTOCOL, "dtype": "float32", "weights_version": 0,
+                "sampling_fields": list(FAKE_SAMPLING_FIELDS)}  # fmt: skip
+
+    def generate(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(req)
+        n = len(req["prompts"])
+        return {"completions": [[5, 2]] * n, "logprobs": [[-1.0, -2.0]] * n, "weights_version": self.version}
+
+
+def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm_mode colocate: the recipe's builder checks generation_kwargs against its engine's SamplingParams fields
+    before the first rollout, and every rollout request carries them (the engine is vllm_server.Engine, whose
+    generate applies them: tests/recipes/test_grpo_vllm_server.py)."""
+    from hf_fsdp2.methods.grpo import vllm_colocate
+
+    engine = _ColocateEngine()
+    monkeypatch.setattr(vllm_colocate, "require_vllm", lambda: None)
+    monkeypatch.setattr(vllm_colocate, "build_engine", lambda *a, **kw: engine)
+    g = GrpoArgs(reward_funcs=["format"], use_vllm=True, vllm_mode="colocate")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [1, 2]}
+
+    def build(kwargs: dict[str, Any]) -> Any:
+        return vllm_colocate.build_colocate_generator(
+            g, model, optimizer, tokenizer, [2], SamplingSettings(4, generation_kwargs=kwargs), "no",
+            torch.device("cpu"), "model", 64,
+        )  # fmt: skip
+
+    gen = build({"min_tokens": 3})
+    gen.stale = False
+    assert gen.generate([[1, 4]], seed=0) == [[5, 2]]
+    assert engine.requests[-1]["generation_kwargs"] == {"min_tokens": 3}
+    assert "SamplingParams also min_tokens 3" in gen.describe()
+    with pytest.raises(ConfigError, match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+                       r"SamplingParams \(in-process vLLM \(rank 0\)\)"):  # fmt: skip
+        build({"suppress_tokens": [1]})
 
 
 def test_probe_bound_scales_with_the_coarser_dtype() -> None:

@@ -101,6 +101,44 @@ def test_adapter_over_its_base_with_a_before_after_table(base: Path, tmp_path: P
     assert "Before: `" in (adapter / "README.md").read_text()
 
 
+def test_the_vllm_backend_is_given_the_adapters_lora_rank(base: Path, tmp_path: Path) -> None:
+    """lm-eval's vLLM backend defaults max_lora_rank to 16, and vLLM refuses an adapter above it: the model_args
+    carry the adapter's rank (r, or the largest rank_pattern value), rounded up to a value vLLM accepts; a rank
+    above all of them is refused before vLLM starts, naming the way out."""
+    from peft import LoraConfig, get_peft_model
+    from support.vllm_models import VLLM_LORA_RANKS
+
+    from hf_fsdp2.harness.models import resolve_model
+    from hf_fsdp2.harness.run import _model_args
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=32, lora_alpha=64, target_modules=["q_proj", "v_proj"]),
+    ).save_pretrained(adapter)
+    model = resolve_model(adapter)
+
+    def args(backend: str = "vllm") -> dict:  # type: ignore[type-arg]
+        return _model_args(model, backend, device="cpu", dtype="auto", lora_ranks=VLLM_LORA_RANKS)
+
+    assert args() == {"pretrained": str(base), "dtype": "float32", "enable_lora": True,
+                      "lora_local_path": str(adapter), "max_lora_rank": 32}  # fmt: skip
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for r, pattern, want in ((24, {}, 32), (8, {"q_proj": 100}, 128), (4, {"v_proj": 1}, 8), (300, {}, 320)):
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": r, "rank_pattern": pattern}))
+        assert args()["max_lora_rank"] == want, (r, pattern)
+    assert "max_lora_rank" not in args("hf")  # transformers' PEFT loading needs no bound
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({**config, "r": 8, "rank_pattern": {"q_proj": 600}})
+    )
+    with pytest.raises(
+        HarnessError, match=r"LoRA rank 600, above the largest max_lora_rank vLLM accepts \(512 of"
+    ):
+        args()
+    with pytest.raises(HarnessError, match="--backend hf"):
+        args()
+
+
 def test_checkpoint_is_exported_on_the_fly_and_removed_after(base: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     trained = make_tiny_llama_dir(tmp_path / "trained", seed=5)
     state = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).state_dict()

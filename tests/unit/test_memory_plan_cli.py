@@ -371,7 +371,9 @@ def test_the_plan_takes_the_layout_the_run_takes(model_dir, tmp_path):
         settings["padding_free"] is False and settings["attention"] == "sdpa" and not settings["dense_mask"]
     )
     cpt = PlanSettings.from_config(cfg, world_size=1, device_type="cuda", method=get_method("cpt"))
-    assert cpt.packing and cpt.padding_free is False  # CPT rows hold documents apart: a mask per row
+    # CPT rows hold documents apart; padding_free unset, which keeps the rows under sdpa: a mask per row.
+    assert cpt.packing and cpt.padding_free is None
+    assert not plan_memory(plan_config(model_dir), cpt).layout.padding_free
 
 
 def test_start_of_run_warning_uses_the_recommenders_headroom(model_dir, tmp_path, caplog, monkeypatch):

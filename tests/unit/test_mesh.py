@@ -84,7 +84,7 @@ def test_the_recipe_keys_win_over_the_launchers_parallelism_config(monkeypatch: 
 
 def test_the_prepare_reads_torchaos_presence_once(monkeypatch) -> None:
     """Accelerate's FSDP2 prepare asks is_torchao_available() twice per parameter (each a package-metadata read);
-    inside prepare_fsdp2's prepare the first answer is reused, and accelerate's own function is back afterwards."""
+    inside shard_with_accelerate's prepare the first answer is reused, and accelerate's own function is back afterwards."""
     from accelerate.utils import modeling
 
     from hf_fsdp2.parallel.accelerator import _torchao_checked_once

@@ -161,6 +161,44 @@ def test_load_model_in_bfloat16(tiny_dir: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "family, ends",
+    [
+        ("llama", [2, 2096, 2097]),  # ChatML's <|im_end|> and <|im_start|> beside </s>, as Qwen lists two
+        ("gemma2", [1, 106]),  # Gemma's <end_of_turn>
+        ("qwen3", None),  # no generation_config.json: derived from config.json, on every rank alike
+    ],
+)
+def test_a_model_built_from_its_config_reads_the_generation_config_beside_it(
+    tmp_path: Path, family: str, ends: list[int] | None
+) -> None:
+    """The ranks other than 0 under fsdp_cpu_ram_efficient_loading build the model from config.json
+    (empty_weights): its generation_config (GRPO's stop ids, the export's generation_config.json) must be the
+    folder's, as from_pretrained reads it on rank 0, not one derived from config.json."""
+    import json
+
+    from support.families import make_family_dir
+
+    folder = (
+        make_tiny_llama_dir(tmp_path / family)
+        if family == "llama"
+        else make_family_dir(tmp_path / family, family)
+    )
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if ends is not None:
+        (folder / "generation_config.json").write_text(
+            json.dumps(
+                {"bos_token_id": 1, "eos_token_id": ends, "do_sample": True, "top_k": 20, "temperature": 0.6}
+            )
+        )
+    loaded = load_model(str(folder))
+    built = load_model(str(folder), empty_weights=True)
+    assert next(built.parameters()).is_meta
+    want = ends if ends is not None else loaded.config.eos_token_id
+    assert loaded.generation_config.eos_token_id == built.generation_config.eos_token_id == want
+    assert built.generation_config.to_dict() == loaded.generation_config.to_dict()
+
+
 # ---------------------------------------------------------------------------------------------------
 # decoder_layer_classes, count_parameters
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from hf_fsdp2.train.muon import MuonAdamW, MuonSettings, _row_blocks, owner_rounds, split_params
+from hf_fsdp2.train.muon import (
+    MuonAdamW,
+    MuonSettings,
+    _row_blocks,
+    build_muon_adamw,
+    owner_rounds,
+    split_params,
+)
 
 
 class Block(nn.Module):  # a "decoder layer": Muon takes its matrices, AdamW its norm and bias
@@ -243,7 +250,9 @@ def test_bad_muon_values_are_refused_with_the_key(argv: list[str], message: str)
 
 
 def test_reward_score_head_and_lora_split() -> None:
-    """A reward model's score head is AdamW's; under LoRA only the adapters' matrices train, all on Muon."""
+    """A reward model's score head is AdamW's; under LoRA the adapters' A/B factors are AdamW's too (in its decay
+    group, as under optim=adamw), the built optimizer's AdamW groups hold every one of them, and the log line says
+    so; full matrices trained beside LoRA (lora_modules_to_save inside the layers) are still Muon's."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -252,10 +261,37 @@ def test_reward_score_head_and_lora_split() -> None:
     rm = LlamaForSequenceClassification(config)
     split = split_params(rm, ["LlamaDecoderLayer"])
     assert len(split.muon) == 14 and "score.weight" in [n for n, _ in split.adamw_decay]
+    full = split
     lora = get_peft_model(rm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+    factors = [
+        n for n, p in lora.named_parameters() if p.requires_grad and (".lora_A." in n or ".lora_B." in n)
+    ]
+    assert len(factors) == 8
     split = split_params(lora, ["LlamaDecoderLayer"])
-    assert len(split.muon) == 8 and all(".lora_" in n for n, _ in split.muon)
-    assert [n for n, _ in split.adamw_decay] == ["base_model.model.score.modules_to_save.default.weight"]
+    assert split.muon == []
+    assert [n for n, _ in split.adamw_decay] == [
+        *factors,
+        "base_model.model.score.modules_to_save.default.weight",
+    ]
+    assert [n for n, _ in split.lora] == factors
+    assert "Muon on 0 decoder-layer matrices" in split.describe()
+    assert "LoRA's A/B factors on AdamW: 8 tensors" in split.describe()
+    assert "trains as optim=adamw would" in str(split.warning())
+    optimizer, _ = build_muon_adamw(lora, ["LlamaDecoderLayer"], MuonSettings(lr=0.02, weight_decay=0.1), lr=1e-3,
+                                    betas=(0.9, 0.95), eps=1e-8, device_type="cpu")  # fmt: skip
+    adamw_ids = {id(p) for g in optimizer.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+    named = dict(lora.named_parameters())
+    assert all(id(named[n]) in adamw_ids for n in factors)
+    assert all(g["algorithm"] == "adamw" for g in optimizer.param_groups)
+    # a decoder-layer module trained in full beside LoRA is a hidden weight matrix: Muon's
+    rm2 = LlamaForSequenceClassification(config)
+    both = get_peft_model(rm2, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["down_proj"],
+                                          task_type="SEQ_CLS"))  # fmt: skip
+    split = split_params(both, ["LlamaDecoderLayer"])
+    assert len(split.muon) == 2 and all(".down_proj.modules_to_save." in n for n, _ in split.muon)
+    assert len(split.lora) == 4 and split.warning() is None
+    # full fine-tuning: no LoRA factor, nothing said about them
+    assert full.lora == [] and full.warning() is None and "LoRA" not in full.describe()
 
 
 def test_a_torch_without_the_private_muon_functions_is_refused_with_the_fix(

@@ -16,6 +16,18 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
             "do_sample": "(always sampled; eval is greedy)", "num_return_sequences": "num_generations"}  # fmt: skip
+# With use_vllm, generation_kwargs are vLLM SamplingParams fields (TRL's meaning); refused there: those with a key
+# of their own, and those the run sets itself (what the rollout, the probe and the importance sampling correction read).
+VLLM_OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
+                 "n": "num_generations", "seed": "seed (each prompt's sampling seed derives from it)"}  # fmt: skip
+_LOGPROBS = (
+    "it asks for the sampled tokens' log-probs, which the importance sampling correction and the probe read"
+)
+VLLM_RUN_KEYS = {"stop_token_ids": "the end ids are the tokenizer's EOS and generation_config.json's eos_token_id",
+                 "logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS, "logprob_token_ids": _LOGPROBS,
+                 "flat_logprobs": _LOGPROBS, "prompt_logprob_token_ids": _LOGPROBS, "prompt_logprob_start": _LOGPROBS,
+                 "output_kind": "the server reads each request's final output"}  # fmt: skip
 SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = (
     "token_truncate",
@@ -171,8 +183,9 @@ class GrpoArgs:
     generation_kwargs: str | None = field(
         default=None,
         metadata={
-            "help": "More transformers GenerationConfig fields, a mapping (YAML) or JSON object "
-            "(CLI), applied last: e.g. {suppress_tokens: [5]}.",
+            "help": "More sampling fields, a mapping (YAML) or JSON object (CLI), applied last: transformers "
+            "GenerationConfig fields (e.g. {suppress_tokens: [5]}), or with use_vllm vLLM SamplingParams fields "
+            "(e.g. {min_tokens: 2, bad_words: [...]}), as TRL.",
         },  # fmt: skip
     )
     chat_template_kwargs: str | None = field(
@@ -283,7 +296,7 @@ class GrpoArgs:
             self.min_p is None or 0 <= self.min_p <= 1,
             f"min_p={self.min_p} must be in [0, 1] (or unset: off)",
         )
-        sampling_kwargs(self.generation_kwargs)
+        sampling_kwargs(self.generation_kwargs, vllm=self.use_vllm)
         self.validate_vllm()
         json_mapping(self.chat_template_kwargs, "chat_template_kwargs")
         check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
@@ -335,17 +348,23 @@ def json_mapping(value: str | None, key: str) -> dict[str, Any]:
     return out  # type: ignore[return-value]
 
 
-def sampling_kwargs(value: str | None) -> dict[str, Any]:
-    """``generation_kwargs`` as a dict: fields of transformers' ``GenerationConfig`` without a key of their own.
+def sampling_kwargs(value: str | None, *, vllm: bool = False) -> dict[str, Any]:
+    """``generation_kwargs`` as a dict: fields of transformers' ``GenerationConfig`` without a key of their own, or
+    with ``vllm`` (TRL's meaning under ``use_vllm``) fields of vLLM's ``SamplingParams`` the run does not set itself;
+    their names are checked against the engine's own fields once it answers (:func:`check_vllm_fields`: the
+    trainer's Python may not import vLLM).
 
     Raises:
-        ConfigError: not a JSON object, a field GenerationConfig does not have, or one with a key of its own.
+        ConfigError: not a JSON object, a field GenerationConfig does not have, or one the run sets itself.
     """
     out = json_mapping(value, "generation_kwargs")
+    own, run = (VLLM_OWN_KEYS, VLLM_RUN_KEYS) if vllm else (OWN_KEYS, {})
     for name in out:
-        check(name not in OWN_KEYS, f"generation_kwargs sets {name!r}, which has a key of its own here: set "
-              f"{OWN_KEYS.get(name)} instead")  # fmt: skip
-    if out:
+        check(name not in own, f"generation_kwargs sets {name!r}, which has a key of its own here: set "
+              f"{own.get(name)} instead")  # fmt: skip
+        check(name not in run, f"generation_kwargs sets {name!r}, which the run sets itself ({run.get(name)}); "
+              "remove it")  # fmt: skip
+    if out and not vllm:
         from transformers import GenerationConfig
 
         known = set(GenerationConfig().to_dict())
@@ -353,3 +372,19 @@ def sampling_kwargs(value: str | None) -> dict[str, Any]:
         check(not unknown, f"generation_kwargs has {unknown}, not fields of transformers' GenerationConfig; see "
               "https://huggingface.co/docs/transformers/main_classes/text_generation")  # fmt: skip
     return out
+
+
+def check_vllm_fields(kwargs: dict[str, Any], fields: list[str] | None, engine: str) -> None:
+    """``generation_kwargs`` (with ``use_vllm``) against the fields of ``engine``'s vLLM ``SamplingParams``
+    (``fields``: as its server's /health lists them; None: an engine that does not list them).
+
+    Raises:
+        ConfigError: a name ``SamplingParams`` does not have, listed with the fields it has.
+    """
+    if not kwargs:
+        return
+    check(fields is not None, f"generation_kwargs={kwargs} with use_vllm: {engine} does not list its SamplingParams "
+          "fields; restart it with this checkout's `hf-fsdp2 vllm-serve`")  # fmt: skip
+    unknown = sorted(set(kwargs) - set(fields or ()))
+    check(not unknown, f"generation_kwargs has {unknown}, not fields of vLLM's SamplingParams ({engine}); with "
+          f"use_vllm they go to SamplingParams (TRL's meaning), whose fields are {sorted(fields or ())}")  # fmt: skip

@@ -169,7 +169,7 @@ def _build_grpo(
     )
     sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
                                 gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
-                                generation_kwargs=sampling_kwargs(g.generation_kwargs))  # fmt: skip
+                                generation_kwargs=sampling_kwargs(g.generation_kwargs, vllm=g.use_vllm))  # fmt: skip
     generator: Any
     colocate = g.use_vllm and g.vllm_mode == "colocate"
     if colocate:  # issue 42 item 6: an engine in each rank, the weights loaded in-process
@@ -241,8 +241,6 @@ def grpo_objective(cfg: Config) -> Objective:
         from hf_fsdp2.methods.grpo.vllm_colocate import require_vllm
 
         require_vllm()
-    check(not (g.use_vllm and g.generation_kwargs), f"generation_kwargs={g.generation_kwargs!r} with use_vllm: those "
-          "are transformers GenerationConfig fields, which the vLLM server does not take; remove them")  # fmt: skip
     check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
           f"{g.max_completion_length}: the prompt gets what is left")  # fmt: skip
     resolve_reward_functions(

@@ -112,7 +112,7 @@ class SamplingSettings:
     min_p: float | None = None
     generation_kwargs: Mapping[str, Any] = field(
         default_factory=dict
-    )  # GenerationConfig fields, applied last
+    )  # applied last: GenerationConfig fields here, SamplingParams fields with vLLM (vllm_client, vllm_server)
 
 
 def stop_token_ids(tokenizer_eos: int | None, model_eos: int | Sequence[int] | None) -> list[int]:

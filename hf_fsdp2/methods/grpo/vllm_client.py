@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.methods.grpo.config import check_vllm_fields
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
 
 logger = logging.getLogger("hf_fsdp2")
-PROTOCOL = 1  # vllm_server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
+PROTOCOL = 2  # vllm_server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
 START_HINT = (
     "start it with `hf-fsdp2 vllm-serve --model <the run's model_name_or_path> --port <vllm_server_port>`"
 )
@@ -122,7 +123,8 @@ class VllmClient:
             "prompts": [list(map(int, p)) for p in prompts], "seeds": list(seeds) if seeds is not None else None,
             "max_tokens": settings.max_completion_length, "temperature": settings.temperature,
             "top_p": settings.top_p, "top_k": settings.top_k, "min_p": settings.min_p or 0.0,
-            "repetition_penalty": settings.repetition_penalty, "greedy": greedy, "stop_token_ids": list(stop_ids)})  # fmt: skip
+            "repetition_penalty": settings.repetition_penalty, "greedy": greedy, "stop_token_ids": list(stop_ids),
+            "generation_kwargs": dict(settings.generation_kwargs)})  # fmt: skip
 
     def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
         return self._request("POST", "/logprobs", {"prompt": list(prompt), "completion": list(completion)})
@@ -243,7 +245,7 @@ class VllmGenerator:
         s = self.settings
         return (f"rollouts: the vLLM server at {self.client.url} ({self.server_dtype}), temperature {s.temperature:g}, "
                 f"top_p {s.top_p:g}, top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty "
-                f"{s.repetition_penalty:g}, stop ids {self.eos_ids}; importance sampling correction "
+                f"{s.repetition_penalty:g}, stop ids {self.eos_ids}{extra_sampling(s)}; importance sampling correction "
                 f"{self.correction or 'off'}")  # fmt: skip
 
     def mark_stale(self, *_: Any) -> None:
@@ -256,9 +258,19 @@ class VllmGenerator:
             "connecting to the vLLM server", self.client.wait_until_up, VllmServerError
         )
         self.server_dtype = str(info.get("dtype", "float32"))
+        self.check_sampling_fields(info)
         if collectives.rank() == 0:
             logger.info("vLLM server at %s: model %s, %s, weights version %s", self.client.url, info.get("model"),
                         self.server_dtype, info.get("weights_version"))  # fmt: skip
+
+    def check_sampling_fields(self, info: dict[str, Any]) -> None:
+        """``generation_kwargs`` against the engine's ``SamplingParams`` fields (``info``: its /health answer), before
+        the first rollout; every rank asks the same engine, so every rank raises alike.
+
+        Raises:
+            ConfigError: a field vLLM's ``SamplingParams`` does not have.
+        """
+        check_vllm_fields(dict(self.settings.generation_kwargs), info.get("sampling_fields"), self.client.url)
 
     def sync(self) -> None:
         """Send the policy's weights, then probe that the engine runs them (every rank)."""
@@ -354,6 +366,12 @@ class VllmGenerator:
         """The sampling log-probs kept since the last take, then forgotten."""
         out, self.pending = self.pending, []
         return out
+
+
+def extra_sampling(settings: SamplingSettings) -> str:
+    """The start-up line's note of the ``generation_kwargs`` the engine's ``SamplingParams`` also gets."""
+    extra = settings.generation_kwargs
+    return f", SamplingParams also {', '.join(f'{k} {v}' for k, v in sorted(extra.items()))}" if extra else ""
 
 
 def cut_at_eos_list(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:

@@ -45,6 +45,7 @@ from hf_fsdp2.methods.grpo.vllm_client import (
     VllmClient,
     VllmGenerator,
     VllmServerError,
+    extra_sampling,
     layer_groups,
 )
 
@@ -96,7 +97,8 @@ def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_
                  sleep_mode: bool) -> Any:  # fmt: skip
     """This rank's vLLM engine: :class:`~.vllm_server.Engine` (its generate, log-prob and tied-head code) built over
     the training processes' own torch.distributed group instead of a server's arguments."""
-    # The engine core in this process (not a child), so that its model is reachable for the in-place reload.
+    # The engine core in this process (not a child): collective_rpc runs the in-place reload on its worker here,
+    # consuming the gathered weights lazily.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -108,7 +110,6 @@ def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_
     from hf_fsdp2.methods.grpo.vllm_server import Engine
 
     engine = Engine.__new__(Engine)
-    engine.torch = torch
     saved = _keep_rng()  # vLLM seeds the process's global generators; the trainer's are put back
     try:
         engine.llm = LLM(
@@ -151,12 +152,9 @@ class LocalClient(VllmClient):
     def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         """The engine's in-place reload from ``weights`` (consumed lazily: one tensor at a time), then the tied head's
         CPU repack and the prefix cache dropped, as the server's commit."""
-        e = self.engine
-        with e.lock:
-            e._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            e._repack_tied_head()
-            e.llm.reset_prefix_cache()
-            e.version = version
+        # Tensor parallel size 1: the engine's one worker runs in this process, so the iterator stays lazy.
+        with self.engine.lock:
+            self.engine.load(weights, version)
 
 
 def load_weights(model: torch.nn.Module, client: LocalClient, version: int) -> int:
@@ -213,7 +211,7 @@ class ColocateGenerator(VllmGenerator):
         return (f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, {self.memory}, sleep "
                 f"mode {'on' if self.sleep_mode else 'off'}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
                 f"top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty {s.repetition_penalty:g}, stop ids "
-                f"{self.eos_ids}; importance sampling correction {self.correction or 'off'}")  # fmt: skip
+                f"{self.eos_ids}{extra_sampling(s)}; importance sampling correction {self.correction or 'off'}")  # fmt: skip
 
     def _wake(self) -> None:
         if self._asleep:
@@ -308,6 +306,7 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
                                   compute_dtype=compute, device=device, correction=correction,
                                   sleep_mode=g.vllm_enable_sleep_mode)  # fmt: skip
     generator.server_dtype = engine.dtype
+    generator.check_sampling_fields(engine.health())
     if torch.cuda.is_available():
         generator.memory = f"vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization:g}"
     generator._sleep()  # asleep until the first rollout (which loads the policy first)

@@ -11,13 +11,18 @@ that dies is a failed request, never a hung collective).
 Endpoints (every answer is JSON):
 
 - ``GET /health``: the model, the dtype, the weights' version (0: as loaded; then the trainer's update count).
-- ``POST /generate`` ``{prompts, seeds, max_tokens, temperature, top_p, top_k, greedy, stop_token_ids}``: one
-  completion per prompt, its token ids and each token's sampling log-prob (vLLM's ``processed_logprobs``: after
-  temperature, top-k and top-p, the distribution the token was drawn from), each prompt with its own seed.
+- ``POST /generate`` ``{prompts, seeds, max_tokens, temperature, top_p, top_k, greedy, stop_token_ids,
+  generation_kwargs}``: one completion per prompt, its token ids and each token's sampling log-prob (vLLM's
+  ``processed_logprobs``: after temperature, top-k and top-p, the distribution the token was drawn from), each prompt
+  with its own seed; ``generation_kwargs``: more ``SamplingParams`` fields (``/health`` lists them as
+  ``sampling_fields``).
 - ``POST /weights`` (body: safetensors bytes of some tensors, HF names): staged; ``POST /weights/commit``
   ``{version, tensors}``: the staged tensors loaded into the engine at once (vLLM's in-place reload, which fuses
   q/k/v and gate/up itself), the prefix cache dropped, the version set. Staging keeps one CPU copy of the weights
-  on the server side while an update arrives; the trainer sends one layer at a time and never holds them all.
+  on the server side while an update arrives; the trainer sends one layer at a time and never holds them all. The
+  load reaches every worker of the engine through vLLM's ``collective_rpc`` (:func:`load_in_worker`): in this
+  process at ``--tensor-parallel-size 1``, each worker process (which keeps its shard of each full tensor) above
+  it; the answer counts the workers and refuses a commit that any of them did not load whole.
 - ``POST /logprobs`` ``{prompt, completion}``: the log-prob of each completion token given what precedes it
   (temperature 1): the trainer's probe that the engine runs the weights it was sent.
 
@@ -33,10 +38,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-PROTOCOL = 1  # bumped when a request or answer changes shape; the client refuses another
+PROTOCOL = 2  # bumped when a request or answer changes shape; the client refuses another
 logger = logging.getLogger("hf_fsdp2.vllm_server")
 
 
@@ -44,12 +50,12 @@ class Engine:
     """The vLLM engine and the weights being staged."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        # In-process engine core: the model is reachable for the in-place reload, and no second process to orphan.
+        # In-process engine core: collective_rpc hands load_in_worker straight to the executor (which sends it to
+        # any worker processes by value), and no second process to orphan.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import torch
         from vllm import LLM
 
-        self.torch = torch
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             # vLLM's CPU backend reserves its KV cache from this variable (GiB); its default, 0.92 of the host's
@@ -72,28 +78,34 @@ class Engine:
         self.staged: dict[str, Any] = {}
         self.lock = threading.Lock()
 
-    def _runner(self) -> Any:
-        executor = self.llm.llm_engine.model_executor
-        return executor.driver_worker.worker.model_runner
+    def load(self, weights: Iterable[tuple[str, Any]], version: int, expected: int | None = None) -> int:
+        """``weights`` (HF names, full tensors) into every worker of the engine (:func:`load_in_worker` through
+        ``collective_rpc``, which works for every vLLM executor: the model lives in the workers, one per
+        tensor-parallel rank), the prefix cache dropped, the version set; the caller holds the lock. ``weights``
+        may be a lazy iterator at tensor parallel size 1 (the workers run in this process); above it, a list (it is
+        sent to each worker process). Returns the number of workers.
 
-    def _repack_tied_head(self) -> None:
-        """vLLM's CPU backend multiplies by the output head through a packed copy of its weight made at load time
-        (dispatch_cpu_unquantized_gemm); a tied head's weight is the embedding's, reloaded in place, but the reload
-        does not remake its packed copy, so the head kept the first weights (SmolLM2-135M: log-probs 8e-3 nats off
-        the sent weights' after an embedding update, 2e-5 once remade). Remade here."""
-        if self.torch.cuda.is_available():
-            return
-        model = self._runner().get_model()
-        head = getattr(model, "lm_head", None)
-        if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-            return
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        Raises:
+            ValueError: a worker loaded another number of tensors than ``expected`` (the version is kept).
+        """
+        counts = self.llm.collective_rpc(load_in_worker, args=(weights,))
+        if expected is not None and any(int(c) != expected for c in counts):
+            raise ValueError(
+                f"weights update {version}: the engine's {len(counts)} workers loaded {list(counts)} tensors of the "
+                f"{expected} sent, so they no longer hold one model; the engine keeps version {self.version} (the "
+                "trainer stops on it): restart hf-fsdp2 vllm-serve"
+            )
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return len(counts)
 
     def health(self) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        # The fields a request's generation_kwargs may name (the trainer checks them before its first rollout).
+        fields = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
         return {"status": "ok", "protocol": PROTOCOL, "model": self.model_path, "dtype": self.dtype,
-                "weights_version": self.version, "pid": os.getpid()}  # fmt: skip
+                "weights_version": self.version, "pid": os.getpid(), "sampling_fields": fields}  # fmt: skip
 
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -101,6 +113,13 @@ class Engine:
         prompts: list[list[int]] = req["prompts"]
         seeds = req.get("seeds") or [None] * len(prompts)
         greedy = bool(req.get("greedy"))
+        extra = dict(
+            req.get("generation_kwargs") or {}
+        )  # SamplingParams fields, applied last (TRL's meaning)
+        if isinstance(extra.get("structured_outputs"), dict):  # JSON carries its fields, as TRL takes them
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
         params = [
             SamplingParams(
                 max_tokens=int(req["max_tokens"]),
@@ -112,6 +131,7 @@ class Engine:
                 seed=seed,
                 logprobs=0,
                 stop_token_ids=list(req.get("stop_token_ids") or []),
+                **extra,
             )  # fmt: skip
             for seed in seeds
         ]
@@ -160,13 +180,49 @@ class Engine:
                     f"{self.version}"
                 )
             start = time.perf_counter()
-            self._runner().reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
-            self._repack_tied_head()
-            self.llm.reset_prefix_cache()
-            self.version = int(req["version"])
+            workers = self.load(list(staged.items()), int(req["version"]), expected=want)
             seconds = time.perf_counter() - start
-        logger.info("weights version %d loaded (%d tensors, %.2f s)", self.version, len(staged), seconds)
-        return {"weights_version": self.version, "loaded": len(staged), "seconds": seconds}
+        logger.info("weights version %d loaded (%d tensors into each of %d workers, %.2f s)", self.version,
+                    len(staged), workers, seconds)  # fmt: skip
+        return {
+            "weights_version": self.version,
+            "loaded": len(staged),
+            "workers": workers,
+            "seconds": seconds,
+        }
+
+
+def load_in_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> int:
+    """Run by ``collective_rpc`` in each worker of the engine (``worker``: vLLM's worker wrapper): the in-place reload
+    of ``weights`` (full tensors in checkpoint format: each tensor-parallel worker takes its shard, q/k/v and gate/up
+    fused by the model's loader), then the CPU backend's packed copy of a tied output head remade. Returns the
+    tensors it loaded.
+
+    vLLM's CPU backend multiplies by the output head through a packed copy of its weight made at load time
+    (dispatch_cpu_unquantized_gemm); a tied head's weight is the embedding's, reloaded in place, but the reload
+    does not remake its packed copy, so the head kept the first weights (SmolLM2-135M: log-probs 8e-3 nats off the
+    sent weights' after an embedding update, 2e-5 once remade). Everything it uses is imported inside: a worker
+    process receives the function by value (cloudpickle), not by importing this file.
+    """
+    import torch
+
+    loaded = 0
+
+    def counted() -> Iterator[tuple[str, Any]]:
+        nonlocal loaded
+        for item in weights:
+            loaded += 1
+            yield item
+
+    worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+    if not torch.cuda.is_available():
+        model = worker.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        if head is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return loaded
 
 
 def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:

@@ -2,11 +2,16 @@
 exactly its part of the whole-sequence model, in fp64, on every family and kernel listed, for cp = world (4) and for
 two cp groups of 2 that hold different batches. The loss summed over a group equals the whole batch's; the
 gradients summed over a group equal the whole batch's. Rank 0 writes ``<out>/result.json``.
+
+The flash case runs transformers' own flash code with a stand-in for flash-attn (tests/support/fake_flash.py)
+against the whole model under sdpa (its block-diagonal mask from the positions): two rows of different documents,
+which the flash path keeps apart only when it is handed their boundaries.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import traceback
@@ -15,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from support.fake_flash import StandInFlash
 
 from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence, whole_sequences
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
@@ -61,6 +67,14 @@ CASES = [
         "eager",
         True,
     ),  # fmt: skip
+    # Rows of several documents under a flash kernel: the all-to-all hands it every document's boundaries.
+    (
+        "llama_gqa_flash_packed",
+        "LlamaConfig",
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+        "flash_attention_2",
+        True,
+    ),
     (
         "mixtral_moe_sdpa_padded",
         "MixtralConfig",
@@ -77,15 +91,17 @@ CASES = [
 
 
 def batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
-    """Two rows of 23 tokens (not a multiple of 2 or 4: parts are padded); packed: documents of 9, 8 and 6 tokens;
-    padded: the second row right-padded after 15 tokens. Labels mask each row's first 3 tokens."""
+    """Two rows of 23 tokens (not a multiple of 2 or 4: parts are padded); packed: documents of 9, 8 and 6 tokens,
+    then of 4, 12 and 7; padded: the second row right-padded after 15 tokens. Labels mask each row's first 3 tokens."""
     g = torch.Generator().manual_seed(seed)
     rows, width = 2, 23
     ids = torch.randint(0, SMALL["vocab_size"], (rows, width), generator=g)
     labels = ids.clone()
     labels[:, :3] = -100
     if packed:
-        positions = torch.cat([torch.arange(9), torch.arange(8), torch.arange(6)]).expand(rows, width).clone()
+        positions = torch.stack(
+            [torch.cat([torch.arange(n) for n in lengths]) for lengths in ([9, 8, 6], [4, 12, 7])]
+        )
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
     mask = torch.ones(rows, width, dtype=torch.long)
     mask[1, 15:] = 0
@@ -93,15 +109,21 @@ def batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int) -> dict:
+def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int, flash: StandInFlash) -> dict:
     name, cls, extra, kernel, packed = case
     config = getattr(transformers, cls)(**SMALL, **extra)
     torch.manual_seed(0)
     # fp64, but MoE experts in fp32: torch's grouped_mm (transformers' experts kernel) has no fp64.
     dtype = torch.float32 if "moe" in name else torch.float64
-    whole = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kernel).to(dtype)
-    part = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kernel).to(dtype)
+    # A flash kernel: both built with sdpa (loading flash would look for flash-attn), the parts then run flash.
+    # Each model its own config (from_config keeps the object given): the parts' kernel is theirs alone.
+    loaded = "sdpa" if kernel.startswith("flash") else kernel
+    whole = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=loaded).to(dtype)
+    part = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=loaded
+    ).to(dtype)
     part.load_state_dict(whole.state_dict())
+    part.config._attn_implementation = kernel
     data = batch(seed, packed)
     plan = LossPlan()
     want = causal_lm_loss(
@@ -111,10 +133,12 @@ def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int)
     (want / tokens).backward()
     line = enable_context_parallel(part, group, cp)
     mine = shard_sequence(data, cp, index)
+    flash.calls.clear()
     got = causal_lm_loss(part, {k: v for k, v in mine.items() if k != "labels"}, mine["labels"], plan).ce_sum
     counts = torch.tensor([count_target_tokens(mine["labels"])])
     dist.all_reduce(counts, group=group)
     (got / tokens).backward()
+    calls = list(flash.calls)
     loss = got.detach().clone()
     dist.all_reduce(loss, group=group)
     worst = 0.0
@@ -125,8 +149,11 @@ def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int)
     # Whole sequences on every rank (eval samples): the model's own kernel, no all-to-all.
     with torch.no_grad(), whole_sequences(part):
         same = part(input_ids=data["input_ids"][:1, :9]).logits
+        whole.config._attn_implementation = kernel
         ref = whole(input_ids=data["input_ids"][:1, :9]).logits
     return {
+        "flash_kinds": sorted({c.kind for c in calls}),
+        "cu_seqlens": sorted({c.cu_seqlens for c in calls if c.cu_seqlens is not None}),
         "line": line,
         "tokens": [int(counts), tokens],
         "loss": [float(loss), float(want)],
@@ -145,10 +172,11 @@ def main() -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results: dict = {}
     try:
-        for case in CASES:
-            # cp = world: one group, one batch; cp = 2: two groups with different batches (seed by group).
-            results[f"{case[0]}/cp{world}"] = check(case, dist.group.WORLD, world, rank, seed=0)
-            results[f"{case[0]}/cp2"] = check(case, pairs[rank // 2], 2, rank % 2, seed=1 + rank // 2)
+        with StandInFlash().installed() as flash:
+            for case in CASES:
+                # cp = world: one group, one batch; cp = 2: two groups with different batches (seed by group).
+                results[f"{case[0]}/cp{world}"] = check(case, dist.group.WORLD, world, rank, 0, flash)
+                results[f"{case[0]}/cp2"] = check(case, pairs[rank // 2], 2, rank % 2, 1 + rank // 2, flash)
     except Exception:  # noqa: BLE001 - reported to the test
         results["error"] = traceback.format_exc()
     gathered: list = [None] * world

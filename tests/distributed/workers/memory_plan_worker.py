@@ -1,7 +1,7 @@
 """Worker for tests/distributed/test_memory_plan.py: measure what each rank really holds.
 
 Run under torchrun; every rank writes ``<out>/rank<r>.json``. For each model folder and each activation-
-checkpointing mode: load the model, shard it as a run does (``prepare_fsdp2``, bf16 mixed precision), run one
+checkpointing mode: load the model, shard it as a run does (``parallelize``, bf16 mixed precision), run one
 micro-batch through the run's loss with ``SavedTensorMeter`` around the forward (the bytes kept for backward),
 backward, an AdamW step; then sum the unique storages of the local parameter shards, gradient shards and
 optimizer state. A 3-row linear layer sharded alone shows the padded storage of ranks whose chunk is empty.
@@ -74,7 +74,7 @@ def measure(
     cp = collectives.cp_size()
     if cp > 1:  # as the run's build_model: the all-to-all attention before sharding
         enable_context_parallel(model, collectives.cp_group(), cp)
-    # offload is refused by build_accelerator on CPU (host memory already); prepare_fsdp2 applies it as asked.
+    # offload is refused by build_accelerator on CPU (host memory already); parallelize applies it as asked.
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=False))
     model = parallelize(model, acc, ParallelPlan(layer_cls, ac=sharding.ac))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
