@@ -41,7 +41,7 @@ Runners, in this order (TRL first: the baseline of every "x TRL"):
   batches); every runner uses sdpa, to which transformers gives a block-diagonal mask from the
   position_ids.
 * ``hf_fsdp2 <compile>:<ac>:<loss>`` (``--configs``): the library's own pieces in this process
-  (``prepare_fsdp2``, ``train_step``; bf16 compute, fp32 gradient reduction): eager vs regional compile,
+  (``parallelize``, ``train_step``; bf16 compute, fp32 gradient reduction): eager vs regional compile,
   activation checkpointing none / full / offload, plain vs chunked cross entropy.
 
 Measured per runner, over the ``--steps`` steps after ``--warmup`` (the clock runs from the end of step

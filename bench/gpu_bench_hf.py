@@ -1,5 +1,5 @@
 """gpu_bench.py's hf_fsdp2 runners: one ``compile:ac:loss`` configuration measured in this process, with
-the library's own pieces (``prepare_fsdp2``, ``train_step``) on the rows of `gpu_bench_work`.
+the library's own pieces (``parallelize``, ``train_step``) on the rows of `gpu_bench_work`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The work: a random-init Llama of ``--shape`` (``1b``: Llama-3.2-1B, hidden 2048,
 ``8b``: Llama-3-8B, hidden 4096, 32 layers, 32 / 8 KV heads, MLP 14336; ``tiny`` for ``--smoke``), sdpa, bf16 compute
 over fp32 sharded weights, AdamW, trained by the library's own pieces as a recipe builds them: the mesh
 (``resolve_mesh``: dp_shard x cp x tp = ``--procs``, default cp x tp: one data rank), tensor parallel
-(the family's plan), context parallel (``--cp-backend`` all_to_all or ring), ``prepare_fsdp2`` (activation
+(the family's plan), context parallel (``--cp-backend`` all_to_all or ring), ``parallelize`` (activation
 checkpointing ``--ac``, regional compile unless ``--eager``) and ``train_step`` (the chunked loss). Each data rank
 trains one row of ``--seq`` tokens per step, one causal sequence (what both backends run: no packing).
 

@@ -14,7 +14,7 @@ same tensors). The loss is hf_fsdp2's chunked cross entropy unless ``--loss plai
 compares the two loss paths with no checkpointing. Speed: forward+backward wall time per mode,
 alternating modes over ``--repeats`` rounds, medians, and the ratio to ``none``.
 
-Sharding (torchrun on gloo, one process per rank): the same model through ``prepare_fsdp2`` at each
+Sharding (torchrun on gloo, one process per rank): the same model through ``parallelize`` at each
 world size, one AdamW step, then each rank sums the bytes it holds locally: parameter shards, gradient
 shards, optimizer state (exp_avg, exp_avg_sq, step). The maximum over ranks is reported.
 """

@@ -5,7 +5,7 @@
 
 The model: a Llama-3.2-1B-shaped config built in code (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP
 8192, vocab 128256, tied embeddings; nothing downloaded), random init on the device in fp32, sharded as a run
-shards it (``build_accelerator`` + ``prepare_fsdp2``: one FSDP2 unit per decoder layer, bf16 compute, fp32
+shards it (``build_accelerator`` + ``parallelize``: one FSDP2 unit per decoder layer, bf16 compute, fp32
 reduction) at world size 1, AdamW, the run's loss (``plan_loss``: chunked cross entropy by default) on full
 rows of ``--seq`` random tokens, every token a target. For each activation-checkpointing mode (none, full,
 every_k, selective, offload on a GPU) a fresh model is built and:
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch = args.batch or 2
     args.seq = args.seq or (64 if args.smoke else 2048)
     args.steps = args.steps or (1 if args.smoke else 3)
-    # offload keeps layer inputs in pinned host memory: a GPU mode (prepare_fsdp2 applies it on CPU as asked).
+    # offload keeps layer inputs in pinned host memory: a GPU mode (parallelize applies it on CPU as asked).
     modes = (args.modes or "none,full,every_k,selective,offload").split(",")
 
     from hf_fsdp2.parallel.accelerator import build_accelerator

@@ -4,7 +4,7 @@
     python tests/gpu/offload_check.py --dry-run                   # any machine: parse the flags, build nothing
 
 Two runs of a random-init Llama built from a config (``--hidden``, ``--layers``; seed 0, fp32 master weights,
-bf16 compute, FSDP2 at world size 1 as ``prepare_fsdp2`` shards a run), ``--steps`` steps of the library's
+bf16 compute, FSDP2 at world size 1 as ``parallelize`` shards a run), ``--steps`` steps of the library's
 ``train_step`` on the same random rows of ``--batch`` x ``--seq`` tokens: ``activation_checkpointing: full``
 and ``offload`` (``full`` whose one saved tensor per layer, its input, goes to pinned host memory). Measured per
 run: ``torch.cuda.max_memory_allocated`` over the steps, the bytes the offload hooks copied to the host (counted

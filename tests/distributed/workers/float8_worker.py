@@ -1,4 +1,4 @@
-"""2-rank emulated FP8 through the library's path (convert_float8 -> prepare_fsdp2 -> finish_float8): per step, the
+"""2-rank emulated FP8 through the library's path (convert_float8 -> parallelize -> finish_float8): per step, the
 FP8 model's loss against an fp32 reference at the same weights with the bound derived in
 tests/distributed/test_float8.py, and the bytes FSDP2's all-gathers carry. Writes rank<r>.json to --out.
 
