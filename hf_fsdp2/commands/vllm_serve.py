@@ -3,7 +3,7 @@ like TRL's ``trl vllm-serve``.
 
 vLLM pins its own torch and an older transformers than the trainer's, so it lives in its own virtual environment
 (``.venv-vllm``, built by ``scripts/setup_vllm.sh``, which ``scripts/setup.sh`` runs). This command runs the server file
-(:mod:`hf_fsdp2.methods.grpo.vllm_server`) with that environment's Python: ``--python``, else ``HF_FSDP2_VLLM_PYTHON``,
+(:mod:`hf_fsdp2.methods.grpo.vllm.server`) with that environment's Python: ``--python``, else ``HF_FSDP2_VLLM_PYTHON``,
 else ``.venv-vllm/bin/python`` beside this checkout, else this Python when it has vLLM.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hf_fsdp2.commands.common import BadInput, Subparsers
 
-SERVER = Path(__file__).resolve().parents[1] / "methods" / "grpo" / "vllm_server.py"
+SERVER = Path(__file__).resolve().parents[1] / "methods" / "grpo" / "vllm" / "server.py"
 CHECKOUT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 

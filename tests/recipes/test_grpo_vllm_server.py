@@ -82,7 +82,7 @@ def server(assets: dict[str, Path]) -> Iterator[str]:
 
 def _generator(url: str, model: torch.nn.Module, eos: int, temperature: float = 0.9, **generation_kwargs):  # type: ignore[no-untyped-def]
     from hf_fsdp2.methods.grpo.rollout import SamplingSettings
-    from hf_fsdp2.methods.grpo.vllm_client import ServerSettings, VllmClient, VllmGenerator
+    from hf_fsdp2.methods.grpo.vllm.client import ServerSettings, VllmClient, VllmGenerator
 
     settings = SamplingSettings(12, temperature=temperature, generation_kwargs=generation_kwargs)
     gen = VllmGenerator(model, VllmClient(ServerSettings(url, timeout=60)), eos_ids=[eos], settings=settings,
@@ -132,7 +132,7 @@ def test_sampled_logps_after_weight_syncs_equal_the_policys_and_the_probe_refuse
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp2.methods.grpo.vllm_client import VllmServerError, probe_bound
+    from hf_fsdp2.methods.grpo.vllm.client import VllmServerError, probe_bound
 
     prompts, tok = _prompts(assets)
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)

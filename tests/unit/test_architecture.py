@@ -42,7 +42,9 @@ def _tree() -> dict[str, set[str]]:
             }
     for method in sorted((PACKAGE / "methods").iterdir()):
         if method.is_dir() and (method / "__init__.py").is_file():
-            tree[f"methods/{method.name}"] = {p.stem for p in method.glob("*.py") if p.name != "__init__.py"}
+            tree[f"methods/{method.name}"] = {
+                p.stem for p in method.glob("*.py") if p.name != "__init__.py"
+            } | {f"{p.name}/" for p in method.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     return tree
 
 

@@ -20,7 +20,7 @@ from hf_fsdp2.config import ConfigError
 from hf_fsdp2.methods.grpo.config import GrpoArgs
 from hf_fsdp2.methods.grpo.loss import GrpoSettings, grpo_loss_sums
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
-from hf_fsdp2.methods.grpo.vllm_client import (
+from hf_fsdp2.methods.grpo.vllm.client import (
     PROTOCOL,
     ServerSettings,
     VllmClient,
@@ -30,7 +30,7 @@ from hf_fsdp2.methods.grpo.vllm_client import (
     probe_bound,
     push_weights,
 )
-from hf_fsdp2.methods.grpo.vllm_is import ImportanceSampling, attach_sampling_logps, importance_ratio
+from hf_fsdp2.methods.grpo.vllm.importance import ImportanceSampling, attach_sampling_logps, importance_ratio
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
 SAMPLING = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, float("nan"), -2.0]])
@@ -337,7 +337,7 @@ def test_a_commit_reaches_every_worker_of_a_tensor_parallel_engine() -> None:
     did not load them all fails the commit, and the engine keeps its version."""
     from safetensors.torch import save
 
-    from hf_fsdp2.methods.grpo.vllm_server import Engine
+    from hf_fsdp2.methods.grpo.vllm.server import Engine
 
     sent = {"model.embed_tokens.weight": torch.randn(6, 4), "model.norm.weight": torch.randn(4)}
 
@@ -417,7 +417,7 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
 
 
 class _ColocateEngine:
-    """The in-process engine (vllm_server.Engine's requests) of one rank, recording what it is asked."""
+    """The in-process engine (server.Engine's requests) of one rank, recording what it is asked."""
 
     dtype, version = "float32", 0
 
@@ -436,9 +436,9 @@ class _ColocateEngine:
 
 def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
     """vllm_mode colocate: the recipe's builder checks generation_kwargs against its engine's SamplingParams fields
-    before the first rollout, and every rollout request carries them (the engine is vllm_server.Engine, whose
+    before the first rollout, and every rollout request carries them (the engine is server.Engine, whose
     generate applies them: tests/recipes/test_grpo_vllm_server.py)."""
-    from hf_fsdp2.methods.grpo import vllm_colocate
+    from hf_fsdp2.methods.grpo.vllm import colocate as vllm_colocate
 
     engine = _ColocateEngine()
     monkeypatch.setattr(vllm_colocate, "require_vllm", lambda: None)

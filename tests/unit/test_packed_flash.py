@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
 from support.fake_flash import StandInFlash
 from support.numerics import assert_same_maths
 from support.tiny import WORDS, write_chat_jsonl
@@ -35,6 +34,7 @@ from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods import parse_method_config
 from hf_fsdp2.methods.cpt.data import build_cpt_data
 from hf_fsdp2.methods.sft.data import build_sft_data
+from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss
 
 FLASH = "flash_attention_2"

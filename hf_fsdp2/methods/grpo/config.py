@@ -195,7 +195,7 @@ class GrpoArgs:
             "models), a mapping or JSON object: e.g. {enable_thinking: false}.",
         },  # fmt: skip
     )
-    # Issue 42 items 6-7 (helper "vllm"): vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm_*.py, docs/grpo.md).
+    # Issue 42 items 6-7 (helper "vllm"): vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm/, docs/grpo.md).
     use_vllm: bool = field(
         default=False, metadata={"help": "Sample the rollouts with vLLM (a server: hf-fsdp2 vllm-serve)."}
     )
@@ -304,7 +304,7 @@ class GrpoArgs:
               "weight per function")  # fmt: skip
 
     def validate_vllm(self) -> None:
-        """The vLLM keys' checks (colocate's vLLM import: at the run's start, vllm_colocate.require_vllm)."""
+        """The vLLM keys' checks (colocate's vLLM import: at the run's start, vllm/colocate.py:require_vllm)."""
         check(
             self.vllm_mode in ("server", "colocate"),
             f"vllm_mode={self.vllm_mode!r} is not server or colocate",

@@ -201,7 +201,9 @@ def grpo_loss_sums(
     ``entropies``: per-token entropies, summed over the mask for the ``entropy`` metric."""
     policy, kl, ratio = policy_terms(logps, old_logps, ref_logps, advantages, mask, settings)
     loss = policy if entropy_mask is None else policy * entropy_mask.to(policy.dtype)
-    if is_ratio is not None:  # vLLM's importance sampling correction (vllm_is.py): the surrogate, not the KL
+    if (
+        is_ratio is not None
+    ):  # vLLM's importance sampling correction (vllm/importance.py): the surrogate, not the KL
         loss = loss * is_ratio.to(loss.dtype)
     if settings.beta != 0.0:
         loss = loss + settings.beta * kl

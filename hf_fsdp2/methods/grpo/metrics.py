@@ -41,7 +41,7 @@ class Rollout:
     step: int = 0  # the step that sampled it
     sampling: dict[str, float] = field(
         default_factory=dict
-    )  # vLLM's importance sampling metrics (vllm_is.py)
+    )  # vLLM's importance sampling metrics (vllm/importance.py)
 
 
 @dataclass

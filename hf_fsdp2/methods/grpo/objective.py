@@ -30,7 +30,7 @@ from hf_fsdp2.methods.grpo.rewards import (
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings, TransformersGenerator, stop_token_ids
 from hf_fsdp2.methods.grpo.step import GrpoStepper, GrpoStepSettings, no_grad_logps
 from hf_fsdp2.methods.grpo.timing import TimedGenerator
-from hf_fsdp2.methods.grpo.vllm_client import build_vllm_generator
+from hf_fsdp2.methods.grpo.vllm.client import build_vllm_generator
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData
 from hf_fsdp2.run.method import Objective, step_settings
@@ -173,7 +173,7 @@ def _build_grpo(
     generator: Any
     colocate = g.use_vllm and g.vllm_mode == "colocate"
     if colocate:  # issue 42 item 6: an engine in each rank, the weights loaded in-process
-        from hf_fsdp2.methods.grpo.vllm_colocate import build_colocate_generator
+        from hf_fsdp2.methods.grpo.vllm.colocate import build_colocate_generator
 
         generator = build_colocate_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
                                              session.device, str(cfg.model.model_name_or_path), cfg.data.max_length)  # fmt: skip
@@ -238,7 +238,7 @@ def grpo_objective(cfg: Config) -> Objective:
     check(not (g.use_vllm and cfg.peft.use_peft), "use_vllm with use_peft is not built: the server would need the "
           "adapter merged into each layer before it is sent; train without LoRA, or without vLLM")  # fmt: skip
     if g.use_vllm and g.vllm_mode == "colocate":  # before any loading: this Python must import vLLM
-        from hf_fsdp2.methods.grpo.vllm_colocate import require_vllm
+        from hf_fsdp2.methods.grpo.vllm.colocate import require_vllm
 
         require_vllm()
     check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="

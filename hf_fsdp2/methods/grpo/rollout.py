@@ -112,7 +112,7 @@ class SamplingSettings:
     min_p: float | None = None
     generation_kwargs: Mapping[str, Any] = field(
         default_factory=dict
-    )  # applied last: GenerationConfig fields here, SamplingParams fields with vLLM (vllm_client, vllm_server)
+    )  # applied last: GenerationConfig fields here, SamplingParams fields with vLLM (vllm/client.py, vllm/server.py)
 
 
 def stop_token_ids(tokenizer_eos: int | None, model_eos: int | Sequence[int] | None) -> list[int]:

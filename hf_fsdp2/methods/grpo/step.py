@@ -54,7 +54,7 @@ from hf_fsdp2.methods.grpo.metrics import (
 )
 from hf_fsdp2.methods.grpo.rewards import RewardError, RewardFunction, combine, score_completions
 from hf_fsdp2.methods.grpo.rollout import Generator, is_clipped, rollout_seed
-from hf_fsdp2.methods.grpo.vllm_is import attach_sampling_logps
+from hf_fsdp2.methods.grpo.vllm.importance import attach_sampling_logps
 from hf_fsdp2.train.loss import LossPlan
 from hf_fsdp2.train.nonfinite import NonFiniteGuard
 from hf_fsdp2.train.step import (
@@ -262,7 +262,9 @@ class GrpoStepper:
             batch, self.generator, self.functions, self.tokenizer, s, number=number, device=self.device
         )
         roll.step = step
-        correction = getattr(self.generator, "correction", None)  # vLLM's importance sampling (vllm_is.py)
+        correction = getattr(
+            self.generator, "correction", None
+        )  # vLLM's importance sampling (vllm/importance.py)
         if self.layout.needs_old_logps or correction is not None:
             roll.old = [
                 no_grad_logps(self.model, r, s.temperature, self.device, self.plan) for r in roll.rows

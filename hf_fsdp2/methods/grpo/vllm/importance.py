@@ -98,7 +98,7 @@ class ImportanceSampling:
 
 def attach_sampling_logps(rows: Sequence[dict[str, torch.Tensor]], generator: object) -> None:
     """Each micro-batch row's vLLM sampling log-probs (``[B, T]`` like its completion mask), when ``generator``
-    kept them (:class:`~.vllm_client.VllmGenerator`); nothing otherwise."""
+    kept them (:class:`~.client.VllmGenerator`); nothing otherwise."""
     take = getattr(generator, "take_logps", None)
     if take is None:
         return

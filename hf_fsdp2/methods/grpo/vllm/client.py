@@ -1,10 +1,10 @@
 """The trainer's side of vLLM rollouts (``use_vllm: true``, ``vllm_mode: server``): HTTP requests to the server of
-:mod:`.vllm_server` (started by ``hf-fsdp2 vllm-serve``), a :class:`~.rollout.Generator` over it, and the weight
+:mod:`.server` (started by ``hf-fsdp2 vllm-serve``), a :class:`~.rollout.Generator` over it, and the weight
 sync after each optimizer update.
 
 - Completions: each rank sends its own prompts (no collective while the server works), one seed per prompt from
   the rollout's seed, and gets each completion's token ids and sampling log-probs (kept for the importance
-  sampling correction, :mod:`.vllm_is`).
+  sampling correction, :mod:`.importance`).
 - Weights: after an optimizer update, the next rollout first sends the policy to the server one decoder layer at a
   time: every rank all-gathers that layer's FSDP2 shards (``DTensor.full_tensor``, the same calls in the same order
   on every rank), rank 0 sends the full tensors (safetensors bytes) and frees them before the next layer; no rank
@@ -35,7 +35,7 @@ from hf_fsdp2.methods.grpo.config import check_vllm_fields
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
 
 logger = logging.getLogger("hf_fsdp2")
-PROTOCOL = 2  # vllm_server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
+PROTOCOL = 2  # server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
 START_HINT = (
     "start it with `hf-fsdp2 vllm-serve --model <the run's model_name_or_path> --port <vllm_server_port>`"
 )
@@ -231,7 +231,7 @@ class VllmGenerator:
                  correction: Any = None) -> None:  # fmt: skip
         self.model, self.client, self.eos_ids, self.settings = model, client, list(eos_ids), settings
         self.probe, self.compute_dtype, self.device = probe, compute_dtype, device
-        self.correction = correction  # vllm_is.ImportanceSampling, or None (no correction)
+        self.correction = correction  # importance.ImportanceSampling, or None (no correction)
         self.version = 0  # the weights version the server was last given by this trainer (0: none yet)
         self.stale = (
             True  # the server's weights are not (known to be) the policy's: sent before the next rollout
@@ -388,7 +388,7 @@ def build_vllm_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.
                          device: torch.device) -> VllmGenerator:  # fmt: skip
     """The GRPO recipe's vLLM generator from its keys (``g``: GrpoArgs), connected (every rank waits for the
     server, up to ``vllm_server_timeout``), marked stale by every optimizer update."""
-    from hf_fsdp2.methods.grpo.vllm_is import correction_from_keys, engine_dtype_name
+    from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
 
     client = VllmClient(ServerSettings(g.vllm_url, g.vllm_server_timeout, g.vllm_request_timeout))
     correction = correction_from_keys(g)

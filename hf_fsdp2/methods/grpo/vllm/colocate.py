@@ -12,12 +12,12 @@ into every rank's engine.
   (``DTensor.full_tensor``, the same calls in the same order on every rank) and hands it to its engine's in-place
   reload, which fuses q/k/v and gate/up itself and frees it before the next; no rank builds the whole model apart
   from its engine's own copy. The probe and the importance sampling correction are the server mode's
-  (:class:`~.vllm_client.VllmGenerator`): here every rank probes its own engine.
+  (:class:`~.client.VllmGenerator`): here every rank probes its own engine.
 - Memory: ``vllm_gpu_memory_utilization`` (TRL's default 0.3) of the GPU for each engine; with
   ``vllm_enable_sleep_mode`` the engine sleeps (level 1: weights to CPU memory, KV cache dropped) outside rollouts
   and wakes before the next. vLLM's CPU backend has no sleep mode (its sleep/wake_up log a warning and do nothing):
   on CPU the key is reported as ignored, and the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless set).
-- Failures: an engine that fails a request, a weight load or the probe raises :class:`~.vllm_client.VllmServerError`
+- Failures: an engine that fails a request, a weight load or the probe raises :class:`~.client.VllmServerError`
   on every rank at once (:func:`hf_fsdp2.collectives.run_on_all`); a rank whose engine failed mid-load still runs
   the remaining layers' gathers first, so no rank waits in a collective.
 """
@@ -39,7 +39,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
-from hf_fsdp2.methods.grpo.vllm_client import (
+from hf_fsdp2.methods.grpo.vllm.client import (
     PROBE_TEXT,
     ServerSettings,
     VllmClient,
@@ -53,7 +53,7 @@ logger = logging.getLogger("hf_fsdp2")
 CPU_KV_CACHE_GIB = (
     "1"  # VLLM_CPU_KVCACHE_SPACE unless set: vLLM's default (most of the host) starves the trainer
 )
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def run_command() -> str:
@@ -95,7 +95,7 @@ def _restore_rng(saved: tuple[Any, ...]) -> None:
 
 def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
                  sleep_mode: bool) -> Any:  # fmt: skip
-    """This rank's vLLM engine: :class:`~.vllm_server.Engine` (its generate, log-prob and tied-head code) built over
+    """This rank's vLLM engine: :class:`~.server.Engine` (its generate, log-prob and tied-head code) built over
     the training processes' own torch.distributed group instead of a server's arguments."""
     # The engine core in this process (not a child): collective_rpc runs the in-place reload on its worker here,
     # consuming the gathered weights lazily.
@@ -107,7 +107,7 @@ def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_
 
     from vllm import LLM
 
-    from hf_fsdp2.methods.grpo.vllm_server import Engine
+    from hf_fsdp2.methods.grpo.vllm.server import Engine
 
     engine = Engine.__new__(Engine)
     saved = _keep_rng()  # vLLM seeds the process's global generators; the trainer's are put back
@@ -128,7 +128,7 @@ def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_
 
 
 class LocalClient(VllmClient):
-    """The :class:`~.vllm_client.VllmClient` requests answered by this rank's engine in-process (the same request
+    """The :class:`~.client.VllmClient` requests answered by this rank's engine in-process (the same request
     bodies and answers as the server's endpoints)."""
 
     def __init__(self, engine: Any) -> None:
@@ -158,7 +158,7 @@ class LocalClient(VllmClient):
 
 
 def load_weights(model: torch.nn.Module, client: LocalClient, version: int) -> int:
-    """Every parameter's full tensor into this rank's engine, one at a time in :func:`~.vllm_client.layer_groups`'
+    """Every parameter's full tensor into this rank's engine, one at a time in :func:`~.client.layer_groups`'
     order (every rank calls it: each gather is a collective). Returns the tensors loaded.
 
     Raises:
@@ -193,7 +193,7 @@ def load_weights(model: torch.nn.Module, client: LocalClient, version: int) -> i
 
 
 class ColocateGenerator(VllmGenerator):
-    """:class:`~.vllm_client.VllmGenerator` over this rank's own engine: the weights loaded in-process by every rank,
+    """:class:`~.client.VllmGenerator` over this rank's own engine: the weights loaded in-process by every rank,
     every rank's engine probed; sleep/wake around the rollouts where vLLM offers it."""
 
     client: LocalClient
@@ -242,7 +242,7 @@ class ColocateGenerator(VllmGenerator):
         completion (every rank asks its own engine).
 
         Raises:
-            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.vllm_client.probe_bound`.
+            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.client.probe_bound`.
         """
         self._wake()
         prompt, completion, mine, bound, layers = self._probe_reference()
@@ -278,7 +278,7 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
                              device: torch.device, model_path: str, max_model_len: int) -> ColocateGenerator:  # fmt: skip
     """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine on
     ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update."""
-    from hf_fsdp2.methods.grpo.vllm_is import correction_from_keys, engine_dtype_name
+    from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
 
     require_vllm()
     correction = correction_from_keys(g)

@@ -4,7 +4,7 @@ engine, which the trainer's ranks ask for completions over HTTP and send new wei
 Started by ``hf-fsdp2 vllm-serve --model DIR --port N`` (:mod:`hf_fsdp2.commands.vllm_serve`), which runs this file
 with a Python that has vLLM (its own virtual environment, ``.venv-vllm``: vLLM pins a transformers older than the
 trainer's). This file imports nothing of hf_fsdp2 (the package's ``__init__`` files import the trainer's stack,
-which that environment does not have): it runs by path (``python -P vllm_server.py``), the standard library's HTTP
+which that environment does not have): it runs by path (``python -P server.py``), the standard library's HTTP
 server, JSON and safetensors bytes on the wire (no torch.distributed group between trainer and server, so a server
 that dies is a failed request, never a hung collective).
 
