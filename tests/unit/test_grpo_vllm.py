@@ -26,11 +26,11 @@ from hf_fsdp2.methods.grpo.vllm.client import (
     VllmClient,
     VllmGenerator,
     VllmServerError,
-    layer_groups,
     probe_bound,
     push_weights,
 )
 from hf_fsdp2.methods.grpo.vllm.importance import ImportanceSampling, attach_sampling_logps, importance_ratio
+from hf_fsdp2.parallel.gather import layer_groups
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
 SAMPLING = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, float("nan"), -2.0]])

@@ -33,6 +33,7 @@ import torch
 from hf_fsdp2 import collectives
 from hf_fsdp2.methods.grpo.config import check_vllm_fields
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
+from hf_fsdp2.parallel.gather import gathered_layers, layer_groups
 
 logger = logging.getLogger("hf_fsdp2")
 PROTOCOL = 2  # server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
@@ -138,29 +139,6 @@ class VllmClient:
         return self._request("POST", "/weights/commit", {"version": version, "tensors": count})
 
 
-def _clean(name: str) -> str:
-    """A parameter's checkpoint name: without the wrappers' parts (activation checkpointing, compile)."""
-    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(part, "")
-    return name
-
-
-def layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """The model's parameters in sending order: one group per decoder layer (``...layers.<i>.``), the rest (the
-    embeddings, the final norm, the head) in a last group; the same order on every rank (named_parameters')."""
-    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, param in model.named_parameters():
-        clean = _clean(name)
-        parts = clean.split(".")
-        key = "rest"
-        if "layers" in parts and parts.index("layers") + 1 < len(parts):
-            at = parts.index("layers") + 1
-            key = ".".join(parts[: at + 1])
-        groups.setdefault(key, []).append((clean, param))
-    rest = groups.pop("rest", [])
-    return [*groups.values(), *([rest] if rest else [])]
-
-
 def push_weights(model: torch.nn.Module, client: VllmClient, version: int) -> int:
     """Send every parameter's full tensor to the server, one layer at a time, and commit them as ``version`` (every
     rank calls it: each layer's all-gather is a collective; rank 0 sends). Returns the tensors sent.
@@ -169,18 +147,13 @@ def push_weights(model: torch.nn.Module, client: VllmClient, version: int) -> in
         VllmServerError: on every rank, when a request of rank 0 failed (the others keep gathering until the
             end, so that every rank runs the same collectives, then all raise).
     """
-    from torch.distributed.tensor import DTensor
-
     sender = collectives.rank() == 0
     error: str | None = None
     count = 0
-    for group in layer_groups(model):
-        tensors: dict[str, torch.Tensor] = {}
-        for name, param in group:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if sender:
-                tensors[name] = full.detach().to("cpu").contiguous()
-        count += len(group)
+    for layer in gathered_layers(layer_groups(model)):
+        tensors = {name: full.to("cpu").contiguous() for name, full in layer} if sender else {}
+        count += len(layer)
+        del layer
         if sender and error is None:
             try:
                 client.send(tensors)

@@ -46,8 +46,8 @@ from hf_fsdp2.methods.grpo.vllm.client import (
     VllmGenerator,
     VllmServerError,
     extra_sampling,
-    layer_groups,
 )
+from hf_fsdp2.parallel.gather import gathered_layers, layer_groups
 
 logger = logging.getLogger("hf_fsdp2")
 CPU_KV_CACHE_GIB = (
@@ -158,22 +158,19 @@ class LocalClient(VllmClient):
 
 
 def load_weights(model: torch.nn.Module, client: LocalClient, version: int) -> int:
-    """Every parameter's full tensor into this rank's engine, one at a time in :func:`~.client.layer_groups`'
-    order (every rank calls it: each gather is a collective). Returns the tensors loaded.
+    """Every parameter's full tensor into this rank's engine, a layer at a time in
+    :func:`~hf_fsdp2.parallel.gather.layer_groups`' order (every rank calls it: each gather is a collective). Returns
+    the tensors loaded.
 
     Raises:
         VllmServerError: on every rank, when some rank's engine failed the load (that rank first runs the gathers
             the others still make).
     """
-    from torch.distributed.tensor import DTensor
-
     groups = layer_groups(model)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for group in groups:
-            for name, param in group:
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                yield name, full.detach()
+        for layer in gathered_layers(groups):
+            yield from layer
 
     stream = tensors()
     error: str | None = None
