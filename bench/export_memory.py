@@ -150,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     model = load_model(args.model, empty_weights=rank != 0)
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = load_tokenizer(args.model)
-    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model)))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     # One training step first, so that the export runs as at the end of training (FSDP2 initialised,
     # optimizer state allocated), not right after loading.

@@ -44,7 +44,7 @@ def run_config(acc: Any, args: argparse.Namespace, item: str) -> dict[str, Any]:
     sharding = ShardingPlan(activation_checkpointing=ACPlan(ac, pin_memory=device.type == "cuda"))
     compile_plan = CompilePlan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
     model = parallelize(
-        model, acc, ParallelPlan(("LlamaDecoderLayer",), ac=sharding.ac, compile=compile_plan)
+        model, acc, ParallelPlan(layer_cls=("LlamaDecoderLayer",), ac=sharding.ac, compile=compile_plan)
     )
     opt = build_adamw(param_groups(model, 0.0), lr=LR, betas=BETAS, eps=EPS, device_type=device.type)
     if fp8 is not None:

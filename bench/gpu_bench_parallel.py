@@ -186,7 +186,9 @@ def worker(args: argparse.Namespace) -> None:
             if args.cp > 1
             else None
         )
-        plan = ParallelPlan(("LlamaDecoderLayer",), tp=tp, cp=cp, ac=sharding.ac, compile=compile_plan)
+        plan = ParallelPlan(
+            layer_cls=("LlamaDecoderLayer",), tp=tp, cp=cp, ac=sharding.ac, compile=compile_plan
+        )
         with logged_lines() as lines:  # the tp / cp lines parallelize logs, for the result
             model = parallelize(model, acc, plan)
         for line in lines:

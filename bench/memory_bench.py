@@ -112,7 +112,7 @@ def sharding_worker(args: argparse.Namespace) -> None:
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
-    model = parallelize(model, acc, ParallelPlan(("LlamaDecoderLayer",)))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=("LlamaDecoderLayer",)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(acc.process_index))
     loss_fn(model, ids, 1024).backward()

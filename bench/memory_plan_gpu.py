@@ -116,7 +116,7 @@ def measure_mode(
     model.config.use_cache = False
     layer_cls = decoder_layer_classes(model)
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=on_cuda))
-    model = parallelize(model, acc, ParallelPlan(layer_cls, ac=sharding.ac))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layer_cls, ac=sharding.ac))
     opt: torch.optim.Optimizer = build_adamw(
         param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
     )

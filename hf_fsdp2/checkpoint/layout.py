@@ -29,7 +29,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or resumed; the message says why and what to do."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerState:
     """Everything besides tensors that a resume needs."""
 

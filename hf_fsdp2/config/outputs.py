@@ -17,7 +17,7 @@ from hf_fsdp2.config.plans import (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExportArgs:
     """The consolidated HF folder written at the end, and the hub."""
 
@@ -125,7 +125,7 @@ class ExportArgs:
             )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ObserveArgs:
     """What the run reports: trackers, evaluation, profiling, debug switches (docs/observability.md)."""
 

@@ -37,7 +37,7 @@ SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs
 """The sections every method shares; a method's own section comes after them."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Config:
     """All settings of one run, one attribute per concern."""
 
@@ -243,8 +243,17 @@ def parse_config(
         raise ConfigError(
             f"unexpected command-line arguments {remaining}; every value needs a --key before it"
         )
-    cfg = Config(*sections[: len(SECTIONS)])
-    cfg.method = sections[len(SECTIONS)] if section is not None else None
+    model, data, train, fsdp, peft, export, observe = sections[: len(SECTIONS)]
+    cfg = Config(
+        model=model,
+        data=data,
+        train=train,
+        fsdp=fsdp,
+        peft=peft,
+        export=export,
+        observe=observe,
+        method=sections[len(SECTIONS)] if section is not None else None,
+    )
     cfg.validate()
     return cfg
 

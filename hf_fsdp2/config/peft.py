@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hf_fsdp2.config.plans import LoraSettings, check
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PeftArgs:
     """LoRA through PEFT (docs/lora.md): the adapter goes to output_dir, the merged model to output_dir/merged."""
 

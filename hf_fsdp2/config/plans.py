@@ -59,7 +59,7 @@ COMPILE_SCOPES = ("regional", "model")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompilePlan:
     """torch.compile settings; ``enabled=False`` means eager."""
 
@@ -89,7 +89,7 @@ CP_BACKENDS = ("auto", "all_to_all", "ring")
 # only (hf_fsdp2.parallel.ring.check_ring_settings refuses the rest at start-up, where the device and data are known).
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MeshPlan:
     """The device mesh of a run, in Accelerate's ``ParallelismConfig`` names: ``dp_replicate`` x ``dp_shard``
     (x ``tp`` x ``cp``) = world size. ``dp_replicate > 1`` is HSDP: parameters sharded over the ``dp_shard``
@@ -170,7 +170,13 @@ def resolve_mesh(
         s = world // (r * t * c)
     if cp_backend not in CP_BACKENDS:
         raise ConfigError(f"cp_backend={cp_backend!r} is not one of {', '.join(CP_BACKENDS)}")
-    mesh = MeshPlan(r, s, t, c, "all_to_all" if cp_backend == "auto" else cp_backend)
+    mesh = MeshPlan(
+        dp_replicate=r,
+        dp_shard=s,
+        tp=t,
+        cp=c,
+        cp_backend="all_to_all" if cp_backend == "auto" else cp_backend,
+    )
     if r > 1 and s * c == 1:
         raise ConfigError(
             f"dp_replicate_size={r} with dp_shard_size=1 replicates whole parameters on every rank (DDP), which "
@@ -258,7 +264,7 @@ def check_mesh(mesh: MeshPlan, *, heads: int | None, kv_heads: int | None, max_l
         split_heads(heads // mesh.tp, kv_heads // mesh.tp if kv_heads else None, mesh.cp)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """What :func:`build_accelerator` and :func:`~hf_fsdp2.parallel.parallelize.parallelize` apply; every field is explicit.
 
@@ -282,7 +288,7 @@ class ShardingPlan:
         return self.activation_checkpointing
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoraSettings:
     """The LoRA knobs of the recipe (see ``config.PeftArgs``)."""
 

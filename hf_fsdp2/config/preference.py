@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from hf_fsdp2.config.plans import check
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReferenceArgs:
     """The reference model of a preference objective: a frozen sharded copy, a precomputed table, or with LoRA the
     base with the adapter disabled."""

@@ -14,7 +14,7 @@ from hf_fsdp2.config.plans import (
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelArgs:
     """Which model and tokenizer to load, and how."""
 
@@ -61,7 +61,7 @@ class ModelArgs:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataArgs:
     """Where the training records come from and how they become token ids and loss masks."""
 

@@ -23,7 +23,7 @@ CANONICAL_COLUMNS = (
 """Column names a ``dataset_column_mapping`` may map to."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataSource:
     """One dataset to read: a hub id or a local file/folder, with its subset, split, revision and weight.
 
@@ -136,7 +136,11 @@ def resolve_sources(
             f"dataset_name={dataset_name!r}, dataset_mixture={entries!r}."
         )
     if dataset_name:
-        return [DataSource(dataset_name, dataset_config_name, dataset_split, dataset_revision)]
+        return [
+            DataSource(
+                name=dataset_name, subset=dataset_config_name, split=dataset_split, revision=dataset_revision
+            )
+        ]
     sources = [parse_source(entry, split=dataset_split) for entry in entries]
     described = [s.describe() for s in sources]
     duplicates = sorted({d for d in described if described.count(d) > 1})

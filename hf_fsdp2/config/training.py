@@ -22,7 +22,7 @@ from hf_fsdp2.config.plans import (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainArgs:
     """The optimisation loop, its schedule and where outputs go."""
 
@@ -264,7 +264,7 @@ class TrainArgs:
         return Float8Plan(self.fp8_recipe, self.fp8_emulate, gather, self.fp8_size_filter)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FSDPArgs:
     """How FSDP2 shards the model, activation checkpointing and torch.compile."""
 

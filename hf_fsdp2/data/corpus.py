@@ -66,7 +66,7 @@ def split_document(ids: Sequence[int], first: int, room: int) -> list[tuple[int,
         start, size = end - 1, room
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RowBuilder:
     """Fills rows of ``max_length`` tokens from documents, in order (``concat``), keeping what is carried over.
 
@@ -121,7 +121,7 @@ def concat_rows(
     documents: Iterable[list[int]], max_length: int, *, cross_document_attention: bool = False
 ) -> list[dict[str, Any]]:
     """Every document end to end in rows of exactly ``max_length`` tokens (but the last)."""
-    builder = RowBuilder(max_length, cross_document_attention)
+    builder = RowBuilder(max_length=max_length, cross_document_attention=cross_document_attention)
     rows: list[dict[str, Any]] = []
     for doc in documents:
         rows.extend(builder.add(doc))
@@ -184,7 +184,7 @@ class StreamingRows:
         cross_document_attention: bool = False,
     ) -> None:  # fmt: skip
         self.documents, self.tokenizer, self.text_column = documents, tokenizer, text_column
-        self.builder = RowBuilder(max_length, cross_document_attention)
+        self.builder = RowBuilder(max_length=max_length, cross_document_attention=cross_document_attention)
         self.epoch = 0
         self._source_state: dict[str, Any] | None = None
         self._resume_carry: list[int] = []

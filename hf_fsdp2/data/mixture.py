@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from hf_fsdp2.config import DataArgs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SFTData:
     """The tokenized training and evaluation sets and what it took to build them.
 
@@ -205,7 +205,9 @@ def build_sft_datasets(
         raise ValueError(
             f"The eval set ({description}) has no example; raise eval_split_fraction or fix the source."
         )
-    return SFTData(train, eval_set, all_stats, counts, description)
+    return SFTData(
+        train=train, eval=eval_set, stats=all_stats, train_counts=counts, eval_description=description
+    )
 
 
 _GREEN, _RESET = "\x1b[42;30m", "\x1b[0m"

@@ -133,7 +133,7 @@ def split_prompt(record: Mapping[str, Any], where: str) -> tuple[Any, Any, Any]:
     return prompt, chosen, rejected
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreferenceStats:
     """What tokenizing the pairs did: counts for the start-of-run summary."""
 
@@ -310,7 +310,9 @@ def tokenize_pairs(
         if margin is not None:  # a reward model's per-pair margin (TRL's optional column)
             pair["margin"] = margin
         pairs.append(pair)
-    return pairs, PreferenceStats(total, len(pairs), truncated, dropped, skipped)
+    return pairs, PreferenceStats(
+        pairs=total, kept=len(pairs), truncated=truncated, dropped=dropped, skipped=skipped
+    )
 
 
 @dataclass

@@ -44,7 +44,7 @@ from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools
 _PIPELINE_VERSION = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizeStats:
     """What `tokenize_dataset` did to one source, so that nothing is dropped or cut silently.
 

@@ -142,7 +142,15 @@ def tokenize_unpaired(
             continue
         examples.append({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": label,
                          "index": len(examples)})  # fmt: skip
-    return examples, PreferenceStats(total, len(examples), truncated, dropped, skipped, "records", "examples")
+    return examples, PreferenceStats(
+        pairs=total,
+        kept=len(examples),
+        truncated=truncated,
+        dropped=dropped,
+        skipped=skipped,
+        read="records",
+        unit="examples",
+    )
 
 
 def kl_groups(n: int, *, world_size: int, batch_size: int) -> list[list[int]]:

@@ -67,7 +67,11 @@ def run_doctor(
         try:
             settings = read_accelerate_config(accelerate_config)
         except ValueError as err:
-            accel.append(Finding("error", "accelerate config", str(accelerate_config), str(err)))
+            accel.append(
+                Finding(
+                    level="error", check="accelerate config", value=str(accelerate_config), message=str(err)
+                )
+            )
     processes = settings.get("num_processes")
     machines = int(settings.get("num_machines") or 1)
     per_node = int(processes) // machines if processes else None
@@ -80,7 +84,14 @@ def run_doctor(
         try:
             cfg = parse_method_config(recipe, recipe_argv)
         except (ConfigError, FileNotFoundError, ValueError) as err:
-            recipe_found.append(Finding("error", "recipe", " ".join(recipe_argv), str(err).splitlines()[0]))
+            recipe_found.append(
+                Finding(
+                    level="error",
+                    check="recipe",
+                    value=" ".join(recipe_argv),
+                    message=str(err).splitlines()[0],
+                )
+            )
     if settings:
         from hf_fsdp2.parallel.accelerator import describe_policy, mixed_precision_policy
 
@@ -89,9 +100,15 @@ def run_doctor(
         accel += fsdp_findings(settings, base)
         t, f = base.train, base.fsdp
         policy = describe_policy(mixed_precision_policy(t.mixed_precision, f.fsdp_reduce_dtype))
-        accel.append(Finding("ok", "FSDP2 mixed precision", t.mixed_precision, policy))
+        accel.append(
+            Finding(level="ok", check="FSDP2 mixed precision", value=t.mixed_precision, message=policy)
+        )
         offload = "parameters, gradients and AdamW state in host memory" if f.fsdp_cpu_offload else "off"
-        accel.append(Finding("ok", "FSDP2 CPU offload", str(f.fsdp_cpu_offload).lower(), offload))
+        accel.append(
+            Finding(
+                level="ok", check="FSDP2 CPU offload", value=str(f.fsdp_cpu_offload).lower(), message=offload
+            )
+        )
     if accelerate_config is not None:
         report.sections[f"accelerate config {accelerate_config}"] = accel
     if cfg is not None:
@@ -126,12 +143,19 @@ def _recipe_findings(
     try:  # the method's own checks of its keys, as its launch does before any work
         get_method(recipe).objective(cfg)
     except (ValueError, ImportError) as err:
-        return [Finding("error", "recipe", recipe, str(err).splitlines()[0])]
+        return [Finding(level="error", check="recipe", value=recipe, message=str(err).splitlines()[0])]
     try:
         model_config = read_model_config(m.model_name_or_path or "", revision=m.model_revision,
                                          trust_remote_code=m.trust_remote_code)  # fmt: skip
     except (PlanError, OSError, ValueError) as err:
-        return [Finding("error", "model", str(m.model_name_or_path), str(err).splitlines()[0])]
+        return [
+            Finding(
+                level="error",
+                check="model",
+                value=str(m.model_name_or_path),
+                message=str(err).splitlines()[0],
+            )
+        ]
     world = int(processes) if processes else (torch.cuda.device_count() if on_gpu else 1)
     budget = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
     found, plan = memory_findings(cfg, model_config, method=get_method(recipe), world=world, budget=budget,
@@ -148,6 +172,14 @@ def _recipe_findings(
         tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.model_name_or_path or "",
                                    revision=m.model_revision, trust_remote_code=m.trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
-        return [*out, Finding("error", "tokenizer", str(m.model_name_or_path), str(err).splitlines()[0])]
+        return [
+            *out,
+            Finding(
+                level="error",
+                check="tokenizer",
+                value=str(m.model_name_or_path),
+                message=str(err).splitlines()[0],
+            ),
+        ]
     out += data_findings(cfg, get_method(recipe), tokenizer)
     return out

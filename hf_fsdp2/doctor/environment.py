@@ -76,13 +76,21 @@ def version_findings(installed: Mapping[str, str | None] | None = None) -> list[
         found, floor = have.get(name), floors.get(name)
         if found is None:
             out.append(
-                Finding("error", name, "not installed", "hf_fsdp2 needs it", f"pip install '{name}>={floor}'")
+                Finding(
+                    level="error",
+                    check=name,
+                    value="not installed",
+                    message="hf_fsdp2 needs it",
+                    fix=f"pip install '{name}>={floor}'",
+                )
             )
         elif floor and release(found) < release(floor):
-            out.append(Finding("error", name, found, f"older than {floor}, the oldest release hf_fsdp2 declares",
-                               f"pip install '{name}>={floor}'"))  # fmt: skip
+            out.append(Finding(level="error", check=name, value=found, message=f"older than {floor}, the oldest release hf_fsdp2 declares",
+                               fix=f"pip install '{name}>={floor}'"))  # fmt: skip
         else:
-            out.append(Finding("ok", name, found, f">= {floor}" if floor else "installed"))
+            out.append(
+                Finding(level="ok", check=name, value=found, message=f">= {floor}" if floor else "installed")
+            )
     for issue in known_issues():
         found = have.get(issue["package"])
         if found is None:
@@ -91,8 +99,8 @@ def version_findings(installed: Mapping[str, str | None] | None = None) -> list[
             map(str, release(found))
         )  # a local label (+cu130) or dev build counts as its release
         if Version(plain) in SpecifierSet(issue["affected"]):
-            out.append(Finding("warning", f"{issue['package']} known bug", found,
-                               f"{issue['what']} ({issue['url']})", issue["fix"]))  # fmt: skip
+            out.append(Finding(level="warning", check=f"{issue['package']} known bug", value=found,
+                               message=f"{issue['what']} ({issue['url']})", fix=issue["fix"]))  # fmt: skip
     return out
 
 
@@ -104,28 +112,43 @@ def cuda_findings(asked_per_node: int | None, *, use_cpu: bool | None = None) ->
     if not torch.cuda.is_available():
         level = "warning" if use_cpu is False else "ok"
         note = "the accelerate config asks for GPUs (use_cpu: false): " if use_cpu is False else ""
-        out.append(Finding(level, "cuda", "not available", note + "every process runs on CPU with gloo (tests, the "
-                           f"demo); torch {torch.__version__}", "a CUDA build of torch on a GPU node" if note else ""))  # fmt: skip
+        out.append(Finding(level=level, check="cuda", value="not available", message=note + "every process runs on CPU with gloo (tests, the "
+                           f"demo); torch {torch.__version__}", fix="a CUDA build of torch on a GPU node" if note else ""))  # fmt: skip
         return out
     devices = torch.cuda.device_count()
     names = sorted({torch.cuda.get_device_name(i) for i in range(devices)})
-    out.append(Finding("ok", "cuda", f"{torch.version.cuda}", f"{devices} GPU(s): {', '.join(names)}"))
+    out.append(
+        Finding(
+            level="ok",
+            check="cuda",
+            value=f"{torch.version.cuda}",
+            message=f"{devices} GPU(s): {', '.join(names)}",
+        )
+    )
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        out.append(Finding("ok", "nccl", nccl, "the collectives' backend"))
+        out.append(Finding(level="ok", check="nccl", value=nccl, message="the collectives' backend"))
     except (AttributeError, RuntimeError) as err:
         out.append(
-            Finding("error", "nccl", "unavailable", f"torch.cuda.nccl: {err}", "a torch build with NCCL")
+            Finding(
+                level="error",
+                check="nccl",
+                value="unavailable",
+                message=f"torch.cuda.nccl: {err}",
+                fix="a torch build with NCCL",
+            )
         )
     if asked_per_node is not None and asked_per_node > devices:
-        out.append(Finding("error", "processes", f"{asked_per_node} per node, {devices} GPUs",
-                           "processes would share GPUs (out of memory, or NCCL refusing duplicate devices)",
-                           f"--num_processes {devices} per node"))  # fmt: skip
+        out.append(Finding(level="error", check="processes", value=f"{asked_per_node} per node, {devices} GPUs",
+                           message="processes would share GPUs (out of memory, or NCCL refusing duplicate devices)",
+                           fix=f"--num_processes {devices} per node"))  # fmt: skip
     elif asked_per_node is not None and asked_per_node < devices:
-        out.append(Finding("warning", "processes", f"{asked_per_node} per node, {devices} GPUs",
-                           f"{devices - asked_per_node} GPU(s) idle", f"--num_processes {devices} per node"))  # fmt: skip
+        out.append(Finding(level="warning", check="processes", value=f"{asked_per_node} per node, {devices} GPUs",
+                           message=f"{devices - asked_per_node} GPU(s) idle", fix=f"--num_processes {devices} per node"))  # fmt: skip
     elif asked_per_node is not None:
-        out.append(Finding("ok", "processes", f"{asked_per_node} per node", "one per GPU"))
+        out.append(
+            Finding(level="ok", check="processes", value=f"{asked_per_node} per node", message="one per GPU")
+        )
     return out
 
 
@@ -135,8 +158,8 @@ def debug_findings(environ: Mapping[str, str], machines: int = 1) -> list[Findin
     out = []
     if environ.get("NCCL_IB_DISABLE") == "1":
         ib = "collectives between nodes go over TCP sockets, not InfiniBand"
-        out.append(Finding("warning", "NCCL_IB_DISABLE", "1", ib, "unset it for multi-node runs") if machines > 1 else
-                   Finding("ok", "NCCL_IB_DISABLE", "1", "one node: NCCL uses NVLink / PCIe P2P / shared memory"))  # fmt: skip
+        out.append(Finding(level="warning", check="NCCL_IB_DISABLE", value="1", message=ib, fix="unset it for multi-node runs") if machines > 1 else
+                   Finding(level="ok", check="NCCL_IB_DISABLE", value="1", message="one node: NCCL uses NVLink / PCIe P2P / shared memory"))  # fmt: skip
     for name in sorted(environ):
         if name == "NCCL_IB_DISABLE" and environ[name] == "1":
             continue
@@ -146,9 +169,18 @@ def debug_findings(environ: Mapping[str, str], machines: int = 1) -> list[Findin
         values, level, cost = _DEBUG_COSTS.get(name, ((), "ok", _CHEAP))
         costly = bool(values) and ("" in values or value.upper() in values)
         if costly:
-            out.append(Finding(level, name, value, cost, f"unset {name} for training runs"))
+            out.append(
+                Finding(
+                    level=level, check=name, value=value, message=cost, fix=f"unset {name} for training runs"
+                )
+            )
         else:
             out.append(
-                Finding("ok", name, value, _CHEAP if name not in _DEBUG_COSTS else "set, at a cheap value")
+                Finding(
+                    level="ok",
+                    check=name,
+                    value=value,
+                    message=_CHEAP if name not in _DEBUG_COSTS else "set, at a cheap value",
+                )
             )
     return out

@@ -37,16 +37,27 @@ def memory_findings(
     except (PlanError, ConfigError, ValueError) as err:
         return [
             Finding(
-                "error", "memory plan", "not computed", str(err).splitlines()[0], "hf-fsdp2 plan says more"
+                level="error",
+                check="memory plan",
+                value="not computed",
+                message=str(err).splitlines()[0],
+                fix="hf-fsdp2 plan says more",
             )
         ], None
     peak = human_bytes(plan.peak)
     if budget is None:
-        return [Finding("ok", "memory plan", f"peak {peak} per rank at world size {world}",
-                        "no GPU here to compare with", "hf-fsdp2 plan --gpu_memory 80GB gives the fit")], plan  # fmt: skip
+        return [Finding(level="ok", check="memory plan", value=f"peak {peak} per rank at world size {world}",
+                        message="no GPU here to compare with", fix="hf-fsdp2 plan --gpu_memory 80GB gives the fit")], plan  # fmt: skip
     limit = (1 - DEFAULT_HEADROOM) * budget
     if plan.peak <= limit:
-        return [Finding("ok", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU", "fits")], plan
+        return [
+            Finding(
+                level="ok",
+                check="memory plan",
+                value=f"peak {peak} of {human_bytes(budget)} per GPU",
+                message="fits",
+            )
+        ], plan
     tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM,
                       context_parallel=bool(method is not None and method.capabilities.context_parallel))  # fmt: skip
     fitting = [c for c in tried if c.fits]
@@ -55,8 +66,8 @@ def memory_findings(
         if fitting
         else "nothing on the ladder fits: more GPUs (world size), LoRA (use_peft: true) or a smaller max_length"
     )  # fmt: skip
-    return [Finding("error", "memory plan", f"peak {peak} of {human_bytes(budget)} per GPU",
-                    f"does not fit with {int(DEFAULT_HEADROOM * 100)}% headroom", fix)], plan  # fmt: skip
+    return [Finding(level="error", check="memory plan", value=f"peak {peak} of {human_bytes(budget)} per GPU",
+                    message=f"does not fit with {int(DEFAULT_HEADROOM * 100)}% headroom", fix=fix)], plan  # fmt: skip
 
 
 def _existing(path: Path) -> Path:
@@ -94,20 +105,24 @@ def disk_findings(cfg: Config, plan: Any) -> list[Finding]:
     if free < need:
         return [
             Finding(
-                "error", "disk", value, what, "free space, another output_dir, or a lower save_total_limit"
+                level="error",
+                check="disk",
+                value=value,
+                message=what,
+                fix="free space, another output_dir, or a lower save_total_limit",
             )
         ]
     if free < 1.2 * need:
         return [
             Finding(
-                "warning",
-                "disk",
-                value,
-                what + ": under 20% to spare",
-                "free space or lower save_total_limit",
+                level="warning",
+                check="disk",
+                value=value,
+                message=what + ": under 20% to spare",
+                fix="free space or lower save_total_limit",
             )
         ]
-    return [Finding("ok", "disk", value, what)]
+    return [Finding(level="ok", check="disk", value=value, message=what)]
 
 
 def output_findings(cfg: Config) -> list[Finding]:
@@ -122,22 +137,33 @@ def output_findings(cfg: Config) -> list[Finding]:
     if not os.access(where, os.W_OK):
         return [
             Finding(
-                "error", "output_dir", str(out), f"{where} is not writable", "choose a writable output_dir"
+                level="error",
+                check="output_dir",
+                value=str(out),
+                message=f"{where} is not writable",
+                fix="choose a writable output_dir",
             )
         ]
     try:
         check_output_dir(out, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None)
     except ConfigError as err:
-        return [Finding("error", "output_dir", str(out), str(err).splitlines()[0])]
+        return [Finding(level="error", check="output_dir", value=str(out), message=str(err).splitlines()[0])]
     holder, alive = lock_holder(out)
     if holder and alive:
-        return [Finding("error", "output_dir", str(out), f"locked by a live run (pid {holder.get('pid')} on "
-                        f"{holder.get('host')}, started {holder.get('started')})", "wait for it or choose another")]  # fmt: skip
+        return [Finding(level="error", check="output_dir", value=str(out), message=f"locked by a live run (pid {holder.get('pid')} on "
+                        f"{holder.get('host')}, started {holder.get('started')})", fix="wait for it or choose another")]  # fmt: skip
     if holder:
-        return [Finding("warning", "output_dir", str(out), f"a lock left by pid {holder.get('pid')} on "
+        return [Finding(level="warning", check="output_dir", value=str(out), message=f"a lock left by pid {holder.get('pid')} on "
                         f"{holder.get('host')}, which is gone (or on another host): the run takes it over",
-                        "delete it if that run is dead")]  # fmt: skip
-    return [Finding("ok", "output_dir", str(out), "writable, no other run's files, not locked")]
+                        fix="delete it if that run is dead")]  # fmt: skip
+    return [
+        Finding(
+            level="ok",
+            check="output_dir",
+            value=str(out),
+            message="writable, no other run's files, not locked",
+        )
+    ]
 
 
 def hub_findings(cfg: Config) -> list[Finding]:
@@ -150,8 +176,12 @@ def hub_findings(cfg: Config) -> list[Finding]:
     try:
         check_can_push(e.hub_model_id, e.hub_token)
     except HubError as err:
-        return [Finding("error", "hub", str(e.hub_model_id), str(err).splitlines()[0])]
-    return [Finding("ok", "hub", str(e.hub_model_id), "a valid repo id and a token")]
+        return [
+            Finding(level="error", check="hub", value=str(e.hub_model_id), message=str(err).splitlines()[0])
+        ]
+    return [
+        Finding(level="ok", check="hub", value=str(e.hub_model_id), message="a valid repo id and a token")
+    ]
 
 
 def data_findings(cfg: Config, method: Any, tokenizer: Any) -> list[Finding]:
@@ -172,11 +202,18 @@ def data_findings(cfg: Config, method: Any, tokenizer: Any) -> list[Finding]:
     preview = method.preview_data or preview_sft
     try:
         return [
-            Finding("ok", "data", source, what)
+            Finding(level="ok", check="data", value=source, message=what)
             for source, what in preview(cfg, tokenizer, load, RECORDS_READ)
         ]
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as err:
-        return [Finding("error", "data", d.dataset_name or "dataset_mixture", str(err).splitlines()[0])]
+        return [
+            Finding(
+                level="error",
+                check="data",
+                value=d.dataset_name or "dataset_mixture",
+                message=str(err).splitlines()[0],
+            )
+        ]
 
 
 def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -> list[Finding]:
@@ -199,17 +236,24 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
                        ("fsdp_transformer_layer_cls_to_wrap", named)):  # fmt: skip
         unknown = [n for n in names if module is None or not hasattr(module, n)]
         if unknown:
-            out.append(Finding("error", key, ", ".join(names), f"{unknown} not in {cls.__name__}'s module",
-                               f"one of the model's decoder layers: {units}"))  # fmt: skip
+            out.append(Finding(level="error", check=key, value=", ".join(names), message=f"{unknown} not in {cls.__name__}'s module",
+                               fix=f"one of the model's decoder layers: {units}"))  # fmt: skip
         elif names and not set(names) <= set(units):
-            out.append(Finding("warning", key, ", ".join(names), f"not the model's _no_split_modules {units}: the "
-                               "units differ from transformers' own split", f"{units}"))  # fmt: skip
+            out.append(Finding(level="warning", check=key, value=", ".join(names), message=f"not the model's _no_split_modules {units}: the "
+                               "units differ from transformers' own split", fix=f"{units}"))  # fmt: skip
         elif names:
-            out.append(Finding("ok", key, ", ".join(names), f"{cls.__name__}'s decoder layer"))
+            out.append(
+                Finding(
+                    level="ok", check=key, value=", ".join(names), message=f"{cls.__name__}'s decoder layer"
+                )
+            )
     if not out:
         out.append(
             Finding(
-                "ok", "wrap", ", ".join(units) or "?", f"{cls.__name__}'s _no_split_modules: one unit each"
+                level="ok",
+                check="wrap",
+                value=", ".join(units) or "?",
+                message=f"{cls.__name__}'s _no_split_modules: one unit each",
             )
         )
     return out
@@ -244,10 +288,10 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     except ConfigError as err:
         return [
             Finding(
-                "error",
-                "context parallel",
-                f"cp_size {asked} at world size {world}",
-                str(err).splitlines()[0],
+                level="error",
+                check="context parallel",
+                value=f"cp_size {asked} at world size {world}",
+                message=str(err).splitlines()[0],
             )
         ]
     unsupported = not method.capabilities.context_parallel or (
@@ -258,10 +302,10 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     out: list[Finding] = []
     coef = router_aux_coef(model_config)
     if coef:
-        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
-                           f"=true, router_aux_loss_coef={coef:g})", "the load-balancing loss is a product of per-expert "
+        out.append(Finding(level="error", check="context parallel", value=f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
+                           f"=true, router_aux_loss_coef={coef:g})", message="the load-balancing loss is a product of per-expert "
                            "fractions over a micro-batch's tokens; each context-parallel rank sees only its part of them",
-                           "set output_router_logits=false in the model config or cp_size=1"))  # fmt: skip
+                           fix="set output_router_logits=false in the model config or cp_size=1"))  # fmt: skip
     kernel = m.attn_implementation
     if mesh.cp_backend == "ring":  # the run's own start-up check; CUDA is the run's node's, not this one's
         from hf_fsdp2.attention_layout import method_rows
@@ -273,11 +317,16 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
                                 attn_implementation=kernel, model_config=model_config)  # fmt: skip
         except ConfigError as err:
             out.append(
-                Finding("error", "context parallel", f"cp_size {mesh.cp} with cp_backend ring", str(err))
+                Finding(
+                    level="error",
+                    check="context parallel",
+                    value=f"cp_size {mesh.cp} with cp_backend ring",
+                    message=str(err),
+                )
             )
     elif kernel != "auto" and kernel not in INNER_KERNELS:
-        out.append(Finding("error", "context parallel", f"cp_size {mesh.cp} with attn_implementation {kernel}",
-                           f"the all-to-all wraps {', '.join(INNER_KERNELS)}", "set attn_implementation to sdpa "
+        out.append(Finding(level="error", check="context parallel", value=f"cp_size {mesh.cp} with attn_implementation {kernel}",
+                           message=f"the all-to-all wraps {', '.join(INNER_KERNELS)}", fix="set attn_implementation to sdpa "
                            "(or flash_attention_2 on GPU)"))  # fmt: skip
     if out:
         return out
@@ -297,7 +346,11 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
         + ("; ring attention: CUDA, SDPA, causal rows only" if mesh.cp_backend == "ring" else "")
         + f"; {recipes}"
     )
-    return [Finding("ok", "context parallel", f"cp_size {mesh.cp} ({mesh.cp_backend})", what)]
+    return [
+        Finding(
+            level="ok", check="context parallel", value=f"cp_size {mesh.cp} ({mesh.cp_backend})", message=what
+        )
+    ]
 
 
 def capability_findings(cfg: Config, *, method: Any, world: int) -> list[Finding]:
@@ -318,8 +371,17 @@ def capability_findings(cfg: Config, *, method: Any, world: int) -> list[Finding
     try:
         check_capabilities(method, cfg, mesh)
     except ConfigError as err:
-        return [Finding("error", "layouts", f"{names} with the {method.name} recipe", str(err))]
-    return [Finding("ok", "layouts", names, f"supported by the {method.name} recipe")]
+        return [
+            Finding(
+                level="error",
+                check="layouts",
+                value=f"{names} with the {method.name} recipe",
+                message=str(err),
+            )
+        ]
+    return [
+        Finding(level="ok", check="layouts", value=names, message=f"supported by the {method.name} recipe")
+    ]
 
 
 def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Finding]:
@@ -342,9 +404,20 @@ def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Findi
     try:
         emulated = check_float8_hardware(plan, torch.device("cuda" if on_gpu else "cpu"))
     except ConfigError as err:
-        return [Finding("error", "fp8", value, str(err))]
-    out = [Finding("warning", "fp8", value, emulated)] if emulated else []
+        return [Finding(level="error", check="fp8", value=value, message=str(err))]
+    out = [Finding(level="warning", check="fp8", value=value, message=emulated)] if emulated else []
     slow = warn_without_compile(cfg.fsdp.compile_plan(on_gpu=on_gpu).enabled)
     if slow:
-        out.append(Finding("warning", "fp8 compile", str(cfg.fsdp.torch_compile).lower(), slow))
-    return out or [Finding("ok", "fp8", value, "FP8 hardware; decoder-layer linears in float8, compiled")]
+        out.append(
+            Finding(
+                level="warning", check="fp8 compile", value=str(cfg.fsdp.torch_compile).lower(), message=slow
+            )
+        )
+    return out or [
+        Finding(
+            level="ok",
+            check="fp8",
+            value=value,
+            message="FP8 hardware; decoder-layer linears in float8, compiled",
+        )
+    ]

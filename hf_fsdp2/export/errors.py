@@ -19,7 +19,7 @@ class ExportInterrupted(ExportError):
     reached a finding: nothing is known to be wrong with the files, and nothing was published."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class VerifyReport:
     """What the verification checked, and what it found wrong (empty ``problems`` = verified)."""
 
@@ -63,7 +63,7 @@ class VerifyReport:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExportResult:
     """The published folder: its weight files, their total size and dtype, and the verification."""
 

@@ -113,7 +113,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Chunk:
     path: Path
     start: int  # absolute byte offset of the chunk's data in its part file
@@ -134,7 +134,13 @@ def index_parts(parts_dir: Path) -> dict[str, list[Chunk]]:
                 continue
             offsets = info.get(key, {}).get("saved_offsets", [0] * len(entry["shape"]))
             chunks.setdefault(key, []).append(
-                Chunk(path, data_start + entry["data_offsets"][0], offsets, entry["shape"], entry["dtype"])
+                Chunk(
+                    path=path,
+                    start=data_start + entry["data_offsets"][0],
+                    offsets=offsets,
+                    shape=entry["shape"],
+                    dtype=entry["dtype"],
+                )
             )
     return chunks
 

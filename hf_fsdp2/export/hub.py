@@ -48,7 +48,7 @@ class HubError(RuntimeError):
     """A push that cannot start or did not complete; the message says why and what to do."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PushResult:
     """Where a push went (or would go, for a dry run) and what it carried."""
 
@@ -243,7 +243,15 @@ def push_folder(
     for problem in problems:
         logger.warning("pushing anyway (--force): %s", problem)
     if dry_run:
-        return PushResult(repo_id, target, files, None, 0, True, problems)
+        return PushResult(
+            repo_id=repo_id,
+            revision=target,
+            files=files,
+            commit_url=None,
+            attempts=0,
+            dry_run=True,
+            problems=problems,
+        )
     if not files:
         raise HubError(f"{folder} holds no file to upload (after ignoring {ignore_patterns or []})")
     value = check_can_push(repo_id, token)
@@ -297,7 +305,15 @@ def push_folder(
         target,
         url,
     )
-    return PushResult(repo_id, target, files, url, attempts, False, problems)
+    return PushResult(
+        repo_id=repo_id,
+        revision=target,
+        files=files,
+        commit_url=url,
+        attempts=attempts,
+        dry_run=False,
+        problems=problems,
+    )
 
 
 def export_problems(folder: str | Path, names: list[str]) -> list[str]:

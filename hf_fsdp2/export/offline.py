@@ -130,7 +130,7 @@ def load_checkpoint_model(
     return model, cfg, step
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OfflineExport:
     """What an offline export writes: the checkpoint's model and the run's files beside it."""
 

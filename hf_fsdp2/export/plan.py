@@ -46,7 +46,7 @@ def _row_offset(tensor: torch.Tensor) -> int:
     return int(chunks[0].offsets[0]) if chunks else 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExportPlan:
     """Everything every rank agrees on before writing: names, global shapes, dtypes, files.
 

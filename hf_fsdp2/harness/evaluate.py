@@ -28,7 +28,7 @@ from hf_fsdp2.harness.run import require_lm_eval, run_harness
 logger = logging.getLogger("hf_fsdp2")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HarnessReport:
     """What one evaluation produced.
 

@@ -15,7 +15,7 @@ class HarnessError(ValueError):
     """A model folder, task list or backend the harness cannot use; the message names the value and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalModel:
     """A model as lm-eval loads it.
 

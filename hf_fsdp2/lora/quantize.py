@@ -175,7 +175,7 @@ def scaler_block_for(numel: int, rows: int, shards: int) -> int | None:
     return None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuantReport:
     """What :func:`quantize_base` did: weights quantised, their bytes before and after, smaller scale blocks."""
 

@@ -259,7 +259,7 @@ class _Counter(logging.Handler):
             self.last_reason = message
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompileWatch:
     """Compile time and recompiles of this process, read between steps.
 

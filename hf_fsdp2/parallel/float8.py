@@ -126,7 +126,7 @@ def check_float8_hardware(plan: Float8Plan, device: torch.device) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Float8Report:
     """What :func:`convert_float8` did, by module name."""
 

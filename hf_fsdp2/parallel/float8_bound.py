@@ -58,7 +58,7 @@ E4M3_HALF_SUBNORMAL = 2.0**-10
 DEFAULT_DELTA = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Float8LossBound:
     """The bound's pieces: ``float8_sq`` and ``other_sq`` are the sums of ``c^2`` over the float8 casts' and the
     compute dtype's rounding sites, ``worst`` the first-order worst case ``sum c`` (for comparison), ``largest`` the
@@ -190,6 +190,12 @@ class Float8BoundProbe:
             self._add_cast(mod.weight, mod.weight.grad)  # type: ignore[arg-type]
             # the reference rounds its float8 weights' masters to the compute dtype; the FP8 run casts them to e4m3
             self._add_site(mod.weight, mod.weight.grad, rounds=1)  # type: ignore[arg-type]
-        bound = Float8LossBound(self.float8_sq, self.other_sq, self.worst, self.largest, self.delta)
+        bound = Float8LossBound(
+            float8_sq=self.float8_sq,
+            other_sq=self.other_sq,
+            worst=self.worst,
+            largest=self.largest,
+            delta=self.delta,
+        )
         self.float8_sq, self.other_sq, self.worst, self.largest = saved
         return bound

@@ -32,7 +32,7 @@ _STRATEGIES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finding:
     """One line of a check: its level (ok / warning / error), what was checked, the value, what it means, the fix."""
 
@@ -50,7 +50,7 @@ class Finding:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchRequest:
     """The launcher's settings: accelerate config keys (``fsdp_config`` flattened in), the processes asked for."""
 
@@ -117,7 +117,11 @@ def parse_launch_command(argv: list[str]) -> LaunchRequest | None:
         else "accelerate launch (no config file)"
     )
     return LaunchRequest(
-        source, settings, int(asked) if asked else None, int(machines or 1), bool(parsed.cpu)
+        source=source,
+        settings=settings,
+        num_processes=int(asked) if asked else None,
+        num_machines=int(machines or 1),
+        cpu_flag=bool(parsed.cpu),
     )
 
 
@@ -148,7 +152,7 @@ def request_from_environment(environ: dict[str, str] | os._Environ[str]) -> Laun
         settings["fsdp_transformer_layer_cls_to_wrap"] = settings.pop("fsdp_transformer_cls_to_wrap")
     if environ.get("ACCELERATE_MIXED_PRECISION"):
         settings["mixed_precision"] = environ["ACCELERATE_MIXED_PRECISION"]
-    return LaunchRequest("the variables accelerate launch set (FSDP_*)", settings)
+    return LaunchRequest(source="the variables accelerate launch set (FSDP_*)", settings=settings)
 
 
 def find_launch_request(
@@ -195,7 +199,9 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
     out: list[Finding] = []
 
     def add(level: str, key: str, message: str, fix: str = "") -> None:
-        out.append(Finding(level, key, str(settings.get(key, "")), message, fix))
+        out.append(
+            Finding(level=level, check=key, value=str(settings.get(key, "")), message=message, fix=fix)
+        )
 
     kind = str(settings.get("distributed_type", "FSDP")).upper()
     if kind != "FSDP":
@@ -203,9 +209,9 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
             "use accelerate_configs/fsdp2.yaml (GPU) or fsdp2_cpu.yaml (CPU): distributed_type: FSDP")  # fmt: skip
     version = str(settings.get("fsdp_version", "1" if _strategy(settings) else "2"))
     if version == "1":
-        out.append(Finding("warning", "fsdp_version", "1", "read as FSDP2 (every run shards with fully_shard); each "
+        out.append(Finding(level="warning", check="fsdp_version", value="1", message="read as FSDP2 (every run shards with fully_shard); each "
                            "FSDP1 key below is mapped to its FSDP2 meaning or refused",
-                           "accelerate to-fsdp2 --config_file OLD.yaml --output_file NEW.yaml, or "
+                           fix="accelerate to-fsdp2 --config_file OLD.yaml --output_file NEW.yaml, or "
                            "accelerate_configs/fsdp2.yaml"))  # fmt: skip
     strategy = _strategy(settings)
     key = "fsdp_sharding_strategy" if "fsdp_sharding_strategy" in settings else "fsdp_reshard_after_forward"
@@ -319,13 +325,20 @@ def world_findings(
         if request is not None and request.cpu_flag:
             cause = ": accelerate launch --cpu starts its single-process launcher for an FSDP config"
             fix = "drop --cpu (a config with use_cpu: true, as accelerate_configs/fsdp2_cpu.yaml, runs FSDP on CPU)"
-        out.append(Finding(level, "world size", f"{world} of {asked} asked", f"the launcher ({request.source if request else ''}) "
-                           f"was asked for {asked} processes and this run has {world}{cause}", fix + strict_fix))  # fmt: skip
+        out.append(Finding(level=level, check="world size", value=f"{world} of {asked} asked", message=f"the launcher ({request.source if request else ''}) "
+                           f"was asked for {asked} processes and this run has {world}{cause}", fix=fix + strict_fix))  # fmt: skip
     elif asked is not None:
-        out.append(Finding("ok", "world size", f"{world} of {asked} asked", "every process asked for runs"))
+        out.append(
+            Finding(
+                level="ok",
+                check="world size",
+                value=f"{world} of {asked} asked",
+                message="every process asked for runs",
+            )
+        )
     if devices > local_world:
-        out.append(Finding(level, "devices", f"{local_world} processes, {devices} GPUs visible",
-                           f"{devices - local_world} GPU(s) on this node are idle",
-                           "--num_processes <GPUs per node x nodes>, or CUDA_VISIBLE_DEVICES to the GPUs meant"
+        out.append(Finding(level=level, check="devices", value=f"{local_world} processes, {devices} GPUs visible",
+                           message=f"{devices - local_world} GPU(s) on this node are idle",
+                           fix="--num_processes <GPUs per node x nodes>, or CUDA_VISIBLE_DEVICES to the GPUs meant"
                            + strict_fix))  # fmt: skip
     return out

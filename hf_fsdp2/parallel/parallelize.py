@@ -61,7 +61,7 @@ class ContextParallel:
     tp_size: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
     """What :func:`parallelize` applies; None (or a disabled plan) skips a step.
 

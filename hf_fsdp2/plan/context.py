@@ -40,7 +40,7 @@ def head_dim(model_config: Any) -> int:
     return int(explicit) if explicit else int(text.hidden_size) // int(text.num_attention_heads)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ContextPlan:
     """The per-layer bytes the all-to-all adds on one rank, from the shapes alone.
 

@@ -46,7 +46,7 @@ class PlanError(ValueError):
     """A memory plan that cannot be made; the message says why and what to do."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """Everything the memory of a run depends on besides the model config (the recipe keys in brackets).
 

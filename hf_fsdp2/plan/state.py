@@ -68,7 +68,7 @@ def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> di
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Unit:
     """One ``fully_shard`` call of Accelerate's FSDP2 preparation: its name and parameters (numel, trainable
     numel, unsharded bytes in the compute dtype), and whether it is resharded after forward."""
@@ -103,7 +103,7 @@ def float8_weight_ids(model: torch.nn.Module, settings: PlanSettings) -> frozens
     return frozenset(id(model.get_submodule(name).weight) for name in report.converted)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Float8Traffic:
     """``mixed_precision=fp8``: the float8 weight copies and what FSDP2's all-gathers carry per optimizer step.
 
@@ -145,8 +145,8 @@ def float8_traffic(model: torch.nn.Module, settings: PlanSettings) -> Float8Traf
     gathers = (2 if settings.reshard_after_forward else 1) * settings.gradient_accumulation_steps
     shards = settings.shard_size
     received = report.float8_params * (shards - 1) // shards * gathers
-    return Float8Traffic(len(report.converted), report.float8_params, gathers, 2 * received,
-                         received if settings.fp8_all_gather else 2 * received)  # fmt: skip
+    return Float8Traffic(linears=len(report.converted), weights=report.float8_params, gathers_per_step=gathers, bf16_bytes=2 * received,
+                         fp8_bytes=received if settings.fp8_all_gather else 2 * received)  # fmt: skip
 
 
 def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:

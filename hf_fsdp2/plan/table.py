@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from hf_fsdp2.attention_layout import AttentionLayout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """Bytes per rank of a run (device memory unless a name says host)."""
 

@@ -58,7 +58,7 @@ def load_run_tokenizer(session: Session) -> Any:
     return tokenizer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainModel:
     """The sharded model and what the loop needs to know about it."""
 
@@ -128,7 +128,9 @@ def build_model(
         if compile_plan.enabled
         else "off",
     )
-    return TrainModel(model, layer_cls, loss_plan, flops, peak), optimizer
+    return TrainModel(
+        module=model, layer_cls=layer_cls, loss_plan=loss_plan, flops=flops, peak_flops=peak
+    ), optimizer
 
 
 def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.nn.Module:
@@ -254,7 +256,7 @@ def parallel_plan(
         cp = ContextParallel(collectives.cp_group(), collectives.cp_size(), session.cfg.fsdp.cp_backend,
                              collectives.tp_size())  # fmt: skip
     return ParallelPlan(
-        layer_cls, tp=tp, cp=cp, float8=fp8, ac=session.sharding.ac, compile=session.compile_plan
+        layer_cls=layer_cls, tp=tp, cp=cp, float8=fp8, ac=session.sharding.ac, compile=session.compile_plan
     )
 
 
@@ -288,8 +290,8 @@ def build_optimizer(
             "Muon's all-to-alls of the matrices run on the GPUs' NCCL group, which cannot send host tensors; use "
             "optim=adamw with offload, or fsdp_cpu_offload=false"
         )
-    muon = MuonSettings(t.muon_lr or t.learning_rate, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
-                        t.muon_adjust_lr, t.weight_decay)  # fmt: skip
+    muon = MuonSettings(lr=t.muon_lr or t.learning_rate, momentum=t.muon_momentum, nesterov=t.muon_nesterov, ns_steps=t.muon_ns_steps,
+                        adjust_lr=t.muon_adjust_lr, weight_decay=t.weight_decay)  # fmt: skip
     optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,
                                         betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
                                         device_type=session.device.type)  # fmt: skip

@@ -20,7 +20,7 @@ from hf_fsdp2.run.session import Session
 logger = logging.getLogger("hf_fsdp2")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainData:
     """What the loop reads: the stream of micro-batches, the eval set, and how many steps the run takes."""
 
@@ -133,4 +133,12 @@ def build_pair_data(session: Session, tokenizer: Any, recipe: str) -> TrainData:
         len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
         steps_per_epoch, per_step, 2 * per_step,
     )  # fmt: skip
-    return TrainData(stream, collator, eval_pairs, steps_per_epoch, total_steps, per_step, train_set=train)
+    return TrainData(
+        stream=stream,
+        collator=collator,
+        eval_set=eval_pairs,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        examples_per_step=per_step,
+        train_set=train,
+    )

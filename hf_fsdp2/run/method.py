@@ -115,7 +115,7 @@ class Capabilities:
     float8: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Method:
     """A training method, as the loop, ``hf-fsdp2 train``, doctor, the memory plan and the model card know it.
 

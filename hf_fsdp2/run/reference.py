@@ -88,7 +88,7 @@ def load_reference(
             collectives.cp_group(), collectives.cp_size(), f.cp_backend, collectives.tp_size()
         )
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
-    model = parallelize(model, session.accelerator, ParallelPlan(layer_cls, cp=cp, frozen=True))
+    model = parallelize(model, session.accelerator, ParallelPlan(layer_cls=layer_cls, cp=cp, frozen=True))
     logger.info(
         "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",
         objective,

@@ -60,7 +60,7 @@ def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
         raise
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Session:
     """One run: its config, accelerator, run folder (owned), and plans. Create with :meth:`start`."""
 
@@ -187,7 +187,15 @@ class Session:
         resume = t.resume_from_checkpoint is not None
         rank0_decides(lambda: claim_output_dir(lock, overwrite=t.overwrite_output_dir, resume=resume))
         session = cls(
-            cfg, accelerator, output_dir, sharding, compile_plan, model_config, hub_token, lock, started
+            cfg=cfg,
+            accelerator=accelerator,
+            output_dir=output_dir,
+            sharding=sharding,
+            compile_plan=compile_plan,
+            model_config=model_config,
+            hub_token=hub_token,
+            lock=lock,
+            started=started,
         )
         try:
             if accelerator.is_main_process:

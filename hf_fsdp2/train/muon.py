@@ -59,7 +59,7 @@ def _torch_muon_pieces() -> tuple[
     return _zeropower_via_newtonschulz, _adjust_lr, (DEFAULT_A, DEFAULT_B, DEFAULT_C), EPS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MuonSettings:
     """Muon's knobs (the ``muon_*`` keys): torch.optim.Muon's arguments."""
 

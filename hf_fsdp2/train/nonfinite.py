@@ -65,7 +65,7 @@ class CollapseError(RuntimeError):
     is ``stop``."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finding:
     """A run that stopped learning: what was found, over which steps, and what the run did about it.
 
@@ -243,7 +243,9 @@ class NonFiniteGuard:
     ) -> None:
         """Record a :class:`Finding`, report it, then stop (raise, every rank) or warn (rank 0, once)."""
         stop = self.on_collapse == "stop"
-        finding = Finding(kind, first, step, "stopped" if stop else "warned", what)
+        finding = Finding(
+            kind=kind, first_step=first, step=step, action="stopped" if stop else "warned", message=what
+        )
         self.findings.append(finding)
         if self.report is not None:
             self.report(finding)

@@ -144,7 +144,7 @@ class StepLoss:
         return {}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepOutput:
     """What a step did; the loop and the observer read these fields. Tensors stay on the device: reading them waits
     for the device (log steps only).

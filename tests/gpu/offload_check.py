@@ -94,7 +94,7 @@ def run_mode(acc: Any, args: argparse.Namespace, mode: str) -> dict[str, Any]:
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, pin_memory=device.type == "cuda"))
-    model = parallelize(model, acc, ParallelPlan(("LlamaDecoderLayer",), ac=sharding.ac))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=("LlamaDecoderLayer",), ac=sharding.ac))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     settings = StepSettings(plan_loss(model, 1024), max_grad_norm=1.0)
     gen = torch.Generator().manual_seed(1)

@@ -114,7 +114,7 @@ def _plain_loop(
     functions = resolve_reward_functions(["grpo_rewards:by_kind"], [2.0], max_completion_length=MAX_NEW)
     settings = GrpoSettings(loss_type=loss_type, max_completion_length=MAX_NEW, num_generations=G, beta=beta)
     generator = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                                      settings=SamplingSettings(MAX_NEW, temperature=0.9))  # fmt: skip
+                                      settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=0.9))  # fmt: skip
     spg = steps_per_generation or accumulation
     every, share = (
         spg * iterations,

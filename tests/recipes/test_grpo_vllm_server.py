@@ -84,7 +84,9 @@ def _generator(url: str, model: torch.nn.Module, eos: int, temperature: float = 
     from hf_fsdp2.methods.grpo.rollout import SamplingSettings
     from hf_fsdp2.methods.grpo.vllm.client import ServerSettings, VllmClient, VllmGenerator
 
-    settings = SamplingSettings(12, temperature=temperature, generation_kwargs=generation_kwargs)
+    settings = SamplingSettings(
+        max_completion_length=12, temperature=temperature, generation_kwargs=generation_kwargs
+    )
     gen = VllmGenerator(model, VllmClient(ServerSettings(url, timeout=60)), eos_ids=[eos], settings=settings,
                         probe=([1, 450, 1996], [1354, 1701, 916]), compute_dtype="float32",
                         device=torch.device("cpu"))  # fmt: skip
@@ -110,7 +112,7 @@ def test_greedy_rollouts_equal_transformers_token_for_token(assets, server) -> N
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
     got = _generator(server, model, tok.eos_token_id).generate(prompts, seed=0, greedy=True)
     plain = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                                  settings=SamplingSettings(12), bos_id=tok.bos_token_id)  # fmt: skip
+                                  settings=SamplingSettings(max_completion_length=12), bos_id=tok.bos_token_id)  # fmt: skip
     want = plain.generate(prompts, seed=0, greedy=True)
     assert got == want
     assert len({len(c) for c in got}) > 1 and any(c[-1] == tok.eos_token_id for c in got), (

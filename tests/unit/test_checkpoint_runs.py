@@ -22,7 +22,16 @@ def _checkpoint(out: Path, step: int, run_id: str) -> Path:
     """A real (tiny, single-process) DCP checkpoint of ``run_id`` at ``step``."""
     path = out / f"checkpoint-{step}"
     dcp.save({"model": {"w": torch.full((4,), float(step))}}, checkpoint_id=str(path))
-    state = TrainerState(step, 0, step, 1, {}, 1, 1, run_id=run_id)
+    state = TrainerState(
+        step=step,
+        epoch=0,
+        batches_in_epoch=step,
+        world_size=1,
+        scheduler={},
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        run_id=run_id,
+    )
     (path / STATE_FILE).write_text(state.to_json())
     (path / CONFIG_FILE).write_text("seed: 1\n")
     return path

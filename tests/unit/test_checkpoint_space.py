@@ -66,7 +66,16 @@ def _save(tmp_path: Path, step: int) -> None:
     ckpt.checkpoint_bytes = 50 * MIB
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
-    state = TrainerState(step, 0, step, 1, {}, 1, 1, run_id="r")
+    state = TrainerState(
+        step=step,
+        epoch=0,
+        batches_in_epoch=step,
+        world_size=1,
+        scheduler={},
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        run_id="r",
+    )
     ckpt.save(step, model, optimizer, state, "seed: 1\n")
 
 

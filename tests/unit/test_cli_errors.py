@@ -66,7 +66,17 @@ def test_export_of_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path: Pa
     def checkpoint(name: str) -> Path:
         path = tmp_path / name
         dcp.save({"model": {"w": torch.zeros(4096)}}, checkpoint_id=str(path))
-        (path / STATE_FILE).write_text(TrainerState(2, 0, 2, 1, {}, 1, 1).to_json())
+        (path / STATE_FILE).write_text(
+            TrainerState(
+                step=2,
+                epoch=0,
+                batches_in_epoch=2,
+                world_size=1,
+                scheduler={},
+                per_device_train_batch_size=1,
+                gradient_accumulation_steps=1,
+            ).to_json()
+        )
         (path / CONFIG_FILE).write_text("seed: 1\n")
         return path
 

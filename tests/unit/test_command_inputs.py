@@ -48,7 +48,17 @@ def checkpoint(path: Path) -> Path:
     from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, TrainerState
 
     dcp.save({"model": {"w": torch.zeros(8)}}, checkpoint_id=str(path))
-    (path / STATE_FILE).write_text(TrainerState(2, 0, 2, 1, {}, 1, 1).to_json())
+    (path / STATE_FILE).write_text(
+        TrainerState(
+            step=2,
+            epoch=0,
+            batches_in_epoch=2,
+            world_size=1,
+            scheduler={},
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=1,
+        ).to_json()
+    )
     (path / CONFIG_FILE).write_text("seed: 1\n")
     return path
 

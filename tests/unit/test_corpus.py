@@ -146,7 +146,7 @@ def test_streamed_rows_resume_exactly_across_epochs(tmp_path: Path) -> None:
 
 
 def test_row_builder_carries_the_rest_of_a_cut_document() -> None:
-    builder = RowBuilder(8)
+    builder = RowBuilder(max_length=8)
     rows = list(builder.add(list(range(20))))
     assert [r["input_ids"] for r in rows] == [list(range(8)), list(range(7, 15))]
     assert builder.ids == list(range(14, 20)) and builder.carry == []

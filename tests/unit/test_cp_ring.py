@@ -224,6 +224,16 @@ def test_what_the_ring_runs_passes_and_auto_stays_all_to_all() -> None:
         resolve_mesh(4, dp_replicate=None, dp_shard=None, tp=None, cp=2, cp_backend="auto").cp_backend
         == "all_to_all"
     )
-    check_mesh(MeshPlan(1, 2, 1, 3, "ring"), heads=8, kv_heads=2, max_length=1024)
+    check_mesh(
+        MeshPlan(dp_replicate=1, dp_shard=2, tp=1, cp=3, cp_backend="ring"),
+        heads=8,
+        kv_heads=2,
+        max_length=1024,
+    )
     with pytest.raises(ConfigError, match="cp_size=3 does not divide the model's num_attention_heads=8"):
-        check_mesh(MeshPlan(1, 2, 1, 3, "all_to_all"), heads=8, kv_heads=2, max_length=1024)
+        check_mesh(
+            MeshPlan(dp_replicate=1, dp_shard=2, tp=1, cp=3, cp_backend="all_to_all"),
+            heads=8,
+            kv_heads=2,
+            max_length=1024,
+        )

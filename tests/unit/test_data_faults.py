@@ -23,7 +23,7 @@ def test_data_whose_every_prompt_fills_max_length_is_refused_at_the_start(
     chatml_tokenizer, tmp_path: Path
 ) -> None:
     data = _jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 60, "completion": " yes"} for _ in range(6)])
-    built = build_sft_datasets([DataSource(str(data))], chatml_tokenizer, max_length=32, seed=0)
+    built = build_sft_datasets([DataSource(name=str(data))], chatml_tokenizer, max_length=32, seed=0)
     assert len(built.train) == 6  # kept, truncated: before the fix this trained to the end at loss 0
     with pytest.raises(ConfigError) as err:
         check_has_targets(built.stats, built.train_counts, 32)
@@ -34,7 +34,7 @@ def test_data_whose_every_prompt_fills_max_length_is_refused_at_the_start(
 
 def test_data_with_some_targets_passes(chatml_tokenizer, tmp_path: Path) -> None:
     records = [{"prompt": "word " * 60, "completion": " yes"}] * 5 + [{"prompt": "hi", "completion": " yes"}]
-    built = build_sft_datasets([DataSource(str(_jsonl(tmp_path / "d.jsonl", records)))], chatml_tokenizer,
+    built = build_sft_datasets([DataSource(name=str(_jsonl(tmp_path / "d.jsonl", records)))], chatml_tokenizer,
                                max_length=32, seed=0)  # fmt: skip
     check_has_targets(built.stats, built.train_counts, 32)
     assert built.stats[0].num_without_targets == 5

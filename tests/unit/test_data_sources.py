@@ -44,12 +44,14 @@ def rows(dataset: datasets.Dataset) -> list[tuple[list[int], list[int]]]:
 
 
 def test_parse_source() -> None:
-    assert parse_source("org/name") == DataSource("org/name")
-    assert parse_source("org/name:0.5") == DataSource("org/name", weight=0.5)
+    assert parse_source("org/name") == DataSource(name="org/name")
+    assert parse_source("org/name:0.5") == DataSource(name="org/name", weight=0.5)
     assert parse_source(" org/name?subset=en&split=train_sft&revision=v1:2 ", split="x") == DataSource(
-        "org/name", subset="en", split="train_sft", revision="v1", weight=2.0
+        name="org/name", subset="en", split="train_sft", revision="v1", weight=2.0
     )
-    assert parse_source("data/a.jsonl", split="validation") == DataSource("data/a.jsonl", split="validation")
+    assert parse_source("data/a.jsonl", split="validation") == DataSource(
+        name="data/a.jsonl", split="validation"
+    )
     # A ':' not followed by a number is part of the name.
     assert parse_source("/data/run:a/x.jsonl").name == "/data/run:a/x.jsonl"
     assert parse_source("org/name?subset=en").describe() == "org/name (subset=en)"
@@ -67,9 +69,12 @@ def test_parse_source_errors(spec: str, problem: str) -> None:
 
 def test_resolve_sources() -> None:
     assert resolve_sources(dataset_name="a.jsonl", dataset_split="dev", dataset_revision=None) == [
-        DataSource("a.jsonl", split="dev")
+        DataSource(name="a.jsonl", split="dev")
     ]
-    expected = [DataSource("a.jsonl", split="dev", weight=0.5), DataSource("org/b", split="dev", weight=2.0)]
+    expected = [
+        DataSource(name="a.jsonl", split="dev", weight=0.5),
+        DataSource(name="org/b", split="dev", weight=2.0),
+    ]
     assert resolve_sources(dataset_mixture="a.jsonl:0.5, org/b:2", dataset_split="dev") == expected
     assert resolve_sources(dataset_mixture=["a.jsonl:0.5", "org/b:2"], dataset_split="dev") == expected
     with pytest.raises(ValueError, match="exactly one of dataset_name"):
@@ -139,7 +144,7 @@ def test_every_file_type_round_trips_to_the_same_tokens(
 ) -> None:
     expected, _ = tokenize_dataset(datasets.Dataset.from_list(PC_RECORDS), llama2_tokenizer, max_length=32)
     path = write_as(tmp_path / f"pc{suffix}", PC_RECORDS)
-    data = build_sft_datasets([DataSource(str(path))], llama2_tokenizer, max_length=32, seed=0)
+    data = build_sft_datasets([DataSource(name=str(path))], llama2_tokenizer, max_length=32, seed=0)
     assert rows(data.train) == rows(expected)
     assert data.stats[0].dataset_format == "prompt_completion"
     assert data.stats[0].source == str(path)
@@ -153,7 +158,9 @@ def test_chat_records_from_parquet_and_a_saved_folder(
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "chat.parquet"))
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
     for name in ("chat.parquet", "saved"):
-        data = build_sft_datasets([DataSource(str(tmp_path / name))], chatml_tokenizer, max_length=64, seed=0)
+        data = build_sft_datasets(
+            [DataSource(name=str(tmp_path / name))], chatml_tokenizer, max_length=64, seed=0
+        )
         assert rows(data.train) == rows(expected), name
 
 
@@ -166,7 +173,7 @@ def test_text_files_give_one_record_per_paragraph(
     (folder / "b.txt").write_text("\n\nLast one")
     raw = load_raw_dataset(str(folder))
     assert raw["text"][:] == ["Hello world\nsecond line", "Next paragraph", "Last one"]
-    data = build_sft_datasets([DataSource(str(folder))], llama2_tokenizer, max_length=32, seed=0)
+    data = build_sft_datasets([DataSource(name=str(folder))], llama2_tokenizer, max_length=32, seed=0)
     assert data.train[0]["input_ids"][:3] == [1, 15043, 3186]  # <s> ▁Hello ▁world
     assert data.train[0]["input_ids"][-1] == 2 and data.train[0]["labels"] == data.train[0]["input_ids"]
 
@@ -220,7 +227,7 @@ def test_weighted_mixture_is_seeded_and_counted(
     assert len(data.train) == 14
     pc_ids = {
         tuple(r["input_ids"])
-        for r in build_sft_datasets([DataSource(str(pc))], chatml_tokenizer, max_length=64, seed=0).train
+        for r in build_sft_datasets([DataSource(name=str(pc))], chatml_tokenizer, max_length=64, seed=0).train
     }
     mixed_pc = [tuple(r["input_ids"]) for r in data.train.select(range(5, 14))]
     assert set(mixed_pc) == pc_ids and len(set(mixed_pc)) == 6  # every pc record at least once
@@ -237,7 +244,7 @@ def test_eval_split_fraction_is_disjoint_and_seeded(
 ) -> None:
     records = [{"text": f"record number {i}"} for i in range(20)]
     path = write_jsonl(tmp_path / "t.jsonl", records)
-    source = DataSource(str(path), weight=2.0)
+    source = DataSource(name=str(path), weight=2.0)
     data = build_sft_datasets([source], llama2_tokenizer, max_length=32, seed=3, eval_split_fraction=0.25)
     assert data.eval is not None and len(data.eval) == 5
     train_ids = {tuple(r["input_ids"]) for r in data.train}
@@ -255,7 +262,7 @@ def test_eval_from_a_separate_source(tmp_path: Path, llama2_tokenizer: PreTraine
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": "a b"}, {"text": "c d"}])
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"text": "e f"}])
     data = build_sft_datasets(
-        [DataSource(str(train))],
+        [DataSource(name=str(train))],
         llama2_tokenizer,
         max_length=32,
         seed=0,
@@ -265,8 +272,8 @@ def test_eval_from_a_separate_source(tmp_path: Path, llama2_tokenizer: PreTraine
     assert f"1 eval examples (from {evaluation})" in data.summary_lines(32)[-1]
     with pytest.raises(ValueError, match="not both"):
         build_sft_datasets(
-            [DataSource(str(train))], llama2_tokenizer, max_length=32, seed=0,
-            eval_source=DataSource(str(evaluation)), eval_split_fraction=0.5,
+            [DataSource(name=str(train))], llama2_tokenizer, max_length=32, seed=0,
+            eval_source=DataSource(name=str(evaluation)), eval_split_fraction=0.5,
         )  # fmt: skip
 
 
@@ -346,10 +353,10 @@ def test_on_bad_record_skip_counts_by_reason(
 ) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_MIX)
     with pytest.raises(RecordError, match=rf"^{path} record 1: wrong role order"):
-        build_sft_datasets([DataSource(str(path))], chatml_tokenizer, max_length=64, seed=0)
+        build_sft_datasets([DataSource(name=str(path))], chatml_tokenizer, max_length=64, seed=0)
 
     data = build_sft_datasets(
-        [DataSource(str(path))], chatml_tokenizer, max_length=64, seed=0, on_bad_record="skip"
+        [DataSource(name=str(path))], chatml_tokenizer, max_length=64, seed=0, on_bad_record="skip"
     )
     stats = data.stats[0]
     assert (stats.num_records, stats.num_kept) == (7, 2)

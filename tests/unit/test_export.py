@@ -419,8 +419,10 @@ def test_assemble_refuses_a_missing_shard(tmp_path: Path) -> None:
 
 
 def test_assemble_refuses_shards_that_do_not_tile(tmp_path: Path) -> None:
-    chunk = Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")
-    other = Chunk(tmp_path / "x", 0, [2, 0], [2, 2], "F32")  # both claim rows 2-3, none rows 0-1
+    chunk = Chunk(path=tmp_path / "x", start=0, offsets=[2, 0], shape=[2, 2], dtype="F32")
+    other = Chunk(
+        path=tmp_path / "x", start=0, offsets=[2, 0], shape=[2, 2], dtype="F32"
+    )  # both claim rows 2-3, none rows 0-1
     with open(tmp_path / "out", "wb") as dst, pytest.raises(ExportError, match="do not tile"):
         _write_tensor("w", (4, 2), "F32", [chunk, other], dst)
 

@@ -187,7 +187,16 @@ def _roll(rewards: torch.Tensor, per_function: torch.Tensor, settings: GrpoSetti
     from hf_fsdp2.methods.grpo.step import Rollout
 
     advantages, zero_std = group_advantages(rewards, settings)
-    return Rollout([], rewards, per_function, advantages, zero_std, [], [], [])
+    return Rollout(
+        rows=[],
+        rewards=rewards,
+        per_function=per_function,
+        advantages=advantages,
+        zero_std=zero_std,
+        lengths=[],
+        completions=[],
+        prompts=[],
+    )
 
 
 def test_a_step_without_a_learning_signal_is_counted_and_named() -> None:

@@ -80,7 +80,7 @@ def trl_trainer(chat_model: Path) -> Any:
 def _generator(model: Any, tok: Any, **settings: Any) -> TransformersGenerator:
     eos = stop_token_ids(tok.eos_token_id, model.generation_config.eos_token_id)
     return TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=eos, bos_id=tok.bos_token_id,
-                                 settings=SamplingSettings(MAX_NEW, temperature=TEMPERATURE, **settings))  # fmt: skip
+                                 settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=TEMPERATURE, **settings))  # fmt: skip
 
 
 def test_completions_stop_at_every_end_id_the_model_declares_as_trls(

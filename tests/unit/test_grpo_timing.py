@@ -88,10 +88,17 @@ def test_the_step_metrics_carry_the_rollout_timing() -> None:
                    advantages=torch.tensor([0.5, -0.5]), zero_std=torch.tensor([0.0, 0.0]), lengths=[3, 3],
                    completions=["a", "b"], prompts=["p", "p"])  # fmt: skip
     out = GrpoStepMetrics(
-        torch.zeros(len(STATS)), roll, ["f"], 0.0, torch.device("cpu"), timing=gen.rollout_metrics
+        stats=torch.zeros(len(STATS)),
+        roll=roll,
+        function_names=["f"],
+        beta=0.0,
+        device=torch.device("cpu"),
+        timing=gen.rollout_metrics,
     )
     metrics = out(1)
     assert metrics["rollout/completion_tokens"] == 6 and metrics["rollout/generate_s"] >= 0.01
     assert metrics["reward"] == pytest.approx(0.5)  # the step's own metrics are still there
-    plain = GrpoStepMetrics(torch.zeros(len(STATS)), roll, ["f"], 0.0, torch.device("cpu"))
+    plain = GrpoStepMetrics(
+        stats=torch.zeros(len(STATS)), roll=roll, function_names=["f"], beta=0.0, device=torch.device("cpu")
+    )
     assert not any(k.startswith("rollout/") for k in plain(1))

@@ -195,7 +195,7 @@ def _generator(
 ) -> VllmGenerator:
     model = model or torch.nn.Linear(2, 2)
     client = VllmClient(ServerSettings(url, **kw))
-    gen = VllmGenerator(model, client, eos_ids=[2], settings=settings or SamplingSettings(4), probe=([1], [2]),
+    gen = VllmGenerator(model, client, eos_ids=[2], settings=settings or SamplingSettings(max_completion_length=4), probe=([1], [2]),
                         compute_dtype="float32", device=torch.device("cpu"))  # fmt: skip
     gen.check_probe = lambda: 0.0  # type: ignore[method-assign]  # a Linear has no log-probs; the real one: recipes
     return gen
@@ -394,7 +394,7 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
     transformers path applies them to both configs); a name its SamplingParams lacks stops the run at connect,
     before any rollout, with the name and the fields it has."""
     kwargs = {"min_tokens": 2, "bad_words": ["no"]}
-    gen = _generator(fake.url, settings=SamplingSettings(4, generation_kwargs=kwargs))
+    gen = _generator(fake.url, settings=SamplingSettings(max_completion_length=4, generation_kwargs=kwargs))
     gen.connect()
     gen.stale = False  # no weights to send: the stand-in model is a Linear
     assert "SamplingParams also bad_words ['no'], min_tokens 2; importance sampling" in gen.describe()
@@ -408,7 +408,10 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
     plain.generate([[1]], seed=0)
     assert json.loads(fake.bodies[-1][1])["generation_kwargs"] == {}
     odd = _generator(
-        fake.url, settings=SamplingSettings(4, generation_kwargs={"suppress_tokens": [5], "stop": ["."]})
+        fake.url,
+        settings=SamplingSettings(
+            max_completion_length=4, generation_kwargs={"suppress_tokens": [5], "stop": ["."]}
+        ),
     )
     with pytest.raises(ConfigError, match=rf"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
                        rf"SamplingParams \({fake.url}\); with use_vllm they go to SamplingParams \(TRL's meaning\), "
@@ -452,7 +455,7 @@ def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.Monk
 
     def build(kwargs: dict[str, Any]) -> Any:
         return vllm_colocate.build_colocate_generator(
-            g, model, optimizer, tokenizer, [2], SamplingSettings(4, generation_kwargs=kwargs), "no",
+            g, model, optimizer, tokenizer, [2], SamplingSettings(max_completion_length=4, generation_kwargs=kwargs), "no",
             torch.device("cpu"), "model", 64,
         )  # fmt: skip
 

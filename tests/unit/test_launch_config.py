@@ -119,14 +119,16 @@ def test_the_launch_is_found_among_the_ancestors_or_in_accelerates_variables(tmp
 
 
 def test_a_world_smaller_than_asked_names_both_numbers_and_the_cpu_flag() -> None:
-    asked = LaunchRequest("accelerate launch --config_file f.yaml", {}, num_processes=2, cpu_flag=True)
+    asked = LaunchRequest(
+        source="accelerate launch --config_file f.yaml", settings={}, num_processes=2, cpu_flag=True
+    )
     (found,) = world_findings(asked, world=1, local_world=1, devices=0, strict=False)
     assert found.level == "warning" and found.value == "1 of 2 asked" and "--cpu" in found.line()
     assert "drop --cpu" in found.fix and "strict_launch: true" in found.fix
     (found,) = world_findings(asked, world=1, local_world=1, devices=0, strict=True)
     assert found.level == "error"
     (found,) = world_findings(
-        LaunchRequest("x", num_processes=2), world=2, local_world=2, devices=0, strict=True
+        LaunchRequest(source="x", num_processes=2), world=2, local_world=2, devices=0, strict=True
     )
     assert found.level == "ok"
     (found,) = world_findings(None, world=1, local_world=1, devices=4, strict=False)

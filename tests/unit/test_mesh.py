@@ -12,8 +12,12 @@ from hf_fsdp2.parallel.accelerator import launcher_mesh
 
 
 def test_sizes_resolve_to_the_world() -> None:
-    assert resolve_mesh(8, dp_replicate=None, dp_shard=None, tp=None, cp=None) == MeshPlan(1, 8, 1, 1)
-    assert resolve_mesh(16, dp_replicate=2, dp_shard=None, tp=None, cp=None) == MeshPlan(2, 8, 1, 1)
+    assert resolve_mesh(8, dp_replicate=None, dp_shard=None, tp=None, cp=None) == MeshPlan(
+        dp_replicate=1, dp_shard=8, tp=1, cp=1
+    )
+    assert resolve_mesh(16, dp_replicate=2, dp_shard=None, tp=None, cp=None) == MeshPlan(
+        dp_replicate=2, dp_shard=8, tp=1, cp=1
+    )
     assert resolve_mesh(4, dp_replicate=2, dp_shard=2, tp=None, cp=None).hybrid
 
 
@@ -34,35 +38,46 @@ def test_bad_sizes_are_refused_with_the_numbers(world: int, sizes: dict, message
 
 def test_tp_needs_whole_heads_per_rank_and_data_ranks_for_fsdp2() -> None:
     with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_key_value_heads=2"):
-        check_mesh(MeshPlan(1, 2, 4, 1), heads=8, kv_heads=2, max_length=1024)
+        check_mesh(MeshPlan(dp_replicate=1, dp_shard=2, tp=4, cp=1), heads=8, kv_heads=2, max_length=1024)
     with pytest.raises(ConfigError, match="tp_size=4 does not divide the model's num_attention_heads=6"):
-        check_mesh(MeshPlan(1, 2, 4, 1), heads=6, kv_heads=2, max_length=1024)
+        check_mesh(MeshPlan(dp_replicate=1, dp_shard=2, tp=4, cp=1), heads=6, kv_heads=2, max_length=1024)
     with pytest.raises(ConfigError, match="tp_size=4 takes every one of the 4 ranks"):
-        check_mesh(MeshPlan(1, 1, 4, 1), heads=8, kv_heads=4, max_length=1024)
-    check_mesh(MeshPlan(1, 2, 2, 2), heads=8, kv_heads=2, max_length=1024)  # tp x cp: cp splits heads / tp
+        check_mesh(MeshPlan(dp_replicate=1, dp_shard=1, tp=4, cp=1), heads=8, kv_heads=4, max_length=1024)
+    check_mesh(
+        MeshPlan(dp_replicate=1, dp_shard=2, tp=2, cp=2), heads=8, kv_heads=2, max_length=1024
+    )  # tp x cp: cp splits heads / tp
     with pytest.raises(
         ConfigError, match="cp_size=4 does not divide the model's num_attention_heads=2 \\(per tensor"
     ):
         check_mesh(
-            MeshPlan(1, 1, 4, 4), heads=8, kv_heads=4, max_length=1024
+            MeshPlan(dp_replicate=1, dp_shard=1, tp=4, cp=4), heads=8, kv_heads=4, max_length=1024
         )  # 8 heads / tp 4 = 2 per tp rank
-    check_mesh(MeshPlan(1, 2, 2, 1), heads=8, kv_heads=2, max_length=1024)  # tp 2 x dp_shard 2
-    assert "tensor parallel 2" in MeshPlan(1, 2, 2, 1).describe()
-    check_mesh(MeshPlan(2, 4, 1, 1), heads=8, kv_heads=2, max_length=1000)  # HSDP: nothing to refuse
+    check_mesh(
+        MeshPlan(dp_replicate=1, dp_shard=2, tp=2, cp=1), heads=8, kv_heads=2, max_length=1024
+    )  # tp 2 x dp_shard 2
+    assert "tensor parallel 2" in MeshPlan(dp_replicate=1, dp_shard=2, tp=2, cp=1).describe()
+    check_mesh(
+        MeshPlan(dp_replicate=2, dp_shard=4, tp=1, cp=1), heads=8, kv_heads=2, max_length=1000
+    )  # HSDP: nothing to refuse
 
 
 def test_cp_all_to_all_needs_whole_query_heads_per_rank_and_repeats_kv_heads_when_they_do_not_divide() -> (
     None
 ):
     with pytest.raises(ConfigError, match="cp_size=3 does not divide the model's num_attention_heads=8"):
-        check_mesh(MeshPlan(1, 2, 1, 3), heads=8, kv_heads=2, max_length=1024)
+        check_mesh(MeshPlan(dp_replicate=1, dp_shard=2, tp=1, cp=3), heads=8, kv_heads=2, max_length=1024)
     # Any max_length: each micro-batch is padded to a multiple of cp_size.
-    check_mesh(MeshPlan(1, 2, 1, 4), heads=8, kv_heads=2, max_length=1021)
+    check_mesh(MeshPlan(dp_replicate=1, dp_shard=2, tp=1, cp=4), heads=8, kv_heads=2, max_length=1021)
     assert split_heads(8, 2, 4) == HeadSplit(8, 2, 4, kv_repeat=2)  # 2 KV heads -> 4, one per rank
     assert split_heads(8, 8, 4).kv_repeat == 1
     assert split_heads(12, 3, 2).kv_repeat == 2  # 6 KV heads, 2 query heads each
     # Ring splits no heads: the mesh passes; its refusals are hf_fsdp2.parallel.ring.check_ring_settings'.
-    check_mesh(MeshPlan(1, 2, 1, 2, "ring"), heads=8, kv_heads=2, max_length=1024)
+    check_mesh(
+        MeshPlan(dp_replicate=1, dp_shard=2, tp=1, cp=2, cp_backend="ring"),
+        heads=8,
+        kv_heads=2,
+        max_length=1024,
+    )
     with pytest.raises(ConfigError, match="cp_backend='ulysses' is not one of auto, all_to_all, ring"):
         resolve_mesh(4, dp_replicate=None, dp_shard=None, tp=None, cp=2, cp_backend="ulysses")
     mesh = resolve_mesh(8, dp_replicate=2, dp_shard=None, tp=None, cp=2)
@@ -76,8 +91,10 @@ def test_the_recipe_keys_win_over_the_launchers_parallelism_config(monkeypatch: 
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "4")
     launcher = launcher_mesh()
     assert launcher == {"dp_replicate_size": 2, "dp_shard_size": 4}
-    assert FSDPArgs().mesh_plan(8, launcher) == MeshPlan(2, 4, 1, 1)
-    assert FSDPArgs(dp_replicate_size=1, dp_shard_size=8).mesh_plan(8, launcher) == MeshPlan(1, 8, 1, 1)
+    assert FSDPArgs().mesh_plan(8, launcher) == MeshPlan(dp_replicate=2, dp_shard=4, tp=1, cp=1)
+    assert FSDPArgs(dp_replicate_size=1, dp_shard_size=8).mesh_plan(8, launcher) == MeshPlan(
+        dp_replicate=1, dp_shard=8, tp=1, cp=1
+    )
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "false")
     assert launcher_mesh() == {}
 

@@ -373,7 +373,7 @@ def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
 
     # Reference, without the recipe: the rows rank 0 and rank 1 took at step 1, every example run alone.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = build_sft_datasets([DataSource(str(data_file))], tokenizer, max_length=96, seed=11)
+    data = build_sft_datasets([DataSource(name=str(data_file))], tokenizer, max_length=96, seed=11)
     packed = pack_examples(data.train, 96)
     order = ShardedSampler(len(packed), rank=0, world_size=2, seed=11).global_order(0)
     rows = [row for rank in range(2) for row in order[rank::2][:2]]

@@ -174,7 +174,14 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
         )
     stream, steps_per_epoch, total = sampled_stream(session, dataset, collator)
     logger.info("training %d steps (%d per epoch), %d rows per step", total, steps_per_epoch, per_step)
-    return TrainData(stream, collator, eval_set, steps_per_epoch, total, per_step)
+    return TrainData(
+        stream=stream,
+        collator=collator,
+        eval_set=eval_set,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+        examples_per_step=per_step,
+    )
 
 
 def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
@@ -222,4 +229,11 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
         eval_set = RowsDataset(
             concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention)
         )
-    return TrainData(stream, collator, eval_set, 0, t.max_steps, per_step)  # type: ignore[arg-type]
+    return TrainData(
+        stream=stream,  # type: ignore[arg-type]
+        collator=collator,
+        eval_set=eval_set,
+        steps_per_epoch=0,
+        total_steps=t.max_steps,
+        examples_per_step=per_step,
+    )

@@ -12,7 +12,7 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")  # no reference model, no reference pass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DpoArgs(ReferenceArgs):
     """Direct preference optimisation on ``prompt`` / ``chosen`` / ``rejected`` pairs (recipes/dpo.py)."""
 

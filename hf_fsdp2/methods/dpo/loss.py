@@ -44,7 +44,7 @@ METRICS = (
 EXTRA_METRICS = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DPOSettings:
     """The preference objective's constants (from the method's config section; how the step runs, its loss plan
     included, is :class:`~hf_fsdp2.train.step.StepSettings`).

@@ -24,7 +24,7 @@ from hf_fsdp2.config.plans import check
 from hf_fsdp2.data.loader import DataStream, ShardedSampler, build_dataloader
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationLayout:
     """A run's generation batches and steps (module docstring), checked by :func:`generation_layout`."""
 

@@ -37,7 +37,7 @@ IS_MODES = (
 )  # vllm_importance_sampling_mode
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GrpoArgs:
     """Online RL with verifiable rewards (recipes/grpo.py)."""
 

@@ -157,7 +157,15 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
     logger.info("GRPO data: %d prompts, %s; %d steps (%d per epoch), %d prompts x %d generations per generation "
                 "batch", len(train), f"{len(evals)} eval prompts" if evals else "no eval set", total_steps,
                 steps_per_epoch, layout.prompts, g.num_generations)  # fmt: skip
-    return TrainData(stream, collator, evals, steps_per_epoch, total_steps, layout.prompts, train_set=train)
+    return TrainData(
+        stream=stream,
+        collator=collator,
+        eval_set=evals,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        examples_per_step=layout.prompts,
+        train_set=train,
+    )
 
 
 def preview_prompts(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: int) -> list[tuple[str, str]]:

@@ -49,7 +49,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # added to the standard deviation, as TRL
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GrpoSettings:
     """The loss's settings (TRL's ``GRPOConfig`` names)."""
 
@@ -118,7 +118,7 @@ def group_advantages(
     return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossSums:
     """One micro-batch's loss numerator and count, and the sums of its logged statistics (over completion tokens)."""
 
@@ -333,12 +333,12 @@ def token_logps_and_entropy(
     start = input_ids.shape[1] - width
     device = input_ids.device
     request = _CompletionScores(
-        rows.to(device),
-        (start - 1 + cols).to(device),  # hidden position t predicts token t + 1
-        input_ids[rows.to(device), (start + cols).to(device)],
-        plan,
-        temperature,
-        entropy,
+        rows=rows.to(device),
+        positions=(start - 1 + cols).to(device),  # hidden position t predicts token t + 1
+        targets=input_ids[rows.to(device), (start + cols).to(device)],
+        plan=plan,
+        temperature=temperature,
+        entropy=entropy,
     )
     head = model.get_output_embeddings()  # type: ignore[operator]
     with head_input_replaced(head, request):
@@ -357,7 +357,7 @@ def token_logps_and_entropy(
     return logps, ent
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _CompletionScores:
     """The head pre-hook's request of one :func:`token_logps_and_entropy` forward, and its result."""
 

@@ -18,7 +18,7 @@ STATS = ("kl", "clipped_low", "clipped_high", "clip_count", "tokens", "entropy")
 """The per-step statistics a step sums over its micro-batches (this rank's) before they are logged."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
     """A generation batch on this rank: ``rows`` (prompt left-padded + completion right-padded) per micro-batch,
     and this rank's share of the rewards, advantages and texts."""
@@ -44,7 +44,7 @@ class Rollout:
     )  # vLLM's importance sampling metrics (vllm/importance.py)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GrpoStepMetrics:
     """A GRPO step's metrics under TRL's names (``metrics(micro_batches)``, collective; the statistics are this
     rank's sums until logged)."""

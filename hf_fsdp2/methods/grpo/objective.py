@@ -167,7 +167,7 @@ def _build_grpo(
     eos = stop_token_ids(
         tokenizer.eos_token_id, getattr(model.module.generation_config, "eos_token_id", None)
     )
-    sampling = SamplingSettings(g.max_completion_length, g.temperature, g.top_p, g.top_k, do_sample=True,
+    sampling = SamplingSettings(max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, do_sample=True,
                                 gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
                                 generation_kwargs=sampling_kwargs(g.generation_kwargs, vllm=g.use_vllm))  # fmt: skip
     generator: Any

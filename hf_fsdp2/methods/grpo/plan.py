@@ -17,7 +17,7 @@ from hf_fsdp2.methods.grpo.batching import layout_of
 _BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "bfloat16": 2, "float16": 2, "float32": 4, "no": 4, "auto": 2}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutBytes:
     gathered: int  # the whole model, gathered
     kv_cache: int

@@ -96,7 +96,7 @@ def reshards_after_forward(unit: torch.nn.Module) -> bool:
     return any(values)  # one group per fully_shard call: all of a unit's groups agree
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
     """How completions are sampled (TRL's ``GRPOConfig`` names and defaults)."""
 

@@ -157,7 +157,16 @@ def rollout(
     all_rewards = combine(everyone, functions)
     all_advantages, all_zero = group_advantages(all_rewards, settings.grpo)
     advantages, zero_std, rewards = all_advantages[share], all_zero[share], all_rewards[share]
-    whole = Rollout([], all_rewards, everyone, all_advantages, all_zero, [], [], [])
+    whole = Rollout(
+        rows=[],
+        rewards=all_rewards,
+        per_function=everyone,
+        advantages=all_advantages,
+        zero_std=all_zero,
+        lengths=[],
+        completions=[],
+        prompts=[],
+    )
     rows = []
     for j in range(layout.steps_per_generation):
         part = slice(j * layout.per_device, (j + 1) * layout.per_device)
@@ -167,9 +176,9 @@ def rollout(
         row["loss_mask"] = row["completion_mask"] * keep[:, None]
         rows.append(row)
     attach_sampling_logps(rows, generator)  # vLLM's log-probs of what it sampled (importance sampling)
-    return Rollout(rows, rewards, table, advantages, zero_std, [len(c) for c in completion_ids], texts, raw_prompts,
-                   sum(is_clipped(c, generator.eos_ids) for c in completion_ids), signal_counts(whole),
-                   loss_tokens)  # fmt: skip
+    return Rollout(rows=rows, rewards=rewards, per_function=table, advantages=advantages, zero_std=zero_std, lengths=[len(c) for c in completion_ids], completions=texts, prompts=raw_prompts,
+                   clipped=sum(is_clipped(c, generator.eos_ids) for c in completion_ids), signal=signal_counts(whole),
+                   loss_tokens=loss_tokens)  # fmt: skip
 
 
 def score_rows(
@@ -375,6 +384,6 @@ class GrpoLoss(StepLoss):
         st, s = self.stepper, self.stepper.settings
         assert st.roll is not None
         table = st.table if s.log_completions and collectives.rank() == 0 else None
-        return GrpoStepMetrics(self.stats.cpu(), st.roll, [f.name for f in st.functions], s.grpo.beta, st.device,
-                               st.functions, table, s.num_completions_to_print, st.table_sink,
-                               getattr(st.generator, "rollout_metrics", None))(micro_batches)  # fmt: skip
+        return GrpoStepMetrics(stats=self.stats.cpu(), roll=st.roll, function_names=[f.name for f in st.functions], beta=s.grpo.beta, device=st.device,
+                               functions=st.functions, table=table, table_limit=s.num_completions_to_print, table_sink=st.table_sink,
+                               timing=getattr(st.generator, "rollout_metrics", None))(micro_batches)  # fmt: skip

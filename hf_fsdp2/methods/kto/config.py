@@ -11,7 +11,7 @@ from hf_fsdp2.config.preference import ReferenceArgs
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KtoArgs(ReferenceArgs):
     """Kahneman-Tversky optimisation on unpaired ``prompt`` / ``completion`` / ``label`` examples (recipes/kto.py)."""
 

@@ -57,7 +57,15 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
         per_step, (2 if uses_kl else 1) * per_step,
     )  # fmt: skip
     _warn_balance(good, len(train) - good, p.desirable_weight, p.undesirable_weight)
-    return TrainData(stream, collator, eval_examples, steps_per_epoch, total_steps, per_step, train_set=train)
+    return TrainData(
+        stream=stream,
+        collator=collator,
+        eval_set=eval_examples,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        examples_per_step=per_step,
+        train_set=train,
+    )
 
 
 def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:

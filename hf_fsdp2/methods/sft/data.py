@@ -86,4 +86,11 @@ def build_sft_data(session: Session, tokenizer: Any) -> TrainData:
     logger.info(
         "training %d steps (%d per epoch), %d examples per step", total_steps, steps_per_epoch, per_step
     )
-    return TrainData(stream, collator, data.eval, steps_per_epoch, total_steps, per_step)
+    return TrainData(
+        stream=stream,
+        collator=collator,
+        eval_set=data.eval,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        examples_per_step=per_step,
+    )

@@ -65,7 +65,7 @@ def main() -> None:
     rank = acc.process_index
     model = load_model(args.model)
     tokenizer = None if args.no_tokenizer else load_tokenizer(args.model)
-    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model), ac=plan.ac))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
 
     # One step, so that the exported weights are not the ones the model was loaded with.

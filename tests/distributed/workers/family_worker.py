@@ -38,7 +38,7 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
     if lora:
         model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     layers = decoder_layer_classes(model)
-    model = parallelize(model, acc, ParallelPlan(layers))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layers))
     opt = build_adamw(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plan = plan_loss(model, chunk)
     settings = StepSettings(plan, max_grad_norm=1.0)

@@ -143,7 +143,7 @@ def main() -> None:
     # the tiny model's linears are all below torchao's size thresholds: converted anyway, for the numerics
     plan = Float8Plan(emulate=True, size_filter=False)
     report = convert_float8(model, layer_cls, plan)
-    model = parallelize(model, acc, ParallelPlan(layer_cls))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layer_cls))
     opt = build_adamw(param_groups(model, 0.0), lr=3e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     finish_float8(model, opt, plan, acc.device)
     float8_names = float8_weight_names(model)

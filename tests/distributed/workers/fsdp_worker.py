@@ -56,7 +56,7 @@ def main() -> None:
     report["meta_params_before_prepare"] = sum(p.is_meta for p in model.parameters())
     tokenizer = load_tokenizer(args.model)
     model = parallelize(
-        model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
+        model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
 

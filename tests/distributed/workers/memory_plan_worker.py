@@ -76,7 +76,7 @@ def measure(
         enable_context_parallel(model, collectives.cp_group(), cp)
     # offload is refused by build_accelerator on CPU (host memory already); parallelize applies it as asked.
     sharding = ShardingPlan(activation_checkpointing=ACPlan(mode, every_k=2, pin_memory=False))
-    model = parallelize(model, acc, ParallelPlan(layer_cls, ac=sharding.ac))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layer_cls, ac=sharding.ac))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     loss_plan = plan_loss(model, chunk)
     gen = torch.Generator().manual_seed(100 + collectives.data_rank())  # a cp group's ranks: the same batch

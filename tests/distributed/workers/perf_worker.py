@@ -47,7 +47,7 @@ def run(acc, model_dir: str, ac: str, scope: str | None, steps: int) -> dict:  #
     plan = ShardingPlan(activation_checkpointing=ACPlan(ac, every_k=2, pin_memory=False))
     compile_plan = CompilePlan(enabled=scope is not None, scope=scope or "regional")
     model = parallelize(
-        model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
+        model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     watch = CompileWatch(enabled=scope is not None).start()

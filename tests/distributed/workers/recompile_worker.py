@@ -67,7 +67,9 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     if cp:
         enable_context_parallel(model, torch.distributed.group.WORLD, 2)
     model = parallelize(
-        model, acc, ParallelPlan(decoder_layer_classes(model), ac=ShardingPlan().ac, compile=compile_plan)
+        model,
+        acc,
+        ParallelPlan(layer_cls=decoder_layer_classes(model), ac=ShardingPlan().ac, compile=compile_plan),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)  # linear in the gradient: rounding is not amplified
     collate = (

@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     model = load_model(args.model)
-    model = parallelize(model, acc, ParallelPlan(decoder_layer_classes(model)))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model)))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     ckpt = Checkpointer(
         Path(args.checkpoint).parent, keep_last=0, async_save=False, is_main_process=acc.is_main_process

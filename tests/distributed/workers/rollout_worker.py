@@ -38,7 +38,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
     model = parallelize(
-        model, acc, ParallelPlan(decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
+        model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
     opt = build_adamw(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plain = load_model(args.model).eval()

@@ -32,7 +32,7 @@ def trained(acc, model_dir: str, *, lora: bool, dtype: str):  # type: ignore[no-
     if lora:
         model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     layers = decoder_layer_classes(model)
-    model = parallelize(model, acc, ParallelPlan(layers))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layers))
     opt = build_adamw(param_groups(model, 0.0), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(acc.process_index))
     train_step(model, opt, None, [{"input_ids": ids, "labels": ids}], StepSettings(LossPlan(16)), acc.device)
