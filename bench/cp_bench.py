@@ -50,10 +50,14 @@ def _rank(args: argparse.Namespace) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
         max_position_embeddings=max(args.seq, 2048),
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
@@ -118,8 +122,18 @@ def main() -> None:
         return
     results = []
     for cp in (int(c) for c in args.cps.split(",")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cp), "--master_port",
-               str(29500 + cp), __file__, "--rank", *sys.argv[1:]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(cp),
+            "--master_port",
+            str(29500 + cp),
+            __file__,
+            "--rank",
+            *sys.argv[1:],
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
         found = [line for line in proc.stdout.splitlines() if line.startswith('{"cp"')]
@@ -127,8 +141,10 @@ def main() -> None:
             raise SystemExit(f"cp {cp} failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(found[0]))
     base = max(r["saved"] for r in results[0]["ranks"])
-    print(f"\nactivation bytes per rank, one row of {args.seq} tokens{' (packed, 8 documents)' if args.packed else ''}, "
-          f"{args.layers} layers x hidden {args.hidden}, heads {args.heads}/{args.kv_heads}\n")  # fmt: skip
+    print(
+        f"\nactivation bytes per rank, one row of {args.seq} tokens{' (packed, 8 documents)' if args.packed else ''}, "
+        f"{args.layers} layers x hidden {args.hidden}, heads {args.heads}/{args.kv_heads}\n"
+    )
     print(
         "| cp_size | tokens per rank | activation MiB per rank (max) | vs cp 1 | step s (median) | tokens/s |"
     )
@@ -136,8 +152,10 @@ def main() -> None:
     for r in results:
         saved = max(x["saved"] for x in r["ranks"])
         step = max(x["step_s"] for x in r["ranks"])
-        print(f"| {r['cp']} | {-(-args.seq // r['cp'])} | {saved / MIB:.1f} | {saved / base:.3f} | {step:.2f} | "
-              f"{args.seq / step:.0f} |")  # fmt: skip
+        print(
+            f"| {r['cp']} | {-(-args.seq // r['cp'])} | {saved / MIB:.1f} | {saved / base:.3f} | {step:.2f} | "
+            f"{args.seq / step:.0f} |"
+        )
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "cp_bench.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -55,10 +55,16 @@ def build_model_dir(path: Path, size: str) -> Path:
     tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
     tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
@@ -166,20 +172,34 @@ def worker(args: argparse.Namespace) -> None:
         if args.method.startswith("gather_free"):
             unwrapped = acc.unwrap_model(model)
             export_model(
-                model, out, config=unwrapped.config, tokenizer=tokenizer, generation_config=None,
-                dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size), verify=args.method == "gather_free_verified",
+                model,
+                out,
+                config=unwrapped.config,
+                tokenizer=tokenizer,
+                generation_config=None,
+                dtype=args.dtype,
+                max_shard_bytes=parse_size(args.max_shard_size),
+                verify=args.method == "gather_free_verified",
                 compute_dtype=torch.bfloat16,
-            )  # fmt: skip
+            )
         else:
             acc.save_model(model, out, max_shard_size=args.max_shard_size)
         dist.barrier()
     seconds = time.perf_counter() - start
     weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     row = {
-        "rank": rank, "world": acc.num_processes, "method": args.method, "params": n_params,
-        "weights_bytes": weights, "rss_before": sampler.before, "rss_peak": sampler.peak,
-        "rss_increase": sampler.peak - sampler.before, "anon_increase": sampler.peak_anon - sampler.before_anon, "seconds": seconds, "max_shard": args.max_shard_size,
-    }  # fmt: skip
+        "rank": rank,
+        "world": acc.num_processes,
+        "method": args.method,
+        "params": n_params,
+        "weights_bytes": weights,
+        "rss_before": sampler.before,
+        "rss_peak": sampler.peak,
+        "rss_increase": sampler.peak - sampler.before,
+        "anon_increase": sampler.peak_anon - sampler.before_anon,
+        "seconds": seconds,
+        "max_shard": args.max_shard_size,
+    }
     Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(row))
     acc.end_training()
 
@@ -211,11 +231,30 @@ def main() -> None:
             report = args.out / f"{size}-{method}.json"
             env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world),
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--worker",
-                "--method", method, "--model", str(model), "--out_case", str(case), "--report", str(report),
-                "--dtype", args.dtype, "--max_shard_size", args.max_shard_size,
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(args.world),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(free_port()),
+                __file__,
+                "--worker",
+                "--method",
+                method,
+                "--model",
+                str(model),
+                "--out_case",
+                str(case),
+                "--report",
+                str(report),
+                "--dtype",
+                args.dtype,
+                "--max_shard_size",
+                args.max_shard_size,
+            ]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
             for r in range(args.world):
                 row = json.loads(report.with_suffix(f".rank{r}.json").read_text()) | {"size": size}
@@ -227,10 +266,17 @@ def main() -> None:
     print("\n" + head + "\n" + "|---" * 10 + "|")
     for r in rows:
         cells = [
-            f"{r['size']} ({r['params'] / 1e6:.0f}M)", f"{r['weights_bytes'] / mib:.0f} MiB", r["world"], r["method"],
-            r["rank"], f"{r['rss_before'] / mib:.0f} MiB", f"{r['rss_peak'] / mib:.0f} MiB",
-            f"{r['rss_increase'] / mib:.0f} MiB", f"{r['anon_increase'] / mib:.0f} MiB", f"{r['seconds']:.1f}s",
-        ]  # fmt: skip
+            f"{r['size']} ({r['params'] / 1e6:.0f}M)",
+            f"{r['weights_bytes'] / mib:.0f} MiB",
+            r["world"],
+            r["method"],
+            r["rank"],
+            f"{r['rss_before'] / mib:.0f} MiB",
+            f"{r['rss_peak'] / mib:.0f} MiB",
+            f"{r['rss_increase'] / mib:.0f} MiB",
+            f"{r['anon_increase'] / mib:.0f} MiB",
+            f"{r['seconds']:.1f}s",
+        ]
         print("| " + " | ".join(map(str, cells)) + " |")
 
 

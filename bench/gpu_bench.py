@@ -114,8 +114,13 @@ DEFAULT_TRL = "none:none,liger:none"
 # shape at seq 4096, eager beside regional compile (chunked loss, no AC), 2 + 5 steps, no TRL runner.
 # With FP8 hardware (sm_89+) the regional runner's FP8 twin too (torchao float8 decoder linears, float8 all-gather):
 # a GPU without it lists the FP8 runner as skipped, with the reason.
-QUICK = {"configs": "eager:none:chunked,regional:none:chunked,regional:none:chunked:fp8", "trl": "", "warmup": 2,
-         "steps": 5, "budget_s": 150.0}  # fmt: skip
+QUICK = {
+    "configs": "eager:none:chunked,regional:none:chunked,regional:none:chunked:fp8",
+    "trl": "",
+    "warmup": 2,
+    "steps": 5,
+    "budget_s": 150.0,
+}
 COMPILE_SCOPES, LOSS_PATHS, PRECISIONS = ("eager", "regional", "model"), ("plain", "chunked"), ("bf16", "fp8")
 
 
@@ -176,13 +181,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(
             "--warmup and --steps must be at least 1 (the clock starts at the end of the last warm-up step)"
         )
-    bad_trl = [item for item in args.trl.split(",") if item and (len(item.split(":")) != 2
-               or item.split(":")[0] not in ("none", "liger") or item.split(":")[1] not in ("none", "full"))]  # fmt: skip
+    bad_trl = [
+        item
+        for item in args.trl.split(",")
+        if item
+        and (
+            len(item.split(":")) != 2
+            or item.split(":")[0] not in ("none", "liger")
+            or item.split(":")[1] not in ("none", "full")
+        )
+    ]
     if bad_trl:
         ap.error(f"--trl {bad_trl}: each TRL runner is kernels:ac, kernels none|liger, ac none|full")
-    bad = [item for item in args.configs.split(",") if item and (len(item.split(":")) not in (3, 4)
-           or item.split(":")[0] not in COMPILE_SCOPES or item.split(":")[1] not in AC_MODES
-           or item.split(":")[2] not in LOSS_PATHS or (item.split(":") + ["bf16"])[3] not in PRECISIONS)]  # fmt: skip
+    bad = [
+        item
+        for item in args.configs.split(",")
+        if item
+        and (
+            len(item.split(":")) not in (3, 4)
+            or item.split(":")[0] not in COMPILE_SCOPES
+            or item.split(":")[1] not in AC_MODES
+            or item.split(":")[2] not in LOSS_PATHS
+            or (item.split(":") + ["bf16"])[3] not in PRECISIONS
+        )
+    ]
     if bad:
         ap.error(
             f"--configs {bad}: each hf_fsdp2 runner is compile:ac:loss[:precision], compile "
@@ -223,9 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     peak_mm = matmul_peak(device, 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     spec = peak_flops_for(name) if device.type == "cuda" else None
-    print(f"device {name}; measured bf16 matmul {peak_mm / 1e12:.0f} TFLOP/s; seq {args.seq}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps per runner; budget {args.budget_s:.0f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"device {name}; measured bf16 matmul {peak_mm / 1e12:.0f} TFLOP/s; seq {args.seq}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per runner; budget {args.budget_s:.0f} s",
+        flush=True,
+    )
     runners = [("trl", item) for item in args.trl.split(",") if item]
     runners += [("hf_fsdp2", item) for item in args.configs.split(",") if item]
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_bench_"))

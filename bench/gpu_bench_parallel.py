@@ -94,10 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     shape = SHAPES[args.shape]
     try:
-        args.mesh = resolve_mesh(args.nproc, dp_replicate=None, dp_shard=None, tp=args.tp, cp=args.cp,
-                                 cp_backend=args.cp_backend)  # fmt: skip
-        check_mesh(args.mesh, heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"],
-                   max_length=max(args.seqs))  # fmt: skip
+        args.mesh = resolve_mesh(
+            args.nproc, dp_replicate=None, dp_shard=None, tp=args.tp, cp=args.cp, cp_backend=args.cp_backend
+        )
+        check_mesh(
+            args.mesh,
+            heads=shape["num_attention_heads"],
+            kv_heads=shape["num_key_value_heads"],
+            max_length=max(args.seqs),
+        )
     except ConfigError as err:
         ap.error(str(err))
     if args.cp_backend == "ring" and args.cp > 1 and args.cpu:
@@ -127,12 +132,42 @@ def per_device_flops(flops: Any, seq: int, *, nproc: int, cp: int, tp: int) -> f
 
 
 def launch_line(args: argparse.Namespace, seq: int, out: Path, port: int) -> list[str]:
-    flags = ["--shape", args.shape, "--seq", str(seq), "--cp", str(args.cp), "--tp", str(args.tp),
-             "--cp-backend", args.cp_backend, "--procs", str(args.nproc), "--ac", args.ac,
-             "--warmup", str(args.warmup), "--steps", str(args.steps), "--worker", str(out)]  # fmt: skip
+    flags = [
+        "--shape",
+        args.shape,
+        "--seq",
+        str(seq),
+        "--cp",
+        str(args.cp),
+        "--tp",
+        str(args.tp),
+        "--cp-backend",
+        args.cp_backend,
+        "--procs",
+        str(args.nproc),
+        "--ac",
+        args.ac,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--worker",
+        str(out),
+    ]
     flags += ["--eager"] * args.eager + ["--cpu"] * args.cpu
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port), str(Path(__file__).resolve()), *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(Path(__file__).resolve()),
+        *flags,
+    ]
 
 
 @contextlib.contextmanager
@@ -168,8 +203,13 @@ def worker(args: argparse.Namespace) -> None:
     try:
         sharding = ShardingPlan(activation_checkpointing=ACPlan(args.ac, pin_memory=gpu))
         compile_plan = CompilePlan(enabled=gpu and not args.eager, scope="regional")
-        acc = build_accelerator(sharding, mixed_precision="bf16" if gpu else "no", compile_plan=compile_plan,
-                                force_cpu=not gpu, mesh=args.mesh)  # fmt: skip
+        acc = build_accelerator(
+            sharding,
+            mixed_precision="bf16" if gpu else "no",
+            compile_plan=compile_plan,
+            force_cpu=not gpu,
+            mesh=args.mesh,
+        )
         device = acc.device
         torch.manual_seed(0)
         config = LlamaConfig(
@@ -227,12 +267,17 @@ def worker(args: argparse.Namespace) -> None:
         per_device = per_device_flops(flops, seq, nproc=args.nproc, cp=args.cp, tp=args.tp)
         peak = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        result.update({
-            "tokens_per_s": data_ranks * seq / step_s, "step_s": step_s, "tflops_per_device": per_device / step_s / 1e12,
-            "mfu": per_device / step_s / peak if peak else None, "losses": losses,
-            "max_mem_allocated_gib": collectives.all_reduce_max([memory])[0] if gpu else None,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        })  # fmt: skip
+        result.update(
+            {
+                "tokens_per_s": data_ranks * seq / step_s,
+                "step_s": step_s,
+                "tflops_per_device": per_device / step_s / 1e12,
+                "mfu": per_device / step_s / peak if peak else None,
+                "losses": losses,
+                "max_mem_allocated_gib": collectives.all_reduce_max([memory])[0] if gpu else None,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            }
+        )
     except Exception as err:  # noqa: BLE001  # reported for this length; the others still run
         result["error"] = f"{type(err).__name__}: {err}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -254,26 +299,44 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
         worker(args)
         return
     flops = flops_model(args.shape)
-    plan = {"shape": args.shape, "nproc": args.nproc, "mesh": args.mesh.describe(), "cp_backend": args.cp_backend,
-            "ac": args.ac, "compile": "eager" if args.eager or args.cpu else "regional", "results": []}  # fmt: skip
+    plan = {
+        "shape": args.shape,
+        "nproc": args.nproc,
+        "mesh": args.mesh.describe(),
+        "cp_backend": args.cp_backend,
+        "ac": args.ac,
+        "compile": "eager" if args.eager or args.cpu else "regional",
+        "results": [],
+    }
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_parallel-"))
     for seq in args.seqs:
         out = work / f"seq{seq}.json"
         cmd = launch_line(args, seq, out, free_port())
-        entry: dict[str, Any] = {"seq": seq, "launch": " ".join(cmd[1:]),
-                                 "tflop_per_device_per_step": per_device_flops(flops, seq, nproc=args.nproc,
-                                                                               cp=args.cp, tp=args.tp) / 1e12}  # fmt: skip
+        entry: dict[str, Any] = {
+            "seq": seq,
+            "launch": " ".join(cmd[1:]),
+            "tflop_per_device_per_step": per_device_flops(
+                flops, seq, nproc=args.nproc, cp=args.cp, tp=args.tp
+            )
+            / 1e12,
+        }
         if not args.dry_run:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             try:
                 proc = run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                entry.update(json.loads(out.read_text()) if out.is_file() else
-                             {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]})  # fmt: skip
+                entry.update(
+                    json.loads(out.read_text())
+                    if out.is_file()
+                    else {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]}
+                )
             except subprocess.TimeoutExpired:
                 entry["error"] = f"stopped after {args.timeout_s:.0f} s"
         plan["results"].append(entry)
-        keys = ("seq", "tflop_per_device_per_step", "launch") if args.dry_run else ("seq", "tokens_per_s", "mfu",
-                                                                                   "step_s", "error")  # fmt: skip
+        keys = (
+            ("seq", "tflop_per_device_per_step", "launch")
+            if args.dry_run
+            else ("seq", "tokens_per_s", "mfu", "step_s", "error")
+        )
         shown = {k: v for k, v in entry.items() if k in keys}
         print(json.dumps(shown), flush=True)
     if args.out:

@@ -84,15 +84,40 @@ def trl_launch_command(args: argparse.Namespace, item: str, folder: Path, out: P
     config_file = trl_config_file()
     assert config_file is not None  # checked by trl_unavailable
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-        "--num_processes", "1", "--num_machines", "1", "--main_process_port", str(port),
-        "--mixed_precision", "no" if args.cpu else "bf16", "--dynamo_backend", "no",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config_file),
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no" if args.cpu else "bf16",
+        "--dynamo_backend",
+        "no",
         # CPU: the threads this process computes with (accelerate launch would give a GPU-style launch one)
         *(["--num_cpu_threads_per_process", str(torch.get_num_threads())] if args.cpu else []),
-        str(ENTRY), "--trl-child", item, "--trl-model", str(folder), "--trl-out", str(out),
-        "--shape", args.shape, "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
+        str(ENTRY),
+        "--trl-child",
+        item,
+        "--trl-model",
+        str(folder),
+        "--trl-out",
+        str(out),
+        "--shape",
+        args.shape,
+        "--seq",
+        str(args.seq),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
         *(["--cpu"] if args.cpu else []),
-    ]  # fmt: skip
+    ]
 
 
 def run_trl(
@@ -108,13 +133,26 @@ def run_trl(
         for k, v in os.environ.items()
         if k not in LAUNCH_VARS and not k.startswith(("ACCELERATE_", "FSDP_"))
     }
-    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     launch = "accelerate launch " + " ".join(cmd[3:])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

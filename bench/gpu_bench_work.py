@@ -77,8 +77,12 @@ def trl_rows(seq: int, vocab: int, rows: int) -> dict[str, list[list[int]]]:
 def llama_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.seq, 8192), rope_theta=500000.0,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        **SHAPES[args.shape],
+        max_position_embeddings=max(args.seq, 8192),
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
     config._attn_implementation = "sdpa"
     return config
 

@@ -45,12 +45,35 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "tie_word_embeddings": True, "rope_theta": 500000.0}  # fmt: skip
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "tie_word_embeddings": True}  # fmt: skip
-SMOKE = {"shape": "tiny", "procs": 1, "steps": 2, "warmup": 0, "prompts": 2, "generations": 2, "completion": 4,
-         "prompt_tokens": 8, "backends": "hf", "cpu": True}  # fmt: skip
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "tie_word_embeddings": True,
+}
+SMOKE = {
+    "shape": "tiny",
+    "procs": 1,
+    "steps": 2,
+    "warmup": 0,
+    "prompts": 2,
+    "generations": 2,
+    "completion": 4,
+    "prompt_tokens": 8,
+    "backends": "hf",
+    "cpu": True,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,8 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not args.backends:
         ap.error(f"--backends {','.join(args.backends)}: give hf, vllm or hf,vllm")
     if args.prompts * args.generations % args.procs:
-        ap.error(f"--prompts {args.prompts} x --generations {args.generations} must split evenly over --procs "
-                 f"{args.procs} (whole completions per rank)")  # fmt: skip
+        ap.error(
+            f"--prompts {args.prompts} x --generations {args.generations} must split evenly over --procs "
+            f"{args.procs} (whole completions per rank)"
+        )
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: nothing would be measured")
     return args
@@ -100,9 +125,11 @@ def vllm_python(explicit: str | None) -> tuple[str | None, str]:
     chosen = Path(explicit) if explicit else REPO / ".venv-vllm" / "bin" / "python"
     if chosen.exists():
         return str(chosen), ""
-    return None, (f"vLLM is not installed here: {chosen} does not exist. The GPU image has no vLLM; build its "
-                  "environment with `HF_FSDP2_VLLM_SPEC=vllm bash scripts/setup_vllm.sh` (or give --vllm-python), "
-                  "then run the vLLM side again: python bench/grpo_bench.py --backends vllm")  # fmt: skip
+    return None, (
+        f"vLLM is not installed here: {chosen} does not exist. The GPU image has no vLLM; build its "
+        "environment with `HF_FSDP2_VLLM_SPEC=vllm bash scripts/setup_vllm.sh` (or give --vllm-python), "
+        "then run the vLLM side again: python bench/grpo_bench.py --backends vllm"
+    )
 
 
 def recipe_args(args: argparse.Namespace, model: str, data: str, out: str) -> list[str]:
@@ -111,20 +138,63 @@ def recipe_args(args: argparse.Namespace, model: str, data: str, out: str) -> li
     micro = next(
         m for m in range(min(per_rank, 16), 0, -1) if per_rank % m == 0
     )  # <= 16 completions per backward
-    return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--max_steps", str(args.steps),
-            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(per_rank // micro),
-            "--gradient_checkpointing", "false" if args.cpu else "true",
-            "--num_generations", str(args.generations), "--max_completion_length", str(args.completion),
-            "--max_length", str(args.completion + args.prompt_tokens + 16), "--reward_funcs", "length_penalty",
-            "--temperature", "1.0", "--learning_rate", "1e-6", "--lr_scheduler_type", "constant",
-            "--logging_steps", "1", "--save_steps", "0", "--seed", "0", "--export_verify", "false",
-            "--mixed_precision", "no" if args.cpu else "bf16", "--torch_dtype", "float32",
-            "--overwrite_output_dir", "true"]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        data,
+        "--output_dir",
+        out,
+        "--max_steps",
+        str(args.steps),
+        "--per_device_train_batch_size",
+        str(micro),
+        "--gradient_accumulation_steps",
+        str(per_rank // micro),
+        "--gradient_checkpointing",
+        "false" if args.cpu else "true",
+        "--num_generations",
+        str(args.generations),
+        "--max_completion_length",
+        str(args.completion),
+        "--max_length",
+        str(args.completion + args.prompt_tokens + 16),
+        "--reward_funcs",
+        "length_penalty",
+        "--temperature",
+        "1.0",
+        "--learning_rate",
+        "1e-6",
+        "--lr_scheduler_type",
+        "constant",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "0",
+        "--seed",
+        "0",
+        "--export_verify",
+        "false",
+        "--mixed_precision",
+        "no" if args.cpu else "bf16",
+        "--torch_dtype",
+        "float32",
+        "--overwrite_output_dir",
+        "true",
+    ]
 
 
 def launch(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.procs),
-            str(REPO / "recipes" / "grpo.py"), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.procs),
+        str(REPO / "recipes" / "grpo.py"),
+        *extra,
+    ]
 
 
 def build_assets(args: argparse.Namespace, work: Path) -> tuple[str, str]:
@@ -151,8 +221,14 @@ def build_assets(args: argparse.Namespace, work: Path) -> tuple[str, str]:
         tok = build_llama2_test_tokenizer()
         tok.pad_token = tok.eos_token
         shape = LLAMA_1B if args.shape == "1b" else TINY
-        config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            max_position_embeddings=4096,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **shape,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(config).to(torch.float32 if args.cpu else torch.bfloat16).save_pretrained(folder)
         save_tokenizer(tok, folder)
@@ -170,10 +246,26 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``hf-fsdp2 vllm-serve`` in its own session (stopping it stops vLLM's engine process too); waits until ready."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "vllm-serve", "--model", model, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32" if args.cpu else "bfloat16", "--python", python,
-           "--max-model-len", str(args.completion + args.prompt_tokens + 16),
-           "--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_fsdp2.cli",
+        "vllm-serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32" if args.cpu else "bfloat16",
+        "--python",
+        python,
+        "--max-model-len",
+        str(args.completion + args.prompt_tokens + 16),
+        "--gpu-memory-utilization",
+        str(args.vllm_gpu_memory_utilization),
+    ]
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     start = time.monotonic()
@@ -215,12 +307,17 @@ def figures(run: Path, warmup: int) -> dict[str, Any]:
     sync = sum(r["rollout/weight_sync_s"] for r in timed)
     step = sum(r["step_time_s"] for r in timed)  # logging_steps 1: one step per row
     summary = json.loads((run / "summary.json").read_text())
-    return {"steps_timed": len(timed), "step_s": step / len(timed),
-            "generation_tokens_per_s": sum(r["rollout/completion_tokens"] for r in timed) / gen,
-            "generate_s_per_step": gen / len(timed), "weight_sync_s_per_step": sync / len(timed),
-            "training_tokens_per_s": sum(r["tokens"] for r in timed) / max(step - gen - sync, 1e-9),
-            "completion_tokens_per_step": sum(r["rollout/completion_tokens"] for r in timed) / len(timed),
-            "peak_memory_gib": summary.get("peak_memory_gib"), "peak_memory_kind": summary.get("peak_memory_kind")}  # fmt: skip
+    return {
+        "steps_timed": len(timed),
+        "step_s": step / len(timed),
+        "generation_tokens_per_s": sum(r["rollout/completion_tokens"] for r in timed) / gen,
+        "generate_s_per_step": gen / len(timed),
+        "weight_sync_s_per_step": sync / len(timed),
+        "training_tokens_per_s": sum(r["tokens"] for r in timed) / max(step - gen - sync, 1e-9),
+        "completion_tokens_per_step": sum(r["rollout/completion_tokens"] for r in timed) / len(timed),
+        "peak_memory_gib": summary.get("peak_memory_gib"),
+        "peak_memory_kind": summary.get("peak_memory_kind"),
+    }
 
 
 def run_backend(
@@ -254,8 +351,15 @@ def run_backend(
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     try:
         with (work / f"run_{backend}.log").open("w") as log:
-            done = run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s, cwd=REPO,
-                       check=False)  # fmt: skip
+            done = run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=args.timeout_s,
+                cwd=REPO,
+                check=False,
+            )
     finally:
         if server is not None:
             stop_server(server)
@@ -266,13 +370,17 @@ def run_backend(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | s/step | generation tok/s | weights to vLLM s/step | training tok/s | peak GiB |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| backend | s/step | generation tok/s | weights to vLLM s/step | training tok/s | peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "step_s" in r:
-            lines.append(f"| {r['backend']} | {r['step_s']:.2f} | {r['generation_tokens_per_s']:.0f} | "
-                         f"{r['weight_sync_s_per_step']:.2f} | {r['training_tokens_per_s']:.0f} | "
-                         f"{r['peak_memory_gib'] or 0:.1f} |")  # fmt: skip
+            lines.append(
+                f"| {r['backend']} | {r['step_s']:.2f} | {r['generation_tokens_per_s']:.0f} | "
+                f"{r['weight_sync_s_per_step']:.2f} | {r['training_tokens_per_s']:.0f} | "
+                f"{r['peak_memory_gib'] or 0:.1f} |"
+            )
         else:
             lines.append(
                 f"| {r['backend']} | {r.get('not_run') or r.get('error') or 'planned: ' + r['command']} |"
@@ -291,9 +399,17 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
     model, data = (args.model or f"(random {args.shape} Llama, built in {work})", str(work / "prompts.jsonl"))
     if not args.dry_run:
         model, data = build_assets(args, work)
-    plan = {"model": model, "procs": args.procs, "steps": args.steps, "warmup": args.warmup,
-            "prompts_per_step": args.prompts, "generations": args.generations, "completion_tokens": args.completion,
-            "prompt_tokens": args.prompt_tokens, "device": "cpu (gloo, fp32)" if args.cpu else "cuda (bf16)"}  # fmt: skip
+    plan = {
+        "model": model,
+        "procs": args.procs,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "prompts_per_step": args.prompts,
+        "generations": args.generations,
+        "completion_tokens": args.completion,
+        "prompt_tokens": args.prompt_tokens,
+        "device": "cpu (gloo, fp32)" if args.cpu else "cuda (bf16)",
+    }
     rows = [run_backend(args, backend, model, data, work, run) for backend in args.backends]
     report = {"plan": plan, "results": rows}
     print(json.dumps(plan))

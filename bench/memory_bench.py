@@ -43,10 +43,15 @@ def build_model(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(2048, args.seq), tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(2048, args.seq),
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
@@ -148,10 +153,20 @@ def sharding(
     for world in [int(w) for w in args.worlds.split(",")]:
         out = work / f"sharding_{world}.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-            str(29600 + world), __file__, "--worker", "sharding", "--worker-out", str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world),
+            "--master_port",
+            str(29600 + world),
+            __file__,
+            "--worker",
+            "sharding",
+            "--worker-out",
+            str(out),
             *model_flags(args),
-        ]  # fmt: skip
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         proc = run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -173,10 +188,21 @@ def sharding(
 
 def model_flags(args: argparse.Namespace) -> list[str]:
     return [
-        "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-        "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-        "--seq", str(args.seq),
-    ]  # fmt: skip
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--seq",
+        str(args.seq),
+    ]
 
 
 def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> None:
@@ -212,12 +238,16 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
     )
     if args.part in ("all", "activations"):
         report["activations"] = act = activations(args)
-        print(f"\nactivation memory, batch {args.batch} x seq {args.seq} ({act['tokens']} tokens), "
-              f"{args.loss} loss; speed: median of {args.repeats} alternating forward+backward")  # fmt: skip
+        print(
+            f"\nactivation memory, batch {args.batch} x seq {args.seq} ({act['tokens']} tokens), "
+            f"{args.loss} loss; speed: median of {args.repeats} alternating forward+backward"
+        )
         print(f"{'mode':10s} {'MiB kept':>10s} {'x none':>7s} {'step s':>8s} {'x none':>7s}")
         for mode, row in act["modes"].items():
-            print(f"{mode:10s} {row['activation_mib']:10.1f} {row['vs_none']:7.2f} {row['step_s']:8.2f} "
-                  f"{row['time_vs_none']:7.2f}")  # fmt: skip
+            print(
+                f"{mode:10s} {row['activation_mib']:10.1f} {row['vs_none']:7.2f} {row['step_s']:8.2f} "
+                f"{row['time_vs_none']:7.2f}"
+            )
         print(
             "loss path, no checkpointing: "
             + ", ".join(f"{k} {v:.1f} MiB" for k, v in act["loss_paths_mib"].items())
@@ -225,11 +255,15 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
     if args.part in ("all", "sharding"):
         report["sharding"] = rows = sharding(args, work, run)
         print("\nper rank after one AdamW step (fp32 params, grads, exp_avg + exp_avg_sq), max over ranks")
-        print(f"{'world':>5s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} {'total MiB':>10s} "
-              f"{'B/param':>8s} {'x world 1':>9s}")  # fmt: skip
+        print(
+            f"{'world':>5s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} {'total MiB':>10s} "
+            f"{'B/param':>8s} {'x world 1':>9s}"
+        )
         for world, row in rows.items():
-            print(f"{world:5d} {row['params_mib']:11.1f} {row['grads_mib']:10.1f} {row['optimizer_mib']:10.1f} "
-                  f"{row['total_mib']:10.1f} {row['bytes_per_param']:8.2f} {row['vs_world_1']:9.3f}")  # fmt: skip
+            print(
+                f"{world:5d} {row['params_mib']:11.1f} {row['grads_mib']:10.1f} {row['optimizer_mib']:10.1f} "
+                f"{row['total_mib']:10.1f} {row['bytes_per_param']:8.2f} {row['vs_world_1']:9.3f}"
+            )
     (work / "results.json").write_text(json.dumps(report, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

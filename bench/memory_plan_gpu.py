@@ -58,11 +58,19 @@ def llama_config(shape: str, seq: int) -> Any:
 
     hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
     return LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max(seq, 2048),
-        tie_word_embeddings=True, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=max(seq, 2048),
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -227,21 +235,39 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "shape": dict(zip(("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"), SHAPES[args.shape], strict=True)),
-        "settings": {"world_size": 1, "micro_batch": args.batch, "seq": args.seq, "mixed_precision": "bf16",
-                     "ce_chunk_tokens": args.ce_chunk_tokens, "steps": args.steps},
+        "shape": dict(
+            zip(
+                ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"),
+                SHAPES[args.shape],
+                strict=True,
+            )
+        ),
+        "settings": {
+            "world_size": 1,
+            "micro_batch": args.batch,
+            "seq": args.seq,
+            "mixed_precision": "bf16",
+            "ce_chunk_tokens": args.ce_chunk_tokens,
+            "steps": args.steps,
+        },
         "modes": {},
-    }  # fmt: skip
+    }
     print(
         f"memory plan vs measured on {report['device']}: {args.shape}, micro-batch {args.batch} x {args.seq}"
     )
     previous: weakref.ref[torch.nn.Module] | None = None
     for mode in modes:
         settings = PlanSettings(
-            world_size=1, micro_batch=args.batch, seq_len=args.seq, ac=ACPlan(mode, 2, pin_memory=not cpu),
-            mixed_precision="bf16", load_dtype="float32", ce_chunk_tokens=args.ce_chunk_tokens,
-            device_type=device.type, attn_implementation="sdpa",
-        )  # fmt: skip
+            world_size=1,
+            micro_batch=args.batch,
+            seq_len=args.seq,
+            ac=ACPlan(mode, 2, pin_memory=not cpu),
+            mixed_precision="bf16",
+            load_dtype="float32",
+            ce_chunk_tokens=args.ce_chunk_tokens,
+            device_type=device.type,
+            attn_implementation="sdpa",
+        )
         plan = plan_memory(config, settings)
         predicted = {k: v for k, v in plan.rank_total(0).items() if k in ITEMS}
         # The previous mode's model must be gone (freed by release()) before this mode measures its peak.

@@ -65,10 +65,15 @@ def child(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     h = args.hidden
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4, num_hidden_layers=args.layers,
-        num_attention_heads=max(h // 64, 1), num_key_value_heads=max(h // 128, 1), tie_word_embeddings=True,
+        vocab_size=args.vocab,
+        hidden_size=h,
+        intermediate_size=h * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(h // 64, 1),
+        num_key_value_heads=max(h // 128, 1),
+        tie_word_embeddings=True,
         max_position_embeddings=2048,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
@@ -150,10 +155,23 @@ def main() -> None:
         return
     results: list[dict[str, Any]] = []
     for optim in args.optims.split(","):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.procs),
-               "--master_port", str(29500 + os.getpid() % 1000), __file__, "--optim", optim,
-               *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("steps", "rows", "length", "lr", "hidden", "layers", "vocab", "data_vocab")]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.procs),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+            __file__,
+            "--optim",
+            optim,
+            *[
+                f"--{k.replace('_', '-')}={v}"
+                for k, v in vars(args).items()
+                if k in ("steps", "rows", "length", "lr", "hidden", "layers", "vocab", "data_vocab")
+            ],
+        ]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.procs)))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -165,8 +183,10 @@ def main() -> None:
         f"{'optim':6} {'loss first3':>11} {'loss last3':>10} {'step s':>7} {'optim s':>8} {'share':>6} {'comm MiB':>8}"
     )
     for r in results:
-        print(f"{r['optim']:6} {r['loss_first']:11.4f} {r['loss_last']:10.4f} {r['step_s']:7.3f} {r['optim_s']:8.4f} "
-              f"{r['optim_share']:6.1%} {r['comm_mib']:8.2f}")  # fmt: skip
+        print(
+            f"{r['optim']:6} {r['loss_first']:11.4f} {r['loss_last']:10.4f} {r['step_s']:7.3f} {r['optim_s']:8.4f} "
+            f"{r['optim_share']:6.1%} {r['comm_mib']:8.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

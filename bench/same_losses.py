@@ -66,10 +66,19 @@ REQUIRED = ("loss", "grad_norm")
 # Fields that measure the machine, not the numerics: never compared (with any *_s, *_gib or *per_s* field).
 NOT_NUMERICS = ("mfu", "tflops_per_device", "recompiles")
 COMMON: dict[str, Any] = {
-    "max_steps": 3, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_length": 64,
-    "mixed_precision": "no", "learning_rate": 1e-3, "lr_scheduler_type": "constant", "logging_steps": 1,
-    "seed": 0, "save_steps": 0, "export_verify": False, "overwrite_output_dir": True,
-}  # fmt: skip
+    "max_steps": 3,
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "max_length": 64,
+    "mixed_precision": "no",
+    "learning_rate": 1e-3,
+    "lr_scheduler_type": "constant",
+    "logging_steps": 1,
+    "seed": 0,
+    "save_steps": 0,
+    "export_verify": False,
+    "overwrite_output_dir": True,
+}
 # GRPO's format reward (a full match of the stripped completion): "holds an x, y, z or q". The fixture's random model
 # samples 8 tokens of the whole vocabulary, which match it 58% of the time (37 of 64 measured), so that groups'
 # rewards differ and the advantages are not all zero (exact_match against a random word is always 0).
@@ -306,9 +315,13 @@ def run_env(tree: Path) -> dict[str, str]:
     """This environment with ``PYTHONPATH`` = ``tree`` only (before the editable install's finder)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(
-        PYTHONPATH=str(tree), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-        PYTHONHASHSEED="0", HF_FSDP2_OFFLINE="1",
-    )  # fmt: skip
+        PYTHONPATH=str(tree),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONHASHSEED="0",
+        HF_FSDP2_OFFLINE="1",
+    )
     return env
 
 
@@ -414,16 +427,26 @@ def build_fixture(root: Path) -> Path:
         )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(Path(spec.origin).parent / "tokenizers" / "l2_supercat_tokenizer_config.json"),
-        bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-    )  # fmt: skip
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model_dir = root / "model"
     LlamaForCausalLM(config).save_pretrained(model_dir)
@@ -477,18 +500,31 @@ def run_path(side: Side, path: str, fixture: Path, work: Path, timeout: int) -> 
     out = work / f"{side.label}-{path}"
     out.mkdir(parents=True, exist_ok=True)
     values = {
-        **COMMON, **settings, "model_name_or_path": str(fixture / "model"), "dataset_name": str(fixture / data),
+        **COMMON,
+        **settings,
+        "model_name_or_path": str(fixture / "model"),
+        "dataset_name": str(fixture / data),
         "output_dir": str(out / "run"),
-    }  # fmt: skip
+    }
     config = out / "recipe.yaml"
     config.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()))  # JSON values are YAML
     script = side.tree / "recipes" / f"{recipe}.py"
     if not script.is_file():
         raise SameLossesError(f"{path}: {side.name} has no recipes/{recipe}.py; choose a later ref")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(script), "--config", str(config),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        "--config",
+        str(config),
+    ]
     start = time.perf_counter()
     try:
         proc = subprocess.run(

@@ -72,17 +72,23 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         ms: dict[str, float] = {}
         for phase in (*PHASES, "data", "observer"):
             ms[phase] = sum(e.cpu_time_total for e in events if e.key == f"hf_fsdp2/{phase}") / 1e3 / measured
-        ms["collectives"] = sum(
-            e.self_cpu_time_total for e in events if any(m in e.key.lower() for m in COLLECTIVE_MARKS)
-        ) / 1e3 / measured  # fmt: skip
+        ms["collectives"] = (
+            sum(e.self_cpu_time_total for e in events if any(m in e.key.lower() for m in COLLECTIVE_MARKS))
+            / 1e3
+            / measured
+        )
         ms["step_wall"] = wall * 1e3
         ms["other"] = ms["step_wall"] - sum(ms[p] for p in (*PHASES, "data", "observer"))
         keys = sorted(ms)
         table = collectives.gather_rows([ms[k] for k in keys], session.device)  # [world, keys]
         slowest = int(table[:, keys.index("step_wall")].argmax())  # one rank's own breakdown: the slowest
         result = dict(zip(keys, table[slowest].tolist(), strict=True))
-    return {"world_size": session.world, "steps_measured": measured, "ms_per_step": result,
-            "extra": json.loads(args.extra)}  # fmt: skip
+    return {
+        "world_size": session.world,
+        "steps_measured": measured,
+        "ms_per_step": result,
+        "extra": json.loads(args.extra),
+    }
 
 
 def main() -> None:

@@ -230,8 +230,15 @@ def recipe_pieces(
         data = build_sft_data(session, tokenizer)
         model, optimizer = build_model(session, tokenizer)
         scheduler = build_schedule(session, optimizer, data.total_steps)
-        observer = Observer(session, model, tokenizer, eval_set=None, collator=data.collator, first_step=1,
-                            total_steps=data.total_steps)  # fmt: skip
+        observer = Observer(
+            session,
+            model,
+            tokenizer,
+            eval_set=None,
+            collator=data.collator,
+            first_step=1,
+            total_steps=data.total_steps,
+        )
         step_settings = StepSettings(
             model.loss_plan, cfg.train.max_grad_norm, cfg.fsdp.fsdp_sync_each_microbatch
         )
@@ -257,8 +264,14 @@ def run_hf_fsdp2(settings: dict[str, Any], out_dir: Path, extra: dict[str, Any])
         for step in range(1, run.data.total_steps + 1):
             run.observer.start_step(step)
             micro_batches = [next(run.batches) for _ in range(run.cfg.train.gradient_accumulation_steps)]
-            out = train_step(run.model.module, run.optimizer, run.scheduler, micro_batches, run.step_settings,
-                             run.session.device)  # fmt: skip
+            out = train_step(
+                run.model.module,
+                run.optimizer,
+                run.scheduler,
+                micro_batches,
+                run.step_settings,
+                run.session.device,
+            )
             record = run.observer.end_step(
                 step, micro_batches, out, run.model.module, epoch=run.data.stream.epoch
             )
@@ -427,15 +440,31 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
     if unknown:
         sys.exit(f"unknown runners {unknown}; choose from {', '.join(RUNNERS)}")
     setup = prepare(work, args)
-    print(f"model: {setup['params'] / 1e6:.1f}M parameters, vocab {setup['vocab']} ({setup['tokenizer']}); "
-          f"{setup['examples']} examples; {args.steps} steps of {args.batch_size}; fp32; torch threads "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)  # fmt: skip
+    print(
+        f"model: {setup['params'] / 1e6:.1f}M parameters, vocab {setup['vocab']} ({setup['tokenizer']}); "
+        f"{setup['examples']} examples; {args.steps} steps of {args.batch_size}; fp32; torch threads "
+        f"{os.environ.get('OMP_NUM_THREADS', 'default')}",
+        flush=True,
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     passthrough = [
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-        "--max-length", str(args.max_length), "--lr", str(args.lr), "--hidden", str(args.hidden),
-        "--layers", str(args.layers), "--work", str(work),
-    ]  # fmt: skip
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-length",
+        str(args.max_length),
+        "--lr",
+        str(args.lr),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--work",
+        str(work),
+    ]
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in [*runners, "matmul"]}
     for round_ in range(args.rounds):
         for runner in [*runners, "matmul"]:  # alternate: one run of each per round
@@ -443,8 +472,11 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
             start = time.perf_counter()
             proc = run(
                 [sys.executable, __file__, "--child", runner, "--child-out", str(out), *passthrough],
-                cwd=REPO, env=env, capture_output=True, text=True,
-            )  # fmt: skip
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0 or not out.exists():
                 sys.exit(
                     f"{runner} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -454,9 +486,12 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
             if runner == "matmul":
                 print(f"round {round_ + 1} fp32 matmul {result['matmul_gflops']:.1f} GFLOP/s", flush=True)
                 continue
-            print(f"round {round_ + 1} {runner:18s} {result['target_tok_s']:8.1f} target tok/s  "
-                  f"peak {result['peak_rss_gib']:.2f} GiB  loss {result['final_loss']:.4f}  "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1} {runner:18s} {result['target_tok_s']:8.1f} target tok/s  "
+                f"peak {result['peak_rss_gib']:.2f} GiB  loss {result['final_loss']:.4f}  "
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     table = summarize(results)
     print_table(table)
     report = {"setup": setup, "args": vars(args), "runs": results, "medians": table}
@@ -497,16 +532,20 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
 
 
 def print_table(table: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'runner':18s} {'target tok/s':>12s} {'x trainer':>9s} {'per round':>14s} {'peak GiB':>9s} "
-          f"{'x trainer':>9s} {'pad eff':>8s} {'final loss':>10s} {'GFLOP/s':>8s} {'of matmul':>9s}")  # fmt: skip
+    print(
+        f"\n{'runner':18s} {'target tok/s':>12s} {'x trainer':>9s} {'per round':>14s} {'peak GiB':>9s} "
+        f"{'x trainer':>9s} {'pad eff':>8s} {'final loss':>10s} {'GFLOP/s':>8s} {'of matmul':>9s}"
+    )
     for runner, row in table.items():
         if runner == "matmul":
             continue
         rounds = ",".join(f"{x:.2f}" for x in row.get("speed_vs_trainer_per_round", []))
-        print(f"{runner:18s} {row['target_tok_s']:12.1f} {row.get('speed_vs_trainer', float('nan')):9.2f} "
-              f"{rounds:>14s} {row['peak_rss_gib']:9.2f} {row.get('memory_vs_trainer', float('nan')):9.2f} "
-              f"{row['padding_eff']:8.1%} {row['final_loss']:10.4f} {row['useful_gflops']:8.1f} "
-              f"{row.get('matmul_fraction', float('nan')):9.1%}")  # fmt: skip
+        print(
+            f"{runner:18s} {row['target_tok_s']:12.1f} {row.get('speed_vs_trainer', float('nan')):9.2f} "
+            f"{rounds:>14s} {row['peak_rss_gib']:9.2f} {row.get('memory_vs_trainer', float('nan')):9.2f} "
+            f"{row['padding_eff']:8.1%} {row['final_loss']:10.4f} {row['useful_gflops']:8.1f} "
+            f"{row.get('matmul_fraction', float('nan')):9.1%}"
+        )
     if "matmul" in table:
         print(
             f"fp32 matmul (1024^3, same threads): {table['matmul']['matmul_gflops']:.1f} GFLOP/s (median of rounds)"

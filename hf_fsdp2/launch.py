@@ -106,8 +106,17 @@ def launch_command(
         config_file = str(packaged_accelerate_config(name))
     if num_processes is None:
         num_processes = (local or CPU_PROCESSES) * num_machines
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-           "--num_processes", str(num_processes), "--num_machines", str(num_machines)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config_file,
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        str(num_machines),
+    ]
     if num_machines > 1:
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)]
     if main_process_port is not None:

@@ -135,8 +135,21 @@ def _pip_download(
         tags = ["--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
         tags += [arg for tag in platform_tags(platform) for arg in ("--platform", tag)]
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", python_version, *tags, "-d", tmp, *specs]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            *tags,
+            "-d",
+            tmp,
+            *specs,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             errors = [line for line in proc.stderr.splitlines() if not line.startswith("WARNING: Location")]
@@ -312,15 +325,22 @@ def write_requirements(dest: Path, plan: Plan, project: Path | None, header: str
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="offline_bundle.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", type=Path, default=REPO / "offline_bundle", help="bundle folder (replaced)")
-    parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                        help="the node's Python, e.g. 3.12 (default: this Python's)")  # fmt: skip
+    parser.add_argument(
+        "--python-version",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the node's Python, e.g. 3.12 (default: this Python's)",
+    )
     parser.add_argument(
         "--platform", default=DEFAULT_PLATFORM, help=f"wheel platform tag (default {DEFAULT_PLATFORM})"
     )
     parser.add_argument("--have", type=Path, help="the node's `pip freeze`: what it has is left out")
-    parser.add_argument("--extra", action="append", default=None,
-                        help=f"another package to bundle, repeatable (default: {', '.join(DEFAULT_EXTRAS)}); "
-                             "`--extra none` for none")  # fmt: skip
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=None,
+        help=f"another package to bundle, repeatable (default: {', '.join(DEFAULT_EXTRAS)}); "
+        "`--extra none` for none",
+    )
     parser.add_argument("--no-project", action="store_true", help="leave the hf_fsdp2 wheel out")
     parser.add_argument("--max-mib", type=float, default=64.0, help="fail above this size (default 64)")
     args = parser.parse_args(argv)
@@ -351,8 +371,11 @@ def main(argv: list[str]) -> int:
     have = parse_have(args.have.read_text()) if args.have is not None else {}
     dest: Path = args.dest.resolve()
     if dest.exists() and any(dest.iterdir()) and not (dest / MARKER).is_file():
-        print(f"offline_bundle: {dest} exists and was not made by this script (no {MARKER}); it is replaced on "
-              "each run, so pick another --dest", file=sys.stderr)  # fmt: skip
+        print(
+            f"offline_bundle: {dest} exists and was not made by this script (no {MARKER}); it is replaced on "
+            "each run, so pick another --dest",
+            file=sys.stderr,
+        )
         return 2
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)

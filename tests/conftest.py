@@ -245,9 +245,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     idle1, total1 = _cpu_jiffies()
     fields = {
-        "test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-        "s": round(time.perf_counter() - start, 2), "idle": round((idle1 - idle0) / max(total1 - total0, 1), 3),
+        "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "s": round(time.perf_counter() - start, 2),
+        "idle": round((idle1 - idle0) / max(total1 - total0, 1), 3),
         "t0": round(start, 1),
-    }  # fmt: skip
+    }
     with open(log, "a") as f:
         f.write(json.dumps(fields) + "\n")

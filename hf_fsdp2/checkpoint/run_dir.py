@@ -87,13 +87,31 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: bool = 
 # What a run leaves in its folder besides checkpoints and START_FILES: its records (metrics, summary, eval samples,
 # plots) and its export (the full model's or the adapter's files, the merged model, the tokenizer, the model card).
 RUN_OUTPUTS = (
-    "metrics.jsonl", "summary.json", "samples.jsonl", "plots", "README.md", "config.json", "generation_config.json",
-    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "modeling_score_head.py",
-    "adapter_model.safetensors", "adapter_config.json", "merged", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json",
+    "metrics.jsonl",
+    "summary.json",
+    "samples.jsonl",
+    "plots",
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "modeling_score_head.py",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "merged",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     ".hf_fsdp2_export.json",  # the export's record of its verification (hf_fsdp2.export.folder.RECORD_NAME)
-)  # fmt: skip
+)
 
 
 def _written_by_a_run(entry: Path) -> bool:

@@ -36,8 +36,14 @@ def register_doctor(subparsers: Subparsers) -> None:
         ),
     )
     p.add_argument("--config", type=Path, default=None, help="the recipe YAML (as given to recipes/sft.py)")
-    p.add_argument("--accelerate_config", "--accelerate-config", dest="accelerate_config", type=Path, default=None,
-                   help="the accelerate config file the run is launched with")  # fmt: skip
+    p.add_argument(
+        "--accelerate_config",
+        "--accelerate-config",
+        dest="accelerate_config",
+        type=Path,
+        default=None,
+        help="the accelerate config file the run is launched with",
+    )
     p.add_argument(
         "--recipe", choices=method_names(), default="sft", help="the recipe the config is for (default: sft)"
     )

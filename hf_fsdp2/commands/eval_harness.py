@@ -23,11 +23,22 @@ def _run_eval_harness(args: argparse.Namespace) -> int:
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     try:
         report = evaluate_and_report(
-            args.model, parse_tasks(args.tasks), base=args.base, out=args.out, export_dir=args.export_dir,
-            adapter_base=args.adapter_base, backend=args.backend, device=args.device, dtype=args.dtype,
-            batch_size=args.batch_size, limit=args.limit, num_fewshot=args.num_fewshot, chat_template=chat,
-            include_path=args.include_path, local_items=args.local_items,
-        )  # fmt: skip
+            args.model,
+            parse_tasks(args.tasks),
+            base=args.base,
+            out=args.out,
+            export_dir=args.export_dir,
+            adapter_base=args.adapter_base,
+            backend=args.backend,
+            device=args.device,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            chat_template=chat,
+            include_path=args.include_path,
+            local_items=args.local_items,
+        )
     except (HarnessError, ExportError) as err:
         return user_error("eval-harness", err)
     for line in report.table:
@@ -58,9 +69,11 @@ def register_eval_harness(subparsers: Subparsers) -> None:
         "model", metavar="MODEL", help="export folder, adapter folder, checkpoint-<step> folder or hub id"
     )
     p.add_argument(
-        "--tasks", required=True, help="comma list of lm-eval tasks, e.g. hf_fsdp2_dates,hf_fsdp2_dates_mc or "
+        "--tasks",
+        required=True,
+        help="comma list of lm-eval tasks, e.g. hf_fsdp2_dates,hf_fsdp2_dates_mc or "
         "leaderboard_ifeval,arc_challenge (those need the hub)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--base", default=None, help="the model before fine-tuning: a before/after table (same kinds)"
     )
@@ -78,9 +91,11 @@ def register_eval_harness(subparsers: Subparsers) -> None:
         help="auto: vllm where it imports, else hf",
     )
     p.add_argument(
-        "--chat-template", choices=["auto", "on", "off"], default="auto",
+        "--chat-template",
+        choices=["auto", "on", "off"],
+        default="auto",
         help="render prompts with the tokenizer's chat template (auto: when it has one)",
-    )  # fmt: skip
+    )
     p.add_argument("--include-path", type=Path, default=None, help="a folder of your own lm-eval task YAMLs")
     p.add_argument(
         "--local-items", type=int, default=8, help="items of each local hf_fsdp2_* task (default: 8)"
@@ -89,9 +104,11 @@ def register_eval_harness(subparsers: Subparsers) -> None:
         "--out", type=Path, default=None, help="results JSON path (default: beside the model, above)"
     )
     p.add_argument(
-        "--export-dir", type=Path, default=None,
+        "--export-dir",
+        type=Path,
+        default=None,
         help="keep a checkpoint's export here (default: a hidden folder in its run, removed after)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--adapter-base", default=None, help="an adapter's base model, instead of the one it names"
     )

@@ -76,9 +76,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         out = plan.to_json()
         if budget:
-            out.update(budget=budget, headroom=args.headroom, recommendation=[
-                {"changes": c.changes, "peak": c.plan.peak, "fits": c.fits} for c in tried
-            ])  # fmt: skip
+            out.update(
+                budget=budget,
+                headroom=args.headroom,
+                recommendation=[{"changes": c.changes, "peak": c.plan.peak, "fits": c.fits} for c in tried],
+            )
         print(json.dumps(out))
         return 0
     notes = method.plan_notes(cfg, plan, model_config)
@@ -103,8 +105,14 @@ def register_plan(subparsers: Subparsers) -> None:
         ),
     )
     p.add_argument("--config", type=Path, default=None, help="the recipe YAML (as given to recipes/sft.py)")
-    p.add_argument("--world_size", "--world-size", dest="world_size", type=int, default=1,
-                   help="processes of the run (default: 1)")  # fmt: skip
+    p.add_argument(
+        "--world_size",
+        "--world-size",
+        dest="world_size",
+        type=int,
+        default=1,
+        help="processes of the run (default: 1)",
+    )
     p.add_argument(
         "--gpu_memory",
         "--gpu-memory",

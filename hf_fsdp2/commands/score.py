@@ -26,8 +26,9 @@ def _run_score(args: argparse.Namespace) -> int:
             logger.warning(
                 "%s is not a reward model (no *ForSequenceClassification architecture): its score head is new, "
                 "initialised from --seed %d as the reward recipe initialises it (the accuracy a run starts from)",
-                source, args.seed,
-            )  # fmt: skip
+                source,
+                args.seed,
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             model = load_model(source, reward_head=int(tokenizer.pad_token_id))

@@ -45,17 +45,26 @@ def _run_show_data(args: argparse.Namespace) -> int:
     for line in data.summary_lines(d.max_length):
         print(f"# {line}")
     packed = pack_examples(data.train, d.max_length) if d.packing else None
-    print("# " + layout_summary(
-        data.train, packed, batch_size=t.per_device_train_batch_size, world_size=1, seed=t.seed,
-        padding_free=bool(d.padding_free),
-    ))  # fmt: skip
+    print(
+        "# "
+        + layout_summary(
+            data.train,
+            packed,
+            batch_size=t.per_device_train_batch_size,
+            world_size=1,
+            seed=t.seed,
+            padding_free=bool(d.padding_free),
+        )
+    )
     offset = 0
     for stats, count in zip(data.stats, data.train_counts, strict=False):
         for i in range(offset, offset + min(args.num_examples, count)):
             example = data.train[i]
             ids, labels = example["input_ids"], example["labels"]
-            print(f"\n=== {stats.source} ({stats.dataset_format}): example {i - offset}, {len(ids)} tokens, "
-                  f"{example['num_targets']} trained ===")  # fmt: skip
+            print(
+                f"\n=== {stats.source} ({stats.dataset_format}): example {i - offset}, {len(ids)} tokens, "
+                f"{example['num_targets']} trained ==="
+            )
             print(format_trained_spans(tokenizer, ids, labels, color=color))
             if args.tokens:
                 tokens = tokenizer.convert_ids_to_tokens(ids)

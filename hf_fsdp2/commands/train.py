@@ -18,10 +18,15 @@ def _run_train(args: argparse.Namespace) -> int:
     recipe_args = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
     try:
         return run_train(
-            args.recipe, recipe_args, config_file=args.config_file, num_processes=args.num_processes,
-            num_machines=args.num_machines, machine_rank=args.machine_rank, main_process_ip=args.main_process_ip,
+            args.recipe,
+            recipe_args,
+            config_file=args.config_file,
+            num_processes=args.num_processes,
+            num_machines=args.num_machines,
+            machine_rank=args.machine_rank,
+            main_process_ip=args.main_process_ip,
             main_process_port=args.main_process_port,
-        )  # fmt: skip
+        )
     except (FileNotFoundError, ValueError) as err:
         return user_error("train", err)
 

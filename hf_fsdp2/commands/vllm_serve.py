@@ -35,25 +35,46 @@ def vllm_python(explicit: str | None = None) -> str:
     if explicit or os.environ.get("HF_FSDP2_VLLM_PYTHON"):
         chosen = Path(explicit or os.environ["HF_FSDP2_VLLM_PYTHON"])
         if not chosen.exists():
-            raise BadInput(f"--python / HF_FSDP2_VLLM_PYTHON={chosen} does not exist: give the python of an "
-                           "environment with vLLM (bash scripts/setup_vllm.sh builds .venv-vllm)")  # fmt: skip
+            raise BadInput(
+                f"--python / HF_FSDP2_VLLM_PYTHON={chosen} does not exist: give the python of an "
+                "environment with vLLM (bash scripts/setup_vllm.sh builds .venv-vllm)"
+            )
         return str(chosen)
     if CHECKOUT_VENV.exists():
         return str(CHECKOUT_VENV)
     if has_vllm():
         return sys.executable
-    raise BadInput(f"no Python with vLLM: {CHECKOUT_VENV} does not exist and this Python ({sys.executable}) has no "
-                   "vllm; build it with `bash scripts/setup_vllm.sh` (its own environment: vLLM pins another "
-                   "torch and transformers), or pass --python")  # fmt: skip
+    raise BadInput(
+        f"no Python with vLLM: {CHECKOUT_VENV} does not exist and this Python ({sys.executable}) has no "
+        "vllm; build it with `bash scripts/setup_vllm.sh` (its own environment: vLLM pins another "
+        "torch and transformers), or pass --python"
+    )
 
 
 def server_command(args: argparse.Namespace, python: str) -> list[str]:
     """The server's command line (``-P``: the server file's folder is not put on sys.path, so the grpo package's
     module names shadow nothing)."""
-    cmd = [python, "-P", str(SERVER), "--model", str(args.model), "--host", args.host, "--port", str(args.port),
-           "--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-gib", str(args.kv_cache_gib),
-           "--seed", str(args.seed)]  # fmt: skip
+    cmd = [
+        python,
+        "-P",
+        str(SERVER),
+        "--model",
+        str(args.model),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--dtype",
+        args.dtype,
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+        "--seed",
+        str(args.seed),
+    ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     return cmd
@@ -61,8 +82,10 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
 
 def _run_vllm_serve(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
-        raise BadInput(f"--model {args.model} is not a folder: give the HF model folder the run starts from "
-                       "(model_name_or_path; convert a hub model with save_pretrained first)")  # fmt: skip
+        raise BadInput(
+            f"--model {args.model} is not a folder: give the HF model folder the run starts from "
+            "(model_name_or_path; convert a hub model with save_pretrained first)"
+        )
     python = vllm_python(args.python)
     cmd = server_command(args, python)
     print(" ".join(cmd), file=sys.stderr, flush=True)

@@ -127,7 +127,7 @@ ALIASES: dict[str, Alias] = {
             "evaluation runs every eval_steps when an eval set is given, at the end when eval_steps is 0",
         ),
         "Trainer",
-    ),  # fmt: skip
+    ),
     "logging_strategy": Alias(
         "logging_steps", _one_of("logging_strategy", ["steps"], "use logging_steps"), "Trainer"
     ),

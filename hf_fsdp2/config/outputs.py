@@ -85,8 +85,10 @@ class ExportArgs:
 
     def validate(self, save_steps: int) -> None:
         """Raises ConfigError for keys that cannot work together; the hub token is checked by the recipe."""
-        check(parse_size_or_none(self.max_shard_size) is not None,
-              f"max_shard_size={self.max_shard_size!r} must be a size such as '5GB'")  # fmt: skip
+        check(
+            parse_size_or_none(self.max_shard_size) is not None,
+            f"max_shard_size={self.max_shard_size!r} must be a size such as '5GB'",
+        )
         check(
             self.export_verify_atol is None or self.export_verify_atol > 0,
             f"export_verify_atol={self.export_verify_atol} must be > 0 (or unset for the default by dtype)",

@@ -68,9 +68,12 @@ class Config:
             self.method.validate()
         if t.mixed_precision == "fp8":
             check_float8_combination(
-                load_in_4bit=p.load_in_4bit, use_peft=p.use_peft, tp_size=f.tp_size or 1,
-                ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading, optim=t.optim,
-            )  # fmt: skip
+                load_in_4bit=p.load_in_4bit,
+                use_peft=p.use_peft,
+                tp_size=f.tp_size or 1,
+                ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
+                optim=t.optim,
+            )
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
             compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)
             check(

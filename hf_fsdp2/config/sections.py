@@ -163,9 +163,11 @@ class DataArgs:
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     text_unit: Literal["paragraph", "document", "line"] = field(
         default="paragraph",
-        metadata={"help": "What one record of a .txt file is: a paragraph (blank-line separated), the whole file, "
-                  "or a line."},
-    )  # fmt: skip
+        metadata={
+            "help": "What one record of a .txt file is: a paragraph (blank-line separated), the whole file, "
+            "or a line."
+        },
+    )
     corpus_layout: Literal["concat", "best_fit"] = field(
         default="concat",
         metadata={
@@ -175,14 +177,18 @@ class DataArgs:
     )
     cross_document_attention: bool = field(
         default=False,
-        metadata={"help": "Continued pre-training: let documents in one row attend to each other (one sequence per "
-                  "row); false restarts positions per document, as packing does."},
-    )  # fmt: skip
+        metadata={
+            "help": "Continued pre-training: let documents in one row attend to each other (one sequence per "
+            "row); false restarts positions per document, as packing does."
+        },
+    )
     streaming: bool = field(
         default=False,
-        metadata={"help": "Continued pre-training: stream the corpus (datasets iterable), tokenized on the fly, each "
-                  "rank its own slice; needs max_steps. The position is saved in checkpoints."},
-    )  # fmt: skip
+        metadata={
+            "help": "Continued pre-training: stream the corpus (datasets iterable), tokenized on the fly, each "
+            "rank its own slice; needs max_steps. The position is saved in checkpoints."
+        },
+    )
     text_column: str = field(
         default="text", metadata={"help": "Continued pre-training: the column with the text."}
     )

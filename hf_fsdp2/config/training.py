@@ -445,8 +445,14 @@ class FSDPArgs:
             value = getattr(self, key)
             return value if value is not None else launcher.get(key)
 
-        return resolve_mesh(world, dp_replicate=pick("dp_replicate_size"), dp_shard=pick("dp_shard_size"),
-                            tp=pick("tp_size"), cp=pick("cp_size"), cp_backend=self.cp_backend)  # fmt: skip
+        return resolve_mesh(
+            world,
+            dp_replicate=pick("dp_replicate_size"),
+            dp_shard=pick("dp_shard_size"),
+            tp=pick("tp_size"),
+            cp=pick("cp_size"),
+            cp_backend=self.cp_backend,
+        )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""

@@ -180,9 +180,14 @@ class StreamingRows:
     """
 
     def __init__(
-        self, documents: Any, tokenizer: Any, max_length: int, *, text_column: str = "text",
+        self,
+        documents: Any,
+        tokenizer: Any,
+        max_length: int,
+        *,
+        text_column: str = "text",
         cross_document_attention: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.documents, self.tokenizer, self.text_column = documents, tokenizer, text_column
         self.builder = RowBuilder(max_length=max_length, cross_document_attention=cross_document_attention)
         self.epoch = 0

@@ -251,9 +251,10 @@ def load_raw_dataset(
                     )
                     if split != split_name:
                         loaded = datasets.load_dataset(  # the slice of a split, as for any local data
-                            "arrow", data_files={split_name: [c["filename"] for c in loaded.cache_files]},
+                            "arrow",
+                            data_files={split_name: [c["filename"] for c in loaded.cache_files]},
                             split=split,
-                        )  # fmt: skip
+                        )
                     if bad_lines is not None:
                         bad_lines.extend(bad)
                 else:

@@ -241,8 +241,10 @@ def _margin(record: Mapping[str, Any], where: str) -> float | None:
         or value != value
         or abs(value) == float("inf")
     ):
-        raise RecordError(f"{where}: margin={value!r} is not a finite number; fix it, or set on_bad_record=skip",
-                          "bad margin")  # fmt: skip
+        raise RecordError(
+            f"{where}: margin={value!r} is not a finite number; fix it, or set on_bad_record=skip",
+            "bad margin",
+        )
     return float(value)
 
 
@@ -265,9 +267,14 @@ def length_fate(prompt: int, completion: int, max_length: int, long_examples: st
 
 
 def tokenize_pairs(
-    records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
+    records: Any,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    long_examples: str = "truncate",
+    on_bad_record: str = "error",
     source: str = "",
-) -> tuple[list[dict[str, Any]], PreferenceStats]:  # fmt: skip
+) -> tuple[list[dict[str, Any]], PreferenceStats]:
     """Tokenize every record of ``records`` (a ``datasets.Dataset`` or a list of dicts) into pairs.
 
     Returns:
@@ -296,8 +303,9 @@ def tokenize_pairs(
                 raise
             skipped[err.reason] = skipped.get(err.reason, 0) + 1
             continue
-        fate = length_fate(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), max_length, long_examples,
-                           where)  # fmt: skip
+        fate = length_fate(
+            len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), max_length, long_examples, where
+        )
         dropped, truncated = dropped + (fate == "drop"), truncated + (fate == "truncate")
         if fate == "drop":
             continue

@@ -42,9 +42,13 @@ def _tokenized(
         )
     tokenize = tokenize_unpaired if unpaired else tokenize_pairs
     return tokenize(
-        raw, tokenizer, max_length=d.max_length, long_examples=d.long_examples, on_bad_record=d.on_bad_record,
+        raw,
+        tokenizer,
+        max_length=d.max_length,
+        long_examples=d.long_examples,
+        on_bad_record=d.on_bad_record,
         source=source.describe(),
-    )  # fmt: skip
+    )
 
 
 def _reindexed(pairs: list[dict[str, Any]]) -> PairList:
@@ -102,8 +106,14 @@ def preview_tokenized(
     d = cfg.data
     out = []
     for source in d.sources():
-        rows, _ = tokenize(load(source), tokenizer, max_length=d.max_length, long_examples=d.long_examples,
-                           on_bad_record=d.on_bad_record, source=source.describe())  # fmt: skip
+        rows, _ = tokenize(
+            load(source),
+            tokenizer,
+            max_length=d.max_length,
+            long_examples=d.long_examples,
+            on_bad_record=d.on_bad_record,
+            source=source.describe(),
+        )
         out.append((source.describe(), f"{kind}, {len(rows)} of the first {read} records tokenized"))
     return out
 

@@ -352,16 +352,28 @@ def _normalise_record(
     schemas of a record without its own ``tools`` (`hf_fsdp2.data.tool_calls`)."""
     if dataset_format == "messages":
         turns = _validated_turns(
-            record.get("messages"), record, source, index,
-            column="messages", role_key="role", content_key="content", role_names={r: r for r in TOOL_CHAT_ROLES},
-        )  # fmt: skip
+            record.get("messages"),
+            record,
+            source,
+            index,
+            column="messages",
+            role_key="role",
+            content_key="content",
+            role_names={r: r for r in TOOL_CHAT_ROLES},
+        )
         _check_role_order(turns, record, source, index)
         return _Chat(turns, _trained_turns(turns, chat_loss), _record_tools(record, source, index, tools))
     if dataset_format == "conversations":
         turns = _validated_turns(
-            record.get("conversations"), record, source, index,
-            column="conversations", role_key="from", content_key="value", role_names=SHAREGPT_ROLES,
-        )  # fmt: skip
+            record.get("conversations"),
+            record,
+            source,
+            index,
+            column="conversations",
+            role_key="from",
+            content_key="value",
+            role_names=SHAREGPT_ROLES,
+        )
         system = record.get("system")
         if isinstance(system, str) and system.strip() and turns[0]["role"] != "system":
             turns.insert(0, {"role": "system", "content": system})
@@ -374,9 +386,13 @@ def _normalise_record(
         extra = record.get("input")
         if extra is not None and not isinstance(extra, str):
             raise _record_error(
-                source, index, list(record), f"column 'input' must be a string, got {type(extra).__name__}",
-                _FIX, "non-string content",
-            )  # fmt: skip
+                source,
+                index,
+                list(record),
+                f"column 'input' must be a string, got {type(extra).__name__}",
+                _FIX,
+                "non-string content",
+            )
         user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
         alpaca_turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         system = record.get("system")
@@ -384,9 +400,13 @@ def _normalise_record(
             alpaca_turns.insert(0, {"role": "system", "content": system})
         if not output.strip():
             raise _record_error(
-                source, index, list(record), "column 'output' is an empty assistant turn",
-                "Drop the record: it would teach the model to answer with nothing.", "empty assistant turn",
-            )  # fmt: skip
+                source,
+                index,
+                list(record),
+                "column 'output' is an empty assistant turn",
+                "Drop the record: it would teach the model to answer with nothing.",
+                "empty assistant turn",
+            )
         return _Chat(alpaca_turns, _trained_turns(alpaca_turns, chat_loss))
     if dataset_format == "prompt_completion":
         prompt, completion = record.get("prompt"), record.get("completion")
@@ -404,9 +424,15 @@ def _normalise_record(
                 role_names=names,
             )
             completion_turns = _validated_turns(
-                completion, record, source, index,
-                column="completion", role_key="role", content_key="content", role_names=names,
-            )  # fmt: skip
+                completion,
+                record,
+                source,
+                index,
+                column="completion",
+                role_key="role",
+                content_key="content",
+                role_names=names,
+            )
             turns = prompt_turns + completion_turns
             _check_role_order(turns, record, source, index)
             first = len(prompt_turns)
@@ -416,9 +442,13 @@ def _normalise_record(
         completion_text = _required_string(record, "completion", source, index)
         if not completion_text.strip():
             raise _record_error(
-                source, index, list(record), "column 'completion' is empty",
-                "Drop the record: it would teach the model to answer with nothing.", "empty completion",
-            )  # fmt: skip
+                source,
+                index,
+                list(record),
+                "column 'completion' is empty",
+                "Drop the record: it would teach the model to answer with nothing.",
+                "empty completion",
+            )
         return _Plain(prompt_text, completion_text, train_prompt=not completion_only_loss)
     text = _required_string(record, "text", source, index)
     if not text.strip():

@@ -60,9 +60,14 @@ def unpair(records: Sequence[Mapping[str, Any]], source: str = "") -> list[dict[
                         out.append({"where": item[0], "error": item[1]})
                     continue
                 out.append(
-                    {"prompt": item[1], "completion": item[position], "label": label, "where": item[0],
-                     "tools": item[4]}
-                )  # fmt: skip
+                    {
+                        "prompt": item[1],
+                        "completion": item[position],
+                        "label": label,
+                        "where": item[0],
+                        "tools": item[4],
+                    }
+                )
     return out
 
 
@@ -98,9 +103,14 @@ def check_record(record: Mapping[str, Any], where: str) -> tuple[Any, Any, bool]
 
 
 def tokenize_unpaired(
-    records: Any, tokenizer: Any, *, max_length: int, long_examples: str = "truncate", on_bad_record: str = "error",
+    records: Any,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    long_examples: str = "truncate",
+    on_bad_record: str = "error",
     source: str = "",
-) -> tuple[list[dict[str, Any]], PreferenceStats]:  # fmt: skip
+) -> tuple[list[dict[str, Any]], PreferenceStats]:
     """Tokenize unpaired records (or paired ones, unpaired first) into examples.
 
     Returns:
@@ -114,9 +124,11 @@ def tokenize_unpaired(
     rows = list(records)
     total = len(rows)
     paired = bool(rows) and "chosen" in rows[0] and "rejected" in rows[0]
-    items = unpair(rows, source) if paired else [
-        {**r, "where": f"{source} record {i}" if source else f"record {i}"} for i, r in enumerate(rows)
-    ]  # fmt: skip
+    items = (
+        unpair(rows, source)
+        if paired
+        else [{**r, "where": f"{source} record {i}" if source else f"record {i}"} for i, r in enumerate(rows)]
+    )
     examples: list[dict[str, Any]] = []
     truncated = dropped = 0
     skipped: dict[str, int] = {}
@@ -140,8 +152,14 @@ def tokenize_unpaired(
         dropped, truncated = dropped + (fate == "drop"), truncated + (fate == "truncate")
         if fate == "drop":
             continue
-        examples.append({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": label,
-                         "index": len(examples)})  # fmt: skip
+        examples.append(
+            {
+                "prompt_ids": prompt_ids,
+                "completion_ids": completion_ids,
+                "label": label,
+                "index": len(examples),
+            }
+        )
     return examples, PreferenceStats(
         pairs=total,
         kept=len(examples),
@@ -196,10 +214,14 @@ class UnpairedCollator:
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [
-            {"prompt_ids": e["prompt_ids"], "chosen_ids": e["completion_ids"],
-             "rejected_ids": e["kl_ids"] if self.kl else [], "index": e["index"]}
+            {
+                "prompt_ids": e["prompt_ids"],
+                "chosen_ids": e["completion_ids"],
+                "rejected_ids": e["kl_ids"] if self.kl else [],
+                "index": e["index"],
+            }
             for e in examples
-        ]  # fmt: skip
+        ]
         batch = PreferenceCollator(self.pad_token_id, self.max_length)(rows)
         if not self.kl:
             b = len(rows)

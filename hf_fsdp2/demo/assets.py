@@ -190,8 +190,11 @@ def ensure_smollm2(cache_dir: Path | None = None, *, force: bool = False) -> Pat
         if stale is None:
             return target
         # Derived data: converted again from the installed package, replacing the folder atomically.
-        logger.warning("cached model folder %s was converted by another transformers: %s; converting it again",
-                       target, stale)  # fmt: skip
+        logger.warning(
+            "cached model folder %s was converted by another transformers: %s; converting it again",
+            target,
+            stale,
+        )
         force = True
 
     gguf_file = smollm2_gguf_path()

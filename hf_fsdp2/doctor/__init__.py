@@ -39,8 +39,11 @@ class Report:
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, object]:
-        return {"errors": self.errors, "warnings": self.warnings,
-                "sections": {k: [f.as_dict() for f in v] for k, v in self.sections.items()}}  # fmt: skip
+        return {
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "sections": {k: [f.as_dict() for f in v] for k, v in self.sections.items()},
+        }
 
 
 def run_doctor(
@@ -76,8 +79,11 @@ def run_doctor(
     machines = int(settings.get("num_machines") or 1)
     per_node = int(processes) // machines if processes else None
     use_cpu = settings.get("use_cpu") if "use_cpu" in settings else None
-    report.sections["environment"] = [*version_findings(), *cuda_findings(per_node, use_cpu=use_cpu),
-                                      *debug_findings(environ, machines)]  # fmt: skip
+    report.sections["environment"] = [
+        *version_findings(),
+        *cuda_findings(per_node, use_cpu=use_cpu),
+        *debug_findings(environ, machines),
+    ]
     cfg = None
     recipe_found: list[Finding] = []
     if recipe_argv is not None:
@@ -95,8 +101,11 @@ def run_doctor(
     if settings:
         from hf_fsdp2.parallel.accelerator import describe_policy, mixed_precision_policy
 
-        base = cfg if cfg is not None else parse_config(["--model_name_or_path", "-", "--dataset_name", "-",
-                                                         "--output_dir", "-"])  # fmt: skip
+        base = (
+            cfg
+            if cfg is not None
+            else parse_config(["--model_name_or_path", "-", "--dataset_name", "-", "--output_dir", "-"])
+        )
         accel += fsdp_findings(settings, base)
         t, f = base.train, base.fsdp
         policy = describe_policy(mixed_precision_policy(t.mixed_precision, f.fsdp_reduce_dtype))
@@ -145,8 +154,9 @@ def _recipe_findings(
     except (ValueError, ImportError) as err:
         return [Finding(level="error", check="recipe", value=recipe, message=str(err).splitlines()[0])]
     try:
-        model_config = read_model_config(m.model_name_or_path or "", revision=m.model_revision,
-                                         trust_remote_code=m.trust_remote_code)  # fmt: skip
+        model_config = read_model_config(
+            m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
+        )
     except (PlanError, OSError, ValueError) as err:
         return [
             Finding(
@@ -158,8 +168,14 @@ def _recipe_findings(
         ]
     world = int(processes) if processes else (torch.cuda.device_count() if on_gpu else 1)
     budget = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
-    found, plan = memory_findings(cfg, model_config, method=get_method(recipe), world=world, budget=budget,
-                                  device="cuda" if on_gpu else "cpu")  # fmt: skip
+    found, plan = memory_findings(
+        cfg,
+        model_config,
+        method=get_method(recipe),
+        world=world,
+        budget=budget,
+        device="cuda" if on_gpu else "cpu",
+    )
     out += found
     out += capability_findings(cfg, method=get_method(recipe), world=world)
     out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
@@ -169,8 +185,11 @@ def _recipe_findings(
     out += output_findings(cfg)
     out += hub_findings(cfg)
     try:
-        tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.model_name_or_path or "",
-                                   revision=m.model_revision, trust_remote_code=m.trust_remote_code)  # fmt: skip
+        tokenizer = load_tokenizer(
+            m.tokenizer_name_or_path or m.model_name_or_path or "",
+            revision=m.model_revision,
+            trust_remote_code=m.trust_remote_code,
+        )
     except (OSError, ValueError) as err:
         return [
             *out,

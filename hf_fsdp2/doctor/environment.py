@@ -85,8 +85,15 @@ def version_findings(installed: Mapping[str, str | None] | None = None) -> list[
                 )
             )
         elif floor and release(found) < release(floor):
-            out.append(Finding(level="error", check=name, value=found, message=f"older than {floor}, the oldest release hf_fsdp2 declares",
-                               fix=f"pip install '{name}>={floor}'"))  # fmt: skip
+            out.append(
+                Finding(
+                    level="error",
+                    check=name,
+                    value=found,
+                    message=f"older than {floor}, the oldest release hf_fsdp2 declares",
+                    fix=f"pip install '{name}>={floor}'",
+                )
+            )
         else:
             out.append(
                 Finding(level="ok", check=name, value=found, message=f">= {floor}" if floor else "installed")
@@ -99,8 +106,15 @@ def version_findings(installed: Mapping[str, str | None] | None = None) -> list[
             map(str, release(found))
         )  # a local label (+cu130) or dev build counts as its release
         if Version(plain) in SpecifierSet(issue["affected"]):
-            out.append(Finding(level="warning", check=f"{issue['package']} known bug", value=found,
-                               message=f"{issue['what']} ({issue['url']})", fix=issue["fix"]))  # fmt: skip
+            out.append(
+                Finding(
+                    level="warning",
+                    check=f"{issue['package']} known bug",
+                    value=found,
+                    message=f"{issue['what']} ({issue['url']})",
+                    fix=issue["fix"],
+                )
+            )
     return out
 
 
@@ -112,8 +126,16 @@ def cuda_findings(asked_per_node: int | None, *, use_cpu: bool | None = None) ->
     if not torch.cuda.is_available():
         level = "warning" if use_cpu is False else "ok"
         note = "the accelerate config asks for GPUs (use_cpu: false): " if use_cpu is False else ""
-        out.append(Finding(level=level, check="cuda", value="not available", message=note + "every process runs on CPU with gloo (tests, the "
-                           f"demo); torch {torch.__version__}", fix="a CUDA build of torch on a GPU node" if note else ""))  # fmt: skip
+        out.append(
+            Finding(
+                level=level,
+                check="cuda",
+                value="not available",
+                message=note + "every process runs on CPU with gloo (tests, the "
+                f"demo); torch {torch.__version__}",
+                fix="a CUDA build of torch on a GPU node" if note else "",
+            )
+        )
         return out
     devices = torch.cuda.device_count()
     names = sorted({torch.cuda.get_device_name(i) for i in range(devices)})
@@ -139,12 +161,25 @@ def cuda_findings(asked_per_node: int | None, *, use_cpu: bool | None = None) ->
             )
         )
     if asked_per_node is not None and asked_per_node > devices:
-        out.append(Finding(level="error", check="processes", value=f"{asked_per_node} per node, {devices} GPUs",
-                           message="processes would share GPUs (out of memory, or NCCL refusing duplicate devices)",
-                           fix=f"--num_processes {devices} per node"))  # fmt: skip
+        out.append(
+            Finding(
+                level="error",
+                check="processes",
+                value=f"{asked_per_node} per node, {devices} GPUs",
+                message="processes would share GPUs (out of memory, or NCCL refusing duplicate devices)",
+                fix=f"--num_processes {devices} per node",
+            )
+        )
     elif asked_per_node is not None and asked_per_node < devices:
-        out.append(Finding(level="warning", check="processes", value=f"{asked_per_node} per node, {devices} GPUs",
-                           message=f"{devices - asked_per_node} GPU(s) idle", fix=f"--num_processes {devices} per node"))  # fmt: skip
+        out.append(
+            Finding(
+                level="warning",
+                check="processes",
+                value=f"{asked_per_node} per node, {devices} GPUs",
+                message=f"{devices - asked_per_node} GPU(s) idle",
+                fix=f"--num_processes {devices} per node",
+            )
+        )
     elif asked_per_node is not None:
         out.append(
             Finding(level="ok", check="processes", value=f"{asked_per_node} per node", message="one per GPU")
@@ -158,8 +193,22 @@ def debug_findings(environ: Mapping[str, str], machines: int = 1) -> list[Findin
     out = []
     if environ.get("NCCL_IB_DISABLE") == "1":
         ib = "collectives between nodes go over TCP sockets, not InfiniBand"
-        out.append(Finding(level="warning", check="NCCL_IB_DISABLE", value="1", message=ib, fix="unset it for multi-node runs") if machines > 1 else
-                   Finding(level="ok", check="NCCL_IB_DISABLE", value="1", message="one node: NCCL uses NVLink / PCIe P2P / shared memory"))  # fmt: skip
+        out.append(
+            Finding(
+                level="warning",
+                check="NCCL_IB_DISABLE",
+                value="1",
+                message=ib,
+                fix="unset it for multi-node runs",
+            )
+            if machines > 1
+            else Finding(
+                level="ok",
+                check="NCCL_IB_DISABLE",
+                value="1",
+                message="one node: NCCL uses NVLink / PCIe P2P / shared memory",
+            )
+        )
     for name in sorted(environ):
         if name == "NCCL_IB_DISABLE" and environ[name] == "1":
             continue

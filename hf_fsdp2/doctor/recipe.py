@@ -46,8 +46,15 @@ def memory_findings(
         ], None
     peak = human_bytes(plan.peak)
     if budget is None:
-        return [Finding(level="ok", check="memory plan", value=f"peak {peak} per rank at world size {world}",
-                        message="no GPU here to compare with", fix="hf-fsdp2 plan --gpu_memory 80GB gives the fit")], plan  # fmt: skip
+        return [
+            Finding(
+                level="ok",
+                check="memory plan",
+                value=f"peak {peak} per rank at world size {world}",
+                message="no GPU here to compare with",
+                fix="hf-fsdp2 plan --gpu_memory 80GB gives the fit",
+            )
+        ], plan
     limit = (1 - DEFAULT_HEADROOM) * budget
     if plan.peak <= limit:
         return [
@@ -58,16 +65,30 @@ def memory_findings(
                 message="fits",
             )
         ], plan
-    tried = recommend(model_config, settings, budget, DEFAULT_HEADROOM,
-                      context_parallel=bool(method is not None and method.capabilities.context_parallel))  # fmt: skip
+    tried = recommend(
+        model_config,
+        settings,
+        budget,
+        DEFAULT_HEADROOM,
+        context_parallel=bool(method is not None and method.capabilities.context_parallel),
+    )
     fitting = [c for c in tried if c.fits]
     fix = (
-        "set " + ", ".join(f"{k}: {v}" for k, v in fitting[0].changes.items()) + f" (peak {human_bytes(fitting[0].plan.peak)})"
+        "set "
+        + ", ".join(f"{k}: {v}" for k, v in fitting[0].changes.items())
+        + f" (peak {human_bytes(fitting[0].plan.peak)})"
         if fitting
         else "nothing on the ladder fits: more GPUs (world size), LoRA (use_peft: true) or a smaller max_length"
-    )  # fmt: skip
-    return [Finding(level="error", check="memory plan", value=f"peak {peak} of {human_bytes(budget)} per GPU",
-                    message=f"does not fit with {int(DEFAULT_HEADROOM * 100)}% headroom", fix=fix)], plan  # fmt: skip
+    )
+    return [
+        Finding(
+            level="error",
+            check="memory plan",
+            value=f"peak {peak} of {human_bytes(budget)} per GPU",
+            message=f"does not fit with {int(DEFAULT_HEADROOM * 100)}% headroom",
+            fix=fix,
+        )
+    ], plan
 
 
 def _existing(path: Path) -> Path:
@@ -150,12 +171,27 @@ def output_findings(cfg: Config) -> list[Finding]:
         return [Finding(level="error", check="output_dir", value=str(out), message=str(err).splitlines()[0])]
     holder, alive = lock_holder(out)
     if holder and alive:
-        return [Finding(level="error", check="output_dir", value=str(out), message=f"locked by a live run (pid {holder.get('pid')} on "
-                        f"{holder.get('host')}, started {holder.get('started')})", fix="wait for it or choose another")]  # fmt: skip
+        return [
+            Finding(
+                level="error",
+                check="output_dir",
+                value=str(out),
+                message=f"locked by a live run (pid {holder.get('pid')} on "
+                f"{holder.get('host')}, started {holder.get('started')})",
+                fix="wait for it or choose another",
+            )
+        ]
     if holder:
-        return [Finding(level="warning", check="output_dir", value=str(out), message=f"a lock left by pid {holder.get('pid')} on "
-                        f"{holder.get('host')}, which is gone (or on another host): the run takes it over",
-                        fix="delete it if that run is dead")]  # fmt: skip
+        return [
+            Finding(
+                level="warning",
+                check="output_dir",
+                value=str(out),
+                message=f"a lock left by pid {holder.get('pid')} on "
+                f"{holder.get('host')}, which is gone (or on another host): the run takes it over",
+                fix="delete it if that run is dead",
+            )
+        ]
     return [
         Finding(
             level="ok",
@@ -232,15 +268,32 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
     named = [
         c.strip() for c in (asked if isinstance(asked, list) else str(asked or "").split(",")) if c.strip()
     ]
-    for key, names in (("fsdp_layer_cls_to_wrap", list(cfg.fsdp.fsdp_layer_cls_to_wrap)),
-                       ("fsdp_transformer_layer_cls_to_wrap", named)):  # fmt: skip
+    for key, names in (
+        ("fsdp_layer_cls_to_wrap", list(cfg.fsdp.fsdp_layer_cls_to_wrap)),
+        ("fsdp_transformer_layer_cls_to_wrap", named),
+    ):
         unknown = [n for n in names if module is None or not hasattr(module, n)]
         if unknown:
-            out.append(Finding(level="error", check=key, value=", ".join(names), message=f"{unknown} not in {cls.__name__}'s module",
-                               fix=f"one of the model's decoder layers: {units}"))  # fmt: skip
+            out.append(
+                Finding(
+                    level="error",
+                    check=key,
+                    value=", ".join(names),
+                    message=f"{unknown} not in {cls.__name__}'s module",
+                    fix=f"one of the model's decoder layers: {units}",
+                )
+            )
         elif names and not set(names) <= set(units):
-            out.append(Finding(level="warning", check=key, value=", ".join(names), message=f"not the model's _no_split_modules {units}: the "
-                               "units differ from transformers' own split", fix=f"{units}"))  # fmt: skip
+            out.append(
+                Finding(
+                    level="warning",
+                    check=key,
+                    value=", ".join(names),
+                    message=f"not the model's _no_split_modules {units}: the "
+                    "units differ from transformers' own split",
+                    fix=f"{units}",
+                )
+            )
         elif names:
             out.append(
                 Finding(
@@ -302,10 +355,17 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
     out: list[Finding] = []
     coef = router_aux_coef(model_config)
     if coef:
-        out.append(Finding(level="error", check="context parallel", value=f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
-                           f"=true, router_aux_loss_coef={coef:g})", message="the load-balancing loss is a product of per-expert "
-                           "fractions over a micro-batch's tokens; each context-parallel rank sees only its part of them",
-                           fix="set output_router_logits=false in the model config or cp_size=1"))  # fmt: skip
+        out.append(
+            Finding(
+                level="error",
+                check="context parallel",
+                value=f"cp_size {mesh.cp} with a MoE router loss (output_router_logits"
+                f"=true, router_aux_loss_coef={coef:g})",
+                message="the load-balancing loss is a product of per-expert "
+                "fractions over a micro-batch's tokens; each context-parallel rank sees only its part of them",
+                fix="set output_router_logits=false in the model config or cp_size=1",
+            )
+        )
     kernel = m.attn_implementation
     if mesh.cp_backend == "ring":  # the run's own start-up check; CUDA is the run's node's, not this one's
         from hf_fsdp2.attention_layout import method_rows
@@ -313,8 +373,13 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
 
         packing, padding_free = method_rows(cfg.data, method.batch_rows)
         try:
-            check_ring_settings(on_gpu=True, packing=packing, padding_free=padding_free,
-                                attn_implementation=kernel, model_config=model_config)  # fmt: skip
+            check_ring_settings(
+                on_gpu=True,
+                packing=packing,
+                padding_free=padding_free,
+                attn_implementation=kernel,
+                model_config=model_config,
+            )
         except ConfigError as err:
             out.append(
                 Finding(
@@ -325,9 +390,15 @@ def context_parallel_findings(cfg: Config, model_config: Any, *, method: Any, wo
                 )
             )
     elif kernel != "auto" and kernel not in INNER_KERNELS:
-        out.append(Finding(level="error", check="context parallel", value=f"cp_size {mesh.cp} with attn_implementation {kernel}",
-                           message=f"the all-to-all wraps {', '.join(INNER_KERNELS)}", fix="set attn_implementation to sdpa "
-                           "(or flash_attention_2 on GPU)"))  # fmt: skip
+        out.append(
+            Finding(
+                level="error",
+                check="context parallel",
+                value=f"cp_size {mesh.cp} with attn_implementation {kernel}",
+                message=f"the all-to-all wraps {', '.join(INNER_KERNELS)}",
+                fix="set attn_implementation to sdpa (or flash_attention_2 on GPU)",
+            )
+        )
     if out:
         return out
     data_ranks = mesh.world // (mesh.cp * mesh.tp)

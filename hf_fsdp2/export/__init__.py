@@ -21,14 +21,22 @@ if TYPE_CHECKING:
     from hf_fsdp2.export.writer import STAGE_NAME, check_export_dir, export_model
 
 _HOME = {
-    "ExportError": "errors", "ExportResult": "errors", "ExportVerificationError": "errors", "VerifyReport": "errors",
-    "checkpoint_layout": "naming", "tied_targets": "naming",
-    "export_checkpoint": "offline", "load_checkpoint_model": "offline",
-    "EXPORT_DTYPES": "plan", "make_plan": "plan",
+    "ExportError": "errors",
+    "ExportResult": "errors",
+    "ExportVerificationError": "errors",
+    "VerifyReport": "errors",
+    "checkpoint_layout": "naming",
+    "tied_targets": "naming",
+    "export_checkpoint": "offline",
+    "load_checkpoint_model": "offline",
+    "EXPORT_DTYPES": "plan",
+    "make_plan": "plan",
     "probe_limit": "probe",
     "verify_export": "verify",
-    "STAGE_NAME": "writer", "check_export_dir": "writer", "export_model": "writer",
-}  # fmt: skip
+    "STAGE_NAME": "writer",
+    "check_export_dir": "writer",
+    "export_model": "writer",
+}
 
 __all__ = [
     "EXPORT_DTYPES",

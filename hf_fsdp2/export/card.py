@@ -11,11 +11,25 @@ import yaml
 from hf_fsdp2.config.plans import repo_id_problem
 
 _CARD_KEYS = (
-    "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "num_train_epochs", "max_steps",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "weight_decay",
-    "max_grad_norm", "seed", "mixed_precision", "fsdp_reduce_dtype", "gradient_checkpointing",
-    "assistant_only_loss", "completion_only_loss", "export_dtype",
-)  # fmt: skip
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "warmup_steps",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "weight_decay",
+    "max_grad_norm",
+    "seed",
+    "mixed_precision",
+    "fsdp_reduce_dtype",
+    "gradient_checkpointing",
+    "assistant_only_loss",
+    "completion_only_loss",
+    "export_dtype",
+)
 _SECRET_KEYS = ("hub_token",)
 
 
@@ -125,13 +139,22 @@ def render_model_card(
     else:
         lines.append("No metrics were recorded.")
     if reward:  # the score of a whole conversation, read at its last token
-        lines += ["", "## Load", "", "```python", "from transformers import AutoModelForSequenceClassification, "
-                  "AutoTokenizer", "", f'model = AutoModelForSequenceClassification.from_pretrained("{target}"'
-                  f'{", trust_remote_code=True" if remote_code else ""})',
-                  f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-                  'messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi!"}]',
-                  "inputs = tokenizer.apply_chat_template(messages, return_tensors='pt', return_dict=True)",
-                  "print(model(**inputs).logits[0, 0].item())  # the reward", "```", ""]  # fmt: skip
+        lines += [
+            "",
+            "## Load",
+            "",
+            "```python",
+            "from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+            "",
+            f'model = AutoModelForSequenceClassification.from_pretrained("{target}"'
+            f"{', trust_remote_code=True' if remote_code else ''})",
+            f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+            'messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi!"}]',
+            "inputs = tokenizer.apply_chat_template(messages, return_tensors='pt', return_dict=True)",
+            "print(model(**inputs).logits[0, 0].item())  # the reward",
+            "```",
+            "",
+        ]
         return "\n".join(lines)
     lines += [
         "",

@@ -72,8 +72,11 @@ def load_checkpoint_model(
         from hf_fsdp2.model import load_tokenizer
 
         name = cfg.get("tokenizer_name_or_path") or cfg["model_name_or_path"]
-        reward_head = int(load_tokenizer(name, revision=cfg.get("model_revision"),
-                                         trust_remote_code=bool(cfg.get("trust_remote_code"))).pad_token_id)  # fmt: skip
+        reward_head = int(
+            load_tokenizer(
+                name, revision=cfg.get("model_revision"), trust_remote_code=bool(cfg.get("trust_remote_code"))
+            ).pad_token_id
+        )
     model: Any = load_model(
         cfg["model_name_or_path"],
         # A LoRA run's frozen base as the run loaded it (``wrap`` upcasts it for the fp32 export); full

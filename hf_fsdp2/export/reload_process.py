@@ -69,10 +69,16 @@ def run_reload(script: Path, request_file: Path, out_file: Path, env: dict[str, 
             raise ReloadInterrupted(-proc.returncode)
         return None if proc.returncode == 0 else _tail(proc.stderr or proc.stdout)
     if not _shared or _shared[0].poll() is not None:
-        _shared[:] = [subprocess.Popen(
-            [sys.executable, str(SERVER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )]  # fmt: skip
+        _shared[:] = [
+            subprocess.Popen(
+                [sys.executable, str(SERVER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+        ]
     server = _shared[0]
     assert server.stdin is not None and server.stdout is not None
     try:

@@ -121,8 +121,19 @@ def evaluate_and_report(
 
 # The launcher's and accelerate's variables: without them the evaluation is one plain process (lm-eval would otherwise
 # build an Accelerator for the run's world size and wait for ranks that have ended).
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_")
 
 
@@ -160,8 +171,11 @@ def evaluate_after_export(folder: Path, tasks: str, *, limit: int | None = None)
     if done.returncode != 0 or not lines:
         logger.error(
             "eval_harness_tasks: the evaluation failed (exit status %d; its error is above); the export in %s is "
-            "complete and unchanged. Rerun the evaluation with: %s", done.returncode, folder, rerun,
-        )  # fmt: skip
+            "complete and unchanged. Rerun the evaluation with: %s",
+            done.returncode,
+            folder,
+            rerun,
+        )
         return None
     for line in lines[:-1]:  # the table, then the line naming the results' JSON and the card
         logger.info("eval-harness %s", line)

@@ -117,9 +117,12 @@ def resolve_model(
             raise HarnessError(f"{path} is a checkpoint: it needs a folder to be exported into (export_dir)")
         model = adapter_or_export(export_checkpoint_for_eval(path, export_dir), adapter_base)
         return EvalModel(
-            source=str(name), kind="checkpoint", pretrained=model.pretrained, adapter=model.adapter,
+            source=str(name),
+            kind="checkpoint",
+            pretrained=model.pretrained,
+            adapter=model.adapter,
             folder=model.folder,
-        )  # fmt: skip
+        )
     raise HarnessError(
         f"{path} is not a model folder (no config.json), a LoRA adapter ({ADAPTER_CONFIG}) or a checkpoint "
         "(.metadata + trainer_state.json); give the folder a run exported, or one of its checkpoint-<step> folders"
@@ -160,7 +163,10 @@ def export_checkpoint_for_eval(checkpoint: Path, out_dir: Path) -> Path:
     except (OSError, ValueError, KeyError):
         metrics = None
     export_checkpoint(
-        checkpoint, out_dir, metrics=metrics, wrap=wrap_lora if lora else None,
+        checkpoint,
+        out_dir,
+        metrics=metrics,
+        wrap=wrap_lora if lora else None,
         write=write_lora if lora else write_full_model,
-    )  # fmt: skip
+    )
     return out_dir

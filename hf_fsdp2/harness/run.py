@@ -249,25 +249,41 @@ def run_harness(
     logger.info("eval-harness: %s on %s (%s backend: %s)", ",".join(tasks), model.source, chosen, reason)
     start = time.perf_counter()
     raw = lm_eval.simple_evaluate(
-        model=chosen, model_args=args, tasks=list(tasks), task_manager=manager, limit=limit,
-        num_fewshot=num_fewshot, apply_chat_template=use_chat, log_samples=log_samples, batch_size=batch_size,
+        model=chosen,
+        model_args=args,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        apply_chat_template=use_chat,
+        log_samples=log_samples,
+        batch_size=batch_size,
         device=device,
-    )  # fmt: skip
+    )
     if raw is None:  # lm-eval returns None on non-zero ranks; this runs as one process
         raise HarnessError(
             "lm-eval returned no results (it ran as a non-zero rank); run eval-harness as one process"
         )
     out: dict[str, Any] = {
-        "model": model.source, "kind": model.kind, "base_model": model.pretrained if model.adapter else None,
-        "adapter": model.adapter, "backend": chosen, "backend_reason": reason,
+        "model": model.source,
+        "kind": model.kind,
+        "base_model": model.pretrained if model.adapter else None,
+        "adapter": model.adapter,
+        "backend": chosen,
+        "backend_reason": reason,
         "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
         "settings": {
-            "tasks": list(tasks), "limit": limit, "num_fewshot": num_fewshot, "apply_chat_template": use_chat,
-            "dtype": args["dtype"], "device": device, "batch_size": batch_size,
+            "tasks": list(tasks),
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+            "apply_chat_template": use_chat,
+            "dtype": args["dtype"],
+            "device": device,
+            "batch_size": batch_size,
         },
         "seconds": round(time.perf_counter() - start, 1),
         "tasks": metrics_of(raw),
-    }  # fmt: skip
+    }
     if log_samples:
         out["samples"] = raw.get("samples", {})
     return out

@@ -52,10 +52,14 @@ def date_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
         random.Random(f"hf_fsdp2.harness:{seed}:{i}").shuffle(choices)
         items.append(
             {
-                "year": f"{date.year:04d}", "month": f"{date.month:02d}", "day": f"{date.day:02d}",
-                "answer": answer, "choices": choices, "label": choices.index(answer),
+                "year": f"{date.year:04d}",
+                "month": f"{date.month:02d}",
+                "day": f"{date.day:02d}",
+                "answer": answer,
+                "choices": choices,
+                "label": choices.index(answer),
             }
-        )  # fmt: skip
+        )
     return items
 
 

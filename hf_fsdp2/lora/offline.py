@@ -33,9 +33,10 @@ def run_load_dtype(cfg: dict[str, Any]) -> torch.dtype:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(
-        cfg["model_name_or_path"], revision=cfg.get("model_revision"),
+        cfg["model_name_or_path"],
+        revision=cfg.get("model_revision"),
         trust_remote_code=bool(cfg.get("trust_remote_code")),
-    )  # fmt: skip
+    )
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype.removeprefix("torch."))
@@ -97,6 +98,10 @@ def write_lora(job: OfflineExport, verify: bool, verify_atol: float | None) -> E
     )
     files = [ADAPTER_WEIGHTS_NAME] + (["merged/"] if done.merged_dir else [])
     return ExportResult(
-        out_dir=job.out, files=files, total_bytes=0, dtype="float32", seconds=0.0,
+        out_dir=job.out,
+        files=files,
+        total_bytes=0,
+        dtype="float32",
+        seconds=0.0,
         verify=done.merged_report or done.adapter_report,
-    )  # fmt: skip
+    )

@@ -108,9 +108,13 @@ def _single_rank_all_gather(nf4_type: type) -> None:
         return (packed,), ("hf_fsdp2_packed", metadata, layout)
 
     def fsdp_post_all_gather(
-        self: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+        self: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
         out: torch.Tensor | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         if not (isinstance(metadata, tuple) and metadata and metadata[0] == "hf_fsdp2_packed"):
             return post(self, outputs, metadata, param_dtype, out=out)
         _, inner, layout = metadata
@@ -319,9 +323,11 @@ def quantize_base(
     if report.small_scaler_blocks:
         logger.info(
             "NF4: %d weights quantise their scales per %s instead of %d, for an even split over %d ranks",
-            len(report.small_scaler_blocks), sorted(set(report.small_scaler_blocks.values())),
-            NF4_SCALER_BLOCK_SIZE, shards,
-        )  # fmt: skip
+            len(report.small_scaler_blocks),
+            sorted(set(report.small_scaler_blocks.values())),
+            NF4_SCALER_BLOCK_SIZE,
+            shards,
+        )
     return report
 
 

@@ -157,9 +157,13 @@ def verify_adapter(
                     problems.append(
                         f"on the dequantised base, probe logits differ by {deq:.4g} > limit {report.atol:.3g}"
                     )
-        found = {"problems": problems, "max_diff": found.get("max_diff", float("nan")),
-                 "compared": found.get("compared", 0), "atol": report.atol,
-                 "noise": found.get("noise", float("nan"))}  # fmt: skip
+        found = {
+            "problems": problems,
+            "max_diff": found.get("max_diff", float("nan")),
+            "compared": found.get("compared", 0),
+            "atol": report.atol,
+            "noise": found.get("noise", float("nan")),
+        }
     # The other ranks wait here through rank 0's reload, over the host (gloo) group (host_wait_timeout).
     found = collectives.broadcast_object(found)
     report.problems = found["problems"]

@@ -284,8 +284,13 @@ class Evaluator:
         result = evaluate_loss(model, batches, self.device, plan=self.loss_plan)
         logger.info(
             "eval at step %d: loss %.4f, perplexity %.3f (%d target tokens, %d examples, %.1fs)",
-            step, result.loss, result.perplexity, result.tokens, len(self.dataset), result.seconds,
-        )  # fmt: skip
+            step,
+            result.loss,
+            result.perplexity,
+            result.tokens,
+            len(self.dataset),
+            result.seconds,
+        )
         if self.prompts:
             texts = generate_samples(
                 model, self.tokenizer, self.prompts, max_new_tokens=self.max_new_tokens, device=self.device

@@ -73,9 +73,14 @@ class StepMeter:
         self._steps_timed = 0
         self._time_after_first = 0.0
         self.totals: dict[str, float] = {
-            "steps": 0, "tokens": 0, "target_tokens": 0, "flops": 0.0, "step_time_s": 0.0,
-            "data_wait_s": 0.0, "peak_memory_gib": 0.0,
-        }  # fmt: skip
+            "steps": 0,
+            "tokens": 0,
+            "target_tokens": 0,
+            "flops": 0.0,
+            "step_time_s": 0.0,
+            "data_wait_s": 0.0,
+            "peak_memory_gib": 0.0,
+        }
 
     def wrap(self, batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """``batches``, timing how long each ``next`` waits for data (the data-wait time)."""

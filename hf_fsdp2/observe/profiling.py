@@ -136,8 +136,12 @@ class StepProfiler:
         if a > b:
             logger.warning(
                 "%s=%d-%d is outside the steps this run makes (%d..%d): nothing is recorded",
-                key, steps[0], steps[1], first_step, last_step,
-            )  # fmt: skip
+                key,
+                steps[0],
+                steps[1],
+                first_step,
+                last_step,
+            )
             return None
         if (a, b) != steps:
             logger.info("%s=%d-%d: recording steps %d..%d of this run", key, steps[0], steps[1], a, b)

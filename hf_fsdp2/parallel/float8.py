@@ -145,8 +145,10 @@ class Float8Report:
             f"{'float8' if plan.all_gather else 'bf16'}; head, embeddings, norms in bf16"
         ]
         if self.kept:
-            lines.append(f"FP8: kept in bf16 (router/adapter): {', '.join(self.kept[:8])}"
-                         f"{' ...' if len(self.kept) > 8 else ''}")  # fmt: skip
+            lines.append(
+                f"FP8: kept in bf16 (router/adapter): {', '.join(self.kept[:8])}"
+                f"{' ...' if len(self.kept) > 8 else ''}"
+            )
         if self.size_skipped:
             lines.append(
                 f"FP8: kept in bf16, below torchao's {plan.recipe} size thresholds (float8 is slower than bf16 there; "

@@ -205,14 +205,25 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
 
     kind = str(settings.get("distributed_type", "FSDP")).upper()
     if kind != "FSDP":
-        add("error", "distributed_type", "not an FSDP launch: accelerate would not shard the model",
-            "use accelerate_configs/fsdp2.yaml (GPU) or fsdp2_cpu.yaml (CPU): distributed_type: FSDP")  # fmt: skip
+        add(
+            "error",
+            "distributed_type",
+            "not an FSDP launch: accelerate would not shard the model",
+            "use accelerate_configs/fsdp2.yaml (GPU) or fsdp2_cpu.yaml (CPU): distributed_type: FSDP",
+        )
     version = str(settings.get("fsdp_version", "1" if _strategy(settings) else "2"))
     if version == "1":
-        out.append(Finding(level="warning", check="fsdp_version", value="1", message="read as FSDP2 (every run shards with fully_shard); each "
-                           "FSDP1 key below is mapped to its FSDP2 meaning or refused",
-                           fix="accelerate to-fsdp2 --config_file OLD.yaml --output_file NEW.yaml, or "
-                           "accelerate_configs/fsdp2.yaml"))  # fmt: skip
+        out.append(
+            Finding(
+                level="warning",
+                check="fsdp_version",
+                value="1",
+                message="read as FSDP2 (every run shards with fully_shard); each "
+                "FSDP1 key below is mapped to its FSDP2 meaning or refused",
+                fix="accelerate to-fsdp2 --config_file OLD.yaml --output_file NEW.yaml, or "
+                "accelerate_configs/fsdp2.yaml",
+            )
+        )
     strategy = _strategy(settings)
     key = "fsdp_sharding_strategy" if "fsdp_sharding_strategy" in settings else "fsdp_reshard_after_forward"
     replicate = f.dp_replicate_size or 1
@@ -222,14 +233,26 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
         else:
             add("warning", key, "the recipe's fsdp_reshard_after_forward: false is used (ZeRO-2 style)")
     elif strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") and f.fsdp_reshard_after_forward:
-        add("error", key, f"{strategy} keeps parameters gathered after forward; the recipe would reshard them",
-            "set fsdp_reshard_after_forward: false in the recipe (FSDP2's spelling of it)")  # fmt: skip
+        add(
+            "error",
+            key,
+            f"{strategy} keeps parameters gathered after forward; the recipe would reshard them",
+            "set fsdp_reshard_after_forward: false in the recipe (FSDP2's spelling of it)",
+        )
     elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") and replicate <= 1:
-        add("error", key, f"{strategy} shards within a node and replicates across nodes; the recipe shards over all",
-            "set dp_replicate_size: <number of nodes> in the recipe (FSDP2's HSDP mesh)")  # fmt: skip
+        add(
+            "error",
+            key,
+            f"{strategy} shards within a node and replicates across nodes; the recipe shards over all",
+            "set dp_replicate_size: <number of nodes> in the recipe (FSDP2's HSDP mesh)",
+        )
     elif strategy == "NO_SHARD":
-        add("error", key, "NO_SHARD replicates every parameter (DDP); FSDP2 always shards",
-            "remove it to shard (the point of FSDP), or set dp_replicate_size equal to the world size")  # fmt: skip
+        add(
+            "error",
+            key,
+            "NO_SHARD replicates every parameter (DDP); FSDP2 always shards",
+            "remove it to shard (the point of FSDP), or set dp_replicate_size equal to the world size",
+        )
     elif strategy is not None:
         add("ok", key, f"{strategy} = the recipe's fsdp_reshard_after_forward / dp_replicate_size, as set")
     reshard = settings.get("fsdp_reshard_after_forward")
@@ -237,8 +260,11 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
         if _truth(reshard) == f.fsdp_reshard_after_forward:
             add("ok", "fsdp_reshard_after_forward", "= the recipe's fsdp_reshard_after_forward")
         else:
-            add("warning", "fsdp_reshard_after_forward",
-                f"the recipe's fsdp_reshard_after_forward: {str(f.fsdp_reshard_after_forward).lower()} is used")  # fmt: skip
+            add(
+                "warning",
+                "fsdp_reshard_after_forward",
+                f"the recipe's fsdp_reshard_after_forward: {str(f.fsdp_reshard_after_forward).lower()} is used",
+            )
     prefetch = str(settings.get("fsdp_backward_prefetch", "")).upper()
     if prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
         add(
@@ -247,40 +273,72 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
             "FSDP2 prefetches the next unit's all-gather in backward by default",
         )
     elif prefetch == "NO_PREFETCH":
-        add("warning", "fsdp_backward_prefetch", "FSDP2 always prefetches one unit ahead in backward (its memory is "
-            "in hf-fsdp2 plan)", "remove the key")  # fmt: skip
+        add(
+            "warning",
+            "fsdp_backward_prefetch",
+            "FSDP2 always prefetches one unit ahead in backward (its memory is in hf-fsdp2 plan)",
+            "remove the key",
+        )
     if "fsdp_forward_prefetch" in settings:
         add("ok", "fsdp_forward_prefetch", "FSDP2 issues the next unit's forward all-gather ahead by default")
     if _truth(settings.get("fsdp_sync_module_states")):
         loading = f.fsdp_cpu_ram_efficient_loading
-        add("ok", "fsdp_sync_module_states", "rank 0 loads, the others receive their shards by broadcast: "
-            f"fsdp_cpu_ram_efficient_loading ({'auto: on with > 1 process per node' if loading is None else loading})")  # fmt: skip
+        add(
+            "ok",
+            "fsdp_sync_module_states",
+            "rank 0 loads, the others receive their shards by broadcast: "
+            f"fsdp_cpu_ram_efficient_loading ({'auto: on with > 1 process per node' if loading is None else loading})",
+        )
     efficient = _truth(settings.get("fsdp_cpu_ram_efficient_loading"))
     if (
         efficient is not None
         and f.fsdp_cpu_ram_efficient_loading is not None
         and efficient != bool(f.fsdp_cpu_ram_efficient_loading)
     ):
-        add("warning", "fsdp_cpu_ram_efficient_loading", "the recipe's fsdp_cpu_ram_efficient_loading: "
-            f"{str(f.fsdp_cpu_ram_efficient_loading).lower()} is used")  # fmt: skip
+        add(
+            "warning",
+            "fsdp_cpu_ram_efficient_loading",
+            "the recipe's fsdp_cpu_ram_efficient_loading: "
+            f"{str(f.fsdp_cpu_ram_efficient_loading).lower()} is used",
+        )
     elif efficient is not None:
         recipe = f.fsdp_cpu_ram_efficient_loading
-        add("ok", "fsdp_cpu_ram_efficient_loading", "the recipe's key of that name (rank-0 loading + broadcast): "
-            + ("auto, on with > 1 process per node" if recipe is None else str(recipe).lower()))  # fmt: skip
+        add(
+            "ok",
+            "fsdp_cpu_ram_efficient_loading",
+            "the recipe's key of that name (rank-0 loading + broadcast): "
+            + ("auto, on with > 1 process per node" if recipe is None else str(recipe).lower()),
+        )
     if "fsdp_use_orig_params" in settings:
-        add("ok", "fsdp_use_orig_params", "not needed: FSDP2's parameters are the originals (DTensor shards), "
-            "frozen and trainable ones mix freely (LoRA)")  # fmt: skip
+        add(
+            "ok",
+            "fsdp_use_orig_params",
+            "not needed: FSDP2's parameters are the originals (DTensor shards), "
+            "frozen and trainable ones mix freely (LoRA)",
+        )
     state_dict = str(settings.get("fsdp_state_dict_type", "")).upper()
     if state_dict:
-        add("ok", "fsdp_state_dict_type", "the final model is the gather-free, verified safetensors export "
-            "(export_dtype); checkpoints are sharded DCP, resumable at another world size")  # fmt: skip
+        add(
+            "ok",
+            "fsdp_state_dict_type",
+            "the final model is the gather-free, verified safetensors export "
+            "(export_dtype); checkpoints are sharded DCP, resumable at another world size",
+        )
     wrap = str(settings.get("fsdp_auto_wrap_policy", "")).upper()
     if wrap == "TRANSFORMER_BASED_WRAP":
-        add("ok", "fsdp_auto_wrap_policy", "one FSDP2 unit per decoder layer (fsdp_layer_cls_to_wrap, default the "
-            "model's _no_split_modules)")  # fmt: skip
+        add(
+            "ok",
+            "fsdp_auto_wrap_policy",
+            "one FSDP2 unit per decoder layer (fsdp_layer_cls_to_wrap, default the "
+            "model's _no_split_modules)",
+        )
     elif wrap:
-        add("error", "fsdp_auto_wrap_policy", f"{wrap} is not how this toolkit shards: one unit per decoder layer",
-            "remove it (or TRANSFORMER_BASED_WRAP); choose the classes with fsdp_layer_cls_to_wrap")  # fmt: skip
+        add(
+            "error",
+            "fsdp_auto_wrap_policy",
+            f"{wrap} is not how this toolkit shards: one unit per decoder layer",
+            "remove it (or TRANSFORMER_BASED_WRAP); choose the classes with fsdp_layer_cls_to_wrap",
+        )
     classes = settings.get("fsdp_transformer_layer_cls_to_wrap")
     if classes:
         named = [
@@ -289,11 +347,18 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
             if c.strip()
         ]
         if not f.fsdp_layer_cls_to_wrap or list(f.fsdp_layer_cls_to_wrap) == named:
-            add("ok", "fsdp_transformer_layer_cls_to_wrap", "the recipe's fsdp_layer_cls_to_wrap decides (empty: the "
-                "model's _no_split_modules, checked against these by hf-fsdp2 doctor)")  # fmt: skip
+            add(
+                "ok",
+                "fsdp_transformer_layer_cls_to_wrap",
+                "the recipe's fsdp_layer_cls_to_wrap decides (empty: the "
+                "model's _no_split_modules, checked against these by hf-fsdp2 doctor)",
+            )
         else:
-            add("warning", "fsdp_transformer_layer_cls_to_wrap",
-                f"the recipe's fsdp_layer_cls_to_wrap {list(f.fsdp_layer_cls_to_wrap)} is used")  # fmt: skip
+            add(
+                "warning",
+                "fsdp_transformer_layer_cls_to_wrap",
+                f"the recipe's fsdp_layer_cls_to_wrap {list(f.fsdp_layer_cls_to_wrap)} is used",
+            )
     for name, recipe_value, recipe_key in (
         ("fsdp_offload_params", f.fsdp_cpu_offload, "fsdp_cpu_offload"),
         ("fsdp_activation_checkpointing", f.ac_mode() != "none", "activation_checkpointing"),
@@ -307,8 +372,12 @@ def fsdp_findings(settings: dict[str, Any], cfg: Any) -> list[Finding]:
     if mixed is not None and str(mixed) != t.mixed_precision:
         add("warning", "mixed_precision", f"the recipe's mixed_precision: {t.mixed_precision} is used")
     elif mixed is not None:
-        add("ok", "mixed_precision", "= the recipe's (FSDP2 MixedPrecisionPolicy: fp32 master weights, compute "
-            "in this dtype, gradients reduced in fsdp_reduce_dtype)")  # fmt: skip
+        add(
+            "ok",
+            "mixed_precision",
+            "= the recipe's (FSDP2 MixedPrecisionPolicy: fp32 master weights, compute "
+            "in this dtype, gradients reduced in fsdp_reduce_dtype)",
+        )
     return out
 
 
@@ -325,8 +394,16 @@ def world_findings(
         if request is not None and request.cpu_flag:
             cause = ": accelerate launch --cpu starts its single-process launcher for an FSDP config"
             fix = "drop --cpu (a config with use_cpu: true, as accelerate_configs/fsdp2_cpu.yaml, runs FSDP on CPU)"
-        out.append(Finding(level=level, check="world size", value=f"{world} of {asked} asked", message=f"the launcher ({request.source if request else ''}) "
-                           f"was asked for {asked} processes and this run has {world}{cause}", fix=fix + strict_fix))  # fmt: skip
+        out.append(
+            Finding(
+                level=level,
+                check="world size",
+                value=f"{world} of {asked} asked",
+                message=f"the launcher ({request.source if request else ''}) "
+                f"was asked for {asked} processes and this run has {world}{cause}",
+                fix=fix + strict_fix,
+            )
+        )
     elif asked is not None:
         out.append(
             Finding(
@@ -337,8 +414,14 @@ def world_findings(
             )
         )
     if devices > local_world:
-        out.append(Finding(level=level, check="devices", value=f"{local_world} processes, {devices} GPUs visible",
-                           message=f"{devices - local_world} GPU(s) on this node are idle",
-                           fix="--num_processes <GPUs per node x nodes>, or CUDA_VISIBLE_DEVICES to the GPUs meant"
-                           + strict_fix))  # fmt: skip
+        out.append(
+            Finding(
+                level=level,
+                check="devices",
+                value=f"{local_world} processes, {devices} GPUs visible",
+                message=f"{devices - local_world} GPU(s) on this node are idle",
+                fix="--num_processes <GPUs per node x nodes>, or CUDA_VISIBLE_DEVICES to the GPUs meant"
+                + strict_fix,
+            )
+        )
     return out

@@ -155,9 +155,15 @@ def context_plan(
     # One document per row and no window: allowed_pairs gives one [1, 1, S, S] mask for every row.
     mask_rows = (rows if (layout.packing or layout.padding_free) else 1) if mask else 0
     return ContextPlan(
-        split=split, rows=rows, tokens=tokens, head_dim=head_dim(model_config), itemsize=itemsize,
-        kernel=layout.kernel, mask_rows=mask_rows, mask_itemsize=1 if layout.kernel == "sdpa" else itemsize,
-    )  # fmt: skip
+        split=split,
+        rows=rows,
+        tokens=tokens,
+        head_dim=head_dim(model_config),
+        itemsize=itemsize,
+        kernel=layout.kernel,
+        mask_rows=mask_rows,
+        mask_itemsize=1 if layout.kernel == "sdpa" else itemsize,
+    )
 
 
 def _received(chunks: torch.Tensor, group: Any) -> torch.Tensor:

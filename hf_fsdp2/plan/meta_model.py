@@ -63,9 +63,12 @@ def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Modu
 
         try:
             quantize_base(
-                model, layer_classes(model, settings), shards=settings.shard_size,
-                skip=tuple(settings.lora.modules_to_save or ()), meta_ok=True,
-            )  # fmt: skip
+                model,
+                layer_classes(model, settings),
+                shards=settings.shard_size,
+                skip=tuple(settings.lora.modules_to_save or ()),
+                meta_ok=True,
+            )
         except QuantizationError as err:
             raise PlanError(str(err)) from err
     if settings.lora is not None:

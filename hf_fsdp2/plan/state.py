@@ -145,8 +145,13 @@ def float8_traffic(model: torch.nn.Module, settings: PlanSettings) -> Float8Traf
     gathers = (2 if settings.reshard_after_forward else 1) * settings.gradient_accumulation_steps
     shards = settings.shard_size
     received = report.float8_params * (shards - 1) // shards * gathers
-    return Float8Traffic(linears=len(report.converted), weights=report.float8_params, gathers_per_step=gathers, bf16_bytes=2 * received,
-                         fp8_bytes=received if settings.fp8_all_gather else 2 * received)  # fmt: skip
+    return Float8Traffic(
+        linears=len(report.converted),
+        weights=report.float8_params,
+        gathers_per_step=gathers,
+        bf16_bytes=2 * received,
+        fp8_bytes=received if settings.fp8_all_gather else 2 * received,
+    )
 
 
 def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:

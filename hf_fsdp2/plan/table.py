@@ -107,7 +107,7 @@ class MemoryPlan:
                 "gathered_qkv_bytes_per_layer": self.context.gathered_bytes,
                 "scattered_output_bytes_per_layer": self.context.scattered_bytes,
                 "mask_bytes_per_layer": self.context.mask_bytes,
-            },  # fmt: skip
+            },
             "worst_rank": self.worst_rank,
             "peak": self.peak,
             "ranks": [self.rank_total(r) for r in range(len(self.per_rank))],

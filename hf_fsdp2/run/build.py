@@ -90,8 +90,10 @@ def build_model(
     t, f = cfg.train, cfg.fsdp
     fp8 = t.float8_plan() if t.mixed_precision == "fp8" else None
     if fp8 is not None:  # no FP8 hardware: refused (unless emulated) before any weight is read
-        for line in filter(None, (check_float8_hardware(fp8, session.device),
-                                  warn_without_compile(session.compile_plan.enabled))):  # fmt: skip
+        for line in filter(
+            None,
+            (check_float8_hardware(fp8, session.device), warn_without_compile(session.compile_plan.enabled)),
+        ):
             logger.warning("%s", line)
     model = load_run_model(session, tokenizer, reward=reward)
     model, quant = add_adapters(session, model, reward=reward, no_dropout=no_dropout)
@@ -115,8 +117,14 @@ def build_model(
         logger.info("FSDP units: %d x %s (%.2fM parameters)", units, name, params / 1e6)
     if quant is not None:
         held = local_nf4_bytes(model)
-        logger.info("4-bit base on this rank after sharding: %.3f MiB (%d bytes) of %d bytes in all (rank %d of %d)",
-                    held / 2**20, held, quant.nf4_bytes, session.rank, session.world)  # fmt: skip
+        logger.info(
+            "4-bit base on this rank after sharding: %.3f MiB (%d bytes) of %d bytes in all (rank %d of %d)",
+            held / 2**20,
+            held,
+            quant.nf4_bytes,
+            session.rank,
+            session.world,
+        )
     logger.info("parameter layout: %s", describe_layout(model))
     loss_plan = run_loss_plan(model, t.ce_chunk_tokens, reward=reward)
     plan, compile_plan = session.sharding, session.compile_plan
@@ -143,9 +151,13 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
     # The kernel of the layout the data builder chose (the same decision; its flex/flash refusals come before
     # any weight is read, for DPO too). padding_free is resolved by now: no probe, nothing logged twice.
     attention = choose_attention_layout(
-        session.model_config, device_type=session.device.type, attn_implementation=m.attn_implementation,
-        packing=d.packing, padding_free=bool(d.padding_free), trust_remote_code=m.trust_remote_code,
-    )  # fmt: skip
+        session.model_config,
+        device_type=session.device.type,
+        attn_implementation=m.attn_implementation,
+        packing=d.packing,
+        padding_free=bool(d.padding_free),
+        trust_remote_code=m.trust_remote_code,
+    )
     with torch.random.fork_rng(devices=[]) if reward else contextlib.nullcontext():
         if (
             reward
@@ -163,9 +175,12 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
         )
     if reward:
         head = getattr(model, "score", None)
-        logger.info("reward model %s: score head %s, read at each row's last non-padding token (pad id %s)",
-                    type(model).__name__, tuple(head.weight.shape) if head is not None else "?",
-                    model.config.pad_token_id)  # type: ignore[union-attr]  # fmt: skip
+        logger.info(
+            "reward model %s: score head %s, read at each row's last non-padding token (pad id %s)",
+            type(model).__name__,
+            tuple(head.weight.shape) if head is not None else "?",
+            model.config.pad_token_id,  # type: ignore[union-attr]
+        )
     note = check_vocab(len(tokenizer), session.model_config, resize=m.resize_token_embeddings)
     if note:
         logger.info(note)
@@ -174,8 +189,10 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
     # the export cannot write is refused before training, not after it.
     layout = checkpoint_layout(model, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     if layout.splits:
-        logger.info("export: %d fused expert tensors will be written per expert, as transformers saves them",
-                    len(layout.splits))  # fmt: skip
+        logger.info(
+            "export: %d fused expert tensors will be written per expert, as transformers saves them",
+            len(layout.splits),
+        )
     attn = getattr(model.config, "_attn_implementation", None)
     logger.info(
         "attention implementation %s%s",
@@ -253,8 +270,9 @@ def parallel_plan(
                 "per-expert fractions over a micro-batch's tokens, and each context-parallel rank sees only its part "
                 "of them, so it would be another loss; set output_router_logits=false in the model config or cp_size=1"
             )
-        cp = ContextParallel(collectives.cp_group(), collectives.cp_size(), session.cfg.fsdp.cp_backend,
-                             collectives.tp_size())  # fmt: skip
+        cp = ContextParallel(
+            collectives.cp_group(), collectives.cp_size(), session.cfg.fsdp.cp_backend, collectives.tp_size()
+        )
     return ParallelPlan(
         layer_cls=layer_cls, tp=tp, cp=cp, float8=fp8, ac=session.sharding.ac, compile=session.compile_plan
     )
@@ -290,14 +308,32 @@ def build_optimizer(
             "Muon's all-to-alls of the matrices run on the GPUs' NCCL group, which cannot send host tensors; use "
             "optim=adamw with offload, or fsdp_cpu_offload=false"
         )
-    muon = MuonSettings(lr=t.muon_lr or t.learning_rate, momentum=t.muon_momentum, nesterov=t.muon_nesterov, ns_steps=t.muon_ns_steps,
-                        adjust_lr=t.muon_adjust_lr, weight_decay=t.weight_decay)  # fmt: skip
-    optimizer, split = build_muon_adamw(model, layer_cls, muon, lr=t.learning_rate,
-                                        betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-                                        device_type=session.device.type)  # fmt: skip
-    logger.info("%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s", split.describe(),
-                muon.lr, muon.momentum, " (Nesterov)" if muon.nesterov else "", muon.ns_steps,
-                muon.adjust_lr)  # fmt: skip
+    muon = MuonSettings(
+        lr=t.muon_lr or t.learning_rate,
+        momentum=t.muon_momentum,
+        nesterov=t.muon_nesterov,
+        ns_steps=t.muon_ns_steps,
+        adjust_lr=t.muon_adjust_lr,
+        weight_decay=t.weight_decay,
+    )
+    optimizer, split = build_muon_adamw(
+        model,
+        layer_cls,
+        muon,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        device_type=session.device.type,
+    )
+    logger.info(
+        "%s; Muon lr %g, momentum %g%s, %d Newton-Schulz steps, lr adjustment %s",
+        split.describe(),
+        muon.lr,
+        muon.momentum,
+        " (Nesterov)" if muon.nesterov else "",
+        muon.ns_steps,
+        muon.adjust_lr,
+    )
     if (empty := split.warning()) is not None:
         logger.warning("%s", empty)
     return optimizer
@@ -310,9 +346,20 @@ def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool)
     ):  # no LM head, no logits over the vocabulary: the step reads the score head's values. No router loss:
         # transformers' sequence-classification models return none (TRL's RewardTrainer adds none either).
         aux = router_aux_coef(model.config)
-        loss_plan = LossPlan(0, notes=("Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",
-                                       *([f"no router loss (router_aux_loss_coef {aux:g} ignored): a sequence-"
-                                          "classification model returns none"] if aux else [])))  # fmt: skip
+        loss_plan = LossPlan(
+            0,
+            notes=(
+                "Bradley-Terry on the score head's values (no LM head, no vocabulary logits)",
+                *(
+                    [
+                        f"no router loss (router_aux_loss_coef {aux:g} ignored): a sequence-"
+                        "classification model returns none"
+                    ]
+                    if aux
+                    else []
+                ),
+            ),
+        )
     else:
         loss_plan = plan_loss(model, ce_chunk_tokens)
     for line in loss_plan.notes:
@@ -330,10 +377,16 @@ def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsMode
     logger.info(
         "FLOPs per token 6N + 12LHQT = %.3g at T=max_length=%d (N=%.1fM non-embedding, L=%d, H=%d, Q=%d; T is "
         "each sequence's own length); MFU against %s",
-        flops.per_token(d.max_length), d.max_length, flops.non_embedding_params / 1e6, flops.layers, flops.heads,
-        flops.head_dim, f"{peak:.4g} FLOP/s per device ({device_name})" if peak
+        flops.per_token(d.max_length),
+        d.max_length,
+        flops.non_embedding_params / 1e6,
+        flops.layers,
+        flops.heads,
+        flops.head_dim,
+        f"{peak:.4g} FLOP/s per device ({device_name})"
+        if peak
         else f"nothing: no known peak for {device_name} (set peak_flops); achieved TFLOP/s are reported",
-    )  # fmt: skip
+    )
     return flops, peak
 
 

@@ -95,9 +95,13 @@ def sampled_stream(session: Session, dataset: Any, collator: Any) -> tuple[DataS
         set, else ``num_train_epochs`` worth).
     """
     d, t = session.cfg.data, session.cfg.train
-    sampler = ShardedSampler(len(dataset), rank=session.data_rank, world_size=session.data_world, seed=t.seed,
+    sampler = ShardedSampler(
+        len(dataset),
+        rank=session.data_rank,
+        world_size=session.data_world,
+        seed=t.seed,
         shuffle=t.train_sampling_strategy == "random",
-    )  # fmt: skip
+    )
     loader = build_dataloader(
         dataset,
         batch_size=t.per_device_train_batch_size,
@@ -129,10 +133,15 @@ def build_pair_data(session: Session, tokenizer: Any, recipe: str) -> TrainData:
     check_one_step(session, len(train), "pairs", "data")
     stream, steps_per_epoch, total_steps = sampled_stream(session, train, collator)
     logger.info(
-        "%s data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)", recipe,
-        len(train), f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set", total_steps,
-        steps_per_epoch, per_step, 2 * per_step,
-    )  # fmt: skip
+        "%s data: %d training pairs, %s; %d steps (%d per epoch), %d pairs per step (%d rows)",
+        recipe,
+        len(train),
+        f"{len(eval_pairs)} eval pairs" if eval_pairs else "no eval set",
+        total_steps,
+        steps_per_epoch,
+        per_step,
+        2 * per_step,
+    )
     return TrainData(
         stream=stream,
         collator=collator,

@@ -57,9 +57,14 @@ USER_ERRORS = (
 
 
 def export_run(
-    session: Session, model: TrainModel, tokenizer: Any, state: RunState, last_step: int, recipe: str = "sft",
+    session: Session,
+    model: TrainModel,
+    tokenizer: Any,
+    state: RunState,
+    last_step: int,
+    recipe: str = "sft",
     recipe_title: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """The consolidated export in the run folder, written by every rank (none gathers the model), verified
     against the live model, then published; a model card from the run. Every rank calls it.
 
@@ -72,12 +77,16 @@ def export_run(
     card = None
     if session.is_main:
         card = render_model_card(
-            cfg.to_flat_dict(), metrics=last_metrics(session.output_dir), world_size=session.world,
-            repo_id=e.hub_model_id if e.push_to_hub else None, recipe=recipe, recipe_title=recipe_title,
+            cfg.to_flat_dict(),
+            metrics=last_metrics(session.output_dir),
+            world_size=session.world,
+            repo_id=e.hub_model_id if e.push_to_hub else None,
+            recipe=recipe,
+            recipe_title=recipe_title,
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
             remote_code=carries_score_head(unwrapped.config),
             learned_nothing=[f.message for f in state.guard.findings],
-        )  # fmt: skip
+        )
     try:
         if (
             cfg.peft.use_peft
@@ -125,9 +134,16 @@ def export_run(
 
 
 def finish(
-    session: Session, model: TrainModel, tokenizer: Any, state: RunState, observer: Observer, *, first_step: int,
-    last_step: int, method: Method,
-) -> None:  # fmt: skip
+    session: Session,
+    model: TrainModel,
+    tokenizer: Any,
+    state: RunState,
+    observer: Observer,
+    *,
+    first_step: int,
+    last_step: int,
+    method: Method,
+) -> None:
     """Wait for checkpoints, export, write the summary, release the ranks, push (every rank calls it)."""
     e = session.cfg.export
     state.wait()
@@ -163,8 +179,11 @@ def finish(
         logger.warning(
             "SIGTERM during the export: the export of step %d finished%s in %s%s; the run is complete (nothing to "
             "resume), stopping cleanly",
-            last_step, " and was verified" if e.export_verify else "", session.output_dir, skipped,
-        )  # fmt: skip
+            last_step,
+            " and was verified" if e.export_verify else "",
+            session.output_dir,
+            skipped,
+        )
     if session.is_main and e.eval_harness_tasks and not stopped:  # rank 0 alone: the others are released
         evaluate_after_export(session.output_dir, e.eval_harness_tasks, limit=e.eval_harness_limit)
     if session.is_main and e.push_to_hub and e.hub_model_id and not stopped:

@@ -63,9 +63,14 @@ def loss_step(
     """The run's step for a method whose micro-batches come straight from its data stream: the shared skeleton with
     a new ``new_loss()`` each step, ``gradient_accumulation_steps`` stream batches a step."""
     return LossStep(
-        model.module, optimizer, scheduler, settings=step_settings(session, model), device=session.device,
-        new_loss=new_loss, reads_per_step=session.cfg.train.gradient_accumulation_steps,
-    )  # fmt: skip
+        model.module,
+        optimizer,
+        scheduler,
+        settings=step_settings(session, model),
+        device=session.device,
+        new_loss=new_loss,
+        reads_per_step=session.cfg.train.gradient_accumulation_steps,
+    )
 
 
 def _build_token_step(

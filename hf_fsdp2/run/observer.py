@@ -40,9 +40,17 @@ class Observer:
     """
 
     def __init__(
-        self, session: Session, model: TrainModel, tokenizer: Any, *, eval_set: Any, collator: Any, first_step: int,
-        total_steps: int, evaluator: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        session: Session,
+        model: TrainModel,
+        tokenizer: Any,
+        *,
+        eval_set: Any,
+        collator: Any,
+        first_step: int,
+        total_steps: int,
+        evaluator: Any = None,
+    ) -> None:
         cfg, o, t = session.cfg, session.cfg.observe, session.cfg.train
         self.session, self.total_steps = session, total_steps
         self.evaluator = evaluator
@@ -63,15 +71,22 @@ class Observer:
             )
         session.accelerator.init_trackers(o.tracker_project, config=tracker_config(cfg.to_flat_dict()))
         self.meter = StepMeter(
-            flops=model.flops, world_size=session.world, device=session.device, total_steps=total_steps,
-            peak_flops=model.peak_flops, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+            flops=model.flops,
+            world_size=session.world,
+            device=session.device,
+            total_steps=total_steps,
+            peak_flops=model.peak_flops,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         self.profiler = StepProfiler(
             profile_steps=parse_step_range(o.profile_steps, "profile_steps"),
             memory_steps=parse_step_range(o.memory_snapshot_steps, "memory_snapshot_steps"),
-            output_dir=session.output_dir, rank=session.rank, device=session.device, first_step=first_step,
+            output_dir=session.output_dir,
+            rank=session.rank,
+            device=session.device,
+            first_step=first_step,
             last_step=total_steps,
-        )  # fmt: skip
+        )
         self.metrics = MetricsWriter(
             session.output_dir,
             enabled=session.is_main,
@@ -92,9 +107,13 @@ class Observer:
         self.meter.start_step()
 
     def end_step(
-        self, step: int, micro_batches: list[dict[str, torch.Tensor]], out: StepOutput, model: torch.nn.Module,
+        self,
+        step: int,
+        micro_batches: list[dict[str, torch.Tensor]],
+        out: StepOutput,
+        model: torch.nn.Module,
         epoch: int,
-    ) -> dict[str, Any] | None:  # fmt: skip
+    ) -> dict[str, Any] | None:
         """Count, log (every ``logging_steps``, the last step and eval steps) and evaluate; every rank calls it.
 
         Returns:

@@ -144,8 +144,12 @@ def build_reference(
             eval_reference = table(eval_pairs)
         logger.info(
             "%s reference: log-probs of %d training%s %s precomputed in one pass (no reference model while "
-            "training)", objective, len(train_pairs), f" and {len(eval_pairs)} eval" if eval_pairs is not None else "", unit,
-        )  # fmt: skip
+            "training)",
+            objective,
+            len(train_pairs),
+            f" and {len(eval_pairs)} eval" if eval_pairs is not None else "",
+            unit,
+        )
         del source
         gc.collect()
     return reference, eval_reference

@@ -126,9 +126,14 @@ class Session:
             max_length=d.max_length,
         )
         tp_off = check_tp_settings(
-            mesh.tp, use_peft=cfg.peft.use_peft, load_in_4bit=cfg.peft.load_in_4bit, liger=t.use_liger_kernel,
-            ram_efficient_loading=ram_efficient_set, torch_compile=f.torch_compile, compile_default=on_gpu,
-        )  # fmt: skip
+            mesh.tp,
+            use_peft=cfg.peft.use_peft,
+            load_in_4bit=cfg.peft.load_in_4bit,
+            liger=t.use_liger_kernel,
+            ram_efficient_loading=ram_efficient_set,
+            torch_compile=f.torch_compile,
+            compile_default=on_gpu,
+        )
         if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
             f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
             sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
@@ -142,8 +147,13 @@ class Session:
         request = find_launch_request()
         devices = torch.cuda.device_count() if on_gpu and torch.cuda.is_available() else 0
         launch = fsdp_findings(request.settings, cfg) if request is not None and request.settings else []
-        launch += world_findings(request, world=world_size(), local_world=local_world_size(), devices=devices,
-                                 strict=t.strict_launch)  # fmt: skip
+        launch += world_findings(
+            request,
+            world=world_size(),
+            local_world=local_world_size(),
+            devices=devices,
+            strict=t.strict_launch,
+        )
         refused = [x.line() for x in launch if x.level == "error"]
         check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
         accelerator = build_accelerator(

@@ -53,9 +53,15 @@ class RunState:
     """
 
     def __init__(
-        self, session: Session, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        stream: Any, total_steps: int = 0, step: Step | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        session: Session,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        stream: Any,
+        total_steps: int = 0,
+        step: Step | None = None,
+    ) -> None:
         cfg, t, e = session.cfg, session.cfg.train, session.cfg.export
         self.step = step
         self.session, self.model, self.optimizer, self.scheduler, self.stream = (
@@ -75,9 +81,12 @@ class RunState:
         self.pusher = None  # rank 0 uploads each published checkpoint to a hub branch, in the background
         if e.push_checkpoints_to_branch and e.hub_model_id and session.hub_token and session.is_main:
             self.pusher = CheckpointPusher(
-                session.output_dir, e.hub_model_id, e.push_checkpoints_to_branch, token=session.hub_token,
+                session.output_dir,
+                e.hub_model_id,
+                e.push_checkpoints_to_branch,
+                token=session.hub_token,
                 private=e.hub_private_repo,
-            )  # fmt: skip
+            )
         self.config_yaml = yaml.safe_dump(cfg.to_flat_dict(), sort_keys=False)
         self.first_step = 1
         self.last_saved = 0
@@ -90,9 +99,12 @@ class RunState:
         self._check_disk(total_steps)
         # on_collapse: a run that learns nothing is decided by the same guard (each finding recorded, _report).
         guard = NonFiniteGuard(
-            t.on_nonfinite, last_step=self.first_step - 1, last_good=self._last_good, on_collapse=t.on_collapse,
+            t.on_nonfinite,
+            last_step=self.first_step - 1,
+            last_good=self._last_good,
+            on_collapse=t.on_collapse,
             report=self._report,
-        )  # fmt: skip
+        )
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
 
@@ -100,9 +112,12 @@ class RunState:
         """Fingerprints of the run's local data files (training and eval sources)."""
         d = self.session.cfg.data
         sources = resolve_sources(
-            dataset_name=d.dataset_name, dataset_config_name=d.dataset_config_name, dataset_split=d.dataset_split,
-            dataset_revision=d.dataset_revision, dataset_mixture=d.dataset_mixture,
-        )  # fmt: skip
+            dataset_name=d.dataset_name,
+            dataset_config_name=d.dataset_config_name,
+            dataset_split=d.dataset_split,
+            dataset_revision=d.dataset_revision,
+            dataset_mixture=d.dataset_mixture,
+        )
         return data_fingerprint(
             [s.name for s in sources]
             + ([parse_source(d.eval_dataset_name).name] if d.eval_dataset_name else [])
@@ -159,10 +174,15 @@ class RunState:
         append_metrics_event(self.session.output_dir, finding.record())
         if finding.action == "stopped":
             write_summary(
-                {"stopped": finding.kind, "first_step": self.first_step, "last_step": finding.step,
-                 "export_dir": None, "learned_nothing": [finding.record()]},
+                {
+                    "stopped": finding.kind,
+                    "first_step": self.first_step,
+                    "last_step": finding.step,
+                    "export_dir": None,
+                    "learned_nothing": [finding.record()],
+                },
                 self.session.output_dir,
-            )  # fmt: skip
+            )
 
     def _resume(self, value: str) -> None:
         session, t = self.session, self.session.cfg.train
@@ -181,8 +201,11 @@ class RunState:
                 "resuming %s with data files changed since it was written: %s. The restored data position (epoch "
                 "%d, batch %d) now points into other data: examples may be skipped or seen twice. Restore the files "
                 "to resume exactly, or start a new run",
-                path.name, "; ".join(changed[:5]), state.epoch, state.batches_in_epoch,
-            )  # fmt: skip
+                path.name,
+                "; ".join(changed[:5]),
+                state.epoch,
+                state.batches_in_epoch,
+            )
         restore_scheduler(self.scheduler, state.scheduler, t.learning_rate, t.muon_lr)
         self.first_step, self.last_saved = state.step + 1, state.step
         # The data position in examples of the epoch; with another world size or batch size the same
@@ -214,8 +237,11 @@ class RunState:
             )
         logger.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
-            path, state.step, self.stream.epoch, self.stream.batches_in_epoch,
-        )  # fmt: skip
+            path,
+            state.step,
+            self.stream.epoch,
+            self.stream.batches_in_epoch,
+        )
 
     def save(self, step: int) -> None:
         """Write ``checkpoint-<step>`` (every rank; collective); never of a state after a non-finite step (stop)."""

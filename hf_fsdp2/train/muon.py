@@ -245,10 +245,17 @@ class MuonAdamW(torch.optim.Optimizer):
             else None
         )
         muon_group = {
-            "params": muon_params, "algorithm": "muon", "lr": muon.lr, "weight_decay": muon.weight_decay,
-            "momentum": muon.momentum, "nesterov": muon.nesterov, "ns_coefficients": coefficients, "eps": eps_ns,
-            "ns_steps": muon.ns_steps, "adjust_lr_fn": muon.adjust_lr,
-        }  # fmt: skip
+            "params": muon_params,
+            "algorithm": "muon",
+            "lr": muon.lr,
+            "weight_decay": muon.weight_decay,
+            "momentum": muon.momentum,
+            "nesterov": muon.nesterov,
+            "ns_coefficients": coefficients,
+            "eps": eps_ns,
+            "ns_steps": muon.ns_steps,
+            "adjust_lr_fn": muon.adjust_lr,
+        }
         all_groups = (self._adamw.param_groups if self._adamw else []) + ([muon_group] if muon_params else [])
         super().__init__(all_groups, {"lr": lr})
         self._link()

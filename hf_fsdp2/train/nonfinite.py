@@ -99,9 +99,14 @@ class NonFiniteGuard:
     """
 
     def __init__(
-        self, mode: str, *, last_step: int = 0, last_good: Callable[..., str] | None = None,
-        on_collapse: str = "stop", report: Callable[[Finding], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        mode: str,
+        *,
+        last_step: int = 0,
+        last_good: Callable[..., str] | None = None,
+        on_collapse: str = "stop",
+        report: Callable[[Finding], None] | None = None,
+    ) -> None:
         if mode not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite={mode!r}: use one of {', '.join(ON_NONFINITE)}")
         if on_collapse not in ON_COLLAPSE:

@@ -329,7 +329,7 @@ def test_resume_with_an_incompatible_config_is_refused_and_harmless_changes_are_
             "4",
             "--save_steps",
             "0",
-        ),  # fmt: skip
+        ),
     )
     assert "resuming with a changed setting: logging_steps: 1 -> 2" in proc.stdout + proc.stderr
 

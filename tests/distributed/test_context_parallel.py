@@ -109,8 +109,12 @@ def test_cp2_x_dp2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model
     assert "context parallel 2 (all_to_all): each sequence split over 2 ranks, 2 data-parallel ranks" in log
     assert "context parallel: all-to-all over 2 ranks around the sdpa kernel" in log
     assert "export verified" in log
-    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
-          single)  # fmt: skip
+    _same(
+        read_metrics(out / "metrics.jsonl"),
+        read_metrics(flat / "metrics.jsonl"),
+        list(range(1, STEPS + 1)),
+        single,
+    )
     # fp32 master weights after 4 AdamW steps differ by reduction order only; the bf16 exports agree to one bf16
     # rounding step (2^-7 relative), as HSDP's do.
     got, want = load_file(out / "model.safetensors"), load_file(flat / "model.safetensors")
@@ -124,8 +128,22 @@ def test_a_flat_checkpoint_resumes_with_context_parallel(assets, flat, single, t
     out.mkdir()
     (out / "checkpoint-2").symlink_to(flat / "checkpoint-2", target_is_directory=True)
     (out / "latest").write_text("2\n")
-    proc = torchrun(SFT, _args(assets, out, 4, "--cp_size", "2", "--resume_from_checkpoint", "latest",
-                               "--export_verify", "false", *NO_CHECKPOINT), nproc=4)  # fmt: skip
+    proc = torchrun(
+        SFT,
+        _args(
+            assets,
+            out,
+            4,
+            "--cp_size",
+            "2",
+            "--resume_from_checkpoint",
+            "latest",
+            "--export_verify",
+            "false",
+            *NO_CHECKPOINT,
+        ),
+        nproc=4,
+    )
     assert "resumed from" in proc.stdout + proc.stderr
     _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), [3, 4], single)
 
@@ -136,22 +154,62 @@ def long_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("cp_long")
     rng = random.Random(7)
     docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(150, 900)))}) + "\n"
-                            for _ in range(70)))  # fmt: skip
+    docs.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(150, 900)))}) + "\n"
+            for _ in range(70)
+        )
+    )
     # Qwen3-MoE without its router loss (refused under cp: each rank would see part of the token fractions).
-    model = make_family_dir(root / "model", "qwen3_moe", seed=3, overrides={"output_router_logits": False,
-                                                                             "max_position_embeddings": 2048})  # fmt: skip
+    model = make_family_dir(
+        root / "model",
+        "qwen3_moe",
+        seed=3,
+        overrides={"output_router_logits": False, "max_position_embeddings": 2048},
+    )
     return model, docs
 
 
 def _cpt_args(corpus: tuple[Path, Path], out: Path, batch: int, *extra: str) -> list[str]:
     model, docs = corpus
-    return ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--output_dir", str(out),
-            "--max_steps", "2", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "2",
-            "--max_length", "2048", "--cross_document_attention", "false", "--mixed_precision", "no",
-            "--logging_steps", "1", "--learning_rate", "1e-3", "--activation_checkpointing", "full",
-            "--ce_chunk_tokens", "512", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--export_verify", "false",
-            *NO_CHECKPOINT, *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(docs),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "2048",
+        "--cross_document_attention",
+        "false",
+        "--mixed_precision",
+        "no",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--activation_checkpointing",
+        "full",
+        "--ce_chunk_tokens",
+        "512",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0",
+        "--export_verify",
+        "false",
+        *NO_CHECKPOINT,
+        *extra,
+    ]
 
 
 def test_packed_rows_of_2048_tokens_over_several_documents_with_ac_chunked_loss_and_lora(
@@ -186,8 +244,12 @@ def test_tp2_x_cp2_x_dp2_on_8_ranks_trains_like_flat_fsdp(assets, flat, single, 
     assert "context parallel 2 (all_to_all)" in log and "tensor parallel 2" in log
     # 4 heads / tp 2 = 2 per tensor-parallel rank, 1 per context-parallel rank; 1 KV head per tp rank, repeated.
     assert "1 query heads and 1 key/value heads per rank" in log and "repeated 2x" in log
-    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
-          single)  # fmt: skip
+    _same(
+        read_metrics(out / "metrics.jsonl"),
+        read_metrics(flat / "metrics.jsonl"),
+        list(range(1, STEPS + 1)),
+        single,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +258,38 @@ def pairs(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _dpo_args(model: Path, data: Path, out: Path, batch: int, *extra: str) -> list[str]:
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "2",
-            "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
-            "--train_sampling_strategy", "sequential", "--export_verify", "false", "--eval_split_fraction", "0.25",
-            "--eval_steps", "3", *NO_CHECKPOINT, *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--train_sampling_strategy",
+        "sequential",
+        "--export_verify",
+        "false",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "3",
+        *NO_CHECKPOINT,
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(

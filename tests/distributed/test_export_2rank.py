@@ -139,9 +139,14 @@ def test_sharded_tied_export_in_fp32_round_trips(tmp_path: Path) -> None:
 def test_checkpoint_names_that_differ_from_module_names_round_trip(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(make_tiny_llama_dir(tmp_path / "tok", seed=3)))
     config = GPTNeoXConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(4)
     model = tmp_path / "neox"
     GPTNeoXForCausalLM(config).save_pretrained(model)

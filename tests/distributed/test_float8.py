@@ -110,10 +110,38 @@ def test_all_gather_carries_float8_bytes(numerics: list[dict]) -> None:
 
 def _sft(tiny: tuple[Path, Path], out: Path, *extra: str) -> None:
     model, data = tiny
-    torchrun(SFT, ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-                   "--max_steps", "4", "--per_device_train_batch_size", "2", "--max_length", "64",
-                   "--mixed_precision", "fp8", "--fp8_emulate", "true", "--fp8_size_filter", "false",
-                   "--learning_rate", "3e-3", "--warmup_steps", "0", "--export_dtype", "float32", "--seed", "3", *extra])  # fmt: skip
+    torchrun(
+        SFT,
+        [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_length",
+            "64",
+            "--mixed_precision",
+            "fp8",
+            "--fp8_emulate",
+            "true",
+            "--fp8_size_filter",
+            "false",
+            "--learning_rate",
+            "3e-3",
+            "--warmup_steps",
+            "0",
+            "--export_dtype",
+            "float32",
+            "--seed",
+            "3",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +157,7 @@ def test_fp8_run_resumes_exactly(fp8_run: Path, tiny: tuple[Path, Path], tmp_pat
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(fp8_run / "checkpoint-2", resumed / "checkpoint-2")
-    _sft(tiny, resumed, "--resume_from_checkpoint", "latest", "--export_verify", "false",
-         "--save_steps", "0")  # fmt: skip
+    _sft(tiny, resumed, "--resume_from_checkpoint", "latest", "--export_verify", "false", "--save_steps", "0")
     full = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(fp8_run / "metrics.jsonl")}
     again = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(resumed / "metrics.jsonl")}
     assert sorted(again) == [3, 4]

@@ -77,8 +77,12 @@ def test_hsdp_2x2_trains_like_flat_fsdp_over_4_ranks_and_exports_the_same_model(
         in log
     )
     assert "export verified" in log
-    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
-          single)  # fmt: skip
+    _same(
+        read_metrics(out / "metrics.jsonl"),
+        read_metrics(flat / "metrics.jsonl"),
+        list(range(1, STEPS + 1)),
+        single,
+    )
     # fp32 master weights after 4 AdamW steps: the all-reduce over replicas sums in another order than flat's
     # reduce-scatter over 4, so the bf16 exports agree to one bf16 rounding step (2^-7 relative), not bit for bit.
     got, want = load_file(out / "model.safetensors"), load_file(flat / "model.safetensors")
@@ -92,8 +96,21 @@ def test_a_flat_checkpoint_resumes_as_hsdp(assets, flat, single, tmp_path: Path)
     out.mkdir()
     (out / "checkpoint-2").symlink_to(flat / "checkpoint-2", target_is_directory=True)
     (out / "latest").write_text("2\n")
-    proc = torchrun(SFT, _args(assets, out, "--dp_replicate_size", "2", "--resume_from_checkpoint", "latest",
-                               "--export_verify", "false", *NO_CHECKPOINT), nproc=4)  # fmt: skip
+    proc = torchrun(
+        SFT,
+        _args(
+            assets,
+            out,
+            "--dp_replicate_size",
+            "2",
+            "--resume_from_checkpoint",
+            "latest",
+            "--export_verify",
+            "false",
+            *NO_CHECKPOINT,
+        ),
+        nproc=4,
+    )
     assert "resumed from" in proc.stdout + proc.stderr
     _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), [3, 4], single)
 
@@ -108,15 +125,37 @@ def test_two_machines_on_loopback_run_the_recipe_with_hsdp_across_them(
     port = str(free_port())
     launchers = []
     for machine in (1, 0):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / "fsdp2_multinode.yaml"), "--num_machines", "2", "--machine_rank",
-               str(machine), "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-               str(SFT), *_args(assets, out, "--dp_replicate_size", "2", "--export_verify", "false")]  # fmt: skip
-        launchers.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs" / "fsdp2_multinode.yaml"),
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            str(machine),
+            "--num_processes",
+            "4",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            str(SFT),
+            *_args(assets, out, "--dp_replicate_size", "2", "--export_verify", "false"),
+        ]
+        launchers.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     logs = [p.communicate(timeout=600)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], logs[1][-4000:] + logs[0][-4000:]
     assert "HSDP: 2 replica groups x 2 shards" in logs[1]  # machine 0 holds rank 0, which logs
     assert (out / "model.safetensors").is_file()
-    _same(read_metrics(out / "metrics.jsonl"), read_metrics(flat / "metrics.jsonl"), list(range(1, STEPS + 1)),
-          single)  # fmt: skip
+    _same(
+        read_metrics(out / "metrics.jsonl"),
+        read_metrics(flat / "metrics.jsonl"),
+        list(range(1, STEPS + 1)),
+        single,
+    )

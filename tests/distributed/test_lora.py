@@ -44,21 +44,64 @@ def reference_run(
 ) -> tuple[list[dict], dict[str, torch.Tensor], torch.nn.Module]:
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     return peft_reference_run(
-        reference_peft_model(model_dir), data, pad_id,
-        lr=LR, world=WORLD, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS,
-    )  # fmt: skip
+        reference_peft_model(model_dir),
+        data,
+        pad_id,
+        lr=LR,
+        world=WORLD,
+        batch_size=BS,
+        accum=ACCUM,
+        seed=SEED,
+        steps=STEPS,
+    )
 
 
 def _recipe_args(model_dir: Path, data_file: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-        "--max_steps", str(STEPS), "--per_device_train_batch_size", str(BS),
-        "--gradient_accumulation_steps", str(ACCUM), "--learning_rate", str(LR), "--weight_decay", "0.0",
-        "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0", "--mixed_precision", "no",
-        "--max_length", str(MAX_LEN), "--seed", str(SEED), "--export_dtype", "float32",
-        "--use_peft", "true", "--lora_r", str(R), "--lora_alpha", str(ALPHA), "--lora_dropout", "0.0",
-        "--lora_target_modules", "all-linear", "--save_steps", "3", "--save_total_limit", "0", *extra,
-    ]  # fmt: skip
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(data_file),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(BS),
+        "--gradient_accumulation_steps",
+        str(ACCUM),
+        "--learning_rate",
+        str(LR),
+        "--weight_decay",
+        "0.0",
+        "--lr_scheduler_type",
+        "cosine",
+        "--max_grad_norm",
+        "1.0",
+        "--mixed_precision",
+        "no",
+        "--max_length",
+        str(MAX_LEN),
+        "--seed",
+        str(SEED),
+        "--export_dtype",
+        "float32",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        str(R),
+        "--lora_alpha",
+        str(ALPHA),
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--save_steps",
+        "3",
+        "--save_total_limit",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -71,10 +71,16 @@ def _check(models: dict[str, Path], measured: list[dict], world: int) -> None:
         lora = LoraSettings(r=8, use_dora="dora" in adapter) if adapter else None
         for mode in MODES:
             settings = PlanSettings(
-                world_size=world, micro_batch=batch, seq_len=seq, ac=ACPlan(mode, every_k=2, pin_memory=False),
-                mixed_precision="bf16", ce_chunk_tokens=chunk, device_type="cpu", lora=lora,
+                world_size=world,
+                micro_batch=batch,
+                seq_len=seq,
+                ac=ACPlan(mode, every_k=2, pin_memory=False),
+                mixed_precision="bf16",
+                ce_chunk_tokens=chunk,
+                device_type="cpu",
+                lora=lora,
                 load_in_4bit=adapter.startswith("q"),
-            )  # fmt: skip
+            )
             meta = build_meta_model(config, settings)
             compute = compute_bytes(config, settings)
             for rank in range(world):
@@ -83,8 +89,10 @@ def _check(models: dict[str, Path], measured: list[dict], world: int) -> None:
                 want = state_bytes(meta, settings, rank)
                 where = f"{name} {mode} world {world} rank {rank}"
                 assert (want["params"], want["grads"], want["optimizer"]) == (
-                    got["params"], got["grads"], got["optimizer"],
-                ), where  # fmt: skip
+                    got["params"],
+                    got["grads"],
+                    got["optimizer"],
+                ), where
                 assert (compute.saved.activations, compute.saved.loss) == (got["activations"], got["loss"]), (
                     where
                 )
@@ -138,9 +146,15 @@ def test_context_parallel_world_2_matches_the_plan(models, tmp_path: Path):
     flat = {}
     for mode in MODES:
         settings = PlanSettings(
-            world_size=2, cp=2, micro_batch=batch, seq_len=seq, ac=ACPlan(mode, every_k=2, pin_memory=False),
-            mixed_precision="bf16", ce_chunk_tokens=chunk, device_type="cpu",
-        )  # fmt: skip
+            world_size=2,
+            cp=2,
+            micro_batch=batch,
+            seq_len=seq,
+            ac=ACPlan(mode, every_k=2, pin_memory=False),
+            mixed_precision="bf16",
+            ce_chunk_tokens=chunk,
+            device_type="cpu",
+        )
         meta = build_meta_model(config, settings)
         compute = compute_bytes(config, settings)
         flat[mode] = compute_bytes(config, settings.replace(cp=1)).saved.activations
@@ -149,8 +163,10 @@ def test_context_parallel_world_2_matches_the_plan(models, tmp_path: Path):
             want = state_bytes(meta, settings, rank)
             where = f"cp 2 {mode} rank {rank}"
             assert (want["params"], want["grads"], want["optimizer"]) == (
-                got["params"], got["grads"], got["optimizer"],
-            ), where  # fmt: skip
+                got["params"],
+                got["grads"],
+                got["optimizer"],
+            ), where
             assert (compute.saved.activations, compute.saved.loss) == (got["activations"], got["loss"]), where
     # Half of each sequence per rank: full checkpointing keeps exactly half of the flat run's layer inputs.
     assert measured[0]["models"]["llama"]["full"]["activations"] * 2 == flat["full"]

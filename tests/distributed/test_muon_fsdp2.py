@@ -62,20 +62,64 @@ def reference_run(model_dir: Path, data: list[dict]) -> list[dict]:
     ]
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     return reference_steps(
-        model, _Both(adamw, muon), _Both(*scheds), [p for _, p in named], data, pad_id,  # type: ignore[arg-type]
-        world=WORLD, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS,
-    )  # fmt: skip
+        model,
+        _Both(adamw, muon),
+        _Both(*scheds),
+        [p for _, p in named],
+        data,
+        pad_id,  # type: ignore[arg-type]
+        world=WORLD,
+        batch_size=BS,
+        accum=ACCUM,
+        seed=SEED,
+        steps=STEPS,
+    )
 
 
 def _args(model_dir: Path, data_file: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-        "--max_steps", str(STEPS), "--per_device_train_batch_size", str(BS), "--gradient_accumulation_steps",
-        str(ACCUM), "--learning_rate", str(LR), "--weight_decay", str(WD), "--lr_scheduler_type", "cosine",
-        "--max_grad_norm", "1.0", "--mixed_precision", "no", "--max_length", str(MAX_LEN), "--seed", str(SEED),
-        "--export_dtype", "float32", "--export_verify", "false", "--save_steps", "2", "--save_total_limit", "0",
-        "--optim", "muon", "--muon_lr", str(MUON_LR), "--muon_adjust_lr", "original", *extra,
-    ]  # fmt: skip
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(data_file),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(BS),
+        "--gradient_accumulation_steps",
+        str(ACCUM),
+        "--learning_rate",
+        str(LR),
+        "--weight_decay",
+        str(WD),
+        "--lr_scheduler_type",
+        "cosine",
+        "--max_grad_norm",
+        "1.0",
+        "--mixed_precision",
+        "no",
+        "--max_length",
+        str(MAX_LEN),
+        "--seed",
+        str(SEED),
+        "--export_dtype",
+        "float32",
+        "--export_verify",
+        "false",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "0",
+        "--optim",
+        "muon",
+        "--muon_lr",
+        str(MUON_LR),
+        "--muon_adjust_lr",
+        "original",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +208,31 @@ def test_lora_adapters_stay_on_adamw_under_muon_on_two_ranks_as_in_one_process(s
         steps=steps,
     )
     out = tmp_path / "run"
-    args = _args(model_dir, data_file, out, "--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16",
-                 "--lora_dropout", "0.0", "--lora_target_modules", "all-linear", "--max_steps", str(steps),
-                 "--weight_decay", "0.0", "--muon_lr", str(3 * LR), "--muon_adjust_lr", "match_rms_adamw",
-                 "--save_steps", "0")  # fmt: skip
+    args = _args(
+        model_dir,
+        data_file,
+        out,
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "8",
+        "--lora_alpha",
+        "16",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--max_steps",
+        str(steps),
+        "--weight_decay",
+        "0.0",
+        "--muon_lr",
+        str(3 * LR),
+        "--muon_adjust_lr",
+        "match_rms_adamw",
+        "--save_steps",
+        "0",
+    )
     proc = torchrun(SFT, args)
     log = proc.stdout + proc.stderr
     assert "Muon on 0 decoder-layer matrices" in log, log[-3000:]

@@ -46,19 +46,52 @@ def _close(got: list[dict], want: list[dict], keys: tuple[str, ...], floor: floa
     differences of sums near zero: margins, rewards)."""
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, len(want) + 1)), (got, want)
     rel = {"loss": LOSS_REL}
-    bad = [(r["step"], k, r[k], w[k]) for r, w in zip(got, want, strict=True) for k in keys
-           if abs(r[k] - w[k]) > rel.get(k, STAT_REL) * abs(w[k]) + floor]  # fmt: skip
+    bad = [
+        (r["step"], k, r[k], w[k])
+        for r, w in zip(got, want, strict=True)
+        for k in keys
+        if abs(r[k] - w[k]) > rel.get(k, STAT_REL) * abs(w[k]) + floor
+    ]
     assert not bad, bad
     # the runs trained: Muon moved the weights between the steps (the loss changes)
     assert len({round(w["loss"], 6) for w in want}) == len(want), want
 
 
 def _common(model: Path, data: Path, out: Path, batch: int, *extra: str) -> list[str]:
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
-            "2", "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(LR), "--lr_scheduler_type",
-            "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--export_verify", "false",
-            "--save_steps", "0", "--seed", "0", *MUON, *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--export_verify",
+        "false",
+        "--save_steps",
+        "0",
+        "--seed",
+        "0",
+        *MUON,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +120,15 @@ MATRICES = 14
 
 
 def test_dpo_with_muon_on_two_ranks_equals_one_process(model: Path, root: Path) -> None:
-    two, one, log = _two_and_one(REPO / "recipes" / "dpo.py", model, write_pairs_jsonl(root / "pairs.jsonl", 24, seed=1), root,
-                                 "dpo", "--beta", "0.1")  # fmt: skip
+    two, one, log = _two_and_one(
+        REPO / "recipes" / "dpo.py",
+        model,
+        write_pairs_jsonl(root / "pairs.jsonl", 24, seed=1),
+        root,
+        "dpo",
+        "--beta",
+        "0.1",
+    )
     # the policy's matrices on Muon; the frozen reference has no optimizer (it would double the counts)
     assert f"Muon on {MATRICES} decoder-layer matrices" in log and "AdamW on 7 tensors" in log, log[-3000:]
     _close(two, one, ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected"))
@@ -96,8 +136,17 @@ def test_dpo_with_muon_on_two_ranks_equals_one_process(model: Path, root: Path) 
 
 def test_kto_with_muon_on_two_ranks_equals_one_process(model: Path, root: Path) -> None:
     data = write_unpaired_jsonl(root / "unpaired.jsonl", 24, seed=11, desirable=0.5)
-    two, one, log = _two_and_one(REPO / "recipes" / "kto.py", model, data, root, "kto", "--beta", "0.5",
-                                 "--loss_type", "apo_zero_unpaired")  # fmt: skip
+    two, one, log = _two_and_one(
+        REPO / "recipes" / "kto.py",
+        model,
+        data,
+        root,
+        "kto",
+        "--beta",
+        "0.5",
+        "--loss_type",
+        "apo_zero_unpaired",
+    )
     assert f"Muon on {MATRICES} decoder-layer matrices" in log and "APO-zero" in log, log[-3000:]
     _close(two, one, ("loss", "grad_norm", "rewards/chosen", "logps/chosen"))
 
@@ -177,8 +226,10 @@ def test_grpo_with_muon_on_two_ranks_equals_the_plain_loop_with_torch_muon(
             matrices = [p for n, p in named if ".layers." in n and p.ndim == 2]
             assert len(matrices) == MATRICES
             rest = [p for n, p in named if not (".layers." in n and p.ndim == 2)]
-            self.parts = (real_adamw(rest, lr=lr, weight_decay=weight_decay),
-                          torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))  # fmt: skip
+            self.parts = (
+                real_adamw(rest, lr=lr, weight_decay=weight_decay),
+                torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+            )
 
         def step(self) -> None:
             for part in self.parts:

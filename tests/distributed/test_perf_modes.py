@@ -12,9 +12,15 @@ from support.tiny import make_tiny_llama_dir
 
 WORKER = Path(__file__).parent / "workers" / "perf_worker.py"
 CONFIGS = [
-    "none:eager", "full:eager", "every_k:eager", "selective:eager",
-    "none:regional", "selective:regional", "every_k:regional", "none:model",
-]  # fmt: skip
+    "none:eager",
+    "full:eager",
+    "every_k:eager",
+    "selective:eager",
+    "none:regional",
+    "selective:regional",
+    "every_k:regional",
+    "none:model",
+]
 
 
 @pytest.fixture(scope="module")

@@ -114,24 +114,70 @@ def reference_run(
 ) -> tuple[list[dict], dict, torch.nn.Module]:
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     return peft_reference_run(
-        reference_model(model_dir, nf4=nf4, dora=dora), data, pad_id,
-        lr=LR, world=world, batch_size=BS, accum=ACCUM, seed=SEED, steps=STEPS,
-    )  # fmt: skip
+        reference_model(model_dir, nf4=nf4, dora=dora),
+        data,
+        pad_id,
+        lr=LR,
+        world=world,
+        batch_size=BS,
+        accum=ACCUM,
+        seed=SEED,
+        steps=STEPS,
+    )
 
 
 def recipe_args(
     model_dir: Path, data_file: Path, out: Path, *, nf4: bool, dora: bool, extra: tuple = ()
 ) -> list[str]:
     return [
-        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-        "--max_steps", str(STEPS), "--per_device_train_batch_size", str(BS),
-        "--gradient_accumulation_steps", str(ACCUM), "--learning_rate", str(LR), "--weight_decay", "0.0",
-        "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0", "--mixed_precision", "no",
-        "--max_length", str(MAX_LEN), "--seed", str(SEED), "--export_dtype", "float32",
-        "--use_peft", "true", "--lora_r", str(R), "--lora_alpha", str(ALPHA), "--lora_dropout", "0.0",
-        "--lora_target_modules", "all-linear", "--save_steps", "2", "--save_total_limit", "0",
-        "--load_in_4bit", str(nf4).lower(), "--use_dora", str(dora).lower(), *extra,
-    ]  # fmt: skip
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(data_file),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(BS),
+        "--gradient_accumulation_steps",
+        str(ACCUM),
+        "--learning_rate",
+        str(LR),
+        "--weight_decay",
+        "0.0",
+        "--lr_scheduler_type",
+        "cosine",
+        "--max_grad_norm",
+        "1.0",
+        "--mixed_precision",
+        "no",
+        "--max_length",
+        str(MAX_LEN),
+        "--seed",
+        str(SEED),
+        "--export_dtype",
+        "float32",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        str(R),
+        "--lora_alpha",
+        str(ALPHA),
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "0",
+        "--load_in_4bit",
+        str(nf4).lower(),
+        "--use_dora",
+        str(dora).lower(),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -284,9 +330,14 @@ def test_qlora_resume_gives_the_uninterrupted_losses_and_adapter(root: Path, run
     shutil.copytree(ckpt, out / "checkpoint-2")
     (out / "latest").write_text("2\n")
     # save_steps 0: the resumed run's end checkpoint is never read.
-    args = recipe_args(root / "llama3_untied", root / "chat.jsonl", out, nf4=True, dora=False,
-                       extra=("--resume_from_checkpoint", "latest", "--export_verify", "false",
-                              "--save_steps", "0"))  # fmt: skip
+    args = recipe_args(
+        root / "llama3_untied",
+        root / "chat.jsonl",
+        out,
+        nf4=True,
+        dora=False,
+        extra=("--resume_from_checkpoint", "latest", "--export_verify", "false", "--save_steps", "0"),
+    )
     torchrun(SFT, args, nproc=WORLD)
     full = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
     resumed = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
@@ -304,9 +355,23 @@ def test_offline_export_of_a_bf16_qlora_checkpoint_equals_the_runs_own_export(
     run = tmp_path / "run"
     # The subject is the offline export's bytes against the run's; the run's own verification (3 reloads: the adapter on
     # the 4-bit and the dequantised base, the merge) is asserted in test_sharded_runs_equal_... and the merged test.
-    args = recipe_args(root / "llama3_untied", root / "chat.jsonl", run, nf4=True, dora=False,
-                       extra=("--merge_adapter", "true", "--torch_dtype", "bfloat16", "--max_steps", "2",
-                              "--export_verify", "false"))  # fmt: skip
+    args = recipe_args(
+        root / "llama3_untied",
+        root / "chat.jsonl",
+        run,
+        nf4=True,
+        dora=False,
+        extra=(
+            "--merge_adapter",
+            "true",
+            "--torch_dtype",
+            "bfloat16",
+            "--max_steps",
+            "2",
+            "--export_verify",
+            "false",
+        ),
+    )
     args[args.index("--mixed_precision") + 1] = "bf16"
     torchrun(SFT, args, nproc=WORLD)
     out = tmp_path / "offline"
@@ -329,14 +394,42 @@ def test_cpt_with_qlora_trains_full_rows_over_the_sharded_4bit_base(root: Path, 
 
     rng = random.Random(0)
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS[:40], k=rng.randint(20, 120)))}) + "\n"
-                            for _ in range(40)))  # fmt: skip
+    docs.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(WORDS[:40], k=rng.randint(20, 120)))}) + "\n"
+            for _ in range(40)
+        )
+    )
     run = tmp_path / "cpt"
     # save_steps 0: no test reads a checkpoint of this run.
-    args = ["--model_name_or_path", str(root / "llama3_untied"), "--dataset_name", str(docs), "--output_dir", str(run),
-            "--per_device_train_batch_size", "2", "--max_length", "64", "--max_steps", "6", "--learning_rate", "1e-2",
-            "--logging_steps", "1", "--mixed_precision", "no", "--use_peft", "true", "--lora_r", "8",
-            "--load_in_4bit", "true", "--save_steps", "0"]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(root / "llama3_untied"),
+        "--dataset_name",
+        str(docs),
+        "--output_dir",
+        str(run),
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "64",
+        "--max_steps",
+        "6",
+        "--learning_rate",
+        "1e-2",
+        "--logging_steps",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "8",
+        "--load_in_4bit",
+        "true",
+        "--save_steps",
+        "0",
+    ]
     proc = torchrun(REPO / "recipes" / "cpt.py", args, nproc=WORLD)
     log = proc.stdout + proc.stderr
     rows = read_metrics(run / "metrics.jsonl")
@@ -359,8 +452,16 @@ def test_a_fused_expert_moe_is_refused_before_any_step(root: Path, tmp_path: Pat
     assert not (out / "metrics.jsonl").exists() or not read_metrics(out / "metrics.jsonl")
 
 
-DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected")  # fmt: skip
+DPO_METRICS = (
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def _plain_qlora_dpo(model_dir: Path, pairs_file: Path, *, steps: int, lr: float, beta: float) -> list[dict]:
@@ -425,13 +526,52 @@ def test_dpo_with_qlora_equals_the_one_process_loop_with_the_adapter_disabled_as
 
     pairs = write_pairs_jsonl(tmp_path / "pairs.jsonl", 16, seed=1)
     model_dir, out, lr, beta = root / "llama3_untied", tmp_path / "dpo", 5e-2, 0.1
-    args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(pairs), "--output_dir", str(out),
-            "--max_steps", "2", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
-            "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(lr), "--lr_scheduler_type",
-            "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--beta", str(beta),
-            "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0", "--seed", str(SEED),
-            "--load_in_4bit", "true", "--weight_decay", "0.0", "--export_verify", "false",
-            "--save_steps", "0"]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(pairs),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(lr),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--beta",
+        str(beta),
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lora_dropout",
+        "0.0",
+        "--seed",
+        str(SEED),
+        "--load_in_4bit",
+        "true",
+        "--weight_decay",
+        "0.0",
+        "--export_verify",
+        "false",
+        "--save_steps",
+        "0",
+    ]
     # (export_verify false: the subject is the per-step metrics; a QLoRA adapter's verification is asserted above.
     # save_steps 0: no test reads its end checkpoint.)
     proc = torchrun(REPO / "recipes" / "dpo.py", args, nproc=WORLD)
@@ -440,6 +580,10 @@ def test_dpo_with_qlora_equals_the_one_process_loop_with_the_adapter_disabled_as
     want = _plain_qlora_dpo(model_dir, pairs, steps=2, lr=lr, beta=beta)
     assert got[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # B = 0: the policy is the reference
     assert abs(got[1]["rewards/margins"]) > 1e-4  # the adapter moved: step 2 compares two different models
-    bad = [(w["step"], k, g[k], w[k]) for g, w in zip(got, want, strict=True) for k in DPO_METRICS
-           if abs(g[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5]  # fmt: skip
+    bad = [
+        (w["step"], k, g[k], w[k])
+        for g, w in zip(got, want, strict=True)
+        for k in DPO_METRICS
+        if abs(g[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5
+    ]
     assert not bad, bad

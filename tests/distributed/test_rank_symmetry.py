@@ -67,10 +67,19 @@ def test_ranks_with_different_data_never_deadlock(setup, tmp_path: Path, case: s
     model, train, evals = setup
     out = tmp_path / "run"
     recipe = {
-        "model_name_or_path": str(model), "dataset_name": str(train), "eval_dataset_name": str(evals),
-        "output_dir": str(out), "max_length": 48, "logging_steps": 1, "learning_rate": 1e-3,
-        "mixed_precision": "no", "ddp_timeout": 60, "host_wait_timeout": 60, "export_verify": False, **CASES[case],
-    }  # fmt: skip
+        "model_name_or_path": str(model),
+        "dataset_name": str(train),
+        "eval_dataset_name": str(evals),
+        "output_dir": str(out),
+        "max_length": 48,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        "mixed_precision": "no",
+        "ddp_timeout": 60,
+        "host_wait_timeout": 60,
+        "export_verify": False,
+        **CASES[case],
+    }
     recipe["dataset_name"] = str(train.parent / Path(recipe["dataset_name"]).name)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     proc = torchrun(SFT, ["--config", str(tmp_path / "recipe.yaml")], nproc=2, timeout=300, check=False)

@@ -46,8 +46,10 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
     assert len(ranks) == 4
     for results in ranks:
         assert set(results) == {
-            "llama_gqa_untied_plain", "qwen3_qk_norm_tied_chunked", "gemma3_qk_norm_sliding_softcap_plain"
-        }  # fmt: skip
+            "llama_gqa_untied_plain",
+            "qwen3_qk_norm_tied_chunked",
+            "gemma3_qk_norm_sliding_softcap_plain",
+        }
         for case, r in results.items():
             assert "error" not in r, r.get("error")
             # fp64: rounding only. Gemma's RMSNorm computes in fp32 whatever the dtype: its gradients carry fp32
@@ -82,11 +84,37 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, s
         if not model.exists():
             make_family_dir(model, family, seed=3)
         folder = out or root / f"{family}-tp{tp}"
-        args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(folder),
-                "--max_steps", str(STEPS), "--per_device_train_batch_size", str(2 * tp),
-                "--gradient_accumulation_steps", "2", "--max_length", "64", "--mixed_precision", "no",
-                "--logging_steps", "1", "--learning_rate", "1e-3", "--train_sampling_strategy", "sequential",
-                "--eval_split_fraction", "0.25", "--eval_steps", "2", "--tp_size", str(tp), *extra]  # fmt: skip
+        args = [
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(folder),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(2 * tp),
+            "--gradient_accumulation_steps",
+            "2",
+            "--max_length",
+            "64",
+            "--mixed_precision",
+            "no",
+            "--logging_steps",
+            "1",
+            "--learning_rate",
+            "1e-3",
+            "--train_sampling_strategy",
+            "sequential",
+            "--eval_split_fraction",
+            "0.25",
+            "--eval_steps",
+            "2",
+            "--tp_size",
+            str(tp),
+            *extra,
+        ]
         # Checkpoints at 2 and 4 where a test reads them; else none (a run saves at its last step by default).
         args += ["--save_steps", "2" if out is None and family == RESUMED else "0"]
         if tp == 1 and out is None:
@@ -147,8 +175,9 @@ def test_checkpoints_resume_across_layouts(run: Callable[..., tuple[Path, str]],
         out.mkdir()
         (out / "checkpoint-2").symlink_to(source / "checkpoint-2", target_is_directory=True)
         (out / "latest").write_text("2\n")
-        _, log = run(RESUMED, layout, "--resume_from_checkpoint", "latest", "--export_verify", "false",
-                     out=out)  # fmt: skip
+        _, log = run(
+            RESUMED, layout, "--resume_from_checkpoint", "latest", "--export_verify", "false", out=out
+        )
         assert "resumed from" in log and "at step 2" in log
         _same(out, flat if layout == 1 else tp, [3, 4])
 

@@ -73,10 +73,14 @@ def llama_config(shape: str, *, tied: bool, vocab_size: int, max_positions: int 
     dims = {**SHAPES[shape]}
     dims["vocab_size"] = dims["vocab_size"] or vocab_size
     return LlamaConfig(
-        **dims, max_position_embeddings=max_positions, tie_word_embeddings=tied, rms_norm_eps=1e-5,
-        pad_token_id=SPECIALS.index("<pad>"), bos_token_id=SPECIALS.index("<s>"),
+        **dims,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-5,
+        pad_token_id=SPECIALS.index("<pad>"),
+        bos_token_id=SPECIALS.index("<s>"),
         eos_token_id=SPECIALS.index("<|im_end|>"),
-    )  # fmt: skip
+    )
 
 
 def make_model_dir(path: Path, *, tied: bool, shape: str = "tiny", seed: int = 3) -> Path:

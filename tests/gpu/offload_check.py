@@ -84,10 +84,15 @@ def run_mode(acc: Any, args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     device = acc.device
     config = LlamaConfig(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(args.hidden // 128, 1), intermediate_size=4 * args.hidden, vocab_size=args.vocab,
-        max_position_embeddings=args.seq, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(args.hidden // 128, 1),
+        intermediate_size=4 * args.hidden,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):

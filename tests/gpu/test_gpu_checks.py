@@ -235,13 +235,26 @@ def launch(check: Check, cmd: list[str], run_dir: Path, timeout: float) -> str:
 def run_figures(check: Check, run_dir: Path, log: str, ac: str = "full") -> dict[str, Any]:
     """The run's key figures from summary.json, metrics.jsonl and the export's verification line; the log
     shows the GPU path: one CUDA process in bf16, regional compile, activation checkpointing ``ac``."""
-    for pattern in (r"world size 1 on cuda\S*; mixed precision bf16", r"regional compile: \d+ decoder layers",
-                    rf"activation checkpointing {ac} on \d+ decoder layers"):  # fmt: skip
+    for pattern in (
+        r"world size 1 on cuda\S*; mixed precision bf16",
+        r"regional compile: \d+ decoder layers",
+        rf"activation checkpointing {ac} on \d+ decoder layers",
+    ):
         assert re.search(pattern, log), f"{pattern!r} not in the log:\n{tail(log)}"
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl")
-    keys = ("steps", "final_loss", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gib",
-            "compile_time_s", "recompiles", "train_time_s", "wall_time_s")  # fmt: skip
+    keys = (
+        "steps",
+        "final_loss",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "peak_memory_gib",
+        "compile_time_s",
+        "recompiles",
+        "train_time_s",
+        "wall_time_s",
+    )
     check.figures.update({k: summary[k] for k in keys if summary.get(k) is not None})
     check.figures["first_loss"] = rows[0]["loss"]
     verified = re.findall(r"export verified: .*", log)
@@ -279,8 +292,14 @@ def tiny_data(check: Check) -> Path:
     return write_chat_jsonl(check.work / "chat.jsonl", 96, seed=5)
 
 
-TINY_RUN = {"max_steps": 8, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-            "learning_rate": 1e-3, "max_length": 128, "ce_chunk_tokens": 64}  # fmt: skip
+TINY_RUN = {
+    "max_steps": 8,
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-3,
+    "max_length": 128,
+    "ce_chunk_tokens": 64,
+}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -313,9 +332,18 @@ def test_lora_merge(check: Check) -> None:
     the adapter does not change the model, or merged logits differ from base + adapter (PEFT) by over 1e-3 of
     the logit scale."""
     model = tiny_model(check, "model", tied=False)
-    values = {"model_name_or_path": str(model), "dataset_name": str(tiny_data(check)), **TINY_RUN,
-              "torch_dtype": "float32", "use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-              "merge_adapter": True, "export_dtype": "float32"}  # fmt: skip
+    values = {
+        "model_name_or_path": str(model),
+        "dataset_name": str(tiny_data(check)),
+        **TINY_RUN,
+        "torch_dtype": "float32",
+        "use_peft": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "merge_adapter": True,
+        "export_dtype": "float32",
+    }
     run_dir, cmd = prepare_recipe(check, "lora", values)
     if check.dry:
         return
@@ -325,8 +353,11 @@ def test_lora_merge(check: Check) -> None:
     merged = run_dir / "merged"
     out = reload(check, merged, timeout=check.timeout(0.3))
     assert out["tied"] is False, out
-    code, text = run([sys.executable, "-c", LORA_RELOAD, str(model), str(run_dir), str(merged)],
-                     run_dir.parent / "lora_reload.log", check.timeout(0.3))  # fmt: skip
+    code, text = run(
+        [sys.executable, "-c", LORA_RELOAD, str(model), str(run_dir), str(merged)],
+        run_dir.parent / "lora_reload.log",
+        check.timeout(0.3),
+    )
     assert code == 0, tail(text)
     lora = json.loads(text.strip().splitlines()[-1])
     check.figures.update(lora)
@@ -343,10 +374,20 @@ def test_qlora_merge(check: Check) -> None:
     (PEFT, fp32 CPU) by over 1e-3 of the logit scale, or the adapter on the 4-bit base differs from it on the
     dequantised base by as much."""
     model = tiny_model(check, "model", tied=False)
-    values = {"model_name_or_path": str(model), "dataset_name": str(tiny_data(check)), **TINY_RUN,
-              "torch_dtype": "float32", "mixed_precision": "bf16", "use_peft": True, "load_in_4bit": True,
-              "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "merge_adapter": True,
-              "export_dtype": "float32"}  # fmt: skip
+    values = {
+        "model_name_or_path": str(model),
+        "dataset_name": str(tiny_data(check)),
+        **TINY_RUN,
+        "torch_dtype": "float32",
+        "mixed_precision": "bf16",
+        "use_peft": True,
+        "load_in_4bit": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "merge_adapter": True,
+        "export_dtype": "float32",
+    }
     run_dir, cmd = prepare_recipe(check, "qlora", values)
     if check.dry:
         return
@@ -357,8 +398,11 @@ def test_qlora_merge(check: Check) -> None:
     check.figures["nf4_bytes_rank0"], check.figures["nf4_bytes"] = int(held.group(1)), int(held.group(2))
     assert int(held.group(1)) <= int(held.group(2)), held.group(0)
     assert "on the 4-bit base (torchao NF4" in log, tail(log)
-    code, text = run([sys.executable, "-c", QLORA_RELOAD, str(model), str(run_dir), str(run_dir / "merged")],
-                     run_dir.parent / "qlora_reload.log", check.timeout(0.3))  # fmt: skip
+    code, text = run(
+        [sys.executable, "-c", QLORA_RELOAD, str(model), str(run_dir), str(run_dir / "merged")],
+        run_dir.parent / "qlora_reload.log",
+        check.timeout(0.3),
+    )
     assert code == 0, tail(text)
     out = json.loads(text.strip().splitlines()[-1])
     check.figures.update(out)
@@ -372,8 +416,13 @@ def offload_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     2-3 (used by two checks). In a dry run: the validated command only."""
     check = Check(dry_run(request.config), tmp_path_factory.mktemp("offload"), {}, 45.0)
     model = tiny_model(check, "model", tied=False)
-    values = {"model_name_or_path": str(model), "dataset_name": str(tiny_data(check)), **TINY_RUN,
-              "activation_checkpointing": "offload", "memory_snapshot_steps": "2-3"}  # fmt: skip
+    values = {
+        "model_name_or_path": str(model),
+        "dataset_name": str(tiny_data(check)),
+        **TINY_RUN,
+        "activation_checkpointing": "offload",
+        "memory_snapshot_steps": "2-3",
+    }
     run_dir, cmd = prepare_recipe(check, "offload", values)
     result: dict[str, Any] = {"check": check, "run_dir": run_dir, "log": None, "error": None}
     if not check.dry:
@@ -402,10 +451,17 @@ def test_activation_offload(check: Check) -> None:
     assert code == 0 and out.is_file(), f"offload_check exit code {code}:\n{tail(log)}"
     report = json.loads(out.read_text())
     full, off = report["modes"]["full"], report["modes"]["offload"]
-    check.figures.update({"host_bytes": off["host_bytes"], "expected_host_bytes": report["expected_host_bytes"],
-                          "peak_full_gib": full["peak_bytes"] / 2**30, "peak_offload_gib": off["peak_bytes"] / 2**30,
-                          "peak_saved_mib": (full["peak_bytes"] - off["peak_bytes"]) / 2**20,
-                          "loss_full": full["losses"][-1], "loss_offload": off["losses"][-1]})  # fmt: skip
+    check.figures.update(
+        {
+            "host_bytes": off["host_bytes"],
+            "expected_host_bytes": report["expected_host_bytes"],
+            "peak_full_gib": full["peak_bytes"] / 2**30,
+            "peak_offload_gib": off["peak_bytes"] / 2**30,
+            "peak_saved_mib": (full["peak_bytes"] - off["peak_bytes"]) / 2**20,
+            "loss_full": full["losses"][-1],
+            "loss_offload": off["losses"][-1],
+        }
+    )
     assert full["host_bytes"] == 0 and off["host_bytes"] >= report["expected_host_bytes"], check.figures
     assert off["peak_bytes"] < full["peak_bytes"], check.figures
     assert off["losses"][0] == full["losses"][0], (off["losses"], full["losses"])
@@ -431,8 +487,13 @@ def test_memory_snapshot(check: Check, offload_run: dict[str, Any]) -> None:
     with files[0].open("rb") as fh:
         snapshot = pickle.load(fh)
     traces = snapshot.get("device_traces") or [[]]
-    check.figures.update({"snapshot_mb": round(files[0].stat().st_size / 1e6, 2),
-                          "segments": len(snapshot.get("segments", [])), "trace_events": len(traces[0])})  # fmt: skip
+    check.figures.update(
+        {
+            "snapshot_mb": round(files[0].stat().st_size / 1e6, 2),
+            "segments": len(snapshot.get("segments", [])),
+            "trace_events": len(traces[0]),
+        }
+    )
     assert check.figures["segments"] > 0 and check.figures["trace_events"] > 0, check.figures
 
 
@@ -466,10 +527,16 @@ def test_gpu_bench_quick(check: Check) -> None:
     for r in report["results"]:
         name = r["config"]
         if "tokens_per_s" in r:
-            check.figures.update({f"{name}:tokens_per_s": r["tokens_per_s"], f"{name}:mfu": r["mfu_vs_spec"],
-                                  f"{name}:step_s": r["step_s"], f"{name}:max_mem_gib": r["max_mem_allocated_gib"],
-                                  f"{name}:compile_s": r.get("compile_s"),
-                                  f"{name}:recompiles_timed": r.get("recompiles_timed")})  # fmt: skip
+            check.figures.update(
+                {
+                    f"{name}:tokens_per_s": r["tokens_per_s"],
+                    f"{name}:mfu": r["mfu_vs_spec"],
+                    f"{name}:step_s": r["step_s"],
+                    f"{name}:max_mem_gib": r["max_mem_allocated_gib"],
+                    f"{name}:compile_s": r.get("compile_s"),
+                    f"{name}:recompiles_timed": r.get("recompiles_timed"),
+                }
+            )
         else:
             check.figures[f"{name}:error"] = str(r.get("error") or r.get("skipped"))[:300]
     # The FP8 twin is skipped (with its reason in the figures) only on a GPU without FP8 tensor cores.
@@ -538,12 +605,25 @@ def test_grpo_tiny(check: Check) -> None:
     model = tiny_model(check, "model", tied=False)
     prompts = check.work / "prompts.jsonl"
     rng = random.Random(3)
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=5)), "answer": rng.choice(WORDS)})
-                               + "\n" for _ in range(64)))  # fmt: skip
-    values = {"model_name_or_path": str(model), "dataset_name": str(prompts), "max_steps": 4,
-              "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 16, "max_length": 128,
-              "reward_funcs": ["exact_match", "length_penalty"], "torch_compile": False, "learning_rate": 1e-4,
-              "on_collapse": "warn"}  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(rng.choices(WORDS, k=5)), "answer": rng.choice(WORDS)}) + "\n"
+            for _ in range(64)
+        )
+    )
+    values = {
+        "model_name_or_path": str(model),
+        "dataset_name": str(prompts),
+        "max_steps": 4,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "max_length": 128,
+        "reward_funcs": ["exact_match", "length_penalty"],
+        "torch_compile": False,
+        "learning_rate": 1e-4,
+        "on_collapse": "warn",
+    }
     # A random tiny model rarely ends a completion early and never matches: its rewards may be flat in every group,
     # a run without a learning signal that on_collapse's default stops at step 3 (issue 40 item 7); this check is
     # of the GPU mechanics, so it goes on (warned, and marked in metrics.jsonl and summary.json).
@@ -563,9 +643,15 @@ def test_grpo_tiny(check: Check) -> None:
         assert all(r[k] == r[k] and abs(r[k]) < 1e6 for k in ("loss", "reward", "grad_norm")), r
         assert 1 <= r["completions/mean_length"] <= 16, r
     summary = json.loads((run_dir / "summary.json").read_text())
-    check.figures.update({"peak_memory_gib": summary.get("peak_memory_gib"), "wall_time_s": summary.get("wall_time_s"),
-                          "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
-                          "step_time_s": rows[-1]["step_time_s"]})  # fmt: skip
+    check.figures.update(
+        {
+            "peak_memory_gib": summary.get("peak_memory_gib"),
+            "wall_time_s": summary.get("wall_time_s"),
+            "reward_first": rows[0]["reward"],
+            "reward_last": rows[-1]["reward"],
+            "step_time_s": rows[-1]["step_time_s"],
+        }
+    )
 
 
 @pytest.mark.budget(30)

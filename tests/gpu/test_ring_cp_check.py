@@ -35,11 +35,26 @@ from .tolerances import bf16_loss_tolerance
 pytestmark = pytest.mark.gpu
 
 SEQ = 8192
-SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "intermediate_size": 512}  # fmt: skip
-RUN = {"max_steps": 4, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-4,
-       "max_length": SEQ, "ce_chunk_tokens": 2048, "text_unit": "document", "corpus_layout": "concat",
-       "cross_document_attention": True, "export_verify": False, "attn_implementation": "sdpa"}  # fmt: skip
+SMALL = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+}
+RUN = {
+    "max_steps": 4,
+    "per_device_train_batch_size": 1,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-4,
+    "max_length": SEQ,
+    "ce_chunk_tokens": 2048,
+    "text_unit": "document",
+    "corpus_layout": "concat",
+    "cross_document_attention": True,
+    "export_verify": False,
+    "attn_implementation": "sdpa",
+}
 # name: (processes, extra keys)
 WAYS: dict[str, tuple[int, dict[str, Any]]] = {
     "cp1": (1, {}),
@@ -78,8 +93,9 @@ def _prepare(check: Check, name: str, procs: int, values: dict[str, Any]) -> tup
     parse_method_config(
         "cpt", ["--config", str(recipe)]
     )  # unknown keys and bad values fail here, dry run too
-    cmd = launch_command("cpt", ["--config", str(recipe)], num_processes=procs, gpus=procs,
-                         main_process_port=free_port())  # fmt: skip
+    cmd = launch_command(
+        "cpt", ["--config", str(recipe)], num_processes=procs, gpus=procs, main_process_port=free_port()
+    )
     launch_command_parser().parse_args(cmd[3:])
     check.figures[f"{name}:command"] = " ".join(["accelerate launch", *cmd[3:]])
     return folder / "run", cmd

@@ -44,8 +44,11 @@ def _served_env_differences(env: dict[str, str]) -> list[str]:
     served.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         served["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")
-    return [f"{k}={v!r} (served: {served.get(k)!r})" for k, v in env.items()
-            if k != "PYTHONPATH" and served.get(k) != v]  # fmt: skip
+    return [
+        f"{k}={v!r} (served: {served.get(k)!r})"
+        for k, v in env.items()
+        if k != "PYTHONPATH" and served.get(k) != v
+    ]
 
 
 def served(
@@ -72,8 +75,13 @@ def served(
 
         launch = get_args_parser().parse_args(cmd[3:])  # torchrun's own reading of its flags
         assert not launch.module and not launch.no_python, cmd
-        done = torchrun(launch.training_script, launch.training_script_args, nproc=int(launch.nproc_per_node),
-                        timeout=limit, check=False)  # fmt: skip
+        done = torchrun(
+            launch.training_script,
+            launch.training_script_args,
+            nproc=int(launch.nproc_per_node),
+            timeout=limit,
+            check=False,
+        )
     else:
         assert Path(cmd[1]).suffix == ".py", f"served runs a script file, not {cmd[1:]}"
         done = python(cmd[1], cmd[2:], timeout=limit, check=False)
@@ -85,10 +93,28 @@ def served(
 def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
     out = tmp_path / "tb.json"
     load_bench("trainer_bench").main(
-        ["--rounds", "1", "--steps", "3", "--warmup", "1", "--hidden", "64", "--layers", "2",
-         "--batch-size", "8", "--max-length", "256", "--work", str(tmp_path / "work"), "--json", str(out)],
+        [
+            "--rounds",
+            "1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "256",
+            "--work",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
         run=served,
-    )  # fmt: skip
+    )
     table = json.loads(out.read_text())["medians"]
     assert set(table) == {"hf_fsdp2", "hf_fsdp2_padded", "hf_fsdp2_plain_ce", "trainer", "trl", "matmul"}
     losses = {name: row["final_loss"] for name, row in table.items() if name != "matmul"}
@@ -117,11 +143,34 @@ def test_trainer_bench_runs_the_same_work_in_every_runner(tmp_path: Path):
 def test_memory_bench_orders_the_modes_and_halves_the_bytes_per_rank(tmp_path: Path):
     out = tmp_path / "mb.json"
     load_bench("memory_bench").main(
-        ["--hidden", "64", "--intermediate", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-         "--vocab", "4096", "--seq", "1024", "--batch", "2", "--repeats", "1", "--worlds", "1,2",
-         "--work", str(tmp_path / "work"), "--json", str(out)],
+        [
+            "--hidden",
+            "64",
+            "--intermediate",
+            "128",
+            "--layers",
+            "4",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "4096",
+            "--seq",
+            "1024",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+            "--worlds",
+            "1,2",
+            "--work",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
         run=served,
-    )  # fmt: skip
+    )
     report = json.loads(out.read_text())
     modes = report["activations"]["modes"]
     assert (
@@ -144,10 +193,17 @@ def test_gpu_bench_smoke_runs_hf_fsdp2_and_trl_on_the_same_rows(tmp_path: Path):
     out = tmp_path / "gpu.json"
     python(
         REPO / "bench" / "gpu_bench.py",
-        ["--smoke", "--configs", "eager:none:plain,eager:full:chunked", "--work", str(tmp_path / "work"),
-         "--out", str(out)],
+        [
+            "--smoke",
+            "--configs",
+            "eager:none:plain,eager:full:chunked",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
         timeout=600,
-    )  # fmt: skip
+    )
     report = json.loads(out.read_text())
     runs = {r["name"]: r for r in report["results"]}
     assert list(runs) == [
@@ -194,8 +250,14 @@ def test_gpu_bench_charges_each_document_at_its_own_length_as_the_recipe_meter()
         batch = bench.packed_batch(seq, 128256, step)
         tokens, targets, flops = bench.batch_counts(batch, fm)
         # What the recipe's meter charges for the same micro-batch.
-        meter = StepMeter(flops=fm, world_size=1, device=torch.device("cpu"), total_steps=1, peak_flops=None,
-                          pad_token_id=None)  # fmt: skip
+        meter = StepMeter(
+            flops=fm,
+            world_size=1,
+            device=torch.device("cpu"),
+            total_steps=1,
+            peak_flops=None,
+            pad_token_id=None,
+        )
         meter.start_step()
         meter.count([batch])
         meter.end_step(target_tokens=targets, sync=False)
@@ -222,13 +284,22 @@ def test_gpu_bench_parallel_charges_the_long_sequence_as_the_recipe_meter(monkey
     assert fm.layers == 32 and fm.heads == 32 and fm.head_dim == 128
     seq = 131072
     for cp, tp in ((4, 2), (2, 2)):
-        m = StepMeter(flops=fm, world_size=8, device=torch.device("cpu"), total_steps=1, peak_flops=None,
-                      pad_token_id=None)  # fmt: skip
+        m = StepMeter(
+            flops=fm,
+            world_size=8,
+            device=torch.device("cpu"),
+            total_steps=1,
+            peak_flops=None,
+            pad_token_id=None,
+        )
         m.start_step()
         m.count([{"input_ids": torch.zeros(1, seq, dtype=torch.long)}])  # this rank's data rank's whole row
         m.end_step(target_tokens=seq - 1, sync=False)
-        monkeypatch.setattr(meter_module.collectives, "gather_rows", lambda values, device=None: torch.tensor(
-            [list(values)] * 8, dtype=torch.float64))  # fmt: skip
+        monkeypatch.setattr(
+            meter_module.collectives,
+            "gather_rows",
+            lambda values, device=None: torch.tensor([list(values)] * 8, dtype=torch.float64),
+        )
         monkeypatch.setattr(meter_module.collectives, "cp_size", lambda cp=cp: cp)
         monkeypatch.setattr(meter_module.collectives, "tp_size", lambda tp=tp: tp)
         m.collect(step=1, loss_sum=torch.tensor(0.0))
@@ -245,8 +316,22 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
     same shape, rows and init gives the same losses (fp32); --dry-run plans 8k-128k on 8B without running."""
     bench = load_bench("gpu_bench_parallel")
     bench.main(["--smoke", "--out", str(tmp_path / "cp2.json")], run=served)
-    bench.main(["--cpu", "--shape", "tiny", "--seq", "256", "--warmup", "1", "--steps", "1",
-                "--out", str(tmp_path / "cp1.json")], run=served)  # fmt: skip
+    bench.main(
+        [
+            "--cpu",
+            "--shape",
+            "tiny",
+            "--seq",
+            "256",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "cp1.json"),
+        ],
+        run=served,
+    )
     (cp2,) = json.loads((tmp_path / "cp2.json").read_text())["results"]
     (cp1,) = json.loads((tmp_path / "cp1.json").read_text())["results"]
     assert "error" not in cp2 and "error" not in cp1, (cp2.get("traceback"), cp1.get("traceback"))
@@ -258,8 +343,22 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
         cp2["tflops_per_device"], cp2["tflop_per_device_per_step"] / cp2["step_s"], rel_tol=1e-9
     )
     plan = tmp_path / "plan.json"
-    bench.main(["--dry-run", "--shape", "8b", "--cp", "8", "--cp-backend", "ring", "--seq", "8192,32768,131072",
-                "--out", str(plan)], run=served)  # fmt: skip
+    bench.main(
+        [
+            "--dry-run",
+            "--shape",
+            "8b",
+            "--cp",
+            "8",
+            "--cp-backend",
+            "ring",
+            "--seq",
+            "8192,32768,131072",
+            "--out",
+            str(plan),
+        ],
+        run=served,
+    )
     rows = json.loads(plan.read_text())["results"]
     assert [r["seq"] for r in rows] == [8192, 32768, 131072] and all("tokens_per_s" not in r for r in rows)
     assert all("--nproc_per_node 8 " in r["launch"] and "--cp-backend ring" in r["launch"] for r in rows)
@@ -271,8 +370,22 @@ def test_gpu_bench_fp8_flag_runs_a_bf16_and_an_fp8_twin(tmp_path: Path):
     """``--fp8``: each hf_fsdp2 runner and its mixed_precision fp8 twin on the same rows (CPU: torchao's emulation
     over fp32; on a GPU without FP8 tensor cores the twin is listed as skipped with the reason)."""
     out = tmp_path / "gpu.json"
-    python(REPO / "bench" / "gpu_bench.py", ["--smoke", "--configs", "eager:none:chunked", "--fp8", "--trl", "",
-                                             "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)  # fmt: skip
+    python(
+        REPO / "bench" / "gpu_bench.py",
+        [
+            "--smoke",
+            "--configs",
+            "eager:none:chunked",
+            "--fp8",
+            "--trl",
+            "",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     runs = {r["config"]: r for r in json.loads(out.read_text())["results"]}
     assert list(runs) == ["eager:none:chunked", "eager:none:chunked:fp8"]
     bf16, fp8 = runs["eager:none:chunked"], runs["eager:none:chunked:fp8"]

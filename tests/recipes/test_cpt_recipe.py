@@ -22,15 +22,33 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     rng = random.Random(0)
     docs = root / "docs.jsonl"
     # Documents of 1 to 120 words: many longer than a 32-token row.
-    docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 120)))}) + "\n"
-                            for _ in range(40)))  # fmt: skip
+    docs.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 120)))}) + "\n"
+            for _ in range(40)
+        )
+    )
     return make_tiny_llama_dir(root / "model", seed=2), docs
 
 
 def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True, accelerate: bool = False):  # type: ignore[no-untyped-def]
-    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--per_device_train_batch_size", "2", "--max_length", "32", "--logging_steps", "1",
-            "--mixed_precision", "no", *extra]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "32",
+        "--logging_steps",
+        "1",
+        "--mixed_precision",
+        "no",
+        *extra,
+    ]
     if accelerate:  # the launcher users run: accelerate's environment for the config, ranks forked (served)
         return accelerate_launch("accelerate_configs/fsdp2_cpu.yaml", CPT, args, check=check, served=True)
     return torchrun(CPT, args, nproc=2, check=check)
@@ -39,8 +57,18 @@ def _cpt(model: Path, data: Path, out: Path, *extra: str, check: bool = True, ac
 def test_cpt_trains_every_token_and_exports(corpus, tmp_path: Path) -> None:
     model, docs = corpus
     # save_steps 0: the end-of-run checkpoint (the default cadence's) nothing here reads.
-    proc = _cpt(model, docs, tmp_path / "run", "--num_train_epochs", "1", "--eval_split_fraction", "0.1",
-                "--save_steps", "0", accelerate=True)  # fmt: skip
+    proc = _cpt(
+        model,
+        docs,
+        tmp_path / "run",
+        "--num_train_epochs",
+        "1",
+        "--eval_split_fraction",
+        "0.1",
+        "--save_steps",
+        "0",
+        accelerate=True,
+    )
     log = proc.stdout + proc.stderr
     assert "corpus: 36 documents (0 empty skipped)" in log and "cut into pieces" in log
     assert "eval corpus: 4 documents" in log  # held out whole, before the training rows are cut
@@ -70,8 +98,21 @@ def test_streamed_corpus_resumes_with_identical_losses(corpus, tmp_path: Path) -
     resumed.mkdir()
     (resumed / "checkpoint-4").symlink_to(full / "checkpoint-4", target_is_directory=True)
     (resumed / "latest").write_text("4\n")
-    _cpt(model, docs, resumed, "--streaming", "true", "--max_steps", "8", "--save_steps", "0",
-         "--export_verify", "false", "--resume_from_checkpoint", "latest")  # fmt: skip
+    _cpt(
+        model,
+        docs,
+        resumed,
+        "--streaming",
+        "true",
+        "--max_steps",
+        "8",
+        "--save_steps",
+        "0",
+        "--export_verify",
+        "false",
+        "--resume_from_checkpoint",
+        "latest",
+    )
     want = {r["step"]: r["loss"] for r in read_metrics(full / "metrics.jsonl")}
     got = {r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl")}
     assert [got[s] for s in (5, 6, 7, 8)] == [want[s] for s in (5, 6, 7, 8)]  # bit for bit

@@ -20,8 +20,16 @@ from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
 from hf_fsdp2.observe.logs import read_metrics
 
 DPO = REPO / "recipes" / "dpo.py"
-METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected")  # fmt: skip
+METRICS = (
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 LR, BETA = 1e-2, 0.1
 # No checkpoint unless a test asks for one (a later --save_steps wins): the end-of-run checkpoint (save_steps defaults
 # to 500, and the last step always saves) is a sharded save per launch that nothing reads. No number depends on it.
@@ -38,19 +46,60 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             q = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
             a, b = (" ".join(rng.choices(WORDS, k=rng.randint(1, 8))) for _ in range(2))
             s.write(json.dumps({"prompt": q, "chosen": " " + a, "rejected": " " + b}) + "\n")
-            m.write(json.dumps({"prompt": [{"role": "user", "content": q}],
-                                "chosen": [{"role": "assistant", "content": a}],
-                                "rejected": [{"role": "assistant", "content": b}]}) + "\n")  # fmt: skip
+            m.write(
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": q}],
+                        "chosen": [{"role": "assistant", "content": a}],
+                        "rejected": [{"role": "assistant", "content": b}],
+                    }
+                )
+                + "\n"
+            )
     return {"model": make_tiny_llama_dir(root / "model", seed=3), "strings": strings, "messages": messages}
 
 
-def _dpo(assets: dict[str, Path], data: str, out: Path, *extra: str, nproc: int = 1, batch: int = 2,
-         check: bool = True):  # type: ignore[no-untyped-def]  # fmt: skip
-    args = ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets[data]), "--output_dir",
-            str(out), "--max_steps", "3", "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
-            "2", "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(LR), "--lr_scheduler_type",
-            "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--beta", str(BETA),
-            "--export_verify", "false", *NO_SAVE, *extra]  # fmt: skip
+def _dpo(
+    assets: dict[str, Path],
+    data: str,
+    out: Path,
+    *extra: str,
+    nproc: int = 1,
+    batch: int = 2,
+    check: bool = True,
+):  # type: ignore[no-untyped-def]
+    args = [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets[data]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--beta",
+        str(BETA),
+        "--export_verify",
+        "false",
+        *NO_SAVE,
+        *extra,
+    ]
     return torchrun(DPO, args, nproc=nproc, check=check)
 
 
@@ -75,8 +124,26 @@ def _assert_same(got: list[dict], want: list[dict], keys=METRICS, **tol: float) 
 )
 def test_every_step_matches_trl(assets, tmp_path: Path, data: str, loss_type: str) -> None:
     trl = tmp_path / "trl.json"
-    python(REPO / "tests" / "support" / "trl_dpo.py", [str(assets["model"]), str(assets[data]), str(trl), "--batch", "2",
-           "--accum", "2", "--steps", "3", "--lr", str(LR), "--beta", str(BETA), "--loss_type", loss_type])  # fmt: skip
+    python(
+        REPO / "tests" / "support" / "trl_dpo.py",
+        [
+            str(assets["model"]),
+            str(assets[data]),
+            str(trl),
+            "--batch",
+            "2",
+            "--accum",
+            "2",
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--beta",
+            str(BETA),
+            "--loss_type",
+            loss_type,
+        ],
+    )
     _dpo(assets, data, tmp_path / "ours", "--loss_type", loss_type)
     want = json.loads(trl.read_text())
     got = read_metrics(tmp_path / "ours" / "metrics.jsonl")
@@ -140,8 +207,24 @@ def two_rank_runs(assets, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     root = tmp_path_factory.mktemp("dpo2")
     common = ("--label_smoothing", "0.2")
     _dpo(assets, "strings", root / "frozen", *common, nproc=2, batch=1)
-    _dpo(assets, "strings", root / "precomputed", *common, "--precompute_ref_log_probs", "true", "--max_steps", "4",
-         "--save_steps", "2", "--eval_split_fraction", "0.25", "--eval_steps", "2", nproc=2, batch=1)  # fmt: skip
+    _dpo(
+        assets,
+        "strings",
+        root / "precomputed",
+        *common,
+        "--precompute_ref_log_probs",
+        "true",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "2",
+        nproc=2,
+        batch=1,
+    )
     return {"frozen": root / "frozen", "precomputed": root / "precomputed"}
 
 
@@ -182,8 +265,21 @@ def test_the_three_references_agree_and_lora_starts_at_ln2(assets, two_rank_runs
     assert abs(a[-1]["rewards/margins"]) > 1e-4
     _assert_same(b, a, rel=1e-5)
     # A frozen reference run with the precomputed run's data order equals it.
-    _dpo(assets, "strings", tmp_path / "frozen_eval", "--label_smoothing", "0.2", "--max_steps", "4",
-         "--eval_split_fraction", "0.25", "--eval_steps", "2", nproc=2, batch=1)  # fmt: skip
+    _dpo(
+        assets,
+        "strings",
+        tmp_path / "frozen_eval",
+        "--label_smoothing",
+        "0.2",
+        "--max_steps",
+        "4",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "2",
+        nproc=2,
+        batch=1,
+    )
     frozen_eval = read_metrics(tmp_path / "frozen_eval" / "metrics.jsonl")
     _assert_same(precomputed, frozen_eval, keys=(*METRICS, "eval_loss", "eval_rewards/margins"), rel=1e-5)
     assert len(frozen) == 3
@@ -197,9 +293,25 @@ def test_a_resumed_run_with_precomputed_log_probs_repeats_the_same_losses(
     resumed.mkdir()
     (resumed / "checkpoint-2").symlink_to(full / "checkpoint-2", target_is_directory=True)
     (resumed / "latest").write_text("2\n")
-    _dpo(assets, "strings", resumed, "--label_smoothing", "0.2", "--precompute_ref_log_probs", "true",
-         "--max_steps", "4", "--eval_split_fraction", "0.25", "--eval_steps", "2",
-         "--resume_from_checkpoint", "latest", nproc=2, batch=1)  # fmt: skip
+    _dpo(
+        assets,
+        "strings",
+        resumed,
+        "--label_smoothing",
+        "0.2",
+        "--precompute_ref_log_probs",
+        "true",
+        "--max_steps",
+        "4",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "2",
+        "--resume_from_checkpoint",
+        "latest",
+        nproc=2,
+        batch=1,
+    )
     want = {r["step"]: r for r in read_metrics(full / "metrics.jsonl")}
     got = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
     assert [got[s]["loss"] for s in (3, 4)] == [want[s]["loss"] for s in (3, 4)]  # bit for bit
@@ -211,13 +323,33 @@ def test_lora_dpo_through_accelerate_launch_exports_a_verified_adapter_and_merge
 ) -> None:
     out = tmp_path / "run"
     proc = accelerate_launch(
-        "accelerate_configs/fsdp2_cpu.yaml", DPO,
-        ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["messages"]), "--output_dir",
-         str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "64",
-         "--mixed_precision", "bf16", "--use_peft", "true", "--merge_adapter", "true", "--learning_rate", "1e-2",
-         *NO_SAVE],
+        "accelerate_configs/fsdp2_cpu.yaml",
+        DPO,
+        [
+            "--model_name_or_path",
+            str(assets["model"]),
+            "--dataset_name",
+            str(assets["messages"]),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_length",
+            "64",
+            "--mixed_precision",
+            "bf16",
+            "--use_peft",
+            "true",
+            "--merge_adapter",
+            "true",
+            "--learning_rate",
+            "1e-2",
+            *NO_SAVE,
+        ],
         served=True,  # accelerate's environment for the config, ranks forked (test_sft_recipe.py runs the real one)
-    )  # fmt: skip
+    )
     log = proc.stdout + proc.stderr
     assert "DPO reference: the base model with the LoRA adapter disabled" in log
     assert "adapter verified" in log and "export verified" in log
@@ -241,5 +373,7 @@ def test_bad_preference_data_is_named(assets, tmp_path: Path) -> None:
     proc = _dpo({**assets, "bad": bad}, "bad", tmp_path / "b", check=False)
     assert proc.returncode != 0 and "record 5: an empty rejected completion" in proc.stderr
     proc = _dpo({**assets, "bad": bad}, "bad", tmp_path / "c", "--on_bad_record", "skip", "--max_steps", "1")
-    assert "16 pairs, 0 truncated, 0 dropped (no room for a completion), 1 bad records skipped (1 empty completion)" \
-        in proc.stdout + proc.stderr  # fmt: skip
+    assert (
+        "16 pairs, 0 truncated, 0 dropped (no room for a completion), 1 bad records skipped (1 empty completion)"
+        in proc.stdout + proc.stderr
+    )

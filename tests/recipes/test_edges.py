@@ -74,8 +74,20 @@ def test_two_runs_into_one_output_dir_one_owns_it(assets, tmp_path: Path) -> Non
         launch._server(
             launch._env()
         )  # started now: the second run starts at once, before the first writes more
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SFT), "--config", str(recipes[0])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SFT),
+        "--config",
+        str(recipes[0]),
+    ]
     logs = [tmp_path / "first.out", tmp_path / "first.err"]  # files: no pipe fills while the second run runs
     with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
         first = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=stdout, stderr=stderr)
@@ -166,8 +178,11 @@ def test_unreadable_json_lines_are_named_or_skipped_and_counted(assets, tmp_path
     model, data = assets
     lines = data.read_text().splitlines()
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(("\n".join(lines[:5]) + "\n{\"messages\": [oops\n").encode() + b'{"x": "\xff"}\n'
-                    + ("\n".join(lines[5:]) + "\n").encode())  # fmt: skip
+    bad.write_bytes(
+        ("\n".join(lines[:5]) + '\n{"messages": [oops\n').encode()
+        + b'{"x": "\xff"}\n'
+        + ("\n".join(lines[5:]) + "\n").encode()
+    )
     error = _one_error(_sft(_recipe(tmp_path / "e.yaml", model, bad, tmp_path / "e"), check=False))
     assert f"{bad}:6: not valid JSON" in error and "2 such line(s)" in error and "on_bad_record=skip" in error
     # save_steps 0: no end-of-run checkpoint, which nothing here reads.
@@ -193,8 +208,17 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work_or_res
     assert f"the tokenizer has {rows + 2} tokens but the model's embedding has {rows} rows" in error
     assert not (out / "metrics.jsonl").exists()
     resized = tmp_path / "resized"
-    _sft(_recipe(tmp_path / "ok.yaml", model, data, resized, tokenizer_name_or_path=str(tmp_path / "tok"),
-                 resize_token_embeddings=True, save_steps=0))  # fmt: skip  # no checkpoint: nothing reads one
+    _sft(
+        _recipe(
+            tmp_path / "ok.yaml",
+            model,
+            data,
+            resized,
+            tokenizer_name_or_path=str(tmp_path / "tok"),
+            resize_token_embeddings=True,
+            save_steps=0,
+        )
+    )  # no checkpoint: nothing reads one
     assert json.loads((resized / "config.json").read_text())["vocab_size"] == rows + 2
 
 

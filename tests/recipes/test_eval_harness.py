@@ -60,9 +60,15 @@ def test_a_2_rank_lora_run_scores_its_adapter_and_a_checkpoint_is_exported_on_th
     out = tmp_path / "run"
     lora = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "learning_rate": 1e-2, "save_steps": 1}
     recipe = write_recipe(
-        tmp_path / "r.yaml", model, data, out, max_steps=1, eval_harness_tasks=DATES_MC_TASK, eval_harness_limit=2,
+        tmp_path / "r.yaml",
+        model,
+        data,
+        out,
+        max_steps=1,
+        eval_harness_tasks=DATES_MC_TASK,
+        eval_harness_limit=2,
         **lora,
-    )  # fmt: skip
+    )
     done = sft_2ranks(recipe)
     saved = json.loads((out / "eval_harness.json").read_text())["after"]
     assert saved["tasks"][DATES_MC_TASK]["n"] == 2 and saved["model"] == str(out)

@@ -53,10 +53,21 @@ def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = _model(tmp_path / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}  # fmt: skip
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", RUN, str(model), str(N)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", RUN, str(model), str(N)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     got = json.loads(line.removeprefix("RESULT "))
@@ -119,10 +130,21 @@ def test_vllm_backend_evaluates_a_lora_adapter_of_rank_32(tmp_path: Path) -> Non
     )
     adapter = tmp_path / "adapter"
     peft_model.save_pretrained(adapter)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}  # fmt: skip
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", RUN_ADAPTER, str(adapter), str(N)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", RUN_ADAPTER, str(adapter), str(N)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     got = json.loads(
         next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
@@ -132,7 +154,10 @@ def test_vllm_backend_evaluates_a_lora_adapter_of_rank_32(tmp_path: Path) -> Non
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter)
     )
     direct = direct_scores(merged.merge_and_unload(), AutoTokenizer.from_pretrained(base), N)
-    plain = direct_scores(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                          AutoTokenizer.from_pretrained(base), N)  # fmt: skip
+    plain = direct_scores(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(base),
+        N,
+    )
     assert direct["answers"] != plain["answers"]  # the adapter changes the answers
     assert [a.lstrip() for a in harness_answers(got["samples"])] == direct["answers"]

@@ -107,8 +107,20 @@ def test_sigterm_to_the_launcher_while_the_export_is_verified_says_it_was_stoppe
     recipe = write_recipe(
         tmp_path / "r.yaml", model, data, out, max_steps=2, save_steps=2, export_verify=True
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SFT),
+        "--config",
+        str(recipe),
+    ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -119,9 +119,16 @@ def test_skip_step_skips_the_update_and_finishes(assets, tmp_path: Path) -> None
     model, data = assets
     out = tmp_path / "run"
     recipe = _recipe(
-        tmp_path / "r.yaml", model, data, out, learning_rate=1e9, on_nonfinite="skip_step", save_steps=0,
-        max_steps=4, export_verify=False,
-    )  # fmt: skip
+        tmp_path / "r.yaml",
+        model,
+        data,
+        out,
+        learning_rate=1e9,
+        on_nonfinite="skip_step",
+        save_steps=0,
+        max_steps=4,
+        export_verify=False,
+    )
     proc = _sft(recipe)
     skipped = [line for line in proc.stderr.splitlines() if "its optimizer update was skipped" in line]
     assert skipped, proc.stderr[-3000:]
@@ -359,9 +366,15 @@ def test_the_export_refuses_non_finite_weights_naming_the_tensor(tmp_path: Path)
         model.get_submodule("model.layers.1.mlp.up_proj").weight[0, 0] = float("inf")
     with pytest.raises(ExportError, match=rf"refusing to export the model: non-finite values .* in {key}"):
         export_model(
-            model, tmp_path / "out", config=model.config, tokenizer=load_tokenizer(str(path)),
-            generation_config=None, dtype="bfloat16", max_shard_bytes=10**9, verify=True,
-        )  # fmt: skip
+            model,
+            tmp_path / "out",
+            config=model.config,
+            tokenizer=load_tokenizer(str(path)),
+            generation_config=None,
+            dtype="bfloat16",
+            max_shard_bytes=10**9,
+            verify=True,
+        )
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
@@ -378,10 +391,18 @@ def test_the_lora_export_refuses_a_non_finite_adapter(tmp_path: Path) -> None:
         model.get_parameter(name).fill_(float("nan"))
     with pytest.raises(ExportError, match=r"refusing to export the LoRA adapter: non-finite values .*lora_B"):
         export_lora(
-            model, tmp_path / "run", base_model=str(path), tokenizer=load_tokenizer(str(path)), merge=False,
-            layer_cls_names=("LlamaDecoderLayer",), mp_policy=None, dtype="bfloat16", max_shard_bytes=10**9,
-            compute_dtype=torch.float32, is_main_process=True,
-        )  # fmt: skip
+            model,
+            tmp_path / "run",
+            base_model=str(path),
+            tokenizer=load_tokenizer(str(path)),
+            merge=False,
+            layer_cls_names=("LlamaDecoderLayer",),
+            mp_policy=None,
+            dtype="bfloat16",
+            max_shard_bytes=10**9,
+            compute_dtype=torch.float32,
+            is_main_process=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -438,8 +459,17 @@ def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(
     # The older run: 4 steps, checkpoint-2 and checkpoint-4 ('latest' 4, past the new run's 3 steps).
     out = copy_run(finished, tmp_path / "run")
     old_id = _run_id(out / "checkpoint-4")
-    new = _recipe(tmp_path / "new.yaml", model, data, out, max_steps=3, save_steps=3, save_total_limit=1, seed=7,
-                  overwrite_output_dir=True)  # fmt: skip
+    new = _recipe(
+        tmp_path / "new.yaml",
+        model,
+        data,
+        out,
+        max_steps=3,
+        save_steps=3,
+        save_total_limit=1,
+        seed=7,
+        overwrite_output_dir=True,
+    )
     proc = _sft(new)
     log = proc.stdout + proc.stderr
     assert "removed the previous run's checkpoints" in log and "checkpoint-4" in log
@@ -547,8 +577,20 @@ def test_sigterm_to_the_launcher_during_the_export_finishes_it_and_says_so(asset
     out = tmp_path / "run"
     # Its message says "verified"; no checkpoint (its end-of-run one: nothing resumes it, and the message names none).
     recipe = _recipe(tmp_path / "r.yaml", model, data, out, export_verify=True, save_steps=0)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SFT), "--config", str(recipe)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SFT),
+        "--config",
+        str(recipe),
+    ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -94,8 +94,13 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
     # The recipes it would run hold the GPU path: bf16, regional compile, activation checkpointing, chunked CE.
     recipe = (out.parent / "summary.work").glob("test_sft_tiny_tied_0/sft/recipe.yaml")
     text = next(recipe).read_text()
-    for line in ("mixed_precision: bf16", "torch_compile: true", "torch_compile_scope: regional",
-                 "activation_checkpointing: full", "ce_chunk_tokens: 64"):  # fmt: skip
+    for line in (
+        "mixed_precision: bf16",
+        "torch_compile: true",
+        "torch_compile_scope: regional",
+        "activation_checkpointing: full",
+        "ce_chunk_tokens: 64",
+    ):
         assert line in text, (line, text)
 
 
@@ -150,8 +155,18 @@ def test_offline_uses_the_given_python_from_the_checkout_and_installs_the_bundle
         "PIP_NO_INDEX": "1",
         "PIP_INDEX_URL": "http://127.0.0.1:9/",
     }
-    proc = gpu_check("--offline", "--bundle", str(bundle), "--dry-run", "--out", str(out), "-k", "liger", env=env,
-                     setup=True)  # fmt: skip
+    proc = gpu_check(
+        "--offline",
+        "--bundle",
+        str(bundle),
+        "--dry-run",
+        "--out",
+        str(out),
+        "-k",
+        "liger",
+        env=env,
+        setup=True,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "setup.sh" not in proc.stdout + proc.stderr
     pip_lines = [line for line in proc.stdout.splitlines() if " -m pip " in line]
@@ -171,16 +186,35 @@ def test_offline_uses_the_given_python_from_the_checkout_and_installs_the_bundle
 
 def test_offline_refuses_a_bundle_without_requirements(tmp_path: Path):
     (tmp_path / "empty").mkdir()
-    proc = gpu_check("--bundle", str(tmp_path / "empty"), "--dry-run", "--out", str(tmp_path / "s.json"),
-                     env={"PYTHON": str(REPO / ".venv" / "bin" / "python")})  # fmt: skip
+    proc = gpu_check(
+        "--bundle",
+        str(tmp_path / "empty"),
+        "--dry-run",
+        "--out",
+        str(tmp_path / "s.json"),
+        env={"PYTHON": str(REPO / ".venv" / "bin" / "python")},
+    )
     assert proc.returncode == 1 and "requirements.txt is missing" in proc.stderr
 
 
 def test_the_liger_test_fails_not_skips_under_the_gpu_check_without_liger_or_cuda():
     env = {**os.environ, "HF_FSDP2_GPU_CHECK": "1"}
-    proc = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/unit/test_liger_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_liger_gpu.py",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if torch.cuda.is_available() and importlib.util.find_spec("liger_kernel"):
         pytest.skip("this machine has CUDA and liger-kernel: the test runs for real")
     assert proc.returncode != 0 and "the GPU check runs the Liger test" in proc.stdout, proc.stdout[-2000:]

@@ -36,8 +36,10 @@ def test_figures_leave_out_the_warmup_and_the_rollout_from_training_tokens_per_s
 
 def test_dry_run_plans_both_backends_and_says_vllm_is_absent(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    python(REPO / "bench" / "grpo_bench.py", ["--dry-run", "--vllm-python", str(tmp_path / "no" / "python"),
-                                              "--procs", "8", "--out", str(out)])  # fmt: skip
+    python(
+        REPO / "bench" / "grpo_bench.py",
+        ["--dry-run", "--vllm-python", str(tmp_path / "no" / "python"), "--procs", "8", "--out", str(out)],
+    )
     hf, vllm = json.loads(out.read_text())["results"]
     assert "--nproc_per_node 8" in hf["command"] and "recipes/grpo.py" in hf["command"]
     assert vllm["backend"] == "vLLM server" and "command" not in vllm

@@ -64,12 +64,43 @@ def _ending_model(folder: Path) -> Path:
 
 
 def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(B * G), "--num_generations", str(G),
-            "--max_completion_length", str(MAX_NEW), "--max_length", "64", "--mixed_precision", "no",
-            "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential",
-            "--logging_steps", "1", "--seed", str(SEED), "--reward_funcs", "grpo_rewards:by_kind",
-            "--reward_weights", "2.0", "--temperature", "0.9", *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(B * G),
+        "--num_generations",
+        str(G),
+        "--max_completion_length",
+        str(MAX_NEW),
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--seed",
+        str(SEED),
+        "--reward_funcs",
+        "grpo_rewards:by_kind",
+        "--reward_weights",
+        "2.0",
+        "--temperature",
+        "0.9",
+        *extra,
+    ]
 
 
 def _plain_loop(
@@ -113,8 +144,12 @@ def _plain_loop(
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     functions = resolve_reward_functions(["grpo_rewards:by_kind"], [2.0], max_completion_length=MAX_NEW)
     settings = GrpoSettings(loss_type=loss_type, max_completion_length=MAX_NEW, num_generations=G, beta=beta)
-    generator = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                                      settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=0.9))  # fmt: skip
+    generator = TransformersGenerator(
+        model,
+        pad_id=tok.pad_token_id,
+        eos_ids=[tok.eos_token_id],
+        settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=0.9),
+    )
     spg = steps_per_generation or accumulation
     every, share = (
         spg * iterations,
@@ -144,8 +179,10 @@ def _plain_loop(
             part = repeated[rank * share : (rank + 1) * share]
             completions: list[list[int]] = []
             for c in range(-(-share // rollout_batch)):
-                completions += generator.generate(part[c * rollout_batch : (c + 1) * rollout_batch],
-                                                  seed=rollout_seed(SEED, number, rank + 2 * c))  # fmt: skip
+                completions += generator.generate(
+                    part[c * rollout_batch : (c + 1) * rollout_batch],
+                    seed=rollout_seed(SEED, number, rank + 2 * c),
+                )
             texts = tok.batch_decode(completions, skip_special_tokens=True)
             columns = {k: v[rank * share : (rank + 1) * share] for k, v in kinds.items()}
             prompts = [r["prompt"] for r in mine for _ in range(G)][rank * share : (rank + 1) * share]
@@ -200,15 +237,31 @@ def _plain_loop(
         optimizer.step()
         optimizer.zero_grad()
         assert batch is not None
-        rows_out.append({"step": step, "loss": float(loss), "grad_norm": grad_norm, "kl": kl / tokens,
-                         "entropy": entropy / tokens,
-                         "reward": float(batch["rewards"].nanmean()), "frac_reward_zero_std": batch["zero"]})  # fmt: skip
+        rows_out.append(
+            {
+                "step": step,
+                "loss": float(loss),
+                "grad_norm": grad_norm,
+                "kl": kl / tokens,
+                "entropy": entropy / tokens,
+                "reward": float(batch["rewards"].nanmean()),
+                "frac_reward_zero_std": batch["zero"],
+            }
+        )
     return rows_out
 
 
 def _extra(loss_type: str, iterations: int, beta: float, gather: str) -> list[str]:
-    return ["--loss_type", loss_type, "--num_iterations", str(iterations), "--beta", str(beta), "--rollout_gather",
-            gather]  # fmt: skip
+    return [
+        "--loss_type",
+        loss_type,
+        "--num_iterations",
+        str(iterations),
+        "--beta",
+        str(beta),
+        "--rollout_gather",
+        gather,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -235,14 +288,29 @@ CASES = {  # name: (loss_type, iterations, beta, gather, per_device, accumulatio
     # with mask_truncated_completions, top_entropy_quantile 0.5 (the mask over both ranks' tokens) and log_completions
     "bnpo": ("bnpo", 1, 0.0, "full", 4, 2, None, None),
 }
-OPTIONS = {"bnpo": ["--mask_truncated_completions", "true", "--top_entropy_quantile", "0.5", "--log_completions",
-                    "true", "--num_completions_to_print", "3"]}  # fmt: skip
+OPTIONS = {
+    "bnpo": [
+        "--mask_truncated_completions",
+        "true",
+        "--top_entropy_quantile",
+        "0.5",
+        "--log_completions",
+        "true",
+        "--num_completions_to_print",
+        "3",
+    ]
+}
 
 
 def _case_args(case: str) -> list[str]:
     loss_type, iterations, beta, gather, per_device, accumulation, spg, rollout_batch = CASES[case]
-    extra = [*_extra(loss_type, iterations, beta, gather), "--per_device_train_batch_size", str(per_device),
-             "--gradient_accumulation_steps", str(accumulation)]  # fmt: skip
+    extra = [
+        *_extra(loss_type, iterations, beta, gather),
+        "--per_device_train_batch_size",
+        str(per_device),
+        "--gradient_accumulation_steps",
+        str(accumulation),
+    ]
     extra += ["--steps_per_generation", str(spg)] if spg else []
     extra += ["--rollout_batch_size", str(rollout_batch)] if rollout_batch else []
     return extra + OPTIONS.get(case, [])
@@ -276,9 +344,18 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     assert f"loss: GRPO {loss_type}" in log and "export verified" in log, log[-3000:]
     got = read_metrics(run / "metrics.jsonl")
     options = OPTIONS.get(case, [])
-    want = _plain_loop(assets, loss_type, iterations, beta, per_device, accumulation, spg, rollout_batch,
-                       mask_truncated="--mask_truncated_completions" in options,
-                       quantile=0.5 if "--top_entropy_quantile" in options else 1.0)  # fmt: skip
+    want = _plain_loop(
+        assets,
+        loss_type,
+        iterations,
+        beta,
+        per_device,
+        accumulation,
+        spg,
+        rollout_batch,
+        mask_truncated="--mask_truncated_completions" in options,
+        quantile=0.5 if "--top_entropy_quantile" in options else 1.0,
+    )
     for g, w in zip(got, want, strict=True):
         for key in (
             "loss",
@@ -293,8 +370,12 @@ def test_two_ranks_equal_a_plain_loop_with_a_flat_rank_and_an_unscorable_group(
     assert all(r["frac_reward_zero_std"] >= 0.25 for r in got), [r["frac_reward_zero_std"] for r in got]
     # Completions end at different lengths (the ranks run different numbers of decoding steps).
     assert any(r["completions/min_length"] < r["completions/max_length"] for r in got), got
-    assert {"rewards/grpo_rewards:by_kind/mean", "completions/mean_length",
-            "clip_ratio/region_mean", "entropy"} <= set(got[0])  # fmt: skip
+    assert {
+        "rewards/grpo_rewards:by_kind/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+        "entropy",
+    } <= set(got[0])
     assert all(r["entropy"] > 0 for r in got)
     # mask_truncated_completions: some completions were cut at max_completion_length, so the mask did something
     clipped = [r["completions/clipped_ratio"] for r in got]
@@ -327,8 +408,16 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(
     (resumed / "latest").write_text("2\n")
     # Step 3's numbers are the subject; the export of this run is the dapo run's, verified there; its checkpoints
     # nothing reads (NO_SAVE).
-    args = _args(assets, resumed, *_extra("dapo", 1, 0.0, "full"), *NO_SAVE, "--resume_from_checkpoint",
-                 "latest", "--export_verify", "false")  # fmt: skip
+    args = _args(
+        assets,
+        resumed,
+        *_extra("dapo", 1, 0.0, "full"),
+        *NO_SAVE,
+        "--resume_from_checkpoint",
+        "latest",
+        "--export_verify",
+        "false",
+    )
     torchrun(GRPO, args, nproc=2)
     a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
     b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
@@ -428,9 +517,19 @@ def test_every_rank_stops_at_the_end_ids_of_the_folders_generation_config(
         "    return [float(c[0] % 7) for c in completion_ids]\n"
     )
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{assets['root']}")
-    args = _args({**assets, "model": folder}, tmp_path / "run", "--max_steps", "2",
-                 "--reward_funcs", "length_rewards:by_first", "--reward_weights", "1.0", "--export_verify",
-                 "false", *NO_SAVE)  # fmt: skip
+    args = _args(
+        {**assets, "model": folder},
+        tmp_path / "run",
+        "--max_steps",
+        "2",
+        "--reward_funcs",
+        "length_rewards:by_first",
+        "--reward_weights",
+        "1.0",
+        "--export_verify",
+        "false",
+        *NO_SAVE,
+    )
     torchrun(GRPO, args, nproc=2)
     plain = AutoModelForCausalLM.from_pretrained(folder)
     stops = stop_token_ids(
@@ -499,8 +598,16 @@ def test_a_run_resumed_inside_a_generation_batch_trains_on_the_same_completions(
     resumed.mkdir()
     shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
     (resumed / "latest").write_text("1\n")
-    args = _args(assets, resumed, *_case_args("grpo"), *NO_SAVE, "--resume_from_checkpoint", "latest",
-                 "--export_verify", "false")  # fmt: skip
+    args = _args(
+        assets,
+        resumed,
+        *_case_args("grpo"),
+        *NO_SAVE,
+        "--resume_from_checkpoint",
+        "latest",
+        "--export_verify",
+        "false",
+    )
     torchrun(GRPO, args, nproc=2)
     a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
     b = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}

@@ -66,9 +66,18 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     rm_tok.pad_token = rm_tok.eos_token
     torch.manual_seed(1)
     rm = root / "tiny-rm"
-    LlamaForSequenceClassification(LlamaConfig(vocab_size=len(rm_tok), hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                               num_labels=1, pad_token_id=rm_tok.pad_token_id)).save_pretrained(rm)  # fmt: skip
+    LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(rm_tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+            pad_token_id=rm_tok.pad_token_id,
+        )
+    ).save_pretrained(rm)
     save_tokenizer(rm_tok, rm)
     rng = random.Random(2)
     data = root / "chats.jsonl"
@@ -85,14 +94,51 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_chat_run_with_trl_reward_functions_and_a_reward_model(assets, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
     out = tmp_path / "run"
-    funcs = ["trl_doc_rewards:format_reward_func", "trl_doc_rewards:async_reward_func", "trl_doc_rewards:curriculum",
-             str(assets["rm"])]  # fmt: skip
-    args = ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(2 * G), "--num_generations",
-            str(G), "--max_completion_length", str(MAX_NEW), "--max_length", "64", "--mixed_precision", "no",
-            "--learning_rate", "1e-5", "--lr_scheduler_type", "constant", "--logging_steps", "1", "--seed", "0",
-            "--reward_funcs", *funcs, "--reward_weights", "1.0", "0.5", "1.0", "1.0", "--temperature", "0.9",
-            "--chat_template_kwargs", '{"unused_flag": true}']  # fmt: skip
+    funcs = [
+        "trl_doc_rewards:format_reward_func",
+        "trl_doc_rewards:async_reward_func",
+        "trl_doc_rewards:curriculum",
+        str(assets["rm"]),
+    ]
+    args = [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(2 * G),
+        "--num_generations",
+        str(G),
+        "--max_completion_length",
+        str(MAX_NEW),
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        "1e-5",
+        "--lr_scheduler_type",
+        "constant",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "0",
+        "--reward_funcs",
+        *funcs,
+        "--reward_weights",
+        "1.0",
+        "0.5",
+        "1.0",
+        "1.0",
+        "--temperature",
+        "0.9",
+        "--chat_template_kwargs",
+        '{"unused_flag": true}',
+    ]
     proc = torchrun(GRPO, args, nproc=2)
     log = proc.stdout + proc.stderr
     assert "export verified" in log, log[-3000:]
@@ -101,8 +147,11 @@ def test_a_chat_run_with_trl_reward_functions_and_a_reward_model(assets, tmp_pat
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
-        assert {"rewards/tiny-rm/mean", "rewards/trl_doc_rewards:async_reward_func/mean",
-                "rewards/trl_doc_rewards:format_reward_func/mean"} <= set(r), sorted(r)  # fmt: skip
+        assert {
+            "rewards/tiny-rm/mean",
+            "rewards/trl_doc_rewards:async_reward_func/mean",
+            "rewards/trl_doc_rewards:format_reward_func/mean",
+        } <= set(r), sorted(r)
         assert r["rewards/tiny-rm/std"] > 0  # the reward model's logits differ per completion
         assert 0 <= r["completions/clipped_ratio"] < 1, [(k, v) for k, v in r.items() if "compl" in k]
     # trainer_state.global_step / max_steps: the updates done before the step's rollout, as TRL's.

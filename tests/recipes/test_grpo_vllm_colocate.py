@@ -37,16 +37,67 @@ def _model(folder: Path) -> Path:
 
 def _launch(root: Path, out: Path, *extra: str) -> str:
     """torchrun of the GRPO recipe with .venv-vllm's Python (hf_fsdp2 from this checkout); its log."""
-    args = ["--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "prompts.jsonl"), "--output_dir",
-            str(out), "--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "4",
-            "--max_completion_length", "8", "--max_length", "64", "--mixed_precision", "no", "--learning_rate",
-            "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1", "--seed", "0", "--reward_funcs",
-            "colocate_rewards:spread", "--temperature", "0.9", "--use_vllm", "true", "--vllm_mode", "colocate",
-            "--save_steps", "1", "--export_verify", "false", *extra]  # fmt: skip
-    cmd = [str(VLLM_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(GRPO), *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(root)])}  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(root / "model"),
+        "--dataset_name",
+        str(root / "prompts.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        "1e-2",
+        "--lr_scheduler_type",
+        "constant",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "0",
+        "--reward_funcs",
+        "colocate_rewards:spread",
+        "--temperature",
+        "0.9",
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "colocate",
+        "--save_steps",
+        "1",
+        "--export_verify",
+        "false",
+        *extra,
+    ]
+    cmd = [
+        str(VLLM_PYTHON),
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(GRPO),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(root)]),
+    }
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -70,8 +121,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
     (resumed / "latest").write_text("2\n")
     resumed_log = _launch(root, resumed, "--resume_from_checkpoint", "latest")
-    return {"straight": read_metrics(straight / "metrics.jsonl"), "resumed": read_metrics(resumed / "metrics.jsonl"),
-            "straight_log": straight_log, "resumed_log": resumed_log}  # fmt: skip
+    return {
+        "straight": read_metrics(straight / "metrics.jsonl"),
+        "resumed": read_metrics(resumed / "metrics.jsonl"),
+        "straight_log": straight_log,
+        "resumed_log": resumed_log,
+    }
 
 
 def test_colocate_loads_the_weights_into_each_ranks_engine_before_every_rollout_and_trains(runs) -> None:  # type: ignore[no-untyped-def]

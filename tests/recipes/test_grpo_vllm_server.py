@@ -58,8 +58,22 @@ def server(assets: dict[str, Path]) -> Iterator[str]:
         pytest.skip(f"{VLLM_PYTHON} absent: bash scripts/setup_vllm.sh builds it")
     port = free_port()
     log = assets["root"] / "server.log"
-    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "vllm-serve", "--model", str(assets["model"]), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "256"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_fsdp2.cli",
+        "vllm-serve",
+        "--model",
+        str(assets["model"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+    ]
     start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -87,9 +101,15 @@ def _generator(url: str, model: torch.nn.Module, eos: int, temperature: float = 
     settings = SamplingSettings(
         max_completion_length=12, temperature=temperature, generation_kwargs=generation_kwargs
     )
-    gen = VllmGenerator(model, VllmClient(ServerSettings(url, timeout=60)), eos_ids=[eos], settings=settings,
-                        probe=([1, 450, 1996], [1354, 1701, 916]), compute_dtype="float32",
-                        device=torch.device("cpu"))  # fmt: skip
+    gen = VllmGenerator(
+        model,
+        VllmClient(ServerSettings(url, timeout=60)),
+        eos_ids=[eos],
+        settings=settings,
+        probe=([1, 450, 1996], [1354, 1701, 916]),
+        compute_dtype="float32",
+        device=torch.device("cpu"),
+    )
     gen.connect()
     return gen
 
@@ -111,8 +131,13 @@ def test_greedy_rollouts_equal_transformers_token_for_token(assets, server) -> N
     prompts, tok = _prompts(assets)
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
     got = _generator(server, model, tok.eos_token_id).generate(prompts, seed=0, greedy=True)
-    plain = TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                                  settings=SamplingSettings(max_completion_length=12), bos_id=tok.bos_token_id)  # fmt: skip
+    plain = TransformersGenerator(
+        model,
+        pad_id=tok.pad_token_id,
+        eos_ids=[tok.eos_token_id],
+        settings=SamplingSettings(max_completion_length=12),
+        bos_id=tok.bos_token_id,
+    )
     want = plain.generate(prompts, seed=0, greedy=True)
     assert got == want
     assert len({len(c) for c in got}) > 1 and any(c[-1] == tok.eos_token_id for c in got), (
@@ -183,18 +208,54 @@ def test_generation_kwargs_reach_the_engines_sampling_params(assets, server) -> 
     held = _generator(server, model, tok.eos_token_id, min_tokens=6).generate(prompts * 2, seed=4)
     assert any(len(c) < 6 and c[-1] == tok.eos_token_id for c in plain), plain
     assert all(len(c) >= 6 for c in held) and any(c[-1] == tok.eos_token_id for c in held), held
-    with pytest.raises(ConfigError, match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
-                       r"SamplingParams .*whose fields are \[.*'min_tokens'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+        r"SamplingParams .*whose fields are \[.*'min_tokens'",
+    ):
         _generator(server, model, tok.eos_token_id, suppress_tokens=[5])
 
 
 def _args(assets: dict[str, Path], out: Path, url: str, *extra: str) -> list[str]:
-    return ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "4",
-            "--max_completion_length", "8", "--max_length", "64", "--mixed_precision", "no", "--learning_rate",
-            "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1", "--seed", "0", "--reward_funcs",
-            "vllm_rewards:spread", "--temperature", "0.9", "--use_vllm", "true", "--vllm_server_base_url", url,
-            "--export_verify", "false", *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        "1e-2",
+        "--lr_scheduler_type",
+        "constant",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "0",
+        "--reward_funcs",
+        "vllm_rewards:spread",
+        "--temperature",
+        "0.9",
+        "--use_vllm",
+        "true",
+        "--vllm_server_base_url",
+        url,
+        "--export_verify",
+        "false",
+        *extra,
+    ]
 
 
 @needs_vllm

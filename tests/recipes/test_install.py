@@ -23,21 +23,44 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with the wheel of this checkout (its dependencies from the test environment: a .pth file
     puts the test environment's site-packages after the venv's own, so nothing of the checkout leaks in)."""
     root = tmp_path_factory.mktemp("install")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(root / "dist"), str(REPO)], check=True, capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(root / "dist"),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     wheel = next((root / "dist").glob("hf_fsdp2-*.whl"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # The test environment's site-packages: .venv's own and, where scripts/setup.sh made .venv over a shared base venv,
     # the base's (added by a .pth file there, which a plain path line here does not run).
     own = sysconfig.get_paths()["purelib"]
     deps = [own, *(p for p in sys.path if p.rstrip("/").endswith("site-packages") and p != own)]
     Path(site, "deps.pth").write_text("".join(f"{p}\n" for p in deps))
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return venv
 
 
@@ -45,25 +68,53 @@ def _run(venv: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess[
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    return subprocess.run([str(venv / "bin" / "hf-fsdp2"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [str(venv / "bin" / "hf-fsdp2"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_the_installed_wheel_trains_the_packaged_cpu_demo_config_outside_the_checkout(
     installed, tmp_path
 ) -> None:
     py = installed / "bin" / "python"
-    where = subprocess.run([str(py), "-c", "import importlib.resources as r, hf_fsdp2.methods.sft as m; "
-                            "print(m.__file__); print(r.files('hf_fsdp2.recipe_configs'))"],
-                           cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    where = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import importlib.resources as r, hf_fsdp2.methods.sft as m; "
+            "print(m.__file__); print(r.files('hf_fsdp2.recipe_configs'))",
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert all(w.startswith(str(installed)) for w in where), where  # the wheel's copies, not the checkout
     configs = Path(where[1])
     assert (configs / "demo_smollm2.yaml").is_file() and (configs / "dpo_cpu_demo.yaml").is_file()
     model = make_tiny_llama_dir(tmp_path / "model")
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
-    proc = _run(installed, ["train", "--config", str(configs / "demo_smollm2.yaml"), "--model_name_or_path",
-                            str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
-                            "--max_steps", "2", "--warmup_steps", "0", "--logging_steps", "1"], cwd=tmp_path)  # fmt: skip
+    proc = _run(
+        installed,
+        [
+            "train",
+            "--config",
+            str(configs / "demo_smollm2.yaml"),
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_steps",
+            "2",
+            "--warmup_steps",
+            "0",
+            "--logging_steps",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "accelerate.commands.launch" in proc.stderr and "fsdp2_cpu.yaml --num_processes 2" in proc.stderr
     assert "world size 2 on cpu" in proc.stderr and "export verified" in proc.stderr

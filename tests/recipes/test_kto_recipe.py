@@ -26,8 +26,16 @@ LR, BETA, STEPS = 1e-2, 0.5, 3
 # No test here reads a checkpoint: the end-of-run one (save_steps defaults to 500, and the last step always saves) is a
 # sharded save per launch that nothing reads. No number depends on it.
 NO_SAVE = ("--save_steps", "0")
-KEYS = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-        "logps/rejected")  # fmt: skip
+KEYS = (
+    "loss",
+    "grad_norm",
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +45,52 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": make_tiny_llama_dir(root / "model", seed=5), "data": data}
 
 
-def _run(assets: dict[str, Path], out: Path, *extra: str, nproc: int = 2, batch: int = 2, accum: int = 2):  # type: ignore[no-untyped-def]  # fmt: skip
-    args = ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch),
-            "--gradient_accumulation_steps", str(accum), "--max_length", "64", "--mixed_precision", "no",
-            "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential",
-            "--logging_steps", "1", "--beta", str(BETA), "--export_verify", "false", *NO_SAVE, *extra]  # fmt: skip
+def _run(assets: dict[str, Path], out: Path, *extra: str, nproc: int = 2, batch: int = 2, accum: int = 2):  # type: ignore[no-untyped-def]
+    args = [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        str(accum),
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--beta",
+        str(BETA),
+        "--export_verify",
+        "false",
+        *NO_SAVE,
+        *extra,
+    ]
     return torchrun(KTO, args, nproc=nproc)
 
 
 def _plain_loop(
-    assets: dict[str, Path], *, world: int, batch: int, accum: int, loss_type: str = "kto", w_good: float = 1.0,
+    assets: dict[str, Path],
+    *,
+    world: int,
+    batch: int,
+    accum: int,
+    loss_type: str = "kto",
+    w_good: float = 1.0,
     w_bad: float = 1.0,
-) -> list[dict[str, float]]:  # fmt: skip
+) -> list[dict[str, float]]:
     """KTO by hand. Rank r's k-th micro-batch holds positions ``r + world (k batch + j)`` of the data (the sequential
     sampler's deal); each example's KL row pairs its prompt with the completion of the one before it in that
     micro-batch (the first: the last's). Per micro-batch index, ``z0 = clamp(mean over every rank's KL rows of
@@ -136,9 +177,25 @@ def _differences(got: list[dict], want: list[dict]) -> list[tuple]:
 
 
 def _trl(assets: dict[str, Path], out: Path, *extra: str) -> list[dict]:
-    python(REPO / "tests" / "support" / "trl_dpo.py",
-           [str(assets["model"]), str(assets["data"]), str(out), "--objective", "kto", "--batch", "4", "--steps",
-            str(STEPS), "--lr", str(LR), "--beta", str(BETA), *extra])  # fmt: skip
+    python(
+        REPO / "tests" / "support" / "trl_dpo.py",
+        [
+            str(assets["model"]),
+            str(assets["data"]),
+            str(out),
+            "--objective",
+            "kto",
+            "--batch",
+            "4",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--beta",
+            str(BETA),
+            *extra,
+        ],
+    )
     return json.loads(out.read_text())
 
 
@@ -161,8 +218,16 @@ def test_two_ranks_equal_the_papers_formulas_and_trls_kto_trainer_step_by_step(
     pre = read_metrics(tmp_path / "pre" / "metrics.jsonl")
     assert not _differences(pre, want), _differences(pre, want)
     # TRL's KTOTrainer on one process, batch 4 (its KL rows rotate within each batch of 4 consecutive records).
-    theirs = _trl(assets, tmp_path / "trl.json", "--loss_type", "kto", "--desirable_weight", "1.5",
-                  "--undesirable_weight", "0.8")  # fmt: skip
+    theirs = _trl(
+        assets,
+        tmp_path / "trl.json",
+        "--loss_type",
+        "kto",
+        "--desirable_weight",
+        "1.5",
+        "--undesirable_weight",
+        "0.8",
+    )
     mine = _plain_loop(assets, world=1, batch=4, accum=1, w_good=1.5, w_bad=0.8)
     assert not _differences(theirs, mine), _differences(theirs, mine)
 
@@ -186,9 +251,22 @@ def test_kto_with_qlora_trains_evaluates_and_exports_the_adapter(assets, tmp_pat
     pytest.importorskip("torchao")
     wide = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
     model = make_family_dir(tmp_path / "wide", "llama3_untied", overrides=wide)
-    proc = _run({"model": model, "data": assets["data"]}, tmp_path / "run", "--use_peft", "true", "--load_in_4bit",
-                "true", "--learning_rate", "5e-3", "--max_steps", "4", "--eval_split_fraction", "0.2", "--eval_steps",
-                "4")  # fmt: skip
+    proc = _run(
+        {"model": model, "data": assets["data"]},
+        tmp_path / "run",
+        "--use_peft",
+        "true",
+        "--load_in_4bit",
+        "true",
+        "--learning_rate",
+        "5e-3",
+        "--max_steps",
+        "4",
+        "--eval_split_fraction",
+        "0.2",
+        "--eval_steps",
+        "4",
+    )
     log = proc.stdout + proc.stderr
     assert (
         "4-bit base on this rank after sharding" in log

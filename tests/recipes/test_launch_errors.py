@@ -27,8 +27,16 @@ def _recipe(tmp_path: Path) -> Path:
 
 
 def test_hf_fsdp2_train_shows_the_ranks_error_and_the_exit_status_only(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "train", "--config", str(_recipe(tmp_path)),
-           "--main_process_port", str(free_port())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_fsdp2.cli",
+        "train",
+        "--config",
+        str(_recipe(tmp_path)),
+        "--main_process_port",
+        str(free_port()),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     err = proc.stderr
     errors = [line for line in err.splitlines() if line.startswith("hf_fsdp2 error:")]
@@ -74,10 +82,30 @@ def test_a_rank_killed_during_the_grpo_rollout_is_named_in_one_line(tmp_path: Pa
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i : i + 3])}) + "\n" for i in range(8)))
     model = make_tiny_llama_dir(tmp_path / "model", seed=3)
-    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
-            "--max_steps", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
-            "--max_completion_length", "3", "--max_length", "32", "--mixed_precision", "no",
-            "--reward_funcs", "dying_rewards:dying", "--export_verify", "false"]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "3",
+        "--max_length",
+        "32",
+        "--mixed_precision",
+        "no",
+        "--reward_funcs",
+        "dying_rewards:dying",
+        "--export_verify",
+        "false",
+    ]
     cmd = [
         sys.executable,
         "-m",

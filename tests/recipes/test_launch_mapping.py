@@ -24,9 +24,25 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _args(assets: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
     model, data = assets
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out), "--max_steps",
-            "1", "--per_device_train_batch_size", "2", "--max_length", "64", "--mixed_precision", "no",
-            "--export_verify", "false", *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--export_verify",
+        "false",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("name", ["trl_fsdp1.yaml", "trl_fsdp2.yaml"])
@@ -49,8 +65,13 @@ def test_trls_config_launches_two_processes_with_each_key_read_as_fsdp2(
         "mixed_precision: bf16",
     ]
     if name == "trl_fsdp1.yaml":
-        keys += ["fsdp_version: 1", "fsdp_backward_prefetch: BACKWARD_PRE", "fsdp_sync_module_states: True",
-                 "fsdp_use_orig_params: True", "fsdp_forward_prefetch: True"]  # fmt: skip
+        keys += [
+            "fsdp_version: 1",
+            "fsdp_backward_prefetch: BACKWARD_PRE",
+            "fsdp_sync_module_states: True",
+            "fsdp_use_orig_params: True",
+            "fsdp_forward_prefetch: True",
+        ]
     missing = [k for k in keys if k not in log]
     assert not missing, (missing, log[-4000:])
     assert "the recipe's mixed_precision: no is used" in log  # the config's bf16, the recipe's no

@@ -34,20 +34,33 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     recipe.write_text(
         yaml.safe_dump(
             {
-                "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(root / "run"),
-                "max_steps": STEPS, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                "learning_rate": 1e-3, "max_length": 64, "logging_steps": 1, "gradient_checkpointing": True,
+                "model_name_or_path": str(model),
+                "dataset_name": str(data),
+                "output_dir": str(root / "run"),
+                "max_steps": STEPS,
+                "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "learning_rate": 1e-3,
+                "max_length": 64,
+                "logging_steps": 1,
+                "gradient_checkpointing": True,
                 # fp32 throughout, so that the exported weights are exactly the ones evaluated at the end
-                "mixed_precision": "no", "export_dtype": "float32",
+                "mixed_precision": "no",
+                "export_dtype": "float32",
                 # The export is evaluated against the run's own eval loss below; its reload check is tested where it
                 # is the subject (tests/unit/test_export*.py, tests/distributed/test_verify_matrix.py).
                 "export_verify": False,
-                "eval_dataset_name": str(eval_data), "eval_dataset_split": "train", "eval_steps": 2,
-                "per_device_eval_batch_size": 2, "eval_prompts": ["alpha bravo", "red green"],
-                "eval_max_new_tokens": 4, "report_to": "tensorboard", "profile_steps": "2-3",
+                "eval_dataset_name": str(eval_data),
+                "eval_dataset_split": "train",
+                "eval_steps": 2,
+                "per_device_eval_batch_size": 2,
+                "eval_prompts": ["alpha bravo", "red green"],
+                "eval_max_new_tokens": 4,
+                "report_to": "tensorboard",
+                "profile_steps": "2-3",
             }
         )
-    )  # fmt: skip
+    )
     proc = torchrun(SFT, ["--config", str(recipe)], nproc=2)
     return root / "run", eval_data, proc.stdout + proc.stderr
 
@@ -135,8 +148,11 @@ def test_samples_profiler_traces_and_summary(run):
     out, _, _ = run
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [(s["step"], s["prompt"]) for s in samples] == [
-        (2, "alpha bravo"), (2, "red green"), (4, "alpha bravo"), (4, "red green")
-    ]  # fmt: skip
+        (2, "alpha bravo"),
+        (2, "red green"),
+        (4, "alpha bravo"),
+        (4, "red green"),
+    ]
     for rank in (0, 1):
         traces = list((out / "profile").glob(f"rank{rank}.*.pt.trace.json"))
         assert len(traces) == 1, rank

@@ -148,8 +148,16 @@ def _offline_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("PIP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")
     }
-    env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)  # fmt: skip
+    env.update(
+        PIP_NO_INDEX="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        **extra,
+    )
     return env
 
 
@@ -204,8 +212,11 @@ def _node_with_only_torch(root: Path) -> Path:
             for r in map(Requirement, dist.requires or [])
             if r.marker is None or r.marker.evaluate({"extra": ""})
         ]
-    site = _run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                _offline_env(), root).stdout.strip()  # fmt: skip
+    site = _run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        _offline_env(),
+        root,
+    ).stdout.strip()
     Path(site, "node_torch.pth").write_text(f"{shelf}\n")
     return venv
 
@@ -250,8 +261,21 @@ def test_the_bundle_installs_offline_beside_the_nodes_torch_and_trains(tmp_path:
     t_node = time.monotonic()
 
     bundle = tmp_path / "bundle"
-    build = _run(["bash", str(SCRIPT), "--dest", str(bundle), "--have", str(tmp_path / "node-freeze.txt"),
-                  "--max-mib", "256"], {**os.environ, "PYTHON": sys.executable}, REPO, timeout=600)  # fmt: skip
+    build = _run(
+        [
+            "bash",
+            str(SCRIPT),
+            "--dest",
+            str(bundle),
+            "--have",
+            str(tmp_path / "node-freeze.txt"),
+            "--max-mib",
+            "256",
+        ],
+        {**os.environ, "PYTHON": sys.executable},
+        REPO,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     assert "MiB (limit 256 MiB)" in build.stdout and "the node keeps filelock==" in build.stdout
     pins = [line for line in (bundle / "requirements.txt").read_text().splitlines() if "==" in line]
@@ -273,8 +297,11 @@ def test_the_bundle_installs_offline_beside_the_nodes_torch_and_trains(tmp_path:
     # Nothing but the bundle is visible: less one wheel, the install is refused and names what is missing.
     partial = tmp_path / "partial"
     shutil.copytree(bundle, partial, ignore=shutil.ignore_patterns("multiprocess-*"))
-    refused = _run(_pip(venv, "install", "--dry-run", "--no-index", "--find-links", str(partial), "hf_fsdp2"),
-                   env, tmp_path)  # fmt: skip
+    refused = _run(
+        _pip(venv, "install", "--dry-run", "--no-index", "--find-links", str(partial), "hf_fsdp2"),
+        env,
+        tmp_path,
+    )
     assert refused.returncode != 0 and "multiprocess" in refused.stderr, (
         refused.stdout + refused.stderr[-2000:]
     )
@@ -284,11 +311,26 @@ def test_the_bundle_installs_offline_beside_the_nodes_torch_and_trains(tmp_path:
 
     # (b) read-only python: the exact pins unpacked into a folder on PYTHONPATH; nothing installed in the venv.
     site = tmp_path / "offline_site"
-    target = _run(_pip(venv, "install", "-q", "--no-compile", "--no-index", "--no-deps", "--target", str(site),
-                       "-r", str(bundle / "requirements.txt")), env, tmp_path)  # fmt: skip
+    target = _run(
+        _pip(
+            venv,
+            "install",
+            "-q",
+            "--no-compile",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(site),
+            "-r",
+            str(bundle / "requirements.txt"),
+        ),
+        env,
+        tmp_path,
+    )
     assert target.returncode == 0, target.stderr[-3000:]
-    check = _run([str(venv / "bin" / "python"), "-c", IMPORTS, str(data)], _offline_env(PYTHONPATH=str(site)),
-                 tmp_path)  # fmt: skip
+    check = _run(
+        [str(venv / "bin" / "python"), "-c", IMPORTS, str(data)], _offline_env(PYTHONPATH=str(site)), tmp_path
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     assert check.stdout.split()[-2:] == ["16", str(site / "hf_fsdp2" / "__init__.py")], check.stdout
     assert _torch_state(venv, env) == before

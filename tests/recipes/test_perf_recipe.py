@@ -28,12 +28,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
         recipe.write_text(
             yaml.safe_dump(
                 {
-                    "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(root / name),
-                    "max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-3, "max_length": 64,
-                    "logging_steps": 1, "mixed_precision": "no", "export_verify": False, **extra,
+                    "model_name_or_path": str(model),
+                    "dataset_name": str(data),
+                    "output_dir": str(root / name),
+                    "max_steps": 3,
+                    "per_device_train_batch_size": 2,
+                    "learning_rate": 1e-3,
+                    "max_length": 64,
+                    "logging_steps": 1,
+                    "mixed_precision": "no",
+                    "export_verify": False,
+                    **extra,
                 }
             )
-        )  # fmt: skip
+        )
         proc = torchrun(SFT, ["--config", str(recipe)], nproc=2)
         out[name] = (root / name, proc.stdout + proc.stderr)
     return out

@@ -22,8 +22,16 @@ from hf_fsdp2.observe.logs import read_metrics
 
 DPO = REPO / "recipes" / "dpo.py"
 LR, BETA, GAMMA, STEPS = 1e-2, 0.5, 0.3, 3
-COMMON = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-          "logps/rejected", "loss", "grad_norm")  # fmt: skip
+COMMON = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "loss",
+    "grad_norm",
+)
 EXTRA = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
 
 
@@ -35,11 +43,39 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(model: Path, data: Path, out: Path, loss_type: str, *extra: str):  # type: ignore[no-untyped-def]
-    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
-            "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(LR), "--lr_scheduler_type",
-            "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1", "--beta", str(BETA),
-            "--loss_type", loss_type, "--export_verify", "false", *extra]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--beta",
+        str(BETA),
+        "--loss_type",
+        loss_type,
+        "--export_verify",
+        "false",
+        *extra,
+    ]
     return torchrun(DPO, args, nproc=2)
 
 
@@ -79,24 +115,41 @@ def _plain_loop(assets: dict[str, Path], loss_type: str, cpo_alpha: float) -> li
             log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
             pair = -BETA * F.logsigmoid(log_odds)
             loss = pair.mean() + nll
-            extra = {"nll_loss": float(nll), "log_odds_ratio": float(F.logsigmoid(log_odds).mean()),
-                     "log_odds_chosen": float(log_odds.mean())}  # fmt: skip
+            extra = {
+                "nll_loss": float(nll),
+                "log_odds_ratio": float(F.logsigmoid(log_odds).mean()),
+                "log_odds_chosen": float(log_odds.mean()),
+            }
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
         optimizer.step()
         optimizer.zero_grad()
         rc, rr = (BETA * c).detach(), (BETA * r).detach()
-        rows.append({"step": step + 1, "loss": float(loss), "grad_norm": grad_norm,
-                     "rewards/chosen": float(rc.mean()), "rewards/rejected": float(rr.mean()),
-                     "rewards/accuracies": float((rc > rr).float().mean()), "rewards/margins": float((rc - rr).mean()),
-                     "logps/chosen": float(c.mean()), "logps/rejected": float(r.mean()), **extra})  # fmt: skip
+        rows.append(
+            {
+                "step": step + 1,
+                "loss": float(loss),
+                "grad_norm": grad_norm,
+                "rewards/chosen": float(rc.mean()),
+                "rewards/rejected": float(rr.mean()),
+                "rewards/accuracies": float((rc > rr).float().mean()),
+                "rewards/margins": float((rc - rr).mean()),
+                "logps/chosen": float(c.mean()),
+                "logps/rejected": float(r.mean()),
+                **extra,
+            }
+        )
     return rows
 
 
 def _differences(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> list[tuple]:
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    return [(r["step"], k, r.get(k), w[k]) for r, w in zip(got, want, strict=True) for k in keys
-            if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5]  # fmt: skip
+    return [
+        (r["step"], k, r.get(k), w[k])
+        for r, w in zip(got, want, strict=True)
+        for k in keys
+        if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5
+    ]
 
 
 @pytest.mark.parametrize("loss_type, cpo_alpha", [("simpo", 0.5), ("orpo", 0.0)])
@@ -118,10 +171,28 @@ def test_two_ranks_equal_the_papers_formulas_and_trls_trainer_step_by_step(
         abs(got[-1]["rewards/margins"] - got[0]["rewards/margins"]) > 1e-3
     )  # the policy moved: the check has teeth
     trl = tmp_path / "trl.json"
-    python(REPO / "tests" / "support" / "trl_dpo.py",
-           [str(assets["model"]), str(assets["pairs"]), str(trl), "--objective", loss_type, "--batch", "4",
-            "--steps", str(STEPS), "--lr", str(LR), "--beta", str(BETA), "--simpo_gamma", str(GAMMA),
-            "--cpo_alpha", str(cpo_alpha)])  # fmt: skip
+    python(
+        REPO / "tests" / "support" / "trl_dpo.py",
+        [
+            str(assets["model"]),
+            str(assets["pairs"]),
+            str(trl),
+            "--objective",
+            loss_type,
+            "--batch",
+            "4",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--beta",
+            str(BETA),
+            "--simpo_gamma",
+            str(GAMMA),
+            "--cpo_alpha",
+            str(cpo_alpha),
+        ],
+    )
     theirs = json.loads(trl.read_text())
     assert not _differences(theirs, want, keys), _differences(theirs, want, keys)
 
@@ -130,8 +201,20 @@ def test_orpo_with_qlora_trains_the_adapter_over_the_sharded_4bit_base(assets, t
     pytest.importorskip("torchao")
     wide = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
     model = make_family_dir(tmp_path / "wide", "llama3_untied", overrides=wide)
-    proc = _run(model, assets["pairs"], tmp_path / "run", "orpo", "--use_peft", "true", "--load_in_4bit", "true",
-                "--learning_rate", "5e-3", "--max_steps", "4")  # fmt: skip
+    proc = _run(
+        model,
+        assets["pairs"],
+        tmp_path / "run",
+        "orpo",
+        "--use_peft",
+        "true",
+        "--load_in_4bit",
+        "true",
+        "--learning_rate",
+        "5e-3",
+        "--max_steps",
+        "4",
+    )
     log = proc.stdout + proc.stderr
     assert "4-bit base on this rank after sharding" in log and "reference-free" in log, log[-3000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")

@@ -48,11 +48,35 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(assets: dict[str, Path], out: Path, *extra: str, accum: int = 2):  # type: ignore[no-untyped-def]
-    args = ["--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"]), "--output_dir",
-            str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
-            str(accum), "--max_length", "64", "--mixed_precision", "no", "--learning_rate", str(LR),
-            "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential", "--logging_steps", "1",
-            "--seed", str(SEED), *extra]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        str(accum),
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--seed",
+        str(SEED),
+        *extra,
+    ]
     return torchrun(RM, args, nproc=2)
 
 
@@ -87,17 +111,30 @@ def _plain_loop(
         optimizer.step()
         optimizer.zero_grad()
         rewards = rewards.detach()
-        rows.append({"step": step + 1, "loss": float(loss.detach()), "grad_norm": grad_norm,
-                     "accuracy": float((c > r).float().mean()), "margin": float((c - r).mean()),
-                     "mean_reward": float(rewards.mean()), "std_reward": float(rewards.std()),
-                     "min_reward": float(rewards.min()), "max_reward": float(rewards.max())})  # fmt: skip
+        rows.append(
+            {
+                "step": step + 1,
+                "loss": float(loss.detach()),
+                "grad_norm": grad_norm,
+                "accuracy": float((c > r).float().mean()),
+                "margin": float((c - r).mean()),
+                "mean_reward": float(rewards.mean()),
+                "std_reward": float(rewards.std()),
+                "min_reward": float(rewards.min()),
+                "max_reward": float(rewards.max()),
+            }
+        )
     return rows, model
 
 
 def _differences(got: list[dict], want: list[dict], keys: tuple[str, ...] = KEYS) -> list[tuple]:
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    return [(w["step"], k, r.get(k), w[k]) for r, w in zip(got, want, strict=True) for k in keys
-            if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5]  # fmt: skip
+    return [
+        (w["step"], k, r.get(k), w[k])
+        for r, w in zip(got, want, strict=True)
+        for k in keys
+        if k not in r or abs(r[k] - w[k]) > 1e-4 * abs(w[k]) + 1e-5
+    ]
 
 
 def test_two_ranks_equal_a_plain_bradley_terry_loop_and_trls_reward_trainer(
@@ -123,8 +160,10 @@ def test_two_ranks_equal_a_plain_bradley_terry_loop_and_trls_reward_trainer(
     assert "AutoModelForSequenceClassification.from_pretrained" in card and "text-classification" in card
     # The last checkpoint exports offline (one process) to the same verified files as the run's own export.
     offline = tmp_path / "offline"
-    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(tmp_path / "run" / f"checkpoint-{STEPS}"), str(offline),
-                                          "--dtype", "float32"])  # fmt: skip
+    python(
+        REPO / "hf_fsdp2" / "cli.py",
+        ["export", str(tmp_path / "run" / f"checkpoint-{STEPS}"), str(offline), "--dtype", "float32"],
+    )
     assert (offline / "model.safetensors").read_bytes() == (
         tmp_path / "run" / "model.safetensors"
     ).read_bytes()
@@ -137,15 +176,33 @@ def test_two_ranks_equal_a_plain_bradley_terry_loop_and_trls_reward_trainer(
     assert cli(["score", "--model", str(tmp_path / "run"), "--data", str(assets["data"])]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    mine = reward_accuracy(model, AutoTokenizer.from_pretrained(assets["model"]), [
-        json.loads(line) for line in assets["data"].read_text().splitlines()])  # fmt: skip
+    mine = reward_accuracy(
+        model,
+        AutoTokenizer.from_pretrained(assets["model"]),
+        [json.loads(line) for line in assets["data"].read_text().splitlines()],
+    )
     assert scored["n"] == 32 and scored["accuracy"] == mine["accuracy"], (scored, mine)
     assert math.isclose(scored["mean_margin"], mine["mean_margin"], rel_tol=1e-4, abs_tol=1e-5)
     # TRL's RewardTrainer, one process, batch 4 (its loss uses the margin column and the centering term).
     trl = tmp_path / "trl.json"
-    python(REPO / "tests" / "support" / "trl_dpo.py",
-           [str(assets["model"]), str(assets["data"]), str(trl), "--objective", "rm", "--batch", "4", "--steps",
-            str(STEPS), "--lr", str(LR), "--center", str(CENTER)])  # fmt: skip
+    python(
+        REPO / "tests" / "support" / "trl_dpo.py",
+        [
+            str(assets["model"]),
+            str(assets["data"]),
+            str(trl),
+            "--objective",
+            "rm",
+            "--batch",
+            "4",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--center",
+            str(CENTER),
+        ],
+    )
     theirs = json.loads(trl.read_text())
     four, _ = _plain_loop(assets, 4, CENTER)
     assert not _differences(theirs, four), _differences(theirs, four)
@@ -201,8 +258,10 @@ def test_a_family_transformers_has_no_score_class_for_trains_as_a_plain_loop_and
     assert scored["n"] == 32 and 0 <= scored["accuracy"] <= 1, scored
     # Offline from the last checkpoint (one process): the same weights, class file and auto_map.
     offline = tmp_path / "offline"
-    python(REPO / "hf_fsdp2" / "cli.py", ["export", str(run / f"checkpoint-{STEPS}"), str(offline), "--dtype",
-                                          "float32"])  # fmt: skip
+    python(
+        REPO / "hf_fsdp2" / "cli.py",
+        ["export", str(run / f"checkpoint-{STEPS}"), str(offline), "--dtype", "float32"],
+    )
     for name in ("model.safetensors", "modeling_score_head.py", "config.json"):
         assert (offline / name).read_bytes() == (run / name).read_bytes(), name
 
@@ -220,9 +279,25 @@ def test_lora_over_a_4bit_base_trains_the_score_head_evaluates_and_exports_a_ver
         "num_key_value_heads": 2,
     }
     model = make_family_dir(tmp_path / "granite", "granite", overrides=overrides)
-    proc = _run({"model": model, "data": assets["data"]}, tmp_path / "run", "--use_peft", "true", "--load_in_4bit",
-                "true", "--learning_rate", "5e-3", "--max_steps", "3", "--eval_split_fraction", "0.25", "--eval_steps",
-                "3", "--merge_adapter", "true", accum=1)  # fmt: skip
+    proc = _run(
+        {"model": model, "data": assets["data"]},
+        tmp_path / "run",
+        "--use_peft",
+        "true",
+        "--load_in_4bit",
+        "true",
+        "--learning_rate",
+        "5e-3",
+        "--max_steps",
+        "3",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "3",
+        "--merge_adapter",
+        "true",
+        accum=1,
+    )
     log = proc.stdout + proc.stderr
     assert "4-bit base on this rank after sharding" in log and "ForSequenceClassification: score head" in log
     assert "adapter verified: " in log and "on the 4-bit base (torchao NF4" in log, log[-3000:]
@@ -247,8 +322,15 @@ def test_a_moe_reward_model_trains_and_exports_without_a_router_loss(assets, tmp
     (TRL adds none either), so none is planned or logged; the experts shard, train and export verified."""
     model = make_family_dir(tmp_path / "moe", "qwen3_moe", overrides={"output_router_logits": True})
     # Its checkpoint nothing reads (save_steps 0: no end-of-run sharded save).
-    proc = _run({"model": model, "data": assets["data"]}, tmp_path / "run", "--max_steps", "2", "--save_steps", "0",
-                accum=1)  # fmt: skip
+    proc = _run(
+        {"model": model, "data": assets["data"]},
+        tmp_path / "run",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "0",
+        accum=1,
+    )
     log = proc.stdout + proc.stderr
     assert "Qwen3MoeForSequenceClassification: score head" in log and "no router loss" in log, log[-3000:]
     assert "export verified" in log, log[-3000:]

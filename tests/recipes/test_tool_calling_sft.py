@@ -20,11 +20,30 @@ from hf_fsdp2.observe.logs import read_metrics
 
 QWEN25 = Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja"
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
-        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
+        },
+    },
+]
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Kyiv", "Cairo", "Quito", "Delhi"]
 
 
@@ -44,11 +63,16 @@ def tool_records(n: int, seed: int = 0) -> list[dict]:
             question, answer = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
         messages = [
             {"role": "user", "content": question},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": call, "arguments": json.dumps(args)}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": call, "arguments": json.dumps(args)}}
+                ],
+            },
             {"role": "tool", "name": call, "content": json.dumps(result)},
             {"role": "assistant", "content": answer},
-        ]  # fmt: skip
+        ]
         out.append({"messages": messages, "tools": json.dumps(TOOLS)})
     return out
 
@@ -56,10 +80,18 @@ def tool_records(n: int, seed: int = 0) -> list[dict]:
 def make_model(path: Path) -> Path:
     tokenizer = build_llama2_test_tokenizer(QWEN25.read_text(), CHATML_SPECIAL_TOKENS)
     tokenizer.pad_token = tokenizer.eos_token
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     path.mkdir(parents=True)
     LlamaForCausalLM(config).save_pretrained(path)
@@ -73,8 +105,9 @@ def test_two_rank_sft_on_tool_calls_trains_and_the_export_renders_tools_alike(tm
     records = tool_records(16)
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "run"
-    sft_2ranks(write_recipe(tmp_path / "r.yaml", model, data, out, max_length=512, max_steps=4,
-                            learning_rate=3e-3))  # fmt: skip
+    sft_2ranks(
+        write_recipe(tmp_path / "r.yaml", model, data, out, max_length=512, max_steps=4, learning_rate=3e-3)
+    )
     metrics = [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
     losses = [m["loss"] for m in metrics]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -84,15 +117,29 @@ def test_two_rank_sft_on_tool_calls_trains_and_the_export_renders_tools_alike(tm
     exported = AutoTokenizer.from_pretrained(out)  # the export is the run folder
     assert exported.chat_template == original.chat_template
     hf_messages = [
-        {**m, "tool_calls": [{"type": "function", "function": {"name": c["function"]["name"],
-                                                               "arguments": json.loads(c["function"]["arguments"])}}
-                             for c in m["tool_calls"]]} if "tool_calls" in m else m
+        {
+            **m,
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ],
+        }
+        if "tool_calls" in m
+        else m
         for m in records[1]["messages"]
-    ]  # fmt: skip
+    ]
     for generation in (False, True):
         turns = hf_messages[:3] if generation else hf_messages
-        texts = [tok.apply_chat_template(turns, tools=TOOLS, tokenize=False, add_generation_prompt=generation)
-                 for tok in (original, exported)]  # fmt: skip
+        texts = [
+            tok.apply_chat_template(turns, tools=TOOLS, tokenize=False, add_generation_prompt=generation)
+            for tok in (original, exported)
+        ]
         assert texts[0] == texts[1]
         assert "<tools>" in texts[1] and '"name": "get_weather"' in texts[1] and "<tool_response>" in texts[1]
         assert (

@@ -26,10 +26,31 @@ NO_CHECKPOINT = ("--save_steps", "0")
 
 def sft_args(model: Path, data: Path, out: Path, batch: int, *extra: str) -> list[str]:
     """The recipe arguments of every run compared with the reference (fp32, accumulation 2, sequential order)."""
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
-            "2", "--max_length", "64", "--mixed_precision", "no", "--logging_steps", "1", "--learning_rate", "1e-3",
-            "--train_sampling_strategy", "sequential", *extra]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--train_sampling_strategy",
+        "sequential",
+        *extra,
+    ]
 
 
 @dataclass(frozen=True)
@@ -68,8 +89,11 @@ def flat_reference(factory: pytest.TempPathFactory) -> FlatReference:
             model = make_tiny_llama_dir(root / "model", seed=5)
             data = write_chat_jsonl(root / "chat.jsonl", 64, seed=5)
             # The export is compared by the tests, its verification's line is not read: not verified.
-            proc = torchrun(SFT, sft_args(model, data, root / "flat", 2, "--save_steps", "2", "--export_verify",
-                                          "false"), nproc=4)  # fmt: skip
+            proc = torchrun(
+                SFT,
+                sft_args(model, data, root / "flat", 2, "--save_steps", "2", "--export_verify", "false"),
+                nproc=4,
+            )
             torchrun(
                 SFT,
                 sft_args(model, data, root / "single", 8, "--export_verify", "false", *NO_CHECKPOINT),

@@ -237,9 +237,16 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "support" / "launch_server.py")],
             cwd=REPO,
-            env={**env, "PYTHONPATH": str(REPO) + os.pathsep + env["PYTHONPATH"], "HF_FSDP2_TEST_RELOAD_DIR": self.folder},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+            env={
+                **env,
+                "PYTHONPATH": str(REPO) + os.pathsep + env["PYTHONPATH"],
+                "HF_FSDP2_TEST_RELOAD_DIR": self.folder,
+            },
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         ready = self._answer(timeout=300)
         if not ready.get("ready"):
             raise RuntimeError(f"the launch server did not start: {ready}")
@@ -314,9 +321,15 @@ def _zygote_code(
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         start = time.perf_counter()
         returncode = run_code(
-            str(Path(server.folder) / "reload.sock"), code, [str(a) for a in args], env=env, cwd=str(REPO),
-            stdout=str(out), stderr=str(err), timeout=timeout,
-        )  # fmt: skip
+            str(Path(server.folder) / "reload.sock"),
+            code,
+            [str(a) for a in args],
+            env=env,
+            cwd=str(REPO),
+            stdout=str(out),
+            stderr=str(err),
+            timeout=timeout,
+        )
         _log_launch(cmd, time.perf_counter() - start, returncode, server=True)
         return _completed(
             cmd, returncode, out, err, check, f"python -c failed ({returncode}): {code[:200]}..."
@@ -346,9 +359,14 @@ def _served(
     with tempfile.TemporaryDirectory(prefix="launch-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         request = {
-            "script": str(script), "args": [str(a) for a in args], "nproc": nproc, "env": run_env,
-            "stdout": str(out), "stderr": str(err), "cwd": str(REPO),
-        }  # fmt: skip
+            "script": str(script),
+            "args": [str(a) for a in args],
+            "nproc": nproc,
+            "env": run_env,
+            "stdout": str(out),
+            "stderr": str(err),
+            "cwd": str(REPO),
+        }
         start = time.perf_counter()
         try:
             answer = server.launch(request, timeout)

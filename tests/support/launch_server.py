@@ -67,11 +67,21 @@ def _rank_env(base: dict[str, str], rank: int, nproc: int) -> dict[str, str]:
     env = dict(base)
     if nproc > 1 or "MASTER_PORT" in base:
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
-            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
-            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
-            TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
-        )  # fmt: skip
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=str(nproc),
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_USE_AGENT_STORE="False",
+            TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        )
     return env
 
 

@@ -118,8 +118,17 @@ def peft_reference_run(
     opt = torch.optim.AdamW([{"params": trainable, "weight_decay": 0.0}], lr=lr, foreach=True)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
     out = reference_steps(
-        model, opt, sched, trainable, data, pad_id,
-        world=world, batch_size=batch_size, accum=accum, seed=seed, steps=steps,
-    )  # fmt: skip
+        model,
+        opt,
+        sched,
+        trainable,
+        data,
+        pad_id,
+        world=world,
+        batch_size=batch_size,
+        accum=accum,
+        seed=seed,
+        steps=steps,
+    )
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     return out, adapter, model.eval()

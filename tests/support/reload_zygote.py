@@ -203,8 +203,17 @@ def run_reload(
     return None if answer["ok"] else str(answer["error"])
 
 
-def run_code(path: str, code: str, args: list[str], *, env: dict[str, str], cwd: str, stdout: str, stderr: str,
-             timeout: float) -> int:  # fmt: skip
+def run_code(
+    path: str,
+    code: str,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    stdout: str,
+    stderr: str,
+    timeout: float,
+) -> int:
     """``python -c code args`` forked from the zygote at ``path`` (an interpreter that has imported torch and
     transformers but never hf_fsdp2), its output appended to the files ``stdout`` and ``stderr``; its exit status."""
     request = {"code": code, "args": args, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr}

@@ -18,10 +18,18 @@ def write_recipe(path: Path, model: Path, data: Path | str, out: Path, **overrid
     The export is written but not verified unless ``export_verify=True`` is passed: verification reloads the export in
     a fresh process (~10 s a run) and is tested where it is the subject (tests/unit/test_export*.py)."""
     values = {
-        "model_name_or_path": str(model), "dataset_name": str(data), "output_dir": str(out), "max_steps": 4,
-        "per_device_train_batch_size": 2, "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3,
-        "mixed_precision": "no", "export_verify": False, **overrides,
-    }  # fmt: skip
+        "model_name_or_path": str(model),
+        "dataset_name": str(data),
+        "output_dir": str(out),
+        "max_steps": 4,
+        "per_device_train_batch_size": 2,
+        "max_length": 64,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        "mixed_precision": "no",
+        "export_verify": False,
+        **overrides,
+    }
     path.write_text(yaml.safe_dump(values))
     return path
 

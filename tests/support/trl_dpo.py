@@ -51,18 +51,39 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = datasets.load_dataset("json", data_files=args.data, split="train")
     common = dict(
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, train_sampling_strategy="sequential",
-        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        logging_steps=1, beta=args.beta, max_length=args.max_length, disable_dropout=True, report_to="none",
-        save_strategy="no", seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        beta=args.beta,
+        max_length=args.max_length,
+        disable_dropout=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         if args.objective == "dpo":
             from trl import DPOConfig, DPOTrainer
 
-            config = DPOConfig(output_dir=tmp, loss_type=[args.loss_type], label_smoothing=args.label_smoothing,
-                               precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
+            config = DPOConfig(
+                output_dir=tmp,
+                loss_type=[args.loss_type],
+                label_smoothing=args.label_smoothing,
+                precompute_ref_log_probs=args.precompute,
+                **common,
+            )
             # The model as a path: the policy and TRL's own reference are both loaded from it in fp32.
             trainer = DPOTrainer(
                 model=args.model, args=config, train_dataset=data, processing_class=tokenizer
@@ -79,9 +100,14 @@ def main() -> None:
         elif args.objective == "kto":
             from trl import KTOConfig, KTOTrainer
 
-            config = KTOConfig(output_dir=tmp, loss_type=args.loss_type, desirable_weight=args.desirable_weight,
-                               undesirable_weight=args.undesirable_weight,
-                               precompute_ref_log_probs=args.precompute, **common)  # fmt: skip
+            config = KTOConfig(
+                output_dir=tmp,
+                loss_type=args.loss_type,
+                desirable_weight=args.desirable_weight,
+                undesirable_weight=args.undesirable_weight,
+                precompute_ref_log_probs=args.precompute,
+                **common,
+            )
             trainer = KTOTrainer(
                 model=args.model, args=config, train_dataset=data, processing_class=tokenizer
             )
@@ -97,9 +123,15 @@ def main() -> None:
             else:
                 from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-                config = CPOConfig(output_dir=tmp, remove_unused_columns=False, loss_type="simpo",
-                                   simpo_gamma=args.simpo_gamma, cpo_alpha=args.cpo_alpha,
-                                   label_smoothing=args.label_smoothing, **common)  # fmt: skip
+                config = CPOConfig(
+                    output_dir=tmp,
+                    remove_unused_columns=False,
+                    loss_type="simpo",
+                    simpo_gamma=args.simpo_gamma,
+                    cpo_alpha=args.cpo_alpha,
+                    label_smoothing=args.label_smoothing,
+                    **common,
+                )
                 trainer = CPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         trainer.train()
         history = [row for row in trainer.state.log_history if "loss" in row and "step" in row]

@@ -15,9 +15,14 @@ LAYER = ("LlamaDecoderLayer",)
 
 def _model(seed: int = 0, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, attention_dropout=dropout,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=dropout,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
@@ -122,9 +127,13 @@ def test_offload_moves_only_the_layer_inputs_eager_and_compiled(monkeypatch):
 
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2,
-    )  # fmt: skip
+    )
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     counted = {}
     for compiled in (False, True):

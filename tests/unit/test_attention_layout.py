@@ -28,9 +28,14 @@ from hf_fsdp2.methods import get_method
 from hf_fsdp2.model import load_model
 
 CONFIG = LlamaConfig(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 EXAMPLES = [
     {"input_ids": [5, 9, 13, 200, 201, 202, 7], "labels": [-100, -100, -100, 200, 201, 202, 7]},
     {"input_ids": [4, 8, 300, 301], "labels": [-100, -100, 300, 301]},
@@ -130,8 +135,9 @@ def test_flex_attention_runs_padding_free_on_cpu_with_a_block_mask_and_the_padde
         flat_logits = flex(
             input_ids=flat["input_ids"], position_ids=flat["position_ids"], use_cache=False
         ).logits
-        padded_logits = sdpa(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
-                             use_cache=False).logits  # fmt: skip
+        padded_logits = sdpa(
+            input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False
+        ).logits
     flat_losses = torch.nn.functional.cross_entropy(
         flat_logits[0, :-1], flat["labels"][0, 1:], reduction="none", ignore_index=-100
     )
@@ -174,16 +180,30 @@ TABLE = [
     ("device", "attn", "padding_free", "packing", "installed", "flat", "kernel", "dense", "warned"), TABLE
 )
 def test_the_decision_table(
-    device: str, attn: str, padding_free: bool | None, packing: bool, installed: frozenset[str],
-    flat: bool, kernel: str, dense: bool, warned: bool,
-) -> None:  # fmt: skip
+    device: str,
+    attn: str,
+    padding_free: bool | None,
+    packing: bool,
+    installed: frozenset[str],
+    flat: bool,
+    kernel: str,
+    dense: bool,
+    warned: bool,
+) -> None:
     layout = choose_attention_layout(
-        CONFIG, device_type=device, attn_implementation=attn, packing=packing, padding_free=padding_free,
+        CONFIG,
+        device_type=device,
+        attn_implementation=attn,
+        packing=packing,
+        padding_free=padding_free,
         installed=installed,
-    )  # fmt: skip
+    )
     assert (layout.padding_free, layout.kernel, layout.dense_mask, layout.warning is not None) == (
-        flat, kernel, dense, warned
-    ), layout  # fmt: skip
+        flat,
+        kernel,
+        dense,
+        warned,
+    ), layout
     assert layout.attn_implementation == attn  # the kernel the run loads is the one the user named
     line = layout.describe()
     assert line.startswith(f"batches: {'padding-free' if flat else 'packed rows' if packing else 'padded'} (")
@@ -205,8 +225,9 @@ def test_kernels_a_gpu_run_cannot_load_are_refused_before_any_work() -> None:
     with pytest.raises(
         ConfigError, match="flash_attention_2 needs the flash_attn package or the kernels package"
     ):
-        choose_attention_layout(CONFIG, device_type="cuda", attn_implementation="flash_attention_2",
-                                installed=frozenset())  # fmt: skip
+        choose_attention_layout(
+            CONFIG, device_type="cuda", attn_implementation="flash_attention_2", installed=frozenset()
+        )
     bloom = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     with pytest.raises(ConfigError, match="BloomForCausalLM does not support it"):
         choose_attention_layout(bloom, device_type="cuda", attn_implementation="flex_attention")

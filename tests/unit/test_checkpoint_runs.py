@@ -71,8 +71,15 @@ def test_run_id_is_written_and_read_and_older_states_load(tmp_path: Path) -> Non
         TrainerState.from_json(json.dumps({**json.loads((path / STATE_FILE).read_text()), "x": 1})).run_id
         == "abc"
     )
-    older = {"step": 1, "epoch": 0, "batches_in_epoch": 1, "world_size": 1, "scheduler": {},
-             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}  # fmt: skip
+    older = {
+        "step": 1,
+        "epoch": 0,
+        "batches_in_epoch": 1,
+        "world_size": 1,
+        "scheduler": {},
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+    }
     assert TrainerState.from_json(json.dumps(older)).run_id == ""
 
 
@@ -121,8 +128,13 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
     with caplog.at_level(logging.WARNING, logger="hf_fsdp2"):
         removed = clear_previous_run(tmp_path)
     assert removed == [
-        ".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4", "checkpoint-8", "latest", "model.safetensors"
-    ]  # fmt: skip
+        ".tmp-checkpoint-6",
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-8",
+        "latest",
+        "model.safetensors",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes", "other"]
     assert (elsewhere / "trainer_state.json").is_file()
     assert "removed the previous run's checkpoints" in caplog.text

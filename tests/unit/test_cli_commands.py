@@ -35,9 +35,22 @@ def test_each_parser_runs_a_function_of_its_own_module():
         assert register.__module__.startswith("hf_fsdp2.commands."), register.__module__
         names.append(name)
     assert names == [
-        "train", "convert-smollm2", "demo-data", "eval-task", "eval-preference", "score", "eval-harness", "export",
-        "merge-adapter", "push", "show-data", "plan", "plot", "doctor", "vllm-serve",
-    ]  # fmt: skip
+        "train",
+        "convert-smollm2",
+        "demo-data",
+        "eval-task",
+        "eval-preference",
+        "score",
+        "eval-harness",
+        "export",
+        "merge-adapter",
+        "push",
+        "show-data",
+        "plan",
+        "plot",
+        "doctor",
+        "vllm-serve",
+    ]
 
 
 def test_torchaos_noise_is_dropped_by_every_command_and_other_warnings_kept(caplog) -> None:

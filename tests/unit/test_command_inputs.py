@@ -279,9 +279,15 @@ def test_an_export_records_its_verification_and_push_checks_it(tiny: Path, tmp_p
 
     def export(out: Path, verify: bool) -> Path:
         export_model(
-            model, out, config=model.config, tokenizer=tokenizer, generation_config=None, dtype="float32",
-            max_shard_bytes=10**9, verify=verify,
-        )  # fmt: skip
+            model,
+            out,
+            config=model.config,
+            tokenizer=tokenizer,
+            generation_config=None,
+            dtype="float32",
+            max_shard_bytes=10**9,
+            verify=verify,
+        )
         return out
 
     verified = export(tmp_path / "verified", True)

@@ -51,8 +51,11 @@ def test_below_the_floor_or_absent_is_refused_with_each_package_and_the_fix() ->
 def test_a_session_checks_the_versions_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_fsdp2.run.session import Session
 
-    monkeypatch.setattr(compat, "installed_versions", lambda: {"torch": "2.9.0", "transformers": "5.17.0",
-                                                               "accelerate": "1.15.0"})  # fmt: skip
+    monkeypatch.setattr(
+        compat,
+        "installed_versions",
+        lambda: {"torch": "2.9.0", "transformers": "5.17.0", "accelerate": "1.15.0"},
+    )
     # The config is never read: the check comes first (a None config would fail on its first attribute).
     with pytest.raises(VersionError, match="torch 2.9.0 is older than 2.11"):
         Session.start(None)  # type: ignore[arg-type]

@@ -35,9 +35,13 @@ def test_plan_validation_and_kwargs():
 )
 def test_regional_compile_is_in_place_one_graph_and_counts_a_recompile():
     config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
         num_key_value_heads=2,
-    )  # fmt: skip
+    )
     # float64: inductor fuses and reorders the sums; only the float64 rounding bound is CPU-independent.
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).double()
@@ -78,9 +82,13 @@ def test_float64_compile_is_refused_where_inductor_fails_it(version: str) -> Non
     """Below torch 2.13 a float64 model under inductor is refused at once (it would fail at the first backward);
     float32/bfloat16 models, aot_eager and eager runs are never refused; 2.13 and later compile float64."""
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
         num_key_value_heads=1,
-    )  # fmt: skip
+    )
     f64 = LlamaForCausalLM(config).double()
     old = release(version)[:2] < FLOAT64_COMPILE_MIN_TORCH
     plan = CompilePlan(enabled=True)
@@ -101,11 +109,17 @@ def test_both_scopes_check_before_compiling(monkeypatch: pytest.MonkeyPatch) -> 
     from hf_fsdp2.parallel import compiling
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
         num_key_value_heads=1,
-    )  # fmt: skip
+    )
     monkeypatch.setattr(compiling, "FLOAT64_COMPILE_MIN_TORCH", (99, 0))
-    for scope in (lambda m: compile_regions(m, ("LlamaDecoderLayer",), CompilePlan(enabled=True)),
-                  lambda m: compile_model(m, CompilePlan(enabled=True, scope="model"))):  # fmt: skip
+    for scope in (
+        lambda m: compile_regions(m, ("LlamaDecoderLayer",), CompilePlan(enabled=True)),
+        lambda m: compile_model(m, CompilePlan(enabled=True, scope="model")),
+    ):
         with pytest.raises(ValueError, match="float64 weights"):
             scope(LlamaForCausalLM(config).double())

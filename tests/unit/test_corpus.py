@@ -85,8 +85,15 @@ def test_split_document_pieces_overlap_by_one_token() -> None:
 
 def test_a_document_cut_across_rows_trains_as_its_pieces_alone() -> None:
     """Per-token losses of a document cut over two rows equal those of the same pieces run alone (float64)."""
-    config = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).double().eval()
     gen = random.Random(3)
@@ -124,8 +131,11 @@ def test_streamed_rows_resume_exactly_across_epochs(tmp_path: Path) -> None:
 
     rng = random.Random(0)
     path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 80)))}) + "\n"
-                            for _ in range(25)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 80)))}) + "\n" for _ in range(25)
+        )
+    )
     tokenizer = build_llama2_test_tokenizer()
 
     def rows_for(rank: int) -> StreamingRows:

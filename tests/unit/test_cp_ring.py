@@ -107,9 +107,16 @@ def one_rank_group(tmp_path: Any) -> Iterator[Any]:
 
 def _llama(attn: str = "sdpa") -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation=attn)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
     return LlamaForCausalLM(config).double()
 
 
@@ -187,8 +194,14 @@ def test_a_model_the_ring_cannot_run_is_refused(one_rank_group: Any) -> None:
 
 
 def _ok(**overrides: Any) -> dict[str, Any]:
-    return {"on_gpu": True, "packing": False, "padding_free": None, "attn_implementation": "sdpa",
-            "model_config": None, **overrides}  # fmt: skip
+    return {
+        "on_gpu": True,
+        "packing": False,
+        "padding_free": None,
+        "attn_implementation": "sdpa",
+        "model_config": None,
+        **overrides,
+    }
 
 
 @pytest.mark.parametrize(
@@ -206,7 +219,7 @@ def _ok(**overrides: Any) -> dict[str, Any]:
                 )
             },
             "sliding_attention layers",
-        ),  # fmt: skip
+        ),
         ({"model_config": Gemma2Config(num_hidden_layers=2)}, "sliding_attention layers"),
     ],
 )

@@ -177,9 +177,16 @@ def test_prompt_completion_tokens_and_masks(llama2_tokenizer: PreTrainedTokenize
     input_ids, labels = tokenize_one(llama2_tokenizer, record)
     # Prompt and completion are tokenized separately, so each starts with the normalizer's "▁".
     assert as_token_targets(llama2_tokenizer, input_ids, labels) == [
-        ("<s>", F), ("▁", F), ("2", F), ("+", F), ("2", F), ("=", F),
-        ("▁", T), ("4", T), ("</s>", T),
-    ]  # fmt: skip
+        ("<s>", F),
+        ("▁", F),
+        ("2", F),
+        ("+", F),
+        ("2", F),
+        ("=", F),
+        ("▁", T),
+        ("4", T),
+        ("</s>", T),
+    ]
     assert input_ids[0] == 1 and input_ids[-1] == 2
 
     all_ids, all_labels = tokenize_one(llama2_tokenizer, record, completion_only_loss=False)
@@ -220,12 +227,31 @@ def test_chatml_single_turn_hand_checked(chatml_tokenizer: PreTrainedTokenizerBa
     # Targets: the reply and <|im_end|> (the model must learn to stop), not the "\n" the template
     # writes after <|im_end|>, and nothing of the system/user turns or the assistant header.
     assert as_token_targets(chatml_tokenizer, input_ids, labels) == [
-        ("<|im_start|>", F), ("▁system", F), ("<0x0A>", F), ("Be", F), ("▁brief", F), (".", F),
-        ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", T), ("!", T),
-        ("<|im_end|>", T), ("▁", F), ("<0x0A>", F),
-    ]  # fmt: skip
+        ("<|im_start|>", F),
+        ("▁system", F),
+        ("<0x0A>", F),
+        ("Be", F),
+        ("▁brief", F),
+        (".", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁user", F),
+        ("<0x0A>", F),
+        ("Hi", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("Hello", T),
+        ("!", T),
+        ("<|im_end|>", T),
+        ("▁", F),
+        ("<0x0A>", F),
+    ]
     assert input_ids[:3] == [32000, 1788, 13]
     assert [label for label in labels if label != IGNORE_INDEX] == [10994, 29991, 32001]
 
@@ -237,18 +263,54 @@ def test_chatml_default_system_turn_and_two_assistant_turns(
     pairs = as_token_targets(chatml_tokenizer, input_ids, labels)
     # The template inserts a default system turn; it is context, never a target.
     system = [
-        ("<|im_start|>", F), ("▁system", F), ("<0x0A>", F), ("You", F), ("▁are", F), ("▁a", F),
-        ("▁helpful", F), ("▁A", F), ("I", F), ("▁assistant", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-    ]  # fmt: skip
-    rest = [
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", T), ("!", T), ("<|im_end|>", T),
-        ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("By", F), ("e", F), ("<|im_end|>", F), ("▁", F),
+        ("<|im_start|>", F),
+        ("▁system", F),
         ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("See", T), ("▁you", T), (".", T),
-        ("<|im_end|>", T), ("▁", F), ("<0x0A>", F),
-    ]  # fmt: skip
+        ("You", F),
+        ("▁are", F),
+        ("▁a", F),
+        ("▁helpful", F),
+        ("▁A", F),
+        ("I", F),
+        ("▁assistant", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+    ]
+    rest = [
+        ("<|im_start|>", F),
+        ("▁user", F),
+        ("<0x0A>", F),
+        ("Hi", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("Hello", T),
+        ("!", T),
+        ("<|im_end|>", T),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁user", F),
+        ("<0x0A>", F),
+        ("By", F),
+        ("e", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("See", T),
+        ("▁you", T),
+        (".", T),
+        ("<|im_end|>", T),
+        ("▁", F),
+        ("<0x0A>", F),
+    ]
     assert pairs == system + rest
     assert target_text(chatml_tokenizer, labels) == "Hello!<|im_end|>See you.<|im_end|>"
 
@@ -258,13 +320,34 @@ def test_llama3_single_turn_hand_checked(llama3_tokenizer: PreTrainedTokenizerBa
     # BOS comes from the template ({{ bos_token }}); <|eot_id|> ends the turn with nothing after it.
     assert as_token_targets(llama3_tokenizer, input_ids, labels) == [
         ("<s>", F),
-        ("<|start_header_id|>", F), ("▁system", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("Be", F), ("▁brief", F), (".", F), ("<|eot_id|>", F),
-        ("<|start_header_id|>", F), ("▁user", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("Hi", F), ("<|eot_id|>", F),
-        ("<|start_header_id|>", F), ("▁assistant", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("Hello", T), ("!", T), ("<|eot_id|>", T),
-    ]  # fmt: skip
+        ("<|start_header_id|>", F),
+        ("▁system", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("Be", F),
+        ("▁brief", F),
+        (".", F),
+        ("<|eot_id|>", F),
+        ("<|start_header_id|>", F),
+        ("▁user", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("Hi", F),
+        ("<|eot_id|>", F),
+        ("<|start_header_id|>", F),
+        ("▁assistant", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("Hello", T),
+        ("!", T),
+        ("<|eot_id|>", T),
+    ]
     assert input_ids[0] == 1
     assert [label for label in labels if label != IGNORE_INDEX] == [10994, 29991, 32002]
 
@@ -346,14 +429,39 @@ def test_last_assistant_chatml_hand_checked(chatml_tokenizer: PreTrainedTokenize
     pairs = as_token_targets(chatml_tokenizer, input_ids, labels)
     # The first reply is context now; only the last one and its <|im_end|> are targets.
     assert pairs[13:] == [
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", F), ("!", F), ("<|im_end|>", F),
-        ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("By", F), ("e", F), ("<|im_end|>", F), ("▁", F),
+        ("<|im_start|>", F),
+        ("▁user", F),
         ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("See", T), ("▁you", T), (".", T),
-        ("<|im_end|>", T), ("▁", F), ("<0x0A>", F),
-    ]  # fmt: skip
+        ("Hi", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("Hello", F),
+        ("!", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁user", F),
+        ("<0x0A>", F),
+        ("By", F),
+        ("e", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("See", T),
+        ("▁you", T),
+        (".", T),
+        ("<|im_end|>", T),
+        ("▁", F),
+        ("<0x0A>", F),
+    ]
     assert not any(target for _, target in pairs[:13])  # the default system turn
 
 
@@ -361,15 +469,43 @@ def test_last_assistant_llama3_hand_checked(llama3_tokenizer: PreTrainedTokenize
     input_ids, labels = tokenize_one(llama3_tokenizer, {"messages": TWO_TURNS}, chat_loss="last_assistant")
     assert as_token_targets(llama3_tokenizer, input_ids, labels) == [
         ("<s>", F),
-        ("<|start_header_id|>", F), ("▁user", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("Hi", F), ("<|eot_id|>", F),
-        ("<|start_header_id|>", F), ("▁assistant", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("Hello", F), ("!", F), ("<|eot_id|>", F),
-        ("<|start_header_id|>", F), ("▁user", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("By", F), ("e", F), ("<|eot_id|>", F),
-        ("<|start_header_id|>", F), ("▁assistant", F), ("<|end_header_id|>", F), ("▁", F), ("<0x0A>", F),
-        ("<0x0A>", F), ("See", T), ("▁you", T), (".", T), ("<|eot_id|>", T),
-    ]  # fmt: skip
+        ("<|start_header_id|>", F),
+        ("▁user", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("Hi", F),
+        ("<|eot_id|>", F),
+        ("<|start_header_id|>", F),
+        ("▁assistant", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("Hello", F),
+        ("!", F),
+        ("<|eot_id|>", F),
+        ("<|start_header_id|>", F),
+        ("▁user", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("By", F),
+        ("e", F),
+        ("<|eot_id|>", F),
+        ("<|start_header_id|>", F),
+        ("▁assistant", F),
+        ("<|end_header_id|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<0x0A>", F),
+        ("See", T),
+        ("▁you", T),
+        (".", T),
+        ("<|eot_id|>", T),
+    ]
 
 
 # ChatML with {% generation %} markers around what the assistant generates, content and <|im_end|>.
@@ -423,10 +559,22 @@ def test_alpaca_renders_as_a_user_assistant_chat(chatml_tokenizer: PreTrainedTok
     input_ids, labels = tokenize_one(chatml_tokenizer, {"instruction": "Hi", "input": "", "output": "Hello!"})
     # No input: the user turn is the instruction alone; SmolLM2's default system turn comes first.
     assert as_token_targets(chatml_tokenizer, input_ids, labels)[13:] == [
-        ("<|im_start|>", F), ("▁user", F), ("<0x0A>", F), ("Hi", F), ("<|im_end|>", F), ("▁", F), ("<0x0A>", F),
-        ("<|im_start|>", F), ("▁assistant", F), ("<0x0A>", F), ("Hello", T), ("!", T), ("<|im_end|>", T),
-        ("▁", F), ("<0x0A>", F),
-    ]  # fmt: skip
+        ("<|im_start|>", F),
+        ("▁user", F),
+        ("<0x0A>", F),
+        ("Hi", F),
+        ("<|im_end|>", F),
+        ("▁", F),
+        ("<0x0A>", F),
+        ("<|im_start|>", F),
+        ("▁assistant", F),
+        ("<0x0A>", F),
+        ("Hello", T),
+        ("!", T),
+        ("<|im_end|>", T),
+        ("▁", F),
+        ("<0x0A>", F),
+    ]
     with_input = tokenize_one(
         chatml_tokenizer, {"instruction": "Add.", "input": "2 and 3", "output": "5", "system": "Be brief."}
     )

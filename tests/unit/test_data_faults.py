@@ -34,8 +34,9 @@ def test_data_whose_every_prompt_fills_max_length_is_refused_at_the_start(
 
 def test_data_with_some_targets_passes(chatml_tokenizer, tmp_path: Path) -> None:
     records = [{"prompt": "word " * 60, "completion": " yes"}] * 5 + [{"prompt": "hi", "completion": " yes"}]
-    built = build_sft_datasets([DataSource(name=str(_jsonl(tmp_path / "d.jsonl", records)))], chatml_tokenizer,
-                               max_length=32, seed=0)  # fmt: skip
+    built = build_sft_datasets(
+        [DataSource(name=str(_jsonl(tmp_path / "d.jsonl", records)))], chatml_tokenizer, max_length=32, seed=0
+    )
     check_has_targets(built.stats, built.train_counts, 32)
     assert built.stats[0].num_without_targets == 5
 

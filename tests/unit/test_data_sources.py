@@ -59,9 +59,15 @@ def test_parse_source() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "problem"),
-    [("x:0", "positive number"), ("x:-1", "positive number"), ("x:inf", "positive number"),
-     (":0.5", "no dataset name"), ("x?lang=en", "cannot read 'lang=en'"), ("x?split=", "cannot read")],
-)  # fmt: skip
+    [
+        ("x:0", "positive number"),
+        ("x:-1", "positive number"),
+        ("x:inf", "positive number"),
+        (":0.5", "no dataset name"),
+        ("x?lang=en", "cannot read 'lang=en'"),
+        ("x?split=", "cannot read"),
+    ],
+)
 def test_parse_source_errors(spec: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_source(spec)
@@ -272,9 +278,13 @@ def test_eval_from_a_separate_source(tmp_path: Path, llama2_tokenizer: PreTraine
     assert f"1 eval examples (from {evaluation})" in data.summary_lines(32)[-1]
     with pytest.raises(ValueError, match="not both"):
         build_sft_datasets(
-            [DataSource(name=str(train))], llama2_tokenizer, max_length=32, seed=0,
-            eval_source=DataSource(name=str(evaluation)), eval_split_fraction=0.5,
-        )  # fmt: skip
+            [DataSource(name=str(train))],
+            llama2_tokenizer,
+            max_length=32,
+            seed=0,
+            eval_source=DataSource(name=str(evaluation)),
+            eval_split_fraction=0.5,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------

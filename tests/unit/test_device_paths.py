@@ -37,9 +37,15 @@ def _on_device(model_dir: Path) -> tuple[torch.nn.Module, FakeAccelerator]:
 
 def _export(model: torch.nn.Module, model_dir: Path, out: Path, *, verify: bool, dtype: str = "bfloat16"):  # type: ignore[no-untyped-def]
     return export_model(
-        model, out, config=model.config, tokenizer=load_tokenizer(str(model_dir)), generation_config=None,
-        dtype=dtype, max_shard_bytes=10**9, verify=verify,
-    )  # fmt: skip
+        model,
+        out,
+        config=model.config,
+        tokenizer=load_tokenizer(str(model_dir)),
+        generation_config=None,
+        dtype=dtype,
+        max_shard_bytes=10**9,
+        verify=verify,
+    )
 
 
 def test_the_harness_raises_where_a_gpu_raises(model_dir: Path) -> None:
@@ -163,10 +169,18 @@ def test_lora_adapter_and_merged_exports_of_a_model_on_the_device(model_dir: Pat
     mode.put_module(model)
     with mode:
         result = export_lora(
-            model, tmp_path / "run", base_model=str(model_dir), tokenizer=load_tokenizer(str(model_dir)), merge=True,
-            layer_cls_names=("LlamaDecoderLayer",), mp_policy=None, dtype="bfloat16", max_shard_bytes=10**9,
-            compute_dtype=torch.float32, is_main_process=True,
-        )  # fmt: skip
+            model,
+            tmp_path / "run",
+            base_model=str(model_dir),
+            tokenizer=load_tokenizer(str(model_dir)),
+            merge=True,
+            layer_cls_names=("LlamaDecoderLayer",),
+            mp_policy=None,
+            dtype="bfloat16",
+            max_shard_bytes=10**9,
+            compute_dtype=torch.float32,
+            is_main_process=True,
+        )
     assert result.adapter_report is not None and result.adapter_report.ok
     assert result.merged_report is not None and result.merged_report.ok
     assert not mode.mismatches
@@ -255,9 +269,17 @@ def test_a_training_step_with_its_stop_check_reads_the_device_once(
 
     monkeypatch.setattr(collectives, "_device", lambda: DEVICE)  # what NCCL's default group takes
     cfg = parse_config(
-        ["--model_name_or_path", str(model_dir), "--dataset_name", "unused.jsonl", "--output_dir", str(tmp_path),
-         "--save_steps", "0"]
-    )  # fmt: skip
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--dataset_name",
+            "unused.jsonl",
+            "--output_dir",
+            str(tmp_path),
+            "--save_steps",
+            "0",
+        ]
+    )
     session = SimpleNamespace(cfg=cfg, output_dir=tmp_path, is_main=True, hub_token=None, world=1)
     model = load_model(str(model_dir))
     previous = signal.getsignal(signal.SIGTERM)
@@ -298,9 +320,16 @@ def test_evaluation_of_a_model_on_the_device(model_dir: Path) -> None:
     model = load_model(str(model_dir))
     examples = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (4, 7, 9)]
     evaluator = Evaluator(
-        examples, collator=PaddingCollator(pad_token_id=0), batch_size=2, rank=0, world_size=1, device=DEVICE,
-        tokenizer=tokenizer, prompts=["hello"], max_new_tokens=3,
-    )  # fmt: skip
+        examples,
+        collator=PaddingCollator(pad_token_id=0),
+        batch_size=2,
+        rank=0,
+        world_size=1,
+        device=DEVICE,
+        tokenizer=tokenizer,
+        prompts=["hello"],
+        max_new_tokens=3,
+    )
     mode = FakeAccelerator()
     mode.put_module(model)
     with mode:
@@ -340,11 +369,14 @@ def test_a_kto_step_with_its_kl_estimate_reads_the_device_once(model_dir: Path) 
 
     model = load_model(str(model_dir))
     examples = with_kl_completions(
-        [{"prompt_ids": [5, 6, 7], "completion_ids": [8, 9, 10], "label": True},
-         {"prompt_ids": [14, 15], "completion_ids": [16], "label": False},
-         {"prompt_ids": [20], "completion_ids": [21, 22, 23, 24], "label": True}],
-        world_size=1, batch_size=3,
-    )  # fmt: skip
+        [
+            {"prompt_ids": [5, 6, 7], "completion_ids": [8, 9, 10], "label": True},
+            {"prompt_ids": [14, 15], "completion_ids": [16], "label": False},
+            {"prompt_ids": [20], "completion_ids": [21, 22, 23, 24], "label": True},
+        ],
+        world_size=1,
+        batch_size=3,
+    )
     batches = [UnpairedCollator(pad_token_id=0, max_length=16)(examples)] * 2
     mode = FakeAccelerator()
     mode.put_module(model)

@@ -32,8 +32,18 @@ def clean(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> list[
     monkeypatch.setattr(environment, "known_issues", lambda: [])
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(8)))
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
-            "--max_length", "64", "--save_total_limit", "2"]  # fmt: skip
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_length",
+        "64",
+        "--save_total_limit",
+        "2",
+    ]
 
 
 def levels(report, section: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -71,8 +81,14 @@ def test_trls_fsdp1_config_runs_through_doctor_with_each_key_mapped(clean) -> No
 
 
 def test_versions_below_the_floor_and_known_bugs_fire(monkeypatch: pytest.MonkeyPatch) -> None:
-    have = {"torch": "2.9.0+cu128", "transformers": "5.24.0", "accelerate": "1.16.0", "peft": None,
-            "datasets": "5.2.0", "safetensors": "0.8.0"}  # fmt: skip
+    have = {
+        "torch": "2.9.0+cu128",
+        "transformers": "5.24.0",
+        "accelerate": "1.16.0",
+        "peft": None,
+        "datasets": "5.2.0",
+        "safetensors": "0.8.0",
+    }
     found = {f.check: f for f in environment.version_findings(have)}
     assert found["torch"].level == "error" and "older than 2.11" in found["torch"].message
     assert found["peft"].level == "error" and "pip install 'peft>=" in found["peft"].fix
@@ -89,11 +105,22 @@ def test_versions_below_the_floor_and_known_bugs_fire(monkeypatch: pytest.Monkey
 
 
 def test_debug_variables_are_listed_with_what_they_cost() -> None:
-    env = {"CUDA_LAUNCH_BLOCKING": "1", "NCCL_DEBUG": "INFO", "TORCH_LOGS": "+dynamo", "NCCL_P2P_DISABLE": "1",
-           "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "HOME": "/root"}  # fmt: skip
+    env = {
+        "CUDA_LAUNCH_BLOCKING": "1",
+        "NCCL_DEBUG": "INFO",
+        "TORCH_LOGS": "+dynamo",
+        "NCCL_P2P_DISABLE": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "HOME": "/root",
+    }
     found = {f.check: f for f in environment.debug_findings(env)}
-    assert set(found) == {"CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "TORCH_LOGS", "NCCL_P2P_DISABLE",
-                          "TORCH_NCCL_TRACE_BUFFER_SIZE"}  # fmt: skip
+    assert set(found) == {
+        "CUDA_LAUNCH_BLOCKING",
+        "NCCL_DEBUG",
+        "TORCH_LOGS",
+        "NCCL_P2P_DISABLE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    }
     assert [found[k].level for k in ("CUDA_LAUNCH_BLOCKING", "TORCH_LOGS", "NCCL_P2P_DISABLE")] == [
         "warning"
     ] * 3
@@ -155,8 +182,11 @@ def test_each_recipe_finding_fires(clean, tmp_path: Path, monkeypatch: pytest.Mo
     plain.chat_template = None  # a base model's tokenizer: no chat template
     plain.save_pretrained(tmp_path / "plain")
     assert recipe_levels("--dataset_name", str(chat))["data"] == "ok"
-    found = run_doctor([*clean, "--dataset_name", str(chat), "--tokenizer_name_or_path", str(tmp_path / "plain")],
-                       None, environ={})  # fmt: skip
+    found = run_doctor(
+        [*clean, "--dataset_name", str(chat), "--tokenizer_name_or_path", str(tmp_path / "plain")],
+        None,
+        environ={},
+    )
     assert levels(found, "recipe")["data"] == "error" and "chat template" in found.text(), found.text()
     monkeypatch.setattr(recipe.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
     assert recipe_levels()["disk"] == "error"
@@ -171,8 +201,9 @@ def test_the_memory_plan_against_a_gpu_names_the_cheapest_fix(clean, model: Path
         cfg, config, method=get_method("sft"), world=2, budget=80 * 10**9, device="cuda"
     )
     assert fits.level == "ok" and plan.total_params > 0
-    (tight,), _ = recipe.memory_findings(cfg, config, method=get_method("sft"), world=2, budget=int(plan.peak * 1.02),
-                                         device="cuda")  # fmt: skip
+    (tight,), _ = recipe.memory_findings(
+        cfg, config, method=get_method("sft"), world=2, budget=int(plan.peak * 1.02), device="cuda"
+    )
     assert tight.level == "error" and tight.fix.startswith("set ") and "peak" in tight.fix, tight.line()
 
 
@@ -203,11 +234,17 @@ def test_the_rest_of_the_findings_fire(clean, tmp_path: Path, monkeypatch: pytes
     from huggingface_hub import constants as hub_constants
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)  # scripts/test.sh sets HF_HUB_OFFLINE=1
-    assert levels(run_doctor([*clean, "--push_to_hub", "true", "--hub_model_id", "me/model"], None, environ={}),
-                  "recipe")["hub"] == "ok"  # fmt: skip
+    assert (
+        levels(
+            run_doctor([*clean, "--push_to_hub", "true", "--hub_model_id", "me/model"], None, environ={}),
+            "recipe",
+        )["hub"]
+        == "ok"
+    )
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n"
-                             for i in range(4)))  # fmt: skip
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n" for i in range(4))
+    )
     dpo = run_doctor([*clean, "--dataset_name", str(pairs)], None, recipe="dpo", environ={})
     assert "preference pairs, 4 of the first 50" in dpo.text() and dpo.errors == 0, dpo.text()
     kto = run_doctor([*clean, "--dataset_name", str(pairs)], None, recipe="kto", environ={})

@@ -16,13 +16,27 @@ from hf_fsdp2.doctor.recipe import capability_findings, context_parallel_finding
 from hf_fsdp2.launch import packaged_accelerate_config
 from hf_fsdp2.methods import get_method, parse_method_config
 
-LLAMA = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                    num_hidden_layers=2, vocab_size=1000)  # fmt: skip
+LLAMA = LlamaConfig(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=1000,
+)
 
 
 def _cfg(tmp: Path, recipe: str = "sft", **overrides: object):  # type: ignore[no-untyped-def]
-    argv = ["--model_name_or_path", str(tmp), "--dataset_name", "data.jsonl", "--output_dir", str(tmp / "run"),
-            "--max_length", "1000"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        str(tmp),
+        "--dataset_name",
+        "data.jsonl",
+        "--output_dir",
+        str(tmp / "run"),
+        "--max_length",
+        "1000",
+    ]
     for key, value in overrides.items():
         argv += [f"--{key}", str(value)]
     return parse_method_config(recipe, argv)
@@ -90,7 +104,7 @@ def test_the_cp_layout_is_reported(tmp_path: Path) -> None:
             "sft",
             {"cp_size": 2},
             "the load-balancing loss is a product of per-expert fractions",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_bad_cp_layout_is_an_error(tmp_path: Path, world, model, recipe, overrides, needle) -> None:  # type: ignore[no-untyped-def]
@@ -108,8 +122,18 @@ def test_the_doctor_runs_the_cp_check_with_the_accelerate_configs_world(
     model = make_tiny_llama_dir(model, seed=3)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(8)))
-    argv = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
-            "--max_length", "64", "--cp_size", "2"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_length",
+        "64",
+        "--cp_size",
+        "2",
+    ]
     report = run_doctor(argv, packaged_accelerate_config("fsdp2_cpu.yaml"), environ={})  # 2 processes
     recipe = next(v for k, v in report.sections.items() if k.startswith("recipe"))
     cp = [f for f in recipe if f.check == "context parallel"]

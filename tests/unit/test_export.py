@@ -200,9 +200,15 @@ def neox(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("neox") / "model"
     tokenizer = load_tokenizer(str(make_tiny_llama_dir(path.parent / "tok", seed=3)))
     config = GPTNeoXConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(5)
     GPTNeoXForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -219,9 +225,14 @@ def test_checkpoint_names_differ_from_module_names_and_round_trip(neox: Path, tm
     assert names["lm_head.weight"] == "embed_out.weight"
     assert sum(k != v for k, v in names.items()) == 1
     result = export_model(
-        model, tmp_path, config=model.config, tokenizer=None, generation_config=None, dtype="float32",
+        model,
+        tmp_path,
+        config=model.config,
+        tokenizer=None,
+        generation_config=None,
+        dtype="float32",
         max_shard_bytes=BIG,
-    )  # fmt: skip
+    )
     assert result.verify is not None and result.verify.ok  # the reload maps embed_out back to lm_head
     on_disk = load_file(str(tmp_path / WEIGHTS_NAME))
     assert "embed_out.weight" in on_disk and "lm_head.weight" not in on_disk

@@ -62,9 +62,15 @@ def test_the_export_says_it_was_stopped_and_publishes_nothing(
     model, out = load_model(str(path)), tmp_path / "out"
     with pytest.raises(ExportInterrupted) as err:
         export_model(
-            model, out, config=model.config, tokenizer=load_tokenizer(str(path)), generation_config=None,
-            dtype="bfloat16", max_shard_bytes=10**9, verify=True,
-        )  # fmt: skip
+            model,
+            out,
+            config=model.config,
+            tokenizer=load_tokenizer(str(path)),
+            generation_config=None,
+            dtype="bfloat16",
+            max_shard_bytes=10**9,
+            verify=True,
+        )
     message = str(err.value)
     assert not isinstance(err.value, ExportVerificationError)
     assert "the export was stopped by a signal: SIGTERM ended its verification" in message, message

@@ -32,9 +32,15 @@ def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _export(path: Path, out: Path, dtype: str, verify: bool = True):  # type: ignore[no-untyped-def]
     model = load_model(str(path))
     result = export_model(
-        model, out, config=model.config, tokenizer=load_tokenizer(str(path)), generation_config=None,
-        dtype=dtype, max_shard_bytes=10**9, verify=verify,
-    )  # fmt: skip
+        model,
+        out,
+        config=model.config,
+        tokenizer=load_tokenizer(str(path)),
+        generation_config=None,
+        dtype=dtype,
+        max_shard_bytes=10**9,
+        verify=verify,
+    )
     return model, result
 
 
@@ -163,9 +169,14 @@ def test_probe_limit_grows_with_the_reload_rounding_noise() -> None:
 def test_bf16_compute_measures_the_reload_rounding_noise(big_logits: Path, tmp_path: Path) -> None:
     model = load_model(str(big_logits), dtype="bfloat16")
     result = export_model(
-        model, tmp_path / "out", config=model.config, tokenizer=None, generation_config=None, dtype="bfloat16",
+        model,
+        tmp_path / "out",
+        config=model.config,
+        tokenizer=None,
+        generation_config=None,
+        dtype="bfloat16",
         max_shard_bytes=10**9,
-    )  # fmt: skip
+    )
     report = result.verify
     assert report is not None and report.ok
     assert report.logit_noise > 0  # the bf16 reload against itself in float32
@@ -181,9 +192,15 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, 
     model = load_model(str(ensure_smollm2()), dtype="bfloat16")
     out = tmp_path_factory.mktemp("smollm2") / "out"
     export_model(
-        model, out, config=model.config, tokenizer=None, generation_config=None, dtype="bfloat16",
-        max_shard_bytes=10**10, verify=False,
-    )  # fmt: skip
+        model,
+        out,
+        config=model.config,
+        tokenizer=None,
+        generation_config=None,
+        dtype="bfloat16",
+        max_shard_bytes=10**10,
+        verify=False,
+    )
     return model, out
 
 

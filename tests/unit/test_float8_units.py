@@ -131,8 +131,14 @@ def test_llama3_8b_keeps_k_and_v_in_bf16_as_torchao_does(recipe: str) -> None:
     import transformers
     from torchao.float8.float8_linear import Float8Linear
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                                      num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     plan = Float8Plan(recipe=recipe, all_gather=recipe == "tensorwise")
@@ -246,8 +252,18 @@ def test_config_keys_and_refusals() -> None:
 
 
 def test_parse_refuses_lora_with_fp8(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "o"),
-            "--mixed_precision", "fp8", "--use_peft", "true"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        "m",
+        "--dataset_name",
+        "d",
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--mixed_precision",
+        "fp8",
+        "--use_peft",
+        "true",
+    ]
     with pytest.raises(ConfigError, match="use_peft=true \\(LoRA\\) is not supported"):
         parse_config(argv)
 
@@ -266,8 +282,14 @@ def test_memory_plan_counts_float8_weights_and_all_gather_savings() -> None:
     from hf_fsdp2.plan.table import format_plan
 
     hidden, inter, layers, kv = 256, 512, 3, 2  # head_dim 64: q/o 256x256, k/v 128x256
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=inter,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+    )
     per_layer = 2 * hidden * hidden + 2 * 128 * hidden + 3 * hidden * inter
     norms = 2 * hidden
     base = {
@@ -325,8 +347,18 @@ def test_only_the_verified_recipes_take_fp8_and_the_doctor_says_so() -> None:
     from hf_fsdp2.methods import get_method
     from hf_fsdp2.run.registry import check_capabilities
 
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--mixed_precision", "fp8",
-            "--fp8_emulate", "true"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        "m",
+        "--dataset_name",
+        "d",
+        "--output_dir",
+        "o",
+        "--mixed_precision",
+        "fp8",
+        "--fp8_emulate",
+        "true",
+    ]
     fp8, bf16 = parse_config(argv), parse_config(argv[:6])
     for name in ("sft", "cpt"):
         check_capabilities(get_method(name), fp8, MeshPlan())

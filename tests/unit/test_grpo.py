@@ -51,8 +51,12 @@ def _batch(tokenizer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def
     for row, length in enumerate((6, 3, 1, 5)):
         completion_mask[row, :length] = 1
     completion_ids[completion_mask == 0] = tokenizer.pad_token_id
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask}  # fmt: skip
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
 
 
 def _trl_advantages(rewards: torch.Tensor, n: int, scale: str) -> torch.Tensor:
@@ -123,8 +127,14 @@ def test_loss_and_gradients_equal_trls_grpo_trainer_and_the_plain_loop(
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     mask = batch["completion_mask"]
-    settings = GrpoSettings(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                            max_completion_length=MAX_COMPLETION, num_generations=2)  # fmt: skip
+    settings = GrpoSettings(
+        loss_type=loss_type,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_completion_length=MAX_COMPLETION,
+        num_generations=2,
+    )
     advantages, _ = group_advantages(torch.tensor([1.0, 0.0, 0.2, 0.9]), settings)
     g = torch.Generator().manual_seed(1)
     ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -139,14 +149,34 @@ def test_loss_and_gradients_equal_trls_grpo_trainer_and_the_plain_loop(
     assert math.isclose(float(mine), float(plain), rel_tol=1e-5), (float(mine), float(plain))
     with tempfile.TemporaryDirectory() as tmp:
         data = datasets.Dataset.from_list([{"prompt": "a b"}] * 4)
-        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=4,
-                            max_completion_length=MAX_COMPLETION, loss_type=loss_type, beta=beta, epsilon=0.2,
-                            epsilon_high=0.28, temperature=TEMPERATURE, report_to="none")  # fmt: skip
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                              args=config, train_dataset=data, processing_class=tokenizer)  # fmt: skip
+        config = GRPOConfig(
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=False,
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=MAX_COMPLETION,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            temperature=TEMPERATURE,
+            report_to="none",
+        )
+        trainer = GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
         trainer.current_gradient_accumulation_steps = 1
-        inputs = {**batch, "advantages": advantages, "old_per_token_logps": old,
-                  "num_items_in_batch": mask.sum().float()}  # fmt: skip
+        inputs = {
+            **batch,
+            "advantages": advantages,
+            "old_per_token_logps": old,
+            "num_items_in_batch": mask.sum().float(),
+        }
         if beta:
             inputs["ref_per_token_logps"] = ref
         trainer.model.train()
@@ -243,8 +273,11 @@ def test_the_guard_stops_or_warns_after_three_steps_without_a_signal(
     guard = NonFiniteGuard("stop", last_good=lambda: "CKPT. ")
     for step, silent in ((1, True), (2, True), (3, False), (4, True), (5, True)):
         guard.no_signal(step, silent, lambda: "no usable reward: X", "FIX")
-    with pytest.raises(CollapseError, match=r"no learning signal for 3 steps in a row \(steps 4..6\): no usable "
-                       r"reward: X; the run stopped at step 6 and exports nothing\. CKPT\. FIX\. on_collapse: warn"):  # fmt: skip
+    with pytest.raises(
+        CollapseError,
+        match=r"no learning signal for 3 steps in a row \(steps 4..6\): no usable "
+        r"reward: X; the run stopped at step 6 and exports nothing\. CKPT\. FIX\. on_collapse: warn",
+    ):
         guard.no_signal(6, True, lambda: "no usable reward: X", "FIX")
 
     reported = []
@@ -265,9 +298,15 @@ def test_the_guard_stops_or_warns_after_three_steps_without_a_signal(
 
 @pytest.mark.parametrize(
     ("loss_type", "level", "quantile", "beta"),
-    [("bnpo", "token", 1.0, 0.0), ("grpo", "sequence", 1.0, 0.04), ("dapo", "sequence", 1.0, 0.0),
-     ("dapo", "token", 0.5, 0.04), ("bnpo", "token", 0.2, 0.0), ("dr_grpo", "sequence", 0.5, 0.0)],
-)  # fmt: skip
+    [
+        ("bnpo", "token", 1.0, 0.0),
+        ("grpo", "sequence", 1.0, 0.04),
+        ("dapo", "sequence", 1.0, 0.0),
+        ("dapo", "token", 0.5, 0.04),
+        ("bnpo", "token", 0.2, 0.0),
+        ("dr_grpo", "sequence", 0.5, 0.0),
+    ],
+)
 def test_bnpo_gspo_and_the_entropy_mask_equal_trls_compute_loss(
     model_dir: Path, loss_type: str, level: str, quantile: float, beta: float
 ) -> None:
@@ -285,8 +324,15 @@ def test_bnpo_gspo_and_the_entropy_mask_equal_trls_compute_loss(
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     mask = batch["completion_mask"]
-    settings = GrpoSettings(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, num_generations=2,
-                            max_completion_length=MAX_COMPLETION, importance_sampling_level=level)  # fmt: skip
+    settings = GrpoSettings(
+        loss_type=loss_type,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        importance_sampling_level=level,
+    )
     advantages, _ = group_advantages(torch.tensor([1.0, 0.0, 0.2, 0.9]), settings)
     g = torch.Generator().manual_seed(3)
     ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -297,21 +343,43 @@ def test_bnpo_gspo_and_the_entropy_mask_equal_trls_compute_loss(
     logps, entropies = token_logps_and_entropy(ours, ids, attention, mask, TEMPERATURE, entropy=True)
     assert entropies is not None
     keep = high_entropy_mask(entropies, mask, 1 - quantile) if quantile < 1 else None
-    sums = grpo_loss_sums(logps, old, ref if beta else None, advantages, mask, settings, entropy_mask=keep,
-                          entropies=entropies)  # fmt: skip
+    sums = grpo_loss_sums(
+        logps, old, ref if beta else None, advantages, mask, settings, entropy_mask=keep, entropies=entropies
+    )
     mine = sums.loss / sums.count
     mine.backward()
     with tempfile.TemporaryDirectory() as tmp:
         data = datasets.Dataset.from_list([{"prompt": "a b"}] * 4)
-        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=4,
-                            max_completion_length=MAX_COMPLETION, loss_type=loss_type, beta=beta, epsilon=0.2,
-                            epsilon_high=0.28, temperature=TEMPERATURE, report_to="none",
-                            importance_sampling_level=level, top_entropy_quantile=quantile)  # fmt: skip
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                              args=config, train_dataset=data, processing_class=tokenizer)  # fmt: skip
+        config = GRPOConfig(
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=False,
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=MAX_COMPLETION,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            temperature=TEMPERATURE,
+            report_to="none",
+            importance_sampling_level=level,
+            top_entropy_quantile=quantile,
+        )
+        trainer = GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
         trainer.current_gradient_accumulation_steps = 1
-        inputs = {**batch, "advantages": advantages, "old_per_token_logps": old,
-                  "num_items_in_batch": mask.sum().float()}  # fmt: skip
+        inputs = {
+            **batch,
+            "advantages": advantages,
+            "old_per_token_logps": old,
+            "num_items_in_batch": mask.sum().float(),
+        }
         if beta:
             inputs["ref_per_token_logps"] = ref
         trainer.model.train()
@@ -364,20 +432,38 @@ def test_truncated_completions_leave_the_loss_as_trls_mask_says() -> None:
         def batch_decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
             return [" ".join(map(str, i)) for i in ids]
 
-    layout = generation_layout(per_device=2, ranks=1, gradient_accumulation_steps=2, num_generations=2,
-                               num_iterations=1, generation_batch_size=None, steps_per_generation=None,
-                               rollout_batch_size=3)  # fmt: skip
+    layout = generation_layout(
+        per_device=2,
+        ranks=1,
+        gradient_accumulation_steps=2,
+        num_generations=2,
+        num_iterations=1,
+        generation_batch_size=None,
+        steps_per_generation=None,
+        rollout_batch_size=3,
+    )
     assert layout.rollout_chunks == 2 and layout.prompts == 2
-    settings = GrpoStepSettings(grpo=GrpoSettings(num_generations=2), temperature=1.0, num_iterations=1, seed=0,
-                                layout=layout, mask_truncated_completions=True)  # fmt: skip
+    settings = GrpoStepSettings(
+        grpo=GrpoSettings(num_generations=2),
+        temperature=1.0,
+        num_iterations=1,
+        seed=0,
+        layout=layout,
+        mask_truncated_completions=True,
+    )
     function = RewardFunction("len", lambda completions, **kw: [float(len(c)) for c in completions], 1.0)
     batch = {"prompt_ids": [[11, 12], [13]], "prompts": ["p", "q"], "columns": {}, "index": [0, 1]}
     roll = rollout(batch, Fixed(), [function], Tok(), settings, number=1, device=torch.device("cpu"))
     eos_and_pad = [eos, pad]
     is_truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in outputs])  # TRL's line
-    masks = torch.cat([torch.nn.functional.pad(r["completion_mask"], (0, 3 - r["completion_mask"].shape[1]))
-                       for r in roll.rows])  # fmt: skip
-    loss_masks = torch.cat([torch.nn.functional.pad(r["loss_mask"], (0, 3 - r["loss_mask"].shape[1]))
-                            for r in roll.rows])  # fmt: skip
+    masks = torch.cat(
+        [
+            torch.nn.functional.pad(r["completion_mask"], (0, 3 - r["completion_mask"].shape[1]))
+            for r in roll.rows
+        ]
+    )
+    loss_masks = torch.cat(
+        [torch.nn.functional.pad(r["loss_mask"], (0, 3 - r["loss_mask"].shape[1])) for r in roll.rows]
+    )
     assert torch.equal(loss_masks, masks * (~is_truncated).unsqueeze(1).int())
     assert Fixed.calls == [3, 1] and roll.loss_tokens == int(loss_masks.sum()) == 5

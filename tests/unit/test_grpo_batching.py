@@ -14,23 +14,40 @@ from hf_fsdp2.methods.grpo.batching import generation_layout
 
 
 def _layout(**kw: int | None):  # type: ignore[no-untyped-def]
-    base: dict[str, int | None] = {"per_device": 4, "ranks": 1, "gradient_accumulation_steps": 2,
-                                   "num_generations": 4, "num_iterations": 1, "generation_batch_size": None,
-                                   "steps_per_generation": None, "rollout_batch_size": None}  # fmt: skip
+    base: dict[str, int | None] = {
+        "per_device": 4,
+        "ranks": 1,
+        "gradient_accumulation_steps": 2,
+        "num_generations": 4,
+        "num_iterations": 1,
+        "generation_batch_size": None,
+        "steps_per_generation": None,
+        "rollout_batch_size": None,
+    }
     return generation_layout(**{**base, **kw})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("given", "keys"),
-    [({}, {}), ({"generation_batch_size": 24}, {"generation_batch_size": 24}),
-     ({"steps_per_generation": 3}, {"steps_per_generation": 3})],
-)  # fmt: skip
+    [
+        ({}, {}),
+        ({"generation_batch_size": 24}, {"generation_batch_size": 24}),
+        ({"steps_per_generation": 3}, {"steps_per_generation": 3}),
+    ],
+)
 def test_the_layout_is_trls_grpo_config(given: dict[str, int], keys: dict[str, int]) -> None:
     from trl import GRPOConfig
 
     with tempfile.TemporaryDirectory() as tmp:
-        trl = GRPOConfig(output_dir=tmp, use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         num_generations=4, report_to="none", **keys)  # fmt: skip
+        trl = GRPOConfig(
+            output_dir=tmp,
+            use_cpu=True,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            num_generations=4,
+            report_to="none",
+            **keys,
+        )
     ours = _layout(**given)
     assert (ours.generation_batch_size, ours.steps_per_generation) == (
         trl.generation_batch_size,
@@ -43,12 +60,18 @@ def test_the_layout_is_trls_grpo_config(given: dict[str, int], keys: dict[str, i
 
 
 def test_refusals_name_the_numbers_and_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"generation_batch_size \(10\) must be divisible by the global batch size "
-                       r"per_device_train_batch_size\(4\) x data-parallel ranks\(2\) = 8: set it to a multiple of 8"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_batch_size \(10\) must be divisible by the global batch size "
+        r"per_device_train_batch_size\(4\) x data-parallel ranks\(2\) = 8: set it to a multiple of 8",
+    ):
         _layout(ranks=2, generation_batch_size=10)
-    with pytest.raises(ConfigError, match=r"generation_batch_size \(6 = per_device_train_batch_size\(3\) x "
-                       r"data-parallel ranks\(1\) x steps_per_generation\(2\)\) must be divisible by num_generations "
-                       r"\(4\).*a multiple of 4"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_batch_size \(6 = per_device_train_batch_size\(3\) x "
+        r"data-parallel ranks\(1\) x steps_per_generation\(2\)\) must be divisible by num_generations "
+        r"\(4\).*a multiple of 4",
+    ):
         _layout(per_device=3)
     with pytest.raises(ConfigError, match="both set: set one"):
         _layout(generation_batch_size=8, steps_per_generation=2)
@@ -87,10 +110,21 @@ def test_the_stepper_reads_a_prompt_batch_per_generation_batch_and_after_a_resum
     from hf_fsdp2.train.step import StepSettings
 
     layout = _layout(num_iterations=2)
-    settings = GrpoStepSettings(grpo=GrpoSettings(num_generations=4), temperature=1.0, num_iterations=2, seed=0,
-                                layout=layout)  # fmt: skip
-    stepper = GrpoStepper(None, None, None, generator=None, functions=[], tokenizer=None, reference=None,  # type: ignore[arg-type]
-                          settings=settings, step=StepSettings(LossPlan()), device=None)  # type: ignore[arg-type]  # fmt: skip
+    settings = GrpoStepSettings(
+        grpo=GrpoSettings(num_generations=4), temperature=1.0, num_iterations=2, seed=0, layout=layout
+    )
+    stepper = GrpoStepper(
+        None,
+        None,
+        None,
+        generator=None,
+        functions=[],
+        tokenizer=None,
+        reference=None,  # type: ignore[arg-type]
+        settings=settings,
+        step=StepSettings(LossPlan()),
+        device=None,
+    )  # type: ignore[arg-type]
     assert [stepper.reads(s) for s in (1, 3, 5)] == [1, 1, 1]
     assert stepper.reads(2) == 1  # nothing buffered yet: a resumed step 2 samples
     stepper.roll = object()  # type: ignore[assignment]  # a buffered generation batch

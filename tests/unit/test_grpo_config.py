@@ -39,11 +39,16 @@ def test_grpo_defaults_dapo_no_kl_and_no_compile_and_refuses_what_it_cannot_do()
     assert (cfg.method.loss_type, cfg.method.beta, cfg.fsdp.torch_compile) == ("dr_grpo", 0.04, True)
     # A YAML value of a shared key wins over the method's default for it, as the command line's does.
     assert parse("sft").fsdp.torch_compile is None  # the default of the other methods is untouched
-    for argv, message in ((("--loss_type", "ipo"), "loss_type='ipo' is not a loss of the GRPO recipe"),
-                          (("--precompute_ref_log_probs", "true"), "'precompute_ref_log_probs' .* is a key of the dpo and kto recipe, not of the grpo recipe"),
-                          (("--packing", "true"), "packing=True"),
-                          (("--max_length", "64", "--max_completion_length", "64"), "must exceed max_completion_length"),
-                          ((), "reward_funcs is empty")):  # fmt: skip
+    for argv, message in (
+        (("--loss_type", "ipo"), "loss_type='ipo' is not a loss of the GRPO recipe"),
+        (
+            ("--precompute_ref_log_probs", "true"),
+            "'precompute_ref_log_probs' .* is a key of the dpo and kto recipe, not of the grpo recipe",
+        ),
+        (("--packing", "true"), "packing=True"),
+        (("--max_length", "64", "--max_completion_length", "64"), "must exceed max_completion_length"),
+        ((), "reward_funcs is empty"),
+    ):
         funcs = () if message == "reward_funcs is empty" else ("--reward_funcs", "exact_match")
         with pytest.raises(ConfigError, match=message):
             check("grpo", *funcs, *argv)
@@ -61,8 +66,11 @@ def test_dpo_and_kto_keep_trls_beta_and_refuse_each_others_keys() -> None:
         parse("dpo", "--loss_type", "dapo")
     with pytest.raises(ConfigError, match="beta=0.0 must be > 0 for DPO"):
         parse("dpo", "--beta", "0")
-    with pytest.raises(ConfigError, match="'num_generations' in the command line is a key of the grpo recipe, not of "
-                       "the dpo recipe; remove it, or train with recipes/grpo.py"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="'num_generations' in the command line is a key of the grpo recipe, not of "
+        "the dpo recipe; remove it, or train with recipes/grpo.py",
+    ):
         parse("dpo", "--num_generations", "4")
     with pytest.raises(
         ConfigError, match="'beta' .* is a key of the dpo and kto and grpo recipe, not of the sft"
@@ -89,9 +97,11 @@ def test_prompts_come_from_prompt_records_or_chat_records_and_bad_ones_are_named
     from hf_fsdp2.methods.grpo.data import tokenize_prompts
 
     user = {"role": "user", "content": "2024-03-05"}
-    records = [{"prompt": "a plain prompt", "answer": "x"},
-               {"messages": [user, {"role": "assistant", "content": "5 March 2024"}], "kind": "chat"},
-               {"prompt": [user]}]  # fmt: skip
+    records = [
+        {"prompt": "a plain prompt", "answer": "x"},
+        {"messages": [user, {"role": "assistant", "content": "5 March 2024"}], "kind": "chat"},
+        {"prompt": [user]},
+    ]
     out = tokenize_prompts(records, chatml_tokenizer, limit=64, long_examples="drop", source="d.jsonl")
     assert [e["columns"].get("answer") for e in out] == ["x", "5 March 2024", None]
     assert out[1]["prompt"] == [user] and out[1]["columns"]["kind"] == "chat"

@@ -13,11 +13,36 @@ from hf_fsdp2.plan import PlanSettings, plan_memory
 def test_the_rollout_phase_is_the_gathered_model_and_the_kv_cache() -> None:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    cfg = parse_method_config("grpo", ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
-                        "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
-                        "--num_generations", "4", "--max_length", "128", "--mixed_precision", "bf16"])  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    cfg = parse_method_config(
+        "grpo",
+        [
+            "--model_name_or_path",
+            "m",
+            "--dataset_name",
+            "d.jsonl",
+            "--output_dir",
+            "o",
+            "--per_device_train_batch_size",
+            "3",
+            "--gradient_accumulation_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--max_length",
+            "128",
+            "--mixed_precision",
+            "bf16",
+        ],
+    )
     settings = PlanSettings.from_config(cfg, world_size=2, device_type="cpu", method=get_method("grpo"))
     assert settings.micro_batch == 3  # completions (the old meaning, prompts x num_generations, was 12 rows)
     plan = plan_memory(config, settings)
@@ -40,11 +65,33 @@ def test_rollout_batch_size_splits_the_kv_cache_into_calls() -> None:
     """rollout_batch_size 4 of a rank's 12 completions: 3 generate calls, a third of the KV cache and last logits."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
-            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3", "--num_generations", "4",
-            "--max_length", "128", "--mixed_precision", "bf16"]  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    argv = [
+        "--model_name_or_path",
+        "m",
+        "--dataset_name",
+        "d.jsonl",
+        "--output_dir",
+        "o",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "3",
+        "--num_generations",
+        "4",
+        "--max_length",
+        "128",
+        "--mixed_precision",
+        "bf16",
+    ]
     whole_cfg = parse_method_config("grpo", argv)
     split_cfg = parse_method_config("grpo", [*argv, "--rollout_batch_size", "4"])
     settings = PlanSettings.from_config(whole_cfg, world_size=2, device_type="cpu", method=get_method("grpo"))
@@ -60,11 +107,32 @@ def test_a_generation_batch_the_ranks_cannot_hold_is_named_not_raised() -> None:
     would refuse it, and the training table is still made."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    cfg = parse_method_config("grpo", ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
-                                       "--per_device_train_batch_size", "3", "--num_generations", "4",
-                                       "--max_length", "128"])  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    cfg = parse_method_config(
+        "grpo",
+        [
+            "--model_name_or_path",
+            "m",
+            "--dataset_name",
+            "d.jsonl",
+            "--output_dir",
+            "o",
+            "--per_device_train_batch_size",
+            "3",
+            "--num_generations",
+            "4",
+            "--max_length",
+            "128",
+        ],
+    )
     plan = plan_memory(
         config, PlanSettings.from_config(cfg, world_size=1, device_type="cpu", method=get_method("grpo"))
     )

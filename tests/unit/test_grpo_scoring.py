@@ -22,9 +22,16 @@ def _model(vocab: int, hidden: int, layers: int, dtype: torch.dtype, seed: int =
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).to(dtype)
 
 
@@ -75,8 +82,9 @@ def test_chunked_scoring_of_a_model_equals_the_plain_path_in_fp64() -> None:
     results = []
     for plan in (None, LossPlan(chunk_tokens=4), LossPlan(chunk_tokens=1000)):
         model = _model(vocab, 32, 2, torch.float64)
-        logps, entropy = token_logps_and_entropy(model, rows["input_ids"], rows["attention_mask"],
-                                                 rows["completion_mask"], 0.8, plan, entropy=True)  # fmt: skip
+        logps, entropy = token_logps_and_entropy(
+            model, rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 0.8, plan, entropy=True
+        )
         mask = rows["completion_mask"].double()
         (logps * mask * torch.linspace(-1, 2, width, dtype=torch.float64)).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -113,8 +121,9 @@ def _scoring_peak(plan: LossPlan | None, vocab: int, hidden: int, rows: dict[str
     model = _model(vocab, hidden, 1, torch.float32)
     meter = _LiveBytes()
     with meter:
-        logps, _ = token_logps_and_entropy(model, rows["input_ids"], rows["attention_mask"], rows["completion_mask"],
-                                           0.9, plan, entropy=True)  # fmt: skip
+        logps, _ = token_logps_and_entropy(
+            model, rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 0.9, plan, entropy=True
+        )
         (logps * rows["completion_mask"]).sum().backward()
         del logps
     return meter.peak

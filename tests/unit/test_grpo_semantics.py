@@ -70,17 +70,34 @@ def trl_trainer(chat_model: Path) -> Any:
 
     tok = AutoTokenizer.from_pretrained(chat_model)
     with tempfile.TemporaryDirectory() as tmp:
-        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=2,
-                            max_completion_length=MAX_NEW, temperature=TEMPERATURE, report_to="none")  # fmt: skip
-        return GRPOTrainer(model=str(chat_model), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                           args=config, train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 2),
-                           processing_class=tok)  # fmt: skip
+        config = GRPOConfig(
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=False,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            max_completion_length=MAX_NEW,
+            temperature=TEMPERATURE,
+            report_to="none",
+        )
+        return GRPOTrainer(
+            model=str(chat_model),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config,
+            train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 2),
+            processing_class=tok,
+        )
 
 
 def _generator(model: Any, tok: Any, **settings: Any) -> TransformersGenerator:
     eos = stop_token_ids(tok.eos_token_id, model.generation_config.eos_token_id)
-    return TransformersGenerator(model, pad_id=tok.pad_token_id, eos_ids=eos, bos_id=tok.bos_token_id,
-                                 settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=TEMPERATURE, **settings))  # fmt: skip
+    return TransformersGenerator(
+        model,
+        pad_id=tok.pad_token_id,
+        eos_ids=eos,
+        bos_id=tok.bos_token_id,
+        settings=SamplingSettings(max_completion_length=MAX_NEW, temperature=TEMPERATURE, **settings),
+    )
 
 
 def test_completions_stop_at_every_end_id_the_model_declares_as_trls(
@@ -159,8 +176,17 @@ def test_the_rollout_samples_the_distribution_the_loss_scores(chat_model: Path, 
         line
     )
     ours, theirs = generator.sampling, trl_trainer.generation_config
-    for key in ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
-                "pad_token_id", "bos_token_id"):  # fmt: skip
+    for key in (
+        "do_sample",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "max_new_tokens",
+        "pad_token_id",
+        "bos_token_id",
+    ):
         assert getattr(ours, key) == getattr(theirs, key), key
     # The keys: a repetition penalty asked for is applied, generation_kwargs come last (a suppressed token never
     # appears).
@@ -190,38 +216,60 @@ def test_prompts_are_tokenized_as_trls_grpo_trainer(template: str, markers: tupl
     tok = build_tokenizer(hinted, markers)
     kwargs = {"hint": "Think step by step."}
     strings = ["alpha bravo", "What is 2+2? Answer briefly."]
-    chats = [[{"role": "user", "content": "alpha bravo"}],
-             [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}]]  # fmt: skip
+    chats = [
+        [{"role": "user", "content": "alpha bravo"}],
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}],
+    ]
     for prompts in (strings, chats):
-        trl_self = SimpleNamespace(processing_class=tok, _is_vlm=False, environment_factories=None, tools=None,
-                                   chat_template=None, chat_template_kwargs=kwargs)  # fmt: skip
+        trl_self = SimpleNamespace(
+            processing_class=tok,
+            _is_vlm=False,
+            environment_factories=None,
+            tools=None,
+            chat_template=None,
+            chat_template_kwargs=kwargs,
+        )
         theirs, _, _ = GRPOTrainer._tokenize_prompts(trl_self, prompts)  # type: ignore[arg-type]
         records = [{"prompt": p, "answer": "4"} for p in prompts]
-        ours = tokenize_prompts(records, tok, limit=512, long_examples="error", source="test",
-                                chat_template_kwargs=kwargs)  # fmt: skip
+        ours = tokenize_prompts(
+            records, tok, limit=512, long_examples="error", source="test", chat_template_kwargs=kwargs
+        )
         assert [e["prompt_ids"] for e in ours] == [list(ids) for ids in theirs]
         with_bos = prompts is strings or "bos_token" in template  # a chat template writes its own (or none)
         assert all((e["prompt_ids"][0] == tok.bos_token_id) is with_bos for e in ours), [
             e["prompt_ids"][:3] for e in ours
         ]
         assert all(e["prompt_ids"][1:].count(tok.bos_token_id) == 0 for e in ours)
-    hinted_ids, plain_ids = (tokenize_prompts([{"prompt": chats[0]}], tok, limit=512, long_examples="error",
-                             source="test", chat_template_kwargs=k)[0]["prompt_ids"] for k in (kwargs, None))  # fmt: skip
+    hinted_ids, plain_ids = (
+        tokenize_prompts(
+            [{"prompt": chats[0]}],
+            tok,
+            limit=512,
+            long_examples="error",
+            source="test",
+            chat_template_kwargs=k,
+        )[0]["prompt_ids"]
+        for k in (kwargs, None)
+    )
     assert "Think step by step." in tok.decode(hinted_ids) and "Think" not in tok.decode(plain_ids)
 
 
 def test_the_new_keys_are_checked_and_a_yaml_mapping_is_accepted(tmp_path: Path) -> None:
     from hf_fsdp2.config.parse import parse_config
 
-    for kwargs, message in (({"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
-                            ({"min_p": 1.5}, r"min_p=1.5 must be in \[0, 1\]"),
-                            ({"generation_kwargs": "{oops"}, "generation_kwargs='{oops' is not a JSON object"),
-                            ({"generation_kwargs": "[1]"}, "is not a JSON object"),
-                            ({"generation_kwargs": '{"top_p": 0.9}'}, "sets 'top_p', which has a key of its own here: "
-                             "set top_p instead"),
-                            ({"generation_kwargs": '{"max_new_tokens": 9}'}, "set max_completion_length instead"),
-                            ({"generation_kwargs": '{"supress_tokens": [1]}'}, r"has \['supress_tokens'\], not fields"),
-                            ({"chat_template_kwargs": "3"}, "chat_template_kwargs='3' is not a JSON object")):  # fmt: skip
+    for kwargs, message in (
+        ({"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
+        ({"min_p": 1.5}, r"min_p=1.5 must be in \[0, 1\]"),
+        ({"generation_kwargs": "{oops"}, "generation_kwargs='{oops' is not a JSON object"),
+        ({"generation_kwargs": "[1]"}, "is not a JSON object"),
+        (
+            {"generation_kwargs": '{"top_p": 0.9}'},
+            "sets 'top_p', which has a key of its own here: set top_p instead",
+        ),
+        ({"generation_kwargs": '{"max_new_tokens": 9}'}, "set max_completion_length instead"),
+        ({"generation_kwargs": '{"supress_tokens": [1]}'}, r"has \['supress_tokens'\], not fields"),
+        ({"chat_template_kwargs": "3"}, "chat_template_kwargs='3' is not a JSON object"),
+    ):
         with pytest.raises(ConfigError, match=message):
             GrpoArgs(reward_funcs=["exact_match"], **kwargs).validate()
     assert sampling_kwargs('{"suppress_tokens": [5], "no_repeat_ngram_size": 3}') == {

@@ -84,9 +84,16 @@ def test_the_stepper_sees_the_backend_through_the_wrapper() -> None:
 def test_the_step_metrics_carry_the_rollout_timing() -> None:
     gen = TimedGenerator(SlowBackend(per_call=0.01))
     gen.generate([[1, 2], [1, 2]], seed=0)
-    roll = Rollout(rows=[], rewards=torch.tensor([1.0, 0.0]), per_function=torch.tensor([[1.0], [0.0]]),
-                   advantages=torch.tensor([0.5, -0.5]), zero_std=torch.tensor([0.0, 0.0]), lengths=[3, 3],
-                   completions=["a", "b"], prompts=["p", "p"])  # fmt: skip
+    roll = Rollout(
+        rows=[],
+        rewards=torch.tensor([1.0, 0.0]),
+        per_function=torch.tensor([[1.0], [0.0]]),
+        advantages=torch.tensor([0.5, -0.5]),
+        zero_std=torch.tensor([0.0, 0.0]),
+        lengths=[3, 3],
+        completions=["a", "b"],
+        prompts=["p", "p"],
+    )
     out = GrpoStepMetrics(
         stats=torch.zeros(len(STATS)),
         roll=roll,

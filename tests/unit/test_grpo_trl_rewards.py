@@ -111,8 +111,16 @@ IDS = [[5, 6, 7, 8], [9, 10], [], [11, 12, 13]]
 COLUMNS = {"ground_truth": ["4", "4", "2", "4"], "task": ["math", "math", "code", "math"]}
 STRINGS = ["What is 2+2?", "What is 2+2?", "Write add(a, b).", "Two plus two?"]
 CHATS = [[{"role": "system", "content": "Think first."}, {"role": "user", "content": p}] for p in STRINGS]
-STANDARD = ["reward_func", "boxed_reward_func", "math_reward_func", "async_reward_func", "curriculum",
-            "numpy_and_bools", "as_array", "not_applicable"]  # fmt: skip
+STANDARD = [
+    "reward_func",
+    "boxed_reward_func",
+    "math_reward_func",
+    "async_reward_func",
+    "curriculum",
+    "numpy_and_bools",
+    "as_array",
+    "not_applicable",
+]
 CONVERSATIONAL = [
     "format_reward_func",
     "math_reward_func",
@@ -131,9 +139,16 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trl_rewards")
     tok = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS)
     tok.pad_token = tok.eos_token
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(3)
     rm = root / "tiny-rm"
     LlamaForSequenceClassification(config).save_pretrained(rm)
@@ -155,11 +170,22 @@ def trainer(folders: dict[str, Path]) -> Any:
     import doc_rewards
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=4,
-                            max_completion_length=8, report_to="none")  # fmt: skip
-        return GRPOTrainer(model=str(folders["policy"]), reward_funcs=[doc_rewards.async_reward_func, str(folders["rm"])],
-                           args=config, train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
-                           processing_class=AutoTokenizer.from_pretrained(folders["policy"]))  # fmt: skip
+        config = GRPOConfig(
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=False,
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=8,
+            report_to="none",
+        )
+        return GRPOTrainer(
+            model=str(folders["policy"]),
+            reward_funcs=[doc_rewards.async_reward_func, str(folders["rm"])],
+            args=config,
+            train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
+            processing_class=AutoTokenizer.from_pretrained(folders["policy"]),
+        )
 
 
 def _trls(trainer: Any, names: list[str], prompts: list[Any]) -> torch.Tensor:
@@ -187,18 +213,34 @@ def test_trls_reward_functions_and_a_reward_model_score_as_in_trl(folders, train
     trainer._pending_extra_logs.clear()
     theirs = _trls(trainer, names, prompts)
     context = RewardContext(state=lambda: TrainerState(global_step=3, max_steps=12))
-    functions = resolve_reward_functions([*(f"doc_rewards:{n}" for n in names), str(folders["rm"])], context=context,
-                                         device=torch.device("cpu"))  # fmt: skip
+    functions = resolve_reward_functions(
+        [*(f"doc_rewards:{n}" for n in names), str(folders["rm"])],
+        context=context,
+        device=torch.device("cpu"),
+    )
     assert functions[-1].name == "tiny-rm"  # TRL's name: the model id's last part
     ours = score_completions(functions, prompts, TEXTS, IDS, COLUMNS)
     torch.testing.assert_close(ours, theirs, equal_nan=True, rtol=1e-6, atol=1e-6)
     assert ours[:, :-1].isnan().any() and not ours[:, -1].isnan().any()  # None / NaN: not applicable
     assert ours[:, -1].abs().sum() > 0  # the reward model's logits[:, 0]
     # What the functions logged, as TRL holds it, then averaged into the step's metrics.
-    assert context.metrics == dict(trainer._pending_metrics) == {"curriculum/progress": [0.25],
-                                                                 "curriculum/batch": [4.0]}  # fmt: skip
-    assert context.extras == dict(trainer._pending_extra_logs) == {"chars": [len(str(c)) for c in
-            ([[{"role": "assistant", "content": t}] for t in TEXTS] if kind != "string" else TEXTS)]}  # fmt: skip
+    assert (
+        context.metrics
+        == dict(trainer._pending_metrics)
+        == {"curriculum/progress": [0.25], "curriculum/batch": [4.0]}
+    )
+    assert (
+        context.extras
+        == dict(trainer._pending_extra_logs)
+        == {
+            "chars": [
+                len(str(c))
+                for c in (
+                    [[{"role": "assistant", "content": t}] for t in TEXTS] if kind != "string" else TEXTS
+                )
+            ]
+        }
+    )
     assert [row["chars"] for row in extra_columns(functions, len(TEXTS))] == context.extras["chars"]
     score_completions(functions, prompts, TEXTS, IDS, COLUMNS)  # a second batch before the log
     assert reward_metrics(functions, torch.device("cpu")) == {
@@ -214,8 +256,9 @@ def test_trls_reward_functions_and_a_reward_model_score_as_in_trl(folders, train
 def test_the_builtins_read_message_completions_and_trl_rewards_run_unchanged() -> None:
     from trl.rewards import think_format_reward
 
-    functions = resolve_reward_functions(["exact_match", "format", "trl.rewards:think_format_reward"],
-                                         format_pattern=r"<think>.*</think>.*")  # fmt: skip
+    functions = resolve_reward_functions(
+        ["exact_match", "format", "trl.rewards:think_format_reward"], format_pattern=r"<think>.*</think>.*"
+    )
     texts = ["<think>x</think>4", "4", "<think>y</think> 5"]
     chats = [[{"role": "user", "content": "2+2?"}]] * 3
     table = score_completions(
@@ -294,8 +337,9 @@ def test_evaluation_logs_what_the_functions_logged(folders: dict[str, Path], cap
     ]
     prompts = tokenize_prompts(records, tok, limit=64, long_examples="error", source="eval")
     context = RewardContext(state=lambda: TrainerState(global_step=6, max_steps=12))
-    functions = resolve_reward_functions(["doc_rewards:curriculum", "doc_rewards:format_reward_func"],
-                                         context=context)  # fmt: skip
+    functions = resolve_reward_functions(
+        ["doc_rewards:curriculum", "doc_rewards:format_reward_func"], context=context
+    )
     with caplog.at_level(logging.INFO, logger="hf_fsdp2"):
         out = GrpoEvaluator(prompts, Fixed(), functions, tok, batch_size=3, samples=2).run(
             torch.nn.Linear(1, 1), 6

@@ -99,8 +99,12 @@ def test_sampling_logps_are_attached_per_micro_batch_in_order() -> None:
 def test_vllm_keys_trl_defaults_and_refusals() -> None:
     g = GrpoArgs(reward_funcs=["format"])
     g.validate()
-    assert (g.use_vllm, g.vllm_importance_sampling_correction, g.vllm_importance_sampling_mode, g.is_clip_max) == (
-        False, True, "sequence_mask", 3.0)  # fmt: skip
+    assert (
+        g.use_vllm,
+        g.vllm_importance_sampling_correction,
+        g.vllm_importance_sampling_mode,
+        g.is_clip_max,
+    ) == (False, True, "sequence_mask", 3.0)
     assert g.vllm_url == "http://0.0.0.0:8000"
     assert (
         GrpoArgs(vllm_importance_sampling_cap=2.0).is_clip_max == 2.0
@@ -121,8 +125,20 @@ def test_vllm_keys_trl_defaults_and_refusals() -> None:
 
 # Some of vLLM 0.32's SamplingParams fields, as a server's /health lists them (tests/recipes/test_grpo_vllm_server.py
 # reads the real list).
-FAKE_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "min_tokens", "bad_words",
-                        "logit_bias", "max_tokens", "logprobs")  # fmt: skip
+FAKE_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "min_tokens",
+    "bad_words",
+    "logit_bias",
+    "max_tokens",
+    "logprobs",
+)
 
 
 class Fake:
@@ -167,8 +183,13 @@ class Fake:
                     self._json({"weights_version": fake.version})
                 elif self.path == "/generate":
                     n = len(json.loads(body)["prompts"])
-                    self._json({"completions": [[5, 2, 7]] * n, "logprobs": [[-1.0, -2.0, -3.0]] * n,
-                                "weights_version": 99 if fake.behaviour == "other" else fake.version})  # fmt: skip
+                    self._json(
+                        {
+                            "completions": [[5, 2, 7]] * n,
+                            "logprobs": [[-1.0, -2.0, -3.0]] * n,
+                            "weights_version": 99 if fake.behaviour == "other" else fake.version,
+                        }
+                    )
                 elif self.path == "/weights":
                     self._json({"staged": 1})
                 else:
@@ -195,8 +216,15 @@ def _generator(
 ) -> VllmGenerator:
     model = model or torch.nn.Linear(2, 2)
     client = VllmClient(ServerSettings(url, **kw))
-    gen = VllmGenerator(model, client, eos_ids=[2], settings=settings or SamplingSettings(max_completion_length=4), probe=([1], [2]),
-                        compute_dtype="float32", device=torch.device("cpu"))  # fmt: skip
+    gen = VllmGenerator(
+        model,
+        client,
+        eos_ids=[2],
+        settings=settings or SamplingSettings(max_completion_length=4),
+        probe=([1], [2]),
+        compute_dtype="float32",
+        device=torch.device("cpu"),
+    )
     gen.check_probe = lambda: 0.0  # type: ignore[method-assign]  # a Linear has no log-probs; the real one: recipes
     return gen
 
@@ -253,8 +281,14 @@ def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_
     from safetensors.torch import load
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = LlamaForCausalLM(config)
     groups = layer_groups(model)
     assert [g[0][0] for g in groups[:3]] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
@@ -314,8 +348,9 @@ class _TensorParallelLLM:
         self.llm_engine = type("Engine", (), {"model_executor": object()})()
         self.resets = 0
 
-    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
         import pickle
 
         import cloudpickle
@@ -376,14 +411,22 @@ def test_generation_kwargs_with_vllm_are_sampling_params_fields() -> None:
         ConfigError, match=r"has \['min_tokens'\], not fields of transformers' GenerationConfig"
     ):
         GrpoArgs(reward_funcs=["format"], generation_kwargs='{"min_tokens": 2}').validate()
-    for kwargs, message in (('{"max_tokens": 3}', "sets 'max_tokens', which has a key of its own here: set "
-                             "max_completion_length instead"),
-                            ('{"n": 2}', "set num_generations instead"),
-                            ('{"seed": 1}', "set seed \\(each prompt's sampling seed derives from it\\) instead"),
-                            ('{"logprobs": 5}', "sets 'logprobs', which the run sets itself \\(it asks for the "
-                             "sampled tokens' log-probs"),
-                            ('{"stop_token_ids": [7]}', "the end ids are the tokenizer's EOS and "
-                             "generation_config.json's eos_token_id")):  # fmt: skip
+    for kwargs, message in (
+        (
+            '{"max_tokens": 3}',
+            "sets 'max_tokens', which has a key of its own here: set max_completion_length instead",
+        ),
+        ('{"n": 2}', "set num_generations instead"),
+        ('{"seed": 1}', "set seed \\(each prompt's sampling seed derives from it\\) instead"),
+        (
+            '{"logprobs": 5}',
+            "sets 'logprobs', which the run sets itself \\(it asks for the sampled tokens' log-probs",
+        ),
+        (
+            '{"stop_token_ids": [7]}',
+            "the end ids are the tokenizer's EOS and generation_config.json's eos_token_id",
+        ),
+    ):
         with pytest.raises(ConfigError, match=message):
             GrpoArgs(**vllm, generation_kwargs=kwargs).validate()
 
@@ -413,9 +456,12 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
             max_completion_length=4, generation_kwargs={"suppress_tokens": [5], "stop": ["."]}
         ),
     )
-    with pytest.raises(ConfigError, match=rf"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
-                       rf"SamplingParams \({fake.url}\); with use_vllm they go to SamplingParams \(TRL's meaning\), "
-                       r"whose fields are \['bad_words', 'logit_bias', 'logprobs', "):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+        rf"SamplingParams \({fake.url}\); with use_vllm they go to SamplingParams \(TRL's meaning\), "
+        r"whose fields are \['bad_words', 'logit_bias', 'logprobs', ",
+    ):
         odd.connect()
 
 
@@ -428,8 +474,13 @@ class _ColocateEngine:
         self.requests: list[dict[str, Any]] = []
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "protocol": PROTOCOL, "dtype": "float32", "weights_version": 0,
-                "sampling_fields": list(FAKE_SAMPLING_FIELDS)}  # fmt: skip
+        return {
+            "status": "ok",
+            "protocol": PROTOCOL,
+            "dtype": "float32",
+            "weights_version": 0,
+            "sampling_fields": list(FAKE_SAMPLING_FIELDS),
+        }
 
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         self.requests.append(req)
@@ -455,17 +506,28 @@ def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.Monk
 
     def build(kwargs: dict[str, Any]) -> Any:
         return vllm_colocate.build_colocate_generator(
-            g, model, optimizer, tokenizer, [2], SamplingSettings(max_completion_length=4, generation_kwargs=kwargs), "no",
-            torch.device("cpu"), "model", 64,
-        )  # fmt: skip
+            g,
+            model,
+            optimizer,
+            tokenizer,
+            [2],
+            SamplingSettings(max_completion_length=4, generation_kwargs=kwargs),
+            "no",
+            torch.device("cpu"),
+            "model",
+            64,
+        )
 
     gen = build({"min_tokens": 3})
     gen.stale = False
     assert gen.generate([[1, 4]], seed=0) == [[5, 2]]
     assert engine.requests[-1]["generation_kwargs"] == {"min_tokens": 3}
     assert "SamplingParams also min_tokens 3" in gen.describe()
-    with pytest.raises(ConfigError, match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
-                       r"SamplingParams \(in-process vLLM \(rank 0\)\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_kwargs has \['suppress_tokens'\], not fields of vLLM's "
+        r"SamplingParams \(in-process vLLM \(rank 0\)\)",
+    ):
         build({"suppress_tokens": [1]})
 
 
@@ -488,8 +550,17 @@ def test_vllm_serve_finds_a_python_with_vllm_or_says_how_to_build_one(tmp_path, 
         vllm_serve.vllm_python()
     with pytest.raises(BadInput, match="HF_FSDP2_VLLM_PYTHON=/nope does not exist"):
         vllm_serve.vllm_python("/nope")
-    args = argparse.Namespace(model=tmp_path, host="127.0.0.1", port=9, dtype="float32", gpu_memory_utilization=0.5,
-                              tensor_parallel_size=1, kv_cache_gib=2, seed=0, max_model_len=128)  # fmt: skip
+    args = argparse.Namespace(
+        model=tmp_path,
+        host="127.0.0.1",
+        port=9,
+        dtype="float32",
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=1,
+        kv_cache_gib=2,
+        seed=0,
+        max_model_len=128,
+    )
     cmd = vllm_serve.server_command(args, "/py")
     assert cmd[:3] == ["/py", "-P", str(vllm_serve.SERVER)] and vllm_serve.SERVER.exists()
     assert cmd[cmd.index("--port") + 1] == "9" and cmd[-2:] == ["--max-model-len", "128"]
@@ -505,8 +576,10 @@ def test_colocate_in_a_python_without_vllm_stops_before_loading_and_names_the_co
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this Python imports vllm: colocate runs here")
     recipe = tmp_path / "grpo.yaml"
-    recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\nreward_funcs: [format]\n"
-                      "use_vllm: true\nvllm_mode: colocate\n")  # fmt: skip
+    recipe.write_text(
+        "model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\nreward_funcs: [format]\n"
+        "use_vllm: true\nvllm_mode: colocate\n"
+    )
     cfg = parse_config(["--config", str(recipe)], section=GrpoArgs, recipe="grpo")
     with pytest.raises(
         ConfigError,

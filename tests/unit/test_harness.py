@@ -79,8 +79,20 @@ def test_adapter_over_its_base_with_a_before_after_table(base: Path, tmp_path: P
     peft_model.save_pretrained(adapter)
     (adapter / "README.md").write_text("# adapter card\n")
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
-    status = main(["eval-harness", str(adapter), "--tasks", TASKS, "--base", str(base), "--local-items", str(N),
-                   "--device", "cpu"])  # fmt: skip
+    status = main(
+        [
+            "eval-harness",
+            str(adapter),
+            "--tasks",
+            TASKS,
+            "--base",
+            str(base),
+            "--local-items",
+            str(N),
+            "--device",
+            "cpu",
+        ]
+    )
     assert status == 0
     out = capsys.readouterr().out
     assert "| task | metric | before | after | change | items |" in out
@@ -121,8 +133,13 @@ def test_the_vllm_backend_is_given_the_adapters_lora_rank(base: Path, tmp_path: 
     def args(backend: str = "vllm") -> dict:  # type: ignore[type-arg]
         return _model_args(model, backend, device="cpu", dtype="auto", lora_ranks=VLLM_LORA_RANKS)
 
-    assert args() == {"pretrained": str(base), "dtype": "float32", "enable_lora": True,
-                      "lora_local_path": str(adapter), "max_lora_rank": 32}  # fmt: skip
+    assert args() == {
+        "pretrained": str(base),
+        "dtype": "float32",
+        "enable_lora": True,
+        "lora_local_path": str(adapter),
+        "max_lora_rank": 32,
+    }
     config = json.loads((adapter / "adapter_config.json").read_text())
     for r, pattern, want in ((24, {}, 32), (8, {"q_proj": 100}, 128), (4, {"v_proj": 1}, 8), (300, {}, 320)):
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": r, "rank_pattern": pattern}))

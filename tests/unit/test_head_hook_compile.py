@@ -30,9 +30,14 @@ class _AotEager(CompilePlan):
 
 def _model() -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).double()
     model.config.use_cache = False

@@ -354,9 +354,15 @@ def local(folder: Path, names: list[str]) -> dict[str, bytes]:
 
 def test_push_creates_the_repo_and_branch_and_uploads_every_file(hub: FakeHub, export_dir: Path) -> None:
     result = push_folder(
-        export_dir, REPO, private=True, revision="v1", commit_message="first", ignore_patterns=RUN_FOLDER_IGNORE,
-        endpoint=hub.url, backoff_s=0,
-    )  # fmt: skip
+        export_dir,
+        REPO,
+        private=True,
+        revision="v1",
+        commit_message="first",
+        ignore_patterns=RUN_FOLDER_IGNORE,
+        endpoint=hub.url,
+        backoff_s=0,
+    )
     assert hub.repos[REPO]["visibility"] == "private"
     assert hub.files(branch="v1") == local(export_dir, EXPORT_FILES)  # checkpoints, dotfiles skipped
     assert hub.files(branch="main") == {}
@@ -418,9 +424,14 @@ def test_a_failed_upload_is_a_clear_error_and_the_local_folder_stays_intact(
     waits: list[float] = []
     with pytest.raises(HubError) as err:
         push_folder(
-            export_dir, REPO, ignore_patterns=RUN_FOLDER_IGNORE, endpoint=hub.url, retries=2, backoff_s=5,
+            export_dir,
+            REPO,
+            ignore_patterns=RUN_FOLDER_IGNORE,
+            endpoint=hub.url,
+            retries=2,
+            backoff_s=5,
             sleep=waits.append,
-        )  # fmt: skip
+        )
     message = str(err.value)
     assert f"uploading {export_dir} to {REPO}@main failed after 3 attempts" in message
     assert "is intact" in message and f"hf-fsdp2 push {export_dir} {REPO}" in message
@@ -608,8 +619,11 @@ def test_cli_push_imports_neither_torch_nor_transformers(
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, "push", str(export_dir), REPO, "--dry-run", "--force"],
-        capture_output=True, text=True, env=dict(cli_env(hub, tmp_path), HF_TOKEN=""), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=dict(cli_env(hub, tmp_path), HF_TOKEN=""),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout
 
@@ -659,14 +673,21 @@ def front_matter(card: str) -> dict:
 
 def test_model_card_with_hub_ids() -> None:
     cfg = {
-        "model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "dataset_name": "HuggingFaceH4/ultrachat_200k",
-        "learning_rate": 2e-05, "max_steps": 100, "export_dtype": "bfloat16", "hub_token": "hf_SECRET",
+        "model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dataset_name": "HuggingFaceH4/ultrachat_200k",
+        "learning_rate": 2e-05,
+        "max_steps": 100,
+        "export_dtype": "bfloat16",
+        "hub_token": "hf_SECRET",
         "output_dir": "/runs/a",
-    }  # fmt: skip
+    }
     card = render_model_card(
-        cfg, metrics={"step": 100, "loss": 1.234567891}, world_size=8, repo_id="me/smol-sft",
+        cfg,
+        metrics={"step": 100, "loss": 1.234567891},
+        world_size=8,
+        repo_id="me/smol-sft",
         recipe_title="supervised fine-tuning",
-    )  # fmt: skip
+    )
     meta = front_matter(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert meta["datasets"] == ["HuggingFaceH4/ultrachat_200k"]
@@ -716,10 +737,16 @@ def recipe_args(tmp_path: Path, **overrides: object) -> list[str]:
     model = make_tiny_llama_dir(tmp_path / "model", seed=6)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16, seed=2)
     values: dict[str, object] = {
-        "model_name_or_path": model, "dataset_name": data, "output_dir": tmp_path / "run", "max_steps": 2,
-        "per_device_train_batch_size": 2, "max_length": 48, "learning_rate": 1e-3, "push_to_hub": "true",
+        "model_name_or_path": model,
+        "dataset_name": data,
+        "output_dir": tmp_path / "run",
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "max_length": 48,
+        "learning_rate": 1e-3,
+        "push_to_hub": "true",
         "hub_model_id": REPO,
-    }  # fmt: skip
+    }
     values.update(overrides)
     return [f"--{k}={v}" for k, v in values.items()]
 

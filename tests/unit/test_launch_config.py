@@ -36,8 +36,15 @@ def test_trls_fsdp1_config_maps_every_knob_to_its_fsdp2_meaning() -> None:
     got = levels(found)
     assert got.pop("fsdp_version") == "warning"  # read as FSDP2, with the converter named
     assert set(got.values()) == {"ok"}, found
-    for key in ("fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_sync_module_states", "fsdp_use_orig_params",
-                "fsdp_state_dict_type", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy"):  # fmt: skip
+    for key in (
+        "fsdp_backward_prefetch",
+        "fsdp_forward_prefetch",
+        "fsdp_sync_module_states",
+        "fsdp_use_orig_params",
+        "fsdp_state_dict_type",
+        "fsdp_reshard_after_forward",
+        "fsdp_auto_wrap_policy",
+    ):
         assert key in got, key
     text = "\n".join(f.line() for f in found)
     assert "accelerate to-fsdp2" in text and "fsdp_cpu_ram_efficient_loading" in text
@@ -79,8 +86,21 @@ def test_each_key_whose_meaning_would_change_fires(settings, argv, key, level, s
 
 def test_the_accelerate_launch_command_line_is_parsed_by_accelerates_parser(tmp_path: Path) -> None:
     config = str(DATA / "trl_fsdp1.yaml")
-    argv = ["/usr/bin/python3", "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
-            "--cpu", "recipes/sft.py", "--config", "r.yaml", "--num_processes", "9"]  # fmt: skip
+    argv = [
+        "/usr/bin/python3",
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config,
+        "--num_processes",
+        "2",
+        "--cpu",
+        "recipes/sft.py",
+        "--config",
+        "r.yaml",
+        "--num_processes",
+        "9",
+    ]
     request = parse_launch_command(argv)
     assert (
         request is not None and request.num_processes == 2 and request.cpu_flag
@@ -97,9 +117,22 @@ def test_the_accelerate_launch_command_line_is_parsed_by_accelerates_parser(tmp_
 def test_the_launch_is_found_among_the_ancestors_or_in_accelerates_variables(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     parent, grandparent = os.getppid(), 4242
-    for pid, ppid, argv in ((parent, grandparent, ["python", "-m", "torch.distributed.run", "x.py"]),
-                            (grandparent, 1, ["accelerate", "launch", "--config_file", str(DATA / "trl_fsdp2.yaml"),
-                                              "--num_processes", "2", "x.py"])):  # fmt: skip
+    for pid, ppid, argv in (
+        (parent, grandparent, ["python", "-m", "torch.distributed.run", "x.py"]),
+        (
+            grandparent,
+            1,
+            [
+                "accelerate",
+                "launch",
+                "--config_file",
+                str(DATA / "trl_fsdp2.yaml"),
+                "--num_processes",
+                "2",
+                "x.py",
+            ],
+        ),
+    ):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
         (proc / str(pid) / "stat").write_text(f"{pid} (py thon) S {ppid} 0 0")
@@ -107,8 +140,13 @@ def test_the_launch_is_found_among_the_ancestors_or_in_accelerates_variables(tmp
     assert request is not None and request.num_processes == 2 and request.settings["fsdp_version"] == 2
     (proc / str(grandparent) / "cmdline").write_bytes(b"bash\0")
     assert find_launch_request({}, proc) is None
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE",
-           "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "1",
+        "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }
     request = find_launch_request(env, proc)
     assert request == request_from_environment(env) and request is not None
     assert (

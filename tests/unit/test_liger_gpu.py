@@ -38,9 +38,13 @@ def test_liger_kernels_give_the_plain_loss_and_gradients():
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss_sum
 
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2,
-    )  # fmt: skip
+    )
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     results = []
     for liger in (False, True):

@@ -204,8 +204,9 @@ def test_moe_and_non_causal_configs_are_refused_with_the_reason(tmp_path, capsys
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n not in MOE])
 def test_every_dense_family_plans_from_its_config(name):
     config = _family_config(name)
-    settings = PlanSettings(world_size=2, micro_batch=2, seq_len=32, ac=ACPlan("full", 2, pin_memory=False),
-                            device_type="cpu")  # fmt: skip
+    settings = PlanSettings(
+        world_size=2, micro_batch=2, seq_len=32, ac=ACPlan("full", 2, pin_memory=False), device_type="cpu"
+    )
     plan = plan_memory(config, settings)
     items = plan.rank_total(0)
     assert items["params"] > 0 and items["activations"] > 0 and items["loss_logits"] > 0
@@ -216,8 +217,9 @@ def test_meta_lora_is_the_adapter_the_run_trains(model_dir):
     from hf_fsdp2.lora.adapter import apply_lora
     from hf_fsdp2.model import load_model
 
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=None,
-                        use_rslora=False)  # fmt: skip
+    lora = LoraSettings(
+        r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=None, use_rslora=False
+    )
     settings = PlanSettings(world_size=2, lora=lora, mixed_precision="bf16", load_dtype="bfloat16")
     meta = build_meta_model(plan_config(model_dir), settings)
     real = apply_lora(load_model(str(model_dir), dtype="bfloat16"), lora, seed=0)
@@ -265,8 +267,9 @@ def test_4bit_base_and_dora_are_planned_and_an_uneven_split_is_refused(model_dir
         if ".layers." in a["name"]
     ]
     assert layer_units and all(q < 0.5 * b for b, q in layer_units)
-    code, _, err = _plan(capsys, "--config", str(recipe), "--device", "cpu", "--world_size", "3",
-                         "--load_in_4bit", "true")  # fmt: skip
+    code, _, err = _plan(
+        capsys, "--config", str(recipe), "--device", "cpu", "--world_size", "3", "--load_in_4bit", "true"
+    )
     assert code != 0 and "cannot be split evenly into NF4 shards over 3 ranks" in err, err
 
 
@@ -278,8 +281,14 @@ def test_the_plans_lora_config_is_the_runs(model_dir):
     from hf_fsdp2.lora.build import lora_config
     from hf_fsdp2.model import load_model
 
-    lora = LoraSettings(r=4, alpha=8, dropout=0.05, target_modules=["q_proj", "v_proj"],
-                        modules_to_save=["lm_head"], use_rslora=True)  # fmt: skip
+    lora = LoraSettings(
+        r=4,
+        alpha=8,
+        dropout=0.05,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+        use_rslora=True,
+    )
     meta = build_meta_model(plan_config(model_dir), PlanSettings(lora=lora, load_dtype="bfloat16"))
     real = apply_lora(load_model(str(model_dir), dtype="bfloat16"), lora, seed=0)
     planned, trained = meta.peft_config["default"].to_dict(), real.peft_config["default"].to_dict()
@@ -361,9 +370,11 @@ def test_the_plan_counts_the_dense_mask_of_padding_free_sdpa_on_a_gpu(model_dir)
 def test_the_plan_takes_the_layout_the_run_takes(model_dir, tmp_path):
     cfg = parse_config(["--config", str(_recipe(tmp_path, model_dir))])  # padding_free unset
     plans = {
-        device: plan_memory(plan_config(model_dir), PlanSettings.from_config(cfg, world_size=1, device_type=device))
+        device: plan_memory(
+            plan_config(model_dir), PlanSettings.from_config(cfg, world_size=1, device_type=device)
+        )
         for device in ("cuda", "cpu")
-    }  # fmt: skip
+    }
     assert not plans["cuda"].layout.padding_free and "padded" in format_plan(plans["cuda"]).splitlines()[0]
     assert plans["cpu"].layout.padding_free and plans["cpu"].layout.dense_mask  # the CPU probe: padding-free
     settings = plans["cuda"].to_json()["settings"]

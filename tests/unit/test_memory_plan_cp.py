@@ -18,21 +18,45 @@ from hf_fsdp2.plan import PlanError, PlanSettings, format_plan, plan_memory, rec
 from hf_fsdp2.plan.recommend import context_parallel_sizes
 
 LAYERS = 2
-CONFIG = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                     num_hidden_layers=LAYERS, vocab_size=1000)  # fmt: skip
+CONFIG = LlamaConfig(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_hidden_layers=LAYERS,
+    vocab_size=1000,
+)
 
 
 def _plan(**changes: object):  # type: ignore[no-untyped-def]
-    values: dict[str, object] = dict(world_size=4, micro_batch=2, seq_len=512, device_type="cuda",
-                                     attn_implementation="sdpa", ac=ACPlan("none"))  # fmt: skip
+    values: dict[str, object] = dict(
+        world_size=4,
+        micro_batch=2,
+        seq_len=512,
+        device_type="cuda",
+        attn_implementation="sdpa",
+        ac=ACPlan("none"),
+    )
     values.update(changes)
     return plan_memory(CONFIG, PlanSettings(**values))  # type: ignore[arg-type]
 
 
 def _recipe(tmp: Path, **overrides: object) -> list[str]:
     (tmp / "config.json").write_text(CONFIG.to_json_string())
-    argv = ["--model_name_or_path", str(tmp), "--dataset_name", "data.jsonl", "--output_dir", str(tmp / "run"),
-            "--per_device_train_batch_size", "2", "--max_length", "512", "--mixed_precision", "bf16"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        str(tmp),
+        "--dataset_name",
+        "data.jsonl",
+        "--output_dir",
+        str(tmp / "run"),
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "512",
+        "--mixed_precision",
+        "bf16",
+    ]
     for key, value in overrides.items():
         argv += [f"--{key}", str(value)]
     return argv
@@ -43,11 +67,15 @@ def test_state_is_sharded_over_dp_shard_x_cp_ranks(tmp_path: Path) -> None:
     flat = PlanSettings.from_config(
         parse_method_config(sft, _recipe(tmp_path)), world_size=4, device_type="cuda"
     )
-    cp = PlanSettings.from_config(parse_method_config(sft, _recipe(tmp_path, cp_size=2)), world_size=4,
-                                  device_type="cuda")  # fmt: skip
+    cp = PlanSettings.from_config(
+        parse_method_config(sft, _recipe(tmp_path, cp_size=2)), world_size=4, device_type="cuda"
+    )
     assert (cp.cp, cp.shard_size) == (2, 4)  # mesh dp_shard 2 x cp 2: the parameters over all 4 ranks
-    hsdp = PlanSettings.from_config(parse_method_config(sft, _recipe(tmp_path, cp_size=2, dp_replicate_size=2)),
-                                    world_size=8, device_type="cuda")  # fmt: skip
+    hsdp = PlanSettings.from_config(
+        parse_method_config(sft, _recipe(tmp_path, cp_size=2, dp_replicate_size=2)),
+        world_size=8,
+        device_type="cuda",
+    )
     assert (hsdp.cp, hsdp.shard_size) == (2, 4)  # 2 replica groups of dp_shard 2 x cp 2
     one, two = plan_memory(CONFIG, flat), plan_memory(CONFIG, cp)
     assert one.per_rank == two.per_rank and one.fsdp_buffers == two.fsdp_buffers
@@ -117,8 +145,14 @@ def test_what_the_run_refuses_the_plan_refuses(changes: dict[str, object], needl
 
 
 def test_the_recommender_offers_cp_when_a_sequence_does_not_fit() -> None:
-    settings = PlanSettings(world_size=4, micro_batch=1, seq_len=4096, device_type="cpu", attn_implementation="sdpa",
-                            ac=ACPlan("full"))  # fmt: skip
+    settings = PlanSettings(
+        world_size=4,
+        micro_batch=1,
+        seq_len=4096,
+        device_type="cpu",
+        attn_implementation="sdpa",
+        ac=ACPlan("full"),
+    )
     assert context_parallel_sizes(CONFIG, settings) == [2, 4]
     flat = plan_memory(CONFIG, settings)
     wide = plan_memory(CONFIG, settings.replace(cp=4, gradient_accumulation_steps=4))
@@ -131,8 +165,14 @@ def test_the_recommender_offers_cp_when_a_sequence_does_not_fit() -> None:
     # A method without context parallel (dpo, kto, rm, grpo): no cp rung.
     assert not any("cp_size" in c.changes for c in recommend(CONFIG, settings, budget, 0.1))
     # Heads that do not split: 6 heads divide by 2, not by 4.
-    six = LlamaConfig(hidden_size=192, intermediate_size=256, num_attention_heads=6, num_key_value_heads=6,
-                      num_hidden_layers=1, vocab_size=100)  # fmt: skip
+    six = LlamaConfig(
+        hidden_size=192,
+        intermediate_size=256,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        num_hidden_layers=1,
+        vocab_size=100,
+    )
     assert context_parallel_sizes(six, settings) == [2]
 
 

@@ -62,12 +62,20 @@ def _theirs(model: Tiny, settings: MuonSettings) -> list[torch.optim.Optimizer]:
             {"params": [p for _, p in split.adamw_decay], "weight_decay": 0.1},
             {"params": [p for _, p in split.adamw_no_decay], "weight_decay": 0.0},
         ],
-        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True,
-    )  # fmt: skip
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
     muon = torch.optim.Muon(
-        [p for _, p in split.muon], lr=settings.lr, weight_decay=settings.weight_decay, momentum=settings.momentum,
-        nesterov=settings.nesterov, ns_steps=settings.ns_steps, adjust_lr_fn=settings.adjust_lr,
-    )  # fmt: skip
+        [p for _, p in split.muon],
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        momentum=settings.momentum,
+        nesterov=settings.nesterov,
+        ns_steps=settings.ns_steps,
+        adjust_lr_fn=settings.adjust_lr,
+    )
     return [adamw, muon]
 
 
@@ -215,9 +223,26 @@ def test_every_method_reads_optim_muon_and_its_keys(name: str) -> None:
     from hf_fsdp2.methods import method_names, parse_method_config
 
     assert name in method_names()
-    argv = ["--model_name_or_path", "org/m", "--dataset_name", "d.jsonl", "--output_dir", "out", "--optim", "muon",
-            "--muon_lr", "0.01", "--muon_momentum", "0.9", "--muon_nesterov", "false", "--muon_ns_steps", "4",
-            "--muon_adjust_lr", "original"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        "org/m",
+        "--dataset_name",
+        "d.jsonl",
+        "--output_dir",
+        "out",
+        "--optim",
+        "muon",
+        "--muon_lr",
+        "0.01",
+        "--muon_momentum",
+        "0.9",
+        "--muon_nesterov",
+        "false",
+        "--muon_ns_steps",
+        "4",
+        "--muon_adjust_lr",
+        "original",
+    ]
     t = parse_method_config(name, argv).train
     assert (t.optim, t.muon_lr, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr) == (
         "muon",
@@ -256,8 +281,15 @@ def test_reward_score_head_and_lora_split() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+    )
     rm = LlamaForSequenceClassification(config)
     split = split_params(rm, ["LlamaDecoderLayer"])
     assert len(split.muon) == 14 and "score.weight" in [n for n, _ in split.adamw_decay]
@@ -277,16 +309,24 @@ def test_reward_score_head_and_lora_split() -> None:
     assert "Muon on 0 decoder-layer matrices" in split.describe()
     assert "LoRA's A/B factors on AdamW: 8 tensors" in split.describe()
     assert "trains as optim=adamw would" in str(split.warning())
-    optimizer, _ = build_muon_adamw(lora, ["LlamaDecoderLayer"], MuonSettings(lr=0.02, weight_decay=0.1), lr=1e-3,
-                                    betas=(0.9, 0.95), eps=1e-8, device_type="cpu")  # fmt: skip
+    optimizer, _ = build_muon_adamw(
+        lora,
+        ["LlamaDecoderLayer"],
+        MuonSettings(lr=0.02, weight_decay=0.1),
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        device_type="cpu",
+    )
     adamw_ids = {id(p) for g in optimizer.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
     named = dict(lora.named_parameters())
     assert all(id(named[n]) in adamw_ids for n in factors)
     assert all(g["algorithm"] == "adamw" for g in optimizer.param_groups)
     # a decoder-layer module trained in full beside LoRA is a hidden weight matrix: Muon's
     rm2 = LlamaForSequenceClassification(config)
-    both = get_peft_model(rm2, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["down_proj"],
-                                          task_type="SEQ_CLS"))  # fmt: skip
+    both = get_peft_model(
+        rm2, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["down_proj"], task_type="SEQ_CLS")
+    )
     split = split_params(both, ["LlamaDecoderLayer"])
     assert len(split.muon) == 2 and all(".down_proj.modules_to_save." in n for n, _ in split.muon)
     assert len(split.lora) == 4 and split.warning() is None

@@ -41,8 +41,15 @@ FLASH = "flash_attention_2"
 
 
 def tiny_config(vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
 
 
 def flash_model(config: LlamaConfig) -> LlamaForCausalLM:
@@ -111,8 +118,18 @@ def check_documents_apart(
 
 def session(recipe: str, argv: list[str], model_config: LlamaConfig, tmp_path: Path) -> SimpleNamespace:
     """What the data builders read of a run: its config, model config, device and data ranks (one process)."""
-    cfg = parse_method_config(recipe, ["--model_name_or_path", "tiny", "--output_dir", str(tmp_path / "run"),
-                                       "--attn_implementation", FLASH, *argv])  # fmt: skip
+    cfg = parse_method_config(
+        recipe,
+        [
+            "--model_name_or_path",
+            "tiny",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--attn_implementation",
+            FLASH,
+            *argv,
+        ],
+    )
     return SimpleNamespace(
         cfg=cfg, model_config=model_config, device=torch.device("cpu"), data_world=1, data_rank=0
     )
@@ -152,8 +169,21 @@ def test_packed_sft_rows_reach_the_flash_kernel_apart(
 ) -> None:
     data_file = write_chat_jsonl(tmp_path / "chat.jsonl", 40, seed=5)
     config = tiny_config(len(chatml_tokenizer))
-    run = session("sft", ["--dataset_name", str(data_file), "--packing", "true", "--max_length", "96",
-                          "--per_device_train_batch_size", str(batch_size)], config, tmp_path)  # fmt: skip
+    run = session(
+        "sft",
+        [
+            "--dataset_name",
+            str(data_file),
+            "--packing",
+            "true",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            str(batch_size),
+        ],
+        config,
+        tmp_path,
+    )
     data = build_sft_data(run, run_tokenizer(chatml_tokenizer))  # type: ignore[arg-type]
     model = flash_model(config)
     flash = StandInFlash()
@@ -176,8 +206,21 @@ def test_continued_pretraining_rows_reach_the_flash_kernel_apart(
 ) -> None:
     corpus = write_corpus(tmp_path / "docs.jsonl", 60, seed=3)
     config = tiny_config(len(llama2_tokenizer))
-    run = session("cpt", ["--dataset_name", str(corpus), "--max_length", "64", "--corpus_layout", corpus_layout,
-                          "--per_device_train_batch_size", "2"], config, tmp_path)  # fmt: skip
+    run = session(
+        "cpt",
+        [
+            "--dataset_name",
+            str(corpus),
+            "--max_length",
+            "64",
+            "--corpus_layout",
+            corpus_layout,
+            "--per_device_train_batch_size",
+            "2",
+        ],
+        config,
+        tmp_path,
+    )
     data = build_cpt_data(run, run_tokenizer(llama2_tokenizer))  # type: ignore[arg-type]
     model = flash_model(config)
     flash = StandInFlash()
@@ -189,11 +232,22 @@ def test_padding_free_false_over_rows_of_documents_under_flash_is_refused_by_nam
     with pytest.raises(
         ConfigError, match="padding_free=false with rows of several documents.*flash_attention_2"
     ):
-        choose_attention_layout(tiny_config(61), device_type="cuda", attn_implementation=FLASH, packing=True,
-                                padding_free=False, installed=frozenset({FLASH}))  # fmt: skip
+        choose_attention_layout(
+            tiny_config(61),
+            device_type="cuda",
+            attn_implementation=FLASH,
+            packing=True,
+            padding_free=False,
+            installed=frozenset({FLASH}),
+        )
     # One sequence per row (no packing): rows kept, each its own sequence under the plain kernel.
-    kept = choose_attention_layout(tiny_config(61), device_type="cuda", attn_implementation=FLASH,
-                                   padding_free=False, installed=frozenset({FLASH}))  # fmt: skip
+    kept = choose_attention_layout(
+        tiny_config(61),
+        device_type="cuda",
+        attn_implementation=FLASH,
+        padding_free=False,
+        installed=frozenset({FLASH}),
+    )
     assert not kept.padding_free
 
 

@@ -144,9 +144,12 @@ def test_packed_collator_rejects_inconsistent_rows() -> None:
 def test_expected_padding_efficiency_matches_the_loader(llama2_tokenizer: PreTrainedTokenizerBase) -> None:
     rng = random.Random(1)
     records = [
-        {"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 20))), "completion": " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))}
+        {
+            "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 20))),
+            "completion": " ".join(rng.choices(WORDS, k=rng.randint(1, 30))),
+        }
         for _ in range(60)
-    ]  # fmt: skip
+    ]
     examples, _ = tokenize_dataset(datasets.Dataset.from_list(records), llama2_tokenizer, max_length=64)
     packed = pack_examples(examples, 64)
 
@@ -360,13 +363,29 @@ def test_packed_recipe_step_loss_equals_examples_alone(tmp_path: Path) -> None:
     proc = torchrun(
         SFT,
         [
-            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir", str(out),
-            "--max_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "96", "--seed", "11",
-            "--packing", "true", "--mixed_precision", "no",
-            "--export_dtype", "float32",
+            "--model_name_or_path",
+            str(model_dir),
+            "--dataset_name",
+            str(data_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_length",
+            "96",
+            "--seed",
+            "11",
+            "--packing",
+            "true",
+            "--mixed_precision",
+            "no",
+            "--export_dtype",
+            "float32",
         ],
         nproc=2,
-    )  # fmt: skip
+    )
     log = proc.stdout + proc.stderr
     assert "data source" in log and "examples packed (best-fit decreasing) into" in log
     record = read_metrics(out / "metrics.jsonl")[0]

@@ -180,8 +180,12 @@ def _batch() -> dict[str, torch.Tensor]:
     completion = torch.zeros_like(ids)
     completion[0, 4:] = completion[1, 2:] = 1
     completion[2, 4:7] = completion[3, 2:5] = 1
-    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
-            "labels": ids.masked_fill(completion == 0, IGNORE_INDEX)}  # fmt: skip
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "labels": ids.masked_fill(completion == 0, IGNORE_INDEX),
+    }
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "llama3_untied", "gemma2", "granite", "qwen3_moe"])
@@ -226,8 +230,9 @@ def _sig(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-@pytest.mark.parametrize("loss_type, eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("robust", 0.1),
-                                            ("hinge", 0.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss_type, eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("robust", 0.1), ("hinge", 0.0)]
+)
 def test_pair_losses_match_the_papers_formulas(loss_type: str, eps: float) -> None:
     policy = torch.tensor([-10.0, -20.0, -14.0, -18.0], dtype=torch.float64)  # chosen (2), rejected (2)
     reference = torch.tensor([-12.0, -19.0, -13.0, -21.0], dtype=torch.float64)

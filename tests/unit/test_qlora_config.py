@@ -46,7 +46,7 @@ torchao = pytest.importorskip("torchao")
                 "float16",
             ),
             "bnb_4bit_compute_dtype='float16' but the run computes in bfloat16",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_refused_combinations_name_the_key_and_the_fix(args: tuple[str, ...], expected: str) -> None:
@@ -56,8 +56,20 @@ def test_refused_combinations_name_the_key_and_the_fix(args: tuple[str, ...], ex
 
 
 def test_accepted_settings() -> None:
-    cfg = parse_cli("--use_peft", "true", "--load_in_4bit", "true", "--use_dora", "true", "--mixed_precision", "bf16",
-                    "--bnb_4bit_compute_dtype", "bfloat16", "--merge_adapter", "true")  # fmt: skip
+    cfg = parse_cli(
+        "--use_peft",
+        "true",
+        "--load_in_4bit",
+        "true",
+        "--use_dora",
+        "true",
+        "--mixed_precision",
+        "bf16",
+        "--bnb_4bit_compute_dtype",
+        "bfloat16",
+        "--merge_adapter",
+        "true",
+    )
     assert cfg.peft.load_in_4bit and cfg.peft.lora_settings().use_dora
 
 
@@ -108,8 +120,14 @@ def test_a_row_shard_of_the_nf4_weight_holds_exactly_its_rows(shape: tuple[int, 
 def _tiny(**overrides: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    values = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    values = dict(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     values.update(overrides)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**values))

@@ -44,8 +44,10 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subp
     path = str(tmp_path_factory.mktemp("zygote") / "reload.sock")
     parent = subprocess.Popen(
         [sys.executable, "-c", _PARENT, path, str(REPO / "tests" / "support")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
     yield path, parent, pid
@@ -126,17 +128,31 @@ def test_run_code_is_python_dash_c(tmp_path: Path, zygote, how: str) -> None:
     same status, output, argv, working folder, environment and first path entry as a new interpreter's."""
     path, _, _ = zygote
     env = dict(os.environ, RELOAD_TEST=how)
-    fresh = subprocess.run([sys.executable, "-c", CODE, how, "x"], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+    fresh = subprocess.run(
+        [sys.executable, "-c", CODE, how, "x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out, err = tmp_path / "out", tmp_path / "err"
     status = reload_zygote.run_code(
         path, CODE, [how, "x"], env=env, cwd=str(tmp_path), stdout=str(out), stderr=str(err), timeout=120
     )
     assert status == fresh.returncode == {"ok": 0, "exit": 3, "raise": 1}[how]
-    assert json.loads(out.read_text()) == json.loads(fresh.stdout) == {
-        "argv": ["-c", how, "x"], "path0": "", "cwd": str(tmp_path), "env": how, "hf_fsdp2": False,
-        "name": "__main__",
-    }  # fmt: skip
+    assert (
+        json.loads(out.read_text())
+        == json.loads(fresh.stdout)
+        == {
+            "argv": ["-c", how, "x"],
+            "path0": "",
+            "cwd": str(tmp_path),
+            "env": how,
+            "hf_fsdp2": False,
+            "name": "__main__",
+        }
+    )
     assert err.read_text().startswith("to stderr\n")
     if how == "raise":  # the same traceback: from the code's own frame on
         assert err.read_text().splitlines()[1:] == fresh.stderr.splitlines()[1:], (

@@ -35,8 +35,10 @@ def test_a_bad_margin_is_named_with_its_record_or_skipped_and_counted(chatml_tok
 
 
 def test_the_collator_carries_the_margins_only_when_every_pair_has_one() -> None:
-    pairs = [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], "index": 0, "margin": 0.25},
-             {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5], "index": 1, "margin": 1.0}]  # fmt: skip
+    pairs = [
+        {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], "index": 0, "margin": 0.25},
+        {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5], "index": 1, "margin": 1.0},
+    ]
     collate = PreferenceCollator(pad_token_id=0, max_length=8)
     assert collate(pairs)["margin"].tolist() == [0.25, 1.0]
     assert "margin" not in collate([pairs[0], {k: v for k, v in pairs[1].items() if k != "margin"}])
@@ -62,8 +64,11 @@ def test_the_bradley_terry_loss_and_the_statistics_are_the_hand_computed_ones() 
 
 
 def test_the_reward_recipe_refuses_preference_settings_and_drops_long_pairs() -> None:
-    for args, key in ((["--beta", "0.2"], "beta"), (["--loss_type", "ipo"], "loss_type"),
-                      (["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs")):  # fmt: skip
+    for args, key in (
+        (["--beta", "0.2"], "beta"),
+        (["--loss_type", "ipo"], "loss_type"),
+        (["--precompute_ref_log_probs", "true"], "precompute_ref_log_probs"),
+    ):
         with pytest.raises(
             ConfigError, match=f"'{key}' in the command line is a key of the .* recipe, not of the rm"
         ):

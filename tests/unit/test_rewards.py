@@ -22,8 +22,12 @@ COLUMNS = {"answer": ["4", "4", "Paris", "Paris"], "topic": ["math", "math", "ge
 
 
 def test_the_builtins_score_as_documented() -> None:
-    funcs = resolve_reward_functions(["exact_match", "format", "length_penalty"], [1.0, 0.5, 0.1],
-                                     format_pattern=r"[A-Z]\w+|\d+", max_completion_length=4)  # fmt: skip
+    funcs = resolve_reward_functions(
+        ["exact_match", "format", "length_penalty"],
+        [1.0, 0.5, 0.1],
+        format_pattern=r"[A-Z]\w+|\d+",
+        max_completion_length=4,
+    )
     table = score_completions(funcs, PROMPTS, COMPLETIONS, IDS, COLUMNS)
     assert table[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert table[:, 1].tolist() == [1.0, 0.0, 1.0, 1.0]
@@ -74,10 +78,14 @@ def test_bad_functions_are_named(tmp_path: Path, monkeypatch) -> None:  # type: 
         "not_a_function = 3\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for names, message in ((["nope"], "'nope' is not a built-in"), (["no_such_module:f"], "cannot be imported"),
-                           (["bad_rewards:missing"], "has no function 'missing'"),
-                           (["bad_rewards:not_a_function"], "has no function 'not_a_function'"),
-                           (["format"], "needs reward_format_pattern"), ([], "reward_funcs is empty")):  # fmt: skip
+    for names, message in (
+        (["nope"], "'nope' is not a built-in"),
+        (["no_such_module:f"], "cannot be imported"),
+        (["bad_rewards:missing"], "has no function 'missing'"),
+        (["bad_rewards:not_a_function"], "has no function 'not_a_function'"),
+        (["format"], "needs reward_format_pattern"),
+        ([], "reward_funcs is empty"),
+    ):
         with pytest.raises(RewardError, match=message):
             resolve_reward_functions(names)
     with pytest.raises(RewardError, match="reward_weights has 1 values for 2 reward_funcs"):

@@ -120,10 +120,21 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
     (run / "merged").mkdir()
     (run / "plots").mkdir()
     finished = [
-        "latest", "summary.json", "metrics.jsonl", "README.md", "config.json", "generation_config.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "samples.jsonl",
-        "adapter_model.safetensors", "adapter_config.json", ".hf_fsdp2_export.json",
-    ]  # fmt: skip
+        "latest",
+        "summary.json",
+        "metrics.jsonl",
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "samples.jsonl",
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        ".hf_fsdp2_export.json",
+    ]
     for name in finished:
         (run / name).write_text("{}")
     (run / "hf_fsdp2_config.yaml").write_text("seed: 1\n")  # rewritten by the new run

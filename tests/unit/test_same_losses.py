@@ -31,11 +31,20 @@ def tool() -> ModuleType:
 def _records(**changes: Any) -> list[dict[str, Any]]:
     """Three logged steps as a recipe writes them (timings included); ``changes`` = {field_step: value}."""
     rows = [
-        {"step": s, "loss": 10.375885337911626 - s / 7, "lr": 0.001, "grad_norm": 2.162515878677368 / s,
-         "target_tokens": 93 + s, "padding_efficiency": 0.34572490706319703, "tokens_per_s": 137.5 * s,
-         "step_time_s": 1.95 + s, "host_rss_gib": 0.57, "epoch": 0}
+        {
+            "step": s,
+            "loss": 10.375885337911626 - s / 7,
+            "lr": 0.001,
+            "grad_norm": 2.162515878677368 / s,
+            "target_tokens": 93 + s,
+            "padding_efficiency": 0.34572490706319703,
+            "tokens_per_s": 137.5 * s,
+            "step_time_s": 1.95 + s,
+            "host_rss_gib": 0.57,
+            "epoch": 0,
+        }
         for s in (1, 2, 3)
-    ]  # fmt: skip
+    ]
     for key, value in changes.items():
         name, step = key.rsplit("_", 1)
         rows[int(step) - 1][name] = value

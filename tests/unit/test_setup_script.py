@@ -26,8 +26,13 @@ def _spec(tmp_path: Path, *, gpu: bool, override: str | None = None) -> str:
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     if override:
         env["HF_FSDP2_TORCH"] = override
-    out = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--print-torch-spec"], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh"), "--print-torch-spec"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 

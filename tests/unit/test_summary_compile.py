@@ -30,9 +30,15 @@ def _meter(monkeypatch: pytest.MonkeyPatch, step_seconds: list[float]) -> tuple[
 
 def _summary(meter: StepMeter, compile_stats: dict[str, float] | None) -> dict:
     return run_summary(
-        meter, first_step=1, last_step=3, wall_seconds=50.0, last_record=None, last_eval=None, export_dir=None,
+        meter,
+        first_step=1,
+        last_step=3,
+        wall_seconds=50.0,
+        last_record=None,
+        last_eval=None,
+        export_dir=None,
         compile_stats=compile_stats,
-    )  # fmt: skip
+    )
 
 
 def test_throughput_and_mfu_exclude_the_compile_seconds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,8 +37,15 @@ from hf_fsdp2.methods.grpo.data import tokenize_prompts
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 MISTRAL_TEMPLATE = Path(__file__).parents[1] / "data" / "chat_templates" / "mistral_v3_tools.jinja"
 LLAMA3_MARKERS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
-MISTRAL_MARKERS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-                   "[/TOOL_RESULTS]")  # fmt: skip
+MISTRAL_MARKERS = (
+    "[INST]",
+    "[/INST]",
+    "[TOOL_CALLS]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+)
 
 TOOLS = [
     {
@@ -59,9 +66,17 @@ TOOLS = [
 def weather_chat(arguments: Any = '{"city": "Paris"}', reasoning: bool = False) -> list[dict[str, Any]]:
     """user -> assistant calls get_weather -> tool result -> assistant answers (arguments as a JSON string: the
     form Arrow-backed datasets keep intact)."""
-    call: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-    ]}  # fmt: skip
+    call: dict[str, Any] = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call00001",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments},
+            }
+        ],
+    }
     answer: dict[str, Any] = {"role": "assistant", "content": "It is 21 degrees in Paris."}
     if reasoning:
         call["reasoning_content"] = "I should call the tool."
@@ -161,8 +176,13 @@ def test_arrow_null_fill_is_dropped_from_schemas_and_arguments(tmp_path: Path) -
     """An Arrow table built from records (``Dataset.from_list``, parquet files) unifies the argument dicts and schemas
     of different tools into one struct, filling absent keys with null; they must not reach the render. (datasets 5's
     JSON reader keeps such dicts as a Json feature, without the fill: the same ids.)"""
-    search = {"type": "function", "function": {"name": "search", "parameters": {
-        "type": "object", "properties": {"query": {"type": "string"}}}}}  # fmt: skip
+    search = {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
     other = weather_chat({"city": "Paris"})
     other[2]["tool_calls"][0]["function"] = {"name": "search", "arguments": {"query": "paris"}}
     records = [
@@ -181,8 +201,9 @@ def test_arrow_null_fill_is_dropped_from_schemas_and_arguments(tmp_path: Path) -
     assert '"arguments": {"city": "Paris"}' in text and "null" not in text and '"query"' not in text
     path = tmp_path / "tools.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    from_json, _ = tokenize_dataset(datasets.load_dataset("json", data_files=str(path), split="train"), tokenizer,
-                                    max_length=4096)  # fmt: skip
+    from_json, _ = tokenize_dataset(
+        datasets.load_dataset("json", data_files=str(path), split="train"), tokenizer, max_length=4096
+    )
     assert from_json["input_ids"] == out["input_ids"] and from_json["labels"] == out["labels"]
 
 
@@ -199,8 +220,11 @@ def test_qwen3_without_reasoning_is_not_prefix_stable_and_the_error_says_what_to
     training the last turn works."""
     tokenizer = tokenizer_for("qwen3")
     records = [{"messages": weather_chat(), "tools": TOOLS}]
-    with pytest.raises(RecordError, match=r"record 0: .*assistant turn 2 does not tokenize to a prefix.*Qwen3's.*"
-                                          r"reasoning_content.*chat_loss=last_assistant"):  # fmt: skip
+    with pytest.raises(
+        RecordError,
+        match=r"record 0: .*assistant turn 2 does not tokenize to a prefix.*Qwen3's.*"
+        r"reasoning_content.*chat_loss=last_assistant",
+    ):
         tokenize(records, tokenizer)
     example = tokenize(records, tokenizer, chat_loss="last_assistant")[0]
     assert trained_texts(tokenizer, weather_chat({"city": "Paris"}), example, TOOLS) == [
@@ -258,9 +282,11 @@ def test_parallel_calls_and_multiple_tool_results() -> None:
 def test_bad_tool_records_and_templates_are_named(
     template: str, record: dict[str, Any], problem: str
 ) -> None:
-    tokenizer = tokenizer_for(template) if template in EXPECTED else build_llama2_test_tokenizer(
-        template, CHATML_SPECIAL_TOKENS
-    )  # fmt: skip
+    tokenizer = (
+        tokenizer_for(template)
+        if template in EXPECTED
+        else build_llama2_test_tokenizer(template, CHATML_SPECIAL_TOKENS)
+    )
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     good["tools"] = None
     with pytest.raises(RecordError, match=problem):
@@ -274,19 +300,26 @@ def test_skip_counts_tool_records_the_template_cannot_render() -> None:
         "tools": None,
     }
     records = [good, {"messages": weather_chat(), "tools": TOOLS}]
-    out, stats = tokenize_dataset(datasets.Dataset.from_list(records), tokenizer, max_length=512,
-                                  on_bad_record="skip")  # fmt: skip
+    out, stats = tokenize_dataset(
+        datasets.Dataset.from_list(records), tokenizer, max_length=512, on_bad_record="skip"
+    )
     assert len(out) == 1 and stats.skipped == {"template without tools": 1}
 
 
 def test_grpo_prompts_pass_the_records_tools_to_the_template() -> None:
     tokenizer = tokenizer_for("llama3_1")
     prompt = weather_chat()[:4]  # up to the tool result: the model answers next
-    rows = tokenize_prompts([{"prompt": prompt, "tools": json.dumps(TOOLS)}, {"prompt": prompt}], tokenizer,
-                            limit=4096, long_examples="error", source="s")  # fmt: skip
+    rows = tokenize_prompts(
+        [{"prompt": prompt, "tools": json.dumps(TOOLS)}, {"prompt": prompt}],
+        tokenizer,
+        limit=4096,
+        long_examples="error",
+        source="s",
+    )
     hf_prompt = weather_chat({"city": "Paris"})[:4]
-    expected = tokenizer.apply_chat_template(hf_prompt, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]  # fmt: skip
+    expected = tokenizer.apply_chat_template(
+        hf_prompt, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert rows[0]["prompt_ids"] == list(expected)
     text = tokenizer.decode(rows[0]["prompt_ids"])
     assert (
@@ -294,8 +327,14 @@ def test_grpo_prompts_pass_the_records_tools_to_the_template() -> None:
     )  # the schema and the call (dict args)
     assert 'get_weather",\n' not in tokenizer.decode(rows[1]["prompt_ids"])  # no tools: no schema
     # chat_template_kwargs' tools are every record's default (a record's own win).
-    rows = tokenize_prompts([{"prompt": prompt}], tokenizer, limit=4096, long_examples="error", source="s",
-                            chat_template_kwargs={"tools": TOOLS})  # fmt: skip
+    rows = tokenize_prompts(
+        [{"prompt": prompt}],
+        tokenizer,
+        limit=4096,
+        long_examples="error",
+        source="s",
+        chat_template_kwargs={"tools": TOOLS},
+    )
     assert rows[0]["prompt_ids"] == list(expected)
     with pytest.raises(ConfigError, match="s record 0: 'tools' is a string but not valid JSON"):
         tokenize_prompts(
@@ -306,8 +345,12 @@ def test_grpo_prompts_pass_the_records_tools_to_the_template() -> None:
 def test_dpo_pairs_render_tools_and_tool_calls() -> None:
     tokenizer = tokenizer_for("qwen2_5")
     chat = weather_chat()
-    record = {"prompt": chat[:4], "chosen": [chat[4]], "rejected": [{"role": "assistant", "content": "No idea."}],
-              "tools": json.dumps(TOOLS)}  # fmt: skip
+    record = {
+        "prompt": chat[:4],
+        "chosen": [chat[4]],
+        "rejected": [{"role": "assistant", "content": "No idea."}],
+        "tools": json.dumps(TOOLS),
+    }
     (pair,), _ = tokenize_pairs([record], tokenizer, max_length=4096)
     hf = weather_chat({"city": "Paris"})
     full = tokenizer.apply_chat_template(hf, tools=TOOLS, tokenize=True, return_dict=True)["input_ids"]
@@ -315,8 +358,12 @@ def test_dpo_pairs_render_tools_and_tool_calls() -> None:
     assert tokenizer.decode(pair["chosen_ids"]).strip().startswith("It is 21 degrees")
     assert "<tools>" in tokenizer.decode(pair["prompt_ids"])
     # A chosen completion that calls a tool.
-    record = {"prompt": chat[:2], "chosen": [chat[2]], "rejected": [{"role": "assistant", "content": "Sunny."}],
-              "tools": TOOLS}  # fmt: skip
+    record = {
+        "prompt": chat[:2],
+        "chosen": [chat[2]],
+        "rejected": [{"role": "assistant", "content": "Sunny."}],
+        "tools": TOOLS,
+    }
     (pair,), _ = tokenize_pairs([record], tokenizer, max_length=4096)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in tokenizer.decode(
         pair["chosen_ids"]
@@ -332,8 +379,10 @@ def test_show_data_highlights_the_tool_calls_and_not_the_results(
     data = tmp_path / "tools.jsonl"
     data.write_text(json.dumps({"messages": weather_chat(), "tools": json.dumps(TOOLS)}) + "\n")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
-                      "max_length: 2048\n")  # fmt: skip
+    recipe.write_text(
+        f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
+        "max_length: 2048\n"
+    )
     assert cli.main(["show-data", "--config", str(recipe), "--color", "never"]) == 0
     shown = capsys.readouterr().out.split("=== ", 1)[1]
     spans = re.findall(r"\[\[(.*?)\]\]", shown, flags=re.S)
@@ -353,19 +402,26 @@ def test_dataset_tools_gives_every_record_without_its_own_the_schemas(
     tokenizer.save_pretrained(tmp_path / "tok")
     search = {"type": "function", "function": {"name": "search_web", "parameters": {"type": "object"}}}
     data = tmp_path / "tools.jsonl"
-    data.write_text(json.dumps({"messages": weather_chat()}) + "\n"
-                    + json.dumps({"messages": weather_chat(), "tools": json.dumps([search, *TOOLS])}) + "\n")  # fmt: skip
+    data.write_text(
+        json.dumps({"messages": weather_chat()})
+        + "\n"
+        + json.dumps({"messages": weather_chat(), "tools": json.dumps([search, *TOOLS])})
+        + "\n"
+    )
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
-                      "max_length: 2048\n")  # fmt: skip
+    recipe.write_text(
+        f"model_name_or_path: {tmp_path / 'tok'}\ndataset_name: {data}\noutput_dir: {tmp_path / 'o'}\n"
+        "max_length: 2048\n"
+    )
     argv = ["show-data", "--config", str(recipe), "--color", "never", "--tokens"]
     for tools in (str(tmp_path / "tools.json"), json.dumps(TOOLS)):
         assert cli.main([*argv, "--dataset_tools", tools]) == 0
         first, second = capsys.readouterr().out.split("=== ")[1:3]
         ids = [int(line.split()[2]) for line in first.splitlines() if re.match(r"^\s+\d+ [T.]\s", line)]
-        expected = tokenizer.apply_chat_template(weather_chat({"city": "Paris"}), tools=TOOLS, tokenize=True,
-                                                 return_dict=True)["input_ids"]  # fmt: skip
+        expected = tokenizer.apply_chat_template(
+            weather_chat({"city": "Paris"}), tools=TOOLS, tokenize=True, return_dict=True
+        )["input_ids"]
         assert ids == list(expected)
         assert "search_web" not in first and "search_web" in second
     assert cli.main([*argv, "--dataset_tools", str(tmp_path / "missing.json")]) == 2
@@ -375,11 +431,20 @@ def test_dataset_tools_gives_every_record_without_its_own_the_schemas(
 def test_kto_records_and_pairs_unpaired_render_their_tools() -> None:
     tokenizer = tokenizer_for("qwen2_5")
     chat = weather_chat()
-    expected = tokenizer.apply_chat_template(weather_chat({"city": "Paris"})[:4], tools=TOOLS, tokenize=True,
-                                             add_generation_prompt=True, return_dict=True)["input_ids"]  # fmt: skip
+    expected = tokenizer.apply_chat_template(
+        weather_chat({"city": "Paris"})[:4],
+        tools=TOOLS,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
     unpaired = {"prompt": chat[:4], "completion": [chat[4]], "label": True, "tools": json.dumps(TOOLS)}
-    pair = {"prompt": chat[:4], "chosen": [chat[4]], "rejected": [{"role": "assistant", "content": "No."}],
-            "tools": TOOLS}  # fmt: skip
+    pair = {
+        "prompt": chat[:4],
+        "chosen": [chat[4]],
+        "rejected": [{"role": "assistant", "content": "No."}],
+        "tools": TOOLS,
+    }
     for records in ([unpaired], [pair]):
         examples, _ = tokenize_unpaired(records, tokenizer, max_length=4096)
         assert all(e["prompt_ids"] == list(expected) for e in examples), records

@@ -40,13 +40,22 @@ def test_a_family_without_a_plan_is_refused_by_name() -> None:
 
 
 def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
-    moe = _model("Qwen3MoeConfig", num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=16)  # fmt: skip
+    moe = _model(
+        "Qwen3MoeConfig",
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
     # transformers <= 5.24 names the experts' fused styles in the TP plan; 5.25 moves experts to an EP plan.
-    with pytest.raises(TensorParallelError, match=r"qwen3_moe('s base_model_tp_plan uses \['moe_tp_experts', "
-                                                  r"'packed_colwise'\].*no torch DTensor equivalent| is a "
-                                                  r"mixture-of-experts model \(2 expert blocks, e\.g\. "
-                                                  r"model\.layers\.0\.mlp\.experts\).*not experts.*tp_size=1)"):  # fmt: skip
+    with pytest.raises(
+        TensorParallelError,
+        match=r"qwen3_moe('s base_model_tp_plan uses \['moe_tp_experts', "
+        r"'packed_colwise'\].*no torch DTensor equivalent| is a "
+        r"mixture-of-experts model \(2 expert blocks, e\.g\. "
+        r"model\.layers\.0\.mlp\.experts\).*not experts.*tp_size=1)",
+    ):
         tp_plan_for(moe)
     with pytest.raises(
         TensorParallelError, match=r"phi3's base_model_tp_plan uses \['colwise_gather_output'"
@@ -55,9 +64,13 @@ def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
 
 
 _SETTINGS = dict(
-    use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None, torch_compile=None,
+    use_peft=False,
+    load_in_4bit=False,
+    liger=False,
+    ram_efficient_loading=None,
+    torch_compile=None,
     compile_default=True,
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,9 @@ def test_bad_records_are_named_with_their_index_or_skipped_and_counted(
 
 def test_strings_get_eos_and_message_lists_the_chat_template(chatml_tokenizer) -> None:
     tok = chatml_tokenizer
-    (text,), _ = tokenize_unpaired([{"prompt": "The sky is", "completion": " blue", "label": True}], tok,
-                                   max_length=64)  # fmt: skip
+    (text,), _ = tokenize_unpaired(
+        [{"prompt": "The sky is", "completion": " blue", "label": True}], tok, max_length=64
+    )
     assert text["prompt_ids"] + text["completion_ids"] == tok("The sky is blue" + tok.eos_token)["input_ids"]
     assert tok.decode(text["completion_ids"]).strip() == "blue" + tok.eos_token
     assert text["label"] is True
@@ -63,17 +64,26 @@ def test_strings_get_eos_and_message_lists_the_chat_template(chatml_tokenizer) -
     )
     rendered = tok.apply_chat_template([user, answer], tokenize=True, return_dict=True)["input_ids"]
     assert chat["prompt_ids"] + chat["completion_ids"] == list(rendered)
-    assert chat["prompt_ids"] == list(tok.apply_chat_template([user], add_generation_prompt=True, tokenize=True,
-                                                              return_dict=True)["input_ids"])  # fmt: skip
+    assert chat["prompt_ids"] == list(
+        tok.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def test_pairs_are_unpaired_as_trls_unpair_preference_dataset(chatml_tokenizer) -> None:
-    pairs = [{"prompt": "A", "chosen": " good", "rejected": " bad"}, {"prompt": "B", "chosen": " yes", "rejected": " no"},
-             {"prompt": "C", "chosen": " same", "rejected": " same"}]  # fmt: skip
+    pairs = [
+        {"prompt": "A", "chosen": " good", "rejected": " bad"},
+        {"prompt": "B", "chosen": " yes", "rejected": " no"},
+        {"prompt": "C", "chosen": " same", "rejected": " same"},
+    ]
     rows = unpair(pairs, "p.jsonl")
     assert [(r.get("prompt"), r.get("completion"), r.get("label")) for r in rows if "error" not in r] == [
-        ("A", " good", True), ("B", " yes", True), ("A", " bad", False), ("B", " no", False)
-    ]  # fmt: skip
+        ("A", " good", True),
+        ("B", " yes", True),
+        ("A", " bad", False),
+        ("B", " no", False),
+    ]
     with pytest.raises(RecordError, match="p.jsonl record 2: chosen and rejected are the same"):
         tokenize_unpaired(pairs, chatml_tokenizer, max_length=32, source="p.jsonl")
     examples, stats = tokenize_unpaired(pairs, chatml_tokenizer, max_length=32, on_bad_record="skip")
@@ -94,8 +104,10 @@ def test_kl_completions_rotate_within_the_samplers_micro_batches() -> None:
 
 
 def test_the_collator_lays_out_the_examples_then_their_kl_rows() -> None:
-    examples = [{"prompt_ids": [1, 2], "completion_ids": [3], "kl_ids": [4, 5, 6], "label": True, "index": 7},
-                {"prompt_ids": [8], "completion_ids": [9, 10], "kl_ids": [3], "label": False, "index": 2}]  # fmt: skip
+    examples = [
+        {"prompt_ids": [1, 2], "completion_ids": [3], "kl_ids": [4, 5, 6], "label": True, "index": 7},
+        {"prompt_ids": [8], "completion_ids": [9, 10], "kl_ids": [3], "label": False, "index": 2},
+    ]
     batch = UnpairedCollator(pad_token_id=0, max_length=8)(examples)
     assert batch["input_ids"].tolist() == [
         [1, 2, 3, 0, 0],

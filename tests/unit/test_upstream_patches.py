@@ -356,8 +356,10 @@ def test_the_rollout_keeps_units_gathered_through_the_public_setter_and_restores
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     assert list(inspect.signature(FSDPModule.set_reshard_after_forward).parameters) == [
-        "self", "reshard_after_forward", "recurse",
-    ]  # fmt: skip
+        "self",
+        "reshard_after_forward",
+        "recurse",
+    ]
     init = inspect.getsource(FSDPParamGroup.__init__)
     assert (
         "self.post_forward_mesh_info = post_forward_mesh_info" in init
@@ -366,5 +368,10 @@ def test_the_rollout_keeps_units_gathered_through_the_public_setter_and_restores
     out = json.loads(
         python("-c", [_GATHERED]).stdout.strip().splitlines()[-1]
     )  # units: root, layer 0, layer 1
-    assert out == {"before": [False, True, False], "inside": [False, False, False], "kept": True,
-                   "after": [False, True, False], "resharded": True}, out  # fmt: skip
+    assert out == {
+        "before": [False, True, False],
+        "inside": [False, False, False],
+        "kept": True,
+        "after": [False, True, False],
+        "resharded": True,
+    }, out

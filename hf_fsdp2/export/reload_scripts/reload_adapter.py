@@ -157,9 +157,18 @@ def main(argv: list[str]) -> None:
             .abs()
             .max()
         )
-    torch.save({"logits": logits, "dequantised_logits": dequantised, "noise": noise, "mismatched": mismatched,
-                "extra": extra, "compared": len(request["digests"]),
-                "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules)}, out)  # fmt: skip
+    torch.save(
+        {
+            "logits": logits,
+            "dequantised_logits": dequantised,
+            "noise": noise,
+            "mismatched": mismatched,
+            "extra": extra,
+            "compared": len(request["digests"]),
+            "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

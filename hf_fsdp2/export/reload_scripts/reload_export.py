@@ -24,12 +24,19 @@ def load(request: dict[str, Any], dtype: str) -> tuple[Any, dict[str, Any]]:
     """The folder loaded in ``dtype``, weights beyond the request's RAM offloaded to disk; and the loading info."""
     auto = getattr(transformers, request.get("auto_class", "AutoModelForCausalLM"))
     # use_kernels=False: the model's own modules, as the run computed with (hf_fsdp2/compat.py NO_HUB_KERNELS).
-    kwargs = dict(device_map="auto", max_memory={"cpu": request["ram"]}, offload_folder=request["offload"],
-                  use_kernels=False)  # fmt: skip
+    kwargs = dict(
+        device_map="auto",
+        max_memory={"cpu": request["ram"]},
+        offload_folder=request["offload"],
+        use_kernels=False,
+    )
     model, info = auto.from_pretrained(
-        request["folder"], dtype=getattr(torch, dtype), output_loading_info=True,
-        trust_remote_code=request.get("trust_remote_code", False), **kwargs,
-    )  # fmt: skip
+        request["folder"],
+        dtype=getattr(torch, dtype),
+        output_loading_info=True,
+        trust_remote_code=request.get("trust_remote_code", False),
+        **kwargs,
+    )
     return model, info
 
 
@@ -91,14 +98,21 @@ def main(argv: list[str]) -> None:
         del model
         model, _ = load(request, request["reference_dtype"])
         noise = float((probe(model, request["ids"]).double() - logits.double()).abs().max())
-    torch.save({
-        "logits": logits, "noise": noise,
-        "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
-        "mismatched": mismatched, "compared": compared,
-        "config_diff": config_diff, "config_keys": len(config),
-        "tied": tied, "devices": devices,
-        "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
-    }, out)  # fmt: skip
+    torch.save(
+        {
+            "logits": logits,
+            "noise": noise,
+            "problems": {k: sorted(str(x) for x in v) for k, v in info.items() if v},
+            "mismatched": mismatched,
+            "compared": compared,
+            "config_diff": config_diff,
+            "config_keys": len(config),
+            "tied": tied,
+            "devices": devices,
+            "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -129,24 +129,38 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
         skipped = 0
         for salt, source in enumerate(d.sources()):
             part, out, empty = _documents(
-                source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
-                on_bad_record=d.on_bad_record, seed=t.seed, salt=salt, hold_out=d.eval_split_fraction,
-            )  # fmt: skip
+                source,
+                tokenizer,
+                text_column=d.text_column,
+                text_unit=d.text_unit,
+                on_bad_record=d.on_bad_record,
+                seed=t.seed,
+                salt=salt,
+                hold_out=d.eval_split_fraction,
+            )
             docs.extend(part)
             held.extend(out)
             skipped += empty
         eval_source = d.eval_source()
         if eval_source is not None:
             held, _, _ = _documents(
-                eval_source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
-                on_bad_record=d.on_bad_record, seed=t.seed, salt=len(d.sources()),
-            )  # fmt: skip
+                eval_source,
+                tokenizer,
+                text_column=d.text_column,
+                text_unit=d.text_unit,
+                on_bad_record=d.on_bad_record,
+                seed=t.seed,
+                salt=len(d.sources()),
+            )
         return docs, held, skipped
 
     docs, held, skipped = rank0_first(load)
     # Eval: the held-out documents cut into rows the same way (every document whole, loss on every token).
-    eval_set = RowsDataset(concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention)) \
-        if held else None  # fmt: skip
+    eval_set = (
+        RowsDataset(concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention))
+        if held
+        else None
+    )
     if eval_set is not None:
         logger.info("eval corpus: %d documents -> %d rows", len(held), len(eval_set))
     if not docs:
@@ -162,10 +176,17 @@ def build_cpt_data(session: Session, tokenizer: Any) -> TrainData:
     logger.info(
         "corpus: %d documents (%d empty skipped), %d tokens, %d targets -> %d rows of %d (%s, %s), %d documents "
         "longer than a row cut into pieces, %.1f%% of each row filled",
-        len(docs), skipped, tokens, targets, len(rows), d.max_length, d.corpus_layout,
+        len(docs),
+        skipped,
+        tokens,
+        targets,
+        len(rows),
+        d.max_length,
+        d.corpus_layout,
         "attention across documents" if d.cross_document_attention else "positions restart per document",
-        cut, 100 * float(dataset.row_lengths.mean()) / d.max_length,
-    )  # fmt: skip
+        cut,
+        100 * float(dataset.row_lengths.mean()) / d.max_length,
+    )
     per_step = examples_per_step(session)
     if len(dataset) < per_step:
         raise ConfigError(
@@ -204,13 +225,21 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
             stopping_strategy="all_exhausted",
         )
     documents = split_dataset_by_node(documents, rank=session.data_rank, world_size=session.data_world)
-    rows = StreamingRows(documents, tokenizer, d.max_length, text_column=d.text_column,
-                         cross_document_attention=d.cross_document_attention)  # fmt: skip
+    rows = StreamingRows(
+        documents,
+        tokenizer,
+        d.max_length,
+        text_column=d.text_column,
+        cross_document_attention=d.cross_document_attention,
+    )
     per_step = examples_per_step(session)
     logger.info(
         "corpus: streamed from %s, each rank its own slice, rows of %d (concat), %d steps, %d rows per step",
-        ", ".join(s.describe() for s in sources), d.max_length, t.max_steps, per_step,
-    )  # fmt: skip
+        ", ".join(s.describe() for s in sources),
+        d.max_length,
+        t.max_steps,
+        per_step,
+    )
     stream = StreamingBatches(rows, collator, t.per_device_train_batch_size)
     if d.eval_split_fraction > 0:
         raise ConfigError(
@@ -222,10 +251,15 @@ def _streamed(session: Session, tokenizer: Any, collator: Any) -> TrainData:
     if eval_source is not None:  # read whole (an eval set is small), cut into rows like the training stream
         held, _, _ = rank0_first(
             lambda: _documents(
-                eval_source, tokenizer, text_column=d.text_column, text_unit=d.text_unit,
-                on_bad_record=d.on_bad_record, seed=t.seed, salt=len(sources),
+                eval_source,
+                tokenizer,
+                text_column=d.text_column,
+                text_unit=d.text_unit,
+                on_bad_record=d.on_bad_record,
+                seed=t.seed,
+                salt=len(sources),
             )
-        )  # fmt: skip
+        )
         eval_set = RowsDataset(
             concat_rows(held, d.max_length, cross_document_attention=d.cross_document_attention)
         )

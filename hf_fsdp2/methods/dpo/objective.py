@@ -57,26 +57,40 @@ def _build_dpo(
     evaluator = None
     if data.eval_set is not None:
         evaluator = PreferenceEvaluator(
-            data.eval_set, eval_reference or reference, collator=data.collator, settings=settings,
+            data.eval_set,
+            eval_reference or reference,
+            collator=data.collator,
+            settings=settings,
             plan=model.loss_plan,
             batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
             device=session.device,
-        )  # fmt: skip
+        )
     return step, evaluator
 
 
 def _reference_free(
-    session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData,
+    session: Session,
+    model: TrainModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: TrainData,
     settings: DPOSettings,
-) -> tuple[Step, Any]:  # fmt: skip
+) -> tuple[Step, Any]:
     """SimPO and ORPO: the policy alone, no reference model or pass (the same on every rank: the run's objective)."""
     p: DpoArgs = session.cfg.method
     if settings.loss_type == "simpo":
-        logger.info("loss: SimPO, beta %g, gamma %g%s, mean over the step's pairs (reference-free)", p.beta,
-                    p.simpo_gamma, f", + {p.cpo_alpha:g} x NLL of the chosen completions" if p.cpo_alpha else "")  # fmt: skip
+        logger.info(
+            "loss: SimPO, beta %g, gamma %g%s, mean over the step's pairs (reference-free)",
+            p.beta,
+            p.simpo_gamma,
+            f", + {p.cpo_alpha:g} x NLL of the chosen completions" if p.cpo_alpha else "",
+        )
     else:
-        logger.info("loss: ORPO, NLL of the chosen sequences, prompt and completion (mean over their tokens) + %g x odds-ratio term (mean "
-                    "over the step's pairs); reference-free", p.beta)  # fmt: skip
+        logger.info(
+            "loss: ORPO, NLL of the chosen sequences, prompt and completion (mean over their tokens) + %g x odds-ratio term (mean "
+            "over the step's pairs); reference-free",
+            p.beta,
+        )
 
     step = loss_step(
         session, model, optimizer, scheduler, lambda: DPOLoss(None, settings, model.loss_plan, session.device)
@@ -85,10 +99,14 @@ def _reference_free(
     if data.eval_set is not None:
         t = session.cfg.train
         evaluator = PreferenceEvaluator(
-            data.eval_set, None, collator=data.collator, settings=settings, plan=model.loss_plan,
+            data.eval_set,
+            None,
+            collator=data.collator,
+            settings=settings,
+            plan=model.loss_plan,
             batch_size=session.cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
             device=session.device,
-        )  # fmt: skip
+        )
     return step, evaluator
 
 
@@ -96,9 +114,16 @@ class PreferenceEvaluator:
     """DPO's evaluation: loss, rewards, accuracy and margins over every eval pair (every rank calls ``run``)."""
 
     def __init__(
-        self, pairs: Sequence[Any], reference: Reference | None, *, collator: Any, settings: DPOSettings,
-        plan: LossPlan, batch_size: int, device: torch.device,
-    ) -> None:  # fmt: skip
+        self,
+        pairs: Sequence[Any],
+        reference: Reference | None,
+        *,
+        collator: Any,
+        settings: DPOSettings,
+        plan: LossPlan,
+        batch_size: int,
+        device: torch.device,
+    ) -> None:
         self.pairs, self.reference, self.collator = pairs, reference, collator
         self.settings, self.plan, self.batch_size, self.device = settings, plan, batch_size, device
 
@@ -106,13 +131,23 @@ class PreferenceEvaluator:
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
     ) -> dict[str, float]:
         out = evaluate_preferences(
-            model, self.reference, self.pairs, collator=self.collator, batch_size=self.batch_size,
-            settings=self.settings, plan=self.plan, device=self.device,
-        )  # fmt: skip
+            model,
+            self.reference,
+            self.pairs,
+            collator=self.collator,
+            batch_size=self.batch_size,
+            settings=self.settings,
+            plan=self.plan,
+            device=self.device,
+        )
         logger.info(
             "eval at step %d: loss %.4f, accuracy %.3f, margin %.4f (%d pairs)",
-            step, out["eval_loss"], out["eval_rewards/accuracies"], out["eval_rewards/margins"], out["eval_pairs"],
-        )  # fmt: skip
+            step,
+            out["eval_loss"],
+            out["eval_rewards/accuracies"],
+            out["eval_rewards/margins"],
+            out["eval_pairs"],
+        )
         return out
 
 

@@ -94,24 +94,30 @@ def generation_layout(
             groups of ``num_generations``; each naming the numbers and the fix.
     """
     global_batch = per_device * ranks
-    check(generation_batch_size is None or steps_per_generation is None,
-          f"generation_batch_size={generation_batch_size} and steps_per_generation={steps_per_generation} are both "
-          "set: set one (the other follows from it)")  # fmt: skip
+    check(
+        generation_batch_size is None or steps_per_generation is None,
+        f"generation_batch_size={generation_batch_size} and steps_per_generation={steps_per_generation} are both "
+        "set: set one (the other follows from it)",
+    )
     if generation_batch_size is None:
         spg = steps_per_generation or gradient_accumulation_steps
         generation_batch_size = global_batch * spg
     else:
-        check(generation_batch_size % global_batch == 0,
-              f"generation_batch_size ({generation_batch_size}) must be divisible by the global batch size "
-              f"per_device_train_batch_size({per_device}) x data-parallel ranks({ranks}) = {global_batch}: set it "
-              f"to a multiple of {global_batch}, or set steps_per_generation instead")  # fmt: skip
+        check(
+            generation_batch_size % global_batch == 0,
+            f"generation_batch_size ({generation_batch_size}) must be divisible by the global batch size "
+            f"per_device_train_batch_size({per_device}) x data-parallel ranks({ranks}) = {global_batch}: set it "
+            f"to a multiple of {global_batch}, or set steps_per_generation instead",
+        )
         spg = generation_batch_size // global_batch
-    check(generation_batch_size % num_generations == 0,
-          f"generation_batch_size ({generation_batch_size} = per_device_train_batch_size({per_device}) x "
-          f"data-parallel ranks({ranks}) x steps_per_generation({spg})) must be divisible by num_generations "
-          f"({num_generations}): every prompt's group is whole. per_device_train_batch_size counts completions (as "
-          f"TRL's): set it, steps_per_generation or generation_batch_size so that the product is a multiple of "
-          f"{num_generations}")  # fmt: skip
+    check(
+        generation_batch_size % num_generations == 0,
+        f"generation_batch_size ({generation_batch_size} = per_device_train_batch_size({per_device}) x "
+        f"data-parallel ranks({ranks}) x steps_per_generation({spg})) must be divisible by num_generations "
+        f"({num_generations}): every prompt's group is whole. per_device_train_batch_size counts completions (as "
+        f"TRL's): set it, steps_per_generation or generation_batch_size so that the product is a multiple of "
+        f"{num_generations}",
+    )
     per_rank = generation_batch_size // ranks
     return GenerationLayout(
         per_device=per_device,
@@ -162,14 +168,22 @@ def generation_stream(session: Any, train: Any, collator: Any) -> tuple[Any, int
     """
     t = session.cfg.train
     layout = layout_of(session.cfg, session.data_world)
-    check(len(train) >= layout.prompts,
-          f"one generation batch needs generation_batch_size({layout.generation_batch_size}) / num_generations"
-          f"({layout.num_generations}) = {layout.prompts} prompts but the data has {len(train)}; lower "
-          "per_device_train_batch_size, steps_per_generation or generation_batch_size")  # fmt: skip
-    sampler = ShardedSampler(len(train), rank=0, world_size=1, seed=t.seed,
-                             shuffle=t.train_sampling_strategy == "random")  # fmt: skip
-    loader = build_dataloader(train, batch_size=layout.prompts, collator=collator, sampler=sampler,
-                              num_workers=session.cfg.data.dataloader_num_workers)  # fmt: skip
+    check(
+        len(train) >= layout.prompts,
+        f"one generation batch needs generation_batch_size({layout.generation_batch_size}) / num_generations"
+        f"({layout.num_generations}) = {layout.prompts} prompts but the data has {len(train)}; lower "
+        "per_device_train_batch_size, steps_per_generation or generation_batch_size",
+    )
+    sampler = ShardedSampler(
+        len(train), rank=0, world_size=1, seed=t.seed, shuffle=t.train_sampling_strategy == "random"
+    )
+    loader = build_dataloader(
+        train,
+        batch_size=layout.prompts,
+        collator=collator,
+        sampler=sampler,
+        num_workers=session.cfg.data.dataloader_num_workers,
+    )
     steps_per_epoch = layout.steps_per_epoch(len(train))
     total = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
     return GenerationStream(loader, sampler, layout.prompts), steps_per_epoch, total, layout

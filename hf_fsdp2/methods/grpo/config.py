@@ -13,21 +13,41 @@ GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # generation_kwargs that have a key of their own (which also scores the log-probs, or shapes the rollout): refused
 # there, so one setting has one place.
-OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
-            "do_sample": "(always sampled; eval is greedy)", "num_return_sequences": "num_generations"}  # fmt: skip
+OWN_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_completion_length",
+    "do_sample": "(always sampled; eval is greedy)",
+    "num_return_sequences": "num_generations",
+}
 # With use_vllm, generation_kwargs are vLLM SamplingParams fields (TRL's meaning); refused there: those with a key
 # of their own, and those the run sets itself (what the rollout, the probe and the importance sampling correction read).
-VLLM_OWN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
-                 "n": "num_generations", "seed": "seed (each prompt's sampling seed derives from it)"}  # fmt: skip
+VLLM_OWN_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_completion_length",
+    "n": "num_generations",
+    "seed": "seed (each prompt's sampling seed derives from it)",
+}
 _LOGPROBS = (
     "it asks for the sampled tokens' log-probs, which the importance sampling correction and the probe read"
 )
-VLLM_RUN_KEYS = {"stop_token_ids": "the end ids are the tokenizer's EOS and generation_config.json's eos_token_id",
-                 "logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS, "logprob_token_ids": _LOGPROBS,
-                 "flat_logprobs": _LOGPROBS, "prompt_logprob_token_ids": _LOGPROBS, "prompt_logprob_start": _LOGPROBS,
-                 "output_kind": "the server reads each request's final output"}  # fmt: skip
+VLLM_RUN_KEYS = {
+    "stop_token_ids": "the end ids are the tokenizer's EOS and generation_config.json's eos_token_id",
+    "logprobs": _LOGPROBS,
+    "prompt_logprobs": _LOGPROBS,
+    "logprob_token_ids": _LOGPROBS,
+    "flat_logprobs": _LOGPROBS,
+    "prompt_logprob_token_ids": _LOGPROBS,
+    "prompt_logprob_start": _LOGPROBS,
+    "output_kind": "the server reads each request's final output",
+}
 SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = (
     "token_truncate",
@@ -117,56 +137,56 @@ class GrpoArgs:
             "help": "Completions per generation batch over all ranks (TRL's key); default "
             "per_device_train_batch_size x data-parallel ranks x steps_per_generation. Not with "
             "steps_per_generation."
-        },  # fmt: skip
+        },
     )
     steps_per_generation: int | None = field(
         default=None,
         metadata={
             "help": "Micro-batches (of per_device_train_batch_size completions per rank) one generation batch "
             "feeds (TRL's key); default gradient_accumulation_steps. Not with generation_batch_size."
-        },  # fmt: skip
+        },
     )
     rollout_batch_size: int | None = field(
         default=None,
         metadata={
             "help": "Completions a rank generates per generate call (its KV cache holds this many sequences); "
             "default all of its generation batch at once."
-        },  # fmt: skip
+        },
     )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={
             "help": "Completions that did not end with an end-of-sequence token are left out of the loss "
             "(TRL's key; DAPO's practice)."
-        },  # fmt: skip
+        },
     )
     importance_sampling_level: str = field(
         default="token",
         metadata={
             "help": "token: one ratio per token; sequence: one per completion from the mean log-ratio over "
             "its tokens (GSPO; TRL recommends loss_type grpo with it)."
-        },  # fmt: skip
+        },
     )
     top_entropy_quantile: float = field(
         default=1.0,
         metadata={
             "help": "Keep in the policy loss only the tokens in this top quantile of entropy over the "
             "micro-batch of every rank (TRL's key; 1.0: every token; the paper: 0.2)."
-        },  # fmt: skip
+        },
     )
     log_completions: bool = field(
         default=False,
         metadata={
             "help": "At each logged step, a table of the prompts, completions, rewards and advantages of the "
             "generation batches since the last one in metrics.jsonl (and wandb/trackio), as TRL."
-        },  # fmt: skip
+        },
     )
     num_completions_to_print: int | None = field(
         default=None,
         metadata={
             "help": "Rows of that table logged per step (default all); also the eval samples logged "
             "(default 4)."
-        },  # fmt: skip
+        },
     )
     # Issue 42 items 2-3 (helper "semantics"): what samples, and how prompts are rendered, as TRL 1.16's keys.
     repetition_penalty: float = field(
@@ -174,7 +194,7 @@ class GrpoArgs:
         metadata={
             "help": "Penalty on tokens already in the prompt or completion (TRL's default 1.0: none); the "
             "model's generation_config value is not inherited."
-        },  # fmt: skip
+        },
     )
     min_p: float | None = field(
         default=None,
@@ -186,14 +206,14 @@ class GrpoArgs:
             "help": "More sampling fields, a mapping (YAML) or JSON object (CLI), applied last: transformers "
             "GenerationConfig fields (e.g. {suppress_tokens: [5]}), or with use_vllm vLLM SamplingParams fields "
             "(e.g. {min_tokens: 2, bad_words: [...]}), as TRL.",
-        },  # fmt: skip
+        },
     )
     chat_template_kwargs: str | None = field(
         default=None,
         metadata={
             "help": "Extra apply_chat_template arguments for message-list prompts (and reward "
             "models), a mapping or JSON object: e.g. {enable_thinking: false}.",
-        },  # fmt: skip
+        },
     )
     # Issue 42 items 6-7 (helper "vllm"): vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm/, docs/grpo.md).
     use_vllm: bool = field(
@@ -249,11 +269,16 @@ class GrpoArgs:
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
-        check(self.loss_type in GRPO_LOSS_TYPES, f"loss_type={self.loss_type!r} is not a loss of the GRPO recipe: one "
-              f"of {', '.join(GRPO_LOSS_TYPES)}")  # fmt: skip
+        check(
+            self.loss_type in GRPO_LOSS_TYPES,
+            f"loss_type={self.loss_type!r} is not a loss of the GRPO recipe: one "
+            f"of {', '.join(GRPO_LOSS_TYPES)}",
+        )
         check(self.beta >= 0, f"beta={self.beta} must be >= 0")
-        check(self.num_generations >= 2, f"num_generations={self.num_generations} must be >= 2: a group of one has "
-              "no baseline")  # fmt: skip
+        check(
+            self.num_generations >= 2,
+            f"num_generations={self.num_generations} must be >= 2: a group of one has no baseline",
+        )
         check(
             self.max_completion_length >= 1,
             f"max_completion_length={self.max_completion_length} must be >= 1",
@@ -267,13 +292,20 @@ class GrpoArgs:
             f"epsilon_high={self.epsilon_high} must be >= 0",
         )
         check(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
-        check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level="
-              f"{self.importance_sampling_level!r} is not one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")  # fmt: skip
-        check(0.0 <= self.top_entropy_quantile <= 1.0,
-              f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every token)")  # fmt: skip
-        check(self.generation_batch_size is None or self.steps_per_generation is None,
-              f"generation_batch_size={self.generation_batch_size} and steps_per_generation="
-              f"{self.steps_per_generation} are both set: set one (the other follows from it)")  # fmt: skip
+        check(
+            self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+            f"importance_sampling_level="
+            f"{self.importance_sampling_level!r} is not one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}",
+        )
+        check(
+            0.0 <= self.top_entropy_quantile <= 1.0,
+            f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every token)",
+        )
+        check(
+            self.generation_batch_size is None or self.steps_per_generation is None,
+            f"generation_batch_size={self.generation_batch_size} and steps_per_generation="
+            f"{self.steps_per_generation} are both set: set one (the other follows from it)",
+        )
         for key in (
             "generation_batch_size",
             "steps_per_generation",
@@ -286,8 +318,10 @@ class GrpoArgs:
             self.rollout_gather in ("full", "layer"),
             f"rollout_gather={self.rollout_gather!r} is not full or layer",
         )
-        check(self.scale_rewards in SCALE_REWARDS,
-              f"scale_rewards={self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")  # fmt: skip
+        check(
+            self.scale_rewards in SCALE_REWARDS,
+            f"scale_rewards={self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}",
+        )
         check(
             self.repetition_penalty > 0,
             f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0: none)",
@@ -299,9 +333,11 @@ class GrpoArgs:
         sampling_kwargs(self.generation_kwargs, vllm=self.use_vllm)
         self.validate_vllm()
         json_mapping(self.chat_template_kwargs, "chat_template_kwargs")
-        check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
-              f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs: one "
-              "weight per function")  # fmt: skip
+        check(
+            not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
+            f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs: one "
+            "weight per function",
+        )
 
     def validate_vllm(self) -> None:
         """The vLLM keys' checks (colocate's vLLM import: at the run's start, vllm/colocate.py:require_vllm)."""
@@ -309,13 +345,20 @@ class GrpoArgs:
             self.vllm_mode in ("server", "colocate"),
             f"vllm_mode={self.vllm_mode!r} is not server or colocate",
         )
-        check(0 < self.vllm_gpu_memory_utilization <= 1, f"vllm_gpu_memory_utilization="
-              f"{self.vllm_gpu_memory_utilization} is not a fraction in (0, 1]")  # fmt: skip
-        check(self.vllm_importance_sampling_mode in IS_MODES, f"vllm_importance_sampling_mode="
-              f"{self.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}")  # fmt: skip
+        check(
+            0 < self.vllm_gpu_memory_utilization <= 1,
+            f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} is not a fraction in (0, 1]",
+        )
+        check(
+            self.vllm_importance_sampling_mode in IS_MODES,
+            f"vllm_importance_sampling_mode="
+            f"{self.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}",
+        )
         low, high = self.vllm_importance_sampling_clip_min, self.is_clip_max
-        check(low is None or high is None or low < high, f"vllm_importance_sampling_clip_min={low} must be below "
-              f"vllm_importance_sampling_clip_max={high}")  # fmt: skip
+        check(
+            low is None or high is None or low < high,
+            f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}",
+        )
         for key in ("vllm_server_timeout", "vllm_request_timeout"):
             check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0 (seconds)")
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port={self.vllm_server_port} is not a port")
@@ -343,8 +386,11 @@ def json_mapping(value: str | None, key: str) -> dict[str, Any]:
         out = json.loads(value)
     except json.JSONDecodeError as err:
         out = err
-    check(isinstance(out, dict), f"{key}={value!r} is not a JSON object ({out}); give a mapping in the YAML or "
-          f"--{key} '{{\"name\": value}}'")  # fmt: skip
+    check(
+        isinstance(out, dict),
+        f"{key}={value!r} is not a JSON object ({out}); give a mapping in the YAML or "
+        f"--{key} '{{\"name\": value}}'",
+    )
     return out  # type: ignore[return-value]
 
 
@@ -360,17 +406,24 @@ def sampling_kwargs(value: str | None, *, vllm: bool = False) -> dict[str, Any]:
     out = json_mapping(value, "generation_kwargs")
     own, run = (VLLM_OWN_KEYS, VLLM_RUN_KEYS) if vllm else (OWN_KEYS, {})
     for name in out:
-        check(name not in own, f"generation_kwargs sets {name!r}, which has a key of its own here: set "
-              f"{own.get(name)} instead")  # fmt: skip
-        check(name not in run, f"generation_kwargs sets {name!r}, which the run sets itself ({run.get(name)}); "
-              "remove it")  # fmt: skip
+        check(
+            name not in own,
+            f"generation_kwargs sets {name!r}, which has a key of its own here: set {own.get(name)} instead",
+        )
+        check(
+            name not in run,
+            f"generation_kwargs sets {name!r}, which the run sets itself ({run.get(name)}); remove it",
+        )
     if out and not vllm:
         from transformers import GenerationConfig
 
         known = set(GenerationConfig().to_dict())
         unknown = sorted(set(out) - known)
-        check(not unknown, f"generation_kwargs has {unknown}, not fields of transformers' GenerationConfig; see "
-              "https://huggingface.co/docs/transformers/main_classes/text_generation")  # fmt: skip
+        check(
+            not unknown,
+            f"generation_kwargs has {unknown}, not fields of transformers' GenerationConfig; see "
+            "https://huggingface.co/docs/transformers/main_classes/text_generation",
+        )
     return out
 
 
@@ -383,8 +436,14 @@ def check_vllm_fields(kwargs: dict[str, Any], fields: list[str] | None, engine: 
     """
     if not kwargs:
         return
-    check(fields is not None, f"generation_kwargs={kwargs} with use_vllm: {engine} does not list its SamplingParams "
-          "fields; restart it with this checkout's `hf-fsdp2 vllm-serve`")  # fmt: skip
+    check(
+        fields is not None,
+        f"generation_kwargs={kwargs} with use_vllm: {engine} does not list its SamplingParams "
+        "fields; restart it with this checkout's `hf-fsdp2 vllm-serve`",
+    )
     unknown = sorted(set(kwargs) - set(fields or ()))
-    check(not unknown, f"generation_kwargs has {unknown}, not fields of vLLM's SamplingParams ({engine}); with "
-          f"use_vllm they go to SamplingParams (TRL's meaning), whose fields are {sorted(fields or ())}")  # fmt: skip
+    check(
+        not unknown,
+        f"generation_kwargs has {unknown}, not fields of vLLM's SamplingParams ({engine}); with "
+        f"use_vllm they go to SamplingParams (TRL's meaning), whose fields are {sorted(fields or ())}",
+    )

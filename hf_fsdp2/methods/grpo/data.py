@@ -31,8 +31,10 @@ def _prompt_ids(
     (`hf_fsdp2.data.tool_calls.template_message`)."""
     if isinstance(prompt, list):
         if tokenizer.chat_template is None:
-            raise ConfigError(f"{where}: the prompt is a message list but the tokenizer has no chat template; give "
-                              "chat_template, or plain string prompts")  # fmt: skip
+            raise ConfigError(
+                f"{where}: the prompt is a message list but the tokenizer has no chat template; give "
+                "chat_template, or plain string prompts"
+            )
         try:
             schemas = parse_tools(tools)
             messages = [template_message(m) if isinstance(m, Mapping) else m for m in prompt]
@@ -69,8 +71,10 @@ def _as_prompt_record(record: dict[str, Any], where: str) -> dict[str, Any]:
         out["prompt"] = turns[:-1]
         out.setdefault("answer", turns[-1].get("content"))
         return out
-    raise ConfigError(f"{where}: no 'prompt' column nor 'messages' ending with an assistant turn (columns: "
-                      f"{sorted(record)}); rename with dataset_column_mapping")  # fmt: skip
+    raise ConfigError(
+        f"{where}: no 'prompt' column nor 'messages' ending with an assistant turn (columns: "
+        f"{sorted(record)}); rename with dataset_column_mapping"
+    )
 
 
 def tokenize_prompts(
@@ -92,8 +96,10 @@ def tokenize_prompts(
         ids = _prompt_ids(record["prompt"], tokenizer, where, chat_template_kwargs or {}, record.get("tools"))
         if len(ids) > limit:
             if long_examples == "error":
-                raise ConfigError(f"{where}: the prompt has {len(ids)} tokens, over max_length - max_completion_length"
-                                  f" = {limit}; raise max_length or drop it (long_examples: drop)")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: the prompt has {len(ids)} tokens, over max_length - max_completion_length"
+                    f" = {limit}; raise max_length or drop it (long_examples: drop)"
+                )
             dropped += 1
             continue
         columns = {k: v for k, v in record.items() if k != "prompt"}
@@ -106,9 +112,12 @@ def tokenize_prompts(
 def collate_prompts(examples: Sequence[dict]) -> dict[str, Any]:
     """A micro-batch of prompts: their ids, as given, the other columns (one list each) and their indices."""
     keys = sorted({k for e in examples for k in e["columns"]})
-    return {"prompt_ids": [e["prompt_ids"] for e in examples], "prompts": [e["prompt"] for e in examples],
-            "columns": {k: [e["columns"].get(k) for e in examples] for k in keys},
-            "index": [e["index"] for e in examples]}  # fmt: skip
+    return {
+        "prompt_ids": [e["prompt_ids"] for e in examples],
+        "prompts": [e["prompt"] for e in examples],
+        "columns": {k: [e["columns"].get(k) for e in examples] for k in keys},
+        "index": [e["index"] for e in examples],
+    }
 
 
 class PromptCollator:
@@ -136,13 +145,25 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
             raw = load_source(source, on_bad_record=d.on_bad_record)
             if mapping:
                 raw = apply_column_mapping(raw, mapping, source.describe())
-            train += tokenize_prompts(raw, tokenizer, limit=limit, long_examples=d.long_examples,
-                                      source=source.describe(), chat_template_kwargs=template_kwargs)  # fmt: skip
+            train += tokenize_prompts(
+                raw,
+                tokenizer,
+                limit=limit,
+                long_examples=d.long_examples,
+                source=source.describe(),
+                chat_template_kwargs=template_kwargs,
+            )
         evals = None
         eval_source = d.eval_source()
         if eval_source is not None:
-            evals = tokenize_prompts(load_source(eval_source), tokenizer, limit=limit, long_examples=d.long_examples,
-                                     source="eval", chat_template_kwargs=template_kwargs)  # fmt: skip
+            evals = tokenize_prompts(
+                load_source(eval_source),
+                tokenizer,
+                limit=limit,
+                long_examples=d.long_examples,
+                source="eval",
+                chat_template_kwargs=template_kwargs,
+            )
         elif d.eval_split_fraction:
             cut = max(1, int(len(train) * d.eval_split_fraction))
             train, evals = train[cut:], train[:cut]
@@ -154,9 +175,16 @@ def build_grpo_data(session: Session, tokenizer: Any) -> TrainData:
     collator = PromptCollator(tokenizer)
     # One stream batch per generation batch, the same prompts on every rank (batching.py: TRL's step meaning).
     stream, steps_per_epoch, total_steps, layout = generation_stream(session, train, collator)
-    logger.info("GRPO data: %d prompts, %s; %d steps (%d per epoch), %d prompts x %d generations per generation "
-                "batch", len(train), f"{len(evals)} eval prompts" if evals else "no eval set", total_steps,
-                steps_per_epoch, layout.prompts, g.num_generations)  # fmt: skip
+    logger.info(
+        "GRPO data: %d prompts, %s; %d steps (%d per epoch), %d prompts x %d generations per generation "
+        "batch",
+        len(train),
+        f"{len(evals)} eval prompts" if evals else "no eval set",
+        total_steps,
+        steps_per_epoch,
+        layout.prompts,
+        g.num_generations,
+    )
     return TrainData(
         stream=stream,
         collator=collator,
@@ -174,9 +202,13 @@ def preview_prompts(cfg: Any, tokenizer: Any, load: Callable[[Any], Any], read: 
     limit = d.max_length - cfg.method.max_completion_length
     out = []
     for source in d.sources():
-        rows = tokenize_prompts(load(source), tokenizer, limit=limit, long_examples=d.long_examples,
-                                source=source.describe(),
-                                chat_template_kwargs=json_mapping(cfg.method.chat_template_kwargs,
-                                                                  "chat_template_kwargs"))  # fmt: skip
+        rows = tokenize_prompts(
+            load(source),
+            tokenizer,
+            limit=limit,
+            long_examples=d.long_examples,
+            source=source.describe(),
+            chat_template_kwargs=json_mapping(cfg.method.chat_template_kwargs, "chat_template_kwargs"),
+        )
         out.append((source.describe(), f"prompts, {len(rows)} of the first {read} records tokenized"))
     return out

@@ -65,8 +65,18 @@ class GrpoStepMetrics:
         (collective: every rank calls it)."""
         r, table = self.roll.rewards.double(), self.roll.per_function.double()
         valid = ~torch.isnan(r)
-        parts = [self.stats.double().cpu(), torch.stack([valid.sum().double(), r.nan_to_num().sum(),
-                 (r.nan_to_num() ** 2).sum(), self.roll.zero_std.double().sum(), torch.tensor(float(r.numel()))])]  # fmt: skip
+        parts = [
+            self.stats.double().cpu(),
+            torch.stack(
+                [
+                    valid.sum().double(),
+                    r.nan_to_num().sum(),
+                    (r.nan_to_num() ** 2).sum(),
+                    self.roll.zero_std.double().sum(),
+                    torch.tensor(float(r.numel())),
+                ]
+            ),
+        ]
         for i in range(table.shape[1]):
             col = table[:, i]
             ok = ~torch.isnan(col)
@@ -91,9 +101,15 @@ class GrpoStepMetrics:
                 else math.nan
             )
 
-        out = {"reward": s / n if n else math.nan, "reward_std": std(n, s, ss), "frac_reward_zero_std": zero / completions,
-               "clip_ratio/low_mean": low / max(clip_count, 1), "clip_ratio/high_mean": high / max(clip_count, 1),
-               "clip_ratio/region_mean": (low + high) / max(clip_count, 1), "entropy": entropy / max(tokens, 1)}  # fmt: skip
+        out = {
+            "reward": s / n if n else math.nan,
+            "reward_std": std(n, s, ss),
+            "frac_reward_zero_std": zero / completions,
+            "clip_ratio/low_mean": low / max(clip_count, 1),
+            "clip_ratio/high_mean": high / max(clip_count, 1),
+            "clip_ratio/region_mean": (low + high) / max(clip_count, 1),
+            "entropy": entropy / max(tokens, 1),
+        }
         if self.beta:
             out["kl"] = kl / max(tokens, 1)
         at = len(STATS) + 5

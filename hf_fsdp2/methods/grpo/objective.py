@@ -44,8 +44,15 @@ logger = logging.getLogger("hf_fsdp2")
 class GrpoEvaluator:
     """Greedy completions of every eval prompt, scored: ``eval_reward`` and each function's mean, plus samples."""
 
-    def __init__(self, prompts: Sequence[dict], generator: Any, functions: Sequence[RewardFunction], tokenizer: Any,
-                 batch_size: int, samples: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prompts: Sequence[dict],
+        generator: Any,
+        functions: Sequence[RewardFunction],
+        tokenizer: Any,
+        batch_size: int,
+        samples: int,
+    ) -> None:
         self.prompts, self.generator, self.functions = list(prompts), generator, functions
         self.tokenizer, self.batch_size, self.samples = tokenizer, batch_size, samples
 
@@ -85,8 +92,13 @@ class GrpoEvaluator:
         out.update({f"eval_{k}": v for k, v in reward_metrics(self.functions, self.generator.device).items()})
         if rank == 0:
             for prompt, completion, extra in texts[: self.samples]:  # with the functions' log_extra columns
-                logger.info("eval sample at step %d: %r -> %r%s", step, str(prompt)[-120:], completion[:200],
-                            f" {extra}" if extra else "")  # fmt: skip
+                logger.info(
+                    "eval sample at step %d: %r -> %r%s",
+                    step,
+                    str(prompt)[-120:],
+                    completion[:200],
+                    f" {extra}" if extra else "",
+                )
         logger.info(
             "eval at step %d: reward %.4f over %d prompts", step, out["eval_reward"], len(self.prompts)
         )
@@ -142,63 +154,126 @@ def _build_grpo(
         from transformers import TrainerState
 
         done = int(getattr(scheduler, "last_epoch", 0))
-        return TrainerState(global_step=done, max_steps=data.total_steps, epoch=done / per_epoch,
-                            num_train_epochs=math.ceil(data.total_steps / per_epoch))  # fmt: skip
+        return TrainerState(
+            global_step=done,
+            max_steps=data.total_steps,
+            epoch=done / per_epoch,
+            num_train_epochs=math.ceil(data.total_steps / per_epoch),
+        )
 
-    functions = resolve_reward_functions(g.reward_funcs, g.reward_weights, reference_column=g.reward_reference_column,
-                                         format_pattern=g.reward_format_pattern,
-                                         max_completion_length=g.max_completion_length,
-                                         context=RewardContext(state=trainer_state), device=session.device,
-                                         template_kwargs=json_mapping(g.chat_template_kwargs,
-                                                                      "chat_template_kwargs"))  # fmt: skip
-    grpo = GrpoSettings(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
-                        max_completion_length=g.max_completion_length, num_generations=g.num_generations,
-                        scale_rewards=g.scale_rewards,
-                        importance_sampling_level=g.importance_sampling_level)  # fmt: skip
+    functions = resolve_reward_functions(
+        g.reward_funcs,
+        g.reward_weights,
+        reference_column=g.reward_reference_column,
+        format_pattern=g.reward_format_pattern,
+        max_completion_length=g.max_completion_length,
+        context=RewardContext(state=trainer_state),
+        device=session.device,
+        template_kwargs=json_mapping(g.chat_template_kwargs, "chat_template_kwargs"),
+    )
+    grpo = GrpoSettings(
+        loss_type=g.loss_type,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high,
+        beta=g.beta,
+        max_completion_length=g.max_completion_length,
+        num_generations=g.num_generations,
+        scale_rewards=g.scale_rewards,
+        importance_sampling_level=g.importance_sampling_level,
+    )
     # Issue 42 items 5 and 8: TRL's generation batches and steps (batching.py); the run's loss plan chunks scoring.
     layout = layout_of(cfg, session.data_world)
     settings = GrpoStepSettings(
-        grpo=grpo, temperature=g.temperature, num_iterations=g.num_iterations, seed=t.seed, layout=layout,
-        mask_truncated_completions=g.mask_truncated_completions, top_entropy_quantile=g.top_entropy_quantile,
-        log_completions=g.log_completions, num_completions_to_print=g.num_completions_to_print,
-    )  # fmt: skip
+        grpo=grpo,
+        temperature=g.temperature,
+        num_iterations=g.num_iterations,
+        seed=t.seed,
+        layout=layout,
+        mask_truncated_completions=g.mask_truncated_completions,
+        top_entropy_quantile=g.top_entropy_quantile,
+        log_completions=g.log_completions,
+        num_completions_to_print=g.num_completions_to_print,
+    )
     # Issue 42 items 1-2: stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built
     # from the keys alone, so the sampled distribution is the scored one.
     eos = stop_token_ids(
         tokenizer.eos_token_id, getattr(model.module.generation_config, "eos_token_id", None)
     )
-    sampling = SamplingSettings(max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, do_sample=True,
-                                gather=g.rollout_gather, repetition_penalty=g.repetition_penalty, min_p=g.min_p,
-                                generation_kwargs=sampling_kwargs(g.generation_kwargs, vllm=g.use_vllm))  # fmt: skip
+    sampling = SamplingSettings(
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        do_sample=True,
+        gather=g.rollout_gather,
+        repetition_penalty=g.repetition_penalty,
+        min_p=g.min_p,
+        generation_kwargs=sampling_kwargs(g.generation_kwargs, vllm=g.use_vllm),
+    )
     generator: Any
     colocate = g.use_vllm and g.vllm_mode == "colocate"
     if colocate:  # issue 42 item 6: an engine in each rank, the weights loaded in-process
         from hf_fsdp2.methods.grpo.vllm.colocate import build_colocate_generator
 
-        generator = build_colocate_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
-                                             session.device, str(cfg.model.model_name_or_path), cfg.data.max_length)  # fmt: skip
+        generator = build_colocate_generator(
+            g,
+            model.module,
+            optimizer,
+            tokenizer,
+            eos,
+            sampling,
+            t.mixed_precision,
+            session.device,
+            str(cfg.model.model_name_or_path),
+            cfg.data.max_length,
+        )
     elif g.use_vllm:  # issue 42 items 6-7: rollouts from the vLLM server, weights sent after each update
-        generator = build_vllm_generator(g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision,
-                                         session.device)  # fmt: skip
+        generator = build_vllm_generator(
+            g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision, session.device
+        )
     else:
-        generator = TransformersGenerator(model.module, pad_id=int(tokenizer.pad_token_id), eos_ids=eos,
-                                          settings=sampling, bos_id=tokenizer.bos_token_id)  # fmt: skip
+        generator = TransformersGenerator(
+            model.module,
+            pad_id=int(tokenizer.pad_token_id),
+            eos_ids=eos,
+            settings=sampling,
+            bos_id=tokenizer.bos_token_id,
+        )
     if session.is_main:
         logger.info(generator.describe())
     reference = _reference(session, model)
     if session.is_main and getattr(model.module.config, "output_router_logits", False):
-        logger.warning("GRPO adds no MoE router load-balancing loss (TRL adds router_aux_loss_coef x aux_loss): the "
-                       "router trains on the policy loss alone")  # fmt: skip
-    logger.info("loss: GRPO %s, epsilon %g/%g, beta %g, %d generations per prompt, scale_rewards %s, %d iteration(s) "
-                "per generation batch; rewards %s", g.loss_type, g.epsilon, grpo.high, grpo.beta, g.num_generations,
-                g.scale_rewards, g.num_iterations, ", ".join(f"{f.name} x{f.weight:g}" for f in functions))  # fmt: skip
+        logger.warning(
+            "GRPO adds no MoE router load-balancing loss (TRL adds router_aux_loss_coef x aux_loss): the "
+            "router trains on the policy loss alone"
+        )
+    logger.info(
+        "loss: GRPO %s, epsilon %g/%g, beta %g, %d generations per prompt, scale_rewards %s, %d iteration(s) "
+        "per generation batch; rewards %s",
+        g.loss_type,
+        g.epsilon,
+        grpo.high,
+        grpo.beta,
+        g.num_generations,
+        g.scale_rewards,
+        g.num_iterations,
+        ", ".join(f"{f.name} x{f.weight:g}" for f in functions),
+    )
 
-    logger.info("GRPO batches: %d completions per generation batch (%d prompts x %d generations; %d per rank in %d "
-                "generate call(s)), sampled every %d micro-batch(es); a step is one optimizer update of %d "
-                "micro-batch(es) x %d completions per rank; the buffered generation batch is checkpointed with "
-                "each rank's data position", layout.generation_batch_size, layout.prompts, g.num_generations,
-                layout.per_rank, layout.rollout_chunks, layout.generate_every, layout.gradient_accumulation_steps,
-                layout.per_device)  # fmt: skip
+    logger.info(
+        "GRPO batches: %d completions per generation batch (%d prompts x %d generations; %d per rank in %d "
+        "generate call(s)), sampled every %d micro-batch(es); a step is one optimizer update of %d "
+        "micro-batch(es) x %d completions per rank; the buffered generation batch is checkpointed with "
+        "each rank's data position",
+        layout.generation_batch_size,
+        layout.prompts,
+        g.num_generations,
+        layout.per_rank,
+        layout.rollout_chunks,
+        layout.generate_every,
+        layout.gradient_accumulation_steps,
+        layout.per_device,
+    )
     step = GrpoStepper(
         model.module,
         optimizer,
@@ -216,9 +291,14 @@ def _build_grpo(
 
     evaluator = None
     if data.eval_set:
-        evaluator = GrpoEvaluator(data.eval_set, generator, functions, tokenizer,
-                                  cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
-                                  4 if g.num_completions_to_print is None else g.num_completions_to_print)  # fmt: skip
+        evaluator = GrpoEvaluator(
+            data.eval_set,
+            generator,
+            functions,
+            tokenizer,
+            cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
+            4 if g.num_completions_to_print is None else g.num_completions_to_print,
+        )
     return step, evaluator
 
 
@@ -231,27 +311,41 @@ def grpo_objective(cfg: Config) -> Objective:
     """
     g: GrpoArgs = cfg.method
     d = cfg.data
-    check(bool(g.reward_funcs), "reward_funcs is empty: GRPO needs at least one reward function (exact_match, "
-          "format, length_penalty, or module:function)")  # fmt: skip
-    check(not (d.packing or d.padding_free), f"packing={d.packing}, padding_free={d.padding_free}: GRPO's rows are a "
-          "prompt and one completion each, padded; set both to false")  # fmt: skip
-    check(not (g.use_vllm and cfg.peft.use_peft), "use_vllm with use_peft is not built: the server would need the "
-          "adapter merged into each layer before it is sent; train without LoRA, or without vLLM")  # fmt: skip
+    check(
+        bool(g.reward_funcs),
+        "reward_funcs is empty: GRPO needs at least one reward function (exact_match, "
+        "format, length_penalty, or module:function)",
+    )
+    check(
+        not (d.packing or d.padding_free),
+        f"packing={d.packing}, padding_free={d.padding_free}: GRPO's rows are a "
+        "prompt and one completion each, padded; set both to false",
+    )
+    check(
+        not (g.use_vllm and cfg.peft.use_peft),
+        "use_vllm with use_peft is not built: the server would need the "
+        "adapter merged into each layer before it is sent; train without LoRA, or without vLLM",
+    )
     if g.use_vllm and g.vllm_mode == "colocate":  # before any loading: this Python must import vLLM
         from hf_fsdp2.methods.grpo.vllm.colocate import require_vllm
 
         require_vllm()
-    check(d.max_length > g.max_completion_length, f"max_length={d.max_length} must exceed max_completion_length="
-          f"{g.max_completion_length}: the prompt gets what is left")  # fmt: skip
+    check(
+        d.max_length > g.max_completion_length,
+        f"max_length={d.max_length} must exceed max_completion_length="
+        f"{g.max_completion_length}: the prompt gets what is left",
+    )
     resolve_reward_functions(
         g.reward_funcs,
         g.reward_weights,
         reference_column=g.reward_reference_column,
         format_pattern=g.reward_format_pattern,
-    )  # fmt: skip (reward models: loaded later)
+    )  # reward models: loaded later
     if not cfg.fsdp.torch_compile:
         # The rollout decodes one token at a time through the decoder layers with a growing KV cache: compiled
         # layers would see a new shape at every token (recompiles, or dynamo's fallback to eager at its limit).
-        logger.info("torch_compile off (GRPO's default): the rollout changes the layers' shapes at every token; "
-                    "torch_compile: true compiles anyway")  # fmt: skip
+        logger.info(
+            "torch_compile off (GRPO's default): the rollout changes the layers' shapes at every token; "
+            "torch_compile: true compiles anyway"
+        )
     return Objective(_build_grpo, no_dropout=g.disable_dropout)

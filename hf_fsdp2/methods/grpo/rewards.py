@@ -151,9 +151,11 @@ class RewardModel:
             )
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError) as err:
-            raise RewardError(f"reward model {self.path!r} cannot be loaded as a sequence classifier with its "
-                              f"tokenizer ({err}); give a folder saved by AutoModelForSequenceClassification "
-                              "(recipes/rm.py's export) with its tokenizer") from None  # fmt: skip
+            raise RewardError(
+                f"reward model {self.path!r} cannot be loaded as a sequence classifier with its "
+                f"tokenizer ({err}); give a folder saved by AutoModelForSequenceClassification "
+                "(recipes/rm.py's export) with its tokenizer"
+            ) from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # The model scores its last non-pad token: it must know the tokenizer's pad id (TRL sets it so too).
@@ -164,13 +166,16 @@ class RewardModel:
         if self.model is None:
             self.load(torch.device("cpu"))
         if prompts and _conversational(prompts[0]):
-            texts = [self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **self.template_kwargs)
-                     for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
+            texts = [
+                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **self.template_kwargs)
+                for p, c in zip(prompts, completions, strict=True)
+            ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         device = next(self.model.parameters()).device
-        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
-                                add_special_tokens=False).to(device)  # fmt: skip
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(device)
         with torch.inference_mode():
             return [float(v) for v in self.model(**inputs).logits[:, 0].float().cpu()]
 
@@ -204,12 +209,16 @@ def resolve_reward_functions(
             missing its setting, a folder that is not a model, naming the value and the fix.
     """
     if not names:
-        raise RewardError("reward_funcs is empty: name at least one (exact_match, format, length_penalty, "
-                          "module:function or a reward model folder)")  # fmt: skip
+        raise RewardError(
+            "reward_funcs is empty: name at least one (exact_match, format, length_penalty, "
+            "module:function or a reward model folder)"
+        )
     weights = list(weights) if weights else [1.0] * len(names)
     if len(weights) != len(names):
-        raise RewardError(f"reward_weights has {len(weights)} values for {len(names)} reward_funcs {list(names)}: "
-                          "give one weight per function")  # fmt: skip
+        raise RewardError(
+            f"reward_weights has {len(weights)} values for {len(names)} reward_funcs {list(names)}: "
+            "give one weight per function"
+        )
     out = []
     for name, weight in zip(names, weights, strict=True):
         shown = name
@@ -217,8 +226,10 @@ def resolve_reward_functions(
             fn: RewardFn = functools.partial(exact_match, reference_column=reference_column)
         elif name == "format":
             if not format_pattern:
-                raise RewardError("reward 'format' needs reward_format_pattern, a regular expression the whole "
-                                  "completion must match, e.g. '\\d+ \\w+ \\d{4}'")  # fmt: skip
+                raise RewardError(
+                    "reward 'format' needs reward_format_pattern, a regular expression the whole "
+                    "completion must match, e.g. '\\d+ \\w+ \\d{4}'"
+                )
             try:
                 re.compile(format_pattern)
             except re.error as err:
@@ -234,9 +245,11 @@ def resolve_reward_functions(
             fn = RewardModel(name, device=device, template_kwargs=template_kwargs)
             shown = name.rstrip("/").split("/")[-1]  # TRL's name: the model id's last part
         else:
-            raise RewardError(f"reward function {name!r} is not a built-in ({', '.join(BUILTINS)}), module:function "
-                              "(e.g. my_rewards:accuracy, importable from the working directory), nor a reward "
-                              "model (a folder with config.json, or a hub id org/name)")  # fmt: skip
+            raise RewardError(
+                f"reward function {name!r} is not a built-in ({', '.join(BUILTINS)}), module:function "
+                "(e.g. my_rewards:accuracy, importable from the working directory), nor a reward "
+                "model (a folder with config.json, or a hub id org/name)"
+            )
         out.append(RewardFunction(shown, fn, float(weight), context))
     return out
 
@@ -246,8 +259,10 @@ def _model_name(name: str) -> bool:
     path = Path(name)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise RewardError(f"reward function {name!r} is a folder without config.json: give a model folder "
-                              "saved by save_pretrained (recipes/rm.py's export)")  # fmt: skip
+            raise RewardError(
+                f"reward function {name!r} is a folder without config.json: give a model folder "
+                "saved by save_pretrained (recipes/rm.py's export)"
+            )
         return True
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and path.suffix != ".py"
 
@@ -257,8 +272,10 @@ def _import(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise RewardError(f"reward function {spec!r}: module {module_name!r} cannot be imported ({err}); put it on "
-                          "PYTHONPATH or in the working directory") from None  # fmt: skip
+        raise RewardError(
+            f"reward function {spec!r}: module {module_name!r} cannot be imported ({err}); put it on "
+            "PYTHONPATH or in the working directory"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: {module_name} has no function {attr!r}")
@@ -269,9 +286,11 @@ def _checked(values: Any, name: str, count: int) -> list[float]:
     """One float per completion (NaN for None or NaN); ints, bools, numpy and 0-d torch scalars taken as TRL's
     ``torch.tensor(values)`` takes them."""
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__") or len(values) != count:
-        raise RewardError(f"reward function {name!r} returned {type(values).__name__} of "
-                          f"{len(values) if hasattr(values, '__len__') else '?'} values for {count} completions: "
-                          "return a list with one float (or None) per completion")  # fmt: skip
+        raise RewardError(
+            f"reward function {name!r} returned {type(values).__name__} of "
+            f"{len(values) if hasattr(values, '__len__') else '?'} values for {count} completions: "
+            "return a list with one float (or None) per completion"
+        )
     out = []
     for i, v in enumerate(values):
         if hasattr(v, "item") and getattr(v, "shape", None) in ((), (1,)):  # numpy or torch scalars
@@ -281,8 +300,10 @@ def _checked(values: Any, name: str, count: int) -> list[float]:
         elif isinstance(v, numbers.Real) and not math.isinf(float(v)):
             out.append(float(v))  # NaN stays NaN: not applicable, as None
         else:
-            raise RewardError(f"reward function {name!r} returned {v!r} for completion {i}: give a finite float, "
-                              "int, bool or None")  # fmt: skip
+            raise RewardError(
+                f"reward function {name!r} returned {v!r} for completion {i}: give a finite float, "
+                "int, bool or None"
+            )
     return out
 
 
@@ -362,9 +383,15 @@ def score_completions(
     shown: list[Any] = list(completions)
     if prompts and _conversational(prompts[0]):
         shown = [[{"role": "assistant", "content": c}] for c in completions]
-    kwargs = {**columns, "prompts": list(prompts), "completions": shown, "completion_ids": list(completion_ids),
-              "trainer_state": context.state(), "log_extra": context.log_extra,
-              "log_metric": context.log_metric}  # fmt: skip
+    kwargs = {
+        **columns,
+        "prompts": list(prompts),
+        "completions": shown,
+        "completion_ids": list(completion_ids),
+        "trainer_state": context.state(),
+        "log_extra": context.log_extra,
+        "log_metric": context.log_metric,
+    }
     results: dict[int, Any] = {}
     later = [i for i, spec in enumerate(functions) if _is_async(spec.fn)]
     for i, spec in enumerate(functions):
@@ -400,8 +427,10 @@ def _blame(
             _call(spec, {**one, "log_extra": quiet.log_extra, "log_metric": quiet.log_metric})
         except Exception as single:
             where = f"example {indices[i]}" if indices is not None else f"completion {i}"
-            return (f"reward function {spec.name!r} raised {type(single).__name__}: {single} on {where} "
-                    f"(prompt {str(prompts[i])[:80]!r}, completion {_text(completions[i])[:80]!r})")  # fmt: skip
+            return (
+                f"reward function {spec.name!r} raised {type(single).__name__}: {single} on {where} "
+                f"(prompt {str(prompts[i])[:80]!r}, completion {_text(completions[i])[:80]!r})"
+            )
     return (
         f"reward function {spec.name!r} raised {type(err).__name__}: {err} on the batch of {len(completions)}"
     )

@@ -151,9 +151,14 @@ def generation_config(
 
     s = settings
     kwargs: dict[str, Any] = dict(
-        max_new_tokens=s.max_completion_length, do_sample=s.do_sample and not greedy, pad_token_id=pad_id,
-        bos_token_id=bos_id, eos_token_id=list(eos_ids), repetition_penalty=s.repetition_penalty, use_cache=True,
-    )  # fmt: skip
+        max_new_tokens=s.max_completion_length,
+        do_sample=s.do_sample and not greedy,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=list(eos_ids),
+        repetition_penalty=s.repetition_penalty,
+        use_cache=True,
+    )
     if kwargs["do_sample"]:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
     kwargs.update(s.generation_kwargs)
@@ -202,8 +207,12 @@ def describe_sampling(config: Any, model_config: Any) -> str:
         "eos_token_id",
     )
     used = ", ".join(f"{k} {getattr(config, k, None)}" for k in fields)
-    extra = {k: v for k, v in config.to_diff_dict().items() if k not in fields and k not in ("do_sample",
-             "pad_token_id", "bos_token_id", "use_cache", "transformers_version")}  # fmt: skip
+    extra = {
+        k: v
+        for k, v in config.to_diff_dict().items()
+        if k not in fields
+        and k not in ("do_sample", "pad_token_id", "bos_token_id", "use_cache", "transformers_version")
+    }
     if extra:
         used += ", " + ", ".join(f"{k} {v}" for k, v in sorted(extra.items()))
     ignored = {}

@@ -176,9 +176,19 @@ def rollout(
         row["loss_mask"] = row["completion_mask"] * keep[:, None]
         rows.append(row)
     attach_sampling_logps(rows, generator)  # vLLM's log-probs of what it sampled (importance sampling)
-    return Rollout(rows=rows, rewards=rewards, per_function=table, advantages=advantages, zero_std=zero_std, lengths=[len(c) for c in completion_ids], completions=texts, prompts=raw_prompts,
-                   clipped=sum(is_clipped(c, generator.eos_ids) for c in completion_ids), signal=signal_counts(whole),
-                   loss_tokens=loss_tokens)  # fmt: skip
+    return Rollout(
+        rows=rows,
+        rewards=rewards,
+        per_function=table,
+        advantages=advantages,
+        zero_std=zero_std,
+        lengths=[len(c) for c in completion_ids],
+        completions=texts,
+        prompts=raw_prompts,
+        clipped=sum(is_clipped(c, generator.eos_ids) for c in completion_ids),
+        signal=signal_counts(whole),
+        loss_tokens=loss_tokens,
+    )
 
 
 def score_rows(
@@ -191,8 +201,15 @@ def score_rows(
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of a micro-batch's completions (chunked under ``plan``)."""
-    return token_logps_and_entropy(model, row["input_ids"].to(device), row["attention_mask"].to(device),
-                                   row["completion_mask"], temperature, plan, entropy=entropy)  # fmt: skip
+    return token_logps_and_entropy(
+        model,
+        row["input_ids"].to(device),
+        row["attention_mask"].to(device),
+        row["completion_mask"],
+        temperature,
+        plan,
+        entropy=entropy,
+    )
 
 
 def no_grad_logps(
@@ -226,10 +243,20 @@ class GrpoStepper:
     """The GRPO step function of a run (the loop calls it once per optimizer step), holding the generation batch
     across steps; :meth:`reads` tells the loop how many prompt batches a step takes from the stream."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
-                 generator: Generator, functions: Sequence[RewardFunction], tokenizer: Any,
-                 reference: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None, settings: GrpoStepSettings,
-                 step: StepSettings, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        generator: Generator,
+        functions: Sequence[RewardFunction],
+        tokenizer: Any,
+        reference: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
+        settings: GrpoStepSettings,
+        step: StepSettings,
+        device: torch.device,
+    ) -> None:
         if settings.layout is None:
             raise ValueError("GrpoStepper needs settings.layout (batching.layout_of)")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -288,14 +315,16 @@ class GrpoStepper:
             parts = collectives.gather_objects((roll.prompts, roll.completions))
             prompts = [p for part in parts for p in part[0]]
             texts = [c for part in parts for c in part[1]]
-            whole = collectives.gather_rows(torch.cat([roll.per_function.flatten(), roll.advantages]).tolist(),
-                                            self.device)  # fmt: skip
+            whole = collectives.gather_rows(
+                torch.cat([roll.per_function.flatten(), roll.advantages]).tolist(), self.device
+            )
             f = roll.per_function.shape[1]
             per_function = whole[:, : -len(roll.advantages)].reshape(-1, f)
             advantages = whole[:, -len(roll.advantages) :].flatten()
             if collectives.rank() == 0:
-                self.table += completion_rows(prompts, texts, per_function, advantages,
-                                              [fn.name for fn in self.functions], step)  # fmt: skip
+                self.table += completion_rows(
+                    prompts, texts, per_function, advantages, [fn.name for fn in self.functions], step
+                )
         return roll
 
     def __call__(self, prompt_batches: Sequence[Batch]) -> StepOutput:
@@ -315,8 +344,16 @@ class GrpoStepper:
         rows = [roll.rows[j] for roll, j in micro]
         loss = GrpoLoss(self, micro, step)
         trained = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows]
-        return train_step(self.model, self.optimizer, self.scheduler, rows, self.step_settings, self.device, loss,
-                          trained=trained)  # fmt: skip
+        return train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            rows,
+            self.step_settings,
+            self.device,
+            loss,
+            trained=trained,
+        )
 
     def _normaliser(self, roll: Rollout) -> float:
         """What a micro-batch's numerator is divided by (TRL's per loss type, over every rank)."""
@@ -353,9 +390,12 @@ class GrpoLoss(StepLoss):
             signal = st.roll.signal if st.roll is not None else []
             silent = all(roll.signal[0] == 0 for roll, _ in self.micro_rolls)
             names = [f.name for f in st.functions]
-            guard.no_signal(self.step, silent,
-                            lambda: no_signal_message(signal, names, s.grpo.num_generations, self.step),
-                            no_signal_fix(signal))  # fmt: skip
+            guard.no_signal(
+                self.step,
+                silent,
+                lambda: no_signal_message(signal, names, s.grpo.num_generations, self.step),
+                no_signal_fix(signal),
+            )
         return StepCounts(loss_count=1, loss_units=tokens, target_tokens=tokens, processed_tokens=processed)
 
     def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
@@ -370,20 +410,38 @@ class GrpoLoss(StepLoss):
             assert entropies is not None
             pooled = _pooled_entropies(entropies[mask.bool()])
             entropy_mask = high_entropy_mask(entropies, mask, 1 - s.top_entropy_quantile, pooled.to(device))
-        sums = grpo_loss_sums(logps, roll.old[j] if roll.old else None, roll.refs[j] if roll.refs else None,
-                              row["advantages"].to(device), mask, s.grpo, entropy_mask=entropy_mask,
-                              entropies=entropies, is_ratio=row.get("is_ratio"))  # fmt: skip
+        sums = grpo_loss_sums(
+            logps,
+            roll.old[j] if roll.old else None,
+            roll.refs[j] if roll.refs else None,
+            row["advantages"].to(device),
+            mask,
+            s.grpo,
+            entropy_mask=entropy_mask,
+            entropies=entropies,
+            is_ratio=row.get("is_ratio"),
+        )
         normaliser = st._normaliser(roll)
         # Nothing in the loss on any rank (normaliser 0): the same backward, a zero gradient.
         logged = (sums.loss.detach().double() / normaliser,) if normaliser > 0 else ()
-        self.stats += torch.stack([sums.kl, sums.clipped_low, sums.clipped_high, sums.clip_count, sums.tokens,
-                                   sums.entropy]).double()  # fmt: skip
+        self.stats += torch.stack(
+            [sums.kl, sums.clipped_low, sums.clipped_high, sums.clip_count, sums.tokens, sums.entropy]
+        ).double()
         return MicroLoss((LossTerm(sums.loss, normaliser),), logged)
 
     def metrics(self, micro_batches: int) -> dict[str, float]:
         st, s = self.stepper, self.stepper.settings
         assert st.roll is not None
         table = st.table if s.log_completions and collectives.rank() == 0 else None
-        return GrpoStepMetrics(stats=self.stats.cpu(), roll=st.roll, function_names=[f.name for f in st.functions], beta=s.grpo.beta, device=st.device,
-                               functions=st.functions, table=table, table_limit=s.num_completions_to_print, table_sink=st.table_sink,
-                               timing=getattr(st.generator, "rollout_metrics", None))(micro_batches)  # fmt: skip
+        return GrpoStepMetrics(
+            stats=self.stats.cpu(),
+            roll=st.roll,
+            function_names=[f.name for f in st.functions],
+            beta=s.grpo.beta,
+            device=st.device,
+            functions=st.functions,
+            table=table,
+            table_limit=s.num_completions_to_print,
+            table_sink=st.table_sink,
+            timing=getattr(st.generator, "rollout_metrics", None),
+        )(micro_batches)

@@ -52,10 +52,16 @@ def build_kto_data(session: Session, tokenizer: Any) -> TrainData:
     good = sum(1 for e in train if e["label"])
     logger.info(
         "KTO data: %d training examples (%d desirable, %d undesirable), %s; %d steps (%d per epoch), %d examples per "
-        "step (%d rows)", len(train), good, len(train) - good,
-        f"{len(eval_examples)} eval examples" if eval_examples else "no eval set", total_steps, steps_per_epoch,
-        per_step, (2 if uses_kl else 1) * per_step,
-    )  # fmt: skip
+        "step (%d rows)",
+        len(train),
+        good,
+        len(train) - good,
+        f"{len(eval_examples)} eval examples" if eval_examples else "no eval set",
+        total_steps,
+        steps_per_epoch,
+        per_step,
+        (2 if uses_kl else 1) * per_step,
+    )
     _warn_balance(good, len(train) - good, p.desirable_weight, p.undesirable_weight)
     return TrainData(
         stream=stream,
@@ -83,8 +89,13 @@ def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:
             "of its kind) and %s only scales every example's loss alike; the loss only %s those completions' "
             "reward against the reference point, with no other kind to contrast them with. To train KTO as "
             "intended, %s",
-            good, bad, unused, used, moves, fix,
-        )  # fmt: skip
+            good,
+            bad,
+            unused,
+            used,
+            moves,
+            fix,
+        )
         return
     if good == bad:
         return
@@ -93,5 +104,11 @@ def _warn_balance(good: int, bad: int, w_good: float, w_bad: float) -> None:
         logger.warning(
             "KTO: %d desirable x desirable_weight %g / (%d undesirable x undesirable_weight %g) = %.2f, outside [1, "
             "4/3] (the KTO paper's eq. 8); e.g. desirable_weight %.2f, or undesirable_weight %.2f",
-            good, w_good, bad, w_bad, ratio, bad * w_bad / good, good * w_good / bad,
-        )  # fmt: skip
+            good,
+            w_good,
+            bad,
+            w_bad,
+            ratio,
+            bad * w_bad / good,
+            good * w_good / bad,
+        )

@@ -29,9 +29,16 @@ class KTOEvaluator:
     """KTO's evaluation: loss, KL, rewards per kind and margin over every eval example (every rank calls ``run``)."""
 
     def __init__(
-        self, examples: Sequence[Any], reference: Reference, *, collator: Any, settings: KTOSettings,
-        plan: LossPlan, batch_size: int, device: torch.device,
-    ) -> None:  # fmt: skip
+        self,
+        examples: Sequence[Any],
+        reference: Reference,
+        *,
+        collator: Any,
+        settings: KTOSettings,
+        plan: LossPlan,
+        batch_size: int,
+        device: torch.device,
+    ) -> None:
         self.examples, self.reference, self.collator = examples, reference, collator
         self.settings, self.plan, self.batch_size, self.device = settings, plan, batch_size, device
 
@@ -39,13 +46,23 @@ class KTOEvaluator:
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
     ) -> dict[str, float]:
         out = evaluate_kto(
-            model, self.reference, self.examples, collator=self.collator, batch_size=self.batch_size,
-            settings=self.settings, plan=self.plan, device=self.device,
-        )  # fmt: skip
+            model,
+            self.reference,
+            self.examples,
+            collator=self.collator,
+            batch_size=self.batch_size,
+            settings=self.settings,
+            plan=self.plan,
+            device=self.device,
+        )
         logger.info(
-            "eval at step %d: loss %.4f, kl %.4f, margin %.4f (%d examples)", step, out["eval_loss"],
-            out.get("eval_kl", 0.0), out.get("eval_rewards/margins", float("nan")), out["eval_examples"],
-        )  # fmt: skip
+            "eval at step %d: loss %.4f, kl %.4f, margin %.4f (%d examples)",
+            step,
+            out["eval_loss"],
+            out.get("eval_kl", 0.0),
+            out.get("eval_rewards/margins", float("nan")),
+            out["eval_examples"],
+        )
         return out
 
 
@@ -63,9 +80,12 @@ def _build_kto(
     )
     logger.info(
         "loss: %s, beta %g, desirable_weight %g, undesirable_weight %g, mean over the step's examples%s",
-        "KTO" if settings.uses_kl else "APO-zero (unpaired)", p.beta, p.desirable_weight, p.undesirable_weight,
+        "KTO" if settings.uses_kl else "APO-zero (unpaired)",
+        p.beta,
+        p.desirable_weight,
+        p.undesirable_weight,
         "; KL reference point from each micro-batch's mismatched completions" if settings.uses_kl else "",
-    )  # fmt: skip
+    )
     reference, eval_reference = build_reference(session, model, data, p, "KTO", "examples")
 
     step = loss_step(
@@ -78,10 +98,14 @@ def _build_kto(
     evaluator = None
     if data.eval_set is not None:
         evaluator = KTOEvaluator(
-            data.eval_set, eval_reference or reference, collator=data.collator, settings=settings,
+            data.eval_set,
+            eval_reference or reference,
+            collator=data.collator,
+            settings=settings,
             plan=model.loss_plan,
-            batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size, device=session.device,
-        )  # fmt: skip
+            batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
+            device=session.device,
+        )
     return step, evaluator
 
 

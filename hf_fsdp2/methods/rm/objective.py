@@ -41,13 +41,21 @@ class RewardEvaluator:
         self, model: torch.nn.Module, step: int, log: Callable[..., Any] | None = None
     ) -> dict[str, float]:
         out = evaluate_rewards(
-            model, self.pairs, collator=self.collator, batch_size=self.batch_size, settings=self.settings,
+            model,
+            self.pairs,
+            collator=self.collator,
+            batch_size=self.batch_size,
+            settings=self.settings,
             device=self.device,
-        )  # fmt: skip
+        )
         logger.info(
             "eval at step %d: loss %.4f, accuracy %.3f, margin %.4f (%d pairs)",
-            step, out["eval_loss"], out["eval_accuracy"], out["eval_margin"], out["eval_pairs"],
-        )  # fmt: skip
+            step,
+            out["eval_loss"],
+            out["eval_accuracy"],
+            out["eval_margin"],
+            out["eval_pairs"],
+        )
         return out
 
 
@@ -67,9 +75,12 @@ def _build_rm(
     evaluator = None
     if data.eval_set is not None:
         evaluator = RewardEvaluator(
-            data.eval_set, collator=data.collator, settings=settings, device=session.device,
+            data.eval_set,
+            collator=data.collator,
+            settings=settings,
+            device=session.device,
             batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
-        )  # fmt: skip
+        )
     return step, evaluator
 
 
@@ -93,6 +104,9 @@ def rm_objective(cfg: Config) -> Objective:
         "use drop (this recipe's default, as TRL's RewardTrainer) or error",
     )
     if d.long_examples == "drop":
-        logger.info("reward model: pairs longer than max_length=%d are dropped (counted), as TRL does: a cut row "
-                    "loses the end its reward is read at", d.max_length)  # fmt: skip
+        logger.info(
+            "reward model: pairs longer than max_length=%d are dropped (counted), as TRL does: a cut row "
+            "loses the end its reward is read at",
+            d.max_length,
+        )
     return Objective(_build_rm, no_dropout=cfg.method.disable_dropout, reward_model=True)

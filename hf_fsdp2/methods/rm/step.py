@@ -76,8 +76,14 @@ def _metrics(total: torch.Tensor, pairs: int, high: float, low: float) -> dict[s
     rows = max(2 * pairs, 1)
     mean = float(total[2]) / rows
     variance = max(float(total[3]) / rows - mean * mean, 0.0) * rows / max(rows - 1, 1)
-    return {"accuracy": float(total[0]) / max(pairs, 1), "margin": float(total[1]) / max(pairs, 1),
-            "mean_reward": mean, "std_reward": math.sqrt(variance), "min_reward": low, "max_reward": high}  # fmt: skip
+    return {
+        "accuracy": float(total[0]) / max(pairs, 1),
+        "margin": float(total[1]) / max(pairs, 1),
+        "mean_reward": mean,
+        "std_reward": math.sqrt(variance),
+        "min_reward": low,
+        "max_reward": high,
+    }
 
 
 class RewardLoss(StepLoss):

@@ -51,7 +51,7 @@ CASES = [
         {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16},
         "sdpa",
         True,
-    ),  # fmt: skip
+    ),
     # Sliding window (5 < the documents) and soft-capped attention logits, in the family's own eager kernel.
     (
         "gemma2_sliding_softcap_packed",
@@ -66,7 +66,7 @@ CASES = [
         },
         "eager",
         True,
-    ),  # fmt: skip
+    ),
     # Rows of several documents under a flash kernel: the all-to-all hands it every document's boundaries.
     (
         "llama_gqa_flash_packed",
@@ -86,7 +86,7 @@ CASES = [
         },
         "sdpa",
         False,
-    ),  # fmt: skip
+    ),
 ]
 
 

@@ -79,9 +79,14 @@ def main() -> None:
         run = out / "run"
         saver = Checkpointer(run, keep_last=0, async_save=False, is_main_process=acc.is_main_process)
         state = TrainerState(
-            step=1, epoch=0, batches_in_epoch=1, world_size=acc.num_processes, scheduler={},
-            per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        )  # fmt: skip
+            step=1,
+            epoch=0,
+            batches_in_epoch=1,
+            world_size=acc.num_processes,
+            scheduler={},
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=1,
+        )
         config_yaml = json.dumps({"model_name_or_path": args.model, "dataset_name": "tiny/chat", "seed": 1})
         saver.save(1, model, opt, state, config_yaml)  # YAML is a superset of JSON
         if rank == 0:

@@ -48,8 +48,17 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
         losses.append(out.loss())
         aux.append(out.aux_loss(2))
         norms.append(float(out.grad_norm))
-    return model, layers, {"losses": losses, "aux": aux, "grad_norms": norms, "plan": list(plan.notes),
-                           "chunked": plan.chunk_tokens > 0}  # fmt: skip
+    return (
+        model,
+        layers,
+        {
+            "losses": losses,
+            "aux": aux,
+            "grad_norms": norms,
+            "plan": list(plan.notes),
+            "chunked": plan.chunk_tokens > 0,
+        },
+    )
 
 
 def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:  # type: ignore[no-untyped-def]
@@ -61,9 +70,14 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
         )
         if name == "chunked":
             done = export_model(
-                model, out / "export", config=model.config, tokenizer=tokenizer, generation_config=None,
-                dtype="float32", max_shard_bytes=10**9,
-            )  # fmt: skip
+                model,
+                out / "export",
+                config=model.config,
+                tokenizer=tokenizer,
+                generation_config=None,
+                dtype="float32",
+                max_shard_bytes=10**9,
+            )
             result["export"] = done.verify.summary() if done.verify else None
         del model
     if lora:
@@ -76,10 +90,18 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
         except LoraError as err:  # fused MoE experts: the adapter alone, and the refusal recorded
             merge, result["lora_merge_refused"] = False, str(err)
         done_lora = export_lora(
-            model, out / "lora", base_model=model_dir, tokenizer=tokenizer, merge=merge, layer_cls_names=layers,
-            mp_policy=acc.state.fsdp_plugin.mixed_precision_policy, dtype="float32", max_shard_bytes=10**9,
-            compute_dtype=torch.float32, is_main_process=acc.is_main_process,
-        )  # fmt: skip
+            model,
+            out / "lora",
+            base_model=model_dir,
+            tokenizer=tokenizer,
+            merge=merge,
+            layer_cls_names=layers,
+            mp_policy=acc.state.fsdp_plugin.mixed_precision_policy,
+            dtype="float32",
+            max_shard_bytes=10**9,
+            compute_dtype=torch.float32,
+            is_main_process=acc.is_main_process,
+        )
         reports = (
             (done_lora.adapter_report, done_lora.merged_report) if merge else (done_lora.adapter_report,)
         )

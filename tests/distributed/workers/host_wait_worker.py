@@ -87,9 +87,12 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, required=True)
     args = ap.parse_args()
     acc = build_accelerator(
-        ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan(), timeout_s=args.timeout,
+        ShardingPlan(),
+        mixed_precision="no",
+        compile_plan=CompilePlan(),
+        timeout_s=args.timeout,
         host_timeout_s=600,
-    )  # fmt: skip
+    )
     result = {
         "host_group_timeout": collectives.host_group_timeout(),
         **waits(args.sleep),

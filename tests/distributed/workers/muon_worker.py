@@ -58,12 +58,22 @@ def main() -> None:
     settings = MuonSettings(lr=0.02, momentum=0.9, adjust_lr="original", weight_decay=0.05)
     named = list(ref.named_parameters())
     adamw = torch.optim.AdamW(
-        [{"params": [p for n, p in named if "layers" not in n and p.ndim >= 2], "weight_decay": 0.05},
-         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0}],
-        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True,
-    )  # fmt: skip
-    muon = torch.optim.Muon([p for n, p in named if "layers" in n and p.ndim == 2], lr=0.02, weight_decay=0.05,
-                            momentum=0.9, adjust_lr_fn="original")  # fmt: skip
+        [
+            {"params": [p for n, p in named if "layers" not in n and p.ndim >= 2], "weight_decay": 0.05},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
+    muon = torch.optim.Muon(
+        [p for n, p in named if "layers" in n and p.ndim == 2],
+        lr=0.02,
+        weight_decay=0.05,
+        momentum=0.9,
+        adjust_lr_fn="original",
+    )
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)

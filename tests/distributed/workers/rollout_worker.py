@@ -91,8 +91,16 @@ def main() -> None:
         )
     acc.backward(loss)
     opt.step()
-    report = {"got": got, "want": want, "all_gathers": calls["all_gather"], "units": units, "sharded_after": sharded,
-              "loss": float(loss), "reference_loss": float(reference), "lengths": [len(c) for c in got]}  # fmt: skip
+    report = {
+        "got": got,
+        "want": want,
+        "all_gathers": calls["all_gather"],
+        "units": units,
+        "sharded_after": sharded,
+        "loss": float(loss),
+        "reference_loss": float(reference),
+        "lengths": [len(c) for c in got],
+    }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(report))
 
 

@@ -25,9 +25,14 @@ from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
 from hf_fsdp2.train.step import clip_grad_norm
 
 SMALL = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
-    num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 # (name, config class, extra keys, chunk tokens of the loss: 0 = plain logits)
 CASES = [
     ("llama_gqa_untied_plain", "LlamaConfig", {"tie_word_embeddings": False}, 0),

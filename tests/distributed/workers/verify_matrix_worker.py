@@ -40,8 +40,14 @@ def trained(acc, model_dir: str, *, lora: bool, dtype: str):  # type: ignore[no-
 
 
 def report(result) -> dict:  # type: ignore[no-untyped-def]
-    return {"ok": result.ok, "max_diff": result.max_logit_diff, "atol": result.atol, "scale": result.logit_scale,
-            "reloaded": result.reloaded_tensors, "summary": result.summary()}  # fmt: skip
+    return {
+        "ok": result.ok,
+        "max_diff": result.max_logit_diff,
+        "atol": result.atol,
+        "scale": result.logit_scale,
+        "reloaded": result.reloaded_tensors,
+        "summary": result.summary(),
+    }
 
 
 def main() -> None:
@@ -60,25 +66,45 @@ def main() -> None:
     model, _ = trained(acc, args.model, lora=False, dtype=args.load_dtype)
     for dtype in args.dtypes.split(","):
         result = export_model(
-            model, out / f"full-{dtype}", config=model.config, tokenizer=tokenizer, generation_config=None,
-            dtype=dtype, max_shard_bytes=300_000, compute_dtype=compute,
-        )  # fmt: skip
+            model,
+            out / f"full-{dtype}",
+            config=model.config,
+            tokenizer=tokenizer,
+            generation_config=None,
+            dtype=dtype,
+            max_shard_bytes=300_000,
+            compute_dtype=compute,
+        )
         results[f"full-{dtype}"] = report(result.verify)
     del model
     lora, layers = trained(acc, args.model, lora=True, dtype=args.load_dtype)
     policy = acc.state.fsdp_plugin.mixed_precision_policy
     done = export_lora(
-        lora, out / "lora", base_model=args.model, tokenizer=tokenizer, merge=False, layer_cls_names=layers,
-        mp_policy=policy, dtype="bfloat16", max_shard_bytes=10**9, compute_dtype=compute or torch.float32,
+        lora,
+        out / "lora",
+        base_model=args.model,
+        tokenizer=tokenizer,
+        merge=False,
+        layer_cls_names=layers,
+        mp_policy=policy,
+        dtype="bfloat16",
+        max_shard_bytes=10**9,
+        compute_dtype=compute or torch.float32,
         is_main_process=acc.is_main_process,
-    )  # fmt: skip
+    )
     results["adapter"] = report(done.adapter_report)
     twin = build_merged_twin(lora, layer_cls_names=layers, mp_policy=policy)
     for dtype in args.dtypes.split(","):
         result = export_model(
-            twin, out / f"merged-{dtype}", config=twin.config, tokenizer=tokenizer, generation_config=None,
-            dtype=dtype, max_shard_bytes=10**9, compute_dtype=compute,
-        )  # fmt: skip
+            twin,
+            out / f"merged-{dtype}",
+            config=twin.config,
+            tokenizer=tokenizer,
+            generation_config=None,
+            dtype=dtype,
+            max_shard_bytes=10**9,
+            compute_dtype=compute,
+        )
         results[f"merged-{dtype}"] = report(result.verify)
     if acc.is_main_process:
         (out / "reports.json").write_text(json.dumps(results, indent=1))

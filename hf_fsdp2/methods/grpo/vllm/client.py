@@ -66,8 +66,14 @@ class VllmClient:
         self.settings = settings
         self.url = settings.base_url.rstrip("/")
 
-    def _request(self, method: str, path: str, payload: Any = None, raw: bytes | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def _request(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        raw: bytes | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
         data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
         kind = "application/octet-stream" if raw is not None else "application/json"
         request = urllib.request.Request(
@@ -82,19 +88,27 @@ class VllmClient:
                 detail = json.loads(err.read()).get("error", "")
             except ValueError:
                 detail = ""
-            raise VllmServerError(f"the vLLM server at {self.url} failed {method} {path} (HTTP {err.code}): "
-                                  f"{detail or err.reason}") from err  # fmt: skip
+            raise VllmServerError(
+                f"the vLLM server at {self.url} failed {method} {path} (HTTP {err.code}): "
+                f"{detail or err.reason}"
+            ) from err
         except TimeoutError as err:
-            raise VllmServerError(f"the vLLM server at {self.url} did not answer {method} {path} within "
-                                  f"vllm_request_timeout={limit:g} s: raise it if the rollout is long, or check "
-                                  "the server's log") from err  # fmt: skip
+            raise VllmServerError(
+                f"the vLLM server at {self.url} did not answer {method} {path} within "
+                f"vllm_request_timeout={limit:g} s: raise it if the rollout is long, or check "
+                "the server's log"
+            ) from err
         except (urllib.error.URLError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             if isinstance(reason, TimeoutError):
-                raise VllmServerError(f"the vLLM server at {self.url} did not answer {method} {path} within "
-                                      f"vllm_request_timeout={limit:g} s") from err  # fmt: skip
-            raise VllmServerError(f"the vLLM server at {self.url} is not answering ({method} {path}: {reason}): "
-                                  f"it is not running or died; {START_HINT}") from err  # fmt: skip
+                raise VllmServerError(
+                    f"the vLLM server at {self.url} did not answer {method} {path} within "
+                    f"vllm_request_timeout={limit:g} s"
+                ) from err
+            raise VllmServerError(
+                f"the vLLM server at {self.url} is not answering ({method} {path}: {reason}): "
+                f"it is not running or died; {START_HINT}"
+            ) from err
 
     def health(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._request("GET", "/health", timeout=timeout)
@@ -108,24 +122,45 @@ class VllmClient:
                 break
             except VllmServerError as err:
                 if time.monotonic() >= deadline:
-                    raise VllmServerError(f"no vLLM server answered at {self.url} within vllm_server_timeout="
-                                          f"{self.settings.timeout:g} s ({err}); {START_HINT}, or set "
-                                          "vllm_server_base_url / vllm_server_host / vllm_server_port to where it "
-                                          "runs") from err  # fmt: skip
+                    raise VllmServerError(
+                        f"no vLLM server answered at {self.url} within vllm_server_timeout="
+                        f"{self.settings.timeout:g} s ({err}); {START_HINT}, or set "
+                        "vllm_server_base_url / vllm_server_host / vllm_server_port to where it "
+                        "runs"
+                    ) from err
                 time.sleep(1.0)
         if info.get("protocol") != PROTOCOL:
-            raise VllmServerError(f"the server at {self.url} speaks protocol {info.get('protocol')!r}, this trainer "
-                                  f"{PROTOCOL}: restart it with this checkout's `hf-fsdp2 vllm-serve`")  # fmt: skip
+            raise VllmServerError(
+                f"the server at {self.url} speaks protocol {info.get('protocol')!r}, this trainer "
+                f"{PROTOCOL}: restart it with this checkout's `hf-fsdp2 vllm-serve`"
+            )
         return info
 
-    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None, settings: SamplingSettings,
-                 stop_ids: Sequence[int], greedy: bool) -> dict[str, Any]:  # fmt: skip
-        return self._request("POST", "/generate", {
-            "prompts": [list(map(int, p)) for p in prompts], "seeds": list(seeds) if seeds is not None else None,
-            "max_tokens": settings.max_completion_length, "temperature": settings.temperature,
-            "top_p": settings.top_p, "top_k": settings.top_k, "min_p": settings.min_p or 0.0,
-            "repetition_penalty": settings.repetition_penalty, "greedy": greedy, "stop_token_ids": list(stop_ids),
-            "generation_kwargs": dict(settings.generation_kwargs)})  # fmt: skip
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int] | None,
+        settings: SamplingSettings,
+        stop_ids: Sequence[int],
+        greedy: bool,
+    ) -> dict[str, Any]:
+        return self._request(
+            "POST",
+            "/generate",
+            {
+                "prompts": [list(map(int, p)) for p in prompts],
+                "seeds": list(seeds) if seeds is not None else None,
+                "max_tokens": settings.max_completion_length,
+                "temperature": settings.temperature,
+                "top_p": settings.top_p,
+                "top_k": settings.top_k,
+                "min_p": settings.min_p or 0.0,
+                "repetition_penalty": settings.repetition_penalty,
+                "greedy": greedy,
+                "stop_token_ids": list(stop_ids),
+                "generation_kwargs": dict(settings.generation_kwargs),
+            },
+        )
 
     def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
         return self._request("POST", "/logprobs", {"prompt": list(prompt), "completion": list(completion)})
@@ -199,9 +234,18 @@ class VllmGenerator:
     ``probe``: the token ids of a fixed prompt and completion.
     """
 
-    def __init__(self, model: torch.nn.Module, client: VllmClient, *, eos_ids: Sequence[int], settings: SamplingSettings,
-                 probe: tuple[Sequence[int], Sequence[int]], compute_dtype: str, device: torch.device,
-                 correction: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        client: VllmClient,
+        *,
+        eos_ids: Sequence[int],
+        settings: SamplingSettings,
+        probe: tuple[Sequence[int], Sequence[int]],
+        compute_dtype: str,
+        device: torch.device,
+        correction: Any = None,
+    ) -> None:
         self.model, self.client, self.eos_ids, self.settings = model, client, list(eos_ids), settings
         self.probe, self.compute_dtype, self.device = probe, compute_dtype, device
         self.correction = correction  # importance.ImportanceSampling, or None (no correction)
@@ -216,10 +260,12 @@ class VllmGenerator:
     def describe(self) -> str:
         """The start-up line: where the rollouts come from and how they are sampled."""
         s = self.settings
-        return (f"rollouts: the vLLM server at {self.client.url} ({self.server_dtype}), temperature {s.temperature:g}, "
-                f"top_p {s.top_p:g}, top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty "
-                f"{s.repetition_penalty:g}, stop ids {self.eos_ids}{extra_sampling(s)}; importance sampling correction "
-                f"{self.correction or 'off'}")  # fmt: skip
+        return (
+            f"rollouts: the vLLM server at {self.client.url} ({self.server_dtype}), temperature {s.temperature:g}, "
+            f"top_p {s.top_p:g}, top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty "
+            f"{s.repetition_penalty:g}, stop ids {self.eos_ids}{extra_sampling(s)}; importance sampling correction "
+            f"{self.correction or 'off'}"
+        )
 
     def mark_stale(self, *_: Any) -> None:
         """The policy changed (an optimizer update): send the weights before the next rollout."""
@@ -233,8 +279,13 @@ class VllmGenerator:
         self.server_dtype = str(info.get("dtype", "float32"))
         self.check_sampling_fields(info)
         if collectives.rank() == 0:
-            logger.info("vLLM server at %s: model %s, %s, weights version %s", self.client.url, info.get("model"),
-                        self.server_dtype, info.get("weights_version"))  # fmt: skip
+            logger.info(
+                "vLLM server at %s: model %s, %s, weights version %s",
+                self.client.url,
+                info.get("model"),
+                self.server_dtype,
+                info.get("weights_version"),
+            )
 
     def check_sampling_fields(self, info: dict[str, Any]) -> None:
         """``generation_kwargs`` against the engine's ``SamplingParams`` fields (``info``: its /health answer), before
@@ -255,8 +306,12 @@ class VllmGenerator:
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - start
         if collectives.rank() == 0:
-            logger.info("vLLM weights version %d: %d tensors sent layer by layer, probe passed (%.2f s)",
-                        self.version, sent, time.perf_counter() - start)  # fmt: skip
+            logger.info(
+                "vLLM weights version %d: %d tensors sent layer by layer, probe passed (%.2f s)",
+                self.version,
+                sent,
+                time.perf_counter() - start,
+            )
 
     def _probe_reference(self) -> tuple[list[int], list[int], torch.Tensor, float, int]:
         """The probe's prompt and completion ids, the trainer's log-probs of the completion (a sharded forward on
@@ -265,8 +320,11 @@ class VllmGenerator:
 
         prompt, completion = list(self.probe[0]), list(self.probe[1])
         ids = torch.tensor([prompt + completion])
-        row = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-               "completion_mask": torch.ones((1, len(completion)), dtype=torch.long)}  # fmt: skip
+        row = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "completion_mask": torch.ones((1, len(completion)), dtype=torch.long),
+        }
         mine = no_grad_logps(self.model, row, 1.0, self.device)[0].double().cpu()
         layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
         return (
@@ -300,7 +358,7 @@ class VllmGenerator:
                     f"completion's log-probs differ by up to {diff:.3g} nats (bound {bound:.3g} for {self.server_dtype} "
                     f"vs {self.compute_dtype}, {layers} layers) after weights version {self.version}; was it restarted, or does another "
                     "trainer send it weights? Restart it and the run (it resumes from its last checkpoint)"
-                )  # fmt: skip
+                )
             return diff
 
         return collectives.run_on_all("probing the vLLM server's weights", ask, VllmServerError)  # type: ignore[no-any-return]
@@ -356,9 +414,16 @@ def cut_at_eos_list(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
 PROBE_TEXT = ("The quick brown fox jumps over", " the lazy dog, and the dog sleeps on in the sun.")
 
 
-def build_vllm_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
-                         eos_ids: Sequence[int], sampling: SamplingSettings, mixed_precision: str,
-                         device: torch.device) -> VllmGenerator:  # fmt: skip
+def build_vllm_generator(
+    g: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Any,
+    eos_ids: Sequence[int],
+    sampling: SamplingSettings,
+    mixed_precision: str,
+    device: torch.device,
+) -> VllmGenerator:
     """The GRPO recipe's vLLM generator from its keys (``g``: GrpoArgs), connected (every rank waits for the
     server, up to ``vllm_server_timeout``), marked stale by every optimizer update."""
     from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
@@ -367,8 +432,16 @@ def build_vllm_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.
     correction = correction_from_keys(g)
     compute = engine_dtype_name(model, mixed_precision)
     probe = tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXT)
-    generator = VllmGenerator(model, client, eos_ids=eos_ids, settings=sampling, probe=probe,  # type: ignore[arg-type]
-                              compute_dtype=compute, device=device, correction=correction)  # fmt: skip
+    generator = VllmGenerator(
+        model,
+        client,
+        eos_ids=eos_ids,
+        settings=sampling,
+        probe=probe,  # type: ignore[arg-type]
+        compute_dtype=compute,
+        device=device,
+        correction=correction,
+    )
     getattr(optimizer, "optimizer", optimizer).register_step_post_hook(generator.mark_stale)
     generator.connect()
     return generator

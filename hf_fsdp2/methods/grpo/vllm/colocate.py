@@ -60,8 +60,10 @@ def run_command() -> str:
     """The command that runs the GRPO recipe with the Python of the vLLM environment (hf_fsdp2 from the checkout, where
     the accelerate config is named by path: the packaged copy is only in an installed hf_fsdp2)."""
     config = "fsdp2.yaml" if torch.cuda.is_available() else "fsdp2_cpu.yaml"
-    return (f"PYTHONPATH={REPO} {REPO / '.venv-vllm' / 'bin' / 'python'} -m hf_fsdp2.cli train grpo --config_file "
-            f"{REPO / 'accelerate_configs' / config} --config <recipe>")  # fmt: skip
+    return (
+        f"PYTHONPATH={REPO} {REPO / '.venv-vllm' / 'bin' / 'python'} -m hf_fsdp2.cli train grpo --config_file "
+        f"{REPO / 'accelerate_configs' / config} --config <recipe>"
+    )
 
 
 def require_vllm() -> None:
@@ -93,8 +95,9 @@ def _restore_rng(saved: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state_all(saved[3])
 
 
-def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 sleep_mode: bool) -> Any:  # fmt: skip
+def build_engine(
+    model_path: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float, sleep_mode: bool
+) -> Any:
     """This rank's vLLM engine: :class:`~.server.Engine` (its generate, log-prob and tied-head code) built over
     the training processes' own torch.distributed group instead of a server's arguments."""
     # The engine core in this process (not a child): collective_rpc runs the in-place reload on its worker here,
@@ -113,12 +116,19 @@ def build_engine(model_path: str, *, dtype: str, max_model_len: int, gpu_memory_
     saved = _keep_rng()  # vLLM seeds the process's global generators; the trainer's are put back
     try:
         engine.llm = LLM(
-            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=collectives.rank(),
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
-            distributed_executor_backend="external_launcher", enforce_eager=not on_gpu,
-            enable_prefix_caching=False, logprobs_mode="processed_logprobs", max_num_batched_tokens=4096,
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=collectives.rank(),
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            enforce_eager=not on_gpu,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            max_num_batched_tokens=4096,
             enable_sleep_mode=sleep_mode and on_gpu,
-        )  # fmt: skip
+        )
     finally:
         _restore_rng(saved)
     engine.model_path = model_path
@@ -135,10 +145,19 @@ class LocalClient(VllmClient):
         super().__init__(ServerSettings(f"in-process vLLM (rank {collectives.rank()})"))
         self.engine = engine
 
-    def _request(self, method: str, path: str, payload: Any = None, raw: bytes | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
-        routes = {"/health": lambda: self.engine.health(), "/generate": lambda: self.engine.generate(payload),
-                  "/logprobs": lambda: self.engine.logprobs(payload)}  # fmt: skip
+    def _request(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        raw: bytes | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        routes = {
+            "/health": lambda: self.engine.health(),
+            "/generate": lambda: self.engine.generate(payload),
+            "/logprobs": lambda: self.engine.logprobs(payload),
+        }
         if path not in routes:
             raise VllmServerError(f"{self.url}: no request {method} {path} in colocate mode")
         try:
@@ -205,10 +224,12 @@ class ColocateGenerator(VllmGenerator):
 
     def describe(self) -> str:
         s = self.settings
-        return (f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, {self.memory}, sleep "
-                f"mode {'on' if self.sleep_mode else 'off'}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
-                f"top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty {s.repetition_penalty:g}, stop ids "
-                f"{self.eos_ids}{extra_sampling(s)}; importance sampling correction {self.correction or 'off'}")  # fmt: skip
+        return (
+            f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, {self.memory}, sleep "
+            f"mode {'on' if self.sleep_mode else 'off'}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
+            f"top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty {s.repetition_penalty:g}, stop ids "
+            f"{self.eos_ids}{extra_sampling(s)}; importance sampling correction {self.correction or 'off'}"
+        )
 
     def _wake(self) -> None:
         if self._asleep:
@@ -231,8 +252,13 @@ class ColocateGenerator(VllmGenerator):
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - start
         if collectives.rank() == 0:
-            logger.info("vLLM weights version %d: %d tensors loaded layer by layer into each rank's engine, probe "
-                        "passed (%.2f s)", self.version, loaded, time.perf_counter() - start)  # fmt: skip
+            logger.info(
+                "vLLM weights version %d: %d tensors loaded layer by layer into each rank's engine, probe "
+                "passed (%.2f s)",
+                self.version,
+                loaded,
+                time.perf_counter() - start,
+            )
 
     def check_probe(self) -> float:
         """The largest difference over the ranks between an engine's and the trainer's log-probs of the probe
@@ -270,9 +296,18 @@ class ColocateGenerator(VllmGenerator):
             self._sleep()
 
 
-def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
-                             eos_ids: Sequence[int], sampling: SamplingSettings, mixed_precision: str,
-                             device: torch.device, model_path: str, max_model_len: int) -> ColocateGenerator:  # fmt: skip
+def build_colocate_generator(
+    g: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Any,
+    eos_ids: Sequence[int],
+    sampling: SamplingSettings,
+    mixed_precision: str,
+    device: torch.device,
+    model_path: str,
+    max_model_len: int,
+) -> ColocateGenerator:
     """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine on
     ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update."""
     from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
@@ -281,8 +316,10 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
     correction = correction_from_keys(g)
     compute = engine_dtype_name(model, mixed_precision)
     if g.vllm_enable_sleep_mode and not torch.cuda.is_available() and collectives.rank() == 0:
-        logger.warning("vllm_enable_sleep_mode ignored: vLLM's CPU backend has no sleep mode (its sleep and wake_up "
-                       "do nothing); the engine keeps its weights and KV cache while the trainer trains")  # fmt: skip
+        logger.warning(
+            "vllm_enable_sleep_mode ignored: vLLM's CPU backend has no sleep mode (its sleep and wake_up "
+            "do nothing); the engine keeps its weights and KV cache while the trainer trains"
+        )
     start = time.perf_counter()
     engine = collectives.run_on_all(
         "starting the in-process vLLM engines",
@@ -292,16 +329,29 @@ def build_colocate_generator(g: Any, model: torch.nn.Module, optimizer: torch.op
             max_model_len=max_model_len,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization,
             sleep_mode=g.vllm_enable_sleep_mode,
-        ),  # fmt: skip
+        ),
         VllmServerError,
     )
     if collectives.rank() == 0:
-        logger.info("vLLM colocate: an engine in each of %d processes on %s (%s) in %.1f s", collectives.world(),
-                    model_path, engine.dtype, time.perf_counter() - start)  # fmt: skip
+        logger.info(
+            "vLLM colocate: an engine in each of %d processes on %s (%s) in %.1f s",
+            collectives.world(),
+            model_path,
+            engine.dtype,
+            time.perf_counter() - start,
+        )
     probe = tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXT)
-    generator = ColocateGenerator(model, LocalClient(engine), eos_ids=eos_ids, settings=sampling, probe=probe,  # type: ignore[arg-type]
-                                  compute_dtype=compute, device=device, correction=correction,
-                                  sleep_mode=g.vllm_enable_sleep_mode)  # fmt: skip
+    generator = ColocateGenerator(
+        model,
+        LocalClient(engine),
+        eos_ids=eos_ids,
+        settings=sampling,
+        probe=probe,  # type: ignore[arg-type]
+        compute_dtype=compute,
+        device=device,
+        correction=correction,
+        sleep_mode=g.vllm_enable_sleep_mode,
+    )
     generator.server_dtype = engine.dtype
     generator.check_sampling_fields(engine.health())
     if torch.cuda.is_available():

@@ -29,8 +29,14 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.methods.grpo.config import IS_MODES
 
 
-def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,
-                     clip_min: float | None, clip_max: float | None) -> torch.Tensor:  # fmt: skip
+def importance_ratio(
+    old: torch.Tensor,
+    sampling: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
     """TRL's ``vllm_importance_sampling_ratio``: [B, T] for the token modes, [B, 1] for the sequence modes."""
     if mode not in IS_MODES:
         raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {', '.join(IS_MODES)}")

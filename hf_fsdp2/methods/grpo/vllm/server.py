@@ -63,11 +63,16 @@ class Engine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
         utilization = args.gpu_memory_utilization if on_gpu else 0.05
         self.llm = LLM(
-            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-            gpu_memory_utilization=utilization, tensor_parallel_size=args.tensor_parallel_size,
-            enforce_eager=args.enforce_eager or not on_gpu, enable_prefix_caching=False,
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            gpu_memory_utilization=utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager or not on_gpu,
+            enable_prefix_caching=False,
             logprobs_mode="processed_logprobs",
-        )  # fmt: skip
+        )
         # No prefix cache: a rollout's numbers then never depend on what earlier requests left cached, so a resumed
         # run samples what the uninterrupted one did.
         self.model_path, self.dtype = (
@@ -104,8 +109,15 @@ class Engine:
 
         # The fields a request's generation_kwargs may name (the trainer checks them before its first rollout).
         fields = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
-        return {"status": "ok", "protocol": PROTOCOL, "model": self.model_path, "dtype": self.dtype,
-                "weights_version": self.version, "pid": os.getpid(), "sampling_fields": fields}  # fmt: skip
+        return {
+            "status": "ok",
+            "protocol": PROTOCOL,
+            "model": self.model_path,
+            "dtype": self.dtype,
+            "weights_version": self.version,
+            "pid": os.getpid(),
+            "sampling_fields": fields,
+        }
 
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -132,7 +144,7 @@ class Engine:
                 logprobs=0,
                 stop_token_ids=list(req.get("stop_token_ids") or []),
                 **extra,
-            )  # fmt: skip
+            )
             for seed in seeds
         ]
         with self.lock:
@@ -182,8 +194,13 @@ class Engine:
             start = time.perf_counter()
             workers = self.load(list(staged.items()), int(req["version"]), expected=want)
             seconds = time.perf_counter() - start
-        logger.info("weights version %d loaded (%d tensors into each of %d workers, %.2f s)", self.version,
-                    len(staged), workers, seconds)  # fmt: skip
+        logger.info(
+            "weights version %d loaded (%d tensors into each of %d workers, %.2f s)",
+            self.version,
+            len(staged),
+            workers,
+            seconds,
+        )
         return {
             "weights_version": self.version,
             "loaded": len(staged),
@@ -248,10 +265,12 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            routes = {"/generate": lambda: engine.generate(json.loads(body)),
-                      "/logprobs": lambda: engine.logprobs(json.loads(body)),
-                      "/weights": lambda: engine.stage(body),
-                      "/weights/commit": lambda: engine.commit(json.loads(body))}  # fmt: skip
+            routes = {
+                "/generate": lambda: engine.generate(json.loads(body)),
+                "/logprobs": lambda: engine.logprobs(json.loads(body)),
+                "/weights": lambda: engine.stage(body),
+                "/weights/commit": lambda: engine.commit(json.loads(body)),
+            }
             if self.path not in routes:
                 self._answer(404, {"error": f"no endpoint POST {self.path}"})
                 return
@@ -290,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args)
     server = ThreadingHTTPServer((args.host, args.port), handler(engine))
     # The line the launcher and the tests wait for: the engine is loaded and the port is bound.
-    print(f"hf-fsdp2 vllm-serve: ready on http://{args.host}:{args.port} ({args.model}, {engine.dtype}, "
-          f"{time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+    print(
+        f"hf-fsdp2 vllm-serve: ready on http://{args.host}:{args.port} ({args.model}, {engine.dtype}, "
+        f"{time.perf_counter() - start:.1f} s)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
