@@ -1,5 +1,5 @@
 """GRPO on GPUs: generation tokens/s and training tokens/s of the recipe, with transformers' ``generate`` on the
-sharded policy and with the vLLM server (issue 42 item 9).
+sharded policy and with the vLLM server.
 
     python bench/grpo_bench.py --out bench/out/grpo_1b.json                  # one GPU: Llama-3.2-1B shape, both backends
     python bench/grpo_bench.py --model /path/to/Llama-3.2-1B --procs 8        # a real model folder, 8 GPUs

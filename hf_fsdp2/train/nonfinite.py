@@ -8,8 +8,8 @@ rank reads the same numbers at the same point, before the next step's forward is
 branch. Steps that already read the device (a save, the last step, a SIGTERM stop) read the flags first
 (:meth:`NonFiniteGuard.settle_now`), so a checkpoint is never written of a state after a non-finite step.
 
-Why not read the flags at once: that read would wait for the whole backward at every step (issue 23 made a
-step read the device exactly once). The price is that ``stop`` notices step N at the start of step N+1 -- before
+Why not read the flags at once: that read would wait for the whole backward at every step (a step reads the
+device exactly once, in the counts' all-reduce). The price is that ``stop`` notices step N at the start of step N+1 -- before
 any of its work -- or at step N's save.
 
 The update of a non-finite step is never applied where the optimizer allows deciding it on the device: the

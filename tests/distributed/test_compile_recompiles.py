@@ -1,9 +1,10 @@
 """2-rank gloo, real data: chat records of mixed lengths, so every step has a new token count and a new
 number of target rows (the chunked loss's loop count), with an eval pass and generation between steps.
 Under each compile scope, padding-free and padded: the whole model recompiles at most twice in its first two
-steps, neither scope after the first step (1 of slack), and the same losses as eager. Before issue 23's fix the
-whole-model scope recompiled every step (the loss hook's closure was guarded on the step's target count) until
-dynamo's limit, then silently ran eagerly; before issue 50's, it recompiled 8 times in its first two steps."""
+steps, neither scope after the first step (1 of slack), and the same losses as eager. With a loss hook whose
+closure dynamo guarded on the step's target count, the whole-model scope recompiled every step until dynamo's limit,
+then silently ran eagerly; with only the model's inputs marked dynamic, it recompiled 8 times in its first two
+steps."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ STEPS, EVAL_AFTER = 4, 1
 # The whole model compiles its frames (those between FSDP2's graph breaks, started on tensors eager code hands them)
 # shape-generic from the first compile: 2 recompiles in step 0, both at transformers' deprecate_kwarg wrapper,
 # one code object shared by the causal LM's and the model's forwards and create_causal_mask (dynamo caches per code
-# object; hf_fsdp2.parallel.compiling.compile_model says why they remain). Before issue 50 the model's inputs alone
-# were marked and every later frame recompiled once on the second length: 8 in the first two steps. After step 0:
+# object; hf_fsdp2.parallel.compiling.compile_model says why they remain). Were the model's inputs alone marked,
+# every later frame recompiled once on the second length: 8 in the first two steps. After step 0:
 # 0 recompiles measured (torch 2.13) but regional:cppf's 1 in step 1; a bound of 1 for that and for a guard another
-# torch adds; more means shapes are being chased again (before issue 23's fix: every step, up to the limit).
+# torch adds; more means shapes are being chased again (a hook closure guarded per step: every step, up to the limit).
 WARMUP_STEPS = 1
 MAX_RECOMPILES_FIRST_TWO_STEPS = 2  # the whole model's
 MAX_RECOMPILES_AFTER_WARMUP = 1
@@ -77,7 +78,7 @@ def test_no_recompile_after_warmup_and_the_limit_is_never_hit(results, config):
 def test_whole_model_recompiles_at_most_twice_in_its_first_two_steps(results, config):
     """Two lengths (steps 0 and 1): the whole model recompiles at most twice, both in step 0 (the deprecation
     wrapper's shared code object), and compiles nothing in step 1: not once per frame between FSDP2's graph breaks
-    (8 recompiles, 5 more graphs in step 1, before issue 50)."""
+    (8 recompiles, 5 more graphs in step 1, with only the model's inputs marked dynamic)."""
     compile_rows = results[config]["compile"]
     assert compile_rows[1]["recompiles"] <= MAX_RECOMPILES_FIRST_TWO_STEPS, compile_rows
     assert compile_rows[1]["compiled_graphs"] == compile_rows[0]["compiled_graphs"], compile_rows

@@ -4,7 +4,7 @@ Two model shapes (a tiny Llama with untied head and chunked cross entropy; a tin
 QK norms and the plain loss), every activation-checkpointing mode. Per rank: sharded parameter, gradient and
 AdamW bytes predicted from the config must equal the storages the rank holds after a step, exactly (uneven
 chunks included: vocab 2098 is not a multiple of 4); activations and loss bytes predicted by the meta forward
-must equal what ``SavedTensorMeter`` counts on the real sharded run (the issue allows 10%; on CPU the same
+must equal what ``SavedTensorMeter`` counts on the real sharded run (a plan within 10% would do; on CPU the same
 kernels run, so the test holds them to equality). A 3-row linear layer at world 4 leaves rank 3 an empty chunk.
 
 The same for adapters over a frozen base, wrapped as a run wraps them: QLoRA (the decoder linears in NF4, sharded by

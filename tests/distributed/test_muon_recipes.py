@@ -12,7 +12,7 @@ ranks) and context parallel (cp 2) with the SFT recipe, each against a run whose
   torch.optim.AdamW on the rest in place of its AdamW.
 * HSDP 2x2 and cp 2: the SFT recipe against one process on the same global micro-batches.
 
-Tolerance: losses within relative 1e-4 (issue 43's, for fp32 runs), gradient norms and the recipes' statistics
+Tolerance: losses within relative 1e-4, gradient norms and the recipes' statistics
 (rewards, log-probs, margins) within 1e-3. Both sides compute in fp32; the layouts sum gradients in another order
 (~1e-7 relative), and Muon's Newton-Schulz runs in bf16 (torch's), where such a difference flips a rounding of the
 input, and through 5 iterations of bf16 products, of many output elements: the update moves by up to 2^-8 of

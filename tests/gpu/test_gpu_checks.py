@@ -625,7 +625,7 @@ def test_grpo_tiny(check: Check) -> None:
         "on_collapse": "warn",
     }
     # A random tiny model rarely ends a completion early and never matches: its rewards may be flat in every group,
-    # a run without a learning signal that on_collapse's default stops at step 3 (issue 40 item 7); this check is
+    # a run without a learning signal that on_collapse's default stops at step 3; this check is
     # of the GPU mechanics, so it goes on (warned, and marked in metrics.jsonl and summary.json).
     run_dir, cmd = prepare_recipe(check, "grpo", values, recipe_name="grpo")
     if check.dry:

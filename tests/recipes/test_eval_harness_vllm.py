@@ -1,4 +1,4 @@
-"""``hf-fsdp2 eval-harness`` with lm-eval's vLLM backend (issue 44 item 3), run in .venv-vllm (vLLM pins
+"""``hf-fsdp2 eval-harness`` with lm-eval's vLLM backend, run in .venv-vllm (vLLM pins
 transformers<5.20; scripts/setup_vllm.sh installs lm-eval and the trainer's dependencies there): on the local tasks
 its greedy answers equal transformers' token for token and its log-likelihoods equal a direct computation with
 transformers (in this environment, transformers 5.24) on the same items (the answers up to the leading space vLLM's detokenizer keeps, which the

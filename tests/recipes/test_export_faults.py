@@ -1,4 +1,4 @@
-"""The end-of-run export, end to end on 2 gloo ranks, when the disk fills or a signal stops it (issue 40 items 3-4):
+"""The end-of-run export, end to end on 2 gloo ranks, when the disk fills or a signal stops it:
 each says what happened in one line, publishes nothing, and names the checkpoint that keeps the trained weights
 with the offline command that exports it.
 """

@@ -1,5 +1,5 @@
 """Fault injection, end to end on 2 gloo ranks (unit checks where one process shows the same): a run is never
-lost or poisoned, and never ends "verified" with a broken model (issue 25).
+lost or poisoned, and never ends "verified" with a broken model.
 
 * overwrite_output_dir with save_total_limit over an older run's folder: the older run's checkpoints are removed
   first, retention keeps the new run's own checkpoint, and ``latest`` resumes the new run;
@@ -81,7 +81,7 @@ def _damage(file: Path, offset: int = 64, size: int = 4096) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Divergence and collapse (item 1)
+# Divergence and collapse
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -352,7 +352,7 @@ def test_the_watch_adds_no_host_read_to_a_step(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Non-finite weights in an export (items 1 and 2)
+# Non-finite weights in an export
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -406,7 +406,7 @@ def test_the_lora_export_refuses_a_non_finite_adapter(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Damaged checkpoint bytes (item 2)
+# Damaged checkpoint bytes
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -442,7 +442,7 @@ def test_damaged_bytes_are_refused_by_the_export_and_skipped_by_resume(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Overwrite with retention (item 3)
+# Overwrite with retention
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -476,7 +476,7 @@ def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     assert (out / "latest").read_text().strip() == "3"
     assert _run_id(out / "checkpoint-3") not in ("", old_id)
-    # The data file changed in place before the resume (item 7): named in a warning.
+    # The data file changed in place before the resume: named in a warning.
     data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
     proc = _sft(
         new, "--resume_from_checkpoint", "latest", "--max_steps", "4", "--overwrite_output_dir", "false"
@@ -490,7 +490,7 @@ def test_overwrite_with_retention_never_keeps_or_resumes_the_older_run(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Full disk, read-only output, clean exit on every rank, SIGTERM during the export (items 4, 5, 7)
+# Full disk, read-only output, clean exit on every rank, SIGTERM during the export
 # ---------------------------------------------------------------------------------------------------
 
 

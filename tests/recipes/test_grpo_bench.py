@@ -1,4 +1,4 @@
-"""bench/grpo_bench.py (issue 42 item 9) on CPU: its figures' arithmetic from a run's metrics.jsonl, the plan of both
+"""bench/grpo_bench.py on CPU: its figures' arithmetic from a run's metrics.jsonl, the plan of both
 backends with vLLM absent (the GPU image has none: said, with the fix, and the transformers side still planned), its
 recipe keys accepted by the grpo recipe, and --smoke: the recipe itself through torchrun, one CPU process, 2 steps."""
 

@@ -558,7 +558,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path, monkeypatch) -> None:
     """A reward function that returns None for every completion: at the third step without a usable reward every
     rank stops alike (exit status 2, one line naming the function; not a collapse blamed on the learning rate),
-    nothing is exported, metrics.jsonl and summary.json say why (issue 40 item 7)."""
+    nothing is exported, metrics.jsonl and summary.json say why."""
     (tmp_path / "none_rewards.py").write_text(
         "def nothing(prompts, completions, **kw):\n    return [None] * len(completions)\n"
     )

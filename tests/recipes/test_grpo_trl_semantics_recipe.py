@@ -1,4 +1,4 @@
-"""Issue 42 items 1-4 end to end on 2 gloo ranks: a chat model whose end-of-turn token is only in its
+"""TRL's GRPO semantics end to end on 2 gloo ranks: a chat model whose end-of-turn token is only in its
 generation_config (as Qwen2.5's <|im_end|>) and whose generation_config asks for a repetition penalty, message-list
 prompts, and TRL-written reward functions beside a reward model folder: completions end at the end of the turn
 (clipped_ratio below 1), the rollout says which config samples and what of the model's it leaves out, the reward

@@ -1,4 +1,4 @@
-"""GRPO with ``vllm_mode: colocate`` (issue 42 item 6): a vLLM engine inside each of 2 gloo ranks, launched with
+"""GRPO with ``vllm_mode: colocate``: a vLLM engine inside each of 2 gloo ranks, launched with
 .venv-vllm's Python (vLLM pins transformers<5.20; scripts/setup_vllm.sh installs the trainer's dependencies there).
 One straight run and one resumed run serve every assertion: the weights are loaded into each rank's engine before
 every rollout and probed, vLLM samples what the policy would (the correction's ratios ~1), the run trains, and the

@@ -1,7 +1,7 @@
-"""A recipe's error under the real launchers (issue 40 item 10): ``hf-fsdp2 train`` shows the rank's one line and
+"""A recipe's error under the real launchers: ``hf-fsdp2 train`` shows the rank's one line and
 the exit status, without accelerate's / torch elastic's 20-30 line traceback; a bare ``accelerate launch`` keeps
 that report, and the rank says first, in one line, that it follows and can be ignored. A rank killed with kill -9
-mid-run (issue 40 item 11) is named by the surviving rank and by the launcher's line, without a traceback.
+mid-run is named by the surviving rank and by the launcher's line, without a traceback.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ DYING_REWARDS = (
 
 
 def test_a_rank_killed_during_the_grpo_rollout_is_named_in_one_line(tmp_path: Path) -> None:
-    """Issue 40 item 11: rank 1 killed with SIGKILL while scoring its completions; rank 0 failed in the gather that
-    follows with a 38-line traceback ending in gloo's "Connection reset by peer [127.0.0.1]:N", never naming rank 1.
+    """Rank 1 killed with SIGKILL while scoring its completions; rank 0 used to fail in the gather that follows with a 38-line traceback ending in gloo's "Connection reset by peer [127.0.0.1]:N", never naming rank 1.
     Now rank 0 says which rank stopped and in which collective, the launcher how it ended; no traceback."""
     (tmp_path / "dying_rewards.py").write_text(DYING_REWARDS)
     data = tmp_path / "prompts.jsonl"

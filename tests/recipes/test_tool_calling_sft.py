@@ -1,4 +1,4 @@
-"""A 2-rank SFT run on tool-calling records (issue 44 item 2): a tiny Llama whose tokenizer carries Qwen2.5's own chat
+"""A 2-rank SFT run on tool-calling records: a tiny Llama whose tokenizer carries Qwen2.5's own chat
 template (as TRL 1.16 ships it), records with ``tools`` and assistant ``tool_calls`` followed by ``tool`` turns; the
 run trains on the calls and answers, and the export's tokenizer renders the same conversation with the same tools to
 the same text and ids."""

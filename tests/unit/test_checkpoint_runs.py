@@ -1,6 +1,6 @@
 """Checkpoints of different runs in one folder never mix: retention counts only the run's own checkpoints and
 never deletes the one ``latest`` names; resume refuses a checkpoint of another run than ``latest``'s; an
-overwritten folder loses the previous run's checkpoints first (issue 25, item 3)."""
+overwritten folder loses the previous run's checkpoints first."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def _names(out: Path) -> list[str]:
 
 
 def test_retention_keeps_the_new_runs_checkpoint_not_an_older_runs_higher_step(tmp_path: Path) -> None:
-    # The issue: an older 6-step run's checkpoint-6 beside the new run's checkpoint-3, save_total_limit 1.
+    # An older 6-step run's checkpoint-6 beside the new run's checkpoint-3, save_total_limit 1: sorted by step alone,
+    # retention would keep the older run's and delete the new run's own.
     _checkpoint(tmp_path, 6, "old")
     _checkpoint(tmp_path, 3, "new")
     (tmp_path / "latest").write_text("3\n")
@@ -108,7 +109,7 @@ def test_latest_never_falls_back_to_another_runs_checkpoint(tmp_path: Path, capl
 
 def test_latest_naming_a_missing_checkpoint_is_refused_not_replaced_by_another(tmp_path: Path) -> None:
     _checkpoint(tmp_path, 6, "oldrun")
-    (tmp_path / "latest").write_text("3\n")  # the issue's state: latest names a checkpoint that was deleted
+    (tmp_path / "latest").write_text("3\n")  # latest names a checkpoint that was deleted
     with pytest.raises(CheckpointError) as err:
         resolve_resume(tmp_path, "latest")
     assert "names checkpoint-3, which does not exist" in str(err.value) and "checkpoint-6" in str(err.value)
@@ -119,7 +120,7 @@ def test_overwriting_a_folder_removes_the_previous_runs_checkpoints_first(tmp_pa
         _checkpoint(tmp_path, step, "old")
     (tmp_path / ".tmp-checkpoint-6").mkdir()
     (tmp_path / "latest").write_text("4\n")
-    (tmp_path / "model.safetensors").write_bytes(b"x")  # the previous run's export goes too (issue 40 item 5)
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # the previous run's export goes too
     (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: kept
     elsewhere = _checkpoint(tmp_path / "other", 8, "old")
     (tmp_path / "checkpoint-8").symlink_to(
@@ -157,7 +158,7 @@ def test_a_damaged_config_or_trainer_state_is_named_not_a_traceback(tmp_path: Pa
 
 @pytest.mark.parametrize("then, now", [("true", "false"), ("false", "true")])
 def test_resume_refuses_a_changed_load_in_4bit_naming_the_key(tmp_path: Path, then: str, now: str) -> None:
-    """Issue 40 item 11: a QLoRA checkpoint resumed without --load_in_4bit went on training its adapter over the
+    """A QLoRA checkpoint resumed without --load_in_4bit used to go on training its adapter over the
     full-precision base with an INFO line; refused now, naming the key, both values and the fix (and the reverse)."""
     import yaml
 

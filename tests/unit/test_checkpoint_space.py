@@ -1,4 +1,4 @@
-"""A full disk (issue 25, item 4): the space a run plans is checked at the start (warning with both numbers, an
+"""A full disk: the space a run plans is checked at the start (warning with both numbers, an
 error where one checkpoint cannot fit); a save that runs out of space names ENOSPC, the folder and the bytes a
 checkpoint needs, and says truthfully what exists."""
 

@@ -1,5 +1,5 @@
 """Bad input to the commands is one line naming the file, the problem and the fix, exit status 2, never a
-traceback (issue 25, item 5)."""
+traceback."""
 
 from __future__ import annotations
 

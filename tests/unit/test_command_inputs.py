@@ -1,4 +1,4 @@
-"""What the commands that take a model, an export or a data file do with a bad one (issue 40, items 2, 8, 9):
+"""What the commands that take a model, an export or a data file do with a bad one:
 one line naming the path, the problem and the fix, exit status 2, before anything loads, never a traceback or
 a wait on hub retries; ``hf-fsdp2 push`` (dry run or not) refuses a folder that is not a verified export."""
 
@@ -64,7 +64,7 @@ def checkpoint(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Item 2: one check of every model argument
+# One check of every model argument
 # ---------------------------------------------------------------------------------------------------
 
 MODEL_COMMANDS = {
@@ -149,7 +149,7 @@ def test_merge_adapter_checks_its_folders_as_the_other_commands(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Item 9: damaged model folders, data files and adapters
+# Damaged model folders, data files and adapters
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -228,7 +228,7 @@ def test_merge_adapter_with_a_bad_config_or_damaged_weights_is_one_line(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Item 8: the push checks what it uploads, dry run or not
+# The push checks what it uploads, dry run or not
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -568,7 +568,7 @@ ALIAS_CASES = [
     ("sample_packing", True, {"packing": True}),
     ("val_set_size", 0.05, {"eval_split_fraction": 0.05}),
     ("flash_attention", True, {"attn_implementation": "flash_attention_2"}),
-    # The Trainer's resume_from_checkpoint=True is hf_fsdp2's latest (issue 40 item 6).
+    # The Trainer's resume_from_checkpoint=True is hf_fsdp2's latest.
     ("resume_from_checkpoint", True, {"resume_from_checkpoint": "latest"}),
     ("resume_from_checkpoint", False, {"resume_from_checkpoint": None}),
     ("resume_from_checkpoint", "out/checkpoint-4", {"resume_from_checkpoint": "out/checkpoint-4"}),
@@ -610,7 +610,7 @@ def test_every_alias_is_in_the_test_table() -> None:
 def test_resume_from_checkpoint_true_means_latest_on_the_command_line(
     args: list[str], want: str | None
 ) -> None:
-    """Issue 40 item 6: ``--resume_from_checkpoint true`` (HF Trainer) resumes ``latest``; it was read as a folder
+    """``--resume_from_checkpoint true`` (HF Trainer) resumes ``latest``; it was once read as a folder
     named ``true``, refused only after the model had loaded."""
     assert parse_config([*REQUIRED_ARGV, *args]).train.resume_from_checkpoint == want
 

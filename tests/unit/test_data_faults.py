@@ -1,4 +1,4 @@
-"""Training data that would silently teach nothing or something else (issue 25, item 7): data in which no example
+"""Training data that would silently teach nothing or something else: data in which no example
 has a target token is refused at the start naming the cause."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An eval pass on a (fake) GPU reads the device once: the all-reduced loss and token count at its end. The
-chunked loss's target rows come from the host labels (before issue 23's fix each batch also waited for the
-device in ``nonzero()`` to find them)."""
+chunked loss's target rows come from the host labels (found on the device, each batch would also wait
+for it in ``nonzero()``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A stop signal that ends the export's verifier is a stop, not a bad model (issue 40 item 4).
+"""A stop signal that ends the export's verifier is a stop, not a bad model.
 
 A launcher's SIGTERM reaches the rank's whole process group (torch elastic ends each worker with ``killpg``), so
 the reload interpreter of the verification dies with the rank still running. Its negative exit status is read as

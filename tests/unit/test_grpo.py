@@ -232,7 +232,7 @@ def _roll(rewards: torch.Tensor, per_function: torch.Tensor, settings: GrpoSetti
 def test_a_step_without_a_learning_signal_is_counted_and_named() -> None:
     """The counts a step is decided from (summed over the ranks by the step's one read): completions with a
     non-zero advantage, completions, rewarded ones, each function's scored ones; the message names the cause and the
-    reward functions (issue 40 item 7)."""
+    reward functions."""
     from hf_fsdp2.methods.grpo.rewards import RewardFunction, combine
     from hf_fsdp2.methods.grpo.step import no_signal_fix, no_signal_message, signal_counts
 

@@ -1,4 +1,4 @@
-"""GRPO's batch and step meaning as TRL 1.16's (issue 42 item 5): ``per_device_train_batch_size`` counts
+"""GRPO's batch and step meaning as TRL 1.16's: ``per_device_train_batch_size`` counts
 completions, ``generation_batch_size`` / ``steps_per_generation`` derive as ``GRPOConfig.__post_init__`` derives
 them (compared with TRL's own config on one process) and refuse what it refuses, naming the numbers and the fix; a
 generation batch is sampled every ``steps_per_generation x num_iterations`` micro-batches, a step is one update."""

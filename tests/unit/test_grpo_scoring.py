@@ -1,4 +1,4 @@
-"""GRPO's chunked scoring (issue 42 item 8): the completion log-probs and entropies computed through the output head's
+"""GRPO's chunked scoring: the completion log-probs and entropies computed through the output head's
 hook, ``ce_chunk_tokens`` rows at a time with the temperature inside the chunk, equal the plain full-vocabulary
 log-softmax in fp64 (values and gradients, a soft-capped and scaled head too); the bytes live at the peak of a
 forward + backward, measured on CPU, shrink by the factor the sizes give (no ``[tokens x vocab]`` block kept)."""

@@ -1,4 +1,4 @@
-"""What a TRL user's GRPO run produces (issue 42 items 1-3), against TRL 1.16's ``GRPOTrainer`` fed the same raw input:
+"""What a TRL user's GRPO run produces, against TRL 1.16's ``GRPOTrainer`` fed the same raw input:
 completions stop at every end id the model declares (TRL's union), clipped ones are counted; the rollout samples the
 plain distribution the loss scores, whatever the model's ``generation_config`` says (a hand-built sampler draws the
 same tokens with the same seed), with TRL's generation fields; prompts are tokenized as TRL tokenizes them (BOS
@@ -103,7 +103,7 @@ def _generator(model: Any, tok: Any, **settings: Any) -> TransformersGenerator:
 def test_completions_stop_at_every_end_id_the_model_declares_as_trls(
     chat_model: Path, trl_trainer: Any
 ) -> None:
-    """Item 1: the stop ids are TRL's (tokenizer EOS + generation_config's list), generation stops at the end-of-turn
+    """The stop ids are TRL's (tokenizer EOS + generation_config's list), generation stops at the end-of-turn
     token (today's EOS-only config runs on to max_completion_length), and the clipped completions are the ones
     without an end id at their end."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,7 +150,7 @@ def _plain_samples(
 
 
 def test_the_rollout_samples_the_distribution_the_loss_scores(chat_model: Path, trl_trainer: Any) -> None:
-    """Item 2: the model's generation_config asks for repetition_penalty 2.0, top_k 3 and min_p 0.3; the rollout
+    """The model's generation_config asks for repetition_penalty 2.0, top_k 3 and min_p 0.3; the rollout
     samples the plain softmax(logits / T) (the same tokens as a hand-built sampler with the same seed; greedy is the
     plain argmax), and the sampling fields are TRL's GenerationConfig's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,7 +205,7 @@ def test_the_rollout_samples_the_distribution_the_loss_scores(chat_model: Path, 
     [(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS), (LLAMA3_TEMPLATE, LLAMA3_SPECIAL_TOKENS)],
 )
 def test_prompts_are_tokenized_as_trls_grpo_trainer(template: str, markers: tuple[str, ...]) -> None:
-    """Item 3: string prompts keep the tokenizer's BOS (Llama-2's <s>), message lists go through the chat template
+    """String prompts keep the tokenizer's BOS (Llama-2's <s>), message lists go through the chat template
     with the generation prompt and chat_template_kwargs (Llama-3's template writes its own BOS, once), the ids equal
     TRL's ``GRPOTrainer._tokenize_prompts`` given the same raw prompts."""
     from trl import GRPOTrainer

@@ -1,4 +1,4 @@
-"""The rollout's clock (issue 42 item 9, hf_fsdp2/methods/grpo/timing.py): generation seconds and tokens of the steps
+"""The rollout's clock (hf_fsdp2/methods/grpo/timing.py): generation seconds and tokens of the steps
 since the last log, the vLLM weight sync counted apart, every other attribute the backend's; and the step's metrics
 carry them (rollout/* in metrics.jsonl, what scripts/demo.sh --grpo [--vllm] reports)."""
 

@@ -1,4 +1,4 @@
-"""docs/grpo.md's key tables are complete and true against TRL 1.16's ``GRPOConfig`` (issue 42 item 9): every key the
+"""docs/grpo.md's key tables are complete and true against TRL 1.16's ``GRPOConfig``: every key the
 GRPO recipe shares with it has TRL's default or a row in "Defaults that differ from TRL's" naming both defaults
 (and no row is stale); every ``GrpoArgs`` key TRL lacks is named in "Keys side by side"; every GRPO key of TRL's the
 recipe lacks is named there too, and the recipe refuses it by name (never ignored)."""

@@ -1,4 +1,4 @@
-"""Reward functions written for TRL work unchanged (issue 42 item 4): the reward functions of TRL 1.16's GRPOTrainer
+"""Reward functions written for TRL work unchanged: the reward functions of TRL 1.16's GRPOTrainer
 docs (and ``trl.rewards``), a reward model folder, an async function, one reading ``trainer_state`` and calling
 ``log_metric``/``log_extra``, and ones returning None, bools or numpy values, score the same raw prompts and
 completions exactly as TRL's own ``GRPOTrainer._calculate_rewards`` scores them, for string and message-list

@@ -2,8 +2,8 @@
 
 Every call has a new number of target rows / completion tokens and a new length, as real data does. The hook is
 registered once and holds nothing of the call, so after the warm-up calls (the first compile, then dynamo's
-automatic-dynamic recompile on the second length) nothing compiles again; with a new hook closure per call (the
-DPO path before issue 23's follow-up) every call recompiled until dynamo's limit. The compiled values equal eager
+automatic-dynamic recompile on the second length) nothing compiles again; with a new hook closure per call (as
+DPO's path once had) every call recompiled until dynamo's limit. The compiled values equal eager
 ones (float64 model; aot_eager: dynamo's guards and recompiles do not depend on the backend).
 """
 

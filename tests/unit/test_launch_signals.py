@@ -1,5 +1,5 @@
 """SIGTERM to ``hf-fsdp2 train`` reaches the training processes, not the launcher: they stop cleanly (a checkpoint,
-or a running export finished) and the launcher ends without its own SignalException traceback (issue 25, item 7).
+or a running export finished) and the launcher ends without its own SignalException traceback.
 """
 
 from __future__ import annotations

@@ -386,7 +386,7 @@ def test_plan_loss_probes_the_head_and_falls_back_for_unknown_post_processing(tm
     assert plan_loss(plain_model, 0).notes[-1] == "loss on the full logits (ce_chunk_tokens=0)"
 
 
-# ---- bf16 operands in the chunked loss's GEMMs (issue 20 item 2) -----------------------------------
+# ---- bf16 operands in the chunked loss's GEMMs -----------------------------------
 
 # Matrix products as the dispatcher sees them (``@``/matmul arrive as mm or bmm), with their operands' positions.
 _aten = torch.ops.aten
@@ -566,7 +566,7 @@ def test_bf16_chunked_loss_gradients_equal_the_plain_bf16_path(tie: bool, transf
         assert _within(h.grad, gh_p, bound_h) > 1.0 and _within(w.grad, gw_p, bound_w) > 1.0
 
 
-# ---- the head gradient accumulates in fp32 inside the GEMM where torch can (issue 23 item 8) -------------------
+# ---- the head gradient accumulates in fp32 inside the GEMM where torch can -------------------
 
 
 def test_fp32_accumulating_addmm_is_feature_tested() -> None:

@@ -1,4 +1,4 @@
-"""A rank whose process ends mid-run (kill -9, the out-of-memory killer) is named in one line (issue 40 item 11):
+"""A rank whose process ends mid-run (kill -9, the out-of-memory killer) is named in one line:
 the surviving rank sees its transport's "Connection reset by peer" and looks up which rank's process is gone, the
 launcher's line says how it ended. One process each; the run end to end is in tests/recipes/test_launch_errors.py.
 """

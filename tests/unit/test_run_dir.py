@@ -111,7 +111,7 @@ def test_a_read_only_output_dir_is_refused_before_any_work(tmp_path: Path) -> No
 def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_starts(
     tmp_path: Path,
 ) -> None:
-    """Issue 40 item 5: a new run that fails before it saves anything never leaves the previous run's summary, card
+    """A new run that fails before it saves anything never leaves the previous run's summary, card
     and weights beside its own config (a folder describing two runs); files no run writes are kept."""
     from hf_fsdp2.run.session import claim_output_dir
 

@@ -1,4 +1,4 @@
-"""Tool-calling conversations (issue 44 items 1-2): the chat template receives ``tools``, the loss covers the
+"""Tool-calling conversations: the chat template receives ``tools``, the loss covers the
 assistant's text, reasoning and tool calls and not the tool results, on the real templates of Qwen2.5, Qwen3,
 Llama 3.1, Llama 3.2 and Mistral; templates that cannot render tools are refused naming the record.
 

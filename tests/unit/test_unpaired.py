@@ -182,7 +182,7 @@ def test_the_kto_recipe_reads_the_default_loss_as_kto_and_the_dpo_recipe_refuses
 def test_one_kind_only_says_the_other_kinds_weight_does_nothing(
     good: int, bad: int, unused: str, used: str, fix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 40 item 11: all-desirable (or all-undesirable) KTO data said "one kind only" and no more; the weight of
+    """All-desirable (or all-undesirable) KTO data once said "one kind only" and no more; the weight of
     the missing kind then weights nothing, and the message says so, with the fix."""
     from hf_fsdp2.methods.kto.data import _warn_balance
 

@@ -130,7 +130,7 @@ class GrpoArgs:
             "models whose full copy does not fit beside their shards."
         },
     )
-    # Issue 42 items 5 and 8 (helper "steps"): TRL 1.16's batch and step meaning, loss options, logging, scoring.
+    # TRL 1.16's batch and step meaning, loss options, logging and scoring, under GRPOConfig's names and defaults.
     generation_batch_size: int | None = field(
         default=None,
         metadata={
@@ -188,7 +188,7 @@ class GrpoArgs:
             "(default 4)."
         },
     )
-    # Issue 42 items 2-3 (helper "semantics"): what samples, and how prompts are rendered, as TRL 1.16's keys.
+    # What samples, and how prompts are rendered, as TRL 1.16's keys.
     repetition_penalty: float = field(
         default=1.0,
         metadata={
@@ -215,7 +215,7 @@ class GrpoArgs:
             "models), a mapping or JSON object: e.g. {enable_thinking: false}.",
         },
     )
-    # Issue 42 items 6-7 (helper "vllm"): vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm/, docs/grpo.md).
+    # vLLM rollouts, TRL 1.16's keys (methods/grpo/vllm/, docs/grpo.md).
     use_vllm: bool = field(
         default=False, metadata={"help": "Sample the rollouts with vLLM (a server: hf-fsdp2 vllm-serve)."}
     )
@@ -242,7 +242,7 @@ class GrpoArgs:
         default=0.3,
         metadata={"help": "vllm_mode colocate: each engine's GPU memory fraction (the server: a flag)."},
     )
-    vllm_enable_sleep_mode: bool = field(  # issue 42 item 6, colocate (helper "colocate")
+    vllm_enable_sleep_mode: bool = field(
         default=False,
         metadata={"help": "colocate: the engine sleeps outside rollouts (GPU only; CPU vLLM has none)."},
     )

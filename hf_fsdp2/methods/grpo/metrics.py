@@ -31,7 +31,7 @@ class Rollout:
     lengths: list[int]
     completions: list[str]
     prompts: list[Any]
-    clipped: int = 0  # completions that reached max_completion_length without an end token (issue 42 item 1)
+    clipped: int = 0  # completions that reached max_completion_length without an end token
     signal: list[int] = field(
         default_factory=list
     )  # signal_counts of the whole generation batch (every rank's)

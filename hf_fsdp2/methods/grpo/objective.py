@@ -147,7 +147,8 @@ def _build_grpo(
     g: GrpoArgs = cfg.method
     t = cfg.train
     tokenizer = data.collator.tokenizer
-    # Issue 42 item 4: TRL's trainer_state for the reward functions (global_step: the updates done so far).
+    # TRL's trainer_state for the reward functions, which read it as GRPOTrainer passes it (global_step: the
+    # updates done so far).
     per_epoch = max(data.steps_per_epoch, 1)
 
     def trainer_state() -> Any:
@@ -181,7 +182,8 @@ def _build_grpo(
         scale_rewards=g.scale_rewards,
         importance_sampling_level=g.importance_sampling_level,
     )
-    # Issue 42 items 5 and 8: TRL's generation batches and steps (batching.py); the run's loss plan chunks scoring.
+    # Generation batches and steps mean what TRL's do (batching.py), so a TRL recipe's numbers train the same; the
+    # run's loss plan chunks the scoring.
     layout = layout_of(cfg, session.data_world)
     settings = GrpoStepSettings(
         grpo=grpo,
@@ -194,8 +196,8 @@ def _build_grpo(
         log_completions=g.log_completions,
         num_completions_to_print=g.num_completions_to_print,
     )
-    # Issue 42 items 1-2: stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built
-    # from the keys alone, so the sampled distribution is the scored one.
+    # Stop at the tokenizer's and the model's end ids (TRL's union); sample from a config built from the keys alone,
+    # so the sampled distribution is the scored one.
     eos = stop_token_ids(
         tokenizer.eos_token_id, getattr(model.module.generation_config, "eos_token_id", None)
     )
@@ -212,7 +214,7 @@ def _build_grpo(
     )
     generator: Any
     colocate = g.use_vllm and g.vllm_mode == "colocate"
-    if colocate:  # issue 42 item 6: an engine in each rank, the weights loaded in-process
+    if colocate:  # an engine in each rank, the weights loaded in-process
         from hf_fsdp2.methods.grpo.vllm.colocate import build_colocate_generator
 
         generator = build_colocate_generator(
@@ -227,7 +229,7 @@ def _build_grpo(
             str(cfg.model.model_name_or_path),
             cfg.data.max_length,
         )
-    elif g.use_vllm:  # issue 42 items 6-7: rollouts from the vLLM server, weights sent after each update
+    elif g.use_vllm:  # rollouts from the vLLM server, weights sent after each update
         generator = build_vllm_generator(
             g, model.module, optimizer, tokenizer, eos, sampling, t.mixed_precision, session.device
         )
@@ -278,7 +280,7 @@ def _build_grpo(
         model.module,
         optimizer,
         scheduler,
-        generator=TimedGenerator(generator),  # issue 42 item 9: rollout/* metrics (eval not counted)
+        generator=TimedGenerator(generator),  # rollout/* metrics; the evaluator below gets the untimed one
         functions=functions,
         tokenizer=tokenizer,
         reference=reference,

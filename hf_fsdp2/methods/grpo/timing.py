@@ -1,4 +1,4 @@
-"""The rollout's own clock (issue 42 item 9): :class:`TimedGenerator` wraps a generation backend (the
+"""The rollout's own clock: :class:`TimedGenerator` wraps a generation backend (the
 :class:`~.rollout.Generator` protocol) and counts the seconds spent in its ``generate`` calls and the completion tokens
 they returned, so a run logs generation tokens/s beside the meter's step time and training tokens/s, for
 transformers' ``generate`` and for the vLLM server alike. The vLLM client's weight sync (sent inside the first
