@@ -63,11 +63,11 @@ def reference_run(model_dir: Path, data: list[dict]) -> list[dict]:
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     return reference_steps(
         model,
-        _Both(adamw, muon),
-        _Both(*scheds),
+        _Both(adamw, muon),  # type: ignore[arg-type]
+        _Both(*scheds),  # type: ignore[arg-type]
         [p for _, p in named],
         data,
-        pad_id,  # type: ignore[arg-type]
+        pad_id,
         world=WORLD,
         batch_size=BS,
         accum=ACCUM,

@@ -114,17 +114,17 @@ def test_the_stepper_reads_a_prompt_batch_per_generation_batch_and_after_a_resum
         grpo=GrpoSettings(num_generations=4), temperature=1.0, num_iterations=2, seed=0, layout=layout
     )
     stepper = GrpoStepper(
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
         None,
-        None,
-        None,
-        generator=None,
+        generator=None,  # type: ignore[arg-type]
         functions=[],
         tokenizer=None,
-        reference=None,  # type: ignore[arg-type]
+        reference=None,
         settings=settings,
         step=StepSettings(LossPlan()),
-        device=None,
-    )  # type: ignore[arg-type]
+        device=None,  # type: ignore[arg-type]
+    )
     assert [stepper.reads(s) for s in (1, 3, 5)] == [1, 1, 1]
     assert stepper.reads(2) == 1  # nothing buffered yet: a resumed step 2 samples
     stepper.roll = object()  # type: ignore[assignment]  # a buffered generation batch
