@@ -29,8 +29,8 @@ class LogitTransform:
     """What a model does to the head's output before it is a logit: ``softcap(raw * scale)``.
 
     Gemma-2/3 cap the logits (``final_logit_softcapping``: ``c * tanh(x / c)``), Granite divides them
-    (``logits_scaling``), Cohere multiplies them (``logit_scale``). The chunked loss computes from the
-    head's raw output, so it must apply the same transform, or its loss is not the model's.
+    (``logits_scaling``), Cohere and Falcon-H1 multiply them (``logit_scale``, ``lm_head_multiplier``). The chunked
+    loss computes from the head's raw output, so it must apply the same transform, or its loss is not the model's.
     """
 
     scale: float = 1.0

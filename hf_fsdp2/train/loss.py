@@ -87,6 +87,10 @@ def logit_transform_for(config: Any) -> LogitTransform:
         scale /= float(config.logits_scaling)
     if getattr(config, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
         scale *= float(config.logit_scale)
+    if (
+        getattr(config, "lm_head_multiplier", None) is not None
+    ):  # Falcon-H1 (muP): logits * lm_head_multiplier
+        scale *= float(config.lm_head_multiplier)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
 
 
