@@ -8,7 +8,7 @@ objective; everything else here is shared, so every method checkpoints, resumes,
 from __future__ import annotations
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.attention_layout import check_row_layers, method_rows
+from hf_fsdp2.attention_layout import attention_layout_for, check_row_layers, method_rows
 from hf_fsdp2.config import Config
 from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
@@ -41,10 +41,14 @@ def run(cfg: Config, method: Method) -> None:
         check_tensor_parallel(method, collectives.tp_size())
         check_float8(method, t.mixed_precision)
         # Rows of several documents, or context parallel, on a model whose layers carry state along a row (Mamba,
-        # linear attention): refused from the config, every rank alike, before the data is tokenized.
+        # linear attention), and the batch layout's other refusals (masks that let documents see each other, kernels
+        # that cannot load): from the config and the environment, every rank alike, before the data is tokenized.
         packing, padding_free = method_rows(cfg.data, method.batch_rows)
         check_row_layers(session.model_config, packing=packing, padding_free=padding_free,
                          cp_size=collectives.cp_size())  # fmt: skip
+        attention_layout_for(
+            cfg, session.model_config, device_type=session.device.type, batch_rows=method.batch_rows
+        )
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(
