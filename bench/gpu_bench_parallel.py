@@ -177,11 +177,14 @@ def logged_lines() -> Iterator[list[str]]:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     log = logging.getLogger("hf_fsdp2")
+    level = log.level
     log.addHandler(handler)
+    log.setLevel(logging.INFO)  # the lines are info lines, whatever this rank's logging setup shows
     try:
         yield lines
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def worker(args: argparse.Namespace) -> None:

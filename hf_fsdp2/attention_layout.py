@@ -88,9 +88,10 @@ PROBE_FAILED = "the padding-free probe failed"
 
 
 def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` with its first two layers and a small MLP / vocabulary (the masking and attention code
-    stay the model's own). A per-layer list the config derives from ``num_hidden_layers`` (a read-only property,
-    e.g. Falcon-H1's ``layers_block_type``) follows by itself and is left alone."""
+    """A copy of ``config`` with its first two layers, a small MLP / vocabulary and sliding windows / attention chunks
+    of 4 tokens (the masking and attention code stay the model's own). A per-layer list the config derives from
+    ``num_hidden_layers`` (a read-only property, e.g. Falcon-H1's ``layers_block_type``) follows by itself and is
+    left alone."""
     small = copy.deepcopy(config)
     layers = min(2, int(getattr(small, "num_hidden_layers", 2) or 2))
     small.num_hidden_layers = layers
@@ -101,6 +102,12 @@ def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(small, key, None):
             setattr(small, key, 32)
+    for key in (
+        "sliding_window",
+        "attention_chunk_size",
+    ):  # shorter than the examples: the windows and chunks cut
+        if isinstance(getattr(small, key, None), int) and getattr(small, key) > 4:
+            setattr(small, key, 4)
     small.vocab_size = 64
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 64:
@@ -119,8 +126,11 @@ def _padded_against_flat(model: torch.nn.Module) -> tuple[float, float]:
     ids[0, :5], mask[0, :5], ids[1], mask[1] = a, 1, b, 1
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        flat = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(9)])[None],
-                     use_cache=False).logits  # fmt: skip
+        flat = model(
+            input_ids=torch.cat([a, b])[None],
+            position_ids=torch.cat([torch.arange(5), torch.arange(9)])[None],
+            use_cache=False,
+        ).logits
     want = torch.cat([padded[0, :5], padded[1]])
     return float((flat[0] - want).abs().max()), max(float(want.abs().max()), 1.0)
 
@@ -143,7 +153,7 @@ def installed_attention_kernels() -> frozenset[str]:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionLayout:
     """How a run's micro-batches are laid out and which attention kernel keeps their documents apart.
 
@@ -180,6 +190,93 @@ class AttentionLayout:
             mask = "documents apart by position_ids (varlen)"
         return (
             f"batches: {layout}" + (f" ({self.reason})" if why else "") + f"; attention {self.kernel}, {mask}"
+        )
+
+
+# Layer kinds (transformers' ``layer_types`` names) that do not keep the documents of one row apart by
+# position_ids, and what crosses the boundary. transformers' kernels for them (mamba-ssm, causal-conv1d,
+# flash-linear-attention) take boundaries only as ``seq_idx`` / ``cu_seqlens``, which this toolkit's rows do not carry,
+# and their torch fallbacks take none; attention layers beside them keep documents apart, these do not. (Chunked
+# and sliding attention are masks: transformers counts their chunks and windows per document, which the probe
+# checks with a window and a chunk shorter than its examples.)
+ROW_STATE_LAYERS: dict[str, str] = {
+    "linear_attention": "a recurrent state (Mamba-2 or gated DeltaNet) carried from token to token along the row",
+    "hybrid": "a Mamba mixer beside the attention, its recurrent state carried along the row",
+    "hybrid_sliding": "a linear-attention state beside the sliding attention, carried along the row",
+    "conv": "a causal convolution whose window reaches back into the previous document",
+}
+# Older configs' name for Mamba layers (transformers remaps it the same way).
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention"}
+
+
+def row_state_layers(config: PretrainedConfig) -> dict[str, int]:
+    """The layer kinds of ``config`` that would let two documents of one row reach each other, with their counts
+    (empty: every layer keeps documents apart by position_ids). Read from ``layer_types`` (the text config's, for a
+    composite model), so every rank answers the same before any weight is read."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    found: dict[str, int] = {}
+    for kind in types if isinstance(types, (list, tuple)) else ():
+        kind = _LEGACY_LAYER_TYPES.get(kind, kind)
+        if kind in ROW_STATE_LAYERS:
+            found[kind] = found.get(kind, 0) + 1
+    return found
+
+
+def _row_state_summary(config: PretrainedConfig, found: dict[str, int]) -> str:
+    cls = _causal_lm_class(config)
+    name = cls.__name__ if cls is not None else type(config).__name__
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    total = len(getattr(text, "layer_types", None) or ()) or "?"
+    kinds = "; ".join(
+        f"{n} of its {total} layers are {kind}: {ROW_STATE_LAYERS[kind]}" for kind, n in found.items()
+    )
+    return f"{name} (model_type {getattr(config, 'model_type', '?')}): {kinds}"
+
+
+def _rows_asked(packing: bool, padding_free: bool | None) -> str:
+    return ", ".join(
+        ["rows of several documents (packing, or continued pre-training without cross_document_attention)"]
+        * packing
+        + ["padding_free=true"] * bool(padding_free)
+    )
+
+
+def check_row_layers(
+    config: PretrainedConfig, *, packing: bool, padding_free: bool | None, cp_size: int = 1
+) -> None:
+    """Refuse what a model with layers that carry state along a row (:func:`row_state_layers`) cannot run: rows of
+    several documents (packing, padding-free batches), which would reach each other through those layers, and a
+    sequence split over context-parallel ranks, which those layers would read in disjoint parts. Decided from the
+    config before any work, the same on every rank.
+
+    Args:
+        config: the model's config.
+        packing: rows hold several documents (``packing``, or continued pre-training's rows without
+            ``cross_document_attention``).
+        padding_free: the ``padding_free`` setting (None: unset, decided padded for such a model).
+        cp_size: the context-parallel degree.
+
+    Raises:
+        ConfigError: naming the model, its layer kinds and the fix.
+    """
+    from hf_fsdp2.config.plans import ConfigError
+
+    found = row_state_layers(config) if (packing or padding_free or cp_size > 1) else {}
+    if found and cp_size > 1:
+        raise ConfigError(
+            f"cp_size={cp_size} on {_row_state_summary(config, found)}. Context parallel gives each rank a part of "
+            "every sequence and gathers whole sequences around attention only, so these layers would run each part "
+            "from an empty state. Set cp_size: 1 (activation_checkpointing and ce_chunk_tokens for long sequences)"
+        )
+    if found and (packing or padding_free):
+        raise ConfigError(
+            f"{_rows_asked(packing, padding_free)} on {_row_state_summary(config, found)}. Two documents in one row "
+            "would reach each other through these layers (they read no position_ids, and this toolkit passes their "
+            "kernels no document boundaries), so each document's loss would depend on the one before it. Set "
+            "packing: false and padding_free: false (padded batches, one document per row; left unset, "
+            "padding_free picks them for this model); for continued pre-training, cross_document_attention: true "
+            "trains rows of documents that see each other on purpose"
         )
 
 
@@ -239,8 +336,14 @@ def choose_attention_layout(
     Returns:
         The layout; ``warning`` set for ``padding_free: true`` over a dense mask on a GPU (allowed: asked for).
 
+    A model with layers that carry state along a row (:func:`row_state_layers`: Mamba, linear attention, short
+    convolutions) gets padded batches, and rows of several documents asked for are refused
+    (:func:`check_row_layers`). Rows of several documents asked for on sdpa, eager or flex are probed too, and
+    refused where the model's masks do not keep them apart.
+
     Raises:
-        ConfigError: flex_attention on a model class without it, or a flash kernel nothing here can load.
+        ConfigError: flex_attention on a model class without it, a flash kernel nothing here can load, or rows of
+            several documents on a model whose layers or masks would let them reach each other.
     """
     from hf_fsdp2.config.plans import ConfigError
 
@@ -263,8 +366,34 @@ def choose_attention_layout(
             "(transformers then loads kernels-community's build from its cache or the hub); neither is importable "
             "here. Install one, or set attn_implementation to flex_attention (block masks, no extra package) or sdpa"
         )
+    check_row_layers(model_config, packing=packing, padding_free=padding_free)
+    row_state = row_state_layers(model_config)
     dense = kernel in DENSE_MASK_ATTENTION
+    proxy = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
     warning = None
+    if (packing or padding_free) and kernel in (*DENSE_MASK_ATTENTION, "flex_attention"):
+        # Rows of several documents asked for: the probe checks that this model's masks keep them apart (flex
+        # through sdpa/eager: the same mask function), as it does before choosing padding-free batches itself.
+        kept, probed = padding_free_matches(
+            model_config,
+            proxy if kernel == "flex_attention" else attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+        if not kept and not probed.startswith(PROBE_FAILED):
+            raise ConfigError(
+                f"{_rows_asked(packing, padding_free)} on {name} (model_type "
+                f"{getattr(model_config, 'model_type', '?')}): documents of one row would see each other: {probed} "
+                "(a probe forward, two examples padded and flattened into one row). Set packing: false and "
+                "padding_free: false (padded batches)"
+                + (
+                    "; or attn_implementation: flash_attention_2 (varlen kernels take the boundaries from "
+                    "position_ids)"
+                    if cls is not None and getattr(cls, "_supports_flash_attn", False)
+                    else ""
+                )
+            )
+        if not kept:
+            warning = f"{_rows_asked(packing, padding_free)} kept as asked, unchecked: {probed}"
     if packing and kernel in _VARLEN_ATTENTION and not padding_free:
         # transformers' flash path (_flash_attention_forward) finds documents in position_ids only when the batch
         # has one row (_is_packed_sequence): kept as [rows, length], each document would attend to those before it
@@ -297,11 +426,15 @@ def choose_attention_layout(
                 "counts it); set attn_implementation: flex_attention (block mask) or flash_attention_2, or "
                 "padding_free: false"
             )
+    elif row_state:
+        flat, why = (
+            False,
+            f"padding_free auto: {_row_state_summary(model_config, row_state)}, so documents stay one per row",
+        )
     elif kernel in _VARLEN_ATTENTION:
         flat, why = True, f"padding_free auto: {kernel} takes document boundaries from position_ids (varlen)"
     elif gpu and kernel == "flex_attention":
-        probe = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
-        flat, probed = padding_free_matches(model_config, probe, trust_remote_code=trust_remote_code)
+        flat, probed = padding_free_matches(model_config, proxy, trust_remote_code=trust_remote_code)
         why = "padding_free auto: " + (
             f"flex_attention keeps documents apart with a block mask from position_ids, no dense mask ({probed})"
             if flat
@@ -310,8 +443,10 @@ def choose_attention_layout(
         warning = why if probed.startswith(PROBE_FAILED) else None
     elif gpu:
         flat = False
-        better = " or ".join(["flex_attention"] * bool(getattr(cls, "_supports_flex_attn", False))
-                             + [f"{k} (installed)" for k in sorted(have & set(_VARLEN_ATTENTION))])  # fmt: skip
+        better = " or ".join(
+            ["flex_attention"] * bool(getattr(cls, "_supports_flex_attn", False))
+            + [f"{k} (installed)" for k in sorted(have & set(_VARLEN_ATTENTION))]
+        )
         why = (
             f"padding_free auto: {kernel} on {device_type} would keep the documents of a flattened micro-batch "
             "apart with a dense [T x T] mask over all its tokens"
@@ -354,9 +489,13 @@ def method_rows(data: Any, batch_rows: str) -> tuple[bool, bool | None]:
 
 
 def attention_layout_for(
-    cfg: Any, model_config: PretrainedConfig, *, device_type: str, batch_rows: str = "as_configured",
+    cfg: Any,
+    model_config: PretrainedConfig,
+    *,
+    device_type: str,
+    batch_rows: str = "as_configured",
     installed: frozenset[str] | None = None,
-) -> AttentionLayout:  # fmt: skip
+) -> AttentionLayout:
     """:func:`choose_attention_layout` for a method's config sections (:func:`method_rows`)."""
     packing, padding_free = method_rows(cfg.data, batch_rows)
     return choose_attention_layout(

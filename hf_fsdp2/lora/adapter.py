@@ -15,7 +15,7 @@ import logging
 import torch
 
 from hf_fsdp2.config.plans import LoraSettings
-from hf_fsdp2.lora.build import wrap_with_lora
+from hf_fsdp2.lora.build import lora_exclusions, wrap_with_lora
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -47,6 +47,13 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
     Raises:
         LoraError: a target module name that matches nothing in the model.
     """
+    excluded = lora_exclusions(model) if settings.target_modules in ("all-linear", ["all-linear"]) else {}
+    if excluded:
+        logger.info(
+            "LoRA all-linear leaves out %d module(s) that cannot take an adapter: %s",
+            len(excluded),
+            "; ".join(sorted(set(excluded.values()))),
+        )
     try:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:

@@ -40,16 +40,59 @@ def lora_config(settings: LoraSettings) -> Any:
     )
 
 
+def lora_exclusions(model: torch.nn.Module) -> dict[str, str]:
+    """The linear modules of ``model`` that LoRA must leave alone, by name, with the reason (``all-linear`` skips
+    them; a target list that names one is refused).
+
+    - the ``out_proj`` of a Mamba-2 mixer (a module with the SSM's ``A_log`` and ``D``): in training on CUDA,
+      transformers hands its weight straight to mamba-ssm's fused ``mamba_split_conv1d_scan_combined``, which never
+      calls the module, so an adapter there would not train on a GPU (PEFT refuses it by model type, for Falcon-H1
+      and Mamba, not for Granite 4 or Bamba);
+    - an ``nn.Linear`` subclass of the model's own code with a forward of its own (Llama 4's router returns
+      ``(scores, logits)``): LoRA adds its delta to a linear map's output, which that forward does not return.
+    """
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        out_proj = getattr(module, "out_proj", None)
+        if hasattr(module, "A_log") and hasattr(module, "D") and isinstance(out_proj, torch.nn.Linear):
+            found[f"{name}.out_proj"] = (
+                f"the out_proj of {type(module).__name__}, a Mamba-2 mixer whose weight transformers passes to "
+                "mamba-ssm's fused CUDA kernel without calling the module"
+            )
+        cls = type(module)
+        if (
+            isinstance(module, torch.nn.Linear)
+            and cls.forward is not torch.nn.Linear.forward
+            and cls.__module__.startswith("transformers.models.")
+        ):
+            found[name] = f"{cls.__name__}, an nn.Linear whose own forward returns more than the linear map"
+    return found
+
+
 def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """``model`` wrapped by PEFT LoRA: the base frozen in its dtype, what trains (the adapter and
     ``modules_to_save``) fp32 master copies, as Accelerate keeps trainable parameters under mixed precision.
+    ``all-linear`` leaves out :func:`lora_exclusions` (written to the adapter's config as ``exclude_modules``).
 
     Raises:
-        ValueError: PEFT's, when a target module matches nothing (each caller names the fix in its own error).
+        ValueError: PEFT's, when a target module matches nothing, or a target list naming a module of
+            :func:`lora_exclusions` (each caller names the fix in its own error).
     """
     from peft import get_peft_model
 
-    wrapped = get_peft_model(model, lora_config(settings), autocast_adapter_dtype=True)
+    config = lora_config(settings)
+    excluded = lora_exclusions(model)
+    if excluded and config.target_modules == "all-linear":
+        config.exclude_modules = sorted(excluded)
+    elif excluded and not isinstance(config.target_modules, str):
+        named = {n: why for n, why in excluded.items() if n.rsplit(".", 1)[-1] in set(config.target_modules)}
+        if named:
+            first, why = next(iter(named.items()))
+            raise ValueError(
+                f"lora_target_modules names {first.rsplit('.', 1)[-1]} and {len(named)} such module(s) cannot take "
+                f"LoRA ({first}: {why}); leave it out of the list (all-linear leaves it out by itself)"
+            )
+    wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
     for param in wrapped.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
             param.data = param.data.float()  # fp32 master copies of what trains (modules_to_save too)

@@ -42,9 +42,9 @@ ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 FP8_MIN_CAPABILITY = (8, 9)
 
 
-def below_float8_size(recipe: str, out_features: int, in_features: int) -> str | None:
+def below_float8_size(scaling: str, out_features: int, in_features: int) -> str | None:
     """Why a linear of weight shape ``(out_features, in_features)`` (N, K) is faster in bf16 than in float8 under
-    ``recipe``; None when float8 pays.
+    ``scaling`` (the FP8 recipe: tensorwise or rowwise); None when float8 pays.
 
     torchao's auto filter (``torchao.float8._auto_filter_for_recipe``, which torchtitan's float8 converter applies
     with ``filter_fqns = ["auto_filter_small_kn"]``), the same thresholds: a float8 linear casts its input, weight
@@ -55,7 +55,7 @@ def below_float8_size(recipe: str, out_features: int, in_features: int) -> str |
     (N = 1024, K = 4096) in bf16 and converts q/o (4096 x 4096), gate/up (14336 x 4096) and down (4096 x 14336).
     """
     n, k = out_features, in_features
-    if recipe == "rowwise":
+    if scaling == "rowwise":
         if n <= 2048:
             return "out_features <= 2048"
         if k <= 1024:

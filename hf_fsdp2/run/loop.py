@@ -8,7 +8,7 @@ objective; everything else here is shared, so every method checkpoints, resumes,
 from __future__ import annotations
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.attention_layout import method_rows
+from hf_fsdp2.attention_layout import attention_layout_for, check_row_layers, method_rows
 from hf_fsdp2.config import Config
 from hf_fsdp2.parallel.accelerator import launcher_mesh, world_size
 from hf_fsdp2.parallel.ring import check_ring_settings
@@ -37,9 +37,23 @@ def run(cfg: Config, method: Method) -> None:
         # What ring attention cannot run, before the model loads.
         if collectives.cp_size() > 1 and cfg.fsdp.cp_backend == "ring":
             packing, padding_free = method_rows(cfg.data, method.batch_rows)
-            check_ring_settings(on_gpu=session.device.type == "cuda", packing=packing,
-                                padding_free=padding_free, attn_implementation=cfg.model.attn_implementation,
-                                model_config=session.model_config)  # fmt: skip
+            check_ring_settings(
+                on_gpu=session.device.type == "cuda",
+                packing=packing,
+                padding_free=padding_free,
+                attn_implementation=cfg.model.attn_implementation,
+                model_config=session.model_config,
+            )
+        # Rows of several documents, or context parallel, on a model whose layers carry state along a row (Mamba,
+        # linear attention), and the batch layout's other refusals (masks that let documents see each other, kernels
+        # that cannot load): from the config and the environment, every rank alike, before the data is tokenized.
+        packing, padding_free = method_rows(cfg.data, method.batch_rows)
+        check_row_layers(
+            session.model_config, packing=packing, padding_free=padding_free, cp_size=collectives.cp_size()
+        )
+        attention_layout_for(
+            cfg, session.model_config, device_type=session.device.type, batch_rows=method.batch_rows
+        )
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
             log_run_plan(
@@ -59,9 +73,15 @@ def run(cfg: Config, method: Method) -> None:
             session, model.module, optimizer, scheduler, data.stream, data.total_steps, train_step
         )
         observer = Observer(
-            session, model, tokenizer, eval_set=data.eval_set, collator=data.collator,
-            first_step=state.first_step, total_steps=data.total_steps, evaluator=evaluator,
-        )  # fmt: skip
+            session,
+            model,
+            tokenizer,
+            eval_set=data.eval_set,
+            collator=data.collator,
+            first_step=state.first_step,
+            total_steps=data.total_steps,
+            evaluator=evaluator,
+        )
         batches = observer.timed(data.stream)
 
         # The loop: one optimizer step over gradient_accumulation_steps micro-batches per rank (the objective's
@@ -81,6 +101,12 @@ def run(cfg: Config, method: Method) -> None:
 
         # The verified export (the final state saved first if it fails), the summary, the push.
         finish(
-            session, model, tokenizer, state, observer, first_step=state.first_step, last_step=data.total_steps,
+            session,
+            model,
+            tokenizer,
+            state,
+            observer,
+            first_step=state.first_step,
+            last_step=data.total_steps,
             method=method,
-        )  # fmt: skip
+        )

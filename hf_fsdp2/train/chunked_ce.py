@@ -29,8 +29,8 @@ class LogitTransform:
     """What a model does to the head's output before it is a logit: ``softcap(raw * scale)``.
 
     Gemma-2/3 cap the logits (``final_logit_softcapping``: ``c * tanh(x / c)``), Granite divides them
-    (``logits_scaling``), Cohere multiplies them (``logit_scale``). The chunked loss computes from the
-    head's raw output, so it must apply the same transform, or its loss is not the model's.
+    (``logits_scaling``), Cohere and Falcon-H1 multiply them (``logit_scale``, ``lm_head_multiplier``). The chunked
+    loss computes from the head's raw output, so it must apply the same transform, or its loss is not the model's.
     """
 
     scale: float = 1.0
@@ -218,8 +218,7 @@ HeadInput = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 # The pending replacement of each output head's input, set around one forward (:func:`head_input_replaced`). Kept
 # outside the module (not a hook closure, not a module attribute) so that torch.compile never sees it: a closure
 # holding this step's tensors is guarded on their shapes, and a new hook every step changes the hooks dict; either
-# recompiles the whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps,
-# issue 23).
+# recompiles the whole model every step until dynamo's recompile limit (measured: 27 recompiles in 8 steps).
 _REQUESTS: weakref.WeakKeyDictionary[torch.nn.Module, HeadInput] = weakref.WeakKeyDictionary()
 _HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 

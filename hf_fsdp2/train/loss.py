@@ -87,6 +87,10 @@ def logit_transform_for(config: Any) -> LogitTransform:
         scale /= float(config.logits_scaling)
     if getattr(config, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
         scale *= float(config.logit_scale)
+    if (
+        getattr(config, "lm_head_multiplier", None) is not None
+    ):  # Falcon-H1 (muP): logits * lm_head_multiplier
+        scale *= float(config.lm_head_multiplier)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
 
 
@@ -272,7 +276,7 @@ def causal_lm_loss(
         # Found here, before the model runs: under whole-model compile a nonzero() inside the head's hook would
         # break the graph there and recompile its remainder every step.
         rows = target_rows(targets)
-    request = _ChunkedLoss(targets, rows, plan, labels.size(1) - 1)
+    request = _ChunkedLoss(targets=targets, rows=rows, plan=plan, positions=labels.size(1) - 1)
     with head_input_replaced(head, request):
         out = model(**inputs, **extra, use_cache=False)
     if request.result is None:
@@ -283,7 +287,7 @@ def causal_lm_loss(
     return LossOutput(request.result, getattr(out, "aux_loss", None) if extra else None)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _ChunkedLoss:
     """The chunked loss of one :func:`causal_lm_loss` forward, computed from the head's input; its result."""
 

@@ -25,11 +25,27 @@ import torch
 import torch.nn.functional as F
 from support.families import FAMILIES, LR, STEPS, family_batches, make_family_dir
 from support.launch import REPO, torchrun
+from support.runs import sft_2ranks, write_recipe
+from support.tiny import write_chat_jsonl
 from transformers import AutoModelForCausalLM
 
 WORKER = Path(__file__).parent / "workers" / "family_worker.py"
 WORLD = 2
-LORA = ("llama_tied", "llama3_untied", "gemma2", "qwen3_moe")
+LORA = (
+    "llama_tied",
+    "llama3_untied",
+    "gemma2",
+    "qwen3_moe",
+    "deepseek_v3",
+    "falcon_h1",
+    "llama4_text",
+)
+# What all-linear leaves out (hf_fsdp2.lora.build.lora_exclusions), stated here for the plain-PEFT reference: a
+# Mamba-2 mixer's out_proj (its weight goes to mamba-ssm's fused kernel on CUDA; PEFT refuses it on Falcon-H1), and
+# Llama 4's router (an nn.Linear whose forward returns a tuple).
+LORA_EXCLUDED = {"falcon_h1": r".*\.mamba\.out_proj", "llama4_text": r".*\.feed_forward\.router"}
+# LoRA on fused MoE experts: the adapter is exported, its merge refused before training, naming the experts' class.
+LORA_MERGE_REFUSED = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts"}
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +55,19 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         make_family_dir(root / "models" / family, family)
     torchrun(
         WORKER,
-        ["--root", str(root / "models"), "--families", ",".join(FAMILIES), "--lora", ",".join(LORA),
-         "--out", str(root / "out")],
+        [
+            "--root",
+            str(root / "models"),
+            "--families",
+            ",".join(FAMILIES),
+            "--lora",
+            ",".join(LORA),
+            "--out",
+            str(root / "out"),
+        ],
         nproc=WORLD,
         timeout=900,
-    )  # fmt: skip
+    )
     return root / "models", root / "out"
 
 
@@ -53,7 +77,9 @@ def _result(out: Path, family: str) -> dict:
     return result
 
 
-def reference(model_dir: Path, *, lora: bool = False) -> tuple[list[float], torch.nn.Module]:
+def reference(
+    model_dir: Path, *, lora: bool = False, exclude: str | None = None
+) -> tuple[list[float], torch.nn.Module]:
     """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -63,7 +89,12 @@ def reference(model_dir: Path, *, lora: bool = False) -> tuple[list[float], torc
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             config = LoraConfig(
-                r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                target_modules="all-linear",
+                task_type="CAUSAL_LM",
+                exclude_modules=exclude,
             )
             model = get_peft_model(model, config)
     model.train()
@@ -127,7 +158,7 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
 
     models, out = matrix
     result = _result(out, family)
-    want, ref_model = reference(models / family, lora=True)
+    want, ref_model = reference(models / family, lora=True, exclude=LORA_EXCLUDED.get(family))
     _close(result["lora"]["losses"], want)
     assert all(r.startswith("verified") for r in result["lora_export"]), result["lora_export"]
     expected = _probe(ref_model)
@@ -135,8 +166,11 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
     base = AutoModelForCausalLM.from_pretrained(models / family, dtype=torch.float32)
     adapter = PeftModel.from_pretrained(base, out / family / "lora").eval()
     assert float((_probe(adapter) - expected).abs().max()) <= limit
-    if "lora_merge_refused" in result:  # LoRA on fused MoE experts: refused for merging before training
-        assert family == "qwen3_moe" and "Qwen3MoeExperts" in result["lora_merge_refused"]
+    assert ("lora_merge_refused" in result) == (family in LORA_MERGE_REFUSED), result.get(
+        "lora_merge_refused"
+    )
+    if family in LORA_MERGE_REFUSED:  # LoRA on fused MoE experts: refused for merging before training
+        assert LORA_MERGE_REFUSED[family] in result["lora_merge_refused"]
         assert not (out / family / "lora" / "merged").exists()
         return
     merged = AutoModelForCausalLM.from_pretrained(
@@ -150,14 +184,59 @@ def test_moe_router_loss_is_logged_apart_and_only_when_asked(matrix: tuple[Path,
     asked = _result(out, "qwen3_moe")  # output_router_logits: true in its config
     assert all(a is not None and math.isfinite(a) and a > 0 for a in asked["chunked"]["aux"])
     assert any("router auxiliary loss added with weight 0.01" in n for n in asked["chunked"]["plan"])
-    not_asked = _result(out, "mixtral")  # output_router_logits: false
-    assert all(a is None for a in not_asked["chunked"]["aux"])
+    asked = _result(out, "gpt_oss")  # its router has a bias; output_router_logits: true, coefficient 0.01
+    assert all(a is not None and math.isfinite(a) and a > 0 for a in asked["chunked"]["aux"])
+    for family in (
+        "mixtral",
+        "qwen3_next",
+        "glm4_moe",
+        "deepseek_v3",
+        "llama4_text",
+    ):  # output_router_logits off
+        assert all(a is None for a in _result(out, family)["chunked"]["aux"]), family
 
 
 def test_post_processed_heads_are_chunked_with_their_transform(matrix: tuple[Path, Path]) -> None:
     _, out = matrix
     assert any("softcap 30" in n for n in _result(out, "gemma2")["chunked"]["plan"])
     assert any("x 0.25" in n for n in _result(out, "granite")["chunked"]["plan"])
+    assert any("x 0.5" in n for n in _result(out, "granite4")["chunked"]["plan"])  # logits_scaling 2
+    assert any("x 0.5" in n for n in _result(out, "falcon_h1")["chunked"]["plan"])  # lm_head_multiplier 0.5
+
+
+def test_a_hybrid_family_trains_on_padded_rows_and_refuses_packing_on_every_rank_before_any_work(
+    matrix: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Falcon-H1 through the recipe: padding_free unset keeps padded batches (its Mamba mixers would carry state
+    from one document into the next; the start-up probe once ended the run on every rank before any step), and
+    packing is refused by name on every rank before the data is tokenized."""
+    models, _ = matrix
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16, seed=3)
+    trained = sft_2ranks(
+        write_recipe(
+            tmp_path / "a.yaml", models / "falcon_h1", data, tmp_path / "a", max_steps=2, save_steps=0
+        ),
+        check=False,
+    )
+    text = trained.stdout + trained.stderr
+    assert trained.returncode == 0, text[-4000:]
+    assert (
+        "batches: padded (padding_free auto: FalconH1ForCausalLM (model_type falcon_h1): 2 of its 2 layers are hybrid"
+        in text
+    )
+    assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) >= 2
+    refused = sft_2ranks(
+        write_recipe(tmp_path / "b.yaml", models / "falcon_h1", data, tmp_path / "b", packing=True),
+        check=False,
+    )
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("hf_fsdp2 error:")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-4000:]
+    assert "FalconH1ForCausalLM (model_type falcon_h1): 2 of its 2 layers are hybrid" in errors[0], errors[0]
+    assert "Set packing: false and padding_free: false" in errors[0], errors[0]
+    assert (
+        "training examples (max_length=" not in refused.stdout + refused.stderr
+    )  # refused before tokenizing
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
 
 
 def test_docs_table_matches_the_matrix() -> None:

@@ -21,6 +21,17 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 64, "rope_theta": 500000.0,
 }  # fmt: skip
 
+_LINEAR_ATTENTION = dict(
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+)
+_QWEN_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+)
+
 # name -> (config class, extra config keys). Head post-processing and MoE where the family has them.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -55,7 +66,73 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
-}
+    # The families of 2026, each with the layers that make it itself, two layers of different kinds where it mixes
+    # them. Windows (8) and chunks (8) shorter than the family batches' 20-token rows, so they cut.
+    # gpt-oss: attention sinks, MoE experts and router with biases, sliding/full, YaRN; router loss on.
+    "gpt_oss": (
+        "GptOssConfig",
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+         "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+         "output_router_logits": True, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False},
+    ),
+    # Qwen3.5 (text model): gated-DeltaNet linear attention + gated full attention, partial rope.
+    "qwen3_5": ("Qwen3_5TextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                      "tie_word_embeddings": True, **_LINEAR_ATTENTION}),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False,
+         **_LINEAR_ATTENTION, **_QWEN_MOE},
+    ),
+    # Qwen3-Next: the same hybrid with a shared expert beside the routed ones.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False,
+         **_LINEAR_ATTENTION, **_QWEN_MOE},
+    ),
+    # GLM-4.5: a dense first layer, then routed + shared experts (sigmoid router, group top-k), qk-norm.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "use_qk_norm": True, "tie_word_embeddings": False},
+    ),
+    # DeepSeek-V3: multi-head latent attention (low-rank q and kv), a dense first layer, routed + shared experts.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+         "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+         "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+         "tie_word_embeddings": False},
+    ),
+    # Falcon-H1: every layer attention and a Mamba-2 mixer side by side, muP multipliers.
+    "falcon_h1": (
+        "FalconH1Config",
+        {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 16,
+         "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0, "tie_word_embeddings": False},
+    ),
+    # Granite 4 (-H): a Mamba-2 layer and an attention layer without rope, MoE beside a shared MLP.
+    "granite4": (
+        "GraniteMoeHybridConfig",
+        {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 16,
+         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 64,
+         "position_embedding_type": "nope", "logits_scaling": 2.0, "tie_word_embeddings": True},
+    ),
+    # Llama 4 text: a chunked-attention rope layer (dense MLP) and a NoPE full-attention MoE layer.
+    "llama4_text": (
+        "Llama4TextConfig",
+        {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 128, "num_local_experts": 4,
+         "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0],
+         "attention_chunk_size": 8, "tie_word_embeddings": False},
+    ),
+    # SmolLM3: a rope layer and a NoPE layer.
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
+    # OLMo 3 and EXAONE 4: sliding and full attention, norms after the blocks.
+    "olmo3": ("Olmo3Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                              "tie_word_embeddings": False}),
+    "exaone4": ("Exaone4Config", {"head_dim": 16, "sliding_window": 8,
+                                  "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True}),
+}  # fmt: skip
 
 
 def make_family_dir(

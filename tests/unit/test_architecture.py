@@ -138,14 +138,6 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     )
 
 
-# Dataclasses of more than four fields not yet keyword-only (their files were being changed elsewhere when the rule
-# landed): convert them, then make this set() (the test below fails while an entry here is already keyword-only).
-PENDING_KW_ONLY: set[tuple[str, str]] = {
-    ("hf_fsdp2/attention_layout.py", "AttentionLayout"),
-    ("hf_fsdp2/train/loss.py", "_ChunkedLoss"),
-}
-
-
 def _dataclasses() -> dict[tuple[str, str], tuple[int, bool, list[str]]]:
     """Every dataclass of hf_fsdp2/ -> (its own constructor fields, whether it is ``kw_only=True``, its base names)."""
     import ast
@@ -202,10 +194,7 @@ def test_constructors_of_more_than_four_fields_take_keywords() -> None:
     wide = [chain for chain in chains.values() if sum(found[k][0] for k in chain) > 4]
     offenders = {k for chain in wide for k in chain if not found[k][1]}
     assert len(wide) > 50, "the walk found the package's dataclasses"
-    assert not offenders - PENDING_KW_ONLY, (
-        f"add kw_only=True to {sorted(offenders - PENDING_KW_ONLY)} (more than four constructor fields, their own "
-        "or a subclass's), and pass their fields by keyword at every call site"
-    )
-    assert not PENDING_KW_ONLY - offenders, (
-        f"{sorted(PENDING_KW_ONLY - offenders)} are keyword-only now: remove them from PENDING_KW_ONLY"
+    assert not offenders, (
+        f"add kw_only=True to {sorted(offenders)} (more than four constructor fields, their own or a subclass's), "
+        "and pass their fields by keyword at every call site"
     )

@@ -122,3 +122,55 @@ def test_merge_adapter_cli_writes_a_merged_folder(model_dir: Path, tmp_path: Pat
 def test_merge_adapter_refuses_a_folder_without_an_adapter(tmp_path: Path) -> None:
     with pytest.raises(LoraError, match="adapter_config.json"):
         merge_adapter_offline(tmp_path, tmp_path / "out")
+
+
+def _family_model(family: str) -> torch.nn.Module:
+    """A tiny random-init model of a family of tests/support/families.py, built in memory."""
+    import transformers
+    from support.families import _COMMON, FAMILIES
+
+    cls, extra = FAMILIES[family]
+    config = getattr(transformers, cls)(vocab_size=128, **dict(_COMMON, **extra))
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("family", "left_out", "kept"),
+    [
+        # PEFT itself refuses out_proj on Falcon-H1 (by model type), not on Granite 4: both mixers hand it to the
+        # fused CUDA kernel.
+        ("falcon_h1", "model.layers.0.mamba.out_proj", "model.layers.0.mamba.in_proj"),
+        ("granite4", "model.layers.0.mamba.out_proj", "model.layers.0.mamba.in_proj"),
+        (
+            "llama4_text",
+            "model.layers.1.feed_forward.router",
+            "model.layers.1.feed_forward.shared_expert.up_proj",
+        ),
+    ],
+)
+def test_all_linear_leaves_out_what_cannot_take_an_adapter(family: str, left_out: str, kept: str) -> None:
+    model = apply_lora(_family_model(family), LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert kept in wrapped and left_out not in wrapped, sorted(wrapped)
+    assert left_out in model.peft_config["default"].exclude_modules  # written to adapter_config.json
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids).logits.sum().backward()  # trains (Llama 4's router kept its tuple)
+    # Named explicitly, it is refused with the reason.
+    with pytest.raises(LoraError, match=r"names (out_proj|router) and .* cannot take LoRA"):
+        apply_lora(
+            _family_model(family), LoraSettings(target_modules=["q_proj", left_out.rsplit(".", 1)[-1]])
+        )
+
+
+def test_gated_deltanet_projections_take_lora_and_a_plain_llama_excludes_nothing() -> None:
+    from hf_fsdp2.lora.build import lora_exclusions
+
+    # Qwen3.5's gated DeltaNet calls its out_proj as a module (no fused kernel reads the weight): it is adapted.
+    model = apply_lora(_family_model("qwen3_5"), LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert (
+        "model.layers.0.linear_attn.out_proj" in wrapped
+        and "model.layers.0.linear_attn.in_proj_qkv" in wrapped
+    )
+    assert lora_exclusions(_family_model("llama3_untied")) == {}
