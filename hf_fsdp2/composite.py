@@ -1,0 +1,230 @@
+"""Composite checkpoints: one folder holding a vision tower, a projector and a language model (Gemma 3 from 4B up,
+Qwen3.5, Llama 4, Mistral Small 3.x). The table :data:`COMPOSITES` says, per architecture class, where each part
+lives in the loaded module tree and which classes make its FSDP2 units; :func:`composite_spec` is the one place that
+decides, from the config alone (every rank alike, before any work), whether a model is a composite this toolkit
+trains, and refuses by name an image-text-to-text architecture it does not.
+
+Text fine-tuning trains the language model; the tower and the projector are frozen by default (LLaMA-Factory's
+``freeze_vision_tower`` / ``freeze_multi_modal_projector``): on text rows they never run, so they take no gradient,
+no optimizer state and (one FSDP2 unit each) no all-gather, and the export carries their bytes from the source files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_fsdp2.config import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompositeSpec:
+    """Where a composite's parts live in its loaded module tree (dotted module paths) and its FSDP2 units.
+
+    Attributes:
+        architecture: the class name in ``config.architectures`` (and transformers' class).
+        language_model: the language model's module (its decoder layers, embeddings and final norm).
+        tower: the vision tower's module(s).
+        projector: the multi-modal projector's module(s) (inside the tower for Qwen: its merger).
+        text_layer: the language model's decoder-layer class: one FSDP2 unit each, what activation checkpointing,
+            compile, float8, QLoRA and Muon see.
+        tower_unit: the tower's class: one FSDP2 unit (frozen on text rows: never gathered).
+        projector_unit: the projector's class: one FSDP2 unit (None: it lies inside the tower's unit).
+    """
+
+    architecture: str
+    language_model: str
+    tower: tuple[str, ...]
+    projector: tuple[str, ...]
+    text_layer: str
+    tower_unit: str
+    projector_unit: str | None
+
+    def fsdp_units(self) -> tuple[str, ...]:
+        """The classes FSDP2 wraps one unit each: the language model's decoder layers, the tower, the projector."""
+        return (self.text_layer, self.tower_unit, *([self.projector_unit] if self.projector_unit else []))
+
+    def frozen_paths(
+        self, *, freeze_vision_tower: bool, freeze_multi_modal_projector: bool
+    ) -> tuple[str, ...]:
+        """The module paths whose parameters are frozen."""
+        return (
+            *(self.tower if freeze_vision_tower else ()),
+            *(self.projector if freeze_multi_modal_projector else ()),
+        )
+
+
+COMPOSITES: dict[str, CompositeSpec] = {
+    spec.architecture: spec
+    for spec in (
+        CompositeSpec(
+            architecture="Gemma3ForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.vision_tower",),
+            projector=("model.multi_modal_projector",),
+            text_layer="Gemma3DecoderLayer",
+            tower_unit="SiglipVisionModel",
+            projector_unit="Gemma3MultiModalProjector",
+        ),
+        CompositeSpec(
+            architecture="Qwen3_5ForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.visual",),
+            projector=("model.visual.merger",),
+            text_layer="Qwen3_5DecoderLayer",
+            tower_unit="Qwen3_5VisionModel",
+            projector_unit=None,
+        ),
+        CompositeSpec(
+            architecture="Qwen3_5MoeForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.visual",),
+            projector=("model.visual.merger",),
+            text_layer="Qwen3_5MoeDecoderLayer",
+            tower_unit="Qwen3_5MoeVisionModel",
+            projector_unit=None,
+        ),
+        CompositeSpec(
+            architecture="Llama4ForConditionalGeneration",
+            language_model="language_model",
+            tower=("vision_model",),
+            projector=("multi_modal_projector",),
+            text_layer="Llama4TextDecoderLayer",
+            tower_unit="Llama4VisionModel",
+            projector_unit="Llama4MultiModalProjector",
+        ),
+        CompositeSpec(
+            architecture="Mistral3ForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.vision_tower",),
+            projector=("model.multi_modal_projector",),
+            text_layer="MistralDecoderLayer",
+            tower_unit="PixtralVisionModel",
+            projector_unit="Mistral3MultiModalProjector",
+        ),
+    )
+}
+"""The composites this toolkit fine-tunes, by architecture class (the paths checked against the loaded model by
+:func:`partition`: a transformers release that moves a part fails there, by name, not silently)."""
+
+
+def _image_text_to_text_types() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def composite_spec(config: Any) -> CompositeSpec | None:
+    """The composite ``config`` describes (None: a causal LM, loaded with ``AutoModelForCausalLM`` as before).
+
+    Decided from ``config.architectures`` and ``config.model_type`` alone: the same answer on every rank, before any
+    weight is read.
+
+    Raises:
+        ConfigError: an image-text-to-text architecture not in :data:`COMPOSITES` (named, with the supported ones),
+            or a composite with remote code (transformers applies no checkpoint conversions to custom code, so its
+            names could not be kept).
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    spec = next((COMPOSITES[a] for a in architectures if a in COMPOSITES), None)
+    if spec is not None:
+        if getattr(config, "auto_map", None):
+            raise ConfigError(
+                f"{spec.architecture} with remote code (auto_map in config.json): transformers applies no checkpoint "
+                "name conversions to custom code, so the export could not keep the checkpoint's names; use the "
+                "architecture transformers ships (trust_remote_code: false, no auto_map)"
+            )
+        return spec
+    model_type = getattr(config, "model_type", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if model_type in _image_text_to_text_types() and text is not config:
+        name = architectures[0] if architectures else model_type
+        raise ConfigError(
+            f"{name} is a vision-language checkpoint (model_type {model_type!r}) this version does not fine-tune: it "
+            f"trains the composites {', '.join(sorted(COMPOSITES))} (their language model on text, the tower and "
+            "projector kept byte-identical); fine-tune the language model of a supported family, or its text-only "
+            "checkpoint"
+        )
+    return None
+
+
+def model_class(config: Any) -> Any:
+    """The class a model of ``config`` is loaded with: the composite's own (``config.architectures``), else
+    ``AutoModelForCausalLM``.
+
+    Raises:
+        ConfigError: as :func:`composite_spec`.
+    """
+    import transformers
+
+    spec = composite_spec(config)
+    if spec is None:
+        return transformers.AutoModelForCausalLM
+    return getattr(transformers, spec.architecture)
+
+
+def _owners(paths: Iterable[str], name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in paths)
+
+
+def partition(model: torch.nn.Module, spec: CompositeSpec) -> dict[str, list[str]]:
+    """Every parameter of ``model`` by the part it belongs to (``language_model``, ``tower``, ``projector``,
+    ``head``); a projector inside the tower counts as the projector.
+
+    Raises:
+        ConfigError: a path of the table that is not a module of the model, or a parameter in no part (a layout
+            this table does not know: named, never trained or exported silently).
+    """
+    modules = dict(model.named_modules())
+    missing = [p for p in (spec.language_model, *spec.tower, *spec.projector) if p not in modules]
+    if missing:
+        raise ConfigError(
+            f"{spec.architecture}: the modules {missing} of hf_fsdp2's composite table are not in the loaded model "
+            "(another transformers layout); install the transformers docs/compatibility.md lists"
+        )
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    parts: dict[str, list[str]] = {"language_model": [], "tower": [], "projector": [], "head": []}
+    stray = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if _owners(spec.projector, name):
+            parts["projector"].append(name)
+        elif _owners(spec.tower, name):
+            parts["tower"].append(name)
+        elif _owners((spec.language_model,), name):
+            parts["language_model"].append(name)
+        elif id(param) in head_params:
+            parts["head"].append(name)
+        else:
+            stray.append(name)
+    if stray:
+        raise ConfigError(
+            f"{spec.architecture}: parameters {stray[:5]} are in no part of hf_fsdp2's composite table (language "
+            "model, tower, projector, head); install the transformers docs/compatibility.md lists"
+        )
+    return parts
+
+
+def freeze_parts(
+    model: torch.nn.Module,
+    spec: CompositeSpec,
+    *,
+    freeze_vision_tower: bool,
+    freeze_multi_modal_projector: bool,
+) -> list[str]:
+    """Freeze the tower and / or the projector in place (``requires_grad_(False)``); returns the parameter names
+    frozen. Every rank calls it alike (the config decides)."""
+    partition(model, spec)  # the table matches this model, or a named error
+    paths = spec.frozen_paths(
+        freeze_vision_tower=freeze_vision_tower, freeze_multi_modal_projector=freeze_multi_modal_projector
+    )
+    frozen = []
+    for name, param in model.named_parameters():
+        if _owners(paths, name):
+            param.requires_grad_(False)
+            frozen.append(name)
+    return frozen
