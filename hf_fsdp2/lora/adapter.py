@@ -15,7 +15,7 @@ import logging
 import torch
 
 from hf_fsdp2.config.plans import LoraSettings
-from hf_fsdp2.lora.build import lora_exclusions, wrap_with_lora
+from hf_fsdp2.lora.build import composite_parts, lora_exclusions, under, wrap_with_lora
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -41,13 +41,28 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
         seed: seeds the adapter's initialisation alone (a forked RNG), so that it depends on the seed and
             not on what ran before; every rank then starts from the same adapter. None = the global RNG.
 
+    On a composite checkpoint the adapter targets the language model only (:func:`~hf_fsdp2.lora.build.
+    composite_parts`): the vision tower and the projector are frozen and take none, whatever the target list.
+
     Returns:
         The ``PeftModelForCausalLM``.
 
     Raises:
-        LoraError: a target module name that matches nothing in the model.
+        LoraError: a target module name that matches nothing in the model (on a composite: in its language model).
     """
-    excluded = lora_exclusions(model) if settings.target_modules in ("all-linear", ["all-linear"]) else {}
+    parts = composite_parts(model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if parts:
+        left = sorted(n for n in linears if under(parts, n))
+        logger.info(
+            "LoRA on %s: the adapter targets the language model only; the %d linear module(s) of its vision tower "
+            "and projector (%s) take none: they are frozen and never run on text rows",
+            type(model).__name__,
+            len(left),
+            ", ".join(parts),
+        )
+    all_linear = settings.target_modules in ("all-linear", ["all-linear"])
+    excluded = {n: w for n, w in lora_exclusions(model).items() if not under(parts, n)} if all_linear else {}
     if excluded:
         logger.info(
             "LoRA all-linear leaves out %d module(s) that cannot take an adapter: %s",
@@ -60,12 +75,15 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
                 torch.manual_seed(seed)
             return wrap_with_lora(model, settings)
     except ValueError as err:
-        names = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        names = sorted({n.rsplit(".", 1)[-1] for n in linears if not under(parts, n)})
+        where = (
+            "the language model's linear module names (the vision tower and projector take no adapter)"
+            if parts
+            else "the model's linear module names"
         )
         raise LoraError(
             f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
-            f"the model's linear module names are {names} (or use all-linear)"
+            f"{where} are {names} (or use all-linear)"
         ) from err
 
 

@@ -6,6 +6,7 @@ plan counts the adapter the run trains. It stands on the settings alone (no othe
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -69,10 +70,42 @@ def lora_exclusions(model: torch.nn.Module) -> dict[str, str]:
     return found
 
 
+def composite_parts(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module paths of a composite checkpoint's vision tower and projector in ``model`` (:mod:`hf_fsdp2.composite`;
+    none for a causal LM): LoRA leaves every module under them out, whatever the target list, and QLoRA quantises
+    none of them. Both are frozen for text rows (they never run on them); SigLIP's and Pixtral's attention has
+    ``q_proj``/``v_proj`` too, so a target list of names alone would adapt the tower as well.
+
+    Decided from the config (every rank alike); a reward model over a composite (Gemma 3's and Qwen3.5's
+    ``*ForSequenceClassification`` hold the composite's model under the same paths) by its model type.
+    """
+    from hf_fsdp2.composite import COMPOSITES, composite_spec
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return ()
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        spec = COMPOSITES.get(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type, ""))
+    else:
+        spec = composite_spec(config)
+    return () if spec is None else (*spec.tower, *spec.projector)
+
+
+def under(paths: tuple[str, ...], name: str) -> bool:
+    """Whether module ``name`` is one of ``paths`` or inside one."""
+    return any(name == p or name.startswith(p + ".") for p in paths)
+
+
 def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """``model`` wrapped by PEFT LoRA: the base frozen in its dtype, what trains (the adapter and
     ``modules_to_save``) fp32 master copies, as Accelerate keeps trainable parameters under mixed precision.
-    ``all-linear`` leaves out :func:`lora_exclusions` (written to the adapter's config as ``exclude_modules``).
+    ``all-linear`` leaves out :func:`lora_exclusions` (written to the adapter's config as ``exclude_modules``); on a
+    composite every target list leaves out the vision tower and the projector (:func:`composite_parts`; a regular
+    expression over their paths in ``exclude_modules``, which PEFT reads back when it loads the adapter on the
+    composite).
 
     Raises:
         ValueError: PEFT's, when a target module matches nothing, or a target list naming a module of
@@ -81,10 +114,18 @@ def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.M
     from peft import get_peft_model
 
     config = lora_config(settings)
-    excluded = lora_exclusions(model)
-    if excluded and config.target_modules == "all-linear":
+    parts = composite_parts(model)
+    excluded = {n: why for n, why in lora_exclusions(model).items() if not under(parts, n)}
+    if parts:
+        # One pattern (PEFT full-matches it against each module name): the parts and what is under them, then
+        # all-linear's other exclusions by name.
+        patterns = [re.escape(p) + r"(?:\..*)?" for p in parts]
+        if config.target_modules == "all-linear":
+            patterns += [re.escape(n) for n in sorted(excluded)]
+        config.exclude_modules = "|".join(patterns)
+    elif excluded and config.target_modules == "all-linear":
         config.exclude_modules = sorted(excluded)
-    elif excluded and not isinstance(config.target_modules, str):
+    if excluded and not isinstance(config.target_modules, str):
         named = {n: why for n, why in excluded.items() if n.rsplit(".", 1)[-1] in set(config.target_modules)}
         if named:
             first, why = next(iter(named.items()))

@@ -10,7 +10,8 @@ compute dtype) in the forward and in the backward; the weight has no gradient. P
 
 Which weights: every ``nn.Linear`` inside a decoder layer (attention and MLP projections), as
 ``BitsAndBytesConfig(load_in_4bit=True)`` quantises them; embeddings, norms and the output head stay in the loaded
-dtype (the head is bnb's default ``llm_int8_skip_modules``). Block size 64 (QLoRA's); the scales are quantised per
+dtype (the head is bnb's default ``llm_int8_skip_modules``). On a composite checkpoint, the language model's decoder
+layers only: the vision tower and the projector keep their dtype (frozen, never run on text rows). Block size 64 (QLoRA's); the scales are quantised per
 256 (QLoRA's double quantisation) unless a weight's scale count needs a smaller block for an even split over the
 ranks (logged; e.g. SmolLM2's 192 x 576 key projection on 2 ranks).
 """
@@ -260,9 +261,14 @@ def quantize_base(
     _single_rank_all_gather(nf4_type)
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
+    from hf_fsdp2.lora.build import composite_parts, under
+
     report = QuantReport()
     meta_templates: dict[tuple[Any, ...], torch.Tensor] = {}
-    layers = [m for m in model.modules() if type(m).__name__ in layer_cls]
+    # A composite's vision tower and projector stay in their dtype, frozen (and carried byte-identical by the
+    # export), whichever classes are named: only its language model's layers are quantised.
+    parts = composite_parts(model)
+    layers = [m for n, m in model.named_modules() if type(m).__name__ in layer_cls and not under(parts, n)]
     if not layers:
         raise QuantizationError(f"no decoder layer of classes {list(layer_cls)} in {type(model).__name__}")
     quantised: set[int] = set()
