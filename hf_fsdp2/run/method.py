@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2.composite import CompositeSpec, composite_spec
 from hf_fsdp2.config import Config
+from hf_fsdp2.model import load_model_config
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData
 from hf_fsdp2.run.session import Session
@@ -90,6 +92,25 @@ in the shared step."""
 def token_objective(cfg: Config) -> Objective:
     """The token-level objective of SFT and CPT (no keys of its own to check)."""
     return TOKEN_OBJECTIVE
+
+
+def composite_of(cfg: Config) -> tuple[CompositeSpec, Any] | None:
+    """The composite checkpoint the run's ``model_name_or_path`` names and its config, read from its config.json
+    (every rank reads the same file), for a method's start-up checks before any loading.
+
+    Returns:
+        ``(spec, model config)``; None for a causal LM, or for a config that does not load or names an architecture
+        the toolkit does not train (the session refuses those, naming them, before any loading).
+    """
+    m = cfg.model
+    try:
+        config = load_model_config(
+            m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
+        )
+        spec = composite_spec(config)
+    except (OSError, ValueError):  # ConfigError is a ValueError: the session's refusal names it
+        return None
+    return None if spec is None else (spec, config)
 
 
 def _one_row(cfg: Config) -> int:

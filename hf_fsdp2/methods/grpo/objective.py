@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.config import Config
+from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.grpo.batching import layout_of
 from hf_fsdp2.methods.grpo.config import GrpoArgs, json_mapping, sampling_kwargs
@@ -33,7 +33,7 @@ from hf_fsdp2.methods.grpo.timing import TimedGenerator
 from hf_fsdp2.methods.grpo.vllm.client import build_vllm_generator
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData
-from hf_fsdp2.run.method import Objective, step_settings
+from hf_fsdp2.run.method import Objective, composite_of, step_settings
 from hf_fsdp2.run.reference import load_reference
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import Step
@@ -304,12 +304,36 @@ def _build_grpo(
     return step, evaluator
 
 
+def check_vllm_composite(cfg: Config) -> None:
+    """Refuse ``use_vllm`` (server or colocate) on a composite checkpoint (vision tower + projector + language
+    model) before any loading: the weight sync sends every parameter grouped by ``layers.N`` under the model's
+    names, the frozen tower's blocks too, to an engine that already holds the tower and names the composite's tensors
+    its own way, and no test runs a composite engine yet. Generation with transformers' ``generate`` on the
+    composite serves text prompts.
+
+    Raises:
+        ConfigError: naming the architecture, why, and the fix.
+    """
+    found = composite_of(cfg)
+    if found is None:
+        return
+    spec, _ = found
+    raise ConfigError(
+        f"use_vllm=true (vllm_mode {cfg.method.vllm_mode}) on {spec.architecture}, a composite checkpoint (vision "
+        "tower + projector + language model): the weight sync to vLLM sends the parameters layer by layer under the "
+        "model's names, the frozen vision tower's too, and is not tested on a composite engine; set use_vllm: false "
+        "(the rollout then generates with transformers on the composite, text prompts), or train the family's "
+        "text-only checkpoint with vLLM"
+    )
+
+
 def grpo_objective(cfg: Config) -> Objective:
     """The GRPO objective (its keys checked by :class:`GrpoArgs`; its reward functions resolved here, so a bad
     ``module:function`` fails before any loading, every rank alike); dropouts off with ``disable_dropout``.
 
     Raises:
-        ConfigError: packing or padding-free rows, or ``max_length`` that leaves no room for a prompt.
+        ConfigError: packing or padding-free rows, ``max_length`` that leaves no room for a prompt, or ``use_vllm``
+            on a composite checkpoint.
     """
     g: GrpoArgs = cfg.method
     d = cfg.data
@@ -328,6 +352,8 @@ def grpo_objective(cfg: Config) -> Objective:
         "use_vllm with use_peft is not built: the server would need the "
         "adapter merged into each layer before it is sent; train without LoRA, or without vLLM",
     )
+    if g.use_vllm:
+        check_vllm_composite(cfg)
     if g.use_vllm and g.vllm_mode == "colocate":  # before any loading: this Python must import vLLM
         from hf_fsdp2.methods.grpo.vllm.colocate import require_vllm
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from hf_fsdp2.config import Config
+from hf_fsdp2.config import Config, ConfigError
 from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.rm.step import RewardLoss, RewardSettings, evaluate_rewards
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData, build_pair_data
-from hf_fsdp2.run.method import Objective, loss_step
+from hf_fsdp2.run.method import Objective, composite_of, loss_step
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import Step
 
@@ -89,14 +89,52 @@ def build_rm_data(session: Session, tokenizer: Any) -> TrainData:
     return build_pair_data(session, tokenizer, "reward-model")
 
 
+def check_reward_composite(cfg: Config) -> None:
+    """Refuse, before any loading, a composite checkpoint (vision tower + projector + language model) whose family
+    has no ``*ForSequenceClassification`` class in transformers: Gemma 3's and Qwen3.5's wrap the whole composite
+    (the score head over its language model's last hidden state), Llama 4's, Mistral 3's and Qwen3.5 MoE's do not
+    exist, and the generic head of :mod:`hf_fsdp2.score_head` would sit on the family's AutoModel class, which for
+    these is the composite itself or its text model alone (the tower dropped from the export).
+
+    Raises:
+        ConfigError: naming the architecture, why, and the fix.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    found = composite_of(cfg)
+    if found is None:
+        return
+    spec, config = found
+    if config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        return
+    import transformers
+
+    from hf_fsdp2.composite import COMPOSITES
+
+    with_class = sorted(
+        name
+        for name in COMPOSITES
+        if getattr(transformers, name).config_class.model_type
+        in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    )
+    raise ConfigError(
+        f"reward modelling on {spec.architecture} (model_type {config.model_type!r}): transformers "
+        f"{transformers.__version__} has no sequence-classification class for this composite, so no class would "
+        "load it with a score head and keep its vision tower; train the reward model from the family's text-only "
+        f"checkpoint, or from a composite that has one ({', '.join(with_class)})"
+    )
+
+
 def rm_objective(cfg: Config) -> Objective:
     """The reward-model objective: the model with a score head; dropouts off with ``disable_dropout``. A pair longer
     than ``max_length`` is dropped (this method's default ``long_examples: drop``, as TRL's RewardTrainer does) or,
     with ``long_examples: error``, refused.
 
     Raises:
-        ConfigError: ``long_examples: truncate``, which would cut the end a reward is read at.
+        ConfigError: ``long_examples: truncate``, which would cut the end a reward is read at; a composite checkpoint
+            transformers has no sequence-classification class for.
     """
+    check_reward_composite(cfg)
     d = cfg.data
     check(
         d.long_examples != "truncate",
