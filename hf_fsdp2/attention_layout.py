@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
+
+from hf_fsdp2.composite import auto_class, composite_spec, model_class
 
 # Attention kernels that keep the examples of a flattened row apart by position_ids without a mask to build
 # (varlen kernels); the others are checked by a probe forward.
@@ -61,7 +63,7 @@ def _probe_padding_free(
         if attn_implementation != "auto":
             kwargs["attn_implementation"] = attn_implementation
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(small, **kwargs)
+        model = auto_class(small).from_config(small, **kwargs)
         stage = "run its forward"
         diff, scale = _padded_against_flat(model)
     except Exception as err:
@@ -91,27 +93,40 @@ def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
     """A copy of ``config`` with its first two layers, a small MLP / vocabulary and sliding windows / attention chunks
     of 4 tokens (the masking and attention code stay the model's own). A per-layer list the config derives from
     ``num_hidden_layers`` (a read-only property, e.g. Falcon-H1's ``layers_block_type``) follows by itself and is
-    left alone."""
+    left alone. A composite's language model is shrunk so (its text config), and its vision tower, which a text
+    probe never runs but builds, to one block with a small MLP."""
     small = copy.deepcopy(config)
-    layers = min(2, int(getattr(small, "num_hidden_layers", 2) or 2))
-    small.num_hidden_layers = layers
+    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    layers = min(2, int(getattr(text, "num_hidden_layers", 2) or 2))
+    text.num_hidden_layers = layers
     for key in ("layer_types", "mlp_only_layers"):
-        value = getattr(small, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, list) and len(value) != layers:
-            setattr(small, key, value[:layers])
+            setattr(text, key, value[:layers])
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(small, key, None):
-            setattr(small, key, 32)
+        if getattr(text, key, None):
+            setattr(text, key, 32)
     for key in (
         "sliding_window",
         "attention_chunk_size",
     ):  # shorter than the examples: the windows and chunks cut
-        if isinstance(getattr(small, key, None), int) and getattr(small, key) > 4:
-            setattr(small, key, 4)
-    small.vocab_size = 64
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 64:
-            setattr(small, key, 0)
+        if isinstance(getattr(text, key, None), int) and getattr(text, key) > 4:
+            setattr(text, key, 4)
+    text.vocab_size = 64
+    for config_ in {id(text): text, id(small): small}.values():
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(config_, key, None), int) and getattr(config_, key) >= 64:
+                setattr(config_, key, 0)
+    vision = getattr(small, "vision_config", None) if text is not small else None
+    if vision is not None:
+        for key in ("depth", "num_hidden_layers"):  # Qwen's towers name their blocks depth
+            if isinstance(getattr(vision, key, None), int) and getattr(vision, key) > 1:
+                setattr(vision, key, 1)
+        for key in ("deepstack_visual_indexes", "fullatt_block_indexes"):  # block indexes past the one kept
+            if isinstance(getattr(vision, key, None), list):
+                setattr(vision, key, [i for i in getattr(vision, key) if i < 1])
+        if getattr(vision, "intermediate_size", None):
+            vision.intermediate_size = 32
     return small
 
 
@@ -224,7 +239,7 @@ def row_state_layers(config: PretrainedConfig) -> dict[str, int]:
 
 
 def _row_state_summary(config: PretrainedConfig, found: dict[str, int]) -> str:
-    cls = _causal_lm_class(config)
+    cls = _model_class(config)
     name = cls.__name__ if cls is not None else type(config).__name__
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     total = len(getattr(text, "layer_types", None) or ()) or "?"
@@ -280,10 +295,17 @@ def check_row_layers(
         )
 
 
-def _causal_lm_class(config: PretrainedConfig) -> type | None:
-    """The class ``AutoModelForCausalLM`` builds for ``config`` (None: remote code, unknown here)."""
+def _model_class(config: PretrainedConfig) -> type | None:
+    """The class the run builds for ``config``: a composite's own (:func:`~hf_fsdp2.composite.model_class`), else
+    the one ``AutoModelForCausalLM`` builds (None: remote code, unknown here).
+
+    Raises:
+        ConfigError: an image-text-to-text checkpoint this version does not train.
+    """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if composite_spec(config) is not None:
+        return model_class(config)  # type: ignore[no-any-return]
     try:
         found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
@@ -342,12 +364,13 @@ def choose_attention_layout(
     refused where the model's masks do not keep them apart.
 
     Raises:
-        ConfigError: flex_attention on a model class without it, a flash kernel nothing here can load, or rows of
+        ConfigError: flex_attention or a flash kernel on a model class without it (Gemma 3's and Llama 4's
+            composites have no flash path), a flash kernel nothing here can load, or rows of
             several documents on a model whose layers or masks would let them reach each other.
     """
     from hf_fsdp2.config.plans import ConfigError
 
-    cls = _causal_lm_class(model_config)
+    cls = _model_class(model_config)
     if attn_implementation == "auto":
         kernel = "eager" if cls is not None and not getattr(cls, "_supports_sdpa", False) else "sdpa"
     else:
@@ -357,6 +380,12 @@ def choose_attention_layout(
         raise ConfigError(
             f"attn_implementation=flex_attention: {name} does not support it (_supports_flex_attn is false in "
             "this transformers); use sdpa (padded batches on a GPU) or flash_attention_2"
+        )
+    if kernel in _VARLEN_MODULES and cls is not None and not getattr(cls, "_supports_flash_attn", False):
+        raise ConfigError(
+            f"attn_implementation={kernel}: {name} does not support it (_supports_flash_attn is false in this "
+            "transformers: the class refuses it when loading); use sdpa"
+            + (" or flex_attention" if getattr(cls, "_supports_flex_attn", False) else "")
         )
     gpu = device_type != "cpu"
     have = installed_attention_kernels() if installed is None else installed

@@ -111,10 +111,11 @@ COMPOSITES: dict[str, CompositeSpec] = {
 :func:`partition`: a transformers release that moves a part fails there, by name, not silently)."""
 
 
-def _image_text_to_text_types() -> set[str]:
+def _image_text_to_text_types() -> dict[str, str]:
+    """transformers' image-text-to-text map: model_type -> the composite's class name."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return dict(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
 def composite_spec(config: Any) -> CompositeSpec | None:
@@ -129,7 +130,10 @@ def composite_spec(config: Any) -> CompositeSpec | None:
             names could not be kept).
     """
     architectures = list(getattr(config, "architectures", None) or [])
-    spec = next((COMPOSITES[a] for a in architectures if a in COMPOSITES), None)
+    model_type = getattr(config, "model_type", None)
+    # A config built in code names no architecture: the class transformers' image-text-to-text map gives its type.
+    named = architectures or [_image_text_to_text_types().get(str(model_type), "")]
+    spec = next((COMPOSITES[a] for a in named if a in COMPOSITES), None)
     if spec is not None:
         if getattr(config, "auto_map", None):
             raise ConfigError(
@@ -138,7 +142,6 @@ def composite_spec(config: Any) -> CompositeSpec | None:
                 "architecture transformers ships (trust_remote_code: false, no auto_map)"
             )
         return spec
-    model_type = getattr(config, "model_type", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model_type in _image_text_to_text_types() and text is not config:
         name = architectures[0] if architectures else model_type
@@ -166,18 +169,87 @@ def model_class(config: Any) -> Any:
     return getattr(transformers, spec.architecture)
 
 
+def auto_class(config: Any) -> Any:
+    """The transformers auto class that builds (``from_config``) and loads (``from_pretrained``) a model of
+    ``config``: ``AutoModelForImageTextToText`` for a composite (its map gives the composite's own class, where
+    ``AutoModelForCausalLM`` gives Llama 4's and Qwen3.5's text class or, for Mistral 3, nothing), else
+    ``AutoModelForCausalLM``.
+
+    Raises:
+        ConfigError: as :func:`composite_spec`.
+    """
+    import transformers
+
+    if composite_spec(config) is None:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
+
+
+def check_composite_run(
+    config: Any,
+    *,
+    tp_size: int,
+    cp_size: int,
+    freeze_vision_tower: bool,
+    freeze_multi_modal_projector: bool,
+) -> CompositeSpec | None:
+    """Refuse, before any work and on every rank alike (config and settings only), what a composite run cannot do
+    in this version; returns the composite's spec (None: not a composite, nothing checked).
+
+    Composites train on text rows: the tower and the projector never run on them, so ``false`` for either freeze key
+    would train nothing; tensor and context parallel have plans for the language model's modules only.
+
+    Raises:
+        ConfigError: as :func:`composite_spec`, or a setting above, naming it, why, and the fix.
+    """
+    spec = composite_spec(config)
+    if spec is None:
+        return None
+    for key, value, part in (
+        ("freeze_vision_tower", freeze_vision_tower, "vision tower"),
+        ("freeze_multi_modal_projector", freeze_multi_modal_projector, "multi-modal projector"),
+    ):
+        if not value:
+            raise ConfigError(
+                f"{key}=false on {spec.architecture}: this version trains composites on text rows only, and the "
+                f"{part} never runs on a text row (only image tokens reach it), so it would get no gradient and "
+                f"nothing would train it; leave {key}: true (the default; it is then frozen, one FSDP2 unit that is "
+                "never gathered, and exported byte-identical)"
+            )
+    if tp_size > 1:
+        raise ConfigError(
+            f"tp_size={tp_size} on {spec.architecture}: tensor parallel splits modules by the family plan of "
+            "transformers' config (base_model_tp_plan) under the base model's prefix, which on a composite does not "
+            "name its language model's modules (model.language_model.*), and no plan covers the vision tower; set "
+            "tp_size: 1 (FSDP2 or HSDP shards the composite over the data ranks)"
+        )
+    if cp_size > 1:
+        raise ConfigError(
+            f"cp_size={cp_size} on {spec.architecture}: context parallel runs every attention module of the model over "
+            "the cp group, the vision tower's too, whose inputs are image patches, not the sequence the cp ranks "
+            "split; set cp_size: 1 (activation_checkpointing and ce_chunk_tokens for long sequences)"
+        )
+    return spec
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, "get_base_model", None)  # a PEFT model: the transformers model it wraps
+    return base() if callable(base) else model
+
+
 def _owners(paths: Iterable[str], name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in paths)
 
 
 def partition(model: torch.nn.Module, spec: CompositeSpec) -> dict[str, list[str]]:
-    """Every parameter of ``model`` by the part it belongs to (``language_model``, ``tower``, ``projector``,
-    ``head``); a projector inside the tower counts as the projector.
+    """Every parameter of ``model`` (a PEFT model's: of the model it wraps) by the part it belongs to
+    (``language_model``, ``tower``, ``projector``, ``head``); a projector inside the tower counts as the projector.
 
     Raises:
         ConfigError: a path of the table that is not a module of the model, or a parameter in no part (a layout
             this table does not know: named, never trained or exported silently).
     """
+    model = _unwrapped(model)  # a PEFT model: the table's paths are the wrapped model's
     modules = dict(model.named_modules())
     missing = [p for p in (spec.language_model, *spec.tower, *spec.projector) if p not in modules]
     if missing:
@@ -223,8 +295,43 @@ def freeze_parts(
         freeze_vision_tower=freeze_vision_tower, freeze_multi_modal_projector=freeze_multi_modal_projector
     )
     frozen = []
-    for name, param in model.named_parameters():
+    for name, param in _unwrapped(model).named_parameters():
         if _owners(paths, name):
             param.requires_grad_(False)
             frozen.append(name)
     return frozen
+
+
+def describe_parts(model: torch.nn.Module, spec: CompositeSpec) -> str:
+    """One line for the start-up log: each part's parameters (a tied head counted once, with the embedding) and
+    whether it trains or is frozen."""
+    parts = partition(model, spec)
+    params = dict(_unwrapped(model).named_parameters(remove_duplicate=False))
+    seen: set[int] = set()
+    out = []
+    for part, label in (
+        ("language_model", "language model"),
+        ("head", "head"),
+        ("tower", "vision tower"),
+        ("projector", "multi-modal projector"),
+    ):
+        tensors = [params[n] for n in parts[part] if id(params[n]) not in seen]
+        seen.update(id(t) for t in tensors)
+        if not tensors and part == "head":
+            continue  # tied to the embedding, or inside the language model (Llama 4)
+        total = sum(t.numel() for t in tensors)
+        trained = sum(t.numel() for t in tensors if t.requires_grad)
+        state = (
+            "trained" if trained == total else ("frozen" if trained == 0 else f"{trained / 1e6:.2f}M trained")
+        )
+        out.append(f"{label} {total / 1e6:.2f}M {state}")
+    return f"composite {spec.architecture}: " + ", ".join(out)
+
+
+def vision_parameters(model: torch.nn.Module, spec: CompositeSpec) -> int:
+    """Parameters of the vision tower and the projector (each tensor once): what a text row never runs, so MFU's
+    ``N`` leaves them out."""
+    parts = partition(model, spec)
+    params = dict(_unwrapped(model).named_parameters(remove_duplicate=False))
+    tensors = {id(params[n]): params[n] for part in ("tower", "projector") for n in parts[part]}
+    return sum(t.numel() for t in tensors.values())

@@ -1,4 +1,5 @@
-"""Loading the tokenizer and causal LM (hub id or local folder), and finding the decoder-layer class."""
+"""Loading the tokenizer and the model (hub id or local folder; a causal LM, or a composite checkpoint with its own
+class), and finding the decoder-layer classes and FSDP2 units."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -18,6 +18,8 @@ from transformers import (
 )
 
 from hf_fsdp2.compat import NO_HUB_KERNELS
+from hf_fsdp2.composite import auto_class, composite_spec
+from hf_fsdp2.conversions import name_conversions_from_folder
 from hf_fsdp2.dtypes import dtype_named
 from hf_fsdp2.score_head import auto_map as score_auto_map
 from hf_fsdp2.score_head import carries_score_head, needs_score_head, score_head_class
@@ -97,12 +99,13 @@ def load_model_config(
 
 
 def check_max_length(max_length: int, config: PretrainedConfig) -> None:
-    """Refuse a max_length the model's position embeddings cannot cover.
+    """Refuse a max_length the model's position embeddings cannot cover (the language model's: a composite keeps
+    them in its text config).
 
     Raises:
         ValueError: max_length above ``max_position_embeddings``.
     """
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(text_config(config), "max_position_embeddings", None)
     if limit is not None and max_length > limit:
         raise ValueError(
             f"max_length={max_length} exceeds the model's max_position_embeddings={limit}; "
@@ -120,7 +123,12 @@ def load_model(
     empty_weights: bool = False,
     reward_head: int | None = None,
 ) -> torch.nn.Module:
-    """Load a causal LM for training (or, ``reward_head``, the same model with a scalar score head).
+    """Load a causal LM for training (or, ``reward_head``, the same model with a scalar score head); a composite
+    checkpoint (vision tower + projector + language model, :mod:`hf_fsdp2.composite`) with its own class.
+
+    Every rank, rank 0 after ``from_pretrained`` and the others after ``from_config`` alike, takes the checkpoint's
+    name conversions from the folder's tensor names (:mod:`hf_fsdp2.conversions`): the export's names are then the
+    same on every rank, and the checkpoint's.
 
     Args:
         name_or_path: hub id or local folder.
@@ -139,9 +147,13 @@ def load_model(
 
     Returns:
         The model in train mode, with ``use_cache`` off (a KV cache is useless in training).
+
+    Raises:
+        ConfigError: an image-text-to-text checkpoint this version does not train (:func:`composite_spec`), or
+            a checkpoint whose tensor names cannot be read.
     """
     config = load_model_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-    auto: Any = AutoModelForCausalLM
+    auto: Any = auto_class(config)
     if reward_head is not None:
         auto = AutoModelForSequenceClassification
         if needs_score_head(config) and not trust_remote_code:
@@ -180,7 +192,15 @@ def load_model(
             _check_backbone_loaded(model, info["missing_keys"], name_or_path)
     if reward_head is not None:  # what auto_class_name reads, before save_pretrained writes it
         model.config.architectures = [type(model).__name__]
+    spec = composite_spec(config) if reward_head is None else None
+    if spec is not None and type(model).__name__ != spec.architecture:
+        raise ValueError(
+            f"{name_or_path}: transformers built {type(model).__name__} for {spec.architecture}'s config; install "
+            "the transformers docs/compatibility.md lists"
+        )
+    name_conversions_from_folder(model, name_or_path, revision=revision)
     model.config.use_cache = False
+    text_config(model.config).use_cache = False
     model.train()
     return model
 
@@ -231,17 +251,27 @@ def _check_backbone_loaded(model: torch.nn.Module, missing: Any, name_or_path: s
 
 def auto_class_name(config: Any) -> str:
     """The transformers auto class that loads a model of ``config``: ``AutoModelForSequenceClassification`` for a
-    reward model (its architectures name a ``*ForSequenceClassification``), else ``AutoModelForCausalLM``."""
+    reward model (its architectures name a ``*ForSequenceClassification``), ``AutoModelForImageTextToText`` for a
+    composite checkpoint (:func:`~hf_fsdp2.composite.composite_spec`), else ``AutoModelForCausalLM``."""
     architectures = getattr(config, "architectures", None) or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
         if carries_score_head(config):  # its class built here and registered with the auto class
             score_head_class(config)
         return "AutoModelForSequenceClassification"
-    return "AutoModelForCausalLM"
+    return str(auto_class(config).__name__)
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a composite's ``text_config``, else ``config`` itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = None) -> tuple[str, ...]:
-    """Class names of the decoder layers that become one FSDP unit each.
+    """Class names of the language model's decoder layers: what activation checkpointing, compile, float8, QLoRA
+    and Muon see, one FSDP2 unit each (:func:`fsdp_unit_classes` adds a composite's tower and projector).
+
+    A composite's ``_no_split_modules`` is the union over its sub-models (the tower's blocks too): its text decoder
+    layer comes from :data:`~hf_fsdp2.composite.COMPOSITES` instead.
 
     Args:
         model: the loaded model.
@@ -262,7 +292,8 @@ def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = N
                 f"module classes in the model: {sorted(present)}"
             )
         return tuple(override)
-    names = list(getattr(model, "_no_split_modules", None) or [])
+    spec = composite_spec(getattr(model, "config", None))
+    names = [spec.text_layer] if spec is not None else list(getattr(model, "_no_split_modules", None) or [])
     if not names:
         raise ValueError(
             f"{type(model).__name__} declares no _no_split_modules; set fsdp_layer_cls_to_wrap to the class "
@@ -275,6 +306,28 @@ def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = N
             f"module classes in the model include {sorted(present)[:20]}"
         )
     return found
+
+
+def fsdp_unit_classes(model: torch.nn.Module, layer_cls: tuple[str, ...]) -> tuple[str, ...]:
+    """The classes FSDP2 makes one unit each: the decoder layers ``layer_cls``, and a composite's vision tower and
+    projector (one unit each: on text rows they never run, so their units are never gathered, and their parameters
+    are not left in the root unit, which is gathered every step and kept gathered).
+
+    Raises:
+        ValueError: a unit class of the composite table that no module of the model is.
+    """
+    spec = composite_spec(getattr(model, "config", None))
+    if spec is None:
+        return layer_cls
+    present = {type(m).__name__ for m in model.modules()}
+    parts = spec.fsdp_units()[1:]
+    missing = [n for n in parts if n not in present]
+    if missing:
+        raise ValueError(
+            f"{spec.architecture}: the FSDP2 unit classes {missing} of hf_fsdp2's composite table are not in the "
+            "loaded model (another transformers layout); install the transformers docs/compatibility.md lists"
+        )
+    return (*layer_cls, *(n for n in parts if n not in layer_cls))
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -53,10 +53,19 @@ MUST_MATCH = (
     "padding_free",
     "train_sampling_strategy",
     "load_in_4bit",
+    "freeze_vision_tower",
+    "freeze_multi_modal_projector",
 )
 
 # What a key of MUST_MATCH means when a checkpoint's config predates it (absent: the old behaviour, the default).
-ABSENT_MEANS: dict[str, Any] = {"load_in_4bit": False}
+# The freeze keys: true. Before them, a composite's tower and projector were trainable but never ran on text rows, so
+# they took no gradient and AdamW never moved them (nor kept state for them): those checkpoints hold a tower equal
+# to the source's, as a frozen one is; a text model has neither part.
+ABSENT_MEANS: dict[str, Any] = {
+    "load_in_4bit": False,
+    "freeze_vision_tower": True,
+    "freeze_multi_modal_projector": True,
+}
 
 # Why a change of these keys is refused, and the fix, for the message (value in the checkpoint -> text).
 _WHY: dict[str, dict[Any, str]] = {
@@ -279,9 +288,10 @@ def check_config_compatible(
             and (then or 0) * data_worlds[0] == current.get(k, 0) * data_worlds[1]
         ):
             continue  # the same examples per micro-step over all data-parallel ranks
-        if then != current.get(k):
+        now = current.get(k, ABSENT_MEANS.get(k))
+        if then != now:
             why = _WHY.get(k, {}).get(then)
-            bad.append(f"{k}: checkpoint {then!r} vs now {current.get(k)!r}" + (f" ({why})" if why else ""))
+            bad.append(f"{k}: checkpoint {then!r} vs now {now!r}" + (f" ({why})" if why else ""))
     if bad:
         raise CheckpointError(
             "cannot resume: the config changed in ways that change the model or the data: "

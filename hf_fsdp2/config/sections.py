@@ -52,6 +52,21 @@ class ModelArgs:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code from the hub repo; off unless you trust it."}
     )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={
+            "help": "A composite checkpoint (vision tower + projector + language model): keep the vision tower frozen "
+            "(no gradient or optimizer state; one FSDP2 unit, never gathered on text rows; exported as loaded). "
+            "false is refused on text data, where the tower never runs. No effect on a text model."
+        },
+    )
+    freeze_multi_modal_projector: bool = field(
+        default=True,
+        metadata={
+            "help": "A composite checkpoint: keep the multi-modal projector frozen, as freeze_vision_tower keeps the "
+            "tower. false is refused on text data. No effect on a text model."
+        },
+    )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""

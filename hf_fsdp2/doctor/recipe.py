@@ -254,16 +254,61 @@ def data_findings(cfg: Config, method: Any, tokenizer: Any) -> list[Finding]:
 
 def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -> list[Finding]:
     """The decoder-layer classes asked for (the recipe's ``fsdp_layer_cls_to_wrap``, the accelerate config's
-    ``fsdp_transformer_layer_cls_to_wrap``) against the model's ``_no_split_modules`` and its modeling module."""
+    ``fsdp_transformer_layer_cls_to_wrap``) against the model's ``_no_split_modules`` and its modeling module; a
+    composite checkpoint's class, units and frozen parts, and what the run refuses for it
+    (:func:`~hf_fsdp2.composite.check_composite_run`)."""
     from transformers import AutoModelForCausalLM
 
+    from hf_fsdp2.composite import check_composite_run, model_class
+
+    f, m = cfg.fsdp, cfg.model
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(model_config)]  # type: ignore[attr-defined]
-    except (KeyError, ValueError):
+        spec = check_composite_run(
+            model_config,
+            tp_size=f.tp_size or 1,
+            cp_size=f.cp_size or 1,
+            freeze_vision_tower=m.freeze_vision_tower,
+            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
+        )
+    except ConfigError as err:
+        return [
+            Finding(
+                level="error",
+                check="composite",
+                value=str((getattr(model_config, "architectures", None) or ["?"])[0]),
+                message=str(err),
+            )
+        ]
+    try:
+        if spec is not None:
+            cls = model_class(model_config)
+        else:
+            cls = AutoModelForCausalLM._model_mapping[type(model_config)]  # type: ignore[attr-defined]
+    except (KeyError, ValueError, AttributeError):
         return []
     module = sys.modules.get(cls.__module__)
-    units = list(getattr(cls, "_no_split_modules", None) or [])
+    # A composite's _no_split_modules is the union over its sub-models: its decoder layer is the table's.
+    units = [spec.text_layer] if spec is not None else list(getattr(cls, "_no_split_modules", None) or [])
     out = []
+    if spec is not None:
+        frozen = [
+            part
+            for part, on in (
+                ("the vision tower", m.freeze_vision_tower),
+                ("the multi-modal projector", m.freeze_multi_modal_projector),
+            )
+            if on
+        ]
+        out.append(
+            Finding(
+                level="ok",
+                check="composite",
+                value=spec.architecture,
+                message=f"loaded with its own class; FSDP2 units: each {spec.text_layer}, the {spec.tower_unit}"
+                + (f", the {spec.projector_unit}" if spec.projector_unit else " (its projector inside)")
+                + (f"; frozen: {' and '.join(frozen)} (never gathered on text rows)" if frozen else ""),
+            )
+        )
     asked = settings.get("fsdp_transformer_layer_cls_to_wrap")
     named = [
         c.strip() for c in (asked if isinstance(asked, list) else str(asked or "").split(",")) if c.strip()
@@ -300,7 +345,7 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
                     level="ok", check=key, value=", ".join(names), message=f"{cls.__name__}'s decoder layer"
                 )
             )
-    if not out:
+    if len(out) == (spec is not None):
         out.append(
             Finding(
                 level="ok",

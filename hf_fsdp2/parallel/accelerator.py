@@ -272,7 +272,8 @@ def shard_with_accelerate(
     *,
     frozen: bool = False,
 ) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root, through Accelerate (its plugin holds the mesh, the
+    """``fully_shard`` each module of the classes ``layer_cls_names`` (the decoder layers; a composite's tower and
+    projector), then the root, through Accelerate (its plugin holds the mesh, the
     mixed-precision policy, resharding and offload); the step of :func:`hf_fsdp2.parallel.parallelize.parallelize`
     after checkpointing and regional compile. Every rank takes part (collective when ``cpu_ram_efficient_loading``
     broadcasts rank 0's weights). The optimizer is built afterwards, on the sharded parameters. ``frozen``: a copy

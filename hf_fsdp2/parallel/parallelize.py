@@ -9,8 +9,8 @@
 3. float8: torchao's ``Float8Linear`` in the decoder layers (before checkpointing and compile wrap them);
 4. activation checkpointing of the decoder layers;
 5. regional compile of each decoder layer, in place;
-6. FSDP2: ``fully_shard`` per decoder layer, then the root (through Accelerate, on the mesh and mixed-precision
-   policy its plugin holds);
+6. FSDP2: ``fully_shard`` per unit (each decoder layer; a composite's vision tower and projector, one unit each),
+   then the root (through Accelerate, on the mesh and mixed-precision policy its plugin holds);
 7. whole-model compile, when asked instead of regional.
 
 Expert parallel joins this list as one step after context parallel. The optimizer is built afterwards on the
@@ -66,7 +66,11 @@ class ParallelPlan:
     """What :func:`parallelize` applies; None (or a disabled plan) skips a step.
 
     Attributes:
-        layer_cls: the decoder-layer class names: FSDP2's units, what checkpointing and regional compile wrap.
+        layer_cls: the decoder-layer class names: what float8, checkpointing and regional compile wrap, and FSDP2's
+            units.
+        units: the class names FSDP2 makes one unit each, when more than ``layer_cls`` (empty: ``layer_cls``): a
+            composite's vision tower and projector beside the text decoder layers
+            (:func:`hf_fsdp2.model.fsdp_unit_classes`).
         tp: tensor parallel's step.
         cp: context parallel's step.
         float8: the FP8 settings (``mixed_precision: fp8``).
@@ -77,6 +81,7 @@ class ParallelPlan:
     """
 
     layer_cls: tuple[str, ...]
+    units: tuple[str, ...] = ()
     tp: TensorParallel | None = None
     cp: ContextParallel | None = None
     float8: Float8Plan | None = None
@@ -106,7 +111,7 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
     if plan.compile.enabled and plan.compile.scope == "regional":
         compiled = compile_regions(model, plan.layer_cls, plan.compile)
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
-    model = shard_with_accelerate(accelerator, model, plan.layer_cls, frozen=plan.frozen)
+    model = shard_with_accelerate(accelerator, model, plan.units or plan.layer_cls, frozen=plan.frozen)
     if plan.compile.enabled and plan.compile.scope == "model":
         logger.info("%s", compile_model(model, plan.compile))
     return model

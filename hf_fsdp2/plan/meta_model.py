@@ -32,32 +32,46 @@ def _wrap_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
 
 
 def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Module:
-    """The run's model on the meta device: built from its config, its base in NF4 with ``load_in_4bit``,
+    """The run's model on the meta device: built from its config (a composite with its own class, its tower and
+    projector frozen as the run freezes them), its base in NF4 with ``load_in_4bit``,
     LoRA-wrapped when planned, trainable
     parameters in the dtype FSDP2 keeps them in (fp32 masters under mixed precision, as Accelerate upcasts).
 
     Raises:
         PlanError: transformers cannot build the model from this config.
     """
-    from transformers import AutoModelForCausalLM
+    from hf_fsdp2.composite import auto_class, composite_spec, freeze_parts
 
     config = copy.deepcopy(model_config)
+    auto = auto_class(config)  # a composite's own class, as the run loads it
     dtype = config.dtype if settings.load_dtype == "auto" else DTYPES[settings.load_dtype]
     name = settings.attn_implementation
     attn = None if name == "auto" else ("sdpa" if name in _GPU_ONLY_ATTENTION else name)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            model = auto.from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=settings.trust_remote_code
             )
     except Exception as err:  # noqa: BLE001 - any model code's refusal (ValueError, AssertionError, ...) is the user's
         raise PlanError(
-            f"cannot build {type(config).__name__} on the meta device with AutoModelForCausalLM.from_config "
+            f"cannot build {type(config).__name__} on the meta device with {auto.__name__}.from_config "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); is it a causal LM whose "
             "config loads in transformers?"
         ) from err
     model.config.use_cache = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().use_cache = False
     model.train()
+    spec = composite_spec(config)
+    if (
+        spec is not None
+    ):  # a composite's tower and projector frozen as the run freezes them, before the adapters
+        freeze_parts(
+            model,
+            spec,
+            freeze_vision_tower=settings.freeze_vision_tower,
+            freeze_multi_modal_projector=settings.freeze_multi_modal_projector,
+        )
     if settings.load_in_4bit and settings.lora is not None:  # QLoRA: the run's own quantisation, on meta
         from hf_fsdp2.lora.quantize import QuantizationError, quantize_base
 
@@ -91,10 +105,11 @@ def check_plannable(model_config: Any) -> None:
     meta tensor has no values to make (the meta forward would send every token to every expert).
 
     Raises:
-        PlanError: a MoE config, with the key that says so and what to do instead.
+        PlanError: a MoE config (a composite's text config too), with the key that says so and what to do instead.
     """
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     for key in _EXPERT_KEYS:
-        experts = getattr(model_config, key, None)
+        experts = getattr(text, key, None)
         if isinstance(experts, int) and experts > 1:
             raise PlanError(
                 f"{type(model_config).__name__} is a mixture of experts ({key}={experts}): which tokens each "

@@ -81,6 +81,8 @@ class PlanSettings:
             (``fp8_all_gather``; 1 byte per element instead of the compute dtype's).
         fp8_recipe: ``fp8_recipe`` (its size thresholds decide which linears convert).
         fp8_size_filter: ``fp8_size_filter``: linears below those thresholds stay in bf16.
+        freeze_vision_tower: ``freeze_vision_tower`` (a composite's tower: no gradient or optimizer state).
+        freeze_multi_modal_projector: ``freeze_multi_modal_projector``.
     """
 
     world_size: int = 1
@@ -109,6 +111,8 @@ class PlanSettings:
     fp8_all_gather: bool = True
     fp8_recipe: str = "tensorwise"
     fp8_size_filter: bool = True
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -268,4 +272,6 @@ class PlanSettings:
             fp8_all_gather=t.float8_plan().all_gather if t.mixed_precision == "fp8" else True,
             fp8_recipe=t.fp8_recipe,
             fp8_size_filter=t.fp8_size_filter,
+            freeze_vision_tower=m.freeze_vision_tower,
+            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
         )

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.lora.quantize import is_nf4, nf4_bytes, nf4_shard_bytes
 from hf_fsdp2.plan.meta_model import layer_classes
@@ -155,9 +156,10 @@ def float8_traffic(model: torch.nn.Module, settings: PlanSettings) -> Float8Traf
 
 
 def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
-    """The FSDP2 units Accelerate's ``fsdp2_prepare_model`` makes: one per decoder layer, the input embedding
-    (untied), the tail (final norm + output head, + the embedding when tied; kept gathered after forward)
-    and the root (everything else; kept gathered after forward)."""
+    """The FSDP2 units Accelerate's ``fsdp2_prepare_model`` makes: one per decoder layer, a composite's vision tower
+    and projector (one unit each; on text rows they never run, so they are never gathered: 0 gathered bytes), the
+    input embedding (untied), the tail (final norm + output head, + the embedding when tied; kept gathered after
+    forward) and the root (everything else; kept gathered after forward)."""
     from accelerate.utils.fsdp_utils import _find_final_norm  # the very function Accelerate carves with
 
     from hf_fsdp2.parallel.activations import decoder_layers
@@ -166,7 +168,7 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
     units: list[Unit] = []
     float8 = float8_weight_ids(model, settings)
 
-    def add(name: str, modules: list[torch.nn.Module], reshard: bool) -> bool:
+    def add(name: str, modules: list[torch.nn.Module], reshard: bool, runs: bool = True) -> bool:
         params = []
         for module in modules:
             for param in module.parameters():
@@ -180,7 +182,7 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
                 name=name,
                 numel=sum(p.numel() for p in params),
                 trainable_numel=sum(p.numel() for p in params if p.requires_grad),
-                gathered_bytes=sum(_gathered_bytes(p, settings, float8) for p in params),
+                gathered_bytes=sum(_gathered_bytes(p, settings, float8) for p in params) if runs else 0,
                 reshard_after_forward=reshard,
             )
         )
@@ -194,6 +196,12 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
     layers = decoder_layers(model, layer_classes(model, settings))
     for name, layer in layers:  # wrapped first, as Accelerate does: their parameters are theirs
         add(name, [layer], settings.reshard_after_forward)
+    spec = composite_spec(getattr(model, "config", None))
+    if spec is not None:  # the tower's and the projector's units (Qwen's projector lies in its tower's unit)
+        classes = spec.fsdp_units()[1:]
+        for name, module in model.named_modules():
+            if type(module).__name__ in classes:
+                add(name, [module], settings.reshard_after_forward, runs=False)
     if not tied and embed is not None and add("embedding", [embed], settings.reshard_after_forward):
         units.insert(0, units.pop())  # forward order: the embedding runs first
     norm = _find_final_norm(model)

@@ -14,6 +14,7 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.attention_layout import choose_attention_layout
+from hf_fsdp2.composite import composite_spec, describe_parts, freeze_parts, vision_parameters
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.float8 import Float8Plan
 from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
@@ -26,6 +27,7 @@ from hf_fsdp2.model import (
     count_parameters,
     decoder_layer_classes,
     disable_dropout,
+    fsdp_unit_classes,
     load_model,
     load_tokenizer,
     resize_embeddings,
@@ -96,6 +98,7 @@ def build_model(
         ):
             logger.warning("%s", line)
     model = load_run_model(session, tokenizer, reward=reward)
+    freeze_composite(session, model)
     model, quant = add_adapters(session, model, reward=reward, no_dropout=no_dropout)
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
     n_total, n_trainable = count_parameters(model)
@@ -208,6 +211,29 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
     return model
 
 
+def freeze_composite(session: Session, model: torch.nn.Module) -> None:
+    """A composite checkpoint's vision tower and projector frozen (``freeze_vision_tower``,
+    ``freeze_multi_modal_projector``; :func:`~hf_fsdp2.composite.freeze_parts`), before the adapters wrap the model:
+    they take no gradient and no optimizer state. Every rank alike; a text model is left as it is."""
+    m = session.cfg.model
+    spec = composite_spec(model.config)
+    if spec is None:
+        return
+    freeze_parts(
+        model,
+        spec,
+        freeze_vision_tower=m.freeze_vision_tower,
+        freeze_multi_modal_projector=m.freeze_multi_modal_projector,
+    )
+    logger.info(
+        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s: on text rows the tower and the projector "
+        "never run)",
+        describe_parts(model, spec),
+        str(m.freeze_vision_tower).lower(),
+        str(m.freeze_multi_modal_projector).lower(),
+    )
+
+
 def add_adapters(
     session: Session, model: torch.nn.Module, *, reward: bool, no_dropout: bool
 ) -> tuple[torch.nn.Module, Any]:
@@ -263,7 +289,7 @@ def parallel_plan(
         except TensorParallelError as err:
             raise ConfigError(str(err)) from err
     if collectives.cp_size() > 1:  # the attention modules run the exchange: before sharding and compile
-        if router_aux_coef(model.config):
+        if router_aux_coef(model.config):  # a composite's text config: refused for composites before any work
             raise ConfigError(
                 f"cp_size={collectives.cp_size()} with a MoE router loss (output_router_logits=true, "
                 f"router_aux_loss_coef={router_aux_coef(model.config):g}): the load-balancing loss is a product of "
@@ -274,7 +300,13 @@ def parallel_plan(
             collectives.cp_group(), collectives.cp_size(), session.cfg.fsdp.cp_backend, collectives.tp_size()
         )
     return ParallelPlan(
-        layer_cls=layer_cls, tp=tp, cp=cp, float8=fp8, ac=session.sharding.ac, compile=session.compile_plan
+        layer_cls=layer_cls,
+        units=fsdp_unit_classes(model, layer_cls),
+        tp=tp,
+        cp=cp,
+        float8=fp8,
+        ac=session.sharding.ac,
+        compile=session.compile_plan,
     )
 
 
@@ -368,9 +400,12 @@ def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool)
 
 
 def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsModel, float | None]:
-    """MFU's inputs: FLOPs from the unsharded model's config; the peak from the GPU's name unless ``peak_flops``."""
+    """MFU's inputs: FLOPs from the unsharded model's config (a composite's language model: its tower and projector
+    never run on text rows); the peak from the GPU's name unless ``peak_flops``."""
     d, o = session.cfg.data, session.cfg.observe
-    flops = flops_model(model.config, non_embedding_params(model))
+    spec = composite_spec(model.config)
+    unused = vision_parameters(model, spec) if spec is not None else 0
+    flops = flops_model(model.config, non_embedding_params(model) - unused)
     on_cuda = session.device.type == "cuda"
     device_name = torch.cuda.get_device_name(session.device) if on_cuda else "cpu"
     peak = o.peak_flops or (peak_flops_for(device_name) if on_cuda else None)

@@ -21,7 +21,14 @@ from typing import Any
 from hf_fsdp2 import collectives
 from hf_fsdp2.config import Config
 from hf_fsdp2.config.preference import ReferenceArgs
-from hf_fsdp2.model import decoder_layer_classes, disable_dropout, load_model, resize_embeddings
+from hf_fsdp2.model import (
+    decoder_layer_classes,
+    disable_dropout,
+    embedding_rows,
+    fsdp_unit_classes,
+    load_model,
+    resize_embeddings,
+)
 from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, parallelize
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData
@@ -88,7 +95,11 @@ def load_reference(
             collectives.cp_group(), collectives.cp_size(), f.cp_backend, collectives.tp_size()
         )
     layer_cls = decoder_layer_classes(model, f.fsdp_layer_cls_to_wrap)
-    model = parallelize(model, session.accelerator, ParallelPlan(layer_cls=layer_cls, cp=cp, frozen=True))
+    model = parallelize(
+        model,
+        session.accelerator,
+        ParallelPlan(layer_cls=layer_cls, units=fsdp_unit_classes(model, layer_cls), cp=cp, frozen=True),
+    )
     logger.info(
         "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",
         objective,
@@ -111,7 +122,7 @@ def build_reference(
     objective and its examples in the log."""
     cfg = session.cfg
     t = cfg.train
-    resized = getattr(model.module.config, "vocab_size", None) if cfg.model.resize_token_embeddings else None
+    resized = embedding_rows(model.module.config) if cfg.model.resize_token_embeddings else None
     train_pairs, eval_pairs = data.train_set, data.eval_set
     reference: Reference
     eval_reference: Reference | None = None

@@ -2,7 +2,8 @@
 any work. Every recipe starts one.
 
 ``Session.start`` does, in order: the hub token and repo (before any work, no network), the run folder
-(refused when it holds another run), the model config against ``max_length``, the distributed debug
+(refused when it holds another run), the model config against ``max_length`` (and a composite checkpoint against
+what this version trains it with), the distributed debug
 variables and trackers (checked installed), the accelerator (FSDP2 through Accelerate, on GPU or
 CPU/gloo), the run-folder lock (rank 0, before anything is written; its refusal raised on every rank),
 the resolved config written into the folder, and the seed. Leaving the ``with`` block releases the lock.
@@ -25,10 +26,11 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_run
 from hf_fsdp2.collectives import rank0_decides
 from hf_fsdp2.compat import check_versions
+from hf_fsdp2.composite import check_composite_run
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
 from hf_fsdp2.export.hub import check_can_push
-from hf_fsdp2.model import check_max_length, load_model_config
+from hf_fsdp2.model import check_max_length, load_model_config, text_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
 from hf_fsdp2.observe.trackers import build_trackers
 from hf_fsdp2.parallel.accelerator import (
@@ -119,10 +121,19 @@ class Session:
         sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
         # The device mesh: its sizes against the world size and the model, before the process group exists.
         mesh = f.mesh_plan(world_size(), launcher_mesh())
+        # A composite checkpoint: what this version cannot train it with (the class itself is decided from the
+        # config on every rank, in load_model).
+        check_composite_run(
+            model_config,
+            tp_size=mesh.tp,
+            cp_size=mesh.cp,
+            freeze_vision_tower=m.freeze_vision_tower,
+            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
+        )
         check_mesh(
             mesh,
-            heads=getattr(model_config, "num_attention_heads", None),
-            kv_heads=getattr(model_config, "num_key_value_heads", None),
+            heads=getattr(text_config(model_config), "num_attention_heads", None),
+            kv_heads=getattr(text_config(model_config), "num_key_value_heads", None),
             max_length=d.max_length,
         )
         tp_off = check_tp_settings(

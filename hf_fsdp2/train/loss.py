@@ -127,9 +127,11 @@ class LossPlan:
 
 
 def router_aux_coef(config: Any) -> float:
-    """The router auxiliary-loss weight a MoE config asks for (``output_router_logits``), else 0."""
-    if getattr(config, "output_router_logits", False):
-        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    """The router auxiliary-loss weight a MoE config asks for (``output_router_logits``), else 0; a composite's from its
+    text config (where Qwen3.5-MoE's composite reads them)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
     return 0.0
 
 
