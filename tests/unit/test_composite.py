@@ -221,3 +221,14 @@ def test_doctor_reports_the_units_and_refuses_what_the_run_refuses(folders: dict
     cfg.fsdp.tp_size = 2
     found = wrap_findings(config, {}, cfg)
     assert [f.level for f in found] == ["error"] and "tp_size=2" in found[0].message, found
+
+
+def test_rows_of_several_documents_follow_the_composites_own_class(folders: dict[str, Path]) -> None:
+    """The batch layout asks the composite's class: Qwen3.5's linear attention refuses packing by its name, and with
+    padding_free unset keeps padded batches; Gemma 3's composite passes its own probe (padding-free on CPU)."""
+    qwen = load_model_config(str(folders["qwen3_5_vlm"]))
+    with pytest.raises(ConfigError, match=r"Qwen3_5ForConditionalGeneration \(model_type qwen3_5\): 1 of its 2"):
+        choose_attention_layout(qwen, device_type="cpu", packing=True)
+    assert not choose_attention_layout(qwen, device_type="cpu").padding_free
+    gemma = choose_attention_layout(load_model_config(str(folders["gemma3_vlm"])), device_type="cpu")
+    assert gemma.padding_free and "a probe forward with sdpa attention" in gemma.reason, gemma.reason
