@@ -111,6 +111,15 @@ COMPOSITES: dict[str, CompositeSpec] = {
 :func:`partition`: a transformers release that moves a part fails there, by name, not silently)."""
 
 
+REWARD_CLASSES: dict[str, str] = {
+    "Gemma3ForSequenceClassification": "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForSequenceClassification": "Qwen3_5ForConditionalGeneration",
+}
+"""transformers' sequence-classification classes that wrap a whole composite (its model under the same paths, a
+``score`` head for the LM head): a reward model loaded from a composite folder is that composite's row. The other
+composites have none (the reward-model recipe refuses them by name)."""
+
+
 def _image_text_to_text_types() -> dict[str, str]:
     """transformers' image-text-to-text map: model_type -> the composite's class name."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -132,7 +141,9 @@ def composite_spec(config: Any) -> CompositeSpec | None:
     architectures = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
     # A config built in code names no architecture: the class transformers' image-text-to-text map gives its type.
-    named = architectures or [_image_text_to_text_types().get(str(model_type), "")]
+    named = [REWARD_CLASSES.get(a, a) for a in architectures] or [
+        _image_text_to_text_types().get(str(model_type), "")
+    ]
     spec = next((COMPOSITES[a] for a in named if a in COMPOSITES), None)
     if spec is not None:
         if getattr(config, "auto_map", None):
@@ -259,6 +270,8 @@ def partition(model: torch.nn.Module, spec: CompositeSpec) -> dict[str, list[str
         )
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
+    if head is None:  # a reward model over the composite (REWARD_CLASSES): its score head
+        head = getattr(model, "score", None)
     head_params = {id(p) for p in head.parameters()} if head is not None else set()
     parts: dict[str, list[str]] = {"language_model": [], "tower": [], "projector": [], "head": []}
     stray = []

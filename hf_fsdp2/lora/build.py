@@ -76,21 +76,12 @@ def composite_parts(model: torch.nn.Module) -> tuple[str, ...]:
     none of them. Both are frozen for text rows (they never run on them); SigLIP's and Pixtral's attention has
     ``q_proj``/``v_proj`` too, so a target list of names alone would adapt the tower as well.
 
-    Decided from the config (every rank alike); a reward model over a composite (Gemma 3's and Qwen3.5's
-    ``*ForSequenceClassification`` hold the composite's model under the same paths) by its model type.
+    Decided from the config (every rank alike; a reward model over a composite, Gemma 3's and Qwen3.5's
+    ``*ForSequenceClassification``, holds the composite's model under the same paths).
     """
-    from hf_fsdp2.composite import COMPOSITES, composite_spec
+    from hf_fsdp2.composite import composite_spec
 
-    config = getattr(model, "config", None)
-    if config is None:
-        return ()
-    architectures = list(getattr(config, "architectures", None) or [])
-    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-        spec = COMPOSITES.get(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type, ""))
-    else:
-        spec = composite_spec(config)
+    spec = composite_spec(getattr(model, "config", None))
     return () if spec is None else (*spec.tower, *spec.projector)
 
 

@@ -77,3 +77,37 @@ def test_grpo_with_vllm_on_a_composite_is_refused_by_name(
 @pytest.mark.parametrize("family", ["gemma3_vlm", "llama"])
 def test_grpo_without_vllm_on_a_composite_passes_the_checks(folders: dict[str, Path], family: str) -> None:
     assert _objective("grpo", folders[family], *GRPO) is not None
+
+
+@pytest.mark.parametrize(
+    ("family", "reward_class"),
+    [("gemma3_vlm", "Gemma3ForSequenceClassification"), ("qwen3_5_vlm", "Qwen3_5ForSequenceClassification")],
+)
+def test_a_reward_model_over_a_composite_is_that_composites_row(
+    folders: dict[str, Path], family: str, reward_class: str
+) -> None:
+    """transformers' class puts the score head on the whole composite: the run freezes its tower and projector, makes
+    them FSDP2 units and leaves them out of LoRA, as for the composite itself (this class's config names it)."""
+    import dataclasses
+
+    import transformers
+
+    from hf_fsdp2.composite import composite_spec, partition
+    from hf_fsdp2.config.plans import LoraSettings
+    from hf_fsdp2.lora.adapter import apply_lora
+    from hf_fsdp2.model import load_model
+
+    model = load_model(str(folders[family]), reward_head=2)
+    assert type(model).__name__ == reward_class and model.config.architectures == [reward_class]
+    spec = composite_spec(model.config)
+    assert (
+        spec is not None
+        and spec.architecture == transformers.AutoConfig.from_pretrained(folders[family]).architectures[0]
+    )
+    assert partition(model, spec)["head"] == ["score.weight"]
+    settings = dataclasses.replace(LoraSettings(r=4, alpha=8, dropout=0.0), task_type="SEQ_CLS")
+    wrapped = apply_lora(model, settings, seed=0)
+    adapted = {
+        n.removeprefix("base_model.model.") for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
+    }
+    assert adapted and all(n.startswith(spec.language_model + ".") for n in adapted), sorted(adapted)

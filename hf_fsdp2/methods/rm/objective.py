@@ -91,37 +91,30 @@ def build_rm_data(session: Session, tokenizer: Any) -> TrainData:
 
 def check_reward_composite(cfg: Config) -> None:
     """Refuse, before any loading, a composite checkpoint (vision tower + projector + language model) whose family
-    has no ``*ForSequenceClassification`` class in transformers: Gemma 3's and Qwen3.5's wrap the whole composite
-    (the score head over its language model's last hidden state), Llama 4's, Mistral 3's and Qwen3.5 MoE's do not
-    exist, and the generic head of :mod:`hf_fsdp2.score_head` would sit on the family's AutoModel class, which for
-    these is the composite itself or its text model alone (the tower dropped from the export).
+    has no sequence-classification class over the whole composite (:data:`~hf_fsdp2.composite.REWARD_CLASSES`:
+    Gemma 3's and Qwen3.5's put the score head on the composite's language model and keep the tower, frozen and
+    exported byte-identical; Llama 4, Mistral 3 and Qwen3.5 MoE have none, and the generic head of
+    :mod:`hf_fsdp2.score_head` would sit on the family's AutoModel class, the composite itself or its text model
+    alone).
 
     Raises:
         ConfigError: naming the architecture, why, and the fix.
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    import transformers
+
+    from hf_fsdp2.composite import REWARD_CLASSES
 
     found = composite_of(cfg)
     if found is None:
         return
     spec, config = found
-    if config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+    if spec.architecture in REWARD_CLASSES.values():
         return
-    import transformers
-
-    from hf_fsdp2.composite import COMPOSITES
-
-    with_class = sorted(
-        name
-        for name in COMPOSITES
-        if getattr(transformers, name).config_class.model_type
-        in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-    )
     raise ConfigError(
         f"reward modelling on {spec.architecture} (model_type {config.model_type!r}): transformers "
         f"{transformers.__version__} has no sequence-classification class for this composite, so no class would "
         "load it with a score head and keep its vision tower; train the reward model from the family's text-only "
-        f"checkpoint, or from a composite that has one ({', '.join(with_class)})"
+        f"checkpoint, or from a composite that has one ({', '.join(sorted(REWARD_CLASSES.values()))})"
     )
 
 
