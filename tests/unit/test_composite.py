@@ -227,8 +227,41 @@ def test_rows_of_several_documents_follow_the_composites_own_class(folders: dict
     """The batch layout asks the composite's class: Qwen3.5's linear attention refuses packing by its name, and with
     padding_free unset keeps padded batches; Gemma 3's composite passes its own probe (padding-free on CPU)."""
     qwen = load_model_config(str(folders["qwen3_5_vlm"]))
-    with pytest.raises(ConfigError, match=r"Qwen3_5ForConditionalGeneration \(model_type qwen3_5\): 1 of its 2"):
+    with pytest.raises(
+        ConfigError, match=r"Qwen3_5ForConditionalGeneration \(model_type qwen3_5\): 1 of its 2"
+    ):
         choose_attention_layout(qwen, device_type="cpu", packing=True)
     assert not choose_attention_layout(qwen, device_type="cpu").padding_free
     gemma = choose_attention_layout(load_model_config(str(folders["gemma3_vlm"])), device_type="cpu")
     assert gemma.padding_free and "a probe forward with sdpa attention" in gemma.reason, gemma.reason
+
+
+def test_the_checkpoint_names_are_read_from_any_weight_format_without_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Safetensors headers, an index, a PyTorch .bin (mapped on meta), a hub repo through the cache; none: named."""
+    import json
+
+    import huggingface_hub
+    from safetensors.torch import save_file
+
+    from hf_fsdp2.conversions import checkpoint_tensor_names
+
+    tensors = {"a.weight": torch.zeros(2, 2), "b.bias": torch.zeros(2)}
+    (tmp_path / "st").mkdir()
+    save_file(tensors, str(tmp_path / "st" / "model.safetensors"))
+    (tmp_path / "bin").mkdir()
+    torch.save(tensors, tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "index").mkdir()
+    index = tmp_path / "index" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a.weight": "x-1.safetensors", "b.bias": "x-2.safetensors"}}))
+    for folder in ("st", "bin", "index"):
+        assert sorted(checkpoint_tensor_names(str(tmp_path / folder))) == ["a.weight", "b.bias"]
+    cached = {"model.safetensors.index.json": str(index)}
+    monkeypatch.setattr(
+        huggingface_hub, "try_to_load_from_cache", lambda repo, name, revision=None: cached.get(name)
+    )
+    assert sorted(checkpoint_tensor_names("org/model")) == ["a.weight", "b.bias"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="cannot read the tensor names of"):
+        checkpoint_tensor_names(str(tmp_path / "empty"))
