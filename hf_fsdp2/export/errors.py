@@ -33,6 +33,9 @@ class VerifyReport:
     atol: float = 0.0
     reload_dtype: str = ""
     reload_devices: list[str] = field(default_factory=list)  # ["cpu"], or ["cpu", "disk"] when streamed
+    carried: int = 0  # tensors copied from the source checkpoint, their sha256 equal to the source's
+    source: str = ""  # that checkpoint ("": no source given)
+    source_tensors: int = 0  # its tensors, every one in the export (or a tied copy)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -50,12 +53,20 @@ class VerifyReport:
     def _noise(self) -> str:
         return f", reload rounding noise {self.logit_noise:.3g}" if self.logit_noise > 0 else ""
 
+    def _whole(self) -> str:
+        if not self.source:
+            return ""
+        return (
+            f"; every one of the {self.source_tensors} tensors of {self.source} in the files under its name, "
+            f"{self.carried} of them (what did not train or the class does not load) byte-identical to the source's"
+        )
+
     def summary(self) -> str:
         if not self.ok:
             return "FAILED: " + "; ".join(self.problems)
         return (
             f"verified: {self.tensors} tensors bit-exact on disk ({self.bytes_compared / 1e6:.1f} MB read back by "
-            f"the ranks that own them); reloaded with plain transformers (weights on "
+            f"the ranks that own them{self._whole()}); reloaded with plain transformers (weights on "
             f"{'+'.join(self.reload_devices)}): no missing or unexpected keys, {self.reloaded_tensors} reloaded "
             f"tensor slices bit-exact, config.json equal to the live config ({self.config_keys} keys); probe logits in "
             f"{self.reload_dtype} from the same rounded weights: max |diff| {self.max_logit_diff:.3g} "

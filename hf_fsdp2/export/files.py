@@ -26,6 +26,12 @@ _ST_CODES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    # Only carried from a source checkpoint byte for byte (an FP8 checkpoint's tensors); nothing is cast to them.
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 _ST_SIZES = {
     "F64": 8,
@@ -38,6 +44,11 @@ _ST_SIZES = {
     "I8": 1,
     "U8": 1,
     "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
 _COPY_BYTES = 16 * 2**20  # bytes copied at a time when assembling a file
 # Part files of this writer (not DCP's) carry this in their metadata, like DCP's own: offsets per tensor.
@@ -47,8 +58,17 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def dtype_of_code(code: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code."""
-    return next(d for d, c in _ST_CODES.items() if c == code)
+    """The torch dtype of a safetensors dtype code.
+
+    Raises:
+        ExportError: a code this torch has no dtype for here.
+    """
+    found = next((d for d, c in _ST_CODES.items() if c == code), None)
+    if found is None:
+        raise ExportError(
+            f"safetensors dtype {code} is not one the export handles ({', '.join(sorted(_ST_SIZES))})"
+        )
+    return found
 
 
 def is_supported(dtype: torch.dtype) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hf_fsdp2.export.errors import ExportError, ExportResult
+from hf_fsdp2.export.source import ExportSource, locate, read_tensor, weight_map
 from hf_fsdp2.export.writer import check_export_dir, export_model, single_process_dcp
 
 
@@ -90,6 +91,9 @@ def load_checkpoint_model(
         empty_weights=wrap is None,
         reward_head=reward_head,
     )
+    # A composite's frozen tower and projector are not in the checkpoint (it holds what trains): the parts the run
+    # froze are frozen here alike and read from the model folder; the export carries them from its files.
+    frozen = freeze_as_run(model, cfg)
     if wrap is not None:
         model = wrap(model, cfg, int(trainer_state.get("world_size") or 1))
     if cfg.get("resize_token_embeddings"):  # the run grew the embedding to its tokenizer: do the same
@@ -101,7 +105,11 @@ def load_checkpoint_model(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(getattr(v, "size", ())) for k, v in stored.items()}
     # What the checkpoint must hold: every tensor, or (LoRA) what trains; an older LoRA checkpoint also holds the base.
-    required = set(expected) if wrap is None else {n for n, p in model.named_parameters() if p.requires_grad}
+    required = (
+        set(expected) - set(frozen)
+        if wrap is None
+        else {n for n, p in model.named_parameters() if p.requires_grad}
+    )
     absent = sorted(required - set(got))
     foreign = sorted(set(got) - set(expected))
     wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
@@ -120,8 +128,10 @@ def load_checkpoint_model(
             + "; ".join(details)
             + ". Is it a checkpoint of another run, or was that config edited?"
         )
+    if frozen and wrap is None:  # on meta so far (nothing read): the source's values
+        fill_from_source(model, frozen, ExportSource(cfg["model_name_or_path"], cfg.get("model_revision")))
     for name, param in list(model.named_parameters()):
-        if name not in stored:  # the frozen base of a LoRA run, read from the folder
+        if name not in stored or name in frozen:  # the frozen base, read from the folder
             continue
         dtype = getattr(getattr(stored[name], "properties", None), "dtype", None) or torch.float32
         set_module_tensor_to_device(model, name, "cpu", value=torch.empty(param.shape, dtype=dtype))
@@ -131,6 +141,49 @@ def load_checkpoint_model(
         dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
     model.eval()
     return model, cfg, step
+
+
+def freeze_as_run(model: Any, cfg: dict[str, Any]) -> list[str]:
+    """Freeze a composite's vision tower and projector as the run did (its ``freeze_vision_tower`` /
+    ``freeze_multi_modal_projector``, true when its config predates them); the parameter names frozen (none for a
+    text model)."""
+    from hf_fsdp2.composite import composite_spec, freeze_parts
+
+    spec = composite_spec(model.config)
+    if spec is None:
+        return []
+    return freeze_parts(
+        model,
+        spec,
+        freeze_vision_tower=bool(cfg.get("freeze_vision_tower", True)),
+        freeze_multi_modal_projector=bool(cfg.get("freeze_multi_modal_projector", True)),
+    )
+
+
+def fill_from_source(model: Any, names: list[str], source: ExportSource) -> None:
+    """Give the named parameters (on the meta device) the source checkpoint's values, in its dtype: a frozen part
+    the checkpoint does not hold.
+
+    Raises:
+        ExportError: a tensor the source does not hold under the name the model's conversions give it.
+    """
+    from accelerate.utils import set_module_tensor_to_device
+
+    from hf_fsdp2.export.naming import checkpoint_layout
+
+    params = dict(model.named_parameters())
+    layout = checkpoint_layout(model, {n: tuple(params[n].shape) for n in names})
+    files = weight_map(source) or {}
+    lacking = sorted(layout.renames[n] for n in names if layout.renames.get(n) not in files)
+    if lacking or layout.splits:
+        raise ExportError(
+            f"{source.name_or_path} does not hold the frozen tensors {(lacking or sorted(layout.splits))[:3]} "
+            "under their checkpoint names; export from the model folder the run was trained from"
+        )
+    found = locate(source, [layout.renames[n] for n in names], files)
+    for name in names:
+        value = read_tensor(found[layout.renames[name]])
+        set_module_tensor_to_device(model, name, "cpu", value=value)
 
 
 @dataclass(kw_only=True)
@@ -145,6 +198,7 @@ class OfflineExport:
     card: str
     dtype: str
     max_shard_bytes: int
+    source: ExportSource  # the model folder the run started from (what did not train is carried from it)
 
 
 def prepare_offline_export(
@@ -215,6 +269,7 @@ def prepare_offline_export(
         card=card,
         dtype=card_cfg["export_dtype"],
         max_shard_bytes=max_shard_bytes or parse_size(str(cfg.get("max_shard_size", "5GB"))),
+        source=ExportSource(cfg["model_name_or_path"], cfg.get("model_revision")),
     )
 
 
@@ -236,6 +291,7 @@ def write_full_model(job: OfflineExport, verify: bool, verify_atol: float | None
         model_card=job.card,
         verify=verify,
         verify_atol=verify_atol,
+        source=job.source,
     )
 
 

@@ -4,10 +4,14 @@ It separates rounding from mistakes without a tolerance to tune per model. Every
 exact:
 
 1. headers: every expected tensor is in a file, with its global shape and the export dtype; no extra
-   tensor; the index maps each tensor to the file that holds it; file sizes add up;
+   tensor; the index maps each tensor to the file that holds it; file sizes add up; with a source checkpoint,
+   every one of its tensors is in a file under its name (or is a tied copy);
 2. bytes: each rank reads back the slices it owns and compares them bit for bit with its shards cast
-   to the export dtype (no rank reads the model);
-3. reload: rank 0 loads the folder in a fresh Python process with plain transformers. Its loading
+   to the export dtype (no rank reads the model); the tensors carried from the source checkpoint (a
+   composite's frozen tower and projector, what the class does not load) have the source's sha256 (file
+   ``i`` by rank ``i % world``), and each rank's shards of the frozen ones equal the source's values;
+3. reload: rank 0 loads the folder in a fresh Python process with plain transformers (the auto class a
+   user would: ``AutoModelForImageTextToText`` for a composite), which must build the live model's class. Its loading
    report must have no missing, unexpected or mismatched keys; every reloaded tensor, by name, must
    equal the live model's shards bit for bit (each rank sends a digest of its own slices; fused MoE
    experts come back through transformers' own merge); config.json must equal the live config (but
@@ -53,7 +57,8 @@ from hf_fsdp2.export.probe import (
     reference_dtype,
     rounded_weights,
 )
-from hf_fsdp2.model import auto_class_name
+from hf_fsdp2.export.source import ExportSource, byte_digest
+from hf_fsdp2.model import auto_class_name, embedding_rows
 from hf_fsdp2.score_head import carries_score_head
 
 RELOAD_RAM_BYTES = 2 * 2**30  # weights the verification's reload keeps in RAM; the rest stream from disk
@@ -121,6 +126,14 @@ def check_headers(plan: ExportPlan, folder: Path) -> list[str]:
         problems.append(f"tensors missing from the files: {missing[:5]}")
     if extra:
         problems.append(f"unexpected tensors in the files: {extra[:5]}")
+    carried = plan.carried
+    if carried is not None:  # the whole source checkpoint: each of its tensors in a file, or a tied copy
+        lost = [n for n in carried.source_names if n not in found and n not in carried.tied]
+        lost = [n for n in lost if n not in carried.left_out]
+        if lost:
+            problems.append(
+                f"{len(lost)} tensors of {carried.source.name_or_path} are in no file of the export (e.g. {lost[:5]})"
+            )
     for k in sorted(set(found) & set(plan.shapes)):
         shape, code, _ = found[k]
         if tuple(shape) != plan.shapes[k] or code != code_of(plan.dtypes[k]):
@@ -167,7 +180,67 @@ def readback(plan: ExportPlan, folder: Path) -> tuple[int, int, list[str]]:
     for module_name in plan.expert_sources:
         for key, want in plan.local_experts(module_name).items():
             compare(key, want, tuple(slice(0, s) for s in want.shape))
-    return len(plan.shapes), count, problems
+    carried_bytes, carried_problems = check_carried(plan, folder)
+    return len(plan.shapes), count + carried_bytes, problems + carried_problems
+
+
+def check_carried(plan: ExportPlan, folder: Path) -> tuple[int, list[str]]:
+    """Every rank, for the tensors carried from the source checkpoint: the sha256 of each one's bytes in the export
+    against the source's (file ``i`` by rank ``i % world``); and this rank's shards of the carried tensors the model
+    holds (the frozen tower and projector) against the source's values: the export holds what the model computed
+    with, not only what the source held under that name.
+
+    Returns:
+        Bytes compared, and the problems found.
+    """
+    carried = plan.carried
+    if carried is None or not carried.tensors:
+        return 0, []
+    problems: list[str] = []
+    count = 0
+    world, rank = collectives.world(), collectives.rank()
+    for i, (name, keys) in enumerate(zip(plan.names, plan.files, strict=True)):
+        if i % world != rank:
+            continue
+        header, data_start = read_header(folder / name)
+        for key in keys:
+            source = carried.tensors.get(key)
+            if source is None:
+                continue
+            begin, end = header[key]["data_offsets"]
+            count += source.nbytes
+            if end - begin != source.nbytes or byte_digest(
+                folder / name, data_start + begin, end - begin
+            ) != byte_digest(source.path, source.start, source.nbytes):
+                problems.append(f"{key}: its bytes in {name} differ from {source.path}'s")
+    if carried.frozen:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(plan.model)
+        for key, module_name in carried.frozen.items():
+            value = state.get(module_name)
+            source = carried.tensors[key]
+            if not isinstance(value, torch.Tensor) or (
+                isinstance(value, DTensor) and not first_replica(value)
+            ):
+                continue
+            if tuple(value.shape) != source.shape:
+                problems.append(
+                    f"{key}: the model holds {list(value.shape)}, the source {list(source.shape)}"
+                )
+                continue
+            local, where = local_slices(value)
+            if not local.numel():
+                continue
+            entry = {"dtype": source.dtype, "shape": list(source.shape), "data_offsets": [0, source.nbytes]}
+            got = read_slice(source.path, {key: entry}, source.start, key, where).to(local.dtype)
+            count += got.numel() * got.element_size()
+            want = local.detach().to(got.device)
+            if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                problems.append(
+                    f"{key}: the model's values (it did not train) differ from {source.path}'s on rank {rank}"
+                )
+    return count, problems
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,6 +316,7 @@ def verify_export(
     atol: float | None = None,
     compute_dtype: torch.dtype | None = None,
     reload_ram_bytes: int = RELOAD_RAM_BYTES,
+    source: ExportSource | None = None,
 ) -> VerifyReport:
     """Check an exported folder against the live model (see the module docstring); raise on any mismatch.
 
@@ -257,6 +331,8 @@ def verify_export(
         atol: largest probe-logit difference accepted; None = :func:`probe_limit`.
         compute_dtype: dtype the live model computes in; None = its weights' dtype.
         reload_ram_bytes: weights the reload keeps in memory.
+        source: the checkpoint the model was loaded from, used when ``plan`` is None (the tensors carried from it
+            are compared with its bytes, and every one of its tensors must be in the folder).
 
     Returns:
         The report (``ok`` is true: a failed check raises).
@@ -267,7 +343,7 @@ def verify_export(
     """
     folder = Path(folder)
     if plan is None:
-        plan = make_plan(model, dtype, max_shard_bytes=2**62)
+        plan = make_plan(model, dtype, max_shard_bytes=2**62, source=source)
         index = folder / INDEX_NAME
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -282,18 +358,24 @@ def verify_export(
             tensors, nbytes, problems = 0, 0, [f"reading the files back failed: {type(err).__name__}: {err}"]
         gathered = collectives.gather_objects((tensors, nbytes, problems))
         report.tensors = gathered[0][0]
+        if plan.carried is not None:
+            report.carried, report.source = len(plan.carried.tensors), plan.carried.source.name_or_path
+            report.source_tensors = len(plan.carried.source_names)
         report.bytes_compared = sum(g[1] for g in gathered)
         report.problems = [p for g in gathered for p in g[2]]
     compute = compute_dtype_of(model, compute_dtype)
     load_dtype = plan.weights_dtype
-    module_dtypes = {plan.module_names[k]: d for k, d in plan.dtypes.items()}
+    # The tensors written from the shards (the carried ones are compared with the source's bytes instead).
+    module_dtypes = {plan.module_names[k]: d for k, d in plan.dtypes.items() if k in plan.module_names}
     load_dtypes = {n: (load_dtype if d.is_floating_point else d) for n, d in module_dtypes.items()}
     boxes = collectives.gather_objects(live_boxes(model, load_dtypes, set(module_dtypes)))
     # The probe runs on every rank (a collective forward) whatever the findings so far.
     config: Any = getattr(model, "config", None)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab <= 0:
-        raise ExportVerificationError("verification needs model.config.vocab_size for its probe batch")
+    vocab = embedding_rows(config) if config is not None else None  # a composite's is in its text config
+    if not vocab:
+        raise ExportVerificationError(
+            "verification needs the vocabulary size (config.vocab_size, or text_config.vocab_size) for its probe batch"
+        )
     ids = probe_ids(vocab)
     with rounded_weights(model, module_dtypes):
         live = live_logits(model, ids)
@@ -318,7 +400,7 @@ def verify_export(
             "config": comparable_config(export_config(config, plan.weights_dtype, "")),
             "ignore": sorted(_CONFIG_KEYS_SET),
             "ram": reload_ram_bytes,
-            "auto_class": auto_class_name(config),  # a reward model reloads with its score head
+            "auto_class": auto_class_name(config),  # a composite's own; a reward model's with its score head
             "trust_remote_code": carries_score_head(config),  # ... from the folder's modeling_score_head.py
         }
         found = reload_in_subprocess(request, folder.parent / f"{folder.name}.verify-offload")
@@ -367,6 +449,9 @@ def _compare_reload(
         )
     if found["config_diff"]:
         problems.append(f"config.json differs from the live config: {found['config_diff'][:3]}")
+    want = type(model).__name__.removeprefix("FSDP")  # what the export wrote in config.json's architectures
+    if found.get("architecture") != want:
+        problems.append(f"the reload built {found.get('architecture')}, the live model is {want}")
     tied = bool(tied_targets(model))
     if found["tied"] != tied:
         problems.append(f"tied embeddings: live model {tied}, reloaded {found['tied']}")

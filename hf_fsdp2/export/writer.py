@@ -40,6 +40,7 @@ from hf_fsdp2.export.errors import ExportError, ExportInterrupted, ExportResult,
 from hf_fsdp2.export.files import (
     INDEX_NAME,
     WEIGHTS_NAME,
+    Chunk,
     assemble_file,
     index_parts,
     nbytes,
@@ -53,6 +54,7 @@ from hf_fsdp2.export.plan import (
     export_config,
     make_plan,
 )
+from hf_fsdp2.export.source import ExportSource, copy_side_files
 from hf_fsdp2.model import auto_class_name
 from hf_fsdp2.score_head import write_modeling_file
 
@@ -122,6 +124,18 @@ def _write_weights(plan: ExportPlan, stage: Path) -> None:
 
     def assemble() -> None:
         chunks = index_parts(parts)
+        # A carried tensor is one whole chunk of a source file: its bytes are copied as they are (no torch, no
+        # gather, the source's dtype).
+        for key, tensor in plan.carried_tensors.items():
+            chunks[key] = [
+                Chunk(
+                    path=tensor.path,
+                    start=tensor.start,
+                    offsets=[0] * len(tensor.shape),
+                    shape=list(tensor.shape),
+                    dtype=tensor.dtype,
+                )
+            ]
         for i, (name, keys) in enumerate(zip(plan.names, plan.files, strict=True)):
             if i % collectives.world() == collectives.rank():
                 assemble_file(stage / name, keys, plan.shapes, plan.dtypes, chunks)
@@ -138,8 +152,10 @@ def _write_metadata(
     tokenizer: PreTrainedTokenizerBase | None,
     generation_config: GenerationConfig | None,
     model_card: str | None,
+    source: ExportSource | None,
 ) -> None:
-    """Rank 0: index, config (dtype and inference defaults), generation config, tokenizer, card."""
+    """Rank 0: index, config (dtype and inference defaults), generation config, tokenizer, the source checkpoint's
+    processor and chat-template files, card."""
     shutil.rmtree(stage / PARTS_NAME, ignore_errors=True)
     if len(plan.files) > 1:
         weight_map = {k: name for name, keys in zip(plan.names, plan.files, strict=True) for k in keys}
@@ -148,13 +164,16 @@ def _write_metadata(
     saved = export_config(config, plan.weights_dtype, architecture)
     saved.save_pretrained(stage)
     write_modeling_file(saved, stage)  # a score head transformers lacks: its class, named in config.auto_map
-    if (
-        auto_class_name(saved) == "AutoModelForCausalLM"
-    ):  # a reward model cannot generate: none, as transformers
+    # A reward model cannot generate: none, as transformers; a causal LM and a composite do.
+    if auto_class_name(saved) != "AutoModelForSequenceClassification":
         gen = generation_config or GenerationConfig.from_model_config(config)
         gen.save_pretrained(stage)
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
+    if source is not None:
+        copied = copy_side_files(source, stage)
+        if copied:
+            logger.info("export: copied %s from %s", ", ".join(copied), source.name_or_path)
     if model_card is not None:
         (stage / MODEL_CARD_NAME).write_text(model_card)
 
@@ -235,6 +254,7 @@ def export_model(
     verify: bool = True,
     verify_atol: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    source: ExportSource | None = None,
 ) -> ExportResult:
     """Write, verify and publish the consolidated HF folder of a (sharded) model; no rank gathers it.
 
@@ -252,6 +272,10 @@ def export_model(
         verify: check the folder before publishing it (see :func:`hf_fsdp2.export.verify.verify_export`).
         verify_atol: probe-logit limit (absolute); None = :func:`hf_fsdp2.export.probe.probe_limit`.
         compute_dtype: dtype the live model computes in (bf16 under mixed precision); None = its weights'.
+        source: the checkpoint the model was loaded from (``model_name_or_path``): what did not train (a
+            composite's frozen tower and projector) and what the class does not load (``mtp.*``) are copied from its
+            files byte for byte, the export must hold every one of its tensors, and its processor and chat-template
+            files are copied; None: every tensor from the shards (a model built in code).
 
     Returns:
         The published folder's description (the same on every rank).
@@ -266,7 +290,12 @@ def export_model(
     start = time.perf_counter()
     out = Path(out_dir)
     stage = out / STAGE_NAME
-    plan = run_on_all("planning the files", lambda: make_plan(model, dtype, max_shard_bytes))
+    plan = run_on_all("planning the files", lambda: make_plan(model, dtype, max_shard_bytes, source=source))
+    carried = (
+        plan.carried.summary(plan.weights_dtype if dtype != "training" else None) if plan.carried else ""
+    )
+    if carried:
+        logger.info("%s", carried)
 
     def prepare() -> None:
         if collectives.rank() == 0:
@@ -288,6 +317,7 @@ def export_model(
                 tokenizer=tokenizer,
                 generation_config=generation_config,
                 model_card=model_card,
+                source=source,
             )
 
     try:

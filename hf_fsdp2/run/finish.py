@@ -23,6 +23,7 @@ from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder
+from hf_fsdp2.export.source import ExportSource
 from hf_fsdp2.export.writer import export_model
 from hf_fsdp2.harness.evaluate import evaluate_after_export
 from hf_fsdp2.lora.adapter import LoraError
@@ -120,6 +121,8 @@ def export_run(
                 verify=e.export_verify,
                 verify_atol=e.export_verify_atol,
                 compute_dtype=session.compute_dtype,
+                # What did not train and what the class does not load: carried from the checkpoint's files.
+                source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
             )
     except Exception as err:  # whatever it was; a bug's traceback is kept, after the weights are safe
         saved = state.ensure_saved(last_step)

@@ -85,6 +85,7 @@ def main(argv: list[str]) -> None:
     live_config = request["config"]
     differ = sorted(k for k in set(config) | set(live_config) if config.get(k) != live_config.get(k))
     config_diff = [f"{k}: live {live_config.get(k)!r}, reloaded {config.get(k)!r}" for k in differ]
+    architecture = type(model).__name__  # the class the auto class chose from config.json
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and head.weight is emb.weight
     devices = sorted(set(map(str, (getattr(model, "hf_device_map", None) or {"": "cpu"}).values())))
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> None:
             "config_diff": config_diff,
             "config_keys": len(config),
             "tied": tied,
+            "architecture": architecture,
             "devices": devices,
             "hf_fsdp2": any(m.startswith("hf_fsdp2") for m in sys.modules),
         },
