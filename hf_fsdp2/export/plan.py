@@ -94,10 +94,12 @@ class Carried:
             if other and export_dtype is not None
             else ""
         )
+        parts = [f"{len(self.frozen)} that do not train"] if self.frozen else []
+        parts += [f"{len(self.unloaded)} the model class does not load"] if self.unloaded else []
         return (
             f"export: {len(self.tensors)} of the {len(self.source_names)} tensors of {self.source.name_or_path} are "
-            f"carried byte for byte from its files ({len(self.frozen)} that do not train, {len(self.unloaded)} the "
-            f"model class does not load, e.g. {(self.unloaded or list(self.frozen))[:2]}){note}"
+            f"carried byte for byte from its files ({', '.join(parts)}: e.g. {(self.unloaded or list(self.frozen))[:2]})"
+            f"{note}"
         ) + (f"; {dropped}" if dropped else "")
 
 

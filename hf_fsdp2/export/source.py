@@ -40,19 +40,23 @@ class ExportSource:
     name_or_path: str
     revision: str | None = None
 
-    def file(self, name: str) -> Path | None:
-        """A file of the checkpoint on this host (downloaded into the hub cache for a hub id), or None if the
-        checkpoint has none."""
+    @property
+    def is_local(self) -> bool:
+        return Path(self.name_or_path).expanduser().is_dir()
+
+    def file(self, name: str, *, download: bool = True) -> Path | None:
+        """A file of the checkpoint on this host (for a hub id: from the hub cache, downloaded into it unless
+        ``download`` is off), or None if the checkpoint has none (or, not downloading, the cache lacks it)."""
         from transformers.utils.hub import cached_file
 
-        local = Path(self.name_or_path).expanduser()
-        if local.is_dir():
-            path = local / name
+        if self.is_local:
+            path = Path(self.name_or_path).expanduser() / name
             return path if path.is_file() else None
         found = cached_file(
             self.name_or_path,
             name,
             revision=self.revision,
+            local_files_only=not download,
             _raise_exceptions_for_missing_entries=False,
             _raise_exceptions_for_connection_errors=False,
         )
@@ -96,11 +100,21 @@ def weight_map(source: ExportSource) -> dict[str, str] | None:
             return dict(json.loads(index.read_text())["weight_map"])
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ExportError(f"{index} cannot be read as a safetensors index ({err})") from err
-    single = source.file(WEIGHTS_NAME)
-    if single is None:
+    # One file: its header. A hub checkpoint's, when this host's cache lacks it (ranks on another node than the one
+    # that loaded it), over HTTP range requests: its names need no download of the weights.
+    single = source.file(WEIGHTS_NAME, download=False)
+    if single is not None:
+        header, _ = read_header(single)
+        return dict.fromkeys((k for k in header if k != "__metadata__"), WEIGHTS_NAME)
+    if source.is_local:
         return None
-    header, _ = read_header(single)
-    return dict.fromkeys((k for k in header if k != "__metadata__"), WEIGHTS_NAME)
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        metadata = get_safetensors_metadata(source.name_or_path, revision=source.revision)
+    except Exception:  # noqa: BLE001 - offline, gated, or no safetensors: the names cannot be read
+        return None
+    return dict(metadata.weight_map)
 
 
 def locate(source: ExportSource, names: list[str], files: dict[str, str]) -> dict[str, SourceTensor]:

@@ -18,7 +18,9 @@ from hf_fsdp2.composite import composite_spec, describe_parts, freeze_parts, vis
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.float8 import Float8Plan
 from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
-from hf_fsdp2.export.naming import checkpoint_layout
+from hf_fsdp2.export.errors import ExportError
+from hf_fsdp2.export.plan import check_whole_export
+from hf_fsdp2.export.source import ExportSource
 from hf_fsdp2.lora.adapter import apply_lora, format_memory_report, memory_report
 from hf_fsdp2.lora.merge import check_mergeable
 from hf_fsdp2.lora.quantize import QuantizationError, local_nf4_bytes, quantize_base
@@ -188,9 +190,15 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
     if note:
         logger.info(note)
         resize_embeddings(model, len(tokenizer))
-    # The export's checkpoint layout (names, per-expert splits of fused MoE tensors), planned now: a format
-    # the export cannot write is refused before training, not after it.
-    layout = checkpoint_layout(model, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    # The export's checkpoint layout (names, per-expert splits of fused MoE tensors) and what it carries from the
+    # checkpoint's files, planned now: a format the export cannot write, or a checkpoint tensor it would lack, is
+    # refused before training, not after it (every rank: the same files, the same answer).
+    source = ExportSource(m.model_name_or_path or "", m.model_revision)
+    layout, carried = collectives.run_on_all(
+        "planning the export", lambda: check_whole_export(model, source), ExportError
+    )
+    if carried is not None and (carried.unloaded or carried.left_out):
+        logger.info("%s", carried.summary(None))
     if layout.splits:
         logger.info(
             "export: %d fused expert tensors will be written per expert, as transformers saves them",

@@ -2,7 +2,8 @@
 Mistral 3 saved in bf16): trained on text with the tower and projector frozen, exported gather-free against the
 folder it was loaded from. The export holds every tensor of the source under its name, the tower and projector
 byte-identical to the source's; it reloads with the composite's own class and with AutoModelForImageTextToText, both
-equal to the trained model on text. An export that would lack a source tensor is refused; the offline export of a
+equal to the trained model on text. An export that would lack a source tensor is refused (by the recipe before
+training, by the export on every rank); the offline export of a
 2-rank checkpoint (which holds what trains, not the frozen tower) equals the live one."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file, save_file
 from support.composites import checkpoint_names, make_composite_dir
-from support.launch import python, torchrun
+from support.launch import SFT, python, torchrun
+from support.tiny import write_chat_jsonl
 
 from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.export.files import read_header
@@ -140,3 +142,18 @@ def test_the_offline_export_of_a_composite_checkpoint_equals_the_live_export(run
     live, offline = raw(out / "qwen3_5_vlm" / "export"), raw(target)
     assert sorted(offline) == checkpoint_names(folders["qwen3_5_vlm"])
     assert all(offline[n] == live[n] for n in live)
+
+
+def test_the_recipe_refuses_a_checkpoint_its_export_would_not_hold_whole_before_training(
+    run, tmp_path
+) -> None:
+    folders, _, _ = run
+    lacking = folders["qwen3_5_vlm"].parent / "lacking"
+    data_file = write_chat_jsonl(tmp_path / "chat.jsonl", 8, seed=1)
+    argv = ["--model_name_or_path", str(lacking), "--dataset_name", str(data_file), "--max_length", "64"]
+    argv += ["--per_device_train_batch_size", "2"]
+    refused = torchrun(SFT, [*argv, "--output_dir", str(tmp_path / "run")], nproc=2, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("hf_fsdp2 error:")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-3000:]
+    assert "would lack 1 of" in errors[0] and EXTRA in errors[0], errors[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before any step
