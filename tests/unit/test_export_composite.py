@@ -2,7 +2,7 @@
 from the source folder byte for byte (the frozen tower and projector, what the class does not load), the refusal of
 an export that would lack a source tensor, the metadata, and the verification's checks of the carried bytes.
 
-The 2-rank path, the reloads and the offline export are tested in tests/distributed/test_export_composite.py.
+The 2-rank path, the reloads and the offline export are tested in tests/distributed/test_export_composite_2rank.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_export_composite.py: per composite folder, load it with its own class on every
+"""Worker for tests/distributed/test_export_composite_2rank.py: per composite folder, load it with its own class on every
 rank, freeze the tower and projector, shard (each text decoder layer, the tower, the projector: one unit each), train
 one step on text, and export gather-free against the folder it was loaded from.
 
