@@ -1,6 +1,6 @@
 """2-rank gloo tests of a composite checkpoint's export (Gemma 3, Qwen3.5 with its unloaded ``mtp.*``, Llama 4,
-Mistral 3 saved in bf16): trained on text with the tower and projector frozen, exported gather-free against the
-folder it was loaded from. The export holds every tensor of the source under its name, the tower and projector
+Mistral 3 saved in bf16): loaded by rank 0 (the other rank on meta), trained on text with the tower and projector
+frozen, exported gather-free against the folder it was loaded from. The export holds every tensor of the source under its name, the tower and projector
 byte-identical to the source's; it reloads with the composite's own class and with AutoModelForImageTextToText, both
 equal to the trained model on text. An export that would lack a source tensor is refused (by the recipe before
 training, by the export on every rank); the offline export of a
@@ -73,6 +73,10 @@ def test_the_export_holds_every_source_tensor_with_the_tower_and_projector_byte_
 ) -> None:
     folders, out, report = run
     assert report[family]["verify"].startswith("verified"), report[family]["verify"]
+    assert report[family]["on_meta"] == [
+        False,
+        True,
+    ]  # rank-0 loading: rank 1's names come from the folder too
     assert len(report[family]["files"]) > 1
     source, exported = raw(folders[family]), raw(out / family / "export")
     assert sorted(exported) == checkpoint_names(folders[family])  # every name, none renamed, none added

@@ -1,5 +1,5 @@
-"""Worker for tests/distributed/test_export_composite_2rank.py: per composite folder, load it with its own class on every
-rank, freeze the tower and projector, shard (each text decoder layer, the tower, the projector: one unit each), train
+"""Worker for tests/distributed/test_export_composite_2rank.py: per composite folder, load it with its own class (rank 0
+reads the weights, the others build it on meta), freeze the tower and projector, shard (each text decoder layer, the tower, the projector: one unit each), train
 one step on text, and export gather-free against the folder it was loaded from.
 
 Run under torchrun with ``--family NAME=FOLDER`` pairs; rank 0 writes ``<out>/<name>/trained.pt`` (the full trained
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hf_fsdp2.checkpoint.checkpointer import Checkpointer
@@ -32,8 +33,14 @@ from hf_fsdp2.train.loss import cross_entropy_sum
 from hf_fsdp2.train.optim import build_adamw, param_groups
 
 
-def train_one(acc, folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:  # type: ignore[no-untyped-def]
-    model = load_model(str(folder))
+def train_one(acc, folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[bool]]:  # type: ignore[no-untyped-def]
+    # Rank-0 loading, as recipes load by default: the other ranks build the model on meta and get their shards, the
+    # frozen tower's too, from rank 0; their export names come from the folder's tensor names alike.
+    model = load_model(str(folder), empty_weights=acc.process_index != 0)
+    on_meta = [
+        False
+    ] * acc.num_processes  # which ranks built the model on meta (the test checks rank-0 loading)
+    dist.all_gather_object(on_meta, any(p.is_meta for p in model.parameters()))
     spec = composite_spec(model.config)
     assert spec is not None
     freeze_parts(model, spec, freeze_vision_tower=True, freeze_multi_modal_projector=True)
@@ -45,7 +52,7 @@ def train_one(acc, folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer
     acc.backward(cross_entropy_sum(logits, ids) / ids[:, 1:].numel())
     opt.step()
     opt.zero_grad()
-    return model, opt
+    return model, opt, on_meta
 
 
 def export(acc, model, folder: Path, out: Path, source: Path):  # type: ignore[no-untyped-def]
@@ -71,12 +78,13 @@ def main() -> None:
     ap.add_argument("--lacking", default="", help="FOLDER=OTHER: OTHER holds one tensor the model lacks")
     args = ap.parse_args()
     out = Path(args.out)
-    acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
+    plan = ShardingPlan(cpu_ram_efficient_loading=True)
+    acc = build_accelerator(plan, mixed_precision="no", compile_plan=CompilePlan())
     rank = acc.process_index
     report: dict = {}
     for pair in args.family:
         name, folder = pair.split("=", 1)
-        model, opt = train_one(acc, Path(folder))
+        model, opt, on_meta = train_one(acc, Path(folder))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             (out / name).mkdir(parents=True, exist_ok=True)
@@ -96,11 +104,15 @@ def main() -> None:
             )
             saver.save(1, model, opt, state, json.dumps({"model_name_or_path": folder, "seed": 1}))
         result = export(acc, model, Path(folder), out / name / "export", Path(folder))
-        report[name] = {"verify": result.verify.summary() if result.verify else "", "files": result.files}
+        report[name] = {
+            "verify": result.verify.summary() if result.verify else "",
+            "files": result.files,
+            "on_meta": on_meta,
+        }
         del model, opt
     if args.lacking:
         folder, other = args.lacking.split("=", 1)
-        model, _ = train_one(acc, Path(folder))
+        model, _, _ = train_one(acc, Path(folder))
         try:
             export(acc, model, Path(folder), out / "lacking", Path(other))
             report["lacking"] = {"error": "", "published": True}
