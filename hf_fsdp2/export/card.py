@@ -56,6 +56,7 @@ def render_model_card(
     reward: bool = False,
     remote_code: bool = False,
     learned_nothing: Sequence[str] = (),
+    image_text: bool = False,
 ) -> str:
     """README.md of an export: hub metadata (front matter), what was trained how, metrics, how to load.
 
@@ -71,6 +72,8 @@ def render_model_card(
         remote_code: its class is the folder's modeling_score_head.py (loaded with ``trust_remote_code=True``).
         learned_nothing: the run's collapses and steps without a learning signal (their log lines), when it went on
             past them (``on_collapse: warn``): a warning at the top of the card.
+        image_text: a composite checkpoint (vision tower + projector + language model): its pipeline, which parts
+            trained, and how to load it with ``AutoModelForImageTextToText``.
 
     Returns:
         The card's text.
@@ -86,7 +89,11 @@ def render_model_card(
         data_kwargs["datasets"] = [data]
     card_data = ModelCardData(
         library_name="transformers",
-        pipeline_tag="text-classification" if reward else "text-generation",
+        pipeline_tag="text-classification"
+        if reward
+        else "image-text-to-text"
+        if image_text
+        else "text-generation",
         tags=["hf_fsdp2", "fsdp2", *(["reward-model"] if reward else []), recipe, "safetensors"],
         **data_kwargs,
     )
@@ -102,6 +109,24 @@ def render_model_card(
         f"({recipe_title or recipe}, FSDP2{f' on {world_size} ranks' if world_size else ''}).",
         "",
     ]
+    if image_text:
+        kept = [
+            part
+            for part, key in (
+                ("vision tower", "freeze_vision_tower"),
+                ("multi-modal projector", "freeze_multi_modal_projector"),
+            )
+            if run_config.get(key, True)
+        ]
+        lines += [
+            "Its language model was fine-tuned; "
+            + (
+                f"the {' and the '.join(kept)} are the base model's, byte for byte (frozen)."
+                if kept
+                else "the vision tower and the projector were trained too."
+            ),
+            "",
+        ]
     if learned_nothing:  # said before anything else: the model below is not a trained one
         lines += ["## Warning: this run learned nothing", ""]
         lines += [f"- {line}" for line in learned_nothing]
@@ -156,14 +181,15 @@ def render_model_card(
             "",
         ]
         return "\n".join(lines)
+    auto = "AutoModelForImageTextToText" if image_text else "AutoModelForCausalLM"
     lines += [
         "",
         "## Load",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"from transformers import {auto}, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'model = {auto}.from_pretrained("{target}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
         'messages = [{"role": "user", "content": "Hello!"}]',
         "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt', return_dict=True)",

@@ -221,6 +221,7 @@ def prepare_offline_export(
     """
     from transformers import GenerationConfig
 
+    from hf_fsdp2.composite import composite_spec
     from hf_fsdp2.config import parse_size
     from hf_fsdp2.export.card import render_model_card
     from hf_fsdp2.model import auto_class_name, load_tokenizer
@@ -259,6 +260,7 @@ def prepare_offline_export(
         recipe="rm" if reward else "sft",
         recipe_title="reward modelling" if reward else "supervised fine-tuning",
         remote_code=carries_score_head(model.config),
+        image_text=composite_spec(model.config) is not None,
     )
     return OfflineExport(
         model=model,

@@ -19,6 +19,7 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.layout import CheckpointError
+from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
@@ -87,6 +88,7 @@ def export_run(
             reward=auto_class_name(unwrapped.config) == "AutoModelForSequenceClassification",
             remote_code=carries_score_head(unwrapped.config),
             learned_nothing=[f.message for f in state.guard.findings],
+            image_text=composite_spec(unwrapped.config) is not None,
         )
     try:
         if (

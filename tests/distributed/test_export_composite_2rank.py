@@ -146,6 +146,8 @@ def test_the_offline_export_of_a_composite_checkpoint_equals_the_live_export(run
     live, offline = raw(out / "qwen3_5_vlm" / "export"), raw(target)
     assert sorted(offline) == checkpoint_names(folders["qwen3_5_vlm"])
     assert all(offline[n] == live[n] for n in live)
+    card = (target / "README.md").read_text()
+    assert "AutoModelForImageTextToText.from_pretrained(" in card and "byte for byte (frozen)" in card
 
 
 def test_the_recipe_refuses_a_checkpoint_its_export_would_not_hold_whole_before_training(

@@ -230,3 +230,15 @@ def test_verification_catches_a_frozen_tensor_the_live_model_does_not_hold(
         model.get_parameter("model.vision_tower.ln_pre.weight").add_(1.0)
     with pytest.raises(ExportVerificationError, match=r"vision_tower\.ln_pre\.weight: the model's values"):
         verify_export(model, tmp_path, dtype="bfloat16", source=source)
+
+
+def test_the_model_card_of_a_composite_says_what_trained_and_how_to_load_it() -> None:
+    from hf_fsdp2.export.card import render_model_card
+
+    config = {"model_name_or_path": "google/gemma-3-4b-it", "dataset_name": "org/chat"}
+    card = render_model_card(config, metrics=None, image_text=True)
+    assert "pipeline_tag: image-text-to-text" in card
+    assert "AutoModelForImageTextToText.from_pretrained(" in card and "AutoModelForCausalLM" not in card
+    assert "the vision tower and the multi-modal projector are the base model's, byte for byte" in card
+    text = render_model_card(config, metrics=None)
+    assert "pipeline_tag: text-generation" in text and "AutoModelForCausalLM.from_pretrained(" in text
