@@ -158,6 +158,11 @@ def build_merged_twin(
     auto = getattr(transformers, auto_class_name(base.config))  # a reward model's twin has its score head
     with torch.device("meta"):
         twin = auto.from_config(base.config, dtype=next(iter(merged.values())).dtype)
+    # The checkpoint's names as the live model has them (derived from the folder on every rank): a model built from
+    # its config gets the class's conversions minus every prefix change, and would name a composite's tower
+    # (Gemma 3's vision_tower.vision_model.*) otherwise than its checkpoint.
+    if getattr(base, "_weight_conversions", None) is not None:
+        twin._weight_conversions = base._weight_conversions
     kwargs: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     if dist.is_initialized():  # sharded like the live model; one process (offline export): a plain model
         for module in twin.modules():
@@ -182,10 +187,23 @@ def build_merged_twin(
             if twin_buf is not None:
                 twin_buf.copy_(buf.to(twin_buf.device, twin_buf.dtype))
     twin.tie_weights()
+    frozen_like_the_run(twin)
     generation = getattr(base, "generation_config", None) or getattr(twin, "generation_config", None)
     if generation is not None:  # a reward model (sequence classification) has none
         twin.generation_config = generation
     return twin
+
+
+def frozen_like_the_run(model: torch.nn.Module) -> None:
+    """The merged model's parameters marked as the run trained them: a composite's vision tower and projector frozen
+    (they take no adapter: :func:`~hf_fsdp2.lora.build.composite_parts`), everything else trained (merged). The
+    export carries what is frozen byte for byte from the base checkpoint's files, as a full export does, and writes
+    the rest from the merged weights."""
+    from hf_fsdp2.lora.build import composite_parts, under
+
+    parts = composite_parts(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not under(parts, name))
 
 
 def _check_finite_weights(peft_model: Any, adapter_dir: Path, base_model: str) -> None:
@@ -241,11 +259,14 @@ def merge_adapter_offline(
     Raises:
         LoraError: not a PEFT LoRA adapter folder, or no base model known.
     """
+    import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from hf_fsdp2.export import check_export_dir, export_model
     from hf_fsdp2.export.folder import folder_problems, is_checkpoint
+    from hf_fsdp2.export.source import ExportSource
+    from hf_fsdp2.model import auto_class_name, embedding_rows
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG_NAME).is_file():
@@ -269,16 +290,21 @@ def merge_adapter_offline(
     if not base_model:
         raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG_NAME} names no base model; give --base-model")
     check_export_dir(out_dir, overwrite=overwrite)
-    base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32, **NO_HUB_KERNELS)
+    # The base's own auto class: a composite checkpoint's (vision tower + projector + language model) loads whole.
+    auto = getattr(transformers, auto_class_name(AutoConfig.from_pretrained(str(base_model))))
+    base = auto.from_pretrained(str(base_model), dtype=torch.float32, **NO_HUB_KERNELS)
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     peft_model.eval()
     _check_finite_weights(peft_model, adapter_dir, str(base_model))
     from hf_fsdp2.export.probe import probe_ids
 
-    ids = probe_ids(int(base.config.vocab_size))
+    ids = probe_ids(int(embedding_rows(base.config) or 0))  # a composite's vocabulary is its text config's
     with torch.no_grad():
         unmerged = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
     merged = peft_model.merge_and_unload()
+    frozen_like_the_run(
+        merged
+    )  # PEFT froze the whole base: what merged is written, a composite's tower carried
     with torch.no_grad():
         got = merged(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
     diff = float((got - unmerged).abs().max())
@@ -301,6 +327,7 @@ def merge_adapter_offline(
         max_shard_bytes=max_shard_bytes,
         verify=verify,
         compute_dtype=torch.float32,
+        source=ExportSource(str(base_model)),
     )
     return {
         "out_dir": str(result.out_dir),

@@ -95,6 +95,7 @@ def write_lora(job: OfflineExport, verify: bool, verify_atol: float | None) -> E
         verify_atol=verify_atol,
         model_card=job.card,
         is_main_process=True,
+        source=job.source,
     )
     files = [ADAPTER_WEIGHTS_NAME] + (["merged/"] if done.merged_dir else [])
     return ExportResult(

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
+from hf_fsdp2.export.source import ExportSource
 from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, MERGED_DIR_NAME, reshard
 from hf_fsdp2.lora.merge import build_merged_twin
 
@@ -52,15 +53,16 @@ def gather_adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]
 
 
 def head_request(model: torch.nn.Module) -> dict[str, Any]:
-    """A reward model's reload: the base loaded with ``AutoModelForSequenceClassification``, one label and the run's
-    padding id (PEFT's adapter folder holds the trained score head); empty for a causal LM."""
+    """The reload's auto class: a reward model's base loaded with ``AutoModelForSequenceClassification``, one label
+    and the run's padding id (PEFT's adapter folder holds the trained score head); a composite checkpoint's with
+    ``AutoModelForImageTextToText`` (the adapter loads on the composite, as a user loads it); empty for a causal LM."""
     from hf_fsdp2.model import auto_class_name
     from hf_fsdp2.score_head import carries_score_head, modeling_source, score_head_class
 
     config: Any = model.config
     name = auto_class_name(config)
-    if name == "AutoModelForCausalLM":
-        return {}
+    if name != "AutoModelForSequenceClassification":
+        return {} if name == "AutoModelForCausalLM" else {"auto_class": name}
     request = {"auto_class": name, "head": {"num_labels": 1, "pad_token_id": config.pad_token_id}}
     if carries_score_head(
         config
@@ -107,8 +109,9 @@ def verify_adapter(
     from hf_fsdp2.export import reload_scripts
     from hf_fsdp2.export.probe import live_logits, probe_ids, probe_limit, reference_dtype
     from hf_fsdp2.export.verify import digest, reload_in_subprocess
+    from hf_fsdp2.model import embedding_rows
 
-    ids = probe_ids(int(model.config.vocab_size))  # type: ignore[union-attr,arg-type]
+    ids = probe_ids(int(embedding_rows(model.config) or 0))  # type: ignore[arg-type]  # a composite's text config
     live = live_logits(model, ids)  # every rank
     report = VerifyReport(reload_dtype=str(compute_dtype).removeprefix("torch."), reload_devices=["cpu"])
     report.logit_scale = float(live.abs().max())
@@ -244,6 +247,7 @@ def export_lora(
     model_card: str | None = None,
     is_main_process: bool,
     base_dtype: torch.dtype | None = None,
+    source: ExportSource | None = None,
 ) -> LoraExport:
     """The end-of-training LoRA export: the adapter in ``out_dir`` and, with ``merge``, the merged model
     in ``out_dir/merged``. Each is written to a staging folder, verified, and only then published: a
@@ -266,6 +270,9 @@ def export_lora(
         is_main_process: whether this rank writes the small files.
         base_dtype: the dtype the live model's frozen base was loaded in, when it computes in another one (an
             offline export upcasts a bf16 run's base to fp32): the reload loads it so too. None: compute_dtype.
+        source: the base checkpoint (``model_name_or_path`` and its revision): the merged export carries from its
+            files what did not train (a composite's vision tower and projector) and what the class does not load, as
+            a full export does. None: ``base_model`` at its default revision.
 
     Returns:
         The folders and their verification reports (None when not verified).
@@ -336,6 +343,7 @@ def export_lora(
             verify=verify,
             verify_atol=verify_atol,
             compute_dtype=compute_dtype,
+            source=source if source is not None else ExportSource(base_model),
         )
         result.merged_dir, result.merged_report = merged_dir, merged.verify
         del twin

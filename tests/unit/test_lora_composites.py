@@ -130,3 +130,44 @@ def test_qlora_quantises_the_language_models_layers_only(folders: dict[str, Path
     model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     assert not _outside(_adapted(model), "gemma3_vlm")
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9]])).logits).all()
+
+
+@pytest.mark.parametrize("family", ["gemma3_vlm", "llama4_vlm"])
+def test_an_adapter_merged_offline_is_the_whole_composite_with_the_tower_carried(
+    folders: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """``hf-fsdp2 merge-adapter`` on a composite's adapter: the merged folder holds every tensor of the base under its
+    name, the tower and projector byte-identical (the base's dtype), and loads with AutoModelForImageTextToText to
+    base + adapter's logits. Llama 4 loads as its text model with AutoModelForCausalLM: the base class decides."""
+    from safetensors import safe_open
+    from support.composites import checkpoint_names
+
+    from hf_fsdp2.lora.merge import merge_adapter_offline
+
+    base = folders[family]
+    model = apply_lora(_load(base), LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.save_pretrained(tmp_path / "adapter")
+    merge_adapter_offline(tmp_path / "adapter", tmp_path / "merged", dtype="bfloat16")
+    assert checkpoint_names(tmp_path / "merged") == checkpoint_names(base)
+    spec = COMPOSITES[_ARCH[family]]
+    with (
+        safe_open(str(base / "model.safetensors"), "pt") as src,
+        safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as out,
+    ):
+        text = spec.language_model.removeprefix("model.")  # the hub's names: Gemma 3's language_model.model.*
+        frozen = [k for k in checkpoint_names(base) if not k.startswith(text) and "lm_head" not in k]
+        assert frozen
+        for key in frozen:
+            a, b = src.get_tensor(key), out.get_tensor(key)
+            assert a.dtype == b.dtype and torch.equal(a, b), key
+    merged = _load(tmp_path / "merged").eval()
+    assert type(merged).__name__ == _ARCH[family]
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())  # bf16 language model
