@@ -10,6 +10,11 @@ For each family, a tiny random-init model built from its transformers config, wi
   a LoRA adapter (reloaded with plain PEFT) and its merge (plain transformers) too;
 * a bf16 mixed-precision run has finite, decreasing losses.
 
+The composite checkpoints (a vision tower + projector + language model in one folder: Gemma 3, Qwen3.5 dense and MoE,
+Llama 4, Mistral 3; tests/support/composites.py) are rows like the others, trained on text with the tower and the
+projector frozen, against their own class (``AutoModelForImageTextToText``); their export (and merged LoRA export)
+holds every tensor of the checkpoint under its name, the tower and projector byte-identical.
+
 docs/models.md holds the same matrix as a table; ``test_docs_table_matches_the_matrix`` keeps them equal.
 """
 
@@ -23,14 +28,29 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support.composites import COMPOSITE_FAMILIES, checkpoint_names, make_composite_dir
 from support.families import FAMILIES, LR, STEPS, family_batches, make_family_dir
 from support.launch import REPO, torchrun
 from support.runs import sft_2ranks, write_recipe
 from support.tiny import write_chat_jsonl
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 WORKER = Path(__file__).parent / "workers" / "family_worker.py"
 WORLD = 2
+# The composite checkpoints (vision tower + projector + language model, tests/support/composites.py) are rows like the
+# others: trained on text with the tower and projector frozen, against their own class in one process.
+COMPOSITE = tuple(COMPOSITE_FAMILIES)
+ALL = (*FAMILIES, *COMPOSITE)
+# A composite's vision tower and projector: their module names (Gemma 3, Mistral 3, Qwen3.5, Llama 4), and their
+# checkpoint names, with Qwen3.5's mtp.* that the class does not load.
+TOWER_MODULES = (
+    "model.vision_tower.",
+    "model.visual.",
+    "vision_model.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
+TOWER_NAMES = ("model.visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mtp.")
 LORA = (
     "llama_tied",
     "llama3_untied",
@@ -39,11 +59,16 @@ LORA = (
     "deepseek_v3",
     "falcon_h1",
     "llama4_text",
+    "gemma3_vlm",
 )
 # What all-linear leaves out (hf_fsdp2.lora.build.lora_exclusions), stated here for the plain-PEFT reference: a
 # Mamba-2 mixer's out_proj (its weight goes to mamba-ssm's fused kernel on CUDA; PEFT refuses it on Falcon-H1), and
-# Llama 4's router (an nn.Linear whose forward returns a tuple).
-LORA_EXCLUDED = {"falcon_h1": r".*\.mamba\.out_proj", "llama4_text": r".*\.feed_forward\.router"}
+# Llama 4's router (an nn.Linear whose forward returns a tuple); on a composite, its frozen vision tower and projector.
+LORA_EXCLUDED = {
+    "falcon_h1": r".*\.mamba\.out_proj",
+    "llama4_text": r".*\.feed_forward\.router",
+    "gemma3_vlm": r"model\.vision_tower(\..*)?|model\.multi_modal_projector(\..*)?",
+}
 # LoRA on fused MoE experts: the adapter is exported, its merge refused before training, naming the experts' class.
 LORA_MERGE_REFUSED = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts"}
 
@@ -53,13 +78,15 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("families")
     for family in FAMILIES:
         make_family_dir(root / "models" / family, family)
+    for family in COMPOSITE:
+        make_composite_dir(root / "models" / family, family)
     torchrun(
         WORKER,
         [
             "--root",
             str(root / "models"),
             "--families",
-            ",".join(FAMILIES),
+            ",".join(ALL),
             "--lora",
             ",".join(LORA),
             "--out",
@@ -80,9 +107,16 @@ def _result(out: Path, family: str) -> dict:
 def reference(
     model_dir: Path, *, lora: bool = False, exclude: str | None = None
 ) -> tuple[list[float], torch.nn.Module]:
-    """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches."""
+    """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches; a composite
+    with its own class, its tower and projector frozen."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    composite = model_dir.name in COMPOSITE
+    auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+    if composite:
+        for name, param in model.named_parameters():
+            if name.startswith(TOWER_MODULES):
+                param.requires_grad_(False)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -100,7 +134,8 @@ def reference(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    coef = model.config.router_aux_loss_coef if getattr(model.config, "output_router_logits", False) else 0.0
+    text = model.config.get_text_config()
+    coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     losses = []
     for step in range(STEPS):
         micro = [b for rank in range(WORLD) for b in family_batches(step, rank)]
@@ -134,7 +169,7 @@ def _close(got: list[float], want: list[float]) -> float:
     return rel
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(ALL))
 def test_family_trains_like_transformers_and_exports(matrix: tuple[Path, Path], family: str) -> None:
     models, out = matrix
     result = _result(out, family)
@@ -145,11 +180,32 @@ def test_family_trains_like_transformers_and_exports(matrix: tuple[Path, Path], 
     _close(result["chunked"]["losses"], want)
     _close(result["plain"]["losses"], want)
     assert result["export"].startswith("verified"), result["export"]
-    reloaded = AutoModelForCausalLM.from_pretrained(out / family / "export", dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if family in COMPOSITE else AutoModelForCausalLM
+    reloaded = auto.from_pretrained(out / family / "export", dtype=torch.float32).eval()
+    if family in COMPOSITE:  # the whole checkpoint under its names, what did not train byte-identical
+        assert type(reloaded).__name__ == type(ref_model).__name__
+        assert checkpoint_names(out / family / "export") == checkpoint_names(models / family)
+        _same_frozen_bytes(models / family, out / family / "export")
     expected = _probe(ref_model)
     assert float((_probe(reloaded) - expected).abs().max()) <= 1e-3 * max(1.0, float(expected.abs().max()))
     bf16 = result["bf16"]
     assert bf16["finite"] and bf16["losses"][-1] < bf16["losses"][0], bf16["losses"]
+
+
+def _same_frozen_bytes(source: Path, export: Path) -> None:
+    """The tensors of the vision tower and projector (and Qwen3.5's mtp.*) in ``export`` equal ``source``'s, dtype
+    and bytes."""
+    from safetensors import safe_open
+
+    frozen = [n for n in checkpoint_names(source) if n.startswith(TOWER_NAMES)]
+    assert frozen
+    with (
+        safe_open(str(source / "model.safetensors"), "pt") as a,
+        safe_open(str(export / "model.safetensors"), "pt") as b,
+    ):
+        for name in frozen:
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("family", LORA)
@@ -163,7 +219,8 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
     assert all(r.startswith("verified") for r in result["lora_export"]), result["lora_export"]
     expected = _probe(ref_model)
     limit = 1e-3 * max(1.0, float(expected.abs().max()))
-    base = AutoModelForCausalLM.from_pretrained(models / family, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if family in COMPOSITE else AutoModelForCausalLM
+    base = auto.from_pretrained(models / family, dtype=torch.float32)
     adapter = PeftModel.from_pretrained(base, out / family / "lora").eval()
     assert float((_probe(adapter) - expected).abs().max()) <= limit
     assert ("lora_merge_refused" in result) == (family in LORA_MERGE_REFUSED), result.get(
@@ -173,10 +230,11 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
         assert LORA_MERGE_REFUSED[family] in result["lora_merge_refused"]
         assert not (out / family / "lora" / "merged").exists()
         return
-    merged = AutoModelForCausalLM.from_pretrained(
-        out / family / "lora" / "merged", dtype=torch.float32
-    ).eval()
+    merged = auto.from_pretrained(out / family / "lora" / "merged", dtype=torch.float32).eval()
     assert float((_probe(merged) - expected).abs().max()) <= limit
+    if family in COMPOSITE:  # the merged export is the whole composite, the tower carried
+        assert checkpoint_names(out / family / "lora" / "merged") == checkpoint_names(models / family)
+        _same_frozen_bytes(models / family, out / family / "lora" / "merged")
 
 
 def test_moe_router_loss_is_logged_apart_and_only_when_asked(matrix: tuple[Path, Path]) -> None:
@@ -247,7 +305,8 @@ def test_docs_table_matches_the_matrix() -> None:
         match = re.match(r"^\| `(\w+)` \|", line)
         if match:
             rows[match.group(1)] = line
-    assert set(rows) == set(FAMILIES), sorted(set(rows) ^ set(FAMILIES))
+    assert set(rows) == set(ALL), sorted(set(rows) ^ set(ALL))
     for family, line in rows.items():
-        assert FAMILIES[family][0].removesuffix("Config") in line, line
+        config = (FAMILIES[family] if family in FAMILIES else COMPOSITE_FAMILIES[family])[0]
+        assert config.removesuffix("Config") in line, line
         assert ("LoRA" in line) == (family in LORA), line

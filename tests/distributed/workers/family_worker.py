@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 from support.families import CHUNK, LR, STEPS, family_batches
 
+from hf_fsdp2.composite import composite_spec, freeze_parts
 from hf_fsdp2.config.plans import CompilePlan, LoraSettings, ShardingPlan
 from hf_fsdp2.export import export_model
 from hf_fsdp2.export.reload_process import shared_reload_process
+from hf_fsdp2.export.source import ExportSource
 from hf_fsdp2.lora.adapter import LoraError, apply_lora
 from hf_fsdp2.lora.merge import check_mergeable
 from hf_fsdp2.lora.save import export_lora
-from hf_fsdp2.model import decoder_layer_classes, load_model, load_tokenizer
+from hf_fsdp2.model import decoder_layer_classes, fsdp_unit_classes, load_model, load_tokenizer
 from hf_fsdp2.parallel.accelerator import build_accelerator, mixed_precision_policy
 from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
 from hf_fsdp2.train.loss import plan_loss
@@ -35,10 +37,13 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
     acc.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(mixed_precision, "float32")
     torch.manual_seed(0)
     model = load_model(model_dir)
+    spec = composite_spec(model.config)
+    if spec is not None:  # as the run: the tower and projector frozen before the adapters, one unit each
+        freeze_parts(model, spec, freeze_vision_tower=True, freeze_multi_modal_projector=True)
     if lora:
         model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     layers = decoder_layer_classes(model)
-    model = parallelize(model, acc, ParallelPlan(layer_cls=layers))
+    model = parallelize(model, acc, ParallelPlan(layer_cls=layers, units=fsdp_unit_classes(model, layers)))
     opt = build_adamw(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
     plan = plan_loss(model, chunk)
     settings = StepSettings(plan, max_grad_norm=1.0)
@@ -77,6 +82,8 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
                 generation_config=None,
                 dtype="float32",
                 max_shard_bytes=10**9,
+                # A composite's frozen tower and projector (and Qwen3.5's mtp.*) carried from its files, as the run.
+                source=ExportSource(model_dir) if composite_spec(model.config) is not None else None,
             )
             result["export"] = done.verify.summary() if done.verify else None
         del model
