@@ -154,3 +154,51 @@ def test_a_reward_model_over_a_composite_exports_the_whole_checkpoint(
             assert torch.equal(src.get_tensor(key), got.get_tensor(key)), key
     model = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Gemma3ForSequenceClassification"
+
+
+def test_qlora_on_a_composite_quantises_its_language_model_and_merges_into_the_whole_checkpoint(
+    assets: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+    from support.tiny import write_chat_jsonl
+
+    out = tmp_path / "qlora"
+    run = _run(
+        "sft",
+        assets["gemma3"],
+        write_chat_jsonl(tmp_path / "chat.jsonl", 16, seed=3),
+        out,
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--use_peft",
+        "true",
+        "--load_in_4bit",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--merge_adapter",
+        "true",
+        "--learning_rate",
+        "1e-2",
+    )
+    text = run.stdout + run.stderr
+    # The language model's 2 layers x 7 linears in NF4; SigLIP's encoder layers (in the composite's
+    # _no_split_modules) keep their dtype.
+    assert "4-bit base (NF4, double-quantised scales): 14 linear weights of the decoder layers" in text
+    assert "adapter reloaded with plain PEFT on the 4-bit base" in text
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert "model\\.vision_tower" in adapter["exclude_modules"]
+    merged = out / "merged"
+    assert checkpoint_names(merged) == checkpoint_names(assets["gemma3"])
+    with (
+        safe_open(str(assets["gemma3"] / "model.safetensors"), "pt") as src,
+        safe_open(str(merged / "model.safetensors"), "pt") as got,
+    ):
+        for key in (
+            k for k in checkpoint_names(merged) if k.startswith(("vision_tower.", "multi_modal_projector."))
+        ):
+            assert torch.equal(src.get_tensor(key), got.get_tensor(key)), key
