@@ -109,6 +109,8 @@ def export_run(
                 verify_atol=e.export_verify_atol,
                 model_card=card,
                 is_main_process=session.is_main,
+                # The merged copy's frozen parts are carried from the base's files, at the run's revision.
+                source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
             )
         else:
             export_model(

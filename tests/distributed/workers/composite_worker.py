@@ -1,4 +1,4 @@
-"""A tiny composite checkpoint on however many gloo ranks this is launched with (tests/distributed/test_composite.py).
+"""A tiny composite checkpoint on however many gloo ranks this is launched with (tests/distributed/test_composite_2rank.py).
 
 ``--mode names``: rank 0 loads the folder, the others build the model on meta (rank-0 loading); every rank's export
 names (its checkpoint layout, ties dropped) gathered into ``--out``.
