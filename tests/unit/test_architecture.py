@@ -221,3 +221,12 @@ def test_written_constructors_of_more_than_four_parameters_take_keywords() -> No
                         offenders.append(f"{path.relative_to(REPO)}:{node.name} ({positional} positional)")
     assert checked > 10, "the walk found the package's written constructors"
     assert not offenders, f"make the parameters after the third keyword-only (*) in {offenders}"
+
+
+def test_no_library_file_is_over_500_lines() -> None:
+    """One concern per module keeps files short: a file that grows past 500 lines is split along a seam (a concern
+    of its own in a module of its own), not trimmed."""
+    sizes = {str(p.relative_to(REPO)): p.read_text().count("\n") for p in sorted(PACKAGE.rglob("*.py"))}
+    assert len(sizes) > 150, "the walk found the package's files"
+    over = {path: n for path, n in sizes.items() if n > 500}
+    assert not over, f"split these along a seam (docs/architecture.md names each module): {over}"
