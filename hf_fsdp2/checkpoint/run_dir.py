@@ -28,16 +28,13 @@ from typing import Any
 
 import yaml
 
-from hf_fsdp2.checkpoint.layout import LATEST, PREFIX, TMP_PREFIX, CheckpointError
+from hf_fsdp2.checkpoint.layout import ATTEMPT_DIR, LATEST, PREFIX, RESTARTS_FILE, TMP_PREFIX, CheckpointError
 from hf_fsdp2.checkpoint.resume import check_config_compatible, resolve_auto
 from hf_fsdp2.config import CONFIG_NAME, ConfigError
 
 logger = logging.getLogger("hf_fsdp2")
 
 LOCK_NAME = ".hf_fsdp2.lock"
-# How the ranks of a failed attempt ended (hf_fsdp2.elastic.attempts), and the run's restarts so far.
-ATTEMPT_DIR = ".hf_fsdp2_attempt"
-RESTARTS_FILE = "restarts.json"
 # What a run writes before its first training step; a folder holding nothing else has no run to keep.
 START_FILES = {
     CONFIG_NAME,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_fsdp2.checkpoint.run_dir import ATTEMPT_DIR, RESTARTS_FILE
+from hf_fsdp2.checkpoint.layout import ATTEMPT_DIR, RESTARTS_FILE
 from hf_fsdp2.elastic.agent import AgentLaunch
 from hf_fsdp2.elastic.progress import PROGRESS, START_UP, STEP
 

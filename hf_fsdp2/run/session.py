@@ -39,6 +39,7 @@ from hf_fsdp2.elastic.agent import (
     resume_setting,
 )
 from hf_fsdp2.elastic.progress import PROGRESS
+from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
 from hf_fsdp2.model import check_max_length, load_model_config, text_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
@@ -92,6 +93,7 @@ class Session:
     hub_token: str | None
     lock: RunLock
     launch: AgentLaunch
+    watchdog: Watchdog
     # The checkpoint this attempt resumes ("latest" or a folder; None: a fresh start), and whether
     # resume_from_checkpoint=auto found it (then it must be this run's).
     resume_from: str | None = None
@@ -126,6 +128,8 @@ class Session:
         check_max_length(d.max_length, model_config)
         # Debug variables before the process group exists; trackers (checked installed) before any work.
         debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
+        # The flight recorder, whose record of each rank's last collectives the hang watchdog dumps with its stacks.
+        debug_env += flight_recorder_env(output_dir / "debug") if cfg.restart.hang_timeout != 0 else []
         trackers = build_trackers(
             o.report_to,
             output_dir / "tensorboard",
@@ -239,6 +243,12 @@ class Session:
         rank0_decides(claim)
         resume_from = broadcast_object(decided[0])  # what rank 0 found under the lock, on every rank
         PROGRESS.reset(output_dir)
+        watchdog = Watchdog(
+            timeout_s=cfg.restart.hang_timeout,
+            output_dir=output_dir,
+            rank=accelerator.process_index,
+            world=accelerator.num_processes,
+        )
         session = cls(
             cfg=cfg,
             accelerator=accelerator,
@@ -249,6 +259,7 @@ class Session:
             hub_token=hub_token,
             lock=lock,
             launch=agent,
+            watchdog=watchdog,
             resume_from=resume_from,
             resume_auto=setting.resume == AUTO,
             started=started,
@@ -265,6 +276,8 @@ class Session:
                 "world size %d on %s; mixed precision %s", session.world, session.device, t.mixed_precision
             )
             logger.info("restarts: %s", agent.describe())
+            watchdog.start()
+            logger.info("hang watchdog: %s", describe_watchdog(cfg.restart.hang_timeout))
             if setting.note:
                 logger.info("%s", setting.note)
             logger.info(
@@ -272,6 +285,7 @@ class Session:
                 describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy),
             )
         except BaseException:
+            watchdog.stop()
             lock.release()
             raise
         return session
@@ -282,6 +296,7 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self.watchdog.stop()
         self.lock.release()
 
     @property

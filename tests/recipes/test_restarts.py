@@ -8,7 +8,9 @@ agent forking each attempt's ranks from the launch server) with faults injected 
   equal an uninterrupted run's exactly, restarts.json / summary.json / the model card name each restart's rank,
   where it ended and the steps lost, and the checkpoint being written when it died is never resumed;
   ``resume_from_checkpoint: auto`` then refuses the uninterrupted run's folder for another seed (another run's);
-* a run whose rank fails at the same step in every attempt stops after its restarts, saying so with the cause.
+* a rank that stops answering at a step is named, with every rank's stack, within ``hang_timeout`` + 30 s, and the
+  run restarts; when it then fails at that step in every attempt, it stops after its restarts with the cause, saying
+  the failure is not transient.
 """
 
 from __future__ import annotations
@@ -119,29 +121,54 @@ def test_three_kills_finish_by_themselves_and_equal_an_uninterrupted_run(assets,
     assert "seed: checkpoint 42 vs now 7" in proc.stderr
 
 
-def test_a_failure_at_the_same_step_stops_after_its_restarts_with_the_cause(assets, tmp_path: Path) -> None:
+def test_a_hang_is_named_with_every_ranks_stack_and_a_repeated_failure_stops_the_run(
+    assets, tmp_path: Path
+) -> None:
+    """Attempt 0: rank 1 stops answering at step 3 (it sleeps; rank 0 waits for it in the step's first collective):
+    the watchdog names both with their stacks within hang_timeout + 30 s and the run restarts. Attempts 1 and 2: rank 1
+    fails at step 3 again: the run stops after its 2 restarts, saying the failure is not transient, with its cause."""
     model, data = assets
     out = tmp_path / "run"
-    recipe = _recipe(tmp_path / "r.yaml", model, data, out, max_steps=3, save_steps=1)
-    faults = [{"attempt": a, "rank": 1, "at": "error", "step": 2} for a in (0, 1)]
+    recipe = _recipe(tmp_path / "r.yaml", model, data, out, max_steps=4, save_steps=2, hang_timeout=4)
+    faults = [{"attempt": 0, "rank": 1, "at": "hang", "step": 3}]
+    faults += [{"attempt": a, "rank": 1, "at": "error", "step": 3} for a in (1, 2)]
     proc = elastic(
         SFT,
         ["--config", str(recipe)],
         launcher="torchrun",
-        launcher_args=["--nproc_per_node", "2", "--max_restarts", "1", "--monitor_interval", "0.1"],
+        launcher_args=["--nproc_per_node", "2", "--max_restarts", "2", "--monitor_interval", "0.1"],
         faults=faults,
         check=False,
     )
     assert proc.returncode != 0
-    assert "RuntimeError: injected failure at step 2" in proc.stderr
+    # The hang: named within hang_timeout + 30 s of rank 1's stall, each rank where it is, rank 1 the one waited for.
+    (hang,) = [line for line in proc.stderr.splitlines() if line.startswith("hf_fsdp2 error: hang at step 3")]
+    stalled = float(
+        next(line for line in proc.stderr.splitlines() if "test fault: hang" in line).rsplit(" at ", 1)[1]
+    )
+    took = float(hang.split("no step finished for ", 1)[1].split(" s", 1)[0])
+    assert 4 <= took <= 4 + 30, hang
+    assert "(hang_timeout 4 s)" in hang
+    assert ") waits in a collective: all_reduce in read_step_counts (train/step.py:" in hang, hang
+    assert ") is not in a collective: _at_step (support/elastic_rank.py:" in hang, hang
+    assert (
+        "the others wait for rank 1" in hang and "The launcher restarts the run (2 of max_restarts 2" in hang
+    )
+    stacks = {r: (out / "debug" / f"hang-step3-rank{r}.txt").read_text() for r in (0, 1)}
+    assert "elastic_rank.py" in stacks[1] and "_at_step" in stacks[1]
+    assert "distributed_c10d.py" in stacks[0] and "read_step_counts" in stacks[0]
+    named = (out / "debug" / "hang-step3-rank0.txt").stat().st_mtime  # written as the hang was named
+    assert named - stalled <= 4 + 30, (named, stalled)
+    # The repeated failure: stopped after its restarts, with the cause, said plainly.
+    assert proc.stderr.count("RuntimeError: injected failure at step 3") >= 2
     said = [line for line in proc.stderr.splitlines() if "No restart is left" in line]
     assert (
         said
-        and "all 2 attempts (max_restarts 1) ended during step 2, so the failure is not transient" in said[0]
+        and "all 3 attempts (max_restarts 2) ended during step 3, so the failure is not transient" in said[0]
     )
-    (restart,) = json.loads((out / "restarts.json").read_text())["restarts"]
-    assert restart["kind"] == "error" and restart["ranks"] == [1] and restart["step"] == 2
-    assert restart["cause"] == "rank 1: RuntimeError: injected failure at step 2"
-    assert restart["resumed_from_step"] == 1 and restart["steps_lost"] == 0
-    # The agent ran both attempts and no third (max_restarts 1).
-    assert proc.stderr.count("test fault: error at step 2") == 2
+    restarts = json.loads((out / "restarts.json").read_text())["restarts"]
+    assert [(r["kind"], r["ranks"], r["step"]) for r in restarts] == [("hang", [1], 3), ("error", [1], 3)]
+    assert restarts[1]["cause"] == "rank 1: RuntimeError: injected failure at step 3"
+    assert all(r["resumed_from_step"] == 2 and r["steps_lost"] == 0 for r in restarts)
+    assert "The last 2 attempts all ended at step 3" in proc.stderr  # the warning at the last attempt's start
+    assert proc.stderr.count("test fault: error at step 3") == 2  # no attempt after the last restart

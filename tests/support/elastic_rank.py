@@ -42,11 +42,8 @@ def _kill() -> None:
 
 def _at_step(step: int, fault: dict[str, Any]) -> None:
     """What the fault does at the start of its step."""
-    print(
-        f"test fault: {fault['at']} at step {step} (rank {os.environ.get('RANK')})",
-        file=sys.stderr,
-        flush=True,
-    )
+    rank, now = os.environ.get("RANK"), time.time()
+    print(f"test fault: {fault['at']} at step {step} (rank {rank}) at {now:.1f}", file=sys.stderr, flush=True)
     if fault["at"] == "step":
         _kill()
     if fault["at"] == "error":

@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from hf_fsdp2.checkpoint.run_dir import ATTEMPT_DIR, RESTARTS_FILE, claim_auto
+from hf_fsdp2.checkpoint.layout import ATTEMPT_DIR, RESTARTS_FILE
+from hf_fsdp2.checkpoint.run_dir import claim_auto
 from hf_fsdp2.config import CONFIG_NAME, ConfigError
 from hf_fsdp2.elastic import attempts
 from hf_fsdp2.elastic.agent import AgentLaunch, attempt_init_method, check_max_restarts, resume_setting
@@ -232,3 +233,112 @@ def test_hf_fsdp2_train_gives_the_recipes_max_restarts_to_the_launcher(tmp_path:
     assert command[command.index("--max_restarts") + 1] == "3"
     assert command.index("--max_restarts") < command.index("hf_fsdp2.methods")  # the launcher's flag
     assert "--max_restarts" not in launch_command("sft", [], num_processes=2, gpus=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The hang watchdog (hf_fsdp2/elastic/watchdog.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_hang_bound_from_the_key_or_the_step_time() -> None:
+    from hf_fsdp2.config.restarts import HANG_FACTOR, HANG_FLOOR_S
+    from hf_fsdp2.elastic.watchdog import hang_bound
+
+    assert hang_bound(0, [1.0]) is None  # hang_timeout 0: no watchdog
+    assert hang_bound(42.0, []) == 42.0
+    assert hang_bound(None, []) is None  # nothing measured yet: the attempt's first step
+    assert hang_bound(None, [0.2, 0.5]) == HANG_FLOOR_S
+    assert hang_bound(None, [0.2, 200.0]) == HANG_FACTOR * 200.0
+
+
+def test_where_a_stack_waits_in_a_collective_or_not() -> None:
+    import traceback
+
+    from hf_fsdp2.elastic.watchdog import where_in
+
+    def frame(filename: str, name: str, line: int) -> traceback.FrameSummary:
+        return traceback.FrameSummary(filename, line, name)
+
+    agent = [frame("/x/torch/distributed/elastic/multiprocessing/errors/__init__.py", "wrapper", 1)]
+    waiting = [
+        *agent,
+        frame("/x/hf_fsdp2/train/step.py", "read_step_counts", 226),
+        frame("/x/hf_fsdp2/collectives.py", "all_reduce_sum", 208),
+        frame("/x/torch/distributed/c10d_logger.py", "wrapper", 81),
+        frame("/x/torch/distributed/distributed_c10d.py", "all_reduce", 3000),
+    ]
+    assert where_in(waiting) == (True, "all_reduce in read_step_counts (train/step.py:226)")
+    stalled = [*agent, frame("/x/tests/support/elastic_rank.py", "_at_step", 52)]
+    assert where_in(stalled) == (
+        False,
+        "_at_step (support/elastic_rank.py:52)",
+    )  # the agent's wrapper is no collective
+
+
+def test_the_hang_line_names_where_each_rank_is_and_whom_the_others_wait_for(tmp_path: Path) -> None:
+    from hf_fsdp2.elastic.watchdog import hang_message
+
+    answers = {
+        0: {
+            "host": "a",
+            "collective": True,
+            "where": "all_reduce in read_step_counts (train/step.py:226)",
+            "watched": 31,
+        },
+        1: {"host": "a", "collective": False, "where": "next in load (data/loader.py:9)", "watched": 30},
+        2: None,
+    }
+    beats = {2: {"step": 5, "phase": "step", "time": 0.0}}
+    line = hang_message(5, "hang_timeout 30 s", answers, tmp_path, beats=beats)
+    assert line.startswith(
+        "hang at step 5: no step finished for 31 s (hang_timeout 30 s): rank 0 (a) waits in"
+    )
+    assert "rank 1 (a) is not in a collective: next in load (data/loader.py:9)" in line
+    assert (
+        "rank 2: no answer (stuck in native code holding the GIL, stopped, or its machine lost; its last"
+        in line
+    )
+    assert "; the others wait for ranks 1, 2." in line and f"{tmp_path}/hang-step5-rank<r>.txt" in line
+
+
+def test_the_flight_recorder_is_turned_on_and_a_users_setting_kept(tmp_path: Path) -> None:
+    from hf_fsdp2.elastic.watchdog import flight_recorder_env, flight_recorder_trace
+
+    env = {"TORCH_FR_BUFFER_SIZE": "100"}
+    set_here = flight_recorder_env(tmp_path, env)
+    assert env["TORCH_FR_BUFFER_SIZE"] == "100" and "TORCH_FR_BUFFER_SIZE=100" not in set_here
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    assert isinstance(
+        flight_recorder_trace(), bytes
+    )  # torch's dump (its entries: the 2-rank test reads them)
+
+
+GIL_HELD = r"""
+import re, sys, time
+from pathlib import Path
+from hf_fsdp2.elastic.progress import PROGRESS
+from hf_fsdp2.elastic.watchdog import Watchdog
+PROGRESS.reset(Path(sys.argv[1]))
+PROGRESS.begin_step(1)
+PROGRESS.begin_step(2)  # a watched step
+Watchdog(timeout_s=0.5, output_dir=Path(sys.argv[1]), rank=0, world=1, poll_s=0.1, grace_s=1.0).start()
+time.sleep(0.3)  # the watchdog arms faulthandler's timer
+re.match(r"(a+)+$", "a" * 64 + "b")  # native code that holds the GIL: the watchdog's thread never runs again
+"""
+
+
+def test_a_main_thread_that_holds_the_gil_is_dumped_and_ended_by_faulthandler(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", GIL_HELD, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]  # faulthandler's exit
+    assert (
+        "Timeout (0:00:0" in proc.stderr and "<string>" in proc.stderr
+    )  # every thread's stack, the main one's
+    assert time.monotonic() - start < 60
