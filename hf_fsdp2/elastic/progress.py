@@ -35,6 +35,8 @@ class Progress:
     durations: list[float] = field(default_factory=list)
     # The unwatched span an error came out of (a failing rank records it, not the step around it).
     failed_in: str | None = None
+    # Set by the hang watchdog as it names a hang: it ends the rank, not the main thread's failure.
+    hang_named: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self, output_dir: Path | None = None) -> None:
@@ -42,6 +44,7 @@ class Progress:
         with self._lock:
             self.output_dir, self.first_step, self.step, self.phase = output_dir, 0, 0, START_UP
             self.failed_in = None
+            self.hang_named.clear()
             self.since, self.durations = time.monotonic(), []
 
     def begin_step(self, step: int) -> None:

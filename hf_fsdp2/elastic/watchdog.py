@@ -176,6 +176,9 @@ class Watchdog:
             self._store = None
 
     def _hang(self, step: int, watched: float, bound: float) -> None:
+        # From here the rank ends through this thread: a failure the hang causes in the main thread (a peer that
+        # left first breaks its collective) waits for it (wait_while_a_hang_is_named) instead of ending the rank.
+        self.progress.hang_named.set()
         frame = sys._current_frames().get(self._main or 0)
         stack = traceback.extract_stack(frame) if frame is not None else []
         collective, where = where_in(stack)
@@ -199,15 +202,37 @@ class Watchdog:
         message = hang_message(step, bounded, answers, debug, beats=self._beats)
         culprits = [r for r, a in answers.items() if a is not None and not a.get("collective")]
         culprits += [r for r, a in answers.items() if a is None]
-        if self.rank == min(r for r, a in answers.items() if a is not None):
+        record_end(HANG, message, gone=sorted(culprits) or [self.rank], where=where)
+        if self._first_to_say():
             text = with_restart_note(message, AgentLaunch.from_env(), self.output_dir)
             sys.stderr.write(f"hf_fsdp2 error: {text}\n")
         sys.stderr.write(
             f"hf_fsdp2: rank {self.rank} hung at step {step} in {where}; stacks: {', '.join(files)}\n"
         )
         sys.stderr.flush()
-        record_end(HANG, message, gone=sorted(culprits) or [self.rank], where=where)
+        self._leave_together([r for r, a in answers.items() if a is not None])
         os._exit(HANG_EXIT)
+
+    def _first_to_say(self) -> bool:
+        """One rank says the hang line: the first whose answers are in (every rank, when the store is gone)."""
+        try:
+            return self._store is None or int(self._store.add("hang/said", 1)) == 1
+        except Exception:
+            return True
+
+    def _leave_together(self, ranks: list[int]) -> None:
+        """Wait (at most ANSWER_S) until every rank that answered has recorded the hang: a rank that left first
+        would end the others' collectives, and the launcher stop them, before their records are written."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(f"hang/done/{self.rank}", "1")
+            deadline = time.monotonic() + ANSWER_S
+            while time.monotonic() < deadline and not store.check([f"hang/done/{r}" for r in ranks]):
+                time.sleep(0.1)
+        except Exception:
+            pass
 
     def _exchange(self, mine: dict[str, Any]) -> dict[int, dict[str, Any] | None]:
         """This rank's answer to the store, then every rank's (None: no answer within ANSWER_S; then its last
@@ -232,6 +257,13 @@ class Watchdog:
         except Exception:  # the store's host is gone: what this rank knows
             pass
         return answers
+
+
+def wait_while_a_hang_is_named(progress: Progress = PROGRESS) -> None:
+    """On a failure of the main thread: when the watchdog is naming a hang, wait for it to end the rank (its status,
+    its record); returns at once otherwise."""
+    if progress.hang_named.is_set():
+        time.sleep(3 * ANSWER_S)
 
 
 def hang_message(

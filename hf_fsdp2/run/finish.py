@@ -24,6 +24,7 @@ from hf_fsdp2.config import ConfigError, parse_size
 from hf_fsdp2.elastic.agent import AgentLaunch
 from hf_fsdp2.elastic.attempts import ERROR, LOST, read_history, record_end, with_restart_note
 from hf_fsdp2.elastic.progress import PROGRESS
+from hf_fsdp2.elastic.watchdog import wait_while_a_hang_is_named
 from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder
@@ -225,6 +226,7 @@ def run_recipe(main: Any) -> None:
     try:
         main()
     except USER_ERRORS as err:
+        wait_while_a_hang_is_named()  # the watchdog ends the rank when the error comes from a hang it names
         # How this rank ended, for the attempt the launcher may start next (restarts.json), and whether one will.
         record_end(ERROR, str(err))
         if os.environ.get("HF_FSDP2_DEBUG"):
@@ -241,6 +243,7 @@ def run_recipe(main: Any) -> None:
             time.sleep(60.0)
         leave(2)
     except Exception as err:
+        wait_while_a_hang_is_named()
         # Another rank's process ended mid-collective (kill -9, the OOM killer, a crash): the transport's error names
         # an address, and its traceback the line of the collective; said in one line naming the rank where known.
         lost = None if os.environ.get("HF_FSDP2_DEBUG") else collectives.peer_lost(err)
