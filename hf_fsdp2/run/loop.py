@@ -70,7 +70,13 @@ def run(cfg: Config, method: Method) -> None:
         train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
         # Resume, if asked (the step's buffer too); the disk checked for the checkpoints and export the run plans.
         state = RunState(
-            session, model.module, optimizer, scheduler, data.stream, data.total_steps, train_step
+            session,
+            model.module,
+            optimizer,
+            scheduler=scheduler,
+            stream=data.stream,
+            total_steps=data.total_steps,
+            step=train_step,
         )
         observer = Observer(
             session,

@@ -57,6 +57,7 @@ class RunState:
         session: Session,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        *,
         scheduler: Any,
         stream: Any,
         total_steps: int = 0,
