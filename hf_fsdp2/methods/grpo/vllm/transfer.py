@@ -111,7 +111,7 @@ def check_backend(info: dict[str, Any], trainer_device: torch.device, url: str) 
 class WeightGroup:
     """Rank 0's end of the trainer-server group (the module docstring): :meth:`broadcast` sends one unit."""
 
-    def __init__(self, group: Any, store: Any, backend: str, workers: int, timeout_s: float) -> None:
+    def __init__(self, group: Any, store: Any, backend: str, *, workers: int, timeout_s: float) -> None:
         self.group, self.store, self.backend = group, store, backend
         self.workers, self.timeout_s = workers, timeout_s
 
@@ -140,7 +140,7 @@ class WeightGroup:
                 joined.result()  # the server's reason, when it gave one, names the failure better
                 raise
             joined.result()
-        return cls(group, store, backend, workers, timeout_s)
+        return cls(group, store, backend, workers=workers, timeout_s=timeout_s)
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """``flat`` (one unit, the engine's dtype) to every worker of the engine; returns once it is sent."""
