@@ -31,13 +31,16 @@ from hf_fsdp2.composite import check_composite_run
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
 from hf_fsdp2.elastic.agent import (
+    ARRIVAL_S,
     AUTO,
     AgentLaunch,
     ResumeSetting,
     attempt_init_method,
+    check_arrival,
     check_max_restarts,
     resume_setting,
 )
+from hf_fsdp2.elastic.attempts import read_layout
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
@@ -196,6 +199,10 @@ class Session:
         )
         refused = [x.line() for x in launch if x.level == "error"]
         check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
+        # A restarted attempt on several nodes: every rank here before the process group, or the ones missing named.
+        arrival = check_arrival(
+            agent, timeout_s=min(float(t.ddp_timeout), ARRIVAL_S), layout=read_layout(output_dir)
+        )
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
@@ -206,6 +213,7 @@ class Session:
             mesh=mesh,
             init_method=attempt_init_method(agent),
         )
+        del arrival  # rank 0's store for this attempt: the process group's rendezvous has taken it over
         setup_logging(accelerator.is_main_process)
         logger.info(
             "collective timeout ddp_timeout=%ds, waits for rank 0 (host group) host_wait_timeout=%ds; debug variables: %s",

@@ -386,3 +386,62 @@ def test_the_kill_window_verdict_has_its_figures_and_offers_what_fits() -> None:
     said = window.check([9.0, 5.0, 5.0, 5.0])
     assert said is not None and said[0] and "a save (3.0 s, measured)" in said[1]
     assert window.check([9.0, 5.0, 5.0, 5.0, 5.0]) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several nodes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(tmp_path: Path) -> None:
+    """What hf-fsdp2 train's launcher says when a restart's rendezvous times out: the node whose ranks the others
+    lost (by process, or by the address in the transport's error), else every node but its own."""
+    places = [
+        {"rank": 0, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 1, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 2, "node": 1, "host": "b", "addr": "10.0.0.2"},
+        {"rank": 3, "node": 1, "host": "b", "addr": "10.0.0.2"},
+    ]
+    attempts.record_layout(tmp_path, places)
+    assert attempts.read_layout(tmp_path) == places
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back"
+    _end(tmp_path, 0, "lost", "Connection reset by peer [10.0.0.2]:4121", step=7)
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back, lost during step 7"
+    assert "no record of the last attempt's nodes" in attempts.lost_nodes(tmp_path / "none", 0)
+
+
+def test_hf_fsdp2_train_on_several_nodes_with_restarts_takes_the_c10d_config() -> None:
+    command = launch_command(
+        "sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8, max_restarts=2
+    )
+    assert command[command.index("--config_file") + 1].endswith("fsdp2_multinode_elastic.yaml")
+    config = yaml.safe_load(Path(command[command.index("--config_file") + 1]).read_text())
+    assert (
+        config["rdzv_backend"] == "c10d" and config["same_network"] is False
+    )  # accelerate passes the endpoint
+    plain = launch_command("sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8)
+    assert plain[plain.index("--config_file") + 1].endswith("fsdp2_multinode.yaml")
+
+
+def test_a_restarted_attempt_names_the_ranks_that_do_not_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_fsdp2.elastic.agent import NodeLostError, check_arrival
+
+    port = _free_port()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+    }
+    env |= {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert (
+        check_arrival(_agent(0, 2), timeout_s=1, layout=[]) is None
+    )  # a first attempt: the rendezvous met them
+    layout = [{"rank": 1, "node": 1, "host": "b"}]
+    with pytest.raises(
+        NodeLostError, match=r"restart 1\): rank 1 \(node 1, b\) did not join within 1 s: its node"
+    ):
+        check_arrival(_agent(1, 2), timeout_s=1, layout=layout)
