@@ -177,7 +177,9 @@ def _local_merged(wrapper: Any, weight: Any) -> torch.Tensor:
         if adapter not in wrapper.lora_A:
             continue
         lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
-        delta = torch.bmm(lhs[first : first + count].to(local.dtype), rhs[first : first + count].to(local.dtype))
+        delta = torch.bmm(
+            lhs[first : first + count].to(local.dtype), rhs[first : first + count].to(local.dtype)
+        )
         merged = merged + _ScaleGrad.apply(delta * scaling, float(ep))
     return DTensor.from_local(merged, mesh, weight.placements, shape=weight.shape, stride=weight.stride())
 
