@@ -184,18 +184,24 @@ def _local_merged(wrapper: Any, weight: Any) -> torch.Tensor:
     return DTensor.from_local(merged, mesh, weight.placements, shape=weight.shape, stride=weight.stride())
 
 
-def expert_parallel_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def lora_experts_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The forward of a LoRA ``ParamWrapper`` over fused experts: PEFT's own, unless the experts are split by expert
     parallel (their tensors, as FSDP2 hands them to the forward, DTensors over the ep mesh), where PEFT's
-    parametrisation would add every expert's delta to this rank's block. There, each adapted tensor of the experts
-    module is replaced for the call by its block plus the deltas of its experts (:func:`_local_merged`), and the
-    experts module runs (its expert-parallel implementation reads its tensors), then gets its own tensors back."""
+    parametrisation would add every expert's delta to this rank's block (:func:`_expert_parallel_call`)."""
     from torch.distributed.tensor import DTensor
 
     chain = _wrapper_chain(wrapper)
-    base = chain[-1].base_layer
     if wrapper.disable_adapters or wrapper.merged or not isinstance(chain[0].get_param(), DTensor):
         return type(wrapper).forward(wrapper, x, *args, **kwargs)
+    return _expert_parallel_call(chain, x, *args, **kwargs)
+
+
+@torch.compiler.disable  # as expert parallel's own forward: eager inside a compiled decoder layer
+def _expert_parallel_call(chain: list[Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Each adapted tensor of the experts module replaced, for the call, by its block plus the deltas of its experts
+    (:func:`_local_merged`); the experts module runs (its expert-parallel implementation reads its tensors), then
+    gets its own tensors back."""
+    base = chain[-1].base_layer
     originals = {w.parameter_name: base._parameters[w.parameter_name] for w in chain}
     try:
         for w in chain:
@@ -207,7 +213,7 @@ def expert_parallel_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs:
 
 
 def route_expert_lora(model: torch.nn.Module) -> int:
-    """Give the outermost LoRA ``ParamWrapper`` of every fused experts module :func:`expert_parallel_forward` (an
+    """Give the outermost LoRA ``ParamWrapper`` of every fused experts module :func:`lora_experts_forward` (an
     instance attribute: PEFT's own forward runs unless the experts are split by expert parallel). Returns the
     experts modules routed."""
     import types
@@ -218,6 +224,6 @@ def route_expert_lora(model: torch.nn.Module) -> int:
             continue
         chain = _wrapper_chain(module)
         if is_fused_experts(chain[-1].base_layer):
-            module.forward = types.MethodType(expert_parallel_forward, module)
+            module.forward = types.MethodType(lora_experts_forward, module)
             count += 1
     return count
