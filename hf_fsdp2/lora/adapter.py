@@ -108,8 +108,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
     route_expert_lora(wrapped)  # under expert parallel a rank adds the deltas of its own experts only
     if adapted:
         logger.info(
-            "LoRA on parameters (PEFT's target_parameters; fused MoE experts get one rank-%d pair per expert): %s",
-            settings.r,
+            "LoRA on parameters (PEFT's target_parameters; a fused MoE expert weight gets one low-rank pair per "
+            "expert): %s",
             ", ".join(adapted),
         )
     return wrapped
