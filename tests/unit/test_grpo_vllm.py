@@ -24,9 +24,9 @@ from hf_fsdp2.methods.grpo.vllm.client import (
     VllmGenerator,
     VllmServerError,
     cut_at_eos_list,
-    probe_bound,
 )
 from hf_fsdp2.methods.grpo.vllm.importance import ImportanceSampling, attach_sampling_logps, importance_ratio
+from hf_fsdp2.methods.grpo.vllm.probe import probe_bound
 from hf_fsdp2.parallel.gather import sync_units
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
@@ -185,6 +185,21 @@ def test_a_server_that_is_not_up_is_named_with_its_timeout_and_the_command_to_st
         "failed while connecting to the vLLM server (rank 0)" in text
         and "hf-fsdp2 vllm-serve --model" in text
     )
+
+
+@pytest.mark.parametrize("fake", ["unreachable"], indirect=True)
+def test_a_server_that_cannot_join_the_weight_group_stops_the_connect_within_its_timeout(fake: Fake) -> None:
+    """The server's workers cannot reach the trainer's store: the connect fails on every rank within
+    vllm_server_timeout (the rendezvous's), with the server's reason, not after vllm_request_timeout."""
+    gen = _generator(fake.url, timeout=2.0, request_timeout=600.0)
+    start = time.monotonic()
+    with pytest.raises(
+        VllmServerError,
+        match=r"failed while connecting to the vLLM server \(rank 0\).*failed POST /weights/group \(HTTP 500\): "
+        "DistNetworkError: failed to connect",
+    ):
+        gen.connect()
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("fake", ["dies"], indirect=True)
