@@ -273,6 +273,9 @@ def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bo
 _READ_AT_RUN_TIME = (
     "HF_FSDP2_FAULT",
     "HF_FSDP2_TEST_FAULTS",
+    # Read by a launcher and its ranks as they run (hf-fsdp2 train's, torch's rendezvous): an elastic run's own.
+    "HF_FSDP2_QUIET_LAUNCH",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "PYTEST_CURRENT_TEST",
     "PYTEST_XDIST_WORKER",
     "HF_FSDP2_TEST_LAUNCH_LOG",
