@@ -20,7 +20,9 @@ part a rank holds), the sum over ranks is divided by ``cp x tp`` (a group's rank
 step's FLOPs are shared by the ``--procs`` devices: ``tflops_per_device = data ranks x row FLOPs / step_s / procs``;
 MFU against the device's spec peak (``peak_flops_for``). tokens/s: every data rank's row per timed step. The clock
 runs over ``--steps`` steps after ``--warmup`` (compile happens there), each end after a device synchronize; memory:
-``max_memory_allocated``, the largest rank. One ``torchrun`` per sequence length (a fresh process group and
+``max_memory_allocated``, the largest rank; ``collectives_per_step``: one more step's collectives on rank 0 by kind
+(:class:`hf_fsdp2.observe.comms.CollectiveCounter`, eager), printed next to the seconds (docs/performance.md has
+the per-layer counts of tensor parallel). One ``torchrun`` per sequence length (a fresh process group and
 allocator); a length that fails (OOM, a refusal) is reported with its error, the others still run.
 """
 
@@ -193,6 +195,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
+    from hf_fsdp2.observe.comms import CollectiveCounter
     from hf_fsdp2.observe.flops import peak_flops_for
     from hf_fsdp2.parallel.accelerator import build_accelerator
     from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
@@ -245,7 +248,7 @@ def worker(args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(1000 * collectives.data_rank())  # each data rank its own rows
         rows = [
             torch.randint(0, config.vocab_size, (1, seq), generator=gen)
-            for _ in range(args.warmup + args.steps)
+            for _ in range(args.warmup + args.steps + 1)
         ]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -258,10 +261,15 @@ def worker(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        outs += [step(ids) for ids in rows[args.warmup :]]
+        outs += [step(ids) for ids in rows[args.warmup : -1]]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
+        # One more step, untimed and eager, with its collectives counted (FSDP2's, tensor and context parallel's,
+        # the step's own reductions): compiled layers issue the same ones.
+        with torch.compiler.set_stance("force_eager"), CollectiveCounter() as counter:
+            step(rows[-1])
+        result["collectives_per_step"] = counter.counts()
         for out in outs:  # read after the clock: a read waits for the device
             total = collectives.all_reduce_sum(out.loss_sum.detach().float().reshape(1))
             losses.append(float(total) / collectives.tp_size() / max(out.target_tokens, 1))
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
         keys = (
             ("seq", "tflop_per_device_per_step", "launch")
             if args.dry_run
-            else ("seq", "tokens_per_s", "mfu", "step_s", "error")
+            else ("seq", "tokens_per_s", "mfu", "step_s", "collectives_per_step", "error")
         )
         shown = {k: v for k, v in entry.items() if k in keys}
         print(json.dumps(shown), flush=True)

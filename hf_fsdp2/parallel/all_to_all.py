@@ -76,20 +76,11 @@ def shard_sequence(
     Raises:
         ContextParallelError: a left-padded batch (its padding would sit before real tokens of another rank).
     """
-    ids, labels = batch["input_ids"], batch["labels"]
-    rows, width = ids.shape
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     if check_padding:
-        check_right_padded(mask)
-    pad = (-width) % cp
-    if pad:
-        ids = F.pad(ids, (0, pad), value=0)
-        labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
-        if positions is not None:  # the padding: a document of its own, attending to itself only
-            positions = torch.cat(
-                [positions, torch.arange(pad, device=positions.device).expand(rows, pad)], dim=1
-            )
-    full = width + pad
+        check_right_padded(batch.get("attention_mask"))
+    padded = pad_to_multiple(batch, cp)
+    ids, labels, positions = padded["input_ids"], padded["labels"], padded.get("position_ids")
+    rows, full = ids.shape
     part = full // cp
     start, end = index * part, (index + 1) * part
     whole = positions if positions is not None else torch.arange(full, device=ids.device).expand(rows, full)
@@ -100,6 +91,29 @@ def shard_sequence(
     }
     if positions is not None:
         out[POSITIONS_KEY] = positions.contiguous()
+    return out
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """A collated micro-batch padded on the right to a length that is a multiple of ``multiple`` (itself when it is
+    one): ``input_ids`` with 0, ``labels`` with -100 (no target), ``attention_mask`` with 0, ``position_ids`` counting
+    from 0 (the padding a document of its own, attending to itself only). Causal attention never lets a real token see
+    padding after it, so the real tokens' values are unchanged."""
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    pad = (-width) % multiple
+    if not pad:
+        return batch
+    out = dict(batch)
+    out["input_ids"] = F.pad(ids, (0, pad), value=0)
+    out["labels"] = F.pad(batch["labels"], (0, pad), value=IGNORE_INDEX)
+    if batch.get("attention_mask") is not None:
+        out["attention_mask"] = F.pad(batch["attention_mask"], (0, pad), value=0)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        out["position_ids"] = torch.cat(
+            [positions, torch.arange(pad, device=positions.device).expand(rows, pad)], dim=1
+        )
     return out
 
 
