@@ -50,7 +50,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = root / "results.json"
     args = ["--model", str(model), "--data", str(data), "--out", str(out), "--configs", ",".join(CONFIGS)]
     args += ["--steps", str(STEPS), "--eval_after", str(EVAL_AFTER), "--backend", BACKEND]
-    torchrun(WORKER, args, nproc=2)
+    # 8 configurations' compiles in one launch: on a loaded 2-core machine it passed 600 s (load average 15-19).
+    torchrun(WORKER, args, nproc=2, timeout=1200)
     return json.loads(out.read_text())
 
 
