@@ -80,6 +80,7 @@ def launch_command(
     main_process_ip: str | None = None,
     main_process_port: int | None = None,
     gpus: int | None = None,
+    max_restarts: int | None = None,
 ) -> list[str]:
     """The ``accelerate launch`` command line that runs ``recipe`` with ``recipe_args``.
 
@@ -90,6 +91,8 @@ def launch_command(
         num_processes: processes over all machines; default one per local GPU (x machines), 2 on CPU.
         num_machines, machine_rank, main_process_ip, main_process_port: multi-node, passed through.
         gpus: local GPUs (detected when None).
+        max_restarts: the recipe's ``max_restarts``: the launcher's ``--max_restarts`` (torch's elastic agent
+            restarts the ranks that many times; :func:`recipe_max_restarts`). None: the launcher's default, 0.
 
     Raises:
         ValueError: an unknown recipe or bad multi-node flags, naming the value.
@@ -121,7 +124,36 @@ def launch_command(
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)]
     if main_process_port is not None:
         cmd += ["--main_process_port", str(main_process_port)]
+    if max_restarts:
+        cmd += ["--max_restarts", str(max_restarts)]
     return [*cmd, "-m", "hf_fsdp2.methods", recipe, *recipe_args]
+
+
+def recipe_max_restarts(recipe_args: Sequence[str]) -> int | None:
+    """The ``max_restarts`` a recipe's arguments ask for (the command line's ``--max_restarts``, else the YAML's
+    ``--config`` file's), read before the launch so that it reaches the launcher; None when they ask for none.
+
+    Raises:
+        ValueError: a value that is not a whole number, naming it.
+    """
+    args = list(recipe_args)
+    value: object = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args)):
+            from hf_fsdp2.config import load_yaml
+
+            value = load_yaml(arg.split("=", 1)[1] if "=" in arg else args[i + 1]).get("max_restarts", value)
+    for i, arg in enumerate(args):
+        if arg.startswith("--max_restarts="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--max_restarts" and i + 1 < len(args):
+            value = args[i + 1]
+    if value is None:
+        return None
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ValueError(f"max_restarts={value!r} must be a whole number of restarts") from None
 
 
 def child_pids(pid: int) -> list[int]:
@@ -140,7 +172,7 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
 
     SIGTERM is passed to the launcher's children (the training processes), or to the launcher when it has none.
     """
-    cmd = launch_command(recipe, recipe_args, **launch)  # type: ignore[arg-type]
+    cmd = launch_command(recipe, recipe_args, max_restarts=recipe_max_restarts(recipe_args), **launch)  # type: ignore[arg-type]
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
     print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
@@ -168,6 +200,12 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
         return proc.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _flag_value(argv: Sequence[str]) -> list[str]:
+    """The value after a bare ``--max_restarts`` of the launcher's arguments (before the script), if any."""
+    args = list(argv)
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--max_restarts"][:1]
 
 
 def launcher_main(argv: Sequence[str]) -> int:
@@ -209,17 +247,23 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
+        restarts = recipe_max_restarts(
+            [a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv)
+        )
+        attempts = (
+            f" in the last of its {restarts + 1} attempts (max_restarts {restarts})" if restarts else ""
+        )
         if failure.exitcode < 0:  # killed by a signal: it printed nothing, the others' errors follow from it
             print(
                 f"hf-fsdp2 train: exit status {status}: rank {first} stopped (killed by signal {-failure.exitcode}, "
                 f"{failure.signal_name()}{_SIGNAL_CAUSES.get(failure.signal_name(), '')}) without an error of its "
-                f"own; the errors above are the other ranks' losing it ({statuses})",
+                f"own{attempts}; the errors above are the other ranks' losing it ({statuses})",
                 file=sys.stderr,
                 flush=True,
             )
             return status
         print(
-            f"hf-fsdp2 train: exit status {status} (rank {first} failed first; {statuses}); its error is above "
+            f"hf-fsdp2 train: exit status {status} (rank {first} failed first{attempts}; {statuses}); its error is above "
             "(HF_FSDP2_DEBUG=1 also shows the launcher's report)",
             file=sys.stderr,
             flush=True,

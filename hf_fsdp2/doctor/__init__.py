@@ -133,12 +133,10 @@ def _recipe_findings(
     """The recipe's checks (:mod:`.recipe`) at the world size the accelerate config asks for (else the GPUs here)."""
     import torch
 
+    from hf_fsdp2.doctor.layouts import capability_findings, context_parallel_findings, float8_findings
     from hf_fsdp2.doctor.recipe import (
-        capability_findings,
-        context_parallel_findings,
         data_findings,
         disk_findings,
-        float8_findings,
         hub_findings,
         memory_findings,
         output_findings,

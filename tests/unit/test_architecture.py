@@ -198,3 +198,35 @@ def test_constructors_of_more_than_four_fields_take_keywords() -> None:
         f"add kw_only=True to {sorted(offenders)} (more than four constructor fields, their own or a subclass's), "
         "and pass their fields by keyword at every call site"
     )
+
+
+def test_written_constructors_of_more_than_four_parameters_take_keywords() -> None:
+    """The same rule for a class that writes its own ``__init__``: with more than four parameters, at most the first
+    three (the objects it wraps: a model, an optimizer ...) are positional, the rest keyword-only (``*``), as
+    ``LossStep(model, optimizer, scheduler, *, settings=..., ...)``."""
+    import ast
+
+    offenders, checked = [], 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for init in node.body:
+                if not (isinstance(init, ast.FunctionDef) and init.name == "__init__"):
+                    continue
+                positional = len(init.args.posonlyargs) + len(init.args.args) - 1  # self
+                if positional + len(init.args.kwonlyargs) > 4:
+                    checked += 1
+                    if positional > 3:
+                        offenders.append(f"{path.relative_to(REPO)}:{node.name} ({positional} positional)")
+    assert checked > 10, "the walk found the package's written constructors"
+    assert not offenders, f"make the parameters after the third keyword-only (*) in {offenders}"
+
+
+def test_no_library_file_is_over_500_lines() -> None:
+    """One concern per module keeps files short: a file that grows past 500 lines is split along a seam (a concern
+    of its own in a module of its own), not trimmed."""
+    sizes = {str(p.relative_to(REPO)): p.read_text().count("\n") for p in sorted(PACKAGE.rglob("*.py"))}
+    assert len(sizes) > 150, "the walk found the package's files"
+    over = {path: n for path, n in sizes.items() if n > 500}
+    assert not over, f"split these along a seam (docs/architecture.md names each module): {over}"

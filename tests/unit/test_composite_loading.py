@@ -12,7 +12,7 @@ import torch
 import transformers
 from support.composites import COMPOSITE_FAMILIES, MTP_TENSORS, checkpoint_names, make_composite_dir
 
-from hf_fsdp2.attention_layout import _shrunk_config, choose_attention_layout, padding_free_matches
+from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.checkpoint.resume import check_config_compatible
 from hf_fsdp2.composite import (
@@ -34,6 +34,7 @@ from hf_fsdp2.model import (
     load_model,
     load_model_config,
 )
+from hf_fsdp2.padding_free_probe import _shrunk_config, padding_free_matches
 from hf_fsdp2.plan import PlanError, build_meta_model, check_plannable, fsdp_units
 from hf_fsdp2.plan.settings import PlanSettings
 from hf_fsdp2.train.loss import router_aux_coef

@@ -326,7 +326,7 @@ def test_memory_plan_counts_float8_weights_and_all_gather_savings() -> None:
 
 
 def test_doctor_says_the_same_before_a_run() -> None:
-    from hf_fsdp2.doctor.recipe import float8_findings
+    from hf_fsdp2.doctor.layouts import float8_findings
 
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
     assert float8_findings(parse_config(argv), on_gpu=False) == []
@@ -343,7 +343,7 @@ def test_only_the_verified_recipes_take_fp8_and_the_doctor_says_so() -> None:
     """sft and cpt are verified with float8 linears (tests/distributed/test_float8.py); the recipes with a reference,
     reward or score model, or weights sent to a vLLM server, are refused by name, in the run and in the doctor."""
     from hf_fsdp2.config.plans import MeshPlan
-    from hf_fsdp2.doctor.recipe import capability_findings, float8_findings
+    from hf_fsdp2.doctor.layouts import capability_findings, float8_findings
     from hf_fsdp2.methods import get_method
     from hf_fsdp2.run.registry import check_capabilities
 
