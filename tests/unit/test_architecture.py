@@ -230,3 +230,27 @@ def test_no_library_file_is_over_500_lines() -> None:
     assert len(sizes) > 150, "the walk found the package's files"
     over = {path: n for path, n in sizes.items() if n > 500}
     assert not over, f"split these along a seam (docs/architecture.md names each module): {over}"
+
+
+def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
+    """No hidden channel from a method's objective to the loop through the data object (GRPO once set
+    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen, so such a write
+    raises; the loop asks the ``Step`` instead."""
+    import dataclasses
+
+    from hf_fsdp2.run.data import TrainData
+
+    data = TrainData(
+        stream=None,  # type: ignore[arg-type]
+        collator=None,
+        eval_set=None,
+        steps_per_epoch=1,
+        total_steps=1,
+        examples_per_step=1,
+    )
+    for name, value in (("total_steps", 2), ("reads_per_step", 1)):
+        try:
+            setattr(data, name, value)
+        except dataclasses.FrozenInstanceError:
+            continue
+        raise AssertionError(f"TrainData took data.{name} = {value} after it was built")

@@ -34,6 +34,21 @@ class TimedGenerator:
         self.inner = inner
         self.seconds, self.tokens, self.calls = 0.0, 0, 0
         self._sync_seen = self._sync_total()
+        if hasattr(inner, "generate_groups"):  # a vLLM backend's whole-batch call, timed alike
+            self.generate_groups = self._timed_groups
+
+    def _timed_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, share: slice, *, seed: int
+    ) -> list[list[int]]:
+        start = time.perf_counter()
+        out = self.inner.generate_groups(prompts, n, share, seed=seed)
+        self._count(start, out)
+        return list(out)
+
+    def _count(self, start: float, out: Sequence[Sequence[int]]) -> None:
+        self.seconds += time.perf_counter() - start
+        self.tokens += sum(len(c) for c in out)
+        self.calls += 1
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this wrapper does not define: the backend's own attributes.
@@ -51,9 +66,7 @@ class TimedGenerator:
         """The backend's completions, timed; their tokens counted."""
         start = time.perf_counter()
         out = self.inner.generate(prompts, seed=seed, greedy=greedy)
-        self.seconds += time.perf_counter() - start
-        self.tokens += sum(len(c) for c in out)
-        self.calls += 1
+        self._count(start, out)
         return list(out)
 
     def rollout_metrics(self, device: torch.device) -> dict[str, float]:
