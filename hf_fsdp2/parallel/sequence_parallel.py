@@ -176,6 +176,28 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class Float8GatherSequence(GatherSequence):
+    """:class:`GatherSequence` for a block whose column-parallel projections are all tensorwise float8 linears
+    (torchao's ``PrepareFloat8ModuleInput``): the input cast to float8 (one scale for the whole sequence: an
+    all-reduce of its max) before the all-gather, which then moves float8 bytes; the projections take it as cast."""
+
+    def __init__(self, layout: SequenceLayout, linear_mm_config: Any) -> None:
+        super().__init__(layout)
+        self.linear_mm_config = linear_mm_config
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        from torchao.float8.config import e4m3_dtype
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        x, put = _hidden(args, kwargs)
+        x = x if isinstance(x, DTensor) else self.layout.wrap(x)
+        x = hp_tensor_to_float8_dynamic(
+            x, e4m3_dtype, self.linear_mm_config, gemm_input_role=GemmInputRole.INPUT
+        )
+        return put(_replicated(x))
+
+
 class RowwiseToSequence(ParallelStyle):
     """A block's output projection split over its input columns (this rank's heads or intermediate columns); its
     partial output reduce-scattered to this rank's positions (torch's ``RowwiseParallel(output_layouts=Shard(1))``),
@@ -205,6 +227,48 @@ class RowwiseToSequence(ParallelStyle):
             self._input,  # type: ignore[arg-type]
             self._output,  # type: ignore[arg-type]
         )
+
+
+class Float8RowwiseToSequence(RowwiseToSequence):
+    """:class:`RowwiseToSequence` for a tensorwise float8 linear (torchao's ``Float8RowwiseParallel``): its input cast
+    to float8 (one scale over the tp ranks' columns: an all-reduce of the max), its output gradient cast to float8
+    before the backward's all-gather."""
+
+    def _input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        (x, *rest) = super()._input(module, inputs, mesh)
+        config: Any = module.config
+        x = hp_tensor_to_float8_dynamic(
+            x,
+            config.cast_config_input.target_dtype,
+            module.linear_mm_config,
+            gemm_input_role=GemmInputRole.INPUT,
+        )
+        return (x, *rest)
+
+    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic
+
+        config: Any = module.config
+        output = output.redistribute(placements=[self.layout.placement()])
+        output = NoopFwToFloat8BwDynamic.apply(
+            output, module.linear_mm_config, config.cast_config_grad_output.target_dtype
+        )
+        return output.to_local()
+
+
+def tensorwise_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao float8 linear with one scale per tensor (what the float8 TP styles take)."""
+    if type(module).__name__ != "Float8Linear":
+        return False
+    from torchao.float8.config import ScalingGranularity
+
+    config: Any = getattr(module, "config", None)
+    return bool(
+        config is not None and config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
+    )
 
 
 class VocabHead(ParallelStyle):

@@ -1,6 +1,6 @@
 """Tensor parallel: the family's own plan (transformers' ``config.base_model_tp_plan``) applied to a loaded model
 with torch's DTensor styles, on the ``tp`` dimension of the run's mesh, before ``fully_shard`` (torchtitan's
-``parallelize_llama`` order: tp -> ac -> compile -> fsdp), with sequence parallel between the split modules and the
+``parallelize_llama`` order: float8 -> tp -> ac -> compile -> fsdp), with sequence parallel between the split modules and the
 vocabulary split over the embedding and the output head (torchtitan's layout; the styles and what each communicates:
 :mod:`hf_fsdp2.parallel.sequence_parallel`).
 
@@ -42,6 +42,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from hf_fsdp2.parallel.sequence_parallel import (
+    Float8GatherSequence,
+    Float8RowwiseToSequence,
     GatherSequence,
     Replicated,
     RowwiseToSequence,
@@ -49,6 +51,7 @@ from hf_fsdp2.parallel.sequence_parallel import (
     SequenceNorm,
     SplitSequence,
     VocabHead,
+    tensorwise_float8,
 )
 
 # Plan styles this version applies, and what each becomes (see the module docstring).
@@ -229,7 +232,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     layout = SequenceLayout(tp_mesh)
     styles: dict[str, ParallelStyle] = {}
     for name, style in plan.styles.items():
-        styles[name] = _style(style, layout, done)
+        styles[name] = _style(style, model, name, plan, layout, done)
     # src_data_rank=None: every rank slices its own copy (no broadcast of rank 0's weights).
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     if plan.tied:  # the embedding's split weight is the head's too (one parameter: FSDP2 shards it once)
@@ -243,19 +246,49 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     return plan.describe(tp_mesh.size())
 
 
-def _style(style: str, layout: SequenceLayout, done: dict[int, nn.Parameter]) -> ParallelStyle:
+def float8_collectives(mesh: DeviceMesh) -> bool:
+    """Whether activations and their gradients may cross ``mesh``'s ranks as float8 (NCCL); gloo has no float8 type,
+    so on CPU they travel in the compute dtype and the float8 linears cast them themselves."""
+    return mesh.device_type != "cpu"
+
+
+def _style(
+    style: str,
+    model: nn.Module,
+    name: str,
+    plan: TensorParallelPlan,
+    layout: SequenceLayout,
+    done: dict[int, nn.Parameter],
+) -> ParallelStyle:
+    """The style of one module; torchao's float8 styles for tensorwise float8 linears (FP8 converts before TP)."""
+    module = model.get_submodule(name)
+    float8_wire = float8_collectives(layout.mesh)
     if style == "colwise":
+        if tensorwise_float8(module):
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+            return Float8ColwiseParallel()
         return ColwiseParallel()
     if style == "rowwise":
+        if float8_wire and tensorwise_float8(module):
+            return Float8RowwiseToSequence(layout, done)
         return RowwiseToSequence(layout, done)
+    if style == "gather_sequence":
+        # The block's column-parallel projections take its input: all tensorwise float8, it is gathered as float8.
+        inputs = [
+            model.get_submodule(n)
+            for n, s in plan.styles.items()
+            if s == "colwise" and n.startswith(name + ".")
+        ]
+        if float8_wire and inputs and all(tensorwise_float8(m) for m in inputs):
+            return Float8GatherSequence(layout, inputs[0].linear_mm_config)
+        return GatherSequence(layout)
     if style == "replicated_with_grad_allreduce":
         return Replicated(done, heads=True)
     if style == "vocab_embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "split_sequence":
         return SplitSequence(layout)
-    if style == "gather_sequence":
-        return GatherSequence(layout)
     if style == "sequence_norm":
         return SequenceNorm(layout, done)
     assert style == "vocab_head", style

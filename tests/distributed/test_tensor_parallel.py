@@ -73,7 +73,22 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             "llama_gqa_untied_plain",
             "qwen3_qk_norm_tied_chunked",
             "gemma3_qk_norm_sliding_softcap_plain",
+            "llama_fp8_tensorwise",
         }
+        fp8 = results.pop("llama_fp8_tensorwise")
+        assert "error" not in fp8, fp8.get("error")
+        # FP8 under TP (emulated tensorwise float8, the float8 styles, float8 on the wire as gloo bytes): the whole FP8
+        # model's loss and gradients (the same scales: each amax is reduced over the tp ranks), the bf16 layout's
+        # all-gathers and reduce-scatters, of which the block inputs (forward) and the row-parallel output gradients
+        # (backward) in float8: 4 per layer; the all-reduces add the amaxes of split tensors.
+        got, want = fp8["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want) and fp8["grad_rel"] <= 1e-4, fp8
+        forward, backward = training_collectives(-(-fp8["targets"] // CHUNK))
+        for kind in ("all_gather", "reduce_scatter"):
+            assert fp8["collectives"][kind] == forward.get(kind, 0) + backward.get(kind, 0), fp8[
+                "collectives"
+            ]
+        assert fp8["float8_all_gathers"] == 4 * LAYERS, fp8
         for case, r in results.items():
             assert "error" not in r, r.get("error")
             # fp64: rounding only. Gemma's RMSNorm computes in fp32 whatever the dtype: its gradients carry fp32

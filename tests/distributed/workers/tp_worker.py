@@ -14,10 +14,13 @@ Rank 0 writes ``<out>/result.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.observe.comms import CollectiveCounter
+from hf_fsdp2.parallel import tensor as tensor_parallel
 from hf_fsdp2.parallel.tensor import apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
 from hf_fsdp2.train.step import clip_grad_norm
@@ -111,6 +115,64 @@ def tp_alone(cls: str, extra: dict, chunk: int, mesh) -> dict:  # type: ignore[n
     }
 
 
+@contextlib.contextmanager
+def float8_over_gloo(calls: list[int]) -> Iterator[None]:
+    """The GPU path of FP8 under TP on CPU: activations and gradients cross the tp ranks as float8
+    (hf_fsdp2.parallel.tensor.float8_collectives), which gloo, having no float8 type, carries as their bytes (torchao's
+    float8 all-gather with the data viewed as uint8; NCCL takes float8 itself). ``calls`` counts those all-gathers."""
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    op = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+    def as_bytes(aten_op, args, kwargs=None):  # type: ignore[no-untyped-def]
+        t = args[0]
+        out = aten_op(t._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {}))
+        out = torch.ops._c10d_functional.wait_tensor.default(out).view(t._data.dtype)
+        calls.append(1)
+        return Float8TrainingTensor(out, t._scale, t._orig_dtype, t._linear_mm_config, t._gemm_input_role)
+
+    with (
+        mock.patch.dict(FLOAT8_OPS_TABLE, {op: as_bytes}),
+        mock.patch.object(tensor_parallel, "float8_collectives", lambda mesh: True),
+    ):
+        yield
+
+
+def tp_alone_fp8(mesh) -> dict:  # type: ignore[no-untyped-def]
+    """FP8 (tensorwise, emulated) under tensor parallel on this rank's tp group: Llama's linears converted to
+    torchao's Float8Linear first, then split with the float8 styles (column-parallel: torchao's Float8ColwiseParallel;
+    block inputs gathered and row-parallel output gradients gathered as float8), against the same FP8 model whole."""
+    from hf_fsdp2.config.float8 import Float8Plan
+    from hf_fsdp2.parallel.float8 import convert_float8
+
+    plan, fp8 = LossPlan(chunk_tokens=8), Float8Plan(emulate=True, all_gather=False, size_filter=False)
+    ids, labels = _batch(mesh["dp_shard_cp"].get_local_rank())
+
+    def model() -> torch.nn.Module:
+        m = _model("LlamaConfig", {"tie_word_embeddings": False}, torch.float32)
+        convert_float8(m, ("LlamaDecoderLayer",), fp8)
+        return m
+
+    ref = model()
+    want = causal_lm_loss(ref, {"input_ids": ids}, labels, plan).ce_sum
+    want.backward()
+    calls: list[int] = []
+    with float8_over_gloo(calls):
+        split = model()
+        apply_tensor_parallel(split, mesh["tp"], tp_plan_for(split))
+        with CollectiveCounter() as counter:
+            got = causal_lm_loss(split, {"input_ids": ids}, labels, plan).ce_sum
+            got.backward()
+    return {
+        "loss": [got.item(), want.item()],
+        "grad_rel": _grad_rel(split, {n: p.grad for n, p in ref.named_parameters()}),
+        "float8_all_gathers": len(calls),
+        "collectives": counter.counts(),
+        "targets": int((labels[:, 1:] != -100).sum()),
+    }
+
+
 def run_case(cls: str, extra: dict, chunk: int, mesh) -> dict:
     plan = LossPlan(chunk_tokens=chunk)
     dp_rank = mesh["dp_shard_cp"].get_local_rank()
@@ -155,6 +217,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard_cp", "tp"))
     results: dict = {}
+    try:
+        results["llama_fp8_tensorwise"] = tp_alone_fp8(mesh)
+    except Exception:  # reported, so the test shows the failure
+        results["llama_fp8_tensorwise"] = {"error": traceback.format_exc()}
+        print(results["llama_fp8_tensorwise"]["error"], file=sys.stderr)
     for name, cls, extra, chunk in CASES:
         try:
             results[name] = run_case(cls, extra, chunk, mesh)
