@@ -5,7 +5,7 @@
     python bench/vllm_sync_bench.py --shape 8b --procs 1 --no-server                      # one GPU: the gathers alone
 
 The work: ``--procs`` trainer ranks (torchrun) hold a random-init Llama of ``--shape`` sharded with FSDP2 (one unit per
-decoder layer, the embeddings, the head, the root), fp32 master weights; a receiver process runs the server's own code
+decoder layer, the untied embeddings and head, the root), fp32 master weights; a receiver process runs the server's own code
 (hf_fsdp2/methods/grpo/vllm/server.py: its HTTP handler, ``Engine`` and worker functions) over a stand-in engine
 whose one worker copies every tensor it receives into its own weights (vLLM's in-place reload, without vLLM: the GPU
 image has none), on the next GPU after the trainers' (NCCL forbids two ranks of a group on one GPU) or on CPU. Each of
@@ -136,26 +136,22 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def build_model(shape: str, device: Any) -> Any:
-    """A random Llama of ``shape`` sharded with FSDP2 (each decoder layer, the embeddings, an untied head, the root),
-    fp32 master weights, never whole on any rank."""
+    """A random Llama of ``shape`` on ``device``, fp32 master weights, sharded with FSDP2: each decoder layer, the
+    untied embeddings and head, the root (which holds a tied pair, so it stays one parameter)."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)
-    with torch.device("meta"):
+    torch.manual_seed(0)
+    with torch.device(device):
         model = LlamaForCausalLM(config)
     for layer in model.model.layers:
         fully_shard(layer)
-    fully_shard(model.model.embed_tokens)
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings:  # a tied pair stays in the root's unit, so it stays one parameter
+        fully_shard(model.model.embed_tokens)
         fully_shard(model.lm_head)
     fully_shard(model)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0.0, 0.02, generator=gen)
     return model
 
 

@@ -44,6 +44,16 @@ def test_weight_sync_and_rollouts_are_counted_against_the_formulas(tmp_path: Pat
         assert r["rollout_equal"] and r["rollout_logps"], rank
         assert r["eval_count"] == (2 if rank == 0 else 0)
         assert r["client_engine_calls"] == ([2, PROMPTS + 2] if rank == 0 else [0, 0]), r
+        counted = r["counted"]  # the run's rollout/engine_* and rollout/sync_* totals
+        assert (counted["engine_calls"], counted["engine_prompts"]) == (
+            (2, PROMPTS + 2) if rank == 0 else (0, 0)
+        )
+        assert (counted["all_gathers"], counted["gathered_bytes"], counted["host_bytes"]) == (
+            units,
+            gathered,
+            0,
+        )
+        assert counted["broadcast_bytes"] == (r["numel"] * 2 if rank == 0 else 0)
         # Colocate: level 2, weights woken and loaded, then the KV cache; no host copy; one call per rollout.
         assert r["colocate_events"] == ["sleep2", *["wake:weights", "wake:kv_cache", "sleep2"] * 2], r
         assert r["colocate_host_bytes"] == 0 and r["colocate_weights_equal"] and r["colocate_loads"] == 2, r

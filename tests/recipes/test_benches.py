@@ -412,3 +412,14 @@ def test_gpu_bench_fp8_flag_runs_a_bf16_and_an_fp8_twin(tmp_path: Path):
     assert figures["fp8_probe_max_ratio"] <= 1.0, fp8["fp8_probes"]
     # far sharper than the first-order worst case, and the rounding is visible in it
     assert figures["fp8_bound"][0] < figures["fp8_worst_case"][0] / 20 and figures["fp8_loss_diff"][0] > 0
+
+
+def test_moe_bench_kernels_run_every_experts_implementation_to_the_same_output(tmp_path: Path):
+    out = tmp_path / "kernels.json"
+    bench = load_bench("moe_bench")
+    args = ["kernels", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2", "--tokens", "64"]
+    bench.main([*args, "--repeats", "1", "--json", str(out)])
+    rows = {r["implementation"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"eager (per-expert loop)", "grouped_mm", "grouped_mm fallback (loop)"}
+    assert all(r["ms"] > 0 and r["max_diff"] < 1e-5 for r in rows.values()), rows
+    assert rows["grouped_mm"]["vs_grouped_mm"] == 1.0

@@ -24,9 +24,9 @@ from hf_fsdp2.methods.grpo.vllm.client import (
     VllmGenerator,
     VllmServerError,
     cut_at_eos_list,
-    probe_bound,
 )
 from hf_fsdp2.methods.grpo.vllm.importance import ImportanceSampling, attach_sampling_logps, importance_ratio
+from hf_fsdp2.methods.grpo.vllm.probe import probe_bound
 from hf_fsdp2.parallel.gather import sync_units
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])

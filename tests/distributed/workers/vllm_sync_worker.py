@@ -141,6 +141,7 @@ def main() -> None:
         report["http"] = bodies
         server.shutdown()
     report["client_engine_calls"] = [gen.engine_calls, gen.engine_prompts]
+    report["counted"] = gen.counted  # what the run logs as rollout/engine_* and rollout/sync_*
 
     # 3. colocate, sleep level 2, every rank its own stand-in engine
     weight_bytes = report["numel"] * 2

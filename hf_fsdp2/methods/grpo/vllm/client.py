@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import urllib.error
 import urllib.request
@@ -36,15 +35,21 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.methods.grpo.batching import completion_runs
 from hf_fsdp2.methods.grpo.config import check_vllm_fields
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
-from hf_fsdp2.methods.grpo.vllm.transfer import SyncCounts, VllmServerError, WeightGroup, push_weights
+from hf_fsdp2.methods.grpo.vllm.probe import PROBE_TEXT, probe_bound
+from hf_fsdp2.methods.grpo.vllm.transfer import (
+    COUNTED,
+    SyncCounts,
+    VllmServerError,
+    WeightGroup,
+    add_sync_counts,
+    push_weights,
+)
 
 logger = logging.getLogger("hf_fsdp2")
 PROTOCOL = 3  # server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
 START_HINT = (
     "start it with `hf-fsdp2 vllm-serve --model <the run's model_name_or_path> --port <vllm_server_port>`"
 )
-# Unit roundoff of the dtypes the trainer computes in or the server runs: the probe's bound scales with the coarser.
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
 @dataclass(frozen=True)
@@ -173,22 +178,6 @@ class VllmClient:
         return self._request("POST", "/weights/update", {"version": version, "buckets": buckets})
 
 
-def probe_bound(trainer_logps: torch.Tensor, server_dtype: str, compute_dtype: str, layers: int = 1) -> float:
-    """How far the server's log-prob of a token may be from the trainer's when both run the same weights:
-    ``32 u sqrt(layers + 1) (1 + max |logp|)``, u the unit roundoff of the coarser of the two dtypes.
-
-    Both sides compute the same function with different kernels (fused q/k/v and gate/up, other reduction orders):
-    each decoder layer (and the head) adds rounding errors of relative size ~u that accumulate like a random walk
-    (sqrt of the depth), and a log-prob's error scales with its magnitude. Measured on CPU in float32: a 2-layer
-    model differs by at most 9.5e-7 (bound 3.8e-5), SmolLM2-135M (30 layers) by 6.3e-6 (bound ~4e-5); one AdamW
-    update at lr 1e-3 moves the probe's log-probs by more than 100 bounds (tests/recipes/test_grpo_vllm_server.py).
-    In bfloat16 the bound is ~1,000x wider (u = 2^-8): the probe then catches a server on other weights after many
-    updates, not after one small one.
-    """
-    u = max(UNIT_ROUNDOFF.get(server_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-8))
-    return 32.0 * u * math.sqrt(layers + 1) * (1.0 + float(trainer_logps.abs().max()))
-
-
 class VllmGenerator:
     """Completions from the vLLM server (the :class:`~.rollout.Generator` protocol), with the weights sent after
     each optimizer update (:meth:`mark_stale`, an optimizer step hook) and checked by a probe.
@@ -225,6 +214,8 @@ class VllmGenerator:
         self.group: WeightGroup | None = None  # rank 0's end of the weight group
         self.last_sync: SyncCounts | None = None
         self.engine_calls, self.engine_prompts = 0, 0
+        self.counts_engine = True  # this rank counts its engine calls (colocate: one rank per engine)
+        self.counted = dict.fromkeys(COUNTED, 0.0)  # running totals, read by timing.TimedGenerator
 
     def describe(self) -> str:
         """The start-up line: where the rollouts come from and how they are sampled."""
@@ -288,6 +279,7 @@ class VllmGenerator:
         self.syncs += 1
         self.last_sync = counts
         self.sync_seconds += time.perf_counter() - start
+        add_sync_counts(self.counted, counts)
         if collectives.rank() == 0:
             logger.info(
                 "vLLM weights version %d: %d tensors in %d units (%d all-gathers, %d broadcasts of %.3g GB in %s), "
@@ -374,6 +366,9 @@ class VllmGenerator:
         self._check_version(answer, "a rollout")
         self.engine_calls += 1
         self.engine_prompts += len(prompts)
+        if self.counts_engine:
+            self.counted["engine_calls"] += 1
+            self.counted["engine_prompts"] += len(prompts)
         ids = [cut_at_eos_list(c, self.eos_ids) for c in answer["completions"]]
         logps = [list(lp[: len(c)]) for lp, c in zip(answer["logprobs"], ids, strict=True)]
         return ids, logps
@@ -447,9 +442,6 @@ def cut_at_eos_list(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     """``ids`` up to and including the first end-of-sequence token (all of them when there is none)."""
     end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))
     return [int(t) for t in ids[:end]]
-
-
-PROBE_TEXT = ("The quick brown fox jumps over", " the lazy dog, and the dog sleeps on in the sun.")
 
 
 def build_vllm_generator(

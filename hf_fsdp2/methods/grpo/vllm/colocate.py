@@ -49,14 +49,14 @@ from hf_fsdp2.config.plans import check
 from hf_fsdp2.methods.grpo.batching import completion_runs
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
 from hf_fsdp2.methods.grpo.vllm.client import (
-    PROBE_TEXT,
     ServerSettings,
     VllmClient,
     VllmGenerator,
     VllmServerError,
     extra_sampling,
 )
-from hf_fsdp2.methods.grpo.vllm.transfer import DTYPES, SyncCounts
+from hf_fsdp2.methods.grpo.vllm.probe import PROBE_TEXT
+from hf_fsdp2.methods.grpo.vllm.transfer import DTYPES, SyncCounts, add_sync_counts
 from hf_fsdp2.parallel.gather import GatherCounts, gathered_units, sync_units
 
 logger = logging.getLogger("hf_fsdp2")
@@ -236,6 +236,9 @@ class ColocateGenerator(VllmGenerator):
         super().__init__(*args, **kwargs)
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tp = tensor_parallel_size
+        self.counts_engine = (
+            collectives.rank() % tensor_parallel_size == 0
+        )  # one rank per engine counts its calls
         self._asleep = False
         self.sleeps: list[int] = []
         self.wakes: list[str] = []
@@ -286,6 +289,7 @@ class ColocateGenerator(VllmGenerator):
         self.syncs += 1
         self.last_sync = SyncCounts(gather=counts)
         self.sync_seconds += time.perf_counter() - start
+        add_sync_counts(self.counted, self.last_sync)
         if collectives.rank() == 0:
             logger.info(
                 "vLLM weights version %d: %d tensors in %d units (%d all-gathers in %s) loaded into each rank's "
@@ -303,7 +307,7 @@ class ColocateGenerator(VllmGenerator):
         completion (every rank asks its own engine).
 
         Raises:
-            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.client.probe_bound`.
+            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.probe.probe_bound`.
         """
         prompt, completion, mine, bound, layers = self._probe_reference()
 

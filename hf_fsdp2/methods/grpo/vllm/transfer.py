@@ -71,6 +71,17 @@ class SyncCounts:
         }
 
 
+COUNTED = ("engine_calls", "engine_prompts", "all_gathers", "gathered_bytes", "broadcast_bytes", "host_bytes")
+
+
+def add_sync_counts(counted: dict[str, float], counts: SyncCounts) -> None:
+    """A weight update's counts into a generator's running totals."""
+    counted["all_gathers"] += counts.gather.collectives
+    counted["gathered_bytes"] += counts.gather.bytes
+    counted["broadcast_bytes"] += counts.broadcast_bytes
+    counted["host_bytes"] += counts.gather.host_bytes
+
+
 def local_address(url: str) -> str:
     """This host's address as the server at ``url`` reaches it: the source address of the route to it (no packet is
     sent), the loopback for a server on this host."""
