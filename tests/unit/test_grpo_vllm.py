@@ -187,6 +187,21 @@ def test_a_server_that_is_not_up_is_named_with_its_timeout_and_the_command_to_st
     )
 
 
+@pytest.mark.parametrize("fake", ["unreachable"], indirect=True)
+def test_a_server_that_cannot_join_the_weight_group_stops_the_connect_within_its_timeout(fake: Fake) -> None:
+    """The server's workers cannot reach the trainer's store: the connect fails on every rank within
+    vllm_server_timeout (the rendezvous's), with the server's reason, not after vllm_request_timeout."""
+    gen = _generator(fake.url, timeout=2.0, request_timeout=600.0)
+    start = time.monotonic()
+    with pytest.raises(
+        VllmServerError,
+        match=r"failed while connecting to the vLLM server \(rank 0\).*failed POST /weights/group \(HTTP 500\): "
+        "DistNetworkError: failed to connect",
+    ):
+        gen.connect()
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("fake", ["dies"], indirect=True)
 def test_a_server_that_dies_mid_update_is_a_clear_error(fake: Fake) -> None:
     gen = _generator(fake.url)
