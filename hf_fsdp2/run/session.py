@@ -174,12 +174,10 @@ class Session:
             load_in_4bit=cfg.peft.load_in_4bit,
             liger=t.use_liger_kernel,
             ram_efficient_loading=ram_efficient_set,
-            torch_compile=f.torch_compile,
-            compile_default=on_gpu,
         )
         if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
-            f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
-            sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+            f.fsdp_cpu_ram_efficient_loading = False
+            sharding = f.sharding_plan(on_gpu=on_gpu)
             loading_note = tp_off.get("fsdp_cpu_ram_efficient_loading", loading_note)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
@@ -223,8 +221,6 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
-        if "torch_compile" in tp_off:
-            logger.info("%s", tp_off["torch_compile"])
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(
