@@ -190,3 +190,65 @@ def float8_findings(cfg: Config, on_gpu: bool, method: Any = None) -> list[Findi
             message="FP8 hardware; decoder-layer linears in float8, compiled",
         )
     ]
+
+
+def expert_findings(cfg: Config, plan: Any, *, on_gpu: bool) -> list[Finding]:
+    """A mixture of experts: what its experts move per step against expert parallel's proposal
+    (:mod:`hf_fsdp2.plan.experts`), and the kernel they run with (:mod:`hf_fsdp2.parallel.grouped_mm`); nothing for a
+    dense model or when the plan could not be made."""
+    import torch
+
+    from hf_fsdp2.dtypes import MIXED_PRECISION
+    from hf_fsdp2.parallel.grouped_mm import experts_kernel
+    from hf_fsdp2.plan import human_bytes
+
+    experts = getattr(plan, "experts", None)
+    if experts is None:
+        return []
+    s, run = experts.shapes, experts.current
+    value = (
+        f"{len(s.layers)} MoE layers x {s.num_experts} experts, {100 * s.share:.0f}% of the parameters, "
+        f"ep_size {experts.ep}"
+    )
+    out: list[Finding] = []
+    if experts.proposed is not None:
+        best = next(o for o in experts.options if o.ep == experts.proposed)
+        out.append(
+            Finding(
+                level="warning",
+                check="experts",
+                value=value,
+                message=f"flat FSDP2 gathers {human_bytes(run.gathered)} of experts per layer and moves "
+                f"{human_bytes(run.step_sent)} per step and rank for them; ep_size {best.ep} would move "
+                f"{human_bytes(best.step_sent)} ({best.step_sent / max(run.step_sent, 1):.2f}x)",
+                fix=f"set ep_size: {best.ep} (hf-fsdp2 plan lists every ep_size)",
+            )
+        )
+    else:
+        out.append(
+            Finding(
+                level="ok",
+                check="experts",
+                value=value,
+                message=f"{human_bytes(run.step_sent)} per step and rank for the experts",
+            )
+        )
+    capability = torch.cuda.get_device_capability(0) if on_gpu else None
+    kernel = experts_kernel(
+        s.implementation,
+        compiled=cfg.fsdp.compile_plan(on_gpu=on_gpu).enabled,
+        compute_dtype=MIXED_PRECISION.get(cfg.train.mixed_precision) or torch.float32,
+        device_type="cuda" if on_gpu else "cpu",
+        capability=capability,
+        expert_parallel=experts.ep > 1,
+    )
+    out.append(
+        Finding(
+            level="ok" if kernel.reason is None else "warning",
+            check="experts kernel",
+            value=kernel.kernel,
+            message=f"experts_implementation={kernel.implementation!r}"
+            + (f": {kernel.reason}" if kernel.reason else ""),
+        )
+    )
+    return out

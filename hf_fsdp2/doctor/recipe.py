@@ -72,6 +72,7 @@ def memory_findings(
         budget,
         DEFAULT_HEADROOM,
         context_parallel=bool(method is not None and method.capabilities.context_parallel),
+        expert_parallel=True,
     )
     fitting = [c for c in tried if c.fits]
     fix = (

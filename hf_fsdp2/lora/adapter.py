@@ -22,6 +22,7 @@ from hf_fsdp2.lora.experts import (
     is_param_wrapper,
     layer_suffix,
     resolve_target_parameters,
+    route_expert_lora,
 )
 
 logger = logging.getLogger("hf_fsdp2")
@@ -104,10 +105,11 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
             + (f"; its fused expert weights are {three_d} ({ALL_EXPERTS} names them all)" if three_d else "")
         )
     adapted = sorted({layer_suffix(f) for f in full})
+    route_expert_lora(wrapped)  # under expert parallel a rank adds the deltas of its own experts only
     if adapted:
         logger.info(
-            "LoRA on parameters (PEFT's target_parameters; fused MoE experts get one rank-%d pair per expert): %s",
-            settings.r,
+            "LoRA on parameters (PEFT's target_parameters; a fused MoE expert weight gets one low-rank pair per "
+            "expert): %s",
             ", ".join(adapted),
         )
     return wrapped

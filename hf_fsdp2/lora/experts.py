@@ -133,3 +133,97 @@ def local_expert_delta(
     b = b_full.to(dtype).reshape(b_full.shape[0], -1, experts)[:, :, first : first + count]  # [out, r, count]
     pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
     return torch.einsum(pattern, b, a) * float(layer.scaling[adapter])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _wrapper_chain(layer: Any) -> list[Any]:
+    """The nested ``ParamWrapper``s from ``layer`` inwards (one per adapted parameter of the module)."""
+    chain = []
+    while is_param_wrapper(layer):
+        chain.append(layer)
+        layer = layer.base_layer
+    return chain
+
+
+def _local_merged(wrapper: Any, weight: Any) -> torch.Tensor:
+    """This rank's block of ``weight`` (a DTensor ``Shard(0)`` over the ep mesh: whole, consecutive experts) with the
+    active adapters' deltas of those experts added, as a DTensor of the same placement.
+
+    The deltas' gradient is scaled by ``ep`` on its way back: expert parallel multiplies the gradient of every
+    tensor its forward reads by ``1 / ep`` (an expert's gradient sums the tokens of its ep group while FSDP2 averages
+    it over ``W / ep`` ranks), but ``lora_A`` and ``lora_B`` are not expert tensors: FSDP2 averages their gradient over
+    all ``W`` ranks, to which each rank brings the pairs of the experts it holds (zero for the others)."""
+    from torch.distributed.tensor import DTensor
+
+    local = weight.to_local()
+    mesh = weight.device_mesh
+    ep = mesh.size()
+    count = local.shape[0]
+    first = mesh.get_local_rank() * count
+    merged = local
+    for adapter in wrapper.active_adapters:
+        if adapter not in wrapper.lora_A:
+            continue
+        lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
+        delta = torch.bmm(
+            lhs[first : first + count].to(local.dtype), rhs[first : first + count].to(local.dtype)
+        )
+        merged = merged + _ScaleGrad.apply(delta * scaling, float(ep))
+    return DTensor.from_local(merged, mesh, weight.placements, shape=weight.shape, stride=weight.stride())
+
+
+def lora_experts_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The forward of a LoRA ``ParamWrapper`` over fused experts: PEFT's own, unless the experts are split by expert
+    parallel (their tensors, as FSDP2 hands them to the forward, DTensors over the ep mesh), where PEFT's
+    parametrisation would add every expert's delta to this rank's block (:func:`_expert_parallel_call`)."""
+    from torch.distributed.tensor import DTensor
+
+    chain = _wrapper_chain(wrapper)
+    if wrapper.disable_adapters or wrapper.merged or not isinstance(chain[0].get_param(), DTensor):
+        return type(wrapper).forward(wrapper, x, *args, **kwargs)
+    return _expert_parallel_call(chain, x, *args, **kwargs)
+
+
+@torch.compiler.disable  # as expert parallel's own forward: eager inside a compiled decoder layer
+def _expert_parallel_call(chain: list[Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Each adapted tensor of the experts module replaced, for the call, by its block plus the deltas of its experts
+    (:func:`_local_merged`); the experts module runs (its expert-parallel implementation reads its tensors), then
+    gets its own tensors back."""
+    base = chain[-1].base_layer
+    originals = {w.parameter_name: base._parameters[w.parameter_name] for w in chain}
+    try:
+        for w in chain:
+            # Not nn.Module.__setattr__: the merged block is not a leaf (FSDP2 swaps its tensors the same way).
+            base._parameters[w.parameter_name] = _local_merged(w, originals[w.parameter_name])
+        return base(x, *args, **kwargs)
+    finally:
+        base._parameters.update(originals)
+
+
+def route_expert_lora(model: torch.nn.Module) -> int:
+    """Give the outermost LoRA ``ParamWrapper`` of every fused experts module :func:`lora_experts_forward` (an
+    instance attribute: PEFT's own forward runs unless the experts are split by expert parallel). Returns the
+    experts modules routed."""
+    import types
+
+    count = 0
+    for name, module in model.named_modules():
+        if not is_param_wrapper(module) or name.endswith(".base_layer"):
+            continue
+        chain = _wrapper_chain(module)
+        if is_fused_experts(chain[-1].base_layer):
+            module.forward = types.MethodType(lora_experts_forward, module)
+            count += 1
+    return count

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.compat import NO_HUB_KERNELS
+from hf_fsdp2.export.plan import _row_offset as row_offset
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
 from hf_fsdp2.lora.experts import adapted_weight, is_param_wrapper, local_expert_delta
 from hf_fsdp2.lora.quantize import is_nf4
@@ -115,7 +116,7 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
         ):  # QLoRA: this rank's rows of the 4-bit weight, dequantised (its own scales are local)
             local = local.get_original_weight()  # type: ignore[attr-defined]
         out[base] = local.detach()
-        offsets[base] = _row_offset(param)
+        offsets[base] = row_offset(param)
     for w_name, layer in layers.items():
         a = layer.lora_A[adapter].weight
         b = layer.lora_B[adapter].weight
@@ -147,14 +148,6 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
             merged = merged * (m_local.to(acc) / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
         out[w_name] = merged.to(w_local.dtype)
     return out
-
-
-def _row_offset(tensor: torch.Tensor) -> int:
-    """The global index of this rank's first row of a dim-0-sharded tensor (0 for a plain tensor)."""
-    if not isinstance(tensor, DTensor):
-        return 0
-    chunks = tensor.__create_chunk_list__()
-    return int(chunks[0].offsets[0]) if chunks else 0
 
 
 def build_merged_twin(

@@ -38,6 +38,7 @@ from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params
 from hf_fsdp2.parallel.accelerator import describe_layout, sharded_units
 from hf_fsdp2.parallel.all_to_all import ContextParallelError
 from hf_fsdp2.parallel.float8 import check_float8_hardware, finish_float8, warn_without_compile
+from hf_fsdp2.parallel.grouped_mm import model_experts_kernel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
 from hf_fsdp2.parallel.tensor import TensorParallelError, tp_plan_for
@@ -108,6 +109,7 @@ def build_model(
         "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
     )
     flops, peak = _flops_and_peak(session, model)
+    log_experts_kernel(session, model)
     try:
         model = parallelize(model, session.accelerator, parallel_plan(session, model, layer_cls, fp8))
     except (
@@ -279,6 +281,24 @@ def add_adapters(
         apply_liger_kernels(model)
         logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
     return model, quant
+
+
+def log_experts_kernel(session: Session, model: torch.nn.Module) -> None:
+    """Name the kernel a mixture of experts runs its routed experts with; a warning with the reason and the fix when
+    transformers falls back to its per-expert loop (:mod:`hf_fsdp2.parallel.grouped_mm`)."""
+    found = model_experts_kernel(
+        model,
+        compiled=session.compile_plan.enabled,
+        compute_dtype=session.compute_dtype,
+        device=session.device,
+    )
+    if found is None:
+        return
+    kernel, line = found
+    if kernel.reason is None:
+        logger.info("%s", line)
+    else:
+        logger.warning("%s", line)
 
 
 def parallel_plan(

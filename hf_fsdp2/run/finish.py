@@ -21,8 +21,8 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.config import ConfigError, parse_size
-from hf_fsdp2.elastic.agent import AgentLaunch
-from hf_fsdp2.elastic.attempts import ERROR, LOST, read_history, record_end, with_restart_note
+from hf_fsdp2.elastic.agent import AgentLaunch, NodeLostError
+from hf_fsdp2.elastic.attempts import ERROR, LOST, clear_attempt, read_history, record_end, with_restart_note
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import wait_while_a_hang_is_named
 from hf_fsdp2.export.card import render_model_card
@@ -57,6 +57,7 @@ USER_ERRORS = (
     LoraError,
     NonFiniteError,
     CollapseError,
+    NodeLostError,
     FileNotFoundError,
     ValueError,
 )
@@ -181,6 +182,7 @@ def finish(
         logger.info(line)
     if session.is_main:
         write_summary(summary, session.output_dir)
+        clear_attempt(session.output_dir)  # a finished run: no attempt left to explain
     session.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -31,13 +31,16 @@ from hf_fsdp2.composite import check_composite_run
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
 from hf_fsdp2.elastic.agent import (
+    ARRIVAL_S,
     AUTO,
     AgentLaunch,
     ResumeSetting,
     attempt_init_method,
+    check_arrival,
     check_max_restarts,
     resume_setting,
 )
+from hf_fsdp2.elastic.attempts import read_layout
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
@@ -171,12 +174,10 @@ class Session:
             load_in_4bit=cfg.peft.load_in_4bit,
             liger=t.use_liger_kernel,
             ram_efficient_loading=ram_efficient_set,
-            torch_compile=f.torch_compile,
-            compile_default=on_gpu,
         )
         if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
-            f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
-            sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+            f.fsdp_cpu_ram_efficient_loading = False
+            sharding = f.sharding_plan(on_gpu=on_gpu)
             loading_note = tp_off.get("fsdp_cpu_ram_efficient_loading", loading_note)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
@@ -196,6 +197,10 @@ class Session:
         )
         refused = [x.line() for x in launch if x.level == "error"]
         check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
+        # A restarted attempt on several nodes: every rank here before the process group, or the ones missing named.
+        arrival = check_arrival(
+            agent, timeout_s=min(float(t.ddp_timeout), ARRIVAL_S), layout=read_layout(output_dir)
+        )
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
@@ -206,6 +211,7 @@ class Session:
             mesh=mesh,
             init_method=attempt_init_method(agent),
         )
+        del arrival  # rank 0's store for this attempt: the process group's rendezvous has taken it over
         setup_logging(accelerator.is_main_process)
         logger.info(
             "collective timeout ddp_timeout=%ds, waits for rank 0 (host group) host_wait_timeout=%ds; debug variables: %s",
@@ -215,8 +221,6 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
-        if "torch_compile" in tp_off:
-            logger.info("%s", tp_off["torch_compile"])
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(

@@ -5,6 +5,7 @@ SIGTERM, and (by :mod:`.finish`) whenever the final export fails; each one optio
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError,
 from hf_fsdp2.checkpoint.preemption import StopRequest
 from hf_fsdp2.checkpoint.resume import check_config_compatible, list_checkpoints, new_run_id, resolve_resume
 from hf_fsdp2.checkpoint.space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
-from hf_fsdp2.collectives import broadcast_object
+from hf_fsdp2.collectives import broadcast_object, gather_objects
 from hf_fsdp2.config.sources import parse_source, resolve_sources
 from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
-from hf_fsdp2.elastic.attempts import describe_restart, read_history, take_previous
+from hf_fsdp2.elastic.attempts import describe_restart, rank_place, read_history, record_layout, take_previous
+from hf_fsdp2.elastic.kill_window import KillWindow
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.export.hub import CheckpointPusher
 from hf_fsdp2.observe.logs import append_metrics_event, last_metrics
@@ -99,6 +101,10 @@ class RunState:
         if session.resume_from:
             self._resume(session.resume_from)
         self.restarted = self._take_previous_attempt()
+        # Every rank's node, host and address in this attempt: what names a node that does not come back.
+        places = gather_objects(rank_place())
+        if session.is_main:
+            record_layout(session.output_dir, places)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
         self._check_disk(total_steps)
         # on_collapse: a run that learns nothing is decided by the same guard (each finding recorded, _report).
@@ -111,6 +117,17 @@ class RunState:
         )
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
+        # Preemption inside the kill window: a save that alone cannot fit is said now, with its figures.
+        self.kill_window = KillWindow(
+            window_s=cfg.restart.kill_window,
+            checkpoint_bytes=self.checkpointer.checkpoint_bytes,
+            world=session.world,
+            save_steps=t.save_steps,
+            save_async=t.save_async,
+        )
+        too_long = self.kill_window.at_start() if session.is_main else None
+        if too_long:
+            logger.warning("%s", too_long)
 
     def _take_previous_attempt(self) -> dict[str, Any] | None:
         """Rank 0: how the previous attempt ended (its ranks' records, the metrics it logged) into the run's
@@ -296,8 +313,10 @@ class RunState:
         buffer = self.step.buffer_state() if self.step is not None else None
         if buffer is not None:  # this rank's buffer across steps, beside its data position
             rank_data = {**(rank_data or {}), "buffer": buffer}
+        started = time.perf_counter()
         with PROGRESS.unwatched("checkpoint save"):
             self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
+        self.kill_window.saved(time.perf_counter() - started)
         self.last_saved = step
         if self.pusher is not None:
             self.pusher.push_new()
@@ -315,10 +334,21 @@ class RunState:
                 self.save(step)
             self.checkpointer.wait()
             logger.warning(
-                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest",
+                "SIGTERM: saved checkpoint-%d and stopped %.1f s after the signal (kill_window %g s); continue with "
+                "--resume_from_checkpoint latest",
                 step,
+                self.stop.seconds_since(),  # every rank: the earliest signal
+                self.session.cfg.restart.kill_window,
             )
             return True
+        # Whether a SIGTERM can still end in a checkpoint before the SIGKILL, once the steps are measured (rank 0).
+        said = (
+            self.kill_window.check([*PROGRESS.durations, PROGRESS.snapshot()[2]])
+            if self.session.is_main
+            else None
+        )
+        if said is not None:
+            (logger.info if said[0] else logger.warning)("%s", said[1])
         return False
 
     def ensure_saved(self, step: int) -> str:

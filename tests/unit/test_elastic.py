@@ -342,3 +342,106 @@ def test_a_main_thread_that_holds_the_gil_is_dumped_and_ended_by_faulthandler(tm
         "Timeout (0:00:0" in proc.stderr and "<string>" in proc.stderr
     )  # every thread's stack, the main one's
     assert time.monotonic() - start < 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preemption inside the kill window (hf_fsdp2/elastic/kill_window.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_kill_window_verdict_has_its_figures_and_offers_what_fits() -> None:
+    from hf_fsdp2.elastic.kill_window import KillWindow, verdict
+
+    fits, words = verdict(
+        step_s=1.2, save_s=0.8, window_s=30, measured_save=True, save_steps=500, save_async=False
+    )
+    assert fits and words == (
+        "preemption: a SIGTERM is answered at the next step boundary with a checkpoint: a step (1.2 s) + a save "
+        "(0.8 s, measured) + the exit (2.0 s) = 4.0 s, within the 30.0 s kill window (kill_window)"
+    )
+    # A long step: no boundary before the SIGKILL; a cadence that bounds the loss, or a longer grace.
+    fits, words = verdict(
+        step_s=40, save_s=5, window_s=30, measured_save=True, save_steps=500, save_async=False
+    )
+    assert not fits and "a step alone is longer than the window" in words
+    assert "save_steps: 15 (a checkpoint every ~600 s" in words and "save_steps is 500 now" in words
+    assert "#SBATCH --signal=TERM@57" in words and "terminationGracePeriodSeconds: 57" in words
+    # A large checkpoint: said at start-up from its size (96 GB over 8 ranks at 0.5 GB/s: 24 s per rank).
+    window = KillWindow(window_s=30, checkpoint_bytes=96 * 10**9, world=8, save_steps=0, save_async=False)
+    assert window.at_start() is None  # 24 s + the exit fits, without the step
+    window = KillWindow(window_s=20, checkpoint_bytes=96 * 10**9, world=8, save_steps=0, save_async=False)
+    start = window.at_start()
+    assert start is not None and "a save (24.0 s, estimated at 0.5 GB/s per rank)" in start
+    assert (
+        "(one checkpoint: 96.0 GB over 8 rank(s))" in start
+        and "no periodic checkpoint now (save_steps 0)" in start
+    )
+    # After two steps the verdict once; again only when the first measured save changes it.
+    window = KillWindow(window_s=30, checkpoint_bytes=96 * 10**9, world=8, save_steps=100, save_async=False)
+    assert window.check([9.0]) is None
+    said = window.check([9.0, 5.0])
+    assert said is not None and not said[0] and "estimated" in said[1]  # 5 + 24 + 2 > 30
+    assert window.check([9.0, 5.0, 5.0]) is None
+    window.saved(3.0)  # a fast disk after all
+    said = window.check([9.0, 5.0, 5.0, 5.0])
+    assert said is not None and said[0] and "a save (3.0 s, measured)" in said[1]
+    assert window.check([9.0, 5.0, 5.0, 5.0, 5.0]) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several nodes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(tmp_path: Path) -> None:
+    """What hf-fsdp2 train's launcher says when a restart's rendezvous times out: the node whose ranks the others
+    lost (by process, or by the address in the transport's error), else every node but its own."""
+    places = [
+        {"rank": 0, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 1, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 2, "node": 1, "host": "b", "addr": "10.0.0.2"},
+        {"rank": 3, "node": 1, "host": "b", "addr": "10.0.0.2"},
+    ]
+    attempts.record_layout(tmp_path, places)
+    assert attempts.read_layout(tmp_path) == places
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back"
+    _end(tmp_path, 0, "lost", "Connection reset by peer [10.0.0.2]:4121", step=7)
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back, lost during step 7"
+    assert "no record of the last attempt's nodes" in attempts.lost_nodes(tmp_path / "none", 0)
+
+
+def test_hf_fsdp2_train_on_several_nodes_with_restarts_takes_the_c10d_config() -> None:
+    command = launch_command(
+        "sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8, max_restarts=2
+    )
+    assert command[command.index("--config_file") + 1].endswith("fsdp2_multinode_elastic.yaml")
+    config = yaml.safe_load(Path(command[command.index("--config_file") + 1]).read_text())
+    assert (
+        config["rdzv_backend"] == "c10d" and config["same_network"] is False
+    )  # accelerate passes the endpoint
+    plain = launch_command("sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8)
+    assert plain[plain.index("--config_file") + 1].endswith("fsdp2_multinode.yaml")
+
+
+def test_a_restarted_attempt_names_the_ranks_that_do_not_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_fsdp2.elastic.agent import NodeLostError, check_arrival
+
+    port = _free_port()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+    }
+    env |= {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert (
+        check_arrival(_agent(0, 2), timeout_s=1, layout=[]) is None
+    )  # a first attempt: the rendezvous met them
+    layout = [{"rank": 1, "node": 1, "host": "b"}]
+    with pytest.raises(
+        NodeLostError, match=r"restart 1\): rank 1 \(node 1, b\) did not join within 1 s: its node"
+    ):
+        check_arrival(_agent(1, 2), timeout_s=1, layout=layout)
