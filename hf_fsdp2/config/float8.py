@@ -46,11 +46,13 @@ def check_float8_combination(
     tp_size: int,
     ram_efficient_loading: bool | None,
     optim: str = "adamw",
+    ep_size: int = 1,
 ) -> None:
     """What ``mixed_precision=fp8`` cannot be combined with, refused before any work.
 
     Raises:
-        ConfigError: QLoRA, LoRA, tensor parallel, rank-0-only loading (set to true) or Muon with fp8.
+        ConfigError: QLoRA, LoRA, tensor parallel, expert parallel, rank-0-only loading (set to true) or Muon with
+            fp8.
     """
     check(
         optim == "adamw",
@@ -74,6 +76,12 @@ def check_float8_combination(
         tp_size == 1,
         f"mixed_precision=fp8 with tp_size={tp_size} is not supported: the decoder layers' tensor-parallel plan "
         "splits plain linears, and float8 ones need torchao's float8 tensor-parallel styles; use tp_size=1 or bf16",
+    )
+    check(
+        ep_size == 1,
+        f"mixed_precision=fp8 with ep_size={ep_size} is not supported: FP8 converts the decoder layers' linears, and "
+        "expert parallel runs the routed experts as grouped matmuls over fused 3-D weights, which this version has "
+        "no float8 grouped GEMM for; use mixed_precision=bf16 with ep_size, or ep_size=1 with fp8",
     )
     check(
         not ram_efficient_loading,

@@ -291,6 +291,9 @@ def parallel_plan(
         ConfigError: a family without a tensor-parallel plan, or context parallel with a MoE router loss.
     """
     tp = cp = None
+    ep = session.cfg.fsdp.ep_size or 1
+    if ep > 1:  # the key and its checks land before the layer that runs it (parallel/expert_parallel.py)
+        raise ConfigError(f"ep_size={ep}: expert parallel does not run in this version yet; use ep_size=1")
     if collectives.tp_size() > 1:
         try:
             tp = TensorParallel(session.accelerator.torch_device_mesh["tp"], tp_plan_for(model))
