@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from hf_fsdp2.config.plans import ConfigError, MeshPlan
@@ -52,6 +54,12 @@ class ExpertsLayout:
             f"(ranks of one ep group exchange tokens by all-to-all), each rank's experts sharded over {efsdp} rank(s); "
             "routers and shared experts stay with FSDP2 on each rank's own tokens"
         )
+
+
+def experts_count(module: nn.Module) -> int:
+    """Routed experts of an experts module (its ``num_experts``: the global count, also under expert parallel)."""
+    value: Any = module.num_experts
+    return int(value)
 
 
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -170,3 +178,76 @@ def check_expert_parallel(model: nn.Module, mesh: MeshPlan) -> ExpertsLayout:
     layout = read_experts(model)
     check_expert_split(layout, mesh)
     return layout
+
+
+LOAD_ATTRIBUTE = "_hf_fsdp2_expert_load"  # each experts module's ExpertLoad
+
+
+class ExpertLoad:
+    """The tokens routed to each expert of one MoE layer, counted on this rank since the last read: a device tensor,
+    never read on the host until the log asks (:func:`expert_load_metrics`)."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None
+
+    def add(self, per_expert: torch.Tensor) -> None:
+        per_expert = per_expert.detach()
+        self.counts = per_expert.clone() if self.counts is None else self.counts + per_expert
+
+    def take(self, num_experts: int, device: torch.device) -> torch.Tensor:
+        """The counts since the last read (zeros when the layer did not run), and a fresh start."""
+        counts = self.counts if self.counts is not None else torch.zeros(num_experts, dtype=torch.long)
+        self.counts = None
+        return counts.to(device)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward (a checkpointed layer's recomputation, whose forward was counted)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def expert_load(module: nn.Module) -> ExpertLoad:
+    """The load counter of an experts module (made on first use)."""
+    load = getattr(module, LOAD_ATTRIBUTE, None)
+    if load is None:
+        load = ExpertLoad()
+        setattr(module, LOAD_ATTRIBUTE, load)
+    return load
+
+
+def count_expert_load(model: nn.Module, *, hooks: bool = True) -> int:
+    """Count the tokens the router sends each expert of every MoE layer of ``model`` (a forward pre-hook on each
+    experts module: a ``bincount`` of its top-k indices on the device; expert parallel counts in its own forward and
+    passes ``hooks=False``). A checkpointed layer's recomputation is not counted again. Returns the layers counted."""
+    modules = find_experts(model)
+    for module in modules.values():
+        load = expert_load(module)
+        if not hooks:
+            continue
+
+        def count(mod: nn.Module, args: tuple[Any, ...], load: ExpertLoad = load) -> None:
+            if len(args) >= 2 and isinstance(args[1], torch.Tensor) and not in_backward():
+                load.add(torch.bincount(args[1].reshape(-1), minlength=experts_count(mod)))
+
+        module.register_forward_pre_hook(count)
+    return len(modules)
+
+
+def expert_load_metrics(model: nn.Module, device: torch.device) -> dict[str, float]:
+    """The routed load of the experts since the last call, over every rank (collective: one all-reduce; every rank
+    calls it at the same steps): ``moe_load_min`` / ``moe_load_max``, the least and most loaded expert of any layer
+    as a multiple of a perfectly even load (1.0: every expert got ``tokens x top_k / experts``). Empty for a model
+    without routed experts, or when no MoE layer ran. No token is ever dropped: every expert takes all it is sent
+    (no capacity limit)."""
+    from hf_fsdp2 import collectives
+
+    modules = find_experts(model)
+    if not modules:
+        return {}
+    counts = torch.stack([expert_load(m).take(experts_count(m), device).double() for m in modules.values()])
+    counts = collectives.all_reduce_sum(counts)
+    counts = counts[counts.sum(dim=1) > 0]  # the layers that ran
+    if not counts.numel():
+        return {}
+    ratio = counts * counts.size(1) / counts.sum(dim=1, keepdim=True)
+    return {"moe_load_min": float(ratio.min()), "moe_load_max": float(ratio.max())}

@@ -42,6 +42,7 @@ from hf_fsdp2.parallel.accelerator import (
     setup_logging,
     world_size,
 )
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes
 from hf_fsdp2.parallel.experts import check_expert_parallel
 from hf_fsdp2.parallel.kernels import check_liger_available
 from hf_fsdp2.parallel.launch_config import find_launch_request, fsdp_findings, world_findings
@@ -76,6 +77,9 @@ class Session:
     hub_token: str | None
     lock: RunLock
     started: float = field(default_factory=time.perf_counter)
+    expert_meshes: ExpertMeshes | None = (
+        None  # expert parallel's meshes, built once (run/build.py:expert_plan)
+    )
 
     @classmethod
     def start(cls, cfg: Config) -> Session:

@@ -246,12 +246,14 @@ def apply_update(
 
 
 class RouterLoss:
-    """A step's MoE router loss: added to each micro-batch's backward objective as a mean over every micro-batch
-    of every rank (FSDP2 averages over ranks), and this rank's sum kept for the log (``sum``: None when the loss
-    plan has no router loss)."""
+    """A step's MoE router loss: each micro-batch's loss over its global tokens
+    (:func:`~hf_fsdp2.train.router.global_router_loss`: the same value on every rank, each rank's gradient its own
+    part), added to the micro-batch's backward objective as a mean over the step's micro-batches: ``x ranks``, as
+    FSDP2 averages the ranks' parts where they must sum. This rank's sum of the values is kept for the log (``sum``:
+    None when the loss plan has no router loss)."""
 
-    def __init__(self, coef: float, micro_batches: int, device: torch.device) -> None:
-        self.scale = coef / micro_batches
+    def __init__(self, coef: float, micro_batches: int, device: torch.device, ranks: int = 1) -> None:
+        self.scale = coef * ranks / micro_batches
         self.sum = torch.zeros((), dtype=torch.float32, device=device) if coef else None
 
     def added(self, total: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -272,9 +274,26 @@ def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_ea
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping.
+
+    Gradients on different meshes (expert parallel: the experts' on ``efsdp x ep``, the rest on the run's mesh) cannot
+    be stacked as DTensors: each mesh's norm is reduced on its own (collective over its ranks), then combined."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = []
+    for params in by_mesh.values():
+        part = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        norms.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, limit, total)
+    return total
 
 
 def clip_and_update(
@@ -329,7 +348,7 @@ def forward_backward(
         local = torch.tensor(loss.local_counts(batches), dtype=torch.long, device=device)
         counts = loss.begin(read_step_counts(local, guard), guard)
     ranks = collectives.grad_world()
-    router = RouterLoss(settings.loss.router_aux_coef, len(batches), device)
+    router = RouterLoss(settings.loss.router_aux_coef, len(batches), device, ranks)
     loss_sum = torch.zeros((), dtype=loss.log_dtype, device=device)
     for i, batch in enumerate(batches):
         choose_gradient_sync(model, i, len(batches), settings.sync_each_microbatch)

@@ -114,7 +114,7 @@ def test_a_method_folder_imports_no_other_method() -> None:
 
 
 def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
-    """The doc's order of the parallelize steps is the function's (tp, cp, float8, ac, compile, fsdp2, compile)."""
+    """The doc's order of the parallelize steps is the function's (tp, cp, ep, float8, ac, compile, fsdp2, compile)."""
     import inspect
 
     from hf_fsdp2.parallel import parallelize
@@ -123,6 +123,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     calls = [
         "apply_tensor_parallel",
         "apply_context_parallel",
+        "apply_expert_parallel",
         "convert_float8",
         "apply_activation_checkpointing",
         "compile_regions",
@@ -133,7 +134,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     assert positions == sorted(positions), calls
     text = DOC.read_text()
     assert (
-        "tensor parallel -> context parallel -> float8 ->\nactivation checkpointing -> regional compile -> FSDP2"
+        "tensor parallel -> context parallel -> expert parallel -> float8 ->\nactivation checkpointing -> regional compile -> FSDP2"
         in text
     )
 
