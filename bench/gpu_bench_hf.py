@@ -128,7 +128,9 @@ def same_weights_reference(
     reference.load_state_dict(state)
     reference.zero_grad(set_to_none=True)
     inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
-    probe = Float8BoundProbe(reference, converted, ("LlamaDecoderLayer",), dtype)
+    probe = Float8BoundProbe(
+        reference, converted, layer_cls_names=("LlamaDecoderLayer",), compute_dtype=dtype
+    )
     with probe:
         out = causal_lm_loss(
             reference, inputs, batch["labels"].to(device), plan_loss(reference, 0, probe=False)

@@ -45,6 +45,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_COUNTS = (  # hf_fsdp2/methods/grpo/timing.py's (this script imports nothing of hf_fsdp2)
+    "rollout/engine_calls",
+    "rollout/engine_prompts",
+    "rollout/sync_all_gathers",
+    "rollout/sync_gathered_bytes",
+    "rollout/sync_broadcast_bytes",
+    "rollout/sync_host_bytes",
+)
 LLAMA_1B = {
     "hidden_size": 2048,
     "intermediate_size": 8192,
@@ -317,6 +325,13 @@ def figures(run: Path, warmup: int) -> dict[str, Any]:
         "completion_tokens_per_step": sum(r["rollout/completion_tokens"] for r in timed) / len(timed),
         "peak_memory_gib": summary.get("peak_memory_gib"),
         "peak_memory_kind": summary.get("peak_memory_kind"),
+        # vLLM's counts beside its seconds (hf_fsdp2/methods/grpo/timing.py VLLM_COUNTS; docs/grpo.md "What a weight
+        # sync and a rollout cost"), per step
+        **{
+            key.replace("rollout/", "") + "_per_step": sum(r[key] for r in timed) / len(timed)
+            for key in VLLM_COUNTS
+            if all(key in r for r in timed)
+        },
     }
 
 
@@ -371,15 +386,23 @@ def run_backend(
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| backend | s/step | generation tok/s | weights to vLLM s/step | training tok/s | peak GiB |",
-        "|---|---|---|---|---|---|",
+        "| backend | s/step | generation tok/s | weights to vLLM s/step | training tok/s | peak GiB | vLLM per step: "
+        "engine calls, prompts, all-gathers, GB gathered per rank, GB broadcast, host bytes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "step_s" in r:
+            counts = (
+                f"{r['engine_calls_per_step']:.1f}, {r['engine_prompts_per_step']:.1f}, "
+                f"{r['sync_all_gathers_per_step']:.1f}, {r['sync_gathered_bytes_per_step'] / 1e9:.2f}, "
+                f"{r['sync_broadcast_bytes_per_step'] / 1e9:.2f}, {r['sync_host_bytes_per_step']:.0f}"
+                if "engine_calls_per_step" in r
+                else "-"
+            )
             lines.append(
                 f"| {r['backend']} | {r['step_s']:.2f} | {r['generation_tokens_per_s']:.0f} | "
                 f"{r['weight_sync_s_per_step']:.2f} | {r['training_tokens_per_s']:.0f} | "
-                f"{r['peak_memory_gib'] or 0:.1f} |"
+                f"{r['peak_memory_gib'] or 0:.1f} | {counts} |"
             )
         else:
             lines.append(

@@ -30,6 +30,8 @@ CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU con
 ACCELERATE_LAUNCH = "accelerate.commands.launch"
 # Set for the ranks hf-fsdp2 train launches: their launcher reports a failure in one line (see launcher_main).
 QUIET_LAUNCH_ENV = "HF_FSDP2_QUIET_LAUNCH"
+# torch's switch that gives each rendezvous round (attempt) of a c10d launch its own TCP store.
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Who usually sends the signal that ended a rank, for the launcher's line.
 _SIGNAL_CAUSES = {
     "SIGKILL": ": kill -9, or the out-of-memory killer (dmesg says 'Out of memory')",
@@ -80,6 +82,7 @@ def launch_command(
     main_process_ip: str | None = None,
     main_process_port: int | None = None,
     gpus: int | None = None,
+    max_restarts: int | None = None,
 ) -> list[str]:
     """The ``accelerate launch`` command line that runs ``recipe`` with ``recipe_args``.
 
@@ -90,6 +93,8 @@ def launch_command(
         num_processes: processes over all machines; default one per local GPU (x machines), 2 on CPU.
         num_machines, machine_rank, main_process_ip, main_process_port: multi-node, passed through.
         gpus: local GPUs (detected when None).
+        max_restarts: the recipe's ``max_restarts``: the launcher's ``--max_restarts`` (torch's elastic agent
+            restarts the ranks that many times; :func:`recipe_max_restarts`). None: the launcher's default, 0.
 
     Raises:
         ValueError: an unknown recipe or bad multi-node flags, naming the value.
@@ -102,7 +107,9 @@ def launch_command(
         )
     local = gpu_count() if gpus is None else gpus
     if config_file is None:
-        name = "fsdp2_multinode.yaml" if num_machines > 1 else ("fsdp2.yaml" if local else "fsdp2_cpu.yaml")
+        # Several nodes with restarts: torchrun's c10d rendezvous, which the nodes of each attempt meet through.
+        multinode = "fsdp2_multinode_elastic.yaml" if max_restarts else "fsdp2_multinode.yaml"
+        name = multinode if num_machines > 1 else ("fsdp2.yaml" if local else "fsdp2_cpu.yaml")
         config_file = str(packaged_accelerate_config(name))
     if num_processes is None:
         num_processes = (local or CPU_PROCESSES) * num_machines
@@ -121,7 +128,43 @@ def launch_command(
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)]
     if main_process_port is not None:
         cmd += ["--main_process_port", str(main_process_port)]
+    if max_restarts:
+        cmd += ["--max_restarts", str(max_restarts)]
     return [*cmd, "-m", "hf_fsdp2.methods", recipe, *recipe_args]
+
+
+def recipe_value(recipe_args: Sequence[str], key: str) -> object:
+    """The value a recipe's arguments give ``key`` (the command line's ``--key``, else the YAML's ``--config``
+    file's), read before the launch; None when they give none."""
+    args = list(recipe_args)
+    value: object = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args)):
+            from hf_fsdp2.config import load_yaml
+
+            value = load_yaml(arg.split("=", 1)[1] if "=" in arg else args[i + 1]).get(key, value)
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{key}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{key}" and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def recipe_max_restarts(recipe_args: Sequence[str]) -> int | None:
+    """The ``max_restarts`` a recipe's arguments ask for (:func:`recipe_value`), so that it reaches the launcher;
+    None when they ask for none.
+
+    Raises:
+        ValueError: a value that is not a whole number, naming it.
+    """
+    value = recipe_value(recipe_args, "max_restarts")
+    if value is None:
+        return None
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ValueError(f"max_restarts={value!r} must be a whole number of restarts") from None
 
 
 def child_pids(pid: int) -> list[int]:
@@ -140,11 +183,15 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
 
     SIGTERM is passed to the launcher's children (the training processes), or to the launcher when it has none.
     """
-    cmd = launch_command(recipe, recipe_args, **launch)  # type: ignore[arg-type]
+    cmd = launch_command(recipe, recipe_args, max_restarts=recipe_max_restarts(recipe_args), **launch)  # type: ignore[arg-type]
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
     print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
     env = dict(os.environ)
+    if "--max_restarts" in cmd and launch.get("num_machines", 1) != 1:  # type: ignore[operator]
+        # Each attempt's own store on several nodes: the agent's shared one would hand a restart the previous attempt's
+        # keys, and its nodes need not count their restarts alike (docs/restarts.md).
+        env.setdefault(SHARE_STORE_ENV, "1")
     if not env.get("HF_FSDP2_DEBUG") and cmd[1:3] == ["-m", ACCELERATE_LAUNCH]:
         # The same accelerate launch, run by launcher_main: a failed rank's error is not followed by the launcher's
         # traceback (the command line keeps "accelerate.commands.launch": the ranks read their launch from it).
@@ -170,6 +217,12 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _flag_value(argv: Sequence[str]) -> list[str]:
+    """The value after a bare ``--max_restarts`` of the launcher's arguments (before the script), if any."""
+    args = list(argv)
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--max_restarts"][:1]
+
+
 def launcher_main(argv: Sequence[str]) -> int:
     """``accelerate launch`` run in this process (``python -m hf_fsdp2.launch accelerate.commands.launch ARGS``,
     what :func:`run_train` starts): accelerate's own launch of ``ARGS``, but a failed training process ends in one
@@ -181,6 +234,7 @@ def launcher_main(argv: Sequence[str]) -> int:
     from accelerate.commands.launch import launch_command as accelerate_launch
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     if list(argv[:1]) != [ACCELERATE_LAUNCH]:
         raise ValueError(
@@ -190,6 +244,22 @@ def launcher_main(argv: Sequence[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
+    except RendezvousTimeoutError:
+        # A restart's rendezvous waited for every node and one never came back: name it from the run's records.
+        args = list(argv[1:])
+        node = int(recipe_value(args, "machine_rank") or recipe_value(args, "node_rank") or 0)  # type: ignore[call-overload]
+        output_dir = recipe_value(args, "output_dir")
+        from hf_fsdp2.elastic.attempts import lost_nodes
+
+        lost = lost_nodes(Path(str(output_dir)), node) if output_dir else "the recipe names no output_dir"
+        print(
+            f"hf-fsdp2 train: exit status 1: the restart's rendezvous timed out on node {node}: {lost}. Start it "
+            "again (or replace it) and run the same command on every node: the run resumes from its newest "
+            "checkpoint (resume_from_checkpoint: auto); --rdzv_conf join_timeout=<s> waits longer",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except ChildFailedError as err:
         # Which rank to name: one killed by a signal printed nothing and the others' errors follow from losing it, but
         # the agent stamps a killed rank when it notices, often after the rank that lost it wrote its error, so a
@@ -209,17 +279,23 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
+        restarts = recipe_max_restarts(
+            [a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv)
+        )
+        attempts = (
+            f" in the last of its {restarts + 1} attempts (max_restarts {restarts})" if restarts else ""
+        )
         if failure.exitcode < 0:  # killed by a signal: it printed nothing, the others' errors follow from it
             print(
                 f"hf-fsdp2 train: exit status {status}: rank {first} stopped (killed by signal {-failure.exitcode}, "
                 f"{failure.signal_name()}{_SIGNAL_CAUSES.get(failure.signal_name(), '')}) without an error of its "
-                f"own; the errors above are the other ranks' losing it ({statuses})",
+                f"own{attempts}; the errors above are the other ranks' losing it ({statuses})",
                 file=sys.stderr,
                 flush=True,
             )
             return status
         print(
-            f"hf-fsdp2 train: exit status {status} (rank {first} failed first; {statuses}); its error is above "
+            f"hf-fsdp2 train: exit status {status} (rank {first} failed first{attempts}; {statuses}); its error is above "
             "(HF_FSDP2_DEBUG=1 also shows the launcher's report)",
             file=sys.stderr,
             flush=True,

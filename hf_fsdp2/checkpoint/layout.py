@@ -23,6 +23,10 @@ STATE_FILE = "trainer_state.json"
 PENDING_STATE_FILE = ".trainer_state.pending.json"
 CONFIG_FILE = "hf_fsdp2_config.yaml"
 README_FILE = "README.md"
+# Beside the checkpoints in a run folder: how the ranks of a failed attempt ended (hf_fsdp2.elastic.attempts), and
+# the run's restarts so far.
+ATTEMPT_DIR = ".hf_fsdp2_attempt"
+RESTARTS_FILE = "restarts.json"
 
 
 class CheckpointError(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +15,14 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.received: float | None = None  # when this rank got the first SIGTERM (time.monotonic)
         self._previous: Callable[..., Any] | int | None = None
 
     def install(self) -> StopRequest:
         def handler(signum: int, frame: Any) -> None:
             self.requested = True
+            if self.received is None:
+                self.received = time.monotonic()
 
         self._previous = signal.signal(signal.SIGTERM, handler)
         return self
@@ -26,3 +30,8 @@ class StopRequest:
     def should_stop(self) -> bool:
         """True on every rank when any rank got SIGTERM (collective: every rank calls it each step)."""
         return not collectives.all_ranks_true(not self.requested)
+
+    def seconds_since(self) -> float:
+        """Seconds since the first rank got SIGTERM (collective: every rank calls it once the run stops)."""
+        here = time.monotonic() - self.received if self.received is not None else 0.0
+        return collectives.all_reduce_max([here])[0]

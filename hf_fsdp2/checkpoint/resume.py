@@ -304,3 +304,16 @@ def check_config_compatible(
         for k in sorted(set(saved) | set(current))
         if k not in ignore and saved.get(k) != current.get(k)
     ]
+
+
+def resolve_auto(output_dir: str | Path) -> Path | None:
+    """``resume_from_checkpoint=auto``: the newest whole checkpoint in ``output_dir`` (as ``latest`` finds it), or
+    None when the folder holds no checkpoint (the run starts fresh). Whether it is this run's (its config keeps every
+    key of :data:`MUST_MATCH`) is checked as it is resumed, against the run's resolved config.
+
+    Raises:
+        CheckpointError: no checkpoint in the folder is whole.
+    """
+    if not list_checkpoints(output_dir):
+        return None
+    return resolve_resume(output_dir, "latest")

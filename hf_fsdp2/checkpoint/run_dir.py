@@ -21,10 +21,15 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Collection
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import Any
 
-from hf_fsdp2.checkpoint.layout import LATEST, PREFIX, TMP_PREFIX
+import yaml
+
+from hf_fsdp2.checkpoint.layout import ATTEMPT_DIR, LATEST, PREFIX, RESTARTS_FILE, TMP_PREFIX, CheckpointError
+from hf_fsdp2.checkpoint.resume import check_config_compatible, resolve_auto
 from hf_fsdp2.config import CONFIG_NAME, ConfigError
 
 logger = logging.getLogger("hf_fsdp2")
@@ -34,6 +39,8 @@ LOCK_NAME = ".hf_fsdp2.lock"
 START_FILES = {
     CONFIG_NAME,
     LOCK_NAME,
+    ATTEMPT_DIR,
+    RESTARTS_FILE,
     "debug",
     "tensorboard",
     "profile",
@@ -111,6 +118,7 @@ RUN_OUTPUTS = (
     "chat_template.jinja",
     "chat_template.json",
     ".hf_fsdp2_export.json",  # the export's record of its verification (hf_fsdp2.export.folder.RECORD_NAME)
+    RESTARTS_FILE,
 )
 
 
@@ -118,14 +126,16 @@ def _written_by_a_run(entry: Path) -> bool:
     name = entry.name
     if entry.is_dir():  # a link to a folder too: the link is removed, not its target
         is_checkpoint = name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()
-        return is_checkpoint or name.startswith(TMP_PREFIX) or name in ("plots", "merged")
+        return is_checkpoint or name.startswith(TMP_PREFIX) or name in ("plots", "merged", ATTEMPT_DIR)
     return name == LATEST or any(fnmatch(name, pattern) for pattern in RUN_OUTPUTS)
 
 
-def clear_previous_run(output_dir: str | Path) -> list[str]:
+def clear_previous_run(
+    output_dir: str | Path, keep: Collection[str] = (), reason: str = "overwrite_output_dir"
+) -> list[str]:
     """Delete what a previous run wrote (checkpoints, interrupted saves, ``latest``, :data:`RUN_OUTPUTS`) from a
     folder being overwritten (rank 0, holding the run lock, before the new run writes anything); returns the names
-    removed, sorted. Other files are kept.
+    removed, sorted. Other files are kept, and those named in ``keep``.
 
     Raises:
         ConfigError: one cannot be removed (permissions, a read-only disk), naming it.
@@ -136,7 +146,7 @@ def clear_previous_run(output_dir: str | Path) -> list[str]:
     removed = []
     for entry in sorted(p.iterdir()):
         name = entry.name
-        if not _written_by_a_run(entry):
+        if name in keep or not _written_by_a_run(entry):
             continue
         try:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -148,7 +158,8 @@ def clear_previous_run(output_dir: str | Path) -> list[str]:
         removed.append(name)
     if removed:
         logger.warning(
-            "overwrite_output_dir: removed the previous run's checkpoints and outputs from %s: %s",
+            "%s: removed the previous run's checkpoints and outputs from %s: %s",
+            reason,
             p,
             ", ".join(removed),
         )
@@ -270,3 +281,42 @@ def lock_holder(output_dir: str | Path) -> tuple[dict[str, str | int], bool]:
     if holder.get("host") != socket.gethostname():
         return holder, True
     return holder, _alive(int(holder.get("pid", -1)))
+
+
+def claim_auto(output_dir: str | Path, current: dict[str, Any]) -> Path | None:
+    """``resume_from_checkpoint=auto`` on a folder whose lock rank 0 holds: the checkpoint this run resumes from, or
+    None to start fresh. A folder that holds no checkpoint but what an earlier attempt of this run left before its
+    first one (its config the same in every key a resume keeps) is cleared of it, its restart history kept.
+
+    Raises:
+        CheckpointError: the folder holds another run's checkpoint, or no whole one.
+        ConfigError: it holds another run's outputs without a checkpoint, or a finished run's.
+    """
+    p = Path(output_dir)
+    path = resolve_auto(p)
+    found = previous_run(p)
+    if path is not None or not found:
+        return path
+    fixes = "choose a new output_dir, or pass --overwrite_output_dir true to replace it"
+    if "summary.json" in found:
+        raise ConfigError(
+            f"resume_from_checkpoint=auto: output_dir={str(p)!r} holds a finished run (summary.json) and no "
+            f"checkpoint to continue from; {fixes}"
+        )
+    try:
+        saved = yaml.safe_load((p / CONFIG_NAME).read_text()) or {}
+        check_config_compatible(saved, current)
+    except (OSError, yaml.YAMLError, CheckpointError) as err:
+        why = (
+            str(err).split(": ", 1)[-1] if isinstance(err, CheckpointError) else f"no readable {CONFIG_NAME}"
+        )
+        raise ConfigError(
+            f"resume_from_checkpoint=auto: output_dir={str(p)!r} holds another run's outputs "
+            f"({', '.join(found[:5])}) and no checkpoint: {why}; {fixes}"
+        ) from None
+    clear_previous_run(
+        p,
+        keep={RESTARTS_FILE, ATTEMPT_DIR},
+        reason="resume_from_checkpoint=auto: no checkpoint of this run to resume, starting fresh",
+    )
+    return None

@@ -65,6 +65,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 budget,
                 args.headroom,
                 context_parallel=method.capabilities.context_parallel,
+                expert_parallel=True,
             )
             if budget
             else []

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     )
     from hf_fsdp2.config.peft import PeftArgs
     from hf_fsdp2.config.plans import ConfigError, parse_size
+    from hf_fsdp2.config.restarts import RestartArgs
     from hf_fsdp2.config.sections import DataArgs, ModelArgs
     from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 
@@ -41,6 +42,7 @@ _HOME = {
     "PeftArgs": "peft",
     "ConfigError": "plans",
     "parse_size": "plans",
+    "RestartArgs": "restarts",
     "DataArgs": "sections",
     "ModelArgs": "sections",
     "FSDPArgs": "training",
@@ -57,6 +59,7 @@ __all__ = [
     "ModelArgs",
     "ObserveArgs",
     "PeftArgs",
+    "RestartArgs",
     "SECTIONS",
     "TrainArgs",
     "known_keys",

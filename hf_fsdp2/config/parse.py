@@ -28,12 +28,22 @@ from hf_fsdp2.config.float8 import check_float8_combination
 from hf_fsdp2.config.outputs import ExportArgs, ObserveArgs
 from hf_fsdp2.config.peft import PeftArgs
 from hf_fsdp2.config.plans import ConfigError, check
+from hf_fsdp2.config.restarts import RestartArgs
 from hf_fsdp2.config.sections import DataArgs, ModelArgs
 from hf_fsdp2.config.training import FSDPArgs, TrainArgs
 
 CONFIG_NAME = "hf_fsdp2_config.yaml"  # the resolved config, written into the run folder
 
-SECTIONS: tuple[type, ...] = (ModelArgs, DataArgs, TrainArgs, FSDPArgs, PeftArgs, ExportArgs, ObserveArgs)
+SECTIONS: tuple[type, ...] = (
+    ModelArgs,
+    DataArgs,
+    TrainArgs,
+    FSDPArgs,
+    PeftArgs,
+    ExportArgs,
+    ObserveArgs,
+    RestartArgs,
+)
 """The sections every method shares; a method's own section comes after them."""
 
 
@@ -48,6 +58,7 @@ class Config:
     peft: PeftArgs
     export: ExportArgs
     observe: ObserveArgs
+    restart: RestartArgs
     method: Any = None  # the training method's own section (its dataclass), or None (SFT, CPT)
 
     def validate(self) -> None:
@@ -64,6 +75,7 @@ class Config:
         p.validate()
         self.export.validate(t.save_steps)
         self.observe.validate(has_eval=d.has_eval())
+        self.restart.validate()
         if self.method is not None and hasattr(self.method, "validate"):
             self.method.validate()
         if t.mixed_precision == "fp8":
@@ -73,6 +85,7 @@ class Config:
                 tp_size=f.tp_size or 1,
                 ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
                 optim=t.optim,
+                all_gather=t.float8_plan().all_gather,
                 ep_size=f.ep_size or 1,
             )
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
@@ -93,7 +106,16 @@ class Config:
     def to_flat_dict(self) -> dict[str, Any]:
         """Every key with its resolved value, in the flat form the YAML recipes use."""
         flat: dict[str, Any] = {}
-        sections = [self.model, self.data, self.train, self.fsdp, self.peft, self.export, self.observe]
+        sections = [
+            self.model,
+            self.data,
+            self.train,
+            self.fsdp,
+            self.peft,
+            self.export,
+            self.observe,
+            self.restart,
+        ]
         for section in [*sections, *([self.method] if self.method is not None else [])]:
             flat.update(dataclasses.asdict(section))
         return flat
@@ -247,7 +269,7 @@ def parse_config(
         raise ConfigError(
             f"unexpected command-line arguments {remaining}; every value needs a --key before it"
         )
-    model, data, train, fsdp, peft, export, observe = sections[: len(SECTIONS)]
+    model, data, train, fsdp, peft, export, observe, restart = sections[: len(SECTIONS)]
     cfg = Config(
         model=model,
         data=data,
@@ -256,6 +278,7 @@ def parse_config(
         peft=peft,
         export=export,
         observe=observe,
+        restart=restart,
         method=sections[len(SECTIONS)] if section is not None else None,
     )
     cfg.validate()

@@ -18,6 +18,14 @@ class PeftArgs:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["all-linear"], metadata={"help": "Module names, or all-linear."}
     )
+    lora_target_parameters: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Parameters that take LoRA through PEFT's target_parameters (TRL's key): names or suffixes of "
+            "2-D/3-D weights (mlp.experts.gate_up_proj), or all-experts: every fused MoE expert weight "
+            "(docs/lora.md). Needs lora_dropout=0."
+        },
+    )
     lora_modules_to_save: list[str] = field(
         default_factory=list, metadata={"help": "Modules trained in full beside the adapter (e.g. lm_head)."}
     )
@@ -60,6 +68,7 @@ class PeftArgs:
             alpha=self.lora_alpha,
             dropout=self.lora_dropout,
             target_modules=self.lora_target_modules,
+            target_parameters=list(self.lora_target_parameters) or None,
             modules_to_save=self.lora_modules_to_save or None,
             use_rslora=self.use_rslora,
             use_dora=self.use_dora,
@@ -69,8 +78,27 @@ class PeftArgs:
         """Raises ConfigError for a value argparse cannot refuse."""
         check(self.lora_r >= 1, f"lora_r={self.lora_r} must be >= 1")
         check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
-        check(bool(self.lora_target_modules), "lora_target_modules is empty; give module names or all-linear")
+        check(
+            bool(self.lora_target_modules) or bool(self.lora_target_parameters),
+            "lora_target_modules is empty and so is lora_target_parameters; give module names or all-linear (or "
+            "parameters: all-experts)",
+        )
         check(not self.merge_adapter or self.use_peft, "merge_adapter=true needs use_peft=true")
+        check(
+            not self.lora_target_parameters or self.use_peft,
+            f"lora_target_parameters={self.lora_target_parameters} needs use_peft=true",
+        )
+        check(
+            not self.lora_target_parameters or self.lora_dropout == 0,
+            f"lora_target_parameters={self.lora_target_parameters} with lora_dropout={self.lora_dropout}: LoRA on a "
+            "parameter (PEFT's ParamWrapper) adds B @ A to the weight itself, so there is no adapter input to drop "
+            "out; set lora_dropout: 0",
+        )
+        check(
+            not self.lora_target_parameters or not self.use_dora,
+            f"lora_target_parameters={self.lora_target_parameters} with use_dora=true: PEFT has no DoRA for LoRA on "
+            "parameters (its ParamWrapper); set use_dora: false or leave lora_target_parameters empty",
+        )
         check(
             not self.use_dora or self.use_peft,
             "use_dora=true needs use_peft=true (DoRA is a kind of LoRA adapter)",

@@ -342,6 +342,8 @@ class LoraSettings:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: list[str] | str = "all-linear"
+    # PEFT's target_parameters: parameter names (suffixes) or all-experts (every fused MoE expert weight).
+    target_parameters: list[str] | None = None
     modules_to_save: list[str] | None = None
     use_rslora: bool = False
     use_dora: bool = False

@@ -124,7 +124,10 @@ class TrainArgs:
     )
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "'latest' (in output_dir) or a checkpoint-<step> folder to resume from."},
+        metadata={
+            "help": "'latest' (in output_dir), 'auto' (this run's newest checkpoint in output_dir, a fresh start when "
+            "it holds none; the default with restarts) or a checkpoint-<step> folder to resume from."
+        },
     )
     mixed_precision: Literal["bf16", "fp16", "no", "fp8"] = field(
         default="bf16",

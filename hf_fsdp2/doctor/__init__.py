@@ -133,12 +133,15 @@ def _recipe_findings(
     """The recipe's checks (:mod:`.recipe`) at the world size the accelerate config asks for (else the GPUs here)."""
     import torch
 
-    from hf_fsdp2.doctor.recipe import (
+    from hf_fsdp2.doctor.layouts import (
         capability_findings,
         context_parallel_findings,
+        expert_findings,
+        float8_findings,
+    )
+    from hf_fsdp2.doctor.recipe import (
         data_findings,
         disk_findings,
-        float8_findings,
         hub_findings,
         memory_findings,
         output_findings,
@@ -180,6 +183,7 @@ def _recipe_findings(
     out += capability_findings(cfg, method=get_method(recipe), world=world)
     out += context_parallel_findings(cfg, model_config, method=get_method(recipe), world=world)
     out += float8_findings(cfg, on_gpu, get_method(recipe))
+    out += expert_findings(cfg, plan, on_gpu=on_gpu)
     out += wrap_findings(model_config, settings, cfg)
     out += disk_findings(cfg, plan)
     out += output_findings(cfg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ def render_model_card(
     remote_code: bool = False,
     learned_nothing: Sequence[str] = (),
     image_text: bool = False,
+    restarts: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """README.md of an export: hub metadata (front matter), what was trained how, metrics, how to load.
 
@@ -74,6 +75,7 @@ def render_model_card(
             past them (``on_collapse: warn``): a warning at the top of the card.
         image_text: a composite checkpoint (vision tower + projector + language model): its pipeline, which parts
             trained, and how to load it with ``AutoModelForImageTextToText``.
+        restarts: the run's restarts (``restarts.json`` entries): a section listing each one's cause.
 
     Returns:
         The card's text.
@@ -153,9 +155,24 @@ def render_model_card(
         "",
         "</details>",
         "",
-        "## Final metrics",
-        "",
     ]
+    if restarts:  # the run got to its end through restarts: each resumed from its newest checkpoint
+        lines += [
+            "## Restarts",
+            "",
+            f"The run was restarted {len(restarts)} time(s) by torch's elastic agent; each restart resumed from "
+            "the newest checkpoint (the same steps, in the same order, as a run without them):",
+            "",
+            "| restart | ended at step | cause | resumed from step | steps lost |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r.get('restart') or r.get('launch')} | {r.get('step')} | {str(r.get('cause')).replace('|', '/')} | "
+            f"{r.get('resumed_from_step') or 'start'} | {r.get('steps_lost')} |"
+            for r in restarts
+        ]
+        lines.append("")
+    lines += ["## Final metrics", ""]
     if metrics:
         lines += ["| metric | value |", "|---|---|"]
         lines += [

@@ -16,6 +16,14 @@ import torch
 
 from hf_fsdp2.config.plans import LoraSettings
 from hf_fsdp2.lora.build import composite_parts, lora_exclusions, under, wrap_with_lora
+from hf_fsdp2.lora.experts import (
+    ALL_EXPERTS,
+    expert_targets,
+    is_param_wrapper,
+    layer_suffix,
+    resolve_target_parameters,
+    route_expert_lora,
+)
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -69,22 +77,87 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int | No
             len(excluded),
             "; ".join(sorted(set(excluded.values()))),
         )
+    expanded: list[str] = []
+    if settings.target_parameters:
+        try:
+            expanded = resolve_target_parameters(model, settings.target_parameters) or []
+        except ValueError as err:
+            raise LoraError(str(err)) from err
+        logger.info("LoRA lora_target_parameters=%s: %s", settings.target_parameters, expanded)
     try:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            return wrap_with_lora(model, settings)
+            wrapped = wrap_with_lora(model, settings)
     except ValueError as err:
-        names = sorted({n.rsplit(".", 1)[-1] for n in linears if not under(parts, n)})
-        where = (
-            "the language model's linear module names (the vision tower and projector take no adapter)"
-            if parts
-            else "the model's linear module names"
-        )
+        raise _lora_error(model, settings, err, linears, parts) from err
+    full = {
+        f"{n.removeprefix('base_model.model.')}.{m.parameter_name}".replace(".base_layer", "")
+        for n, m in wrapped.named_modules()
+        if is_param_wrapper(m)
+    }
+    missed = [t for t in expanded if not any(f == t or f.endswith("." + t) for f in full)]
+    if missed:  # PEFT refuses a list none of which matches, not one name of several
+        three_d = sorted({_param_suffix(n) for n, p in model.named_parameters() if p.dim() == 3})
         raise LoraError(
-            f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
-            f"{where} are {names} (or use all-linear)"
-        ) from err
+            f"lora_target_parameters={settings.target_parameters}: {missed} matches no parameter of "
+            f"{type(model).__name__}"
+            + (f"; its fused expert weights are {three_d} ({ALL_EXPERTS} names them all)" if three_d else "")
+        )
+    adapted = sorted({layer_suffix(f) for f in full})
+    route_expert_lora(wrapped)  # under expert parallel a rank adds the deltas of its own experts only
+    if adapted:
+        logger.info(
+            "LoRA on parameters (PEFT's target_parameters; a fused MoE expert weight gets one low-rank pair per "
+            "expert): %s",
+            ", ".join(adapted),
+        )
+    return wrapped
+
+
+def _param_suffix(name: str) -> str:
+    return layer_suffix(name.replace(".base_layer", ""))
+
+
+def _lora_error(
+    model: torch.nn.Module, settings: LoraSettings, err: ValueError, linears: set[str], parts: tuple[str, ...]
+) -> LoraError:
+    """PEFT's refusal as a :class:`LoraError` that names the fix."""
+    text = str(err)
+    if "ParamWrapper" in text and "lora_dropout" in text:
+        try:
+            experts = expert_targets(model)
+        except ValueError:
+            experts = []
+        return LoraError(
+            f"lora_dropout={settings.dropout} with LoRA on parameters: "
+            + (
+                f"PEFT extends lora_target_modules={settings.target_modules} on {type(model).__name__} to its fused "
+                f"MoE experts{' (' + ', '.join(experts) + ')' if experts else ''} and router weight, "
+                if not settings.target_parameters
+                else ""
+            )
+            + "which it adapts as parameters (B @ A added to the weight), so there is no adapter input to drop out; "
+            "set lora_dropout: 0 (or list lora_target_modules without the experts, e.g. [q_proj, k_proj, v_proj, "
+            "o_proj])"
+        )
+    if settings.target_parameters and "no parameter was matched" in text:
+        three_d = sorted({_param_suffix(n) for n, p in model.named_parameters() if p.dim() == 3})
+        return LoraError(
+            f"lora_target_parameters={settings.target_parameters}: {settings.target_parameters} matches no parameter "
+            f"of {type(model).__name__}"
+            + (f"; its fused expert weights are {three_d} ({ALL_EXPERTS} names them all)" if three_d else "")
+        )
+    names = sorted({n.rsplit(".", 1)[-1] for n in linears if not under(parts, n)})
+    where = (
+        "the language model's linear module names (the vision tower and projector take no adapter)"
+        if parts
+        else "the model's linear module names"
+    )
+    return LoraError(
+        f"PEFT could not apply LoRA with lora_target_modules={settings.target_modules}: {err}; "
+        f"{where} are {names} (or use all-linear)"
+    )
 
 
 def memory_report(model: torch.nn.Module) -> dict[str, float]:

@@ -12,27 +12,33 @@ from typing import Any
 import torch
 
 from hf_fsdp2.config.plans import LoraSettings
+from hf_fsdp2.lora.experts import resolve_target_parameters
 
 
-def lora_config(settings: LoraSettings) -> Any:
+def lora_config(settings: LoraSettings, target_parameters: list[str] | None = None) -> Any:
     """The ``peft.LoraConfig`` for a causal LM (or a reward model: ``settings.task_type``).
 
     Args:
         settings: rank, alpha, dropout, target modules (names or ``all-linear``), modules to save, rsLoRA, DoRA.
+        target_parameters: PEFT's ``target_parameters`` with ``all-experts`` expanded for the model
+            (:func:`hf_fsdp2.lora.experts.resolve_target_parameters`); None: none.
 
     Returns:
         A ``peft.LoraConfig`` with the settings' ``task_type`` (``CAUSAL_LM`` or ``SEQ_CLS``).
     """
     from peft import LoraConfig
 
-    targets: list[str] | str = settings.target_modules
+    targets: list[str] | str | None = settings.target_modules
     if isinstance(targets, list) and targets == ["all-linear"]:
         targets = "all-linear"
+    if not targets and target_parameters:  # the parameters alone (lora_target_modules: [])
+        targets = None
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=targets,
+        target_parameters=target_parameters,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         use_rslora=settings.use_rslora,
         use_dora=settings.use_dora,
@@ -98,13 +104,17 @@ def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.M
     expression over their paths in ``exclude_modules``, which PEFT reads back when it loads the adapter on the
     composite).
 
+    ``settings.target_parameters`` (``lora_target_parameters``) go to PEFT's ``target_parameters``, ``all-experts``
+    expanded to the model's fused expert weights (:mod:`hf_fsdp2.lora.experts`).
+
     Raises:
-        ValueError: PEFT's, when a target module matches nothing, or a target list naming a module of
-            :func:`lora_exclusions` (each caller names the fix in its own error).
+        ValueError: PEFT's, when a target module or parameter matches nothing, ``all-experts`` on a model without
+            fused experts, or a target list naming a module of :func:`lora_exclusions` (each caller names the fix in
+            its own error).
     """
     from peft import get_peft_model
 
-    config = lora_config(settings)
+    config = lora_config(settings, resolve_target_parameters(model, settings.target_parameters))
     parts = composite_parts(model)
     excluded = {n: why for n, why in lora_exclusions(model).items() if not under(parts, n)}
     if parts:
@@ -116,7 +126,7 @@ def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.M
         config.exclude_modules = "|".join(patterns)
     elif excluded and config.target_modules == "all-linear":
         config.exclude_modules = sorted(excluded)
-    if excluded and not isinstance(config.target_modules, str):
+    if excluded and config.target_modules is not None and not isinstance(config.target_modules, str):
         named = {n: why for n, why in excluded.items() if n.rsplit(".", 1)[-1] in set(config.target_modules)}
         if named:
             first, why = next(iter(named.items()))

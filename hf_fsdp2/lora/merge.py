@@ -18,18 +18,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.compat import NO_HUB_KERNELS
+from hf_fsdp2.export.plan import _row_offset as row_offset
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
+from hf_fsdp2.lora.experts import adapted_weight, is_param_wrapper, local_expert_delta
 from hf_fsdp2.lora.quantize import is_nf4
 
 
 def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
-    """``{clean base-model prefix: LoraLayer}`` for every LoRA-wrapped linear, base-model relative names."""
+    """``{plain base-model name of the adapted weight: LoraLayer}`` for every LoRA layer: ``<module>.weight`` for a
+    linear, ``<module>.<parameter>`` for LoRA on a parameter (fused MoE experts, PEFT's ``ParamWrapper``)."""
     from peft.tuners.lora import LoraLayer
 
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            out[_base_name(name)] = module
+            out[adapted_weight(name, module)] = module
     return out
 
 
@@ -45,11 +48,17 @@ def _check_mergeable(layer: Any, adapter: str, name: str = "") -> None:
         raise LoraError(
             f"fan_in_fan_out LoRA layers (Conv1D models) are not merged here{where}; set merge_adapter=false"
         )
+    if is_param_wrapper(layer):
+        dims = layer.get_param().dim()
+        if dims not in (2, 3):
+            raise LoraError(
+                f"LoRA on a {dims}-D parameter is not merged here{where}; set merge_adapter=false"
+            )
+        return
     if not isinstance(layer.get_base_layer(), torch.nn.Linear):
         raise LoraError(
-            f"only LoRA on nn.Linear is merged here, not on {type(layer.get_base_layer()).__name__}{where} (fused "
-            "MoE experts); set merge_adapter=false (the adapter is still exported), or list lora_target_modules "
-            "without the experts"
+            f"only LoRA on nn.Linear (or on a 2-D/3-D parameter) is merged here, not on "
+            f"{type(layer.get_base_layer()).__name__}{where}; set merge_adapter=false (the adapter is still exported)"
         )
 
 
@@ -63,11 +72,22 @@ def check_mergeable(model: torch.nn.Module, adapter: str = "default") -> None:
         _check_mergeable(layer, adapter, name)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank, in module order
+
+
 def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
     """This rank's rows of every weight of the merged model, by plain base-model name; no base gather.
 
-    For a LoRA linear: ``W_rows + scaling * B_rows @ A`` computed in fp32 (fp64 for fp64 weights) then cast to ``W``'s dtype,
-    with ``A`` gathered (small). modules_to_save copies replace their originals. Every rank must call it.
+    For a LoRA linear: ``W_rows + scaling * B_rows @ A`` computed in fp32 (fp64 for fp64 weights) then cast to ``W``'s
+    dtype, with ``A`` gathered (small). For LoRA on a fused MoE expert weight (sharded by whole experts on dim 0):
+    each expert held here gets ``W_e + scaling * B_e @ A_e`` (:func:`~hf_fsdp2.lora.experts.local_expert_delta`), with
+    the whole ``A`` and ``B`` gathered (``r x experts x (in + out)``, small beside the experts); on a 2-D parameter
+    (a router weight) as for a linear. modules_to_save copies replace their originals. Every rank must call it.
 
     Args:
         model: the FSDP2-sharded (or plain) PEFT model.
@@ -82,6 +102,7 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
         _check_mergeable(layer, adapter)
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
+    offsets: dict[str, int] = {}
     for raw, param in params.items():
         name = raw
         if ".lora_" in name or ".original_module." in name:
@@ -89,35 +110,40 @@ def merged_local_weights(model: torch.nn.Module, adapter: str = "default") -> di
         if ".modules_to_save." in name:
             name = name.replace(f".modules_to_save.{adapter}.", ".")
         base = _base_name(name)
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = _local(param)
         if is_nf4(
             local
         ):  # QLoRA: this rank's rows of the 4-bit weight, dequantised (its own scales are local)
             local = local.get_original_weight()  # type: ignore[attr-defined]
         out[base] = local.detach()
-    for prefix, layer in layers.items():
-        w_name = f"{prefix}.weight"
+        offsets[base] = row_offset(param)
+    for w_name, layer in layers.items():
         a = layer.lora_A[adapter].weight
         b = layer.lora_B[adapter].weight
-        a_full = a.full_tensor() if isinstance(a, DTensor) else a  # every rank, in module order
-        b_local = b.to_local() if isinstance(b, DTensor) else b
         w_local = out[w_name]
+        acc = torch.promote_types(w_local.dtype, torch.float32)  # fp32, or fp64 for fp64 weights
+        if is_param_wrapper(layer) and w_local.dim() == 3:  # fused experts: this rank's whole experts
+            delta = local_expert_delta(
+                layer, adapter, _full(a), _full(b), offsets[w_name], w_local.shape[0], acc
+            )
+            out[w_name] = (w_local.to(acc) + delta).to(w_local.dtype)
+            continue
+        a_full = _full(a)
+        b_local = _local(b)
         if b_local.shape[0] != w_local.shape[0]:
             raise LoraError(
-                f"{prefix}: lora_B has {b_local.shape[0]} local rows but the weight has {w_local.shape[0]}; "
+                f"{w_name}: lora_B has {b_local.shape[0]} local rows but the weight has {w_local.shape[0]}; "
                 "the adapter and the base must be sharded alike (dim 0)"
             )
-        acc = torch.promote_types(w_local.dtype, torch.float32)  # fp32, or fp64 for fp64 weights
         delta = (b_local.to(acc) @ a_full.to(acc)) * float(layer.scaling[adapter])
         merged = w_local.to(acc) + delta
         if getattr(layer, "use_dora", {}).get(adapter, False):
             # DoRA (PEFT's merge): each output row rescaled to its trained magnitude, m / ||W + s B A||_row. The rows
             # are whole on this rank (dim-0 shards), so are their norms; m is sharded in the same row chunks.
-            m = layer.lora_magnitude_vector[adapter].weight
-            m_local = m.to_local() if isinstance(m, DTensor) else m
+            m_local = _local(layer.lora_magnitude_vector[adapter].weight)
             if m_local.shape[0] != merged.shape[0]:
                 raise LoraError(
-                    f"{prefix}: the DoRA magnitude has {m_local.shape[0]} local rows, the weight {merged.shape[0]}"
+                    f"{w_name}: the DoRA magnitude has {m_local.shape[0]} local rows, the weight {merged.shape[0]}"
                 )
             merged = merged * (m_local.to(acc) / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
         out[w_name] = merged.to(w_local.dtype)
@@ -181,9 +207,11 @@ def build_merged_twin(
                     f"{name}: local shard {tuple(dst.shape)} in the twin vs {tuple(src.shape)} trained"
                 )
             dst.copy_(src.to(dst.dtype))
-        # Buffers (rotary inv_freq) are not in the state dict; recompute them as from_pretrained does.
+        # Buffers (rotary inv_freq, DeepSeek-V3's e_score_correction_bias) as the live model holds them, by their plain
+        # names (a buffer of a module LoRA wraps lies under its .base_layer).
+        twin_buffers = dict(twin.named_buffers())
         for name, buf in base.named_buffers():
-            twin_buf = twin.get_buffer(name) if name in dict(twin.named_buffers()) else None
+            twin_buf = twin_buffers.get(_base_name(name))
             if twin_buf is not None:
                 twin_buf.copy_(buf.to(twin_buf.device, twin_buf.dtype))
     twin.tie_weights()

@@ -24,6 +24,7 @@ def run_summary(
     export_dir: str | Path | None,
     compile_stats: Mapping[str, float] | None = None,
     learned_nothing: Sequence[Mapping[str, Any]] = (),
+    restarts: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """What the run did, for the log and ``summary.json``.
 
@@ -41,6 +42,7 @@ def run_summary(
             keep them); ``tokens_per_s_including_compile`` gives the rate with them.
         learned_nothing: the run's collapses and steps without a learning signal (``on_collapse: warn``; the
             records of :class:`hf_fsdp2.train.nonfinite.Finding`); an empty list when there were none.
+        restarts: the run's restarts (``restarts.json``: each one's cause, step and steps lost); empty: none.
 
     Returns:
         A JSON-ready dict.
@@ -81,6 +83,8 @@ def run_summary(
         "final_eval_accuracy": last_eval.get("eval_rewards/accuracies") if last_eval else None,
         "export_dir": str(export_dir) if export_dir is not None else None,
         "learned_nothing": [dict(f) for f in learned_nothing],
+        "restarts": [dict(r) for r in restarts],
+        "steps_lost_to_restarts": sum(int(r.get("steps_lost") or 0) for r in restarts),
         **extra,
     }
 
@@ -129,6 +133,13 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"summary: LEARNED NOTHING at steps {finding['first_step']}..{finding['step']} ({finding['kind']}; "
             "on_collapse: warn): the export holds a model that stopped learning there"
+        )
+    restarts = summary.get("restarts") or ()
+    if restarts:
+        lines.append(
+            f"summary: restarted {len(restarts)} time(s), {summary.get('steps_lost_to_restarts', 0)} step(s) trained "
+            "again; causes in restarts.json: "
+            + "; ".join(f"step {r.get('step')}: {r.get('cause')}" for r in restarts)
         )
     lines.append(
         f"summary: export in {summary['export_dir']}" if summary.get("export_dir") else "summary: no export"

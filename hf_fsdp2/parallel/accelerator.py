@@ -140,6 +140,7 @@ def build_accelerator(
     force_cpu: bool = False,
     log_with: list[Any] | None = None,
     mesh: MeshPlan | None = None,
+    init_method: str | None = None,
 ) -> Accelerator:
     """Build an Accelerator whose ``prepare`` shards the model with FSDP2, on GPU or on CPU/gloo.
 
@@ -154,6 +155,8 @@ def build_accelerator(
         log_with: accelerate trackers (``hf_fsdp2.observe.trackers.build_trackers``) that ``init_trackers`` starts.
         mesh: the device mesh; HSDP (``dp_replicate > 1``) goes to Accelerate as a ``ParallelismConfig``, whose
             2-D mesh every ``fully_shard`` then receives. None or flat: the default 1-D mesh over every rank.
+        init_method: the default group's rendezvous (None: ``env://``; a restarted attempt's own:
+            :func:`hf_fsdp2.elastic.agent.attempt_init_method`).
 
     Returns:
         The Accelerator. On CPU its process group is gloo and its distributed type is FSDP.
@@ -212,7 +215,9 @@ def build_accelerator(
         # FSDP plugin ignored). Mark the shared state FSDP before the Accelerator reads it: accelerate's
         # FSDP2 prepare path itself runs unchanged on gloo. Pinned by tests/distributed/test_sharding.py;
         # a private write, guarded (docs/compatibility.md, tests/unit/test_upstream_patches.py).
-        state = PartialState(cpu=True, timeout=timeout)
+        state = PartialState(
+            cpu=True, timeout=timeout, **({"init_method": init_method} if init_method else {})
+        )
         check_shared_state(state)
         state._shared_state["distributed_type"] = DistributedType.FSDP
         # The plugin too: with a parallelism config, Accelerator() validates the mesh against it (is_fsdp2)
@@ -236,7 +241,7 @@ def build_accelerator(
             fsdp_plugin=plugin,
             mixed_precision=mixed_precision,
             dynamo_plugin=dynamo,
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout, init_method=init_method)],
             log_with=log_with,
             parallelism_config=parallelism,
         )

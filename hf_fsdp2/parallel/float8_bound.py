@@ -111,6 +111,7 @@ class Float8BoundProbe:
         self,
         reference: torch.nn.Module,
         float8_linears: Sequence[str],
+        *,
         layer_cls_names: Sequence[str],
         compute_dtype: torch.dtype,
         delta: float = DEFAULT_DELTA,

@@ -3,12 +3,14 @@
 :func:`parallelize` applies a :class:`ParallelPlan` to a model that is loaded, resized and wrapped with its adapters
 (LoRA, QLoRA) and kernels (Liger), in this order, each step a small function with explicit arguments:
 
-1. tensor parallel: the family's plan through torch's DTensor styles over the ``tp`` mesh (before anything wraps
-   the linears);
-2. context parallel: the attention modules run the all-to-all (or ring) exchange over the cp group;
-2b. expert parallel: each MoE layer's routed experts split over the ``ep`` ranks, tokens exchanged by all-to-all
+1. float8: torchao's ``Float8Linear`` in the decoder layers (torchtitan's order: converted before any split, so
+   that tensor parallel splits float8 linears with torchao's float8 styles; before checkpointing and compile wrap
+   them);
+2. tensor parallel: the family's plan through torch's DTensor styles over the ``tp`` mesh (before anything else
+   wraps the linears);
+3. context parallel: the attention modules run the all-to-all (or ring) exchange over the cp group;
+3b. expert parallel: each MoE layer's routed experts split over the ``ep`` ranks, tokens exchanged by all-to-all
    (:mod:`hf_fsdp2.parallel.expert_parallel`); the experts' load counted on every MoE model;
-3. float8: torchao's ``Float8Linear`` in the decoder layers (before checkpointing and compile wrap them);
 4. activation checkpointing of the decoder layers;
 5. regional compile of each decoder layer, in place;
 6. FSDP2: ``fully_shard`` per unit (each decoder layer; a composite's vision tower and projector, one unit each),
@@ -116,6 +118,8 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
     Raises:
         TensorParallelError, ContextParallelError, ConfigError: a step the model cannot take (each names why).
     """
+    if plan.float8 is not None:
+        logger.info("%s", convert_float8(model, plan.layer_cls, plan.float8).describe(plan.float8))
     if plan.tp is not None:
         logger.info("%s", apply_tensor_parallel(model, plan.tp.mesh, plan.tp.plan))
     if plan.cp is not None:
@@ -126,8 +130,6 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
             source = rank0_state(model)  # the whole experts, before they are split
         logger.info("%s", apply_expert_parallel(model, plan.ep.meshes.ep))
     count_expert_load(model, hooks=plan.ep is None and not plan.frozen)
-    if plan.float8 is not None:
-        logger.info("%s", convert_float8(model, plan.layer_cls, plan.float8).describe(plan.float8))
     wrapped = apply_activation_checkpointing(model, plan.ac, plan.layer_cls)
     if wrapped:
         logger.info("activation checkpointing %s on %d decoder layers", plan.ac.mode, len(wrapped))

@@ -196,7 +196,7 @@ def check_ring_settings(
     model_config: Any = None,
 ) -> None:
     """Refuse, before any work, what ``cp_backend: ring`` cannot run (which methods run it is their capability:
-    :func:`hf_fsdp2.run.method.check_capabilities`).
+    :func:`hf_fsdp2.run.registry.check_capabilities`).
 
     Args:
         on_gpu: whether the run has CUDA devices.

@@ -48,6 +48,11 @@ class _MetaForward(TorchFunctionMode):
             out = self._attention(*args, **kwargs)
             if out is not None:
                 return out
+        if func in _GROUPED_MM and args[0].is_meta and args[0].dtype != torch.bfloat16:
+            # The meta kernel of grouped_mm takes bf16 only (CUDA's); the CPU kernel and the fp32 loop the experts
+            # fall back to save the same two inputs.
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            return _MetaGroupedMM.apply(args[0], args[1], offs)
         return func(*args, **kwargs)
 
     def _attention(
@@ -83,6 +88,26 @@ class _MetaForward(TorchFunctionMode):
         return aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
         )[0]
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """``grouped_mm(x [S, in], w [G, in, out], offs)`` on meta tensors of any dtype: the output's shape, and what the
+    kernel saves for backward (both inputs and the offsets)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return x.new_empty((x.shape[0], w.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(w), None
+
+
+_GROUPED_MM = tuple(
+    f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None
+)
 
 
 def _under_meta_forward(forward: Any, device_type: str) -> Any:
@@ -177,15 +202,16 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     as FSDP2 reduce-scatters it (the buffers of that are in :func:`fsdp_buffer_bytes`).
 
     Raises:
-        PlanError: the model cannot run on the meta device (data-dependent code such as MoE routing).
+        PlanError: the model cannot run on the meta device (data-dependent code such as experts that are not
+            transformers' fused experts).
     """
     import torch.fx.experimental._config as fx_config
 
     from hf_fsdp2.parallel.activations import apply_activation_checkpointing, decoder_layers
     from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, logit_transform_for, router_aux_coef
 
-    check_plannable(model_config)
     model = build_meta_model(model_config, settings)
+    check_plannable(model_config, model)
     layer_cls = layer_classes(model, settings)
     for _, layer in decoder_layers(model, layer_cls):
         layer.forward = _under_meta_forward(layer.forward, settings.device_type)
@@ -214,7 +240,11 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     live = _LiveBytes(params)
     meter = SavedTensorMeter(model, layer_cls)
     # Context parallel: the run's all-to-all attention on rank 0's part of each sequence (hf_fsdp2.plan.context).
-    parallel = meta_context_parallel(model, settings.cp) if settings.cp > 1 else contextlib.nullcontext()
+    parallel = (
+        meta_context_parallel(model, settings.cp, settings.device_type)
+        if settings.cp > 1
+        else contextlib.nullcontext()
+    )
     try:
         # Data-dependent sizes (nonzero: the rows with a target) read as "every element": the planned batch
         # is full rows, every token a target.

@@ -1,7 +1,7 @@
 """The run's model on the meta device, from its config alone: QLoRA's 4-bit base quantised by the run's own
 :func:`hf_fsdp2.lora.quantize.quantize_base` (NF4 tensors on meta), LoRA applied by the run's own builder
 (:mod:`hf_fsdp2.lora.build`), trainable parameters in the dtype FSDP2 keeps them in; the configs the planner
-refuses (mixtures of experts) and the decoder-layer classes the run shards by."""
+refuses (mixtures of experts whose experts are not fused) and the decoder-layer classes the run shards by."""
 
 from __future__ import annotations
 
@@ -98,24 +98,39 @@ def build_meta_model(model_config: Any, settings: PlanSettings) -> torch.nn.Modu
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def check_plannable(model_config: Any) -> None:
-    """Refuse a config whose activation memory the meta forward cannot predict.
+def experts_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The fused experts modules under ``module`` (a ``@use_experts_implementation`` class: fused 3-D tensors with the
+    experts on dim 0; PEFT's wrappers looked through)."""
+    return [
+        m
+        for m in module.modules()
+        if all(hasattr(m, key) for key in ("has_gate", "is_transposed", "num_experts"))
+        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    ]
 
-    A mixture of experts computes each expert on the tokens the router sends it: a data-dependent split that a
-    meta tensor has no values to make (the meta forward would send every token to every expert).
+
+def check_plannable(model_config: Any, model: torch.nn.Module) -> None:
+    """Refuse a model whose activation memory the meta forward cannot predict.
+
+    A mixture of experts computes each expert on the tokens the router sends it. transformers' fused experts
+    (``grouped_mm``, its default) run every (token, choice) row through one grouped matmul: ``tokens x top_k`` rows
+    whatever the routing, so the meta forward counts them exactly. Experts of another kind (a loop over expert
+    modules, Llama 4's) split the tokens by the router's values, which a meta tensor does not have.
 
     Raises:
-        PlanError: a MoE config (a composite's text config too), with the key that says so and what to do instead.
+        PlanError: a MoE config (a composite's text config too) without fused experts, with the key that says so
+            and what to do instead.
     """
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     for key in _EXPERT_KEYS:
         experts = getattr(text, key, None)
-        if isinstance(experts, int) and experts > 1:
+        if isinstance(experts, int) and experts > 1 and not experts_modules(model):
             raise PlanError(
-                f"{type(model_config).__name__} is a mixture of experts ({key}={experts}): which tokens each "
-                "expert computes depends on the data, so its activation memory cannot be planned from the config "
-                "and the planner does not plan MoE models; measure a short run instead (peak memory per step in "
-                "metrics.jsonl and summary.json; memory_snapshot_steps on a GPU)"
+                f"{type(model_config).__name__} is a mixture of experts ({key}={experts}) whose experts are not "
+                "transformers' fused experts (the @use_experts_implementation classes, whose grouped matmul runs "
+                "tokens x top_k rows whatever the routing): which tokens each expert computes depends on the data, "
+                "so its activation memory cannot be planned from the config; measure a short run instead (peak "
+                "memory per step in metrics.jsonl and summary.json; memory_snapshot_steps on a GPU)"
             )
 
 

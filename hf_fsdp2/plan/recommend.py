@@ -43,7 +43,21 @@ def _changes(configured: PlanSettings, candidate: PlanSettings) -> dict[str, Any
             out["dp_shard_size"] = candidate.shard_size // candidate.cp
     if candidate.cpu_offload != configured.cpu_offload:
         out["fsdp_cpu_offload"] = candidate.cpu_offload
+    if candidate.ep != configured.ep:
+        out["ep_size"] = candidate.ep
     return out
+
+
+def proposed_ep(model_config: Any, settings: PlanSettings) -> int | None:
+    """The ``ep_size`` :mod:`hf_fsdp2.plan.experts` proposes for this run (None: a dense model, experts that do not
+    dominate, a run that has one already, or none that moves fewer bytes)."""
+    from hf_fsdp2.plan.experts import expert_plan
+    from hf_fsdp2.plan.meta_model import build_meta_model
+
+    if settings.ep != 1 or settings.shard_size == 1:
+        return None
+    experts = expert_plan(build_meta_model(model_config, settings), model_config, settings)
+    return None if experts is None else experts.proposed
 
 
 def context_parallel_sizes(model_config: Any, settings: PlanSettings) -> list[int]:
@@ -114,6 +128,7 @@ def recommend(
     headroom: float = DEFAULT_HEADROOM,
     *,
     context_parallel: bool = False,
+    expert_parallel: bool = False,
 ) -> list[Candidate]:
     """Plans from the cheapest settings on (:func:`_ladder_base`, then :func:`_offload_rungs`), until one fits ``budget`` bytes per device.
 
@@ -138,8 +153,10 @@ def recommend(
         tried.append(Candidate(_changes(settings, candidate), plan, plan.peak <= limit))
         return tried[-1].fits
 
-    current = settings
-    for current in _ladder_base(settings):
+    ep = proposed_ep(model_config, settings) if expert_parallel else None
+    start = settings if ep is None else settings.replace(ep=ep)
+    current = start
+    for current in _ladder_base(start):
         if fits(current):
             return tried
     if context_parallel and _sequence_does_not_fit(tried[-1].plan, limit):

@@ -57,6 +57,9 @@ class PlanSettings:
             parameter shards (``cp`` divides the sharded ranks) and each runs ``1/cp`` of every sequence.
         tp: tensor-parallel ranks (``tp_size``; innermost): not modelled, the figures are FSDP2's over ``dp_shard``
             ranks, an upper bound (:meth:`describe` says so).
+        ep: expert-parallel ranks (``ep_size``): each MoE layer's routed experts split over ``ep`` of the ranks a
+            parameter is sharded over (innermost), each block sharded over the ``shard_size / ep`` others
+            (:mod:`hf_fsdp2.plan.experts`).
         micro_batch: sequences per micro-batch per rank (``per_device_train_batch_size``).
         seq_len: tokens per sequence (``max_length``: the planned batch is full, no padding).
         ac: activation checkpointing (``activation_checkpointing``, ``ac_every_k``).
@@ -89,6 +92,7 @@ class PlanSettings:
     dp_shard: int | None = None
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     micro_batch: int = 1
     seq_len: int = 512
     ac: ACPlan = field(default_factory=ACPlan)
@@ -126,6 +130,11 @@ class PlanSettings:
             problems.append(
                 f"cp_size={self.cp} must divide the {self.shard_size} ranks a parameter is sharded over (dp_shard_size "
                 "x cp_size): context-parallel ranks share the parameter shards"
+            )
+        if self.ep < 1 or self.shard_size % self.ep:
+            problems.append(
+                f"ep_size={self.ep} must divide the {self.shard_size} ranks a parameter is sharded over (dp_shard_size "
+                "x cp_size): expert parallel borrows its ranks from them"
             )
         if self.micro_batch < 1:
             problems.append(f"per_device_train_batch_size={self.micro_batch} must be >= 1")
@@ -205,6 +214,11 @@ class PlanSettings:
             mesh += (
                 f", context parallel {self.cp} ({self.world_size // self.cp} data-parallel ranks, each sequence over "
                 f"{self.cp} ranks)"
+            )
+        if self.ep > 1:
+            mesh += (
+                f", expert parallel {self.ep} (each rank's routed experts sharded over {self.shard_size // self.ep}; "
+                "balanced routing)"
             )
         loss = f"chunked CE {self.ce_chunk_tokens}" if self.ce_chunk_tokens > 0 else "plain CE (full logits)"
         return (

@@ -12,7 +12,7 @@ import torch
 from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.dtypes import DTYPES
 from hf_fsdp2.lora.quantize import is_nf4, nf4_bytes, nf4_shard_bytes
-from hf_fsdp2.plan.meta_model import layer_classes
+from hf_fsdp2.plan.meta_model import experts_modules, layer_classes
 from hf_fsdp2.plan.settings import MIB, PlanSettings
 
 # AdamW's ``step`` is a 0-dim fp32 tensor on the parameter's device for the fused (and capturable) kernels.
@@ -37,6 +37,23 @@ def _row_numel(param: torch.Tensor) -> int:
     return param[0].numel() if param.dim() and param.shape[0] else 1
 
 
+def expert_ids(model: torch.nn.Module) -> frozenset[int]:
+    """Ids of the routed experts' own tensors: what ``ep_size`` splits over ``ep`` ranks."""
+    return frozenset(id(p) for m in experts_modules(model) for p in m.parameters(recurse=False))
+
+
+def _rows(
+    param: torch.Tensor, settings: PlanSettings, index: int, experts: frozenset[int]
+) -> tuple[int, int]:
+    """``(held, padded)`` rows of ``param`` on the rank at shard position ``index``: a routed expert tensor under
+    expert parallel is split into ``ep`` blocks of whole experts (``ep`` innermost: position ``index`` holds block
+    ``index % ep``), each sharded over ``efsdp`` ranks; every other tensor over all the shard ranks."""
+    rows = param.shape[0] if param.dim() else 1
+    if settings.ep > 1 and id(param) in experts:
+        return shard_rows(rows // settings.ep, settings.shard_size // settings.ep, index // settings.ep)
+    return shard_rows(rows, settings.shard_size, index)
+
+
 def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> dict[str, int]:
     """Bytes of sharded parameters, sharded gradients and AdamW state one rank holds (after a step).
 
@@ -52,12 +69,13 @@ def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> di
     """
     index = settings.shard_index(rank)
     reduce = DTYPES[settings.reduce_dtype]
+    experts = expert_ids(model) if settings.ep > 1 else frozenset()
     out = {"params": 0, "grads": 0, "optimizer": 0, "grads_unsharded": 0}
     for param in model.parameters():  # each tied parameter once, as FSDP2 shards it once
         if is_nf4(param):  # QLoRA's frozen 4-bit base: its parts split evenly by rows, no gradient
             out["params"] += nf4_shard_bytes(param, settings.shard_size, index)
             continue
-        held, padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, index)
+        held, padded = _rows(param, settings, index, experts)
         row, size = _row_numel(param), param.element_size()
         out["params"] += padded * row * size
         if not param.requires_grad:
@@ -65,14 +83,17 @@ def state_bytes(model: torch.nn.Module, settings: PlanSettings, rank: int) -> di
         out["grads"] += padded * row * size
         out["optimizer"] += 2 * held * row * size + _ADAM_STEP_BYTES
         if settings.gradient_accumulation_steps > 1 and not settings.sync_each_microbatch:
-            out["grads_unsharded"] += param.numel() * reduce.itemsize
+            out["grads_unsharded"] += (
+                param.numel() // (settings.ep if id(param) in experts else 1) * reduce.itemsize
+            )
     return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class Unit:
-    """One ``fully_shard`` call of Accelerate's FSDP2 preparation: its name and parameters (numel, trainable
-    numel, unsharded bytes in the compute dtype), and whether it is resharded after forward."""
+    """One ``fully_shard`` call of Accelerate's FSDP2 preparation: its name and parameters (numel; trainable numel
+    as a rank holds it unsharded, a routed expert tensor's ``E / ep`` block under expert parallel; unsharded bytes
+    in the compute dtype), and whether it is resharded after forward."""
 
     name: str
     numel: int
@@ -81,16 +102,23 @@ class Unit:
     reshard_after_forward: bool
 
 
-def _gathered_bytes(param: torch.Tensor, settings: PlanSettings, float8: frozenset[int] = frozenset()) -> int:
+def _gathered_bytes(
+    param: torch.Tensor,
+    settings: PlanSettings,
+    float8: frozenset[int] = frozenset(),
+    experts: frozenset[int] = frozenset(),
+) -> int:
     """Bytes of one parameter unsharded by the all-gather: in the compute dtype (padded rows included); an NF4
     weight gathers its 4-bit codes, scales and scale factors (torchao's all-gather hooks) and dequantises per use;
-    a float8 linear's weight (``float8``: their ids) 1 byte per element under ``fp8_all_gather``."""
+    a float8 linear's weight (``float8``: their ids) 1 byte per element under ``fp8_all_gather``; a routed expert
+    tensor (``experts``: their ids) under expert parallel its rank's block of ``E / ep`` experts, over ``efsdp``."""
     if is_nf4(param):
         return nf4_bytes(param)
     compute = settings.compute_dtype
-    padded = shard_rows(param.shape[0] if param.dim() else 1, settings.shard_size, 0)[1]
+    padded = _rows(param, settings, 0, experts)[1]
+    ranks = settings.shard_size // (settings.ep if id(param) in experts and settings.ep > 1 else 1)
     itemsize = 1 if id(param) in float8 else compute.itemsize if compute is not None else param.element_size()
-    return padded * settings.shard_size * _row_numel(param) * itemsize
+    return padded * ranks * _row_numel(param) * itemsize
 
 
 def float8_weight_ids(model: torch.nn.Module, settings: PlanSettings) -> frozenset[int]:
@@ -167,6 +195,10 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
     seen: set[int] = set()
     units: list[Unit] = []
     float8 = float8_weight_ids(model, settings)
+    experts = expert_ids(model) if settings.ep > 1 else frozenset()
+
+    def unsharded(param: torch.Tensor) -> int:  # elements of the parameter a rank's unit holds unsharded
+        return param.numel() // (settings.ep if id(param) in experts else 1)
 
     def add(name: str, modules: list[torch.nn.Module], reshard: bool, runs: bool = True) -> bool:
         params = []
@@ -181,8 +213,10 @@ def fsdp_units(model: torch.nn.Module, settings: PlanSettings) -> list[Unit]:
             Unit(
                 name=name,
                 numel=sum(p.numel() for p in params),
-                trainable_numel=sum(p.numel() for p in params if p.requires_grad),
-                gathered_bytes=sum(_gathered_bytes(p, settings, float8) for p in params) if runs else 0,
+                trainable_numel=sum(unsharded(p) for p in params if p.requires_grad),
+                gathered_bytes=sum(_gathered_bytes(p, settings, float8, experts) for p in params)
+                if runs
+                else 0,
                 reshard_after_forward=reshard,
             )
         )

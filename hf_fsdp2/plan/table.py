@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_fsdp2.plan.compute import ComputeBytes, compute_bytes
 from hf_fsdp2.plan.context import ContextPlan, context_plan
+from hf_fsdp2.plan.experts import ExpertPlan, expert_plan
 from hf_fsdp2.plan.meta_model import build_meta_model, check_plannable
 from hf_fsdp2.plan.settings import GIB, MIB, PlanSettings
 from hf_fsdp2.plan.state import (
@@ -40,6 +41,7 @@ class MemoryPlan:
     layout: AttentionLayout | None = None
     context: ContextPlan | None = None  # cp_size > 1: the all-to-all's per-layer shapes
     float8: Float8Traffic | None = None  # mixed_precision=fp8: float8 weights and all-gather bytes
+    experts: ExpertPlan | None = None  # a mixture of experts: its traffic and memory at each ep_size
 
     def rank_total(self, rank: int) -> dict[str, int]:
         """Every item of one rank, its peak included."""
@@ -52,7 +54,9 @@ class MemoryPlan:
             "fsdp_buffers": self.fsdp_buffers,
             "activations": self.compute.saved.activations,
             "loss_logits": self.compute.saved.loss,
-            "transient": self.compute.transient,
+            # Expert parallel: the rows one token exchange sends and receives (balanced routing).
+            "transient": self.compute.transient
+            + (self.experts.current.exchange_buffers if self.experts else 0),
         }
         items["peak"] = sum(items.values())
         items["host_state"] = (state["params"] + state["grads"] + state["optimizer"]) * (1 - on_device)
@@ -85,6 +89,7 @@ class MemoryPlan:
                 "ce_chunk_tokens": s.ce_chunk_tokens,
                 "fsdp_cpu_offload": s.cpu_offload,
                 "gradient_accumulation_steps": s.gradient_accumulation_steps,
+                "ep_size": s.ep,
                 "device": s.device_type,
                 "use_peft": s.lora is not None,
                 "use_dora": s.lora is not None and s.lora.use_dora,
@@ -113,6 +118,16 @@ class MemoryPlan:
             "ranks": [self.rank_total(r) for r in range(len(self.per_rank))],
             "units": [dataclasses.asdict(u) for u in self.units],
             "float8": dataclasses.asdict(self.float8) if self.float8 is not None else None,
+            "experts": None
+            if self.experts is None
+            else {
+                **dataclasses.asdict(self.experts.shapes),
+                "share": self.experts.shapes.share,
+                "ep_size": self.experts.ep,
+                "proposed_ep_size": self.experts.proposed,
+                "tokens_per_rank": self.experts.tokens,
+                "options": [dataclasses.asdict(o) for o in self.experts.options],
+            },
         }
 
 
@@ -122,9 +137,9 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
     Raises:
         PlanError: a model or setting that cannot be planned, with the reason.
     """
-    check_plannable(model_config)
     layout = settings.layout(model_config)
     model = build_meta_model(model_config, settings)
+    check_plannable(model_config, model)
     context = None
     if settings.cp > 1:  # before the meta forward: the run's refusals (heads, kernel) first
         itemsize = (settings.compute_dtype or next(p.dtype for p in model.parameters())).itemsize
@@ -145,6 +160,7 @@ def plan_memory(model_config: Any, settings: PlanSettings) -> MemoryPlan:
         layout=layout,
         context=context,
         float8=float8_traffic(model, settings),
+        experts=expert_plan(model, model_config, settings),
     )
 
 
@@ -194,7 +210,8 @@ def format_plan(plan: MemoryPlan) -> str:
         + (f"; {human_bytes(items['host_activations'])} in host memory" if s.ac.mode == "offload" else ""),
         "loss_logits": f"chunked CE ({s.ce_chunk_tokens} tokens)" if s.ce_chunk_tokens else "fp32 log-probs",
         "transient": "logits, gradients of activations, a recomputed layer"
-        + ("; the all-to-all's copies and the mask" if plan.context else ""),
+        + ("; the all-to-all's copies and the mask" if plan.context else "")
+        + ("; one token exchange's rows (balanced routing)" if s.ep > 1 else ""),
     }
     if s.cpu_offload:
         for key in ("params", "grads", "optimizer"):
@@ -209,6 +226,8 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.insert(1, plan.context.describe(human_bytes))
     if plan.float8 is not None:
         lines.insert(1, plan.float8.describe(human_bytes))
+    if plan.experts is not None:
+        lines[1:1] = plan.experts.describe(human_bytes)
     for key, label in ROWS:
         lines.append(f"{label:<36} {human_bytes(items[key]):>11}  {notes[key]}".rstrip())
     spread = [plan.rank_total(r)["peak"] for r in range(len(plan.per_rank))]

@@ -40,6 +40,7 @@ from hf_fsdp2.parallel.all_to_all import ContextParallelError
 from hf_fsdp2.parallel.expert_shard import expert_meshes
 from hf_fsdp2.parallel.experts import check_expert_split, find_experts, read_experts
 from hf_fsdp2.parallel.float8 import check_float8_hardware, finish_float8, warn_without_compile
+from hf_fsdp2.parallel.grouped_mm import model_experts_kernel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
 from hf_fsdp2.parallel.parallelize import (
     ContextParallel,
@@ -116,6 +117,7 @@ def build_model(
         "model %s: %.1fM parameters (%.1fM trainable)", type(model).__name__, n_total / 1e6, n_trainable / 1e6
     )
     flops, peak = _flops_and_peak(session, model)
+    log_experts_kernel(session, model)
     try:
         model = parallelize(model, session.accelerator, parallel_plan(session, model, layer_cls, fp8))
     except (
@@ -287,6 +289,24 @@ def add_adapters(
         apply_liger_kernels(model)
         logger.info("Liger kernels: RMSNorm, SwiGLU and rotary embeddings (loss: chunked cross entropy)")
     return model, quant
+
+
+def log_experts_kernel(session: Session, model: torch.nn.Module) -> None:
+    """Name the kernel a mixture of experts runs its routed experts with; a warning with the reason and the fix when
+    transformers falls back to its per-expert loop (:mod:`hf_fsdp2.parallel.grouped_mm`)."""
+    found = model_experts_kernel(
+        model,
+        compiled=session.compile_plan.enabled,
+        compute_dtype=session.compute_dtype,
+        device=session.device,
+    )
+    if found is None:
+        return
+    kernel, line = found
+    if kernel.reason is None:
+        logger.info("%s", line)
+    else:
+        logger.warning("%s", line)
 
 
 def parallel_plan(

@@ -20,9 +20,11 @@ from hf_fsdp2.run.session import Session
 logger = logging.getLogger("hf_fsdp2")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainData:
-    """What the loop reads: the stream of micro-batches, the eval set, and how many steps the run takes."""
+    """What the loop reads: the stream of micro-batches, the eval set, and how many steps the run takes. Frozen: a
+    method's objective cannot write into it once ``build_data`` returned; what a step reads per step and keeps across
+    steps it says itself (:class:`~hf_fsdp2.train.step.Step`'s ``reads`` and ``buffer_state``)."""
 
     stream: DataStream
     collator: Any

@@ -21,6 +21,10 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.config import ConfigError, parse_size
+from hf_fsdp2.elastic.agent import AgentLaunch, NodeLostError
+from hf_fsdp2.elastic.attempts import ERROR, LOST, clear_attempt, read_history, record_end, with_restart_note
+from hf_fsdp2.elastic.progress import PROGRESS
+from hf_fsdp2.elastic.watchdog import wait_while_a_hang_is_named
 from hf_fsdp2.export.card import render_model_card
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.hub import RUN_FOLDER_IGNORE, HubError, push_folder
@@ -53,6 +57,7 @@ USER_ERRORS = (
     LoraError,
     NonFiniteError,
     CollapseError,
+    NodeLostError,
     FileNotFoundError,
     ValueError,
 )
@@ -89,45 +94,47 @@ def export_run(
             remote_code=carries_score_head(unwrapped.config),
             learned_nothing=[f.message for f in state.guard.findings],
             image_text=composite_spec(unwrapped.config) is not None,
+            restarts=read_history(session.output_dir),
         )
     try:
-        if (
-            cfg.peft.use_peft
-        ):  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
-            export_lora(
-                module,
-                session.output_dir,
-                base_model=cfg.model.model_name_or_path or "",
-                tokenizer=tokenizer,
-                merge=cfg.peft.merge_adapter,
-                layer_cls_names=model.layer_cls,
-                mp_policy=session.accelerator.state.fsdp_plugin.mixed_precision_policy,
-                dtype=e.export_dtype,
-                max_shard_bytes=parse_size(e.max_shard_size),
-                compute_dtype=session.compute_dtype or torch.float32,
-                verify=e.export_verify,
-                verify_atol=e.export_verify_atol,
-                model_card=card,
-                is_main_process=session.is_main,
-                # The merged copy's frozen parts are carried from the base's files, at the run's revision.
-                source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
-            )
-        else:
-            export_model(
-                module,
-                session.output_dir,
-                config=unwrapped.config,
-                tokenizer=tokenizer,
-                generation_config=getattr(unwrapped, "generation_config", None),
-                dtype=e.export_dtype,
-                max_shard_bytes=parse_size(e.max_shard_size),
-                model_card=card,
-                verify=e.export_verify,
-                verify_atol=e.export_verify_atol,
-                compute_dtype=session.compute_dtype,
-                # What did not train and what the class does not load: carried from the checkpoint's files.
-                source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
-            )
+        with PROGRESS.unwatched("export"):  # long, and never a step that stopped advancing
+            if (
+                cfg.peft.use_peft
+            ):  # the adapter in output_dir (as TRL), the merged model in output_dir/merged if asked
+                export_lora(
+                    module,
+                    session.output_dir,
+                    base_model=cfg.model.model_name_or_path or "",
+                    tokenizer=tokenizer,
+                    merge=cfg.peft.merge_adapter,
+                    layer_cls_names=model.layer_cls,
+                    mp_policy=session.accelerator.state.fsdp_plugin.mixed_precision_policy,
+                    dtype=e.export_dtype,
+                    max_shard_bytes=parse_size(e.max_shard_size),
+                    compute_dtype=session.compute_dtype or torch.float32,
+                    verify=e.export_verify,
+                    verify_atol=e.export_verify_atol,
+                    model_card=card,
+                    is_main_process=session.is_main,
+                    # The merged copy's frozen parts are carried from the base's files, at the run's revision.
+                    source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
+                )
+            else:
+                export_model(
+                    module,
+                    session.output_dir,
+                    config=unwrapped.config,
+                    tokenizer=tokenizer,
+                    generation_config=getattr(unwrapped, "generation_config", None),
+                    dtype=e.export_dtype,
+                    max_shard_bytes=parse_size(e.max_shard_size),
+                    model_card=card,
+                    verify=e.export_verify,
+                    verify_atol=e.export_verify_atol,
+                    compute_dtype=session.compute_dtype,
+                    # What did not train and what the class does not load: carried from the checkpoint's files.
+                    source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
+                )
     except Exception as err:  # whatever it was; a bug's traceback is kept, after the weights are safe
         saved = state.ensure_saved(last_step)
         rescue = (
@@ -169,11 +176,13 @@ def finish(
         export_dir=session.output_dir,
         compile_stats=observer.compile_totals if session.compile_plan.enabled else None,
         learned_nothing=[f.record() for f in state.guard.findings],
+        restarts=read_history(session.output_dir) if session.is_main else [],
     )
     for line in format_summary(summary):
         logger.info(line)
     if session.is_main:
         write_summary(summary, session.output_dir)
+        clear_attempt(session.output_dir)  # a finished run: no attempt left to explain
     session.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -219,10 +228,13 @@ def run_recipe(main: Any) -> None:
     try:
         main()
     except USER_ERRORS as err:
+        wait_while_a_hang_is_named()  # the watchdog ends the rank when the error comes from a hang it names
+        # How this rank ended, for the attempt the launcher may start next (restarts.json), and whether one will.
+        record_end(ERROR, str(err))
         if os.environ.get("HF_FSDP2_DEBUG"):
             raise
         if os.environ.get("RANK", "0") == "0":
-            _say(str(err), 2)
+            _say(with_restart_note(str(err), AgentLaunch.from_env(), PROGRESS.output_dir), 2)
         # No rank exits before rank 0 has said it: an early exit makes the launcher kill rank 0 mid-report.
         # No group to meet in (a refusal before one exists): every rank raised the same error, each when its own
         # start-up got there. Rank 0 has said it and leaves; the others wait for the launcher to end them when it
@@ -233,18 +245,28 @@ def run_recipe(main: Any) -> None:
             time.sleep(60.0)
         leave(2)
     except Exception as err:
+        wait_while_a_hang_is_named()
         # Another rank's process ended mid-collective (kill -9, the OOM killer, a crash): the transport's error names
         # an address, and its traceback the line of the collective; said in one line naming the rank where known.
         lost = None if os.environ.get("HF_FSDP2_DEBUG") else collectives.peer_lost(err)
         if lost is None:
+            record_end(ERROR, f"{type(err).__name__}: {err}")
+            note = with_restart_note("", AgentLaunch.from_env(), PROGRESS.output_dir).lstrip(". ")
+            if note:  # before the traceback that follows
+                print(f"hf_fsdp2: {note}", file=sys.stderr, flush=True)
             raise
         where, gone = lost
+        record_end(LOST, f"lost {gone or 'a peer'}", gone=gone, where=where)
         me, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         # The lowest rank still running says it (rank 0 may be the one that ended); no waiting for the others:
         # a rank is gone, so the group cannot meet, and a destroy could wait on it.
         if me == min(set(range(world)) - set(gone), default=me):
             _say(
-                collectives.peer_lost_message(where, gone, me),
+                with_restart_note(
+                    collectives.peer_lost_message(where, gone, me),
+                    AgentLaunch.from_env(),
+                    PROGRESS.output_dir,
+                ),
                 1,
                 "names, under Root Cause, the rank that ended first and its exit code; its traceback can be ignored",
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hf_fsdp2 import collectives
 from hf_fsdp2.attention_layout import attention_layout_for, check_row_layers, method_rows
 from hf_fsdp2.config import Config
+from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.parallel.accelerator import launcher_mesh, world_size
 from hf_fsdp2.parallel.ring import check_ring_settings
 from hf_fsdp2.plan import log_run_plan
@@ -70,7 +71,13 @@ def run(cfg: Config, method: Method) -> None:
         train_step, evaluator = objective.build(session, model, optimizer, scheduler, data)
         # Resume, if asked (the step's buffer too); the disk checked for the checkpoints and export the run plans.
         state = RunState(
-            session, model.module, optimizer, scheduler, data.stream, data.total_steps, train_step
+            session,
+            model.module,
+            optimizer,
+            scheduler=scheduler,
+            stream=data.stream,
+            total_steps=data.total_steps,
+            step=train_step,
         )
         observer = Observer(
             session,
@@ -88,6 +95,7 @@ def run(cfg: Config, method: Method) -> None:
         # normalised loss, clip, step), then metrics and eval, then checkpoints and SIGTERM.
         model.module.train()
         for step in range(state.first_step, data.total_steps + 1):
+            PROGRESS.begin_step(step)  # what the hang watchdog watches, and a failing rank records
             observer.start_step(step)
             # The step says what it reads: gradient_accumulation_steps batches, or (GRPO) one prompt batch per
             # generation batch it samples.

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hf_fsdp2.config.plans import parse_step_range
+from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.observe.evaluate import Evaluator
 from hf_fsdp2.observe.logs import MetricsWriter, Progress
 from hf_fsdp2.observe.meter import StepMeter
@@ -152,7 +153,8 @@ class Observer:
             self.compile_totals.update({k: v for k, v in compiled.items() if k != "compile_s"})
             record.update(compiled)
         if self.evaluator is not None and eval_now:  # every rank
-            self.eval_fields = self.evaluator.run(model, step, log=self.session.accelerator.log)
+            with PROGRESS.unwatched("evaluation"):
+                self.eval_fields = self.evaluator.run(model, step, log=self.session.accelerator.log)
             record.update(self.eval_fields)
             # Compile time outside the steps (eval runs eagerly, so normally none) must not be taken off the next
             # interval's step time: read it now and keep it apart.

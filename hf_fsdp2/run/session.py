@@ -23,12 +23,26 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, clear_previous_run
-from hf_fsdp2.collectives import rank0_decides
+from hf_fsdp2.checkpoint.layout import CheckpointError
+from hf_fsdp2.checkpoint.run_dir import RunLock, check_output_dir, claim_auto, clear_previous_run
+from hf_fsdp2.collectives import broadcast_object, rank0_decides
 from hf_fsdp2.compat import check_versions
 from hf_fsdp2.composite import check_composite_run
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
+from hf_fsdp2.elastic.agent import (
+    ARRIVAL_S,
+    AUTO,
+    AgentLaunch,
+    ResumeSetting,
+    attempt_init_method,
+    check_arrival,
+    check_max_restarts,
+    resume_setting,
+)
+from hf_fsdp2.elastic.attempts import read_layout
+from hf_fsdp2.elastic.progress import PROGRESS
+from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
 from hf_fsdp2.model import check_max_length, load_model_config, meta_model, text_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
@@ -51,17 +65,24 @@ from hf_fsdp2.parallel.tensor import check_tp_settings
 logger = logging.getLogger("hf_fsdp2")
 
 
-def claim_output_dir(lock: RunLock, *, overwrite: bool, resume: bool) -> None:
+def claim_output_dir(lock: RunLock, setting: ResumeSetting, current: dict[str, Any]) -> str | None:
     """Rank 0: lock the run folder, then check it holds no other run (an overwritten one loses everything the
-    previous run wrote); the lock is dropped on refusal."""
+    previous run wrote); the lock is dropped on refusal. Returns what the run resumes from: the checkpoint that
+    ``auto`` found (None: a fresh start), or the setting's own value."""
     lock.acquire()
+    folder = lock.path.parent
     try:
-        check_output_dir(lock.path.parent, overwrite=overwrite, resume=resume)
-        if overwrite and not resume:
-            clear_previous_run(lock.path.parent)
-    except ConfigError:
+        resume = setting.resume is not None
+        check_output_dir(folder, overwrite=setting.overwrite, resume=resume)
+        if setting.overwrite and not resume:
+            clear_previous_run(folder)
+        if setting.resume == AUTO:
+            found = claim_auto(folder, current)
+            return str(found) if found is not None else None
+    except (ConfigError, CheckpointError):
         lock.release()
         raise
+    return setting.resume
 
 
 @dataclass(kw_only=True)
@@ -76,6 +97,12 @@ class Session:
     model_config: Any
     hub_token: str | None
     lock: RunLock
+    launch: AgentLaunch
+    watchdog: Watchdog
+    # The checkpoint this attempt resumes ("latest" or a folder; None: a fresh start), and whether
+    # resume_from_checkpoint=auto found it (then it must be this run's).
+    resume_from: str | None = None
+    resume_auto: bool = False
     started: float = field(default_factory=time.perf_counter)
     expert_meshes: ExpertMeshes | None = (
         None  # expert parallel's meshes, built once (run/build.py:expert_plan)
@@ -97,15 +124,20 @@ class Session:
         hub_token = check_can_push(e.hub_model_id, e.hub_token) if pushes else None
         e.hub_token = None  # never written to disk: resolved config, checkpoints, model card
         output_dir = Path(t.output_dir or "")
-        check_output_dir(
-            output_dir, overwrite=t.overwrite_output_dir, resume=t.resume_from_checkpoint is not None
-        )
+        # The elastic agent's restarts (the launcher's --max_restarts: a recipe asking for others is refused), and
+        # where this attempt resumes: a run with restarts continues its own newest checkpoint (auto).
+        agent = AgentLaunch.from_env()
+        check_max_restarts(cfg.restart.max_restarts, agent)
+        setting = resume_setting(t.resume_from_checkpoint, overwrite=t.overwrite_output_dir, launch=agent)
+        check_output_dir(output_dir, overwrite=setting.overwrite, resume=setting.resume is not None)
         model_config = load_model_config(
             m.model_name_or_path or "", revision=m.model_revision, trust_remote_code=m.trust_remote_code
         )
         check_max_length(d.max_length, model_config)
         # Debug variables before the process group exists; trackers (checked installed) before any work.
         debug_env = apply_distributed_debug(o.distributed_debug, output_dir / "debug")
+        # The flight recorder, whose record of each rank's last collectives the hang watchdog dumps with its stacks.
+        debug_env += flight_recorder_env(output_dir / "debug") if cfg.restart.hang_timeout != 0 else []
         trackers = build_trackers(
             o.report_to,
             output_dir / "tensorboard",
@@ -153,12 +185,10 @@ class Session:
             load_in_4bit=cfg.peft.load_in_4bit,
             liger=t.use_liger_kernel,
             ram_efficient_loading=ram_efficient_set,
-            torch_compile=f.torch_compile,
-            compile_default=on_gpu,
         )
         if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
-            f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
-            sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+            f.fsdp_cpu_ram_efficient_loading = False
+            sharding = f.sharding_plan(on_gpu=on_gpu)
             loading_note = tp_off.get("fsdp_cpu_ram_efficient_loading", loading_note)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
@@ -178,6 +208,10 @@ class Session:
         )
         refused = [x.line() for x in launch if x.level == "error"]
         check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
+        # A restarted attempt on several nodes: every rank here before the process group, or the ones missing named.
+        arrival = check_arrival(
+            agent, timeout_s=min(float(t.ddp_timeout), ARRIVAL_S), layout=read_layout(output_dir)
+        )
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
@@ -186,7 +220,9 @@ class Session:
             host_timeout_s=t.host_wait_timeout,
             log_with=trackers,
             mesh=mesh,
+            init_method=attempt_init_method(agent),
         )
+        del arrival  # rank 0's store for this attempt: the process group's rendezvous has taken it over
         setup_logging(accelerator.is_main_process)
         logger.info(
             "collective timeout ddp_timeout=%ds, waits for rank 0 (host group) host_wait_timeout=%ds; debug variables: %s",
@@ -198,8 +234,6 @@ class Session:
         logger.info("device mesh: %s", mesh.describe())
         if experts is not None:
             logger.info("%s", experts.describe(mesh.ep, mesh.efsdp))
-        if "torch_compile" in tp_off:
-            logger.info("%s", tp_off["torch_compile"])
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(
@@ -218,8 +252,20 @@ class Session:
         # Rank 0 takes the run folder (an exclusive lock) before anything is written, then checks it again:
         # another run may have used it since the first check. Its refusal is raised on every rank.
         lock = RunLock(output_dir)
-        resume = t.resume_from_checkpoint is not None
-        rank0_decides(lambda: claim_output_dir(lock, overwrite=t.overwrite_output_dir, resume=resume))
+        decided: list[str | None] = [None]
+
+        def claim() -> None:
+            decided[0] = claim_output_dir(lock, setting, cfg.to_flat_dict())
+
+        rank0_decides(claim)
+        resume_from = broadcast_object(decided[0])  # what rank 0 found under the lock, on every rank
+        PROGRESS.reset(output_dir)
+        watchdog = Watchdog(
+            timeout_s=cfg.restart.hang_timeout,
+            output_dir=output_dir,
+            rank=accelerator.process_index,
+            world=accelerator.num_processes,
+        )
         session = cls(
             cfg=cfg,
             accelerator=accelerator,
@@ -229,6 +275,10 @@ class Session:
             model_config=model_config,
             hub_token=hub_token,
             lock=lock,
+            launch=agent,
+            watchdog=watchdog,
+            resume_from=resume_from,
+            resume_auto=setting.resume == AUTO,
             started=started,
         )
         try:
@@ -242,11 +292,17 @@ class Session:
             logger.info(
                 "world size %d on %s; mixed precision %s", session.world, session.device, t.mixed_precision
             )
+            logger.info("restarts: %s", agent.describe())
+            watchdog.start()
+            logger.info("hang watchdog: %s", describe_watchdog(cfg.restart.hang_timeout))
+            if setting.note:
+                logger.info("%s", setting.note)
             logger.info(
                 "FSDP2 mixed-precision policy: %s",
                 describe_policy(accelerator.state.fsdp_plugin.mixed_precision_policy),
             )
         except BaseException:
+            watchdog.stop()
             lock.release()
             raise
         return session
@@ -257,6 +313,7 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self.watchdog.stop()
         self.lock.release()
 
     @property

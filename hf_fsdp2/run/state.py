@@ -5,6 +5,7 @@ SIGTERM, and (by :mod:`.finish`) whenever the final export fails; each one optio
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,14 @@ from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError,
 from hf_fsdp2.checkpoint.preemption import StopRequest
 from hf_fsdp2.checkpoint.resume import check_config_compatible, list_checkpoints, new_run_id, resolve_resume
 from hf_fsdp2.checkpoint.space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
-from hf_fsdp2.collectives import broadcast_object
+from hf_fsdp2.collectives import broadcast_object, gather_objects
 from hf_fsdp2.config.sources import parse_source, resolve_sources
 from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
+from hf_fsdp2.elastic.attempts import describe_restart, rank_place, read_history, record_layout, take_previous
+from hf_fsdp2.elastic.kill_window import KillWindow
+from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.export.hub import CheckpointPusher
-from hf_fsdp2.observe.logs import append_metrics_event
+from hf_fsdp2.observe.logs import append_metrics_event, last_metrics
 from hf_fsdp2.observe.summary import write_summary
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.nonfinite import Finding, NonFiniteGuard, attach
@@ -57,6 +61,7 @@ class RunState:
         session: Session,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        *,
         scheduler: Any,
         stream: Any,
         total_steps: int = 0,
@@ -93,8 +98,13 @@ class RunState:
         # A new run's identity (rank 0's, the same on every rank); a resumed run keeps its checkpoint's.
         self.checkpointer.run_id = broadcast_object(new_run_id() if session.is_main else "")
         self.data_files = self._fingerprint() if session.is_main else {}  # rank 0 writes the trainer state
-        if t.resume_from_checkpoint:
-            self._resume(t.resume_from_checkpoint)
+        if session.resume_from:
+            self._resume(session.resume_from)
+        self.restarted = self._take_previous_attempt()
+        # Every rank's node, host and address in this attempt: what names a node that does not come back.
+        places = gather_objects(rank_place())
+        if session.is_main:
+            record_layout(session.output_dir, places)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
         self._check_disk(total_steps)
         # on_collapse: a run that learns nothing is decided by the same guard (each finding recorded, _report).
@@ -107,6 +117,36 @@ class RunState:
         )
         self.guard = attach(optimizer, guard)
         self.stop = StopRequest().install()
+        # Preemption inside the kill window: a save that alone cannot fit is said now, with its figures.
+        self.kill_window = KillWindow(
+            window_s=cfg.restart.kill_window,
+            checkpoint_bytes=self.checkpointer.checkpoint_bytes,
+            world=session.world,
+            save_steps=t.save_steps,
+            save_async=t.save_async,
+        )
+        too_long = self.kill_window.at_start() if session.is_main else None
+        if too_long:
+            logger.warning("%s", too_long)
+
+    def _take_previous_attempt(self) -> dict[str, Any] | None:
+        """Rank 0: how the previous attempt ended (its ranks' records, the metrics it logged) into the run's
+        restarts.json, and said in the log; None when this attempt follows no failure."""
+        session = self.session
+        if not session.is_main:
+            return None
+        logged = last_metrics(session.output_dir)
+        entry = take_previous(
+            session.output_dir,
+            launch=session.launch,
+            resumed_step=self.first_step - 1,
+            last_logged_step=int(logged["step"]) if logged else 0,
+            world=session.world,
+        )
+        if entry is not None:
+            history = read_history(session.output_dir)
+            logger.warning("%s", describe_restart(entry, history, session.launch))
+        return entry
 
     def _fingerprint(self) -> dict[str, str]:
         """Fingerprints of the run's local data files (training and eval sources)."""
@@ -190,7 +230,17 @@ class RunState:
         saved_cfg = yaml.safe_load((path / CONFIG_FILE).read_text())
         saved_state = TrainerState.from_json((path / STATE_FILE).read_text())
         worlds = (saved_state.data_world or saved_state.world_size, session.data_world)
-        for note in check_config_compatible(saved_cfg, session.cfg.to_flat_dict(), worlds):
+        try:
+            notes = check_config_compatible(saved_cfg, session.cfg.to_flat_dict(), worlds)
+        except CheckpointError as err:
+            if not session.resume_auto:
+                raise
+            raise CheckpointError(  # auto found it in output_dir: another run's, not a changed one
+                f"resume_from_checkpoint=auto: {path} is another run's checkpoint, not this run's ("
+                f"{str(err).split(': ', 2)[-1].split('. Restore', 1)[0]}); choose another output_dir for this run, "
+                "or restore those values to continue that one"
+            ) from None
+        for note in notes:
             logger.info("resuming with a changed setting: %s", note)
         state = self.checkpointer.load(path, self.model, self.optimizer)
         if state.run_id:
@@ -263,7 +313,10 @@ class RunState:
         buffer = self.step.buffer_state() if self.step is not None else None
         if buffer is not None:  # this rank's buffer across steps, beside its data position
             rank_data = {**(rank_data or {}), "buffer": buffer}
-        self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
+        started = time.perf_counter()
+        with PROGRESS.unwatched("checkpoint save"):
+            self.checkpointer.save(step, self.model, self.optimizer, state, self.config_yaml, rank_data)
+        self.kill_window.saved(time.perf_counter() - started)
         self.last_saved = step
         if self.pusher is not None:
             self.pusher.push_new()
@@ -281,10 +334,21 @@ class RunState:
                 self.save(step)
             self.checkpointer.wait()
             logger.warning(
-                "SIGTERM: saved checkpoint-%d and stopped; continue with --resume_from_checkpoint latest",
+                "SIGTERM: saved checkpoint-%d and stopped %.1f s after the signal (kill_window %g s); continue with "
+                "--resume_from_checkpoint latest",
                 step,
+                self.stop.seconds_since(),  # every rank: the earliest signal
+                self.session.cfg.restart.kill_window,
             )
             return True
+        # Whether a SIGTERM can still end in a checkpoint before the SIGKILL, once the steps are measured (rank 0).
+        said = (
+            self.kill_window.check([*PROGRESS.durations, PROGRESS.snapshot()[2]])
+            if self.session.is_main
+            else None
+        )
+        if said is not None:
+            (logger.info if said[0] else logger.warning)("%s", said[1])
         return False
 
     def ensure_saved(self, step: int) -> str:
@@ -297,6 +361,7 @@ class RunState:
 
     def wait(self) -> None:
         """Finish pending saves and uploads of checkpoints (every rank)."""
-        self.checkpointer.wait()
+        with PROGRESS.unwatched("checkpoint save"):
+            self.checkpointer.wait()
         if self.pusher is not None:
             self.pusher.push_new()

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.parallel.all_to_all import shard_sequence
+from hf_fsdp2.parallel.all_to_all import pad_to_multiple, shard_sequence
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens, shifted_target_rows
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
@@ -427,12 +427,14 @@ class TokenLoss(StepLoss):
         self.tokens = 0
 
     def prepare(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
-        cp = collectives.cp_size()
+        cp, tp = collectives.cp_size(), collectives.tp_size()
         if cp <= 1:
             return micro_batches
-        # Context parallel: this rank's part of each sequence (its labels one column wider).
-        shard = shard_ring if self.ring is not None else shard_sequence
-        return [shard(b, cp, collectives.cp_rank()) for b in micro_batches]
+        # Context parallel: this rank's part of each sequence (its labels one column wider); under tensor parallel
+        # too, parts whose length is a multiple of tp (sequence parallel splits them further).
+        if self.ring is not None:
+            return [shard_ring(b, cp, collectives.cp_rank()) for b in micro_batches]
+        return [shard_sequence(pad_to_multiple(b, cp * tp), cp, collectives.cp_rank()) for b in micro_batches]
 
     def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
         # The step's target tokens normalise the loss; with the processed count they give its padding efficiency.
@@ -453,6 +455,9 @@ class TokenLoss(StepLoss):
         return ring_context(self.ring) if self.ring is not None else contextlib.nullcontext()
 
     def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        if collectives.tp_size() > 1 and collectives.cp_size() <= 1:
+            # Sequence parallel splits a length that is a multiple of tp (padding: no target, not counted above).
+            batch = pad_to_multiple(batch, collectives.tp_size())
         # The chunked loss's target positions from the host labels: finding them on the device would wait for it.
         rows = shifted_target_rows(batch["labels"]) if self.plan.chunk_tokens > 0 else None
         batch = to_device(batch, self.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -296,6 +297,16 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(assets, tmp_p
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "SIGTERM: saved checkpoint-" in output
+    # Measured and bounded: the SIGTERM ended in a checkpoint well inside the 30 s kill window, as the run said once
+    # its steps were measured (a step, a save estimated from the checkpoint's size, the exit).
+    took = float(re.search(r"and stopped ([0-9.]+) s after the signal \(kill_window 30 s\)", output)[1])  # type: ignore[index]
+    assert 0 < took < 30, output[-3000:]
+    assert re.search(
+        r"preemption: a SIGTERM is answered at the next step boundary with a checkpoint: a step \([0-9.]+ s\) "
+        r"\+ a save \([0-9.]+ s, (measured|estimated at 0.5 GB/s per rank)\) \+ the exit \(2.0 s\) = [0-9.]+ s, "
+        r"within the 30.0 s kill window",
+        output,
+    ), output[-3000:]
     step = int((out / "latest").read_text())
     assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
     assert step < 400 and max(_losses(out)) == step

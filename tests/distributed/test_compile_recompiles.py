@@ -20,8 +20,10 @@ from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 WORKER = Path(__file__).parent / "workers" / "recompile_worker.py"
 # cppf: context parallel over the 2 ranks (one padding-free batch, each rank half of every row; the all-to-all inside
 # each compiled layer), under regional compile, the GPU default.
-COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf"]
-CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", *COMPILED]
+# tp: tensor parallel over the 2 ranks (sequence parallel: DTensor redistributions inside each compiled layer; padded
+# rows of even length, the run's own padding), under regional compile; eval and generation keep the stream whole.
+COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf", "regional:tp"]
+CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", "eager:tp", *COMPILED]
 STEPS, EVAL_AFTER = 4, 1
 # Both scopes compile in step 0 (regional: each layer's sequence dims marked dynamic before it).
 # The whole model compiles its frames (those between FSDP2's graph breaks, started on tensors eager code hands them)
@@ -48,7 +50,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = root / "results.json"
     args = ["--model", str(model), "--data", str(data), "--out", str(out), "--configs", ",".join(CONFIGS)]
     args += ["--steps", str(STEPS), "--eval_after", str(EVAL_AFTER), "--backend", BACKEND]
-    torchrun(WORKER, args, nproc=2)
+    # 8 configurations' compiles in one launch: on a loaded 2-core machine it passed 600 s (load average 15-19).
+    torchrun(WORKER, args, nproc=2, timeout=1200)
     return json.loads(out.read_text())
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from support.composites import COMPOSITE_FAMILIES, checkpoint_names, make_composite_dir
 from support.families import FAMILIES, LR, STEPS, family_batches, make_family_dir
 from support.launch import REPO, torchrun
@@ -57,6 +58,8 @@ LORA = (
     "llama3_untied",
     "gemma2",
     "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
     "deepseek_v3",
     "falcon_h1",
     "llama4_text",
@@ -70,8 +73,15 @@ LORA_EXCLUDED = {
     "llama4_text": r".*\.feed_forward\.router",
     "gemma3_vlm": r"model\.vision_tower(\..*)?|model\.multi_modal_projector(\..*)?",
 }
-# LoRA on fused MoE experts: the adapter is exported, its merge refused before training, naming the experts' class.
-LORA_MERGE_REFUSED = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts"}
+# LoRA on the fused MoE experts (PEFT's target_parameters: one rank-r pair per expert), merged gather-free. PEFT's
+# all-linear already extends to the experts and router of Qwen3-MoE, Mixtral and DeepSeek-V3 (its transformers-5
+# conversion); gpt-oss's experts (transposed, with biases that stay frozen) and Mixtral's are also named through
+# lora_target_parameters: all-experts, spelt here as the parameters it stands for.
+LORA_PARAMETERS = {
+    "mixtral": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"],
+    "gpt_oss": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"],
+}
+LORA_EXPERTS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +100,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             ",".join(ALL),
             "--lora",
             ",".join(LORA),
+            "--lora_parameters",
+            ",".join(LORA_PARAMETERS),
             "--out",
             str(root / "out"),
         ],
@@ -106,7 +118,7 @@ def _result(out: Path, family: str) -> dict:
 
 
 def reference(
-    model_dir: Path, *, lora: bool = False, exclude: str | None = None
+    model_dir: Path, *, lora: bool = False, exclude: str | None = None, parameters: list[str] | None = None
 ) -> tuple[list[float], torch.nn.Module]:
     """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches; a composite
     with its own class, its tower and projector frozen."""
@@ -130,6 +142,7 @@ def reference(
                 target_modules="all-linear",
                 task_type="CAUSAL_LM",
                 exclude_modules=exclude,
+                target_parameters=parameters,
             )
             model = get_peft_model(model, config)
     model.train()
@@ -228,7 +241,9 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
 
     models, out = matrix
     result = _result(out, family)
-    want, ref_model = reference(models / family, lora=True, exclude=LORA_EXCLUDED.get(family))
+    want, ref_model = reference(
+        models / family, lora=True, exclude=LORA_EXCLUDED.get(family), parameters=LORA_PARAMETERS.get(family)
+    )
     _close(result["lora"]["losses"], want)
     assert all(r.startswith("verified") for r in result["lora_export"]), result["lora_export"]
     expected = _probe(ref_model)
@@ -237,13 +252,10 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
     base = auto.from_pretrained(models / family, dtype=torch.float32)
     adapter = PeftModel.from_pretrained(base, out / family / "lora").eval()
     assert float((_probe(adapter) - expected).abs().max()) <= limit
-    assert ("lora_merge_refused" in result) == (family in LORA_MERGE_REFUSED), result.get(
-        "lora_merge_refused"
-    )
-    if family in LORA_MERGE_REFUSED:  # LoRA on fused MoE experts: refused for merging before training
-        assert LORA_MERGE_REFUSED[family] in result["lora_merge_refused"]
-        assert not (out / family / "lora" / "merged").exists()
-        return
+    if family in LORA_EXPERTS:  # the adapter holds every expert's pair, and they trained
+        saved = load_file(out / family / "lora" / "adapter_model.safetensors")
+        experts = [k for k in saved if ".experts." in k and "lora_B" in k]
+        assert len(experts) >= 2 and all(float(saved[k].abs().max()) > 0 for k in experts), sorted(saved)
     merged = auto.from_pretrained(out / family / "lora" / "merged", dtype=torch.float32).eval()
     assert float((_probe(merged) - expected).abs().max()) <= limit
     if family in COMPOSITE:  # the merged export is the whole composite, the tower carried

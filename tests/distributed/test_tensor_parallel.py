@@ -1,5 +1,10 @@
 """Tensor parallel 2 x FSDP2 over 2 data ranks on 4 gloo processes (one mesh: dp_shard_cp x tp).
 
+- Tensor parallel alone on 2 ranks (each tp group of the mesh, fp32) gives the whole model's loss and gradients, and
+  issues torchtitan's collectives, counted with CommDebugMode: per decoder layer 2 all-gathers + 2 reduce-scatters
+  forward and backward (before sequence parallel: 2 all-reduces forward and 5 backward, one per q/k/v/gate/up), the
+  embedding split over the vocabulary (1 all-reduce), the head's input gathered once and, under the chunked loss,
+  one [3 x chunk] all-gather per chunk (loss parallel). An eval forward of an odd length keeps the stream whole.
 - The split model's loss and every gradient equal the whole model's in fp64 (Llama with GQA and an untied head on
   plain logits; Qwen3 with per-head q/k norms, a tied head and the chunked loss; Gemma3 with per-head norms, sliding
   window and soft-capped logits), and the library's clip reads the same gradient norm from the 2-D DTensors
@@ -40,6 +45,25 @@ GRAD_NORM_RTOL = 5e-4
 RESUMED = "llama3_untied"  # the family whose checkpoints the resume and offline-export tests read
 
 
+LAYERS, CHUNK = 2, 8  # the worker's models and the chunked case's chunk rows
+
+
+def training_collectives(chunks: int) -> tuple[dict[str, int], dict[str, int]]:
+    """A training forward's and its backward's collectives over tp for a model of :data:`LAYERS` decoder layers
+    (``chunks``: the chunked loss's chunks; 0: plain logits).
+
+    Forward: per layer one all-gather into attention and one into the MLP, one reduce-scatter out of each; the
+    vocabulary-split embedding's all-reduce; the head's input all-gathered; the logits gathered (plain), or one
+    ``[3 x chunk]`` all-gather per chunk and the one-position logits the head itself still computes (chunked).
+    Backward: each forward all-gather's reduce-scatter and each reduce-scatter's all-gather, per layer; the head
+    input's reduce-scatter; the first layer's input gradient gathered back to the whole (replicated) embedding output.
+    """
+    head = chunks + 1 if chunks else 1
+    forward = {"all_gather": 2 * LAYERS + 1 + head, "reduce_scatter": 2 * LAYERS, "all_reduce": 1}
+    backward = {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1}
+    return forward, backward
+
+
 def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: Path) -> None:
     torchrun(WORKER, [str(tmp_path)], nproc=4)
     ranks = json.loads((tmp_path / "result.json").read_text())
@@ -49,7 +73,22 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             "llama_gqa_untied_plain",
             "qwen3_qk_norm_tied_chunked",
             "gemma3_qk_norm_sliding_softcap_plain",
+            "llama_fp8_tensorwise",
         }
+        fp8 = results.pop("llama_fp8_tensorwise")
+        assert "error" not in fp8, fp8.get("error")
+        # FP8 under TP (emulated tensorwise float8, the float8 styles, float8 on the wire as gloo bytes): the whole FP8
+        # model's loss and gradients (the same scales: each amax is reduced over the tp ranks), the bf16 layout's
+        # all-gathers and reduce-scatters, of which the block inputs (forward) and the row-parallel output gradients
+        # (backward) in float8: 4 per layer; the all-reduces add the amaxes of split tensors.
+        got, want = fp8["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want) and fp8["grad_rel"] <= 1e-4, fp8
+        forward, backward = training_collectives(-(-fp8["targets"] // CHUNK))
+        for kind in ("all_gather", "reduce_scatter"):
+            assert fp8["collectives"][kind] == forward.get(kind, 0) + backward.get(kind, 0), fp8[
+                "collectives"
+            ]
+        assert fp8["float8_all_gathers"] == 4 * LAYERS, fp8
         for case, r in results.items():
             assert "error" not in r, r.get("error")
             # fp64: rounding only. Gemma's RMSNorm computes in fp32 whatever the dtype: its gradients carry fp32
@@ -63,6 +102,18 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             # Split layers: (data shard, tp shard); everything else replicated over tp.
             assert r["placements"]["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
             assert r["placements"]["model.norm.weight"] == "(Shard(dim=0), Replicate())"
+            alone = r["tp_alone"]
+            # fp32: the split adds in another order (measured: losses to 3e-8, gradients to 2e-6 relative).
+            for got, want in (alone["loss"], alone["odd_loss"]):
+                assert abs(got - want) <= 1e-5 * abs(want), case
+            assert alone["grad_rel"] <= 1e-4, (case, alone["grad_rel"])
+            chunks, odd_chunks = (-(-n // CHUNK) if "chunked" in case else 0 for n in alone["targets"])
+            forward, backward = training_collectives(chunks)
+            assert alone["forward"] == forward, (case, alone["forward"])
+            assert alone["backward"] == backward, (case, alone["backward"])
+            # Eval: the stream whole, so one all-reduce per block and the embedding's; the head gathers no input.
+            gathers = odd_chunks + 1 if odd_chunks else 1
+            assert alone["eval_forward"] == {"all_reduce": 2 * LAYERS + 1, "all_gather": gathers}, case
     assert "4 replicated_with_grad_allreduce" in ranks[0]["qwen3_qk_norm_tied_chunked"]["line"]
 
 
@@ -150,9 +201,16 @@ def test_tp2_x_dp2_trains_like_flat_fsdp2_over_4_ranks_and_exports_the_same_mode
     flat, _ = run(family, 1)
     out, log = run(family, 2)
     assert "device mesh: flat FSDP2 over 2 ranks; tensor parallel 2" in log
-    assert f"tensor parallel 2 ({plan}'s base_model_tp_plan through torch DTensor styles)" in log
-    assert "no loss parallel" in log
-    assert "on mesh (dp_shard_cp=2, tp=2)" in log and "(Shard(dim=0), Replicate())" in log
+    assert (
+        f"tensor parallel 2 ({plan}'s base_model_tp_plan through torch DTensor styles, sequence parallel"
+        in log
+    )
+    assert "loss parallel under the chunked loss" in log
+    # The embedding split over the vocabulary across tp, and each part over the data ranks (FSDP2's strided shard).
+    assert (
+        "model.embed_tokens.weight (_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (dp_shard_cp=2, tp=2)"
+        in log
+    )
     assert "fsdp_cpu_ram_efficient_loading=false (tp_size=2" in log
     assert "export verified" in log
     _same(out, flat, list(range(1, STEPS + 1)))

@@ -654,6 +654,44 @@ def test_grpo_tiny(check: Check) -> None:
     )
 
 
+@pytest.mark.budget(60)
+@pytest.mark.gpus(2)
+def test_vllm_weight_sync(check: Check) -> None:
+    """``bench/vllm_sync_bench.py``: seconds per GRPO weight update beside what it moves (docs/grpo.md, "What a weight
+    sync and a rollout cost"): the trainer ranks on all GPUs but the last hold a random Llama (the Llama-3-8B shape
+    on GPUs of 70 GiB or more, else the 1B shape) sharded with FSDP2, and the server's own code on the last GPU
+    receives every unit over NCCL into a stand-in worker (NCCL forbids two ranks of a group on one GPU, hence two
+    GPUs at least; a one-GPU node skips it before any work). Fails when the script fails, or a count differs from the
+    formula: one all-gather per FSDP unit of the formula's bytes per rank, one request, one broadcast per unit of
+    every parameter's bf16 bytes, no host bytes."""
+    import torch
+
+    if not check.dry and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs (trainer and server), this node has {torch.cuda.device_count()}")
+    bench = load_script("vllm_sync_bench", REPO / "bench" / "vllm_sync_bench.py")
+    out = check.work / "vllm_sync.json"
+    big = not check.dry and torch.cuda.get_device_properties(0).total_memory >= 70 * 2**30
+    procs = 1 if check.dry else torch.cuda.device_count() - 1
+    argv = ["--shape", "8b" if big else "1b", "--procs", str(procs), "--updates", "4", "--out", str(out)]
+    bench.parse_args(argv)
+    check.figures["command"] = "python bench/vllm_sync_bench.py " + " ".join(argv)
+    if check.dry:
+        return
+    code, log = run(
+        [sys.executable, str(REPO / "bench" / "vllm_sync_bench.py"), *argv],
+        check.work / "sync.log",
+        check.timeout(),
+    )
+    assert code == 0 and out.is_file(), f"vllm_sync_bench exit code {code}:\n{tail(log)}"
+    report = json.loads(out.read_text())
+    counts, formula = report["counts"], report["formula"]
+    check.figures.update({k: report.get(k) for k in ("shape", "ranks", "update_s", "gather_s")})
+    check.figures.update({f"counts:{k}": v for k, v in counts.items()})
+    check.figures["per_parameter_fp32:all_gathers"] = report["per_parameter_fp32"]["all_gathers"]
+    for key in ("all_gathers", "gathered_bytes", "broadcasts", "broadcast_bytes", "requests", "host_bytes"):
+        assert counts[key] == formula[key], (key, counts, formula)
+
+
 @pytest.mark.budget(30)
 def test_liger(check: Check) -> None:
     """tests/unit/test_liger_gpu.py with ``HF_FSDP2_GPU_CHECK=1``: Liger's kernels give the plain loss and

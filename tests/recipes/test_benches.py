@@ -337,6 +337,12 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
     assert "error" not in cp2 and "error" not in cp1, (cp2.get("traceback"), cp1.get("traceback"))
     assert cp2["cp"].startswith("context parallel: all-to-all over 2 ranks") and "cp" not in cp1
     assert len(cp2["losses"]) == 2 and all(math.isfinite(x) for x in cp2["losses"])
+    # The counted step's collectives, printed next to the seconds: the all-to-alls only under cp 2 (2 decoder layers:
+    # q, k, v gathered and the output scattered, in the forward, again in full checkpointing's recompute, and back).
+    assert (
+        cp2["collectives_per_step"]["all_to_all"] == 2 * 3 * 4
+        and "all_to_all" not in cp1["collectives_per_step"]
+    )
     for a, b in zip(cp2["losses"], cp1["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (cp2["losses"], cp1["losses"])
     assert cp2["tokens_per_s"] > 0 and math.isclose(
@@ -406,3 +412,14 @@ def test_gpu_bench_fp8_flag_runs_a_bf16_and_an_fp8_twin(tmp_path: Path):
     assert figures["fp8_probe_max_ratio"] <= 1.0, fp8["fp8_probes"]
     # far sharper than the first-order worst case, and the rounding is visible in it
     assert figures["fp8_bound"][0] < figures["fp8_worst_case"][0] / 20 and figures["fp8_loss_diff"][0] > 0
+
+
+def test_moe_bench_kernels_run_every_experts_implementation_to_the_same_output(tmp_path: Path):
+    out = tmp_path / "kernels.json"
+    bench = load_bench("moe_bench")
+    args = ["kernels", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2", "--tokens", "64"]
+    bench.main([*args, "--repeats", "1", "--json", str(out)])
+    rows = {r["implementation"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"eager (per-expert loop)", "grouped_mm", "grouped_mm fallback (loop)"}
+    assert all(r["ms"] > 0 and r["max_diff"] < 1e-5 for r in rows.values()), rows
+    assert rows["grouped_mm"]["vs_grouped_mm"] == 1.0

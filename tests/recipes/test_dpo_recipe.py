@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.launch import REPO, accelerate_launch, python, torchrun
+from support.launch import REPO, accelerate_launch, elastic, python, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
 from hf_fsdp2.data.pairs import PreferenceCollator, tokenize_pairs
@@ -315,6 +315,70 @@ def test_a_resumed_run_with_precomputed_log_probs_repeats_the_same_losses(
     want = {r["step"]: r for r in read_metrics(full / "metrics.jsonl")}
     got = {r["step"]: r for r in read_metrics(resumed / "metrics.jsonl")}
     assert [got[s]["loss"] for s in (3, 4)] == [want[s]["loss"] for s in (3, 4)]  # bit for bit
+    assert got[4]["eval_loss"] == want[4]["eval_loss"]
+
+
+def test_a_run_whose_rank_is_killed_restarts_by_itself_with_the_same_losses(
+    assets, two_rank_runs, tmp_path
+) -> None:
+    """The precomputed run under torchrun --max_restarts 1 (the launcher's flag alone: resume_from_checkpoint auto),
+    rank 1 killed (SIGKILL) as step 3 starts: the agent restarts the run, which computes the reference log-probs
+    again, resumes from checkpoint-2 and ends with the uninterrupted run's losses and eval, bit for bit
+    (docs/restarts.md)."""
+    out = tmp_path / "run"
+    args = [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["strings"]),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_length",
+        "64",
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--beta",
+        str(BETA),
+        "--export_verify",
+        "false",
+        "--label_smoothing",
+        "0.2",
+        "--precompute_ref_log_probs",
+        "true",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--eval_split_fraction",
+        "0.25",
+        "--eval_steps",
+        "2",
+    ]
+    proc = elastic(
+        DPO,
+        args,
+        launcher="torchrun",
+        launcher_args=["--nproc_per_node", "2", "--max_restarts", "1", "--monitor_interval", "0.1"],
+        faults=[{"attempt": 0, "rank": 1, "at": "step", "step": 3}],
+    )
+    assert "test fault: step at step 3 (rank 1)" in proc.stderr
+    (restart,) = json.loads((out / "restarts.json").read_text())["restarts"]
+    assert (restart["step"], restart["ranks"], restart["resumed_from_step"]) == (3, [1], 2)
+    want = {r["step"]: r for r in read_metrics(two_rank_runs["precomputed"] / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert [got[s]["loss"] for s in (1, 2, 3, 4)] == [want[s]["loss"] for s in (1, 2, 3, 4)]  # bit for bit
     assert got[4]["eval_loss"] == want[4]["eval_loss"]
 
 

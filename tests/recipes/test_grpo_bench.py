@@ -32,6 +32,20 @@ def test_figures_leave_out_the_warmup_and_the_rollout_from_training_tokens_per_s
     assert got["training_tokens_per_s"] == pytest.approx(600 / (10.0 - 5.0 - 2.0))
     with pytest.raises(RuntimeError, match="no step after --warmup 3"):
         bench.figures(tmp_path, warmup=3)
+    assert "engine_calls_per_step" not in got and "| - |" in bench.table([{"backend": "t", **got}])
+    # A vLLM run's counts (timing.py's VLLM_COUNTS) go beside its seconds, per step.
+    counts = {
+        "rollout/engine_calls": 1,
+        "rollout/engine_prompts": 8,
+        "rollout/sync_all_gathers": 35,
+        "rollout/sync_gathered_bytes": 16e9,
+        "rollout/sync_broadcast_bytes": 16e9,
+        "rollout/sync_host_bytes": 0,
+    }
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**r, **counts}) for r in rows))  # fmt: skip
+    got = bench.figures(tmp_path, warmup=1)
+    assert got["engine_prompts_per_step"] == 8 and got["sync_all_gathers_per_step"] == 35
+    assert "| 1.0, 8.0, 35.0, 16.00, 16.00, 0 |" in bench.table([{"backend": "vLLM server", **got}])
 
 
 def test_dry_run_plans_both_backends_and_says_vllm_is_absent(tmp_path: Path) -> None:

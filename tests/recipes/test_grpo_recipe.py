@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.launch import REPO, torchrun
+from support.launch import REPO, elastic, torchrun
 from support.tiny import WORDS, make_tiny_llama_dir
 
 from hf_fsdp2.observe.logs import read_metrics
@@ -615,3 +615,31 @@ def test_a_run_resumed_inside_a_generation_batch_trains_on_the_same_completions(
     for step in (2, 3):
         for key in ("loss", "grad_norm", "reward", "entropy", "completions/mean_length"):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key, a[step][key])
+
+
+def test_a_run_whose_rank_is_killed_restarts_by_itself_and_trains_as_the_uninterrupted_one(
+    assets, grpo_run, tmp_path, monkeypatch
+) -> None:
+    """The grpo case under torchrun --max_restarts 1 (the launcher's flag alone: resume_from_checkpoint auto), rank 1
+    killed (SIGKILL) as step 2 starts, inside the generation batch sampled at step 1: the agent restarts the run, it
+    resumes from checkpoint-1 with each rank's buffered completions and finishes with the uninterrupted run's numbers
+    (docs/restarts.md)."""
+    monkeypatch.setenv("PYTHONPATH", str(assets["root"]))
+    straight, _ = grpo_run
+    out = tmp_path / "run"
+    proc = elastic(
+        GRPO,
+        _args(assets, out, *_case_args("grpo"), "--save_steps", "1", "--export_verify", "false"),
+        launcher="torchrun",
+        launcher_args=["--nproc_per_node", "2", "--max_restarts", "1", "--monitor_interval", "0.1"],
+        faults=[{"attempt": 0, "rank": 1, "at": "step", "step": 2}],
+    )
+    assert "test fault: step at step 2 (rank 1)" in proc.stderr
+    (restart,) = json.loads((out / "restarts.json").read_text())["restarts"]
+    assert (restart["step"], restart["ranks"], restart["resumed_from_step"]) == (2, [1], 1)
+    a = {r["step"]: r for r in read_metrics(straight / "metrics.jsonl")}
+    b = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "event" not in r}
+    assert sorted(b) == [1, 2, 3]
+    for step in (1, 2, 3):
+        for key in ("loss", "grad_norm", "reward", "entropy", "completions/mean_length"):
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])

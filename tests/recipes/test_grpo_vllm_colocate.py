@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -131,13 +132,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def test_colocate_loads_the_weights_into_each_ranks_engine_before_every_rollout_and_trains(runs) -> None:  # type: ignore[no-untyped-def]
     log = str(runs["straight_log"])
-    assert "vLLM colocate: an engine in each of 2 processes" in log, log[-3000:]
-    assert "rollouts: vLLM in each training process (vllm_mode colocate, float32" in log
-    for version in (1, 2, 3):  # one load per optimizer update, each probed on every rank
-        assert (
-            f"vLLM weights version {version}: 20 tensors loaded layer by layer into each rank's engine, probe passed"
-            in log
-        )
+    assert "vLLM colocate: 2 engine(s) of tensor parallel size 1 over 2 processes" in log, log[-3000:]
+    assert "rollouts: vLLM in each training process (vllm_mode colocate, float32, tensor parallel 1" in log
+    for version in (
+        1,
+        2,
+        3,
+    ):  # one load per optimizer update (an all-gather per sharded FSDP unit), each probed
+        # (the embeddings, 2 layers, the root's norm; at the first load the root and the embeddings are still
+        # unsharded after a forward without gradient: 2 all-gathers)
+        assert re.search(
+            rf"vLLM weights version {version}: 20 tensors in 4 units \(\d all-gathers in float32\) loaded into each "
+            "rank's engine",
+            log,
+        ), log[-3000:]
+        assert f"vLLM weights version {version}: probe passed on every rank's engine" in log
     rows = runs["straight"]
     assert [r["step"] for r in rows] == [1, 2, 3]  # type: ignore[index, union-attr]
     for r in rows:  # type: ignore[union-attr]
@@ -150,7 +159,7 @@ def test_colocate_loads_the_weights_into_each_ranks_engine_before_every_rollout_
 
 def test_colocate_resumes_exactly(runs) -> None:  # type: ignore[no-untyped-def]
     # The resumed engines start from the model folder: the first rollout loads the checkpoint's policy (version 1).
-    assert "vLLM weights version 1: 20 tensors loaded" in str(runs["resumed_log"])
+    assert "vLLM weights version 1: 20 tensors in 4 units" in str(runs["resumed_log"])
     a = {r["step"]: r for r in runs["straight"]}  # type: ignore[union-attr]
     b = {r["step"]: r for r in runs["resumed"]}  # type: ignore[union-attr]
     assert sorted(b) == [3]

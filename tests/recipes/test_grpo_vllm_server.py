@@ -159,7 +159,8 @@ def test_sampled_logps_after_weight_syncs_equal_the_policys_and_the_probe_refuse
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp2.methods.grpo.vllm.client import VllmServerError, probe_bound
+    from hf_fsdp2.methods.grpo.vllm.client import VllmServerError
+    from hf_fsdp2.methods.grpo.vllm.probe import probe_bound
 
     prompts, tok = _prompts(assets)
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)

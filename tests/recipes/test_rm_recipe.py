@@ -333,6 +333,11 @@ def test_a_moe_reward_model_trains_and_exports_without_a_router_loss(assets, tmp
     )
     log = proc.stdout + proc.stderr
     assert "Qwen3MoeForSequenceClassification: score head" in log and "no router loss" in log, log[-3000:]
+    # The start-up line naming the experts' kernel (hf_fsdp2/parallel/grouped_mm.py): fp32 without compile on CPU.
+    assert (
+        "MoE experts (Qwen3MoeExperts, 2 layers): experts_implementation='grouped_mm', kernel grouped_mm"
+        in log
+    )
     assert "export verified" in log, log[-3000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "aux_loss" not in r for r in rows), rows

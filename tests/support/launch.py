@@ -177,6 +177,84 @@ def _served_accelerate(
     )
 
 
+ELASTIC_RANK = REPO / "tests" / "support" / "elastic_rank.py"
+
+
+def elastic(
+    script: Path | str,
+    args: list[str],
+    *,
+    launcher_args: list[str],
+    launcher: str = "accelerate",
+    faults: list[dict] | None = None,
+    nodes: list[list[str]] | None = None,
+    timeout: int = 600,
+    check: bool = True,
+    pgids: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """A real launcher with torch's elastic agent (``accelerate launch``, ``torchrun`` or hf-fsdp2 train's
+    ``hf_fsdp2`` (accelerate launch in its process) and their ``--max_restarts``,
+    restarts and rendezvous: their own code) running ``script args`` on every rank, with ``faults`` for its attempts
+    (tests/support/elastic_rank.py). Forked from this worker's launch server, the agent forks each attempt's ranks
+    (torchrun's ``--run-path``, fork start method), which start with the server's imports instead of ~6 s each.
+    ``nodes``: one launcher per node, each with its own launcher arguments after ``launcher_args`` (multi-node on
+    loopback); ``pgids``: a file the server writes each node's process group id to. The result's ``stderr`` is every
+    node's, in order; ``rank_codes`` each launcher's status. Without the launch server the launchers are fresh
+    processes."""
+    env = _env()
+    env["HF_FSDP2_TEST_FAULTS"] = json.dumps(faults or [])
+    module = {"accelerate": "accelerate.commands.launch", "torchrun": "torch.distributed.run"}.get(
+        launcher, "hf_fsdp2.launch accelerate.commands.launch"
+    )
+    if launcher == "hf_fsdp2":
+        env["HF_FSDP2_QUIET_LAUNCH"] = "1"  # as hf-fsdp2 train runs it
+    run_args = [str(ELASTIC_RANK), str(Path(script).resolve()), *[str(a) for a in args]]
+    argvs = [[*launcher_args, *node, *run_args] for node in (nodes or [[]])]
+    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
+        outs = [(Path(folder) / f"stdout{i}", Path(folder) / f"stderr{i}") for i in range(len(argvs))]
+        start = time.perf_counter()
+        if _server_enabled():
+            request = {
+                "agents": [
+                    {"launcher": launcher, "argv": argv, "stdout": str(o), "stderr": str(e)}
+                    for argv, (o, e) in zip(argvs, outs, strict=True)
+                ],
+                "env": env,
+                "cwd": str(REPO),
+                "pgids": str(pgids) if pgids else None,
+            }
+            answer = _server(env).launch(request, timeout)
+            codes = list(answer["codes"])
+        else:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", *module.split(), *argv],
+                    cwd=REPO,
+                    env=env,
+                    stdout=open(o, "w"),  # noqa: SIM115
+                    stderr=open(e, "w"),  # noqa: SIM115
+                    start_new_session=True,
+                )
+                for argv, (o, e) in zip(argvs, outs, strict=True)
+            ]
+            if pgids:
+                pgids.write_text("".join(f"{p.pid}\n" for p in procs))
+            codes = [p.wait(timeout=timeout) for p in procs]
+        cmd = [sys.executable, "-m", module, *argvs[0]]
+        returncode = next((c for c in codes if c != 0), 0)
+        _log_launch(cmd, time.perf_counter() - start, returncode, server=_server_enabled())
+        stdout = "".join(o.read_text() for o, _ in outs if o.exists())
+        stderr = "".join(e.read_text() for _, e in outs if e.exists())
+    if check and returncode != 0:
+        raise AssertionError(
+            f"elastic run failed (launcher statuses {codes}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}"
+            f"\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    done = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    done.rank_codes = codes  # type: ignore[attr-defined]
+    return done
+
+
 def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bool = True):
     """A plain ``python script args`` in a fresh process, forked from the launch server. ``-c`` code (``args[0]``;
     those reload an export with plain transformers) is forked from the server's reload zygote: an interpreter that
@@ -194,6 +272,10 @@ def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bo
 # Variables a launched run reads when it runs, not when it imports: a change in them needs no new server.
 _READ_AT_RUN_TIME = (
     "HF_FSDP2_FAULT",
+    "HF_FSDP2_TEST_FAULTS",
+    # Read by a launcher and its ranks as they run (hf-fsdp2 train's, torch's rendezvous): an elastic run's own.
+    "HF_FSDP2_QUIET_LAUNCH",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "PYTEST_CURRENT_TEST",
     "PYTEST_XDIST_WORKER",
     "HF_FSDP2_TEST_LAUNCH_LOG",

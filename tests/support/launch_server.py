@@ -10,7 +10,10 @@ as in any ``env://`` launch. The server itself never runs a tensor operation: it
 clean (one OpenMP thread, no process group, no compiled code).
 
 Protocol: one JSON request per line on stdin, ``{"script", "args", "nproc", "env", "stdout", "stderr", "cwd"}``
-(``script`` a file, or ``-m`` with the module first in ``args``);
+(``script`` a file, or ``-m`` with the module first in ``args``), or ``{"agents": [{"launcher", "argv", "stdout",
+"stderr"}, ...], "env", "cwd", "pgids"}``: one real launcher per node (accelerate launch or torchrun, with
+restarts) whose elastic agent forks each attempt's ranks from its own copy of this server (tests/support/launch.py:
+``elastic``);
 one JSON answer per line on stdout, ``{"rc", "codes"}``. Every rank appends to the same stdout and stderr files, as
 torchrun's children share its streams. When a rank fails, the others get SIGTERM and, 30 s later, SIGKILL, as
 torchrun's agent does. A served run's export verification reloads the export in a process forked from a zygote
@@ -55,6 +58,7 @@ PRELOAD = (
     "hf_fsdp2.methods.sft",
     "hf_fsdp2.methods.dpo",
     "hf_fsdp2.methods.cpt",
+    "torch.distributed.run",  # the launchers of elastic runs (_run_agent)
 )
 
 _RELOAD_SOCKET = os.path.join(os.environ.get("HF_FSDP2_TEST_RELOAD_DIR") or tempfile.mkdtemp(), "reload.sock")
@@ -177,6 +181,76 @@ def _launch(request: dict) -> dict:
     return {"rc": failed[0] if failed else 0, "codes": ordered}
 
 
+def _run_agent(request: dict, agent: dict) -> None:
+    """In the forked child: become a node's launcher (``accelerate launch`` or ``torchrun``, their own code, in a
+    process group of its own), whose elastic agent forks each attempt's ranks from here (torchrun's ``--run-path``
+    with the fork start method: the ranks start with the server's imports); never return."""
+    code = 1
+    try:
+        os.setsid()  # the node: the agent and its ranks, one process group (a test may end it whole)
+        if _ANSWERS is not None:
+            _ANSWERS.close()
+        for fd, path in ((1, agent["stdout"]), (2, agent["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"], PET_RUN_PATH="1", PET_START_METHOD="fork")
+        os.chdir(request["cwd"])
+        added = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and e not in sys.path]
+        sys.path[1:1] = added
+        reload_zygote.install(_RELOAD_SOCKET)  # the ranks' export reloads, as a served rank's
+        if agent["launcher"] == "hf_fsdp2":  # hf-fsdp2 train's launcher: accelerate launch in this process
+            from hf_fsdp2.launch import ACCELERATE_LAUNCH, QUIET_LAUNCH_ENV, launcher_main
+
+            os.environ[QUIET_LAUNCH_ENV] = "1"
+            sys.exit(launcher_main([ACCELERATE_LAUNCH, *agent["argv"]]))
+        elif agent["launcher"] == "accelerate":
+            from accelerate.commands.launch import launch_command, launch_command_parser
+
+            launch_command(launch_command_parser().parse_args(agent["argv"]))
+        else:
+            import torch.distributed.run
+
+            torch.distributed.run.main(agent["argv"])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _launch_agents(request: dict) -> dict:
+    """One launcher per node (``request["agents"]``), each forked from here; their exit statuses, in order. Each
+    node's group id is written to ``request["pgids"]`` (one per line) once all are started."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for agent in request["agents"]:
+        pid = os.fork()
+        if pid == 0:
+            _run_agent(request, agent)
+        pids.append(pid)
+    if request.get("pgids"):
+        with open(request["pgids"], "w") as f:
+            f.write("".join(f"{pid}\n" for pid in pids))
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    failed = [code for code in codes if code != 0]
+    return {"rc": failed[0] if failed else 0, "codes": codes}
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -196,7 +270,8 @@ def main() -> None:
     answers.flush()
     for line in sys.stdin:
         request = json.loads(line)
-        answers.write(json.dumps(_launch(request)) + "\n")
+        answer = _launch_agents(request) if "agents" in request else _launch(request)
+        answers.write(json.dumps(answer) + "\n")
         answers.flush()
 
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 from support.composites import COMPOSITE_FAMILIES, MTP_TENSORS, checkpoint_names, make_composite_dir
 
-from hf_fsdp2.attention_layout import _shrunk_config, choose_attention_layout, padding_free_matches
+from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.checkpoint.resume import check_config_compatible
 from hf_fsdp2.composite import (
@@ -34,7 +34,9 @@ from hf_fsdp2.model import (
     load_model,
     load_model_config,
 )
-from hf_fsdp2.plan import PlanError, build_meta_model, check_plannable, fsdp_units
+from hf_fsdp2.padding_free_probe import _shrunk_config, padding_free_matches
+from hf_fsdp2.plan import build_meta_model, check_plannable, fsdp_units
+from hf_fsdp2.plan.experts import expert_plan
 from hf_fsdp2.plan.settings import PlanSettings
 from hf_fsdp2.train.loss import router_aux_coef
 
@@ -148,7 +150,7 @@ def test_a_composite_run_is_refused_before_any_work_where_it_cannot_run(folders:
 
 def test_config_level_reads_take_the_text_config(folders: dict[str, Path]) -> None:
     """A composite keeps max_position_embeddings, vocab_size and the MoE keys in its text config only: the
-    max-length check, the router loss and the planner's MoE refusal read them there."""
+    max-length check, the router loss and the planner's experts read them there."""
     config = load_model_config(str(folders["mistral3"]))
     assert not hasattr(config, "max_position_embeddings")
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
@@ -156,8 +158,12 @@ def test_config_level_reads_take_the_text_config(folders: dict[str, Path]) -> No
     moe = load_model_config(str(folders["qwen3_5_moe_vlm"]))
     moe.text_config.output_router_logits, moe.text_config.router_aux_loss_coef = True, 0.01
     assert router_aux_coef(moe) == 0.01
-    with pytest.raises(PlanError, match="num_experts=4"):
-        check_plannable(moe)
+    # The planner reads the experts' top-k there (the composite's experts are transformers' fused ones: planned).
+    settings = PlanSettings(world_size=2, device_type="cpu")
+    meta = build_meta_model(moe, settings)
+    check_plannable(moe, meta)
+    experts = expert_plan(meta, moe, settings)
+    assert experts is not None and experts.shapes.top_k == moe.text_config.num_experts_per_tok
 
 
 def test_the_padding_free_probe_builds_the_composite_shrunk(folders: dict[str, Path]) -> None:

@@ -263,6 +263,7 @@ def test_a_training_step_with_its_stop_check_reads_the_device_once(
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.config import parse_config
+    from hf_fsdp2.elastic.agent import AgentLaunch
     from hf_fsdp2.run.state import RunState
     from hf_fsdp2.train.loss import LossPlan
     from hf_fsdp2.train.step import StepSettings, forward_backward
@@ -280,10 +281,18 @@ def test_a_training_step_with_its_stop_check_reads_the_device_once(
             "0",
         ]
     )
-    session = SimpleNamespace(cfg=cfg, output_dir=tmp_path, is_main=True, hub_token=None, world=1)
+    session = SimpleNamespace(
+        cfg=cfg,
+        output_dir=tmp_path,
+        is_main=True,
+        hub_token=None,
+        world=1,
+        resume_from=None,
+        launch=AgentLaunch(under_agent=False),
+    )
     model = load_model(str(model_dir))
     previous = signal.getsignal(signal.SIGTERM)
-    state = RunState(session, model, torch.optim.SGD(model.parameters(), lr=0.1), None, None)  # type: ignore[arg-type]
+    state = RunState(session, model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None, stream=None)  # type: ignore[arg-type]
     try:
         ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

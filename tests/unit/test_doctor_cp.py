@@ -12,7 +12,7 @@ from support.tiny import make_tiny_llama_dir
 from transformers import LlamaConfig, MixtralConfig
 
 from hf_fsdp2.doctor import environment, run_doctor
-from hf_fsdp2.doctor.recipe import capability_findings, context_parallel_findings
+from hf_fsdp2.doctor.layouts import capability_findings, context_parallel_findings
 from hf_fsdp2.launch import packaged_accelerate_config
 from hf_fsdp2.methods import get_method, parse_method_config
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_fsdp2.methods.grpo.metrics import STATS, GrpoStepMetrics, Rollout
-from hf_fsdp2.methods.grpo.timing import ROLLOUT_METRICS, TimedGenerator
+from hf_fsdp2.methods.grpo.timing import ROLLOUT_METRICS, VLLM_COUNTS, TimedGenerator
 
 
 class SlowBackend:
@@ -109,3 +109,26 @@ def test_the_step_metrics_carry_the_rollout_timing() -> None:
         stats=torch.zeros(len(STATS)), roll=roll, function_names=["f"], beta=0.0, device=torch.device("cpu")
     )
     assert not any(k.startswith("rollout/") for k in plain(1))
+
+
+def test_a_vllm_backends_counts_are_logged_beside_the_seconds() -> None:
+    """A backend with running ``counted`` totals (the vLLM generators): each read logs what was added since the last
+    one, under rollout/engine_* and rollout/sync_*; transformers' backend logs none of them."""
+    backend = SlowBackend(per_call=0.0)
+    backend.counted = dict.fromkeys(  # type: ignore[attr-defined]
+        ("engine_calls", "engine_prompts", "all_gathers", "gathered_bytes", "broadcast_bytes", "host_bytes"),
+        0.0,
+    )
+    gen = TimedGenerator(backend)
+    backend.counted.update(
+        engine_calls=1, engine_prompts=3, all_gathers=5, gathered_bytes=100, broadcast_bytes=100
+    )  # type: ignore[attr-defined]
+    first = gen.rollout_metrics(torch.device("cpu"))
+    assert set(first) == set(ROLLOUT_METRICS) | set(VLLM_COUNTS)
+    assert [first[k] for k in VLLM_COUNTS] == [1, 3, 5, 100, 100, 0]
+    backend.counted["engine_calls"] += 1  # type: ignore[attr-defined]
+    again = gen.rollout_metrics(torch.device("cpu"))
+    assert [again[k] for k in VLLM_COUNTS] == [1, 0, 0, 0, 0, 0]
+    assert set(TimedGenerator(SlowBackend(per_call=0.0)).rollout_metrics(torch.device("cpu"))) == set(
+        ROLLOUT_METRICS
+    )

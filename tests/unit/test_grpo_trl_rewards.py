@@ -341,7 +341,7 @@ def test_evaluation_logs_what_the_functions_logged(folders: dict[str, Path], cap
         ["doc_rewards:curriculum", "doc_rewards:format_reward_func"], context=context
     )
     with caplog.at_level(logging.INFO, logger="hf_fsdp2"):
-        out = GrpoEvaluator(prompts, Fixed(), functions, tok, batch_size=3, samples=2).run(
+        out = GrpoEvaluator(prompts, Fixed(), functions, tokenizer=tok, batch_size=3, samples=2).run(
             torch.nn.Linear(1, 1), 6
         )
     assert (

@@ -5,32 +5,29 @@ tests/recipes/test_grpo_vllm.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 import torch
+from support import vllm_standin as standin
 
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.methods.grpo.config import GrpoArgs
 from hf_fsdp2.methods.grpo.loss import GrpoSettings, grpo_loss_sums
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
 from hf_fsdp2.methods.grpo.vllm.client import (
-    PROTOCOL,
     ServerSettings,
     VllmClient,
     VllmGenerator,
     VllmServerError,
-    probe_bound,
-    push_weights,
+    cut_at_eos_list,
 )
 from hf_fsdp2.methods.grpo.vllm.importance import ImportanceSampling, attach_sampling_logps, importance_ratio
-from hf_fsdp2.parallel.gather import layer_groups
+from hf_fsdp2.methods.grpo.vllm.probe import probe_bound
+from hf_fsdp2.parallel.gather import sync_units
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
 SAMPLING = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, float("nan"), -2.0]])
@@ -123,85 +120,27 @@ def test_vllm_keys_trl_defaults_and_refusals() -> None:
         GrpoArgs(vllm_request_timeout=0.0).validate()
 
 
-# Some of vLLM 0.32's SamplingParams fields, as a server's /health lists them (tests/recipes/test_grpo_vllm_server.py
-# reads the real list).
-FAKE_SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "min_tokens",
-    "bad_words",
-    "logit_bias",
-    "max_tokens",
-    "logprobs",
-)
+@pytest.fixture(autouse=True)
+def _stand_in_vllm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in's ``vllm`` module for the tests that run the server's code, not for the one that needs none."""
+    if "without_vllm" not in request.node.name:
+        import sys
+
+        monkeypatch.setitem(sys.modules, "vllm", standin.vllm_module())
 
 
 class Fake:
-    """A stand-in server: /health answers as the real one, the rest as ``behaviour`` says."""
+    """The real server (its HTTP handler, ``Engine`` and worker functions) over a stand-in engine
+    (tests/support/vllm_standin.py), behaving as ``behaviour`` says."""
 
-    def __init__(self, behaviour: str) -> None:
-        self.behaviour, self.bodies, self.version = behaviour, [], 0
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def _json(self, payload: dict[str, Any], status: int = 200) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:  # noqa: N802
-                self._json(
-                    {
-                        "status": "ok",
-                        "protocol": PROTOCOL,
-                        "dtype": "float32",
-                        "weights_version": fake.version,
-                        "sampling_fields": list(FAKE_SAMPLING_FIELDS),
-                    }
-                )
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                fake.bodies.append((self.path, body))
-                if fake.behaviour == "dies":
-                    self.connection.close()  # no answer: the process died mid-request
-                    return
-                if fake.behaviour == "slow":
-                    time.sleep(3)
-                if self.path == "/weights/commit":
-                    fake.version = json.loads(body)["version"]
-                    self._json({"weights_version": fake.version})
-                elif self.path == "/generate":
-                    n = len(json.loads(body)["prompts"])
-                    self._json(
-                        {
-                            "completions": [[5, 2, 7]] * n,
-                            "logprobs": [[-1.0, -2.0, -3.0]] * n,
-                            "weights_version": 99 if fake.behaviour == "other" else fake.version,
-                        }
-                    )
-                elif self.path == "/weights":
-                    self._json({"staged": 1})
-                else:
-                    self._json({"error": "ValueError: no such thing"}, 500)
-
-        class Quiet(ThreadingHTTPServer):
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                pass  # "dies": the handler's own write after the close fails; that is the point
-
-        self.server = Quiet(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def __init__(
+        self, behaviour: str, workers: int = 1, dtype: str = "float32", reads: int | None = None
+    ) -> None:
+        self.llm = standin.LLM(workers=workers, dtype=dtype)
+        if reads is not None:
+            self.llm.workers[-1].reads = reads
+        self.engine = standin.engine(self.llm, dtype)
+        self.server, self.url, self.bodies = standin.serve(self.engine, behaviour)
 
 
 @pytest.fixture
@@ -219,7 +158,7 @@ def _generator(
     gen = VllmGenerator(
         model,
         client,
-        eos_ids=[2],
+        eos_ids=[standin.EOS],
         settings=settings or SamplingSettings(max_completion_length=4),
         probe=([1], [2]),
         compute_dtype="float32",
@@ -248,8 +187,23 @@ def test_a_server_that_is_not_up_is_named_with_its_timeout_and_the_command_to_st
     )
 
 
+@pytest.mark.parametrize("fake", ["unreachable"], indirect=True)
+def test_a_server_that_cannot_join_the_weight_group_stops_the_connect_within_its_timeout(fake: Fake) -> None:
+    """The server's workers cannot reach the trainer's store: the connect fails on every rank within
+    vllm_server_timeout (the rendezvous's), with the server's reason, not after vllm_request_timeout."""
+    gen = _generator(fake.url, timeout=2.0, request_timeout=600.0)
+    start = time.monotonic()
+    with pytest.raises(
+        VllmServerError,
+        match=r"failed while connecting to the vLLM server \(rank 0\).*failed POST /weights/group \(HTTP 500\): "
+        "DistNetworkError: failed to connect",
+    ):
+        gen.connect()
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("fake", ["dies"], indirect=True)
-def test_a_server_that_dies_mid_rollout_is_a_clear_error(fake: Fake) -> None:
+def test_a_server_that_dies_mid_update_is_a_clear_error(fake: Fake) -> None:
     gen = _generator(fake.url)
     gen.connect()
     with pytest.raises(
@@ -263,7 +217,7 @@ def test_a_request_past_its_timeout_names_vllm_request_timeout(fake: Fake) -> No
     gen = _generator(fake.url, request_timeout=0.5)
     gen.connect()
     with pytest.raises(
-        VllmServerError, match="did not answer POST /weights within vllm_request_timeout=0.5 s"
+        VllmServerError, match="did not answer POST /weights/update within vllm_request_timeout=0.5 s"
     ):
         gen.generate([[1, 3]], seed=0)
 
@@ -276,9 +230,10 @@ def test_a_server_answering_with_other_weights_is_refused(fake: Fake) -> None:
         gen.generate([[1, 3]], seed=0)
 
 
-@pytest.mark.parametrize("fake", ["ok"], indirect=True)
-def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_at_eos(fake: Fake) -> None:
-    from safetensors.torch import load
+def test_one_process_sends_a_unit_per_layer_over_the_group_and_a_batch_in_one_call() -> None:
+    """An unsharded model (one process): one unit per decoder layer and one for the rest, each one broadcast in the
+    server's dtype (bf16) to its workers (2, as --tensor-parallel-size 2), none over HTTP; a generation batch is one
+    call of its unique prompts with n, completion k drawn with seed + k and cut at the end id."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -290,114 +245,59 @@ def test_weights_go_one_layer_per_request_then_a_commit_and_completions_are_cut_
         num_key_value_heads=1,
     )
     model = LlamaForCausalLM(config)
-    groups = layer_groups(model)
-    assert [g[0][0] for g in groups[:3]] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
-    assert {n for n, _ in groups[-1]} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    gen = _generator(fake.url, model)
-    gen.connect()
-    ids = gen.generate([[1, 3], [4]], seed=7)
-    assert (
-        ids == [[5, 2], [5, 2]]
-        and gen.take_logps() == [[-1.0, -2.0], [-1.0, -2.0]]
-        and gen.take_logps() == []
-    )
-    sent = [load(body) for path, body in fake.bodies if path == "/weights"]
-    assert len(sent) == 4 and all(
-        len({n.split(".")[2] for n in part if ".layers." in n}) <= 1 for part in sent
-    )
-    state = model.state_dict()
-    assert all(torch.equal(t, state[n]) for part in sent for n, t in part.items())
-    assert sum(len(part) for part in sent) == len(list(model.parameters()))
-    commit = json.loads(next(body for path, body in fake.bodies if path == "/weights/commit"))
-    assert commit == {"version": 1, "tensors": len(list(model.parameters()))}
-    request = json.loads(next(body for path, body in fake.bodies if path == "/generate"))
-    assert request["seeds"] == [7 * 7919, 7 * 7919 + 1] and request["stop_token_ids"] == [2]
-    gen.generate([[1]], seed=0, greedy=True)  # no update since: no new weights; greedy keeps no log-probs
-    assert sum(path == "/weights/commit" for path, _ in fake.bodies) == 1 and gen.take_logps() == []
-    gen.mark_stale()
-    gen.generate([[1]], seed=0)
-    assert gen.version == 2 and fake.version == 2
-    assert push_weights(model, gen.client, 3) == len(list(model.parameters()))
+    units = sync_units(model)
+    assert [u[0][0] for u in units[1:4]] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
+    assert {n for u in units[:1] + units[4:] for n, _ in u} == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    }
+    fake = Fake("ok", workers=2, dtype="bfloat16")
+    try:
+        gen = _generator(fake.url, model)
+        gen.connect()
+        got = gen.generate_groups([[1, 3], [4]], 3, slice(0, 6), seed=7)
+        assert got == [cut_at_eos_list(standin.completion_of(7 + k, 4), [standin.EOS]) for k in range(6)]
+        assert len(gen.take_logps()) == 6 and gen.take_logps() == []
+        sync = gen.last_sync
+        assert sync is not None and (sync.gather.collectives, sync.broadcasts) == (0, len(units))
+        assert sync.broadcast_bytes == 2 * sum(p.numel() for p in model.parameters())
+        state = model.state_dict()
+        for worker in fake.llm.workers:
+            assert worker.loaded.keys() == state.keys() - {"lm_head.weight"} | {"lm_head.weight"}
+            assert all(torch.equal(t, state[n].to(torch.bfloat16)) for n, t in worker.loaded.items())
+        assert [p for p, _ in fake.bodies] == ["/weights/group", "/weights/update", "/generate"]
+        (call,) = fake.llm.calls
+        assert call["prompts"] == [[1, 3], [4]] and call["n"] == [3, 3]
+        assert [p.seed for p in call["params"]] == [7, 10]
+        gen.generate([[1]], seed=0, greedy=True)  # no update since: no new weights; greedy keeps no log-probs
+        assert [p for p, _ in fake.bodies].count("/weights/update") == 1 and gen.take_logps() == []
+        gen.mark_stale()
+        gen.generate([[1]], seed=0)
+        assert gen.version == 2 and fake.engine.version == 2
+    finally:
+        fake.server.shutdown()
 
 
-class _WorkerProcess:
-    """One worker of vLLM's engine as ``collective_rpc`` reaches it (the worker wrapper): its in-place reload and its
-    model runner's model (no tied head)."""
-
-    def __init__(self, reads: int | None = None) -> None:
-        self.loaded: list[dict[str, torch.Tensor]] = []
-        self.reads = reads  # a loader that stops reading after this many tensors
-        self.model_runner = type("Runner", (), {"get_model": lambda _: torch.nn.Module()})()
-
-    def reload_weights(
-        self, weights_iterator: Iterator[tuple[str, torch.Tensor]], is_checkpoint_format: bool
-    ) -> None:
-        assert is_checkpoint_format
-        import itertools
-
-        self.loaded.append(dict(itertools.islice(weights_iterator, self.reads)))
-
-
-class _TensorParallelLLM:
-    """vLLM's ``LLM`` over its multi-process executor (``--tensor-parallel-size 2``): the executor has no
-    ``driver_worker`` (only the single-process one has), and ``collective_rpc`` sends the function by value
-    (cloudpickle) and its arguments pickled to every worker process, returning each worker's answer."""
-
-    def __init__(self, workers: list[_WorkerProcess]) -> None:
-        self.workers = workers
-        self.llm_engine = type("Engine", (), {"model_executor": object()})()
-        self.resets = 0
-
-    def collective_rpc(
-        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
-    ) -> list[Any]:
-        import pickle
-
-        import cloudpickle
-
-        sent = cloudpickle.dumps(method), pickle.dumps((args, kwargs or {}))
-        answers = []
-        for worker in self.workers:
-            fn, (a, kw) = cloudpickle.loads(sent[0]), pickle.loads(sent[1])
-            answers.append(fn(worker, *a, **kw))
-        return answers
-
-    def reset_prefix_cache(self) -> None:
-        self.resets += 1
-
-
-def test_a_commit_reaches_every_worker_of_a_tensor_parallel_engine() -> None:
-    """``hf-fsdp2 vllm-serve --tensor-parallel-size 2``: the staged tensors go to every worker through vLLM's
-    ``collective_rpc`` (each takes its shard of the full tensors), the answer counts the workers; a worker that
-    did not load them all fails the commit, and the engine keeps its version."""
-    from safetensors.torch import save
-
-    from hf_fsdp2.methods.grpo.vllm.server import Engine
-
-    sent = {"model.embed_tokens.weight": torch.randn(6, 4), "model.norm.weight": torch.randn(4)}
-
-    def engine(workers: list[_WorkerProcess]) -> Engine:
-        e = Engine.__new__(Engine)
-        e.llm, e.version, e.staged, e.lock = _TensorParallelLLM(workers), 0, {}, threading.Lock()
-        e.stage(save(dict(list(sent.items())[:1])))
-        e.stage(save(dict(list(sent.items())[1:])))
-        return e
-
-    workers = [_WorkerProcess(), _WorkerProcess()]
-    e = engine(workers)
-    answer = e.commit({"version": 1, "tensors": 2})
-    assert answer["weights_version"] == 1 and answer["workers"] == 2 and answer["loaded"] == 2
-    for w in workers:
-        assert len(w.loaded) == 1 and w.loaded[0].keys() == sent.keys()
-        assert all(torch.equal(w.loaded[0][k], v) for k, v in sent.items())
-    assert e.llm.resets == 1 and e.staged == {}
-    e = engine([_WorkerProcess(), _WorkerProcess(reads=1)])
-    with pytest.raises(
-        ValueError,
-        match=r"the engine's 2 workers loaded \[2, 1\] tensors of the 2 sent, so they no longer hold one model; the engine keeps version 0",
-    ):
-        e.commit({"version": 1, "tensors": 2})
-    assert e.version == 0
+def test_an_update_a_worker_did_not_load_whole_leaves_the_engine_refusing_rollouts() -> None:
+    """A worker whose loader stopped early still receives every unit (the trainer never waits on a broadcast), the
+    update fails on the trainer with the counts, and the engine refuses rollouts until a whole update arrives."""
+    fake = Fake("ok", workers=2, reads=1)
+    try:
+        gen = _generator(fake.url, torch.nn.Linear(2, 2))
+        gen.connect()
+        with pytest.raises(VllmServerError, match=r"workers loaded \[2, 1\] tensors of the 2 sent"):
+            gen.generate([[1, 3]], seed=0)
+        assert fake.engine.version == 0 and fake.engine.torn
+        gen.stale = False
+        with pytest.raises(VllmServerError, match="holds a mix of two weight versions and refuses rollouts"):
+            gen.generate([[1, 3]], seed=0)
+        fake.llm.workers[-1].reads = None
+        gen.version = 1
+        gen.mark_stale()
+        assert gen.generate([[1, 3]], seed=0) and fake.engine.version == 2 and fake.engine.torn is None
+    finally:
+        fake.server.shutdown()
 
 
 def test_generation_kwargs_with_vllm_are_sampling_params_fields() -> None:
@@ -433,9 +333,9 @@ def test_generation_kwargs_with_vllm_are_sampling_params_fields() -> None:
 
 @pytest.mark.parametrize("fake", ["ok"], indirect=True)
 def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are_refused(fake: Fake) -> None:
-    """The server gets generation_kwargs with every /generate (greedy too: eval samples as the rollout, as the
-    transformers path applies them to both configs); a name its SamplingParams lacks stops the run at connect,
-    before any rollout, with the name and the fields it has."""
+    """The engine's SamplingParams get generation_kwargs with every request (greedy too: eval samples as the rollout,
+    as the transformers path applies them to both configs); a name its SamplingParams lacks stops the run at
+    connect, before any rollout, with the name and the fields it has."""
     kwargs = {"min_tokens": 2, "bad_words": ["no"]}
     gen = _generator(fake.url, settings=SamplingSettings(max_completion_length=4, generation_kwargs=kwargs))
     gen.connect()
@@ -443,13 +343,13 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
     assert "SamplingParams also bad_words ['no'], min_tokens 2; importance sampling" in gen.describe()
     gen.generate([[1, 3]], seed=1)
     gen.generate([[1]], seed=0, greedy=True)
-    sent = [json.loads(body)["generation_kwargs"] for path, body in fake.bodies if path == "/generate"]
-    assert sent == [kwargs, kwargs]
+    sent = [(p.min_tokens, p.bad_words) for call in fake.llm.calls for p in call["params"]]
+    assert sent == [(2, ["no"]), (2, ["no"])]
     plain = _generator(fake.url)
     plain.connect()
     plain.stale = False
     plain.generate([[1]], seed=0)
-    assert json.loads(fake.bodies[-1][1])["generation_kwargs"] == {}
+    assert not hasattr(fake.llm.calls[-1]["params"][0], "min_tokens")
     odd = _generator(
         fake.url,
         settings=SamplingSettings(
@@ -465,38 +365,14 @@ def test_generation_kwargs_reach_the_servers_sampling_params_and_other_names_are
         odd.connect()
 
 
-class _ColocateEngine:
-    """The in-process engine (server.Engine's requests) of one rank, recording what it is asked."""
-
-    dtype, version = "float32", 0
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "protocol": PROTOCOL,
-            "dtype": "float32",
-            "weights_version": 0,
-            "sampling_fields": list(FAKE_SAMPLING_FIELDS),
-        }
-
-    def generate(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.requests.append(req)
-        n = len(req["prompts"])
-        return {"completions": [[5, 2]] * n, "logprobs": [[-1.0, -2.0]] * n, "weights_version": self.version}
-
-
 def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
     """vllm_mode colocate: the recipe's builder checks generation_kwargs against its engine's SamplingParams fields
-    before the first rollout, and every rollout request carries them (the engine is server.Engine, whose
-    generate applies them: tests/recipes/test_grpo_vllm_server.py)."""
+    before the first rollout, and every rollout's SamplingParams carry them (the engine is server.Engine's)."""
     from hf_fsdp2.methods.grpo.vllm import colocate as vllm_colocate
 
-    engine = _ColocateEngine()
+    llm = standin.LLM()
     monkeypatch.setattr(vllm_colocate, "require_vllm", lambda: None)
-    monkeypatch.setattr(vllm_colocate, "build_engine", lambda *a, **kw: engine)
+    monkeypatch.setattr(vllm_colocate, "build_engine", lambda *a, **kw: standin.engine(llm))
     g = GrpoArgs(reward_funcs=["format"], use_vllm=True, vllm_mode="colocate")
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -510,7 +386,7 @@ def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.Monk
             model,
             optimizer,
             tokenizer,
-            [2],
+            [standin.EOS],
             SamplingSettings(max_completion_length=4, generation_kwargs=kwargs),
             "no",
             torch.device("cpu"),
@@ -520,8 +396,8 @@ def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.Monk
 
     gen = build({"min_tokens": 3})
     gen.stale = False
-    assert gen.generate([[1, 4]], seed=0) == [[5, 2]]
-    assert engine.requests[-1]["generation_kwargs"] == {"min_tokens": 3}
+    assert gen.generate([[1, 4]], seed=0) == [cut_at_eos_list(standin.completion_of(0, 4), [standin.EOS])]
+    assert llm.calls[-1]["params"][0].min_tokens == 3
     assert "SamplingParams also min_tokens 3" in gen.describe()
     with pytest.raises(
         ConfigError,
@@ -586,3 +462,39 @@ def test_colocate_in_a_python_without_vllm_stops_before_loading_and_names_the_co
         match=r"cannot import vllm .*\.venv-vllm/bin/python -m hf_fsdp2.cli train grpo --config_file .*fsdp2",
     ):
         grpo_objective(cfg)
+
+
+def test_the_plan_says_whether_a_colocated_engine_needs_sleep_mode() -> None:
+    """The start-up plan's colocate line: the GPU size on which the engine's reservation and the training peak fit
+    side by side, and for this GPU whether sleep mode (level 2) is needed, asked for without need, or not needed."""
+    from types import SimpleNamespace
+
+    from hf_fsdp2.methods.grpo.plan import colocate_gpu_bytes, colocate_note
+
+    gib = 2**30
+    plan = SimpleNamespace(total_params=8 * 10**9, peak=40 * gib)
+
+    def cfg(sleep: bool, mode: str = "colocate") -> Any:
+        g = GrpoArgs(
+            use_vllm=True, vllm_mode=mode, vllm_enable_sleep_mode=sleep, vllm_gpu_memory_utilization=0.3
+        )
+        return SimpleNamespace(
+            method=g, train=SimpleNamespace(mixed_precision="bf16"), model=SimpleNamespace(torch_dtype="auto")
+        )
+
+    need = colocate_gpu_bytes(40 * gib, 0.3, 0.1)
+    assert need == int(40 * gib / (0.7 * 0.9))  # 63.5 GiB
+    assert colocate_note(plan, cfg(False, "server"), None) is None
+    line = colocate_note(plan, cfg(False), None)
+    assert (
+        line is not None
+        and "its weights 14.90 GiB" in line
+        and "63.49 GiB or more" in line
+        and "no GPU here" in line
+    )
+    assert "fits, no sleep mode needed" in str(colocate_note(plan, cfg(False), 80 * gib))
+    assert "does not fit both: set vllm_enable_sleep_mode: true" in str(
+        colocate_note(plan, cfg(False), 48 * gib)
+    )
+    assert "this GPU would not need it" in str(colocate_note(plan, cfg(True), 80 * gib))
+    assert "would not need" not in str(colocate_note(plan, cfg(True), 48 * gib))

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from support.families import FAMILIES, make_family_dir
 from transformers import FalconH1Config, LlamaConfig
 
-from hf_fsdp2.attention_layout import PROBE_FAILED, choose_attention_layout, padding_free_matches
+from hf_fsdp2.attention_layout import choose_attention_layout
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.data.loader import PaddingCollator
 from hf_fsdp2.data.packing import PackedCollator
 from hf_fsdp2.model import load_model, load_model_config
+from hf_fsdp2.padding_free_probe import PROBE_FAILED, padding_free_matches
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss
 
 EXAMPLES = [
@@ -108,16 +109,16 @@ def test_a_model_whose_attention_mixes_flattened_examples_keeps_padded_batches(
 ) -> None:
     import transformers.masking_utils as masking
 
-    import hf_fsdp2.attention_layout
+    import hf_fsdp2.padding_free_probe
 
     monkeypatch.setattr(
-        hf_fsdp2.attention_layout, "_PROBED", {}
+        hf_fsdp2.padding_free_probe, "_PROBED", {}
     )  # the probe is kept per process: probe afresh here
     config = load_model_config(str(make_family_dir(tmp_path / "m", "llama3_untied")))
     assert padding_free_matches(config)[0]
     # Without the detection of packed rows, attention crosses from one example into the next.
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
-    monkeypatch.setattr(hf_fsdp2.attention_layout, "_PROBED", {})
+    monkeypatch.setattr(hf_fsdp2.padding_free_probe, "_PROBED", {})
     matches, why = padding_free_matches(config)
     assert not matches and "padding-free logits differ from the padded ones" in why
     assert padding_free_matches(config, "flash_attention_2")[0]  # varlen kernels: by design
@@ -146,9 +147,9 @@ _TINY = dict(
 def test_a_probe_that_cannot_shrink_the_config_keeps_padded_batches_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import hf_fsdp2.attention_layout
+    import hf_fsdp2.padding_free_probe
 
-    monkeypatch.setattr(hf_fsdp2.attention_layout, "_PROBED", {})
+    monkeypatch.setattr(hf_fsdp2.padding_free_probe, "_PROBED", {})
     matches, why = padding_free_matches(_ReadOnlyLayerTypes(**_TINY))  # raised out of the probe before
     assert not matches
     assert why.startswith(PROBE_FAILED) and "shrink the config of _ReadOnlyLayerTypes" in why, why
@@ -162,12 +163,12 @@ def test_a_probe_whose_forward_raises_keeps_padded_batches_and_says_why(
 ) -> None:
     import transformers
 
-    import hf_fsdp2.attention_layout
+    import hf_fsdp2.padding_free_probe
 
     def broken(self: object, *args: object, **kwargs: object) -> None:
         raise RuntimeError("a kernel this machine lacks")
 
-    monkeypatch.setattr(hf_fsdp2.attention_layout, "_PROBED", {})
+    monkeypatch.setattr(hf_fsdp2.padding_free_probe, "_PROBED", {})
     monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", broken)
     matches, why = padding_free_matches(LlamaConfig(**_TINY))  # raised out of the probe before
     assert not matches
@@ -181,9 +182,9 @@ def test_falcon_h1s_read_only_layer_list_follows_the_shrunk_layer_count(
 ) -> None:
     """Falcon-H1's ``layers_block_type`` (``layer_types``) is a read-only property derived from ``num_hidden_layers``:
     the probe builds and runs the family instead of dying on it (which killed every rank before any step)."""
-    import hf_fsdp2.attention_layout
+    import hf_fsdp2.padding_free_probe
 
-    monkeypatch.setattr(hf_fsdp2.attention_layout, "_PROBED", {})
+    monkeypatch.setattr(hf_fsdp2.padding_free_probe, "_PROBED", {})
     config = FalconH1Config(**_TINY, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8)
     matches, why = padding_free_matches(config)
     # It ran: the Mamba mixers carry their state from one flattened example into the next.

@@ -113,6 +113,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
 ) -> None:
     """A new run that fails before it saves anything never leaves the previous run's summary, card
     and weights beside its own config (a folder describing two runs); files no run writes are kept."""
+    from hf_fsdp2.elastic.agent import ResumeSetting
     from hf_fsdp2.run.session import claim_output_dir
 
     run = tmp_path / "run"
@@ -140,7 +141,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote_before_the_new_run_
     (run / "hf_fsdp2_config.yaml").write_text("seed: 1\n")  # rewritten by the new run
     (run / "notes.txt").write_text("mine")  # not a run's: kept
     lock = RunLock(run)
-    claim_output_dir(lock, overwrite=True, resume=False)
+    claim_output_dir(lock, ResumeSetting(resume=None, overwrite=True), {})
     lock.release()
     assert sorted(p.name for p in run.iterdir()) == ["hf_fsdp2_config.yaml", "notes.txt"]
 

@@ -12,12 +12,16 @@ from hf_fsdp2.config import Config
 from hf_fsdp2.methods.grpo.config import GrpoArgs
 from hf_fsdp2.methods.grpo.data import build_grpo_data, preview_prompts
 from hf_fsdp2.methods.grpo.objective import grpo_objective
-from hf_fsdp2.methods.grpo.plan import rollout_note
+from hf_fsdp2.methods.grpo.plan import colocate_note, rollout_note
 from hf_fsdp2.run.method import Method
 
 
 def _notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
-    return [rollout_note(plan, model_config, cfg)]
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    colocate = colocate_note(plan, cfg, gpu)
+    return [rollout_note(plan, model_config, cfg), *([colocate] if colocate else [])]
 
 
 METHOD = Method(

@@ -76,6 +76,20 @@ class GenerationLayout:
         return max(1, batches * self.generate_every // self.gradient_accumulation_steps)
 
 
+def completion_runs(start: int, stop: int, n: int) -> list[tuple[int, int, int]]:
+    """Completions ``[start, stop)`` of a generation batch whose prompt ``j`` owns completions ``[j n, (j + 1) n)``,
+    as runs ``(prompt j, first completion, count)``: one vLLM request per run (``n`` = its count, seed = the
+    rollout's seed + its first completion, so completion ``k`` is drawn with seed + ``k`` however the batch is split
+    between requests, ranks or engines)."""
+    runs, k = [], start
+    while k < stop:
+        j = k // n
+        end = min(stop, (j + 1) * n)
+        runs.append((j, k, end - k))
+        k = end
+    return runs
+
+
 def generation_layout(
     *,
     per_device: int,

@@ -236,7 +236,19 @@ class GrpoArgs:
     )
     vllm_request_timeout: float = field(
         default=600.0,
-        metadata={"help": "Seconds one request may take (a rank's rollout, a layer's weights)."},
+        metadata={"help": "Seconds one request may take (a rollout, a weight update, one unit's broadcast)."},
+    )
+    vllm_group_port: int = field(
+        default=0,
+        metadata={
+            "help": "Port of the trainer-server weight group's store on rank 0 (TRL's key; 0: a free one)."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "colocate: GPUs (consecutive ranks) one engine spans (the server: --tensor-parallel-size)."
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
@@ -362,6 +374,25 @@ class GrpoArgs:
         for key in ("vllm_server_timeout", "vllm_request_timeout"):
             check(getattr(self, key) > 0, f"{key}={getattr(self, key)} must be > 0 (seconds)")
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port={self.vllm_server_port} is not a port")
+        check(
+            0 <= self.vllm_group_port < 65536,
+            f"vllm_group_port={self.vllm_group_port} is not a port (0: any)",
+        )
+        check(
+            self.vllm_tensor_parallel_size >= 1,
+            f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1",
+        )
+        check(
+            self.vllm_tensor_parallel_size == 1 or not self.use_vllm or self.vllm_mode == "colocate",
+            f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} with vllm_mode=server: the server's engine "
+            "is sharded by the server (hf-fsdp2 vllm-serve --tensor-parallel-size N); unset it here",
+        )
+        check(
+            self.rollout_batch_size is None or not self.use_vllm,
+            f"rollout_batch_size={self.rollout_batch_size} with use_vllm: it sizes transformers' generate calls; vLLM "
+            "takes each generation batch in one call and sizes its own batches (its KV cache: "
+            "vllm_gpu_memory_utilization); unset it",
+        )
 
     @property
     def is_clip_max(self) -> float | None:

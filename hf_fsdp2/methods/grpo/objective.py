@@ -49,6 +49,7 @@ class GrpoEvaluator:
         prompts: Sequence[dict],
         generator: Any,
         functions: Sequence[RewardFunction],
+        *,
         tokenizer: Any,
         batch_size: int,
         samples: int,
@@ -297,9 +298,9 @@ def _build_grpo(
             data.eval_set,
             generator,
             functions,
-            tokenizer,
-            cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
-            4 if g.num_completions_to_print is None else g.num_completions_to_print,
+            tokenizer=tokenizer,
+            batch_size=cfg.observe.per_device_eval_batch_size or t.per_device_train_batch_size,
+            samples=4 if g.num_completions_to_print is None else g.num_completions_to_print,
         )
     return step, evaluator
 

@@ -73,3 +73,50 @@ def rollout_note(plan: Any, model_config: Any, cfg: Any) -> str:
         f"{r.chunks} generate call(s) per generation batch: rollout_batch_size) + last "
         f"logits {human_bytes(r.logits)} + sharded parameters and optimizer state {human_bytes(r.state)}"
     )
+
+
+def colocate_gpu_bytes(peak: int, utilization: float, headroom: float) -> int:
+    """The smallest GPU on which a colocated engine (``utilization`` of the GPU, vLLM's reservation) and training
+    (``peak`` per rank, with the recommender's ``headroom`` kept free) fit side by side without sleep mode."""
+    return int(peak / max((1.0 - utilization) * (1.0 - headroom), 1e-9))
+
+
+def colocate_note(plan: Any, cfg: Any, gpu_bytes: int | None) -> str | None:
+    """The plan's line for ``vllm_mode: colocate``: whether the engine fits beside training without sleep mode on a
+    GPU of ``gpu_bytes`` (None: no GPU here; the line gives the size it needs), and what the run does. None for
+    other runs."""
+    from hf_fsdp2.plan.settings import DEFAULT_HEADROOM
+    from hf_fsdp2.plan.table import human_bytes
+
+    g, t = cfg.method, cfg.train
+    if not (g.use_vllm and g.vllm_mode == "colocate"):
+        return None
+    size = _BYTES.get(t.mixed_precision if t.mixed_precision != "no" else cfg.model.torch_dtype, 4)
+    weights = plan.total_params * size // max(int(g.vllm_tensor_parallel_size), 1)
+    need = colocate_gpu_bytes(plan.peak, g.vllm_gpu_memory_utilization, DEFAULT_HEADROOM)
+    line = (
+        f"GRPO colocate: each engine reserves vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization:g} of the "
+        f"GPU (its weights {human_bytes(weights)} + KV cache) beside the training peak {human_bytes(plan.peak)} per "
+        f"rank: without sleep mode they fit on a GPU of {human_bytes(need)} or more"
+    )
+    if gpu_bytes is None:
+        return line + " (no GPU here to compare with)"
+    fits = gpu_bytes >= need
+    if g.vllm_enable_sleep_mode:
+        verdict = (
+            "; sleep mode on (level 2: the engine's memory freed while training, its weights reloaded at every "
+            "rollout, nothing copied to host memory)"
+            + (
+                "; this GPU would not need it (vllm_enable_sleep_mode: false skips the reloads)"
+                if fits
+                else ""
+            )
+        )
+    else:
+        verdict = (
+            "; this GPU: fits, no sleep mode needed"
+            if fits
+            else "; this GPU does not fit both: set vllm_enable_sleep_mode: true (level 2), or lower "
+            "vllm_gpu_memory_utilization"
+        )
+    return f"{line} (this GPU: {human_bytes(gpu_bytes)}){verdict}"

@@ -107,9 +107,21 @@ def _rows(
 
 
 def _generate(
-    generator: Generator, prompts: list[Sequence[int]], layout: GenerationLayout, seed: int, number: int
+    generator: Generator,
+    unique: list[Sequence[int]],
+    share: slice,
+    layout: GenerationLayout,
+    seed: int,
+    number: int,
 ) -> list[list[int]]:
-    """This rank's completions in ``rollout_chunks`` generate calls (the same count on every rank)."""
+    """This rank's ``share`` of the generation batch's completions (``unique``: its prompts, each owning
+    ``num_generations`` consecutive completions). A vLLM generator (``generate_groups``) takes the whole batch in
+    one engine call, each prompt once with its ``n`` samples; transformers' generates this rank's repeated prompts
+    in ``rollout_chunks`` calls (the same count on every rank)."""
+    grouped = getattr(generator, "generate_groups", None)
+    if grouped is not None:
+        return grouped(unique, layout.num_generations, share, seed=rollout_seed(seed, number, 0))  # type: ignore[no-any-return]
+    prompts = [p for p in unique for _ in range(layout.num_generations)][share]
     rank, size = collectives.rank(), layout.rollout_batch_size
     out: list[list[int]] = []
     for chunk in range(layout.rollout_chunks):
@@ -135,7 +147,7 @@ def rollout(
     g, rank = settings.grpo.num_generations, collectives.rank()
     share = slice(rank * layout.per_rank, (rank + 1) * layout.per_rank)
     repeated = [p for p in batch["prompt_ids"] for _ in range(g)][share]
-    completion_ids = _generate(generator, repeated, layout, settings.seed, number)
+    completion_ids = _generate(generator, list(batch["prompt_ids"]), share, layout, settings.seed, number)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     raw_prompts = [p for p in batch["prompts"] for _ in range(g)][share]
     columns = {key: [v for v in values for _ in range(g)][share] for key, values in batch["columns"].items()}

@@ -24,6 +24,18 @@ ROLLOUT_METRICS = (
 """What :meth:`TimedGenerator.rollout_metrics` logs, for the steps since the last logged one: the seconds spent generating
 (the slowest rank's, the weight sync left out), the seconds spent sending weights to a vLLM server (0 without one),
 the completion tokens sampled on every rank, and their ratio (generation tokens/s of the whole run)."""
+VLLM_COUNTS = (
+    "rollout/engine_calls",
+    "rollout/engine_prompts",
+    "rollout/sync_all_gathers",
+    "rollout/sync_gathered_bytes",
+    "rollout/sync_broadcast_bytes",
+    "rollout/sync_host_bytes",
+)
+"""What a vLLM backend adds (its ``counted`` totals, for the steps since the last logged one): the engine calls and the
+prompts handed to the engines (every engine's), and per rank the weight updates' all-gathers, their bytes, the bytes
+rank 0 broadcast to the server, and the host bytes copied (the largest rank's): docs/grpo.md's counts beside the
+seconds."""
 
 
 class TimedGenerator:
@@ -34,6 +46,22 @@ class TimedGenerator:
         self.inner = inner
         self.seconds, self.tokens, self.calls = 0.0, 0, 0
         self._sync_seen = self._sync_total()
+        self._counted_seen: dict[str, float] = {}
+        if hasattr(inner, "generate_groups"):  # a vLLM backend's whole-batch call, timed alike
+            self.generate_groups = self._timed_groups
+
+    def _timed_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, share: slice, *, seed: int
+    ) -> list[list[int]]:
+        start = time.perf_counter()
+        out = self.inner.generate_groups(prompts, n, share, seed=seed)
+        self._count(start, out)
+        return list(out)
+
+    def _count(self, start: float, out: Sequence[Sequence[int]]) -> None:
+        self.seconds += time.perf_counter() - start
+        self.tokens += sum(len(c) for c in out)
+        self.calls += 1
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this wrapper does not define: the backend's own attributes.
@@ -51,9 +79,7 @@ class TimedGenerator:
         """The backend's completions, timed; their tokens counted."""
         start = time.perf_counter()
         out = self.inner.generate(prompts, seed=seed, greedy=greedy)
-        self.seconds += time.perf_counter() - start
-        self.tokens += sum(len(c) for c in out)
-        self.calls += 1
+        self._count(start, out)
         return list(out)
 
     def rollout_metrics(self, device: torch.device) -> dict[str, float]:
@@ -67,9 +93,17 @@ class TimedGenerator:
         wall, sync_wall = collectives.all_reduce_max([generating, sync])
         self.seconds, self.tokens, self.calls = 0.0, 0, 0
         self._sync_seen = self._sync_total()
-        return {
+        out = {
             "rollout/generate_s": wall,
             "rollout/weight_sync_s": sync_wall,
             "rollout/completion_tokens": tokens,
             "rollout/tokens_per_s": tokens / wall if wall > 0 else math.nan,
         }
+        counted = getattr(self.inner, "counted", None)
+        if counted is not None:  # a vLLM backend (every rank's is one): its counts since the last call
+            delta = [counted[k] - self._counted_seen.get(k, 0.0) for k in counted]
+            self._counted_seen = dict(counted)
+            engines = collectives.all_reduce_sum(torch.tensor(delta[:2], dtype=torch.float64, device=device))
+            per_rank = collectives.all_reduce_max(delta[2:])
+            out.update(zip(VLLM_COUNTS, [float(v) for v in engines.cpu()] + per_rank, strict=True))
+        return out

@@ -1,6 +1,6 @@
 """Worker for tests/distributed/test_families.py: every family trains through the library's own step on 2
-gloo ranks (chunked and plain loss, fp32), exports (verified), trains a LoRA adapter and exports it with its
-merge (some families), and trains in bf16 mixed precision. Rank 0 writes ``<out>/<family>/result.json``.
+gloo ranks (chunked and plain loss, fp32), exports (verified), trains a LoRA adapter (on the fused MoE experts too
+for some) and exports it with its merge (some families), and trains in bf16 mixed precision. Rank 0 writes ``<out>/<family>/result.json``.
 Run under torchrun; the families share one process group.
 """
 
@@ -33,7 +33,17 @@ from hf_fsdp2.train.optim import build_adamw, param_groups
 from hf_fsdp2.train.step import StepSettings, train_step
 
 
-def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, steps: int, lr: float):  # type: ignore[no-untyped-def]
+def train(
+    acc,
+    model_dir: str,
+    *,
+    chunk: int,
+    mixed_precision: str,
+    lora: bool,
+    steps: int,
+    lr: float,
+    parameters=None,
+):  # type: ignore[no-untyped-def]
     acc.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(mixed_precision, "float32")
     torch.manual_seed(0)
     model = load_model(model_dir)
@@ -41,7 +51,9 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
     if spec is not None:  # as the run: the tower and projector frozen before the adapters, one unit each
         freeze_parts(model, spec, freeze_vision_tower=True, freeze_multi_modal_projector=True)
     if lora:
-        model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+        model = apply_lora(
+            model, LoraSettings(r=4, alpha=8, dropout=0.0, target_parameters=parameters), seed=0
+        )
     layers = decoder_layer_classes(model)
     model = parallelize(model, acc, ParallelPlan(layer_cls=layers, units=fsdp_unit_classes(model, layers)))
     opt = build_adamw(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
@@ -66,7 +78,7 @@ def train(acc, model_dir: str, *, chunk: int, mixed_precision: str, lora: bool, 
     )
 
 
-def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:  # type: ignore[no-untyped-def]
+def run_family(acc, family: str, model_dir: str, out: Path, lora: bool, parameters=None) -> dict:  # type: ignore[no-untyped-def]
     result: dict = {}
     tokenizer = load_tokenizer(model_dir)
     for name, chunk in (("chunked", CHUNK), ("plain", 0)):
@@ -89,7 +101,14 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool) -> dict:
         del model
     if lora:
         model, layers, result["lora"] = train(
-            acc, model_dir, chunk=CHUNK, mixed_precision="no", lora=True, steps=STEPS, lr=LR
+            acc,
+            model_dir,
+            chunk=CHUNK,
+            mixed_precision="no",
+            lora=True,
+            steps=STEPS,
+            lr=LR,
+            parameters=parameters,
         )
         try:
             check_mergeable(model)
@@ -126,14 +145,27 @@ def main() -> None:
     ap.add_argument("--root", required=True, help="folder with one model folder per family")
     ap.add_argument("--families", required=True)
     ap.add_argument("--lora", default="", help="families that also train and export a LoRA adapter")
+    ap.add_argument(
+        "--lora_parameters",
+        default="",
+        help="families whose adapter also takes lora_target_parameters=all-experts",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan(), timeout_s=300)
     lora = set(args.lora.split(",")) - {""}
+    experts = set(args.lora_parameters.split(",")) - {""}
     for family in args.families.split(","):
         out = Path(args.out) / family
         try:
-            result = run_family(acc, family, str(Path(args.root) / family), out, family in lora)
+            result = run_family(
+                acc,
+                family,
+                str(Path(args.root) / family),
+                out,
+                family in lora,
+                ["all-experts"] if family in experts else None,
+            )
         except Exception as err:  # recorded per family: the test names the family that failed
             result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         if acc.is_main_process:

@@ -184,7 +184,9 @@ def main() -> None:
 
     for name in report.converted:
         model.get_submodule(name).register_forward_hook(check_linear(name))
-    probe = Float8BoundProbe(reference, report.converted, list(layer_cls), torch.float32)
+    probe = Float8BoundProbe(
+        reference, report.converted, layer_cls_names=list(layer_cls), compute_dtype=torch.float32
+    )
     gen = torch.Generator().manual_seed(100 + rank)
     steps = []
     for _ in range(args.steps):

@@ -1,15 +1,17 @@
 """The trainer's side of vLLM rollouts (``use_vllm: true``, ``vllm_mode: server``): HTTP requests to the server of
-:mod:`.server` (started by ``hf-fsdp2 vllm-serve``), a :class:`~.rollout.Generator` over it, and the weight
-sync after each optimizer update.
+:mod:`.server` (started by ``hf-fsdp2 vllm-serve``), a :class:`~.rollout.Generator` over it, and the weight sync after
+each optimizer update. Rank 0 alone talks to the server; the other ranks take part in the same collectives.
 
-- Completions: each rank sends its own prompts (no collective while the server works), one seed per prompt from
-  the rollout's seed, and gets each completion's token ids and sampling log-probs (kept for the importance
-  sampling correction, :mod:`.importance`).
-- Weights: after an optimizer update, the next rollout first sends the policy to the server one decoder layer at a
-  time: every rank all-gathers that layer's FSDP2 shards (``DTensor.full_tensor``, the same calls in the same order
-  on every rank), rank 0 sends the full tensors (safetensors bytes) and frees them before the next layer; no rank
-  ever holds the whole model. A commit loads them into the engine, then a probe compares the engine's log-probs of a
-  fixed completion with the trainer's own within :func:`probe_bound`.
+- Completions: a generation batch reaches the engine as one call from rank 0 (:meth:`VllmGenerator.generate_groups`):
+  its unique prompts, each with ``n = num_generations`` (prefilled once, its samples sharing its KV blocks), the
+  ``k``-th completion of the batch drawn with seed ``rollout seed + k`` whatever rank it falls on; the answer (each
+  completion's token ids and sampling log-probs, kept for the importance sampling correction, :mod:`.importance`)
+  goes to every rank, which keeps its share. Per-rank calls (the evaluation's greedy completions) are gathered to
+  rank 0 the same way: one engine call for every rank's prompts.
+- Weights: after an optimizer update, the next rollout first sends the policy (:func:`~.transfer.push_weights`): one
+  request, then each FSDP unit gathered in the engine's dtype on every rank and broadcast by rank 0 over the
+  trainer-server group (:class:`~.transfer.WeightGroup`, opened when the run connects); then a probe compares the
+  engine's log-probs of a fixed completion with the trainer's own within :func:`probe_bound`.
 - Failures: a server that is not up (within ``vllm_server_timeout``), does not answer a request (within
   ``vllm_request_timeout``), dies, or answers with weights other than the ones sent (a version the trainer did not
   commit, or a probe outside its bound) raises :class:`VllmServerError` on every rank at once
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import urllib.error
 import urllib.request
@@ -31,22 +32,24 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
+from hf_fsdp2.methods.grpo.batching import completion_runs
 from hf_fsdp2.methods.grpo.config import check_vllm_fields
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
-from hf_fsdp2.parallel.gather import gathered_layers, layer_groups
+from hf_fsdp2.methods.grpo.vllm.probe import PROBE_TEXT, probe_bound
+from hf_fsdp2.methods.grpo.vllm.transfer import (
+    COUNTED,
+    SyncCounts,
+    VllmServerError,
+    WeightGroup,
+    add_sync_counts,
+    push_weights,
+)
 
 logger = logging.getLogger("hf_fsdp2")
-PROTOCOL = 2  # server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
+PROTOCOL = 3  # server.PROTOCOL (that file imports nothing of hf_fsdp2, nor this of it: it needs vLLM)
 START_HINT = (
     "start it with `hf-fsdp2 vllm-serve --model <the run's model_name_or_path> --port <vllm_server_port>`"
 )
-# Unit roundoff of the dtypes the trainer computes in or the server runs: the probe's bound scales with the coarser.
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-
-
-class VllmServerError(ValueError):
-    """The vLLM server is not up, failed a request, or runs other weights than the trainer's: a ValueError, as
-    :class:`~.rewards.RewardError`, so the recipe says it in one line (exit status 2) after every rank raised it."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ class ServerSettings:
 
     base_url: str
     timeout: float = 240.0  # vllm_server_timeout: until the server answers /health at start
-    request_timeout: float = 600.0  # vllm_request_timeout: one request (a rollout, a layer's weights)
+    request_timeout: float = 600.0  # vllm_request_timeout: one request (a rollout, an update), one broadcast
+    group_port: int = 0  # vllm_group_port: the weight group's store on the trainer's rank 0 (0: a free port)
 
 
 class VllmClient:
@@ -67,18 +71,11 @@ class VllmClient:
         self.url = settings.base_url.rstrip("/")
 
     def _request(
-        self,
-        method: str,
-        path: str,
-        payload: Any = None,
-        raw: bytes | None = None,
-        timeout: float | None = None,
+        self, method: str, path: str, payload: Any = None, timeout: float | None = None
     ) -> dict[str, Any]:
-        data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
-        kind = "application/octet-stream" if raw is not None else "application/json"
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": kind}
-        )
+        data = json.dumps(payload).encode() if payload is not None else None
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         limit = self.settings.request_timeout if timeout is None else timeout
         try:
             with urllib.request.urlopen(request, timeout=limit) as answer:
@@ -139,16 +136,20 @@ class VllmClient:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
+        counts: Sequence[int],
         seeds: Sequence[int] | None,
         settings: SamplingSettings,
         stop_ids: Sequence[int],
         greedy: bool,
     ) -> dict[str, Any]:
+        """``counts[i]`` completions of prompt ``i``, in one engine call (the prefix cache dropped first: a rollout's
+        numbers depend on its own request alone)."""
         return self._request(
             "POST",
             "/generate",
             {
                 "prompts": [list(map(int, p)) for p in prompts],
+                "counts": [int(n) for n in counts],
                 "seeds": list(seeds) if seeds is not None else None,
                 "max_tokens": settings.max_completion_length,
                 "temperature": settings.temperature,
@@ -159,79 +160,41 @@ class VllmClient:
                 "greedy": greedy,
                 "stop_token_ids": list(stop_ids),
                 "generation_kwargs": dict(settings.generation_kwargs),
+                "fresh_cache": True,
             },
         )
 
     def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
         return self._request("POST", "/logprobs", {"prompt": list(prompt), "completion": list(completion)})
 
-    def send(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save
+    def open_group(
+        self, host: str, port: int, backend: str, timeout_s: float, connect_s: float
+    ) -> dict[str, Any]:
+        """The engine's workers join the weight group whose store is at ``host:port`` (blocks until the trainer's
+        end joins too, up to ``connect_s``)."""
+        payload = {
+            "host": host,
+            "port": port,
+            "backend": backend,
+            "timeout_s": timeout_s,
+            "connect_s": connect_s,
+        }
+        return self._request("POST", "/weights/group", payload)
 
-        self._request("POST", "/weights", raw=save(tensors))
-
-    def commit(self, version: int, count: int) -> dict[str, Any]:
-        return self._request("POST", "/weights/commit", {"version": version, "tensors": count})
-
-
-def push_weights(model: torch.nn.Module, client: VllmClient, version: int) -> int:
-    """Send every parameter's full tensor to the server, one layer at a time, and commit them as ``version`` (every
-    rank calls it: each layer's all-gather is a collective; rank 0 sends). Returns the tensors sent.
-
-    Raises:
-        VllmServerError: on every rank, when a request of rank 0 failed (the others keep gathering until the
-            end, so that every rank runs the same collectives, then all raise).
-    """
-    sender = collectives.rank() == 0
-    error: str | None = None
-    count = 0
-    for layer in gathered_layers(layer_groups(model)):
-        tensors = {name: full.to("cpu").contiguous() for name, full in layer} if sender else {}
-        count += len(layer)
-        del layer
-        if sender and error is None:
-            try:
-                client.send(tensors)
-            except VllmServerError as err:
-                error = str(err)
-        del tensors  # freed before the next layer's gather
-    if sender and error is None:
-        try:
-            client.commit(version, count)
-        except VllmServerError as err:
-            error = str(err)
-
-    def outcome() -> None:
-        if error is not None:
-            raise VllmServerError(error)
-
-    collectives.run_on_all("sending the weights to the vLLM server", outcome, VllmServerError)
-    return count
-
-
-def probe_bound(trainer_logps: torch.Tensor, server_dtype: str, compute_dtype: str, layers: int = 1) -> float:
-    """How far the server's log-prob of a token may be from the trainer's when both run the same weights:
-    ``32 u sqrt(layers + 1) (1 + max |logp|)``, u the unit roundoff of the coarser of the two dtypes.
-
-    Both sides compute the same function with different kernels (fused q/k/v and gate/up, other reduction orders):
-    each decoder layer (and the head) adds rounding errors of relative size ~u that accumulate like a random walk
-    (sqrt of the depth), and a log-prob's error scales with its magnitude. Measured on CPU in float32: a 2-layer
-    model differs by at most 9.5e-7 (bound 3.8e-5), SmolLM2-135M (30 layers) by 6.3e-6 (bound ~4e-5); one AdamW
-    update at lr 1e-3 moves the probe's log-probs by more than 100 bounds (tests/recipes/test_grpo_vllm_server.py).
-    In bfloat16 the bound is ~1,000x wider (u = 2^-8): the probe then catches a server on other weights after many
-    updates, not after one small one.
-    """
-    u = max(UNIT_ROUNDOFF.get(server_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-8))
-    return 32.0 * u * math.sqrt(layers + 1) * (1.0 + float(trainer_logps.abs().max()))
+    def update_weights(self, version: int, buckets: list[dict[str, Any]]) -> dict[str, Any]:
+        """The workers receive ``buckets`` over the weight group and load them (answered once loaded)."""
+        return self._request("POST", "/weights/update", {"version": version, "buckets": buckets})
 
 
 class VllmGenerator:
     """Completions from the vLLM server (the :class:`~.rollout.Generator` protocol), with the weights sent after
     each optimizer update (:meth:`mark_stale`, an optimizer step hook) and checked by a probe.
 
-    :meth:`take_logps`: the sampling log-probs of the completions sampled since the last take (one list per
+    :meth:`take_logps`: the sampling log-probs of this rank's completions sampled since the last take (one list per
     completion, in order; greedy calls keep none), which the step's importance sampling correction reads.
-    ``probe``: the token ids of a fixed prompt and completion.
+    ``probe``: the token ids of a fixed prompt and completion. ``last_sync``: the counts of the last weight update
+    (:class:`~.transfer.SyncCounts`); ``engine_calls`` / ``engine_prompts``: the engine calls this rank made and the
+    prompts they carried (the server mode: rank 0's, one call per generation batch of its unique prompts).
     """
 
     def __init__(
@@ -256,6 +219,11 @@ class VllmGenerator:
         self.server_dtype = "float32"
         self.pending: list[list[float]] = []
         self.syncs, self.sync_seconds = 0, 0.0
+        self.group: WeightGroup | None = None  # rank 0's end of the weight group
+        self.last_sync: SyncCounts | None = None
+        self.engine_calls, self.engine_prompts = 0, 0
+        self.counts_engine = True  # this rank counts its engine calls (colocate: one rank per engine)
+        self.counted = dict.fromkeys(COUNTED, 0.0)  # running totals, read by timing.TimedGenerator
 
     def describe(self) -> str:
         """The start-up line: where the rollouts come from and how they are sampled."""
@@ -272,24 +240,39 @@ class VllmGenerator:
         self.stale = True
 
     def connect(self) -> None:
-        """Wait for the server (every rank: one outcome, raised on all)."""
-        info = collectives.run_on_all(
-            "connecting to the vLLM server", self.client.wait_until_up, VllmServerError
+        """Wait for the server and open the weight group (rank 0; every rank gets the outcome and the server's
+        /health, and raises alike)."""
+        s = self.client.settings
+
+        def up() -> dict[str, Any] | None:
+            if collectives.rank() != 0:
+                return None
+            info = self.client.wait_until_up()
+            self.group = WeightGroup.open(
+                self.client, info, self.device, s.group_port, timeout_s=s.request_timeout, connect_s=s.timeout
+            )
+            return info
+
+        info = collectives.broadcast_object(
+            collectives.run_on_all("connecting to the vLLM server", up, VllmServerError)
         )
+        assert info is not None
         self.server_dtype = str(info.get("dtype", "float32"))
         self.check_sampling_fields(info)
         if collectives.rank() == 0:
             logger.info(
-                "vLLM server at %s: model %s, %s, weights version %s",
+                "vLLM server at %s: model %s, %s, weights version %s, weight group %s with its %s worker(s)",
                 self.client.url,
                 info.get("model"),
                 self.server_dtype,
                 info.get("weights_version"),
+                info.get("weight_backend"),
+                info.get("workers"),
             )
 
     def check_sampling_fields(self, info: dict[str, Any]) -> None:
         """``generation_kwargs`` against the engine's ``SamplingParams`` fields (``info``: its /health answer), before
-        the first rollout; every rank asks the same engine, so every rank raises alike.
+        the first rollout; every rank reads the same answer, so every rank raises alike.
 
         Raises:
             ConfigError: a field vLLM's ``SamplingParams`` does not have.
@@ -300,16 +283,24 @@ class VllmGenerator:
         """Send the policy's weights, then probe that the engine runs them (every rank)."""
         start = time.perf_counter()
         self.version += 1
-        sent = push_weights(self.model, self.client, self.version)
+        counts = push_weights(self.model, self.client, self.group, self.version, self.server_dtype)
         self.check_probe()
         self.stale = False
         self.syncs += 1
+        self.last_sync = counts
         self.sync_seconds += time.perf_counter() - start
+        add_sync_counts(self.counted, counts)
         if collectives.rank() == 0:
             logger.info(
-                "vLLM weights version %d: %d tensors sent layer by layer, probe passed (%.2f s)",
+                "vLLM weights version %d: %d tensors in %d units (%d all-gathers, %d broadcasts of %.3g GB in %s), "
+                "probe passed (%.2f s)",
                 self.version,
-                sent,
+                counts.gather.tensors,
+                counts.gather.units,
+                counts.gather.collectives,
+                counts.broadcasts,
+                counts.broadcast_bytes / 1e9,
+                self.server_dtype,
                 time.perf_counter() - start,
             )
 
@@ -372,26 +363,78 @@ class VllmGenerator:
                 "run (it resumes from its last checkpoint)"
             )
 
+    def _ask(
+        self,
+        prompts: Sequence[Sequence[int]],
+        counts: Sequence[int],
+        seeds: Sequence[int] | None,
+        greedy: bool,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One engine call (the caller: rank 0 here, each rank in colocate): the completions cut at an end id, and
+        their sampling log-probs, prompt after prompt."""
+        answer = self.client.generate(prompts, counts, seeds, self.settings, self.eos_ids, greedy)
+        self._check_version(answer, "a rollout")
+        self.engine_calls += 1
+        self.engine_prompts += len(prompts)
+        if self.counts_engine:
+            self.counted["engine_calls"] += 1
+            self.counted["engine_prompts"] += len(prompts)
+        ids = [cut_at_eos_list(c, self.eos_ids) for c in answer["completions"]]
+        logps = [list(lp[: len(c)]) for lp, c in zip(answer["logprobs"], ids, strict=True)]
+        return ids, logps
+
+    def _on_rank0(self, phase: str, fn: Any) -> Any:
+        """``fn()`` on rank 0 (its failure raised on every rank), its result on every rank."""
+        result = collectives.run_on_all(
+            phase, lambda: fn() if collectives.rank() == 0 else None, VllmServerError
+        )
+        return collectives.broadcast_object(result)
+
     def generate(
         self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
     ) -> list[list[int]]:
-        """This rank's completions (every rank calls it, the same number of times); the weights are sent first if
-        the policy changed since the last sync."""
+        """This rank's completions, one per prompt (every rank calls it, the same number of times; a rank may have
+        none): every rank's prompts go to the engine in one call from rank 0, the ``i``-th prompt of rank ``r``
+        drawn with seed ``(seed_r x 7919 + i)``. The weights are sent first if the policy changed since the last
+        sync."""
         if self.stale:
             self.sync()
-        seeds = None if greedy else [(seed * 7_919 + i) % (2**31 - 1) for i in range(len(prompts))]
+        mine = [[int(t) for t in p] for p in prompts]
+        everyone = collectives.gather_objects((mine, seed))
 
         def ask() -> tuple[list[list[int]], list[list[float]]]:
-            answer = self.client.generate(prompts, seeds, self.settings, self.eos_ids, greedy)
-            self._check_version(answer, "a rollout")
-            ids = [cut_at_eos_list(c, self.eos_ids) for c in answer["completions"]]
-            logps = [list(lp[: len(c)]) for lp, c in zip(answer["logprobs"], ids, strict=True)]
-            return ids, logps
+            flat = [p for part, _ in everyone for p in part]
+            seeds = [(s * 7_919 + i) % (2**31 - 1) for part, s in everyone for i in range(len(part))]
+            return self._ask(flat, [1] * len(flat), None if greedy else seeds, greedy)
 
-        ids, logps = collectives.run_on_all("generating with the vLLM server", ask, VllmServerError)
+        ids, logps = self._on_rank0("generating with the vLLM server", ask)
+        start = sum(len(part) for part, _ in everyone[: collectives.rank()])
+        share = slice(start, start + len(mine))
         if not greedy:
-            self.pending += logps
-        return ids
+            self.pending += logps[share]
+        return ids[share]  # type: ignore[no-any-return]
+
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, share: slice, *, seed: int
+    ) -> list[list[int]]:
+        """A generation batch's completions ``share`` (this rank's; every rank calls it with the same ``prompts``, the
+        batch's unique prompts, and ``n`` completions of each): one engine call from rank 0 with each prompt once
+        and ``n`` samples of it, completion ``k`` drawn with seed ``seed + k``; every rank keeps its share."""
+        if self.stale:
+            self.sync()
+
+        def ask() -> tuple[list[list[int]], list[list[float]]]:
+            runs = completion_runs(0, len(prompts) * n, n)
+            return self._ask(
+                [prompts[j] for j, _, _ in runs],
+                [c for _, _, c in runs],
+                [seed + k for _, k, _ in runs],
+                False,
+            )
+
+        ids, logps = self._on_rank0("generating with the vLLM server", ask)
+        self.pending += logps[share]
+        return ids[share]  # type: ignore[no-any-return]
 
     def take_logps(self) -> list[list[float]]:
         """The sampling log-probs kept since the last take, then forgotten."""
@@ -411,9 +454,6 @@ def cut_at_eos_list(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     return [int(t) for t in ids[:end]]
 
 
-PROBE_TEXT = ("The quick brown fox jumps over", " the lazy dog, and the dog sleeps on in the sun.")
-
-
 def build_vllm_generator(
     g: Any,
     model: torch.nn.Module,
@@ -428,7 +468,9 @@ def build_vllm_generator(
     server, up to ``vllm_server_timeout``), marked stale by every optimizer update."""
     from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
 
-    client = VllmClient(ServerSettings(g.vllm_url, g.vllm_server_timeout, g.vllm_request_timeout))
+    client = VllmClient(
+        ServerSettings(g.vllm_url, g.vllm_server_timeout, g.vllm_request_timeout, g.vllm_group_port)
+    )
     correction = correction_from_keys(g)
     compute = engine_dtype_name(model, mixed_precision)
     probe = tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXT)

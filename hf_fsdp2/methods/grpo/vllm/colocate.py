@@ -1,25 +1,33 @@
 """GRPO's vLLM rollouts inside the training processes (``use_vllm: true``, ``vllm_mode: colocate``, as TRL 1.16's
-colocate mode): every rank holds its own vLLM engine (``distributed_executor_backend="external_launcher"``, tensor
-parallel size 1) and samples its own prompts; after each optimizer update the next rollout first loads the policy
-into every rank's engine.
+colocate mode): every rank holds a vLLM engine (``distributed_executor_backend="external_launcher"``), or a
+tensor-parallel shard of one shared by ``vllm_tensor_parallel_size`` consecutive ranks, and samples its own share of
+each generation batch; after each optimizer update the next rollout first loads the policy into every engine.
 
 - Where it runs: a Python that imports both the trainer and vLLM. vLLM pins transformers<5.20 and its own torch,
   so that is ``.venv-vllm`` (``scripts/setup_vllm.sh`` installs the trainer's dependencies there under vLLM's pins):
   ``PYTHONPATH=<checkout> .venv-vllm/bin/python -m hf_fsdp2.cli train grpo --config_file accelerate_configs/...
   --config r.yaml`` (:func:`run_command`). Elsewhere the recipe stops before loading with that command
   (:func:`require_vllm`).
-- Weights: one decoder layer at a time, straight from the FSDP2 shards: every rank all-gathers each parameter
-  (``DTensor.full_tensor``, the same calls in the same order on every rank) and hands it to its engine's in-place
-  reload, which fuses q/k/v and gate/up itself and frees it before the next; no rank builds the whole model apart
-  from its engine's own copy. The probe and the importance sampling correction are the server mode's
-  (:class:`~.client.VllmGenerator`): here every rank probes its own engine.
-- Memory: ``vllm_gpu_memory_utilization`` (TRL's default 0.3) of the GPU for each engine; with
-  ``vllm_enable_sleep_mode`` the engine sleeps (level 1: weights to CPU memory, KV cache dropped) outside rollouts
-  and wakes before the next. vLLM's CPU backend has no sleep mode (its sleep/wake_up log a warning and do nothing):
-  on CPU the key is reported as ignored, and the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless set).
+- Rollouts: an engine gets its ranks' completions of the generation batch in one call, each prompt once with ``n``
+  = its completions there (a group split between engines: each its part), completion ``k`` drawn with seed
+  ``rollout seed + k`` as in the server mode; the ranks of a tensor-parallel engine make the same call (vLLM's
+  external launcher needs identical requests on them) and each keeps its share. Prefix caching on, dropped at each
+  load and before each rollout.
+- Weights: a FSDP unit at a time in the engine's dtype (:func:`~hf_fsdp2.parallel.gather.gathered_units`: one
+  all-gather per unit, the same calls in the same order on every rank), each tensor a view of the unit's buffer
+  handed to the engine's in-place reload (which fuses q/k/v and gate/up itself) and freed before the next unit. The
+  probe and the importance sampling correction are the server mode's (:class:`~.client.VllmGenerator`): here every
+  rank probes its own engine.
+- Memory: ``vllm_gpu_memory_utilization`` (TRL's default 0.3) of the GPU for each engine. With
+  ``vllm_enable_sleep_mode`` the engine sleeps at level 2 after each rollout (weights and KV cache discarded, nothing
+  copied to host memory) and wakes in two steps before the next: its weights, loaded from the policy (every rollout
+  then loads them, updated or not), then its KV cache; without it the engine keeps both beside training (the
+  start-up plan says which fits). vLLM's CPU backend has no sleep mode (its sleep/wake_up log a warning and do
+  nothing): on CPU the key is reported as ignored, and the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless
+  set).
 - Failures: an engine that fails a request, a weight load or the probe raises :class:`~.client.VllmServerError`
   on every rank at once (:func:`hf_fsdp2.collectives.run_on_all`); a rank whose engine failed mid-load still runs
-  the remaining layers' gathers first, so no rank waits in a collective.
+  the remaining units' gathers first, so no rank waits in a collective.
 """
 
 from __future__ import annotations
@@ -38,16 +46,18 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import check
+from hf_fsdp2.methods.grpo.batching import completion_runs
 from hf_fsdp2.methods.grpo.rollout import SamplingSettings
 from hf_fsdp2.methods.grpo.vllm.client import (
-    PROBE_TEXT,
     ServerSettings,
     VllmClient,
     VllmGenerator,
     VllmServerError,
     extra_sampling,
 )
-from hf_fsdp2.parallel.gather import gathered_layers, layer_groups
+from hf_fsdp2.methods.grpo.vllm.probe import PROBE_TEXT
+from hf_fsdp2.methods.grpo.vllm.transfer import DTYPES, SyncCounts, add_sync_counts
+from hf_fsdp2.parallel.gather import GatherCounts, gathered_units, sync_units
 
 logger = logging.getLogger("hf_fsdp2")
 CPU_KV_CACHE_GIB = (
@@ -96,18 +106,23 @@ def _restore_rng(saved: tuple[Any, ...]) -> None:
 
 
 def build_engine(
-    model_path: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float, sleep_mode: bool
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    sleep_mode: bool,
+    tensor_parallel_size: int = 1,
 ) -> Any:
-    """This rank's vLLM engine: :class:`~.server.Engine` (its generate, log-prob and tied-head code) built over
-    the training processes' own torch.distributed group instead of a server's arguments."""
+    """This rank's vLLM engine (or its tensor-parallel shard of one): :class:`~.server.Engine` (its generate, log-prob
+    and tied-head code) built over the training processes' own torch.distributed group instead of a server's
+    arguments."""
     # The engine core in this process (not a child): collective_rpc runs the in-place reload on its worker here,
     # consuming the gathered weights lazily.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-    import threading
-
     from vllm import LLM
 
     from hf_fsdp2.methods.grpo.vllm.server import Engine
@@ -119,12 +134,13 @@ def build_engine(
             model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
-            seed=collectives.rank(),
+            # The ranks of one tensor-parallel engine sample alike (every request carries its own seeds too).
+            seed=collectives.rank() // tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=1,
+            tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             enforce_eager=not on_gpu,
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,  # a prompt's n samples share its blocks; dropped at each load and rollout
             logprobs_mode="processed_logprobs",
             max_num_batched_tokens=4096,
             enable_sleep_mode=sleep_mode and on_gpu,
@@ -133,7 +149,7 @@ def build_engine(
         _restore_rng(saved)
     engine.model_path = model_path
     engine.dtype = str(engine.llm.llm_engine.model_config.dtype).replace("torch.", "")
-    engine.version, engine.staged, engine.lock = 0, {}, threading.Lock()
+    engine.setup()
     return engine
 
 
@@ -146,12 +162,7 @@ class LocalClient(VllmClient):
         self.engine = engine
 
     def _request(
-        self,
-        method: str,
-        path: str,
-        payload: Any = None,
-        raw: bytes | None = None,
-        timeout: float | None = None,
+        self, method: str, path: str, payload: Any = None, timeout: float | None = None
     ) -> dict[str, Any]:
         routes = {
             "/health": lambda: self.engine.health(),
@@ -168,95 +179,126 @@ class LocalClient(VllmClient):
     def wait_until_up(self) -> dict[str, Any]:
         return self.health()
 
-    def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
-        """The engine's in-place reload from ``weights`` (consumed lazily: one tensor at a time), then the tied head's
-        CPU repack and the prefix cache dropped, as the server's commit."""
-        # Tensor parallel size 1: the engine's one worker runs in this process, so the iterator stays lazy.
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
+        """The engine's in-place reload from ``weights`` (consumed lazily: its worker runs in this process), then the
+        tied head's CPU repack and the prefix cache dropped, as the server's update. Returns the tensors loaded."""
         with self.engine.lock:
-            self.engine.load(weights, version)
+            return int(self.engine.load(weights, version))
 
 
-def load_weights(model: torch.nn.Module, client: LocalClient, version: int) -> int:
-    """Every parameter's full tensor into this rank's engine, a layer at a time in
-    :func:`~hf_fsdp2.parallel.gather.layer_groups`' order (every rank calls it: each gather is a collective). Returns
-    the tensors loaded.
+def load_weights(model: torch.nn.Module, client: LocalClient, version: int, dtype: str) -> GatherCounts:
+    """Every parameter into this rank's engine, a FSDP unit at a time in ``dtype`` (every rank calls it: each unit's
+    gather is a collective). Returns this rank's gather counts.
 
     Raises:
         VllmServerError: on every rank, when some rank's engine failed the load (that rank first runs the gathers
-            the others still make).
+            the others still make) or loaded another count than sent.
     """
-    groups = layer_groups(model)
+    counts = GatherCounts()
+    units = sync_units(model)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for layer in gathered_layers(groups):
-            yield from layer
+        for unit in gathered_units(units, DTYPES[dtype], True, counts):
+            yield from unit.tensors
 
     stream = tensors()
     error: str | None = None
     try:
-        client.load(stream, version)
+        loaded = client.load(stream, version)
+        want = sum(len(u) for u in units)
+        if loaded != want:
+            error = f"the engine loaded {loaded} of the {want} tensors sent"
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
-        for _ in stream:  # the remaining gathers, which the other ranks make
-            pass
+    for _ in stream:  # the remaining gathers, which the other ranks make
+        pass
 
     def outcome() -> None:
         if error is not None:
             raise VllmServerError(f"{client.url} failed to load weights version {version}: {error}")
 
     collectives.run_on_all("loading the weights into the in-process vLLM engines", outcome, VllmServerError)
-    return sum(len(g) for g in groups)
+    return counts
 
 
 class ColocateGenerator(VllmGenerator):
     """:class:`~.client.VllmGenerator` over this rank's own engine: the weights loaded in-process by every rank,
-    every rank's engine probed; sleep/wake around the rollouts where vLLM offers it."""
+    every rank's engine probed; sleep level 2 between rollouts where asked and vLLM offers it.
+
+    ``sleeps`` / ``wakes``: the engine's sleep levels and wake-up tags, in order (what they copy between host and
+    device is vLLM's: level 1 moves the weights out and back, level 2 nothing)."""
 
     client: LocalClient
 
-    def __init__(self, *args: Any, sleep_mode: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, sleep_mode: bool = False, tensor_parallel_size: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
+        self.tp = tensor_parallel_size
+        self.counts_engine = (
+            collectives.rank() % tensor_parallel_size == 0
+        )  # one rank per engine counts its calls
         self._asleep = False
+        self.sleeps: list[int] = []
+        self.wakes: list[str] = []
         self.memory = (
             f"CPU KV cache {os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB"  # the GPU's: set by the builder
         )
 
     def describe(self) -> str:
         s = self.settings
+        sleep = "level 2 between rollouts" if self.sleep_mode else "off"
         return (
-            f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, {self.memory}, sleep "
-            f"mode {'on' if self.sleep_mode else 'off'}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
+            f"rollouts: vLLM in each training process (vllm_mode colocate, {self.server_dtype}, tensor parallel "
+            f"{self.tp}, {self.memory}, sleep mode {sleep}), temperature {s.temperature:g}, top_p {s.top_p:g}, "
             f"top_k {s.top_k}, min_p {s.min_p or 0:g}, repetition_penalty {s.repetition_penalty:g}, stop ids "
             f"{self.eos_ids}{extra_sampling(s)}; importance sampling correction {self.correction or 'off'}"
         )
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.client.engine.llm.wake_up()
-            self._asleep = False
+    def _wake(self, tag: str) -> None:
+        self.client.engine.llm.wake_up(tags=[tag])
+        self.wakes.append(tag)
 
-    def _sleep(self) -> None:
-        if self.sleep_mode:
-            self.client.engine.llm.sleep(level=1)
+    def sleep(self) -> None:
+        """Level 2 (weights and KV cache discarded, nothing to host memory) where sleep mode is on."""
+        if self.sleep_mode and not self._asleep:
+            self.client.engine.llm.sleep(level=2)
+            self.sleeps.append(2)
             self._asleep = True
 
+    def _ready(self) -> None:
+        """Awake with the policy's weights: after a level 2 sleep the weights are woken and loaded (they were
+        discarded), then the KV cache; else loaded when the policy changed."""
+        if self._asleep:
+            self._wake("weights")
+            self.sync()
+            self._wake("kv_cache")
+            self._asleep = False
+            self.check_probe()
+        elif self.stale:
+            self.sync()
+            self.check_probe()
+
     def sync(self) -> None:
-        """Load the policy's weights into every rank's engine, then probe each (every rank)."""
+        """Load the policy's weights into every rank's engine (every rank; the probe follows: :meth:`_ready`)."""
         start = time.perf_counter()
-        self._wake()
         self.version += 1
-        loaded = load_weights(self.model, self.client, self.version)
-        self.check_probe()
+        counts = load_weights(self.model, self.client, self.version, self.server_dtype)
         self.stale = False
         self.syncs += 1
+        self.last_sync = SyncCounts(gather=counts)
         self.sync_seconds += time.perf_counter() - start
+        add_sync_counts(self.counted, self.last_sync)
         if collectives.rank() == 0:
             logger.info(
-                "vLLM weights version %d: %d tensors loaded layer by layer into each rank's engine, probe "
-                "passed (%.2f s)",
+                "vLLM weights version %d: %d tensors in %d units (%d all-gathers in %s) loaded into each rank's "
+                "engine (%.2f s)",
                 self.version,
-                loaded,
+                counts.tensors,
+                counts.units,
+                counts.collectives,
+                self.server_dtype,
                 time.perf_counter() - start,
             )
 
@@ -265,9 +307,8 @@ class ColocateGenerator(VllmGenerator):
         completion (every rank asks its own engine).
 
         Raises:
-            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.client.probe_bound`.
+            VllmServerError: on every rank, when some rank's engine answers outside :func:`~.probe.probe_bound`.
         """
-        self._wake()
         prompt, completion, mine, bound, layers = self._probe_reference()
 
         def ask() -> float:
@@ -284,16 +325,63 @@ class ColocateGenerator(VllmGenerator):
             return diff
 
         diff = collectives.run_on_all("probing the in-process vLLM engines' weights", ask, VllmServerError)
+        if collectives.rank() == 0:
+            logger.info("vLLM weights version %d: probe passed on every rank's engine", self.version)
         return float(collectives.all_reduce_max([diff])[0])
+
+    def _local(self, phase: str, fn: Any) -> Any:
+        """``fn()`` on every rank's own engine, a failure raised on every rank."""
+        try:
+            return collectives.run_on_all(phase, fn, VllmServerError)
+        finally:
+            self.sleep()
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, seed: int, greedy: bool = False
     ) -> list[list[int]]:
-        self._wake()
-        try:
-            return super().generate(prompts, seed=seed, greedy=greedy)
-        finally:
-            self._sleep()
+        """This rank's completions from its engine (the ranks of a tensor-parallel engine send it all their
+        prompts, the same call on each, and each keeps its own)."""
+        self._ready()
+        mine = [[int(t) for t in p] for p in prompts]
+        everyone = collectives.gather_objects((mine, seed)) if self.tp > 1 else [(mine, seed)]
+        first = collectives.rank() // self.tp * self.tp if self.tp > 1 else 0
+        members = everyone[first : first + self.tp] if self.tp > 1 else everyone
+
+        def ask() -> tuple[list[list[int]], list[list[float]]]:
+            flat = [p for part, _ in members for p in part]
+            seeds = [(s * 7_919 + i) % (2**31 - 1) for part, s in members for i in range(len(part))]
+            return self._ask(flat, [1] * len(flat), None if greedy else seeds, greedy)
+
+        ids, logps = self._local("generating with the in-process vLLM engines", ask)
+        start = sum(len(part) for part, _ in members[: collectives.rank() - first]) if self.tp > 1 else 0
+        share = slice(start, start + len(mine))
+        if not greedy:
+            self.pending += logps[share]
+        return ids[share]  # type: ignore[no-any-return]
+
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, share: slice, *, seed: int
+    ) -> list[list[int]]:
+        """This rank's ``share`` of the generation batch (every rank calls it with the batch's unique ``prompts``):
+        its engine generates the completions of its ranks in one call (:func:`~.batching.completion_runs`), each rank
+        keeps its own."""
+        self._ready()
+        per_rank = share.stop - share.start
+        low = collectives.rank() // self.tp * self.tp * per_rank  # the engine's ranks' completions
+        runs = completion_runs(low, low + self.tp * per_rank, n)
+
+        def ask() -> tuple[list[list[int]], list[list[float]]]:
+            return self._ask(
+                [prompts[j] for j, _, _ in runs],
+                [c for _, _, c in runs],
+                [seed + k for _, k, _ in runs],
+                False,
+            )
+
+        ids, logps = self._local("generating with the in-process vLLM engines", ask)
+        mine = slice(share.start - low, share.stop - low)
+        self.pending += logps[mine]
+        return ids[mine]  # type: ignore[no-any-return]
 
 
 def build_colocate_generator(
@@ -308,11 +396,21 @@ def build_colocate_generator(
     model_path: str,
     max_model_len: int,
 ) -> ColocateGenerator:
-    """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine on
-    ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update."""
+    """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine (or
+    its shard of one) on ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update.
+
+    Raises:
+        ConfigError: ``vllm_tensor_parallel_size`` does not divide the training processes.
+    """
     from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
 
     require_vllm()
+    tp = int(g.vllm_tensor_parallel_size)
+    check(
+        collectives.world() % tp == 0,
+        f"vllm_tensor_parallel_size={tp} does not divide the {collectives.world()} training processes: each "
+        "engine spans that many consecutive ranks; set a divisor of the world size",
+    )
     correction = correction_from_keys(g)
     compute = engine_dtype_name(model, mixed_precision)
     if g.vllm_enable_sleep_mode and not torch.cuda.is_available() and collectives.rank() == 0:
@@ -329,12 +427,15 @@ def build_colocate_generator(
             max_model_len=max_model_len,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization,
             sleep_mode=g.vllm_enable_sleep_mode,
+            tensor_parallel_size=tp,
         ),
         VllmServerError,
     )
     if collectives.rank() == 0:
         logger.info(
-            "vLLM colocate: an engine in each of %d processes on %s (%s) in %.1f s",
+            "vLLM colocate: %d engine(s) of tensor parallel size %d over %d processes on %s (%s) in %.1f s",
+            collectives.world() // tp,
+            tp,
             collectives.world(),
             model_path,
             engine.dtype,
@@ -351,11 +452,12 @@ def build_colocate_generator(
         device=device,
         correction=correction,
         sleep_mode=g.vllm_enable_sleep_mode,
+        tensor_parallel_size=tp,
     )
     generator.server_dtype = engine.dtype
     generator.check_sampling_fields(engine.health())
     if torch.cuda.is_available():
         generator.memory = f"vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization:g}"
-    generator._sleep()  # asleep until the first rollout (which loads the policy first)
+    generator.sleep()  # asleep until the first rollout (which wakes it and loads the policy first)
     getattr(optimizer, "optimizer", optimizer).register_step_post_hook(generator.mark_stale)
     return generator
