@@ -87,3 +87,22 @@ def router_loss(out: Any, model: torch.nn.Module, inputs: dict[str, torch.Tensor
     return global_router_loss(
         tuple(logits), int(top_k), mask if mask is not None and mask.dim() == 2 else None
     )
+
+
+class RouterLoss:
+    """A step's MoE router loss: each micro-batch's loss over its global tokens
+    (:func:`global_router_loss`: the same value on every rank, each rank's gradient its own
+    part), added to the micro-batch's backward objective as a mean over the step's micro-batches: ``x ranks``, as
+    FSDP2 averages the ranks' parts where they must sum. This rank's sum of the values is kept for the log (``sum``:
+    None when the loss plan has no router loss)."""
+
+    def __init__(self, coef: float, micro_batches: int, device: torch.device, ranks: int = 1) -> None:
+        self.scale = coef * ranks / micro_batches
+        self.sum = torch.zeros((), dtype=torch.float32, device=device) if coef else None
+
+    def added(self, total: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """``total`` plus this micro-batch's scaled router loss ``aux`` (counted in :attr:`sum`), or ``total``."""
+        if aux is None or self.sum is None:
+            return total
+        self.sum += aux.detach().float()
+        return total + aux * self.scale

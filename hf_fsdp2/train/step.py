@@ -34,6 +34,7 @@ from hf_fsdp2.parallel.all_to_all import pad_to_multiple, shard_sequence
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens, shifted_target_rows
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.router import RouterLoss
 
 Batch = dict[str, torch.Tensor]
 
@@ -245,25 +246,6 @@ def apply_update(
     optimizer.zero_grad(set_to_none=True)
 
 
-class RouterLoss:
-    """A step's MoE router loss: each micro-batch's loss over its global tokens
-    (:func:`~hf_fsdp2.train.router.global_router_loss`: the same value on every rank, each rank's gradient its own
-    part), added to the micro-batch's backward objective as a mean over the step's micro-batches: ``x ranks``, as
-    FSDP2 averages the ranks' parts where they must sum. This rank's sum of the values is kept for the log (``sum``:
-    None when the loss plan has no router loss)."""
-
-    def __init__(self, coef: float, micro_batches: int, device: torch.device, ranks: int = 1) -> None:
-        self.scale = coef * ranks / micro_batches
-        self.sum = torch.zeros((), dtype=torch.float32, device=device) if coef else None
-
-    def added(self, total: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-        """``total`` plus this micro-batch's scaled router loss ``aux`` (counted in :attr:`sum`), or ``total``."""
-        if aux is None or self.sum is None:
-            return total
-        self.sum += aux.detach().float()
-        return total + aux * self.scale
-
-
 def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_each_microbatch: bool) -> None:
     """Whether FSDP2 reduce-scatters micro-batch ``index`` (of ``count``)'s gradients after its backward: every
     micro-batch's, or only the last's (no-op on a model that is not FSDP2-sharded). Every rank makes the same
@@ -274,23 +256,19 @@ def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_ea
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping.
-
-    Gradients on different meshes (expert parallel: the experts' on ``efsdp x ep``, the rest on the run's mesh) cannot
-    be stacked as DTensors: each mesh's norm is reduced on its own (collective over its ranks), then combined."""
-    limit = max_norm if max_norm > 0 else float("inf")
+    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping. Each mesh's
+    gradients (expert parallel: the experts' on ``efsdp x ep``, the rest on the run's mesh) are reduced on their own
+    (collective over its ranks): DTensors of two meshes cannot be stacked."""
     by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
     for param in model.parameters():
         if param.grad is not None:
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
-    if len(by_mesh) <= 1:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    norms = []
-    for params in by_mesh.values():
-        part = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        norms.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    norms = [
+        torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]) for ps in by_mesh.values()
+    ]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    limit = max_norm if max_norm > 0 else float("inf")
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, limit, total)
     return total
