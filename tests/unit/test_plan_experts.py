@@ -178,16 +178,11 @@ def test_the_recommender_the_command_and_doctor_propose_ep_size(tmp_path, capsys
     )
     assert cli_main(["plan", "--config", str(recipe), "--world_size", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (
-        out["experts"]["proposed_ep_size"] == 8 and out["experts"]["num_experts"] == E
-    )
+    assert out["experts"]["proposed_ep_size"] == 8 and out["experts"]["num_experts"] == E
     assert [o["ep"] for o in out["experts"]["options"]] == [1, 2, 4, 8]
     assert cli_main(["plan", "--config", str(recipe), "--world_size", "8"]) == 0
     text = capsys.readouterr().out
-    assert (
-        "MoE: 2 layers of Qwen3MoeExperts, 128 experts (top 8)" in text
-        and "set ep_size: 8" in text
-    )
+    assert "MoE: 2 layers of Qwen3MoeExperts, 128 experts (top 8)" in text and "set ep_size: 8" in text
 
     cfg = parse_config(["--config", str(recipe)])
     plan = plan_memory(qwen3_30b_a3b(), settings)

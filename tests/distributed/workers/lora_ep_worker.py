@@ -66,7 +66,9 @@ def run_family(acc, meshes, family: str, model_dir: str, out: Path, parameters: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
-    ap.add_argument("--families", required=True, help="family:parameters (all-experts, or empty for all-linear's)")
+    ap.add_argument(
+        "--families", required=True, help="family:parameters (all-experts, or empty for all-linear's)"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan(), timeout_s=300)
@@ -75,7 +77,9 @@ def main() -> None:
         family, _, targets = spec.partition(":")
         out = Path(args.out) / family
         try:
-            result = run_family(acc, meshes, family, str(Path(args.root) / family), out, [t for t in [targets] if t])
+            result = run_family(
+                acc, meshes, family, str(Path(args.root) / family), out, [t for t in [targets] if t]
+            )
         except Exception as err:  # recorded per family: the test names the family that failed
             result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         if acc.is_main_process:
