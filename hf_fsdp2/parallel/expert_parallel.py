@@ -55,6 +55,8 @@ class ExpertShard:
         local_forward: the experts implementation the model ran before (transformers' interface function, or the
             class's own forward for ``eager``), run on this rank's experts alone.
         load: the tokens routed to each expert, counted on this rank (read and reset by the log).
+        implementation: the name of the experts implementation ``local_forward`` is (what a twin of the model built
+            from its config is given back before it is split alike: the config now names expert parallel).
     """
 
     group: Any
@@ -63,6 +65,7 @@ class ExpertShard:
     num_experts: int
     local_forward: Callable[..., torch.Tensor]
     load: ExpertLoad
+    implementation: str = "grouped_mm"
 
     @property
     def local(self) -> int:
@@ -232,6 +235,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> str:
             num_experts=experts_count(module),
             local_forward=_interface_function(module, before),
             load=expert_load(module),
+            implementation=before,
         )
         setattr(module, _SHARD, shard)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # type: ignore[operator]
