@@ -77,7 +77,7 @@ def build_model(
     session: Session, tokenizer: Any, *, no_dropout: bool = False, reward: bool = False
 ) -> tuple[TrainModel, torch.optim.Optimizer]:
     """The run's model, in the order torchtitan builds one: load -> adapters (QLoRA, LoRA, Liger) ->
-    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (TP -> CP -> float8 -> AC -> compile -> FSDP2) -> the optimizer
+    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (float8 -> TP -> CP -> AC -> compile -> FSDP2) -> the optimizer
     on the sharded parameters (and FP8's post-step hook) -> the loss plan.
 
     Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).
@@ -236,8 +236,7 @@ def freeze_composite(session: Session, model: torch.nn.Module) -> None:
         freeze_multi_modal_projector=m.freeze_multi_modal_projector,
     )
     logger.info(
-        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s: on text rows the tower and the projector "
-        "never run)",
+        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s)",
         describe_parts(model, spec),
         str(m.freeze_vision_tower).lower(),
         str(m.freeze_multi_modal_projector).lower(),
@@ -429,7 +428,7 @@ def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool)
 
 def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsModel, float | None]:
     """MFU's inputs: FLOPs from the unsharded model's config (a composite's language model: its tower and projector
-    never run on text rows); the peak from the GPU's name unless ``peak_flops``."""
+    never run on text rows, and their FLOPs on images are not counted); the peak from the GPU's name unless ``peak_flops``."""
     d, o = session.cfg.data, session.cfg.observe
     spec = composite_spec(model.config)
     unused = vision_parameters(model, spec) if spec is not None else 0
