@@ -260,7 +260,7 @@ def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> N
     """``Capabilities`` (what a method supports), the registry's refusal table and ``asked_layouts`` (what a run
     needs) name the same layouts: a field no run asks would be a capability never checked, a layout asked without a
     field an unchecked run. Every mesh size set to 2 (``cp_backend`` ring with it) and ``mixed_precision: fp8`` are
-    the runs; a method lacking only one layout a run asks is refused, naming that layout's setting."""
+    the runs (and ``freeze_vision_tower: false``, which needs image records); a method lacking only one layout a run asks is refused, naming that layout's setting."""
     import dataclasses
 
     from hf_fsdp2.config import ConfigError, parse_config
@@ -274,6 +274,7 @@ def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> N
     base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
     runs = [(base, MeshPlan(**{f.name: 2})) for f in dataclasses.fields(MeshPlan) if f.type in ("int", int)]
     runs += [(base, MeshPlan(cp=2, cp_backend="ring")), (base + ["--mixed_precision", "fp8"], MeshPlan())]
+    runs += [(base + ["--freeze_vision_tower", "false"], MeshPlan())]  # images: a composite's tower trained
     asked: set[str] = set()
     sft = get_method("sft")
     for argv, mesh in runs:
