@@ -103,6 +103,9 @@ class Session:
     # resume_from_checkpoint=auto found it (then it must be this run's).
     resume_from: str | None = None
     resume_auto: bool = False
+    # The start-up memory plan (rank 0 only; None on other ranks and where it could not be made): advice, read by
+    # choices rank 0 makes and shares (GRPO colocate's sleep mode).
+    memory_plan: Any = None
     started: float = field(default_factory=time.perf_counter)
     expert_meshes: ExpertMeshes | None = (
         None  # expert parallel's meshes, built once (run/build.py:expert_plan)
@@ -164,8 +167,6 @@ class Session:
             model_config,
             tp_size=mesh.tp,
             cp_size=mesh.cp,
-            freeze_vision_tower=m.freeze_vision_tower,
-            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
         )
         check_mesh(
             mesh,
