@@ -240,8 +240,12 @@ def launcher_main(argv: Sequence[str]) -> int:
         raise ValueError(
             f"usage: python -m hf_fsdp2.launch {ACCELERATE_LAUNCH} [accelerate launch arguments]"
         )
-    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below. With
+    # restarts its "failed (exitcode: -9) local_rank: 1 (pid ...)" stays: the one place a restarted rank's signal shows.
+    restarts = recipe_max_restarts([a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+        logging.ERROR if restarts else logging.CRITICAL
+    )
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
     except RendezvousTimeoutError:
@@ -279,9 +283,6 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
-        restarts = recipe_max_restarts(
-            [a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv)
-        )
         attempts = (
             f" in the last of its {restarts + 1} attempts (max_restarts {restarts})" if restarts else ""
         )
