@@ -228,14 +228,21 @@ def with_restart_note(message: str, launch: AgentLaunch, output_dir: Path | None
     )
     steps = [int(h.get("step") or 0) for h in earlier] + [PROGRESS.step]
     attempts = f"{launch.max_restarts + 1} attempts (max_restarts {launch.max_restarts})"
+    # Said here as well as in restarts.json: the launcher's own report names the rank it saw end first, which is
+    # often a rank that only lost the failing one, without the failing rank's error.
+    before = (
+        f" (the previous attempt's cause: {earlier[-1]['cause']})"
+        if earlier and earlier[-1].get("cause")
+        else ""
+    )
     if len(set(steps)) == 1:
         return (
             f"{message} No restart is left: all {attempts} ended {when(steps[0], STEP)}, so the failure is not "
-            "transient and another restart would end there too. Fix its cause (restarts.json in the run folder "
-            "lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
+            f"transient and another restart would end there too{before}. Fix its cause (restarts.json in the run "
+            "folder lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
         )
     return (
-        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)} "
+        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)}{before} "
         "(restarts.json in the run folder lists each cause); run the same command again to continue from the "
         "newest checkpoint."
     )
