@@ -78,7 +78,7 @@ def build_model(
     session: Session, tokenizer: Any, *, no_dropout: bool = False, reward: bool = False
 ) -> tuple[TrainModel, torch.optim.Optimizer]:
     """The run's model, in the order torchtitan builds one: load -> adapters (QLoRA, LoRA, Liger) ->
-    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (TP -> CP -> float8 -> AC -> compile -> FSDP2) -> the optimizer
+    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (float8 -> TP -> CP -> AC -> compile -> FSDP2) -> the optimizer
     on the sharded parameters (and FP8's post-step hook) -> the loss plan.
 
     Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).

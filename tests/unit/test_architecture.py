@@ -254,3 +254,41 @@ def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
         except dataclasses.FrozenInstanceError:
             continue
         raise AssertionError(f"TrainData took data.{name} = {value} after it was built")
+
+
+def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> None:
+    """``Capabilities`` (what a method supports), the registry's refusal table and ``asked_layouts`` (what a run
+    needs) name the same layouts: a field no run asks would be a capability never checked, a layout asked without a
+    field an unchecked run. Every mesh size set to 2 (``cp_backend`` ring with it) and ``mixed_precision: fp8`` are
+    the runs; a method lacking only one layout a run asks is refused, naming that layout's setting."""
+    import dataclasses
+
+    from hf_fsdp2.config import ConfigError, parse_config
+    from hf_fsdp2.config.plans import MeshPlan
+    from hf_fsdp2.methods import get_method
+    from hf_fsdp2.run import registry
+    from hf_fsdp2.run.method import Capabilities
+
+    caps = {f.name for f in dataclasses.fields(Capabilities)}
+    assert caps == set(registry._LAYOUTS), (caps, set(registry._LAYOUTS))
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
+    runs = [(base, MeshPlan(**{f.name: 2})) for f in dataclasses.fields(MeshPlan) if f.type in ("int", int)]
+    runs += [(base, MeshPlan(cp=2, cp_backend="ring")), (base + ["--mixed_precision", "fp8"], MeshPlan())]
+    asked: set[str] = set()
+    sft = get_method("sft")
+    for argv, mesh in runs:
+        cfg = parse_config(argv)
+        layouts = registry.asked_layouts(cfg, mesh)
+        asked |= set(layouts)
+        for layout in layouts:
+            setting = registry._LAYOUTS[layout][0].format(cp=mesh.cp, tp=mesh.tp)
+            lacking = Capabilities(**{name: name != layout for name in caps})
+            try:
+                registry.check_capabilities(dataclasses.replace(sft, capabilities=lacking), cfg, mesh)
+            except ConfigError as err:
+                assert setting in str(err), (layout, str(err))
+            else:
+                raise AssertionError(
+                    f"{layout} asked by {mesh} {argv[6:]} but not refused for a method without it"
+                )
+    assert asked == caps, (asked, caps)
