@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -246,6 +247,7 @@ def launcher_main(argv: Sequence[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
         logging.ERROR if restarts else logging.CRITICAL
     )
+    started = time.time()
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
     except RendezvousTimeoutError:
@@ -267,14 +269,21 @@ def launcher_main(argv: Sequence[str]) -> int:
     except ChildFailedError as err:
         # Which rank to name: one killed by a signal printed nothing and the others' errors follow from losing it, but
         # the agent stamps a killed rank when it notices, often after the rank that lost it wrote its error, so a
-        # killed rank comes first; then a rank that exited with its own error; last one ended by SIGTERM, the agent's
-        # signal to the ranks still running once one failed (collateral, whatever its stamp). Ties: the earlier stamp.
+        # killed rank comes first; then a rank that exited with its own error; then one that exited on losing another
+        # (its record in the run folder says so: the same status 1, often stamped first); last one ended by SIGTERM,
+        # the agent's signal to the ranks still running once one failed (collateral). Ties: the earlier stamp.
         failures = err.failures
+        output_dir = recipe_value(list(argv[1:]), "output_dir")
+        from hf_fsdp2.elastic.attempts import lost_only
+
+        # A second's margin: a file's time comes from the kernel's coarse clock, behind time.time() by a tick.
+        lost = lost_only(Path(str(output_dir)), since=started - 1.0) if output_dir else set()
 
         def precedence(rank: int) -> tuple[int, float]:
             f = failures[rank]
-            order = 2 if f.exitcode < 0 and f.signal_name() == "SIGTERM" else 0 if f.exitcode < 0 else 1
-            return order, f.timestamp
+            if f.exitcode < 0:
+                return (3 if f.signal_name() == "SIGTERM" else 0), f.timestamp
+            return (2 if rank in lost else 1), f.timestamp
 
         first = min(failures, key=precedence)
         failure = failures[first]

@@ -79,6 +79,19 @@ def read_ends(output_dir: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
 
+def lost_only(output_dir: Path, *, since: float) -> set[int]:
+    """The ranks whose record, written since ``since`` (this launch), says they ended on losing another rank: never
+    the cause of their attempt's end (for the launcher's line, whose failures all look alike: exit status 1)."""
+    lost = set()
+    for path in (Path(output_dir) / ATTEMPT_DIR).glob("rank*.json"):
+        try:
+            if path.stat().st_mtime >= since and json.loads(path.read_text()).get("kind") == LOST:
+                lost.add(int(path.stem.removeprefix("rank")))
+        except (OSError, ValueError):
+            continue
+    return lost
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     ranks = sorted(set(ranks))
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
