@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.attention_layout import choose_attention_layout
+from hf_fsdp2.attention_layout import check_loaded_attention, choose_attention_layout
 from hf_fsdp2.composite import composite_spec, describe_parts, freeze_parts, vision_parameters
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.float8 import Float8Plan
-from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.plan import check_whole_export
 from hf_fsdp2.export.source import ExportSource
@@ -212,12 +211,13 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
         attn,
         " (chosen by transformers)" if m.attn_implementation == "auto" else "",
     )
-    if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
-            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
-            f"{attn!r}: set attn_implementation to one of them or turn packing off"
-        )
+    check_loaded_attention(
+        attn,
+        asked=m.attn_implementation,
+        packing=bool(d.packing),
+        padding_free=bool(d.padding_free),
+        model_cls=type(model),
+    )
     return model
 
 
@@ -236,8 +236,7 @@ def freeze_composite(session: Session, model: torch.nn.Module) -> None:
         freeze_multi_modal_projector=m.freeze_multi_modal_projector,
     )
     logger.info(
-        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s: on text rows the tower and the projector "
-        "never run)",
+        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s)",
         describe_parts(model, spec),
         str(m.freeze_vision_tower).lower(),
         str(m.freeze_multi_modal_projector).lower(),
@@ -429,7 +428,7 @@ def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool)
 
 def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsModel, float | None]:
     """MFU's inputs: FLOPs from the unsharded model's config (a composite's language model: its tower and projector
-    never run on text rows); the peak from the GPU's name unless ``peak_flops``."""
+    never run on text rows, and their FLOPs on images are not counted); the peak from the GPU's name unless ``peak_flops``."""
     d, o = session.cfg.data, session.cfg.observe
     spec = composite_spec(model.config)
     unused = vision_parameters(model, spec) if spec is not None else 0

@@ -159,8 +159,6 @@ class Session:
             model_config,
             tp_size=mesh.tp,
             cp_size=mesh.cp,
-            freeze_vision_tower=m.freeze_vision_tower,
-            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
         )
         check_mesh(
             mesh,

@@ -234,11 +234,23 @@ def test_no_library_file_is_over_500_lines() -> None:
 
 def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
     """No hidden channel from a method's objective to the loop through the data object (GRPO once set
-    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen, so such a write
-    raises; the loop asks the ``Step`` instead."""
+    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen and its streams
+    (``DataStream``, GRPO's ``GenerationStream``) take no attribute beyond their own, so such a write raises; the loop
+    asks the ``Step`` instead."""
     import dataclasses
 
+    from hf_fsdp2.data.loader import DataStream, ShardedSampler
+    from hf_fsdp2.methods.grpo.batching import GenerationStream
     from hf_fsdp2.run.data import TrainData
+
+    for cls in (DataStream, GenerationStream):
+        stream = cls(None, ShardedSampler(4, rank=0, world_size=1, seed=0, shuffle=False), 2)  # type: ignore[arg-type]
+        stream.epoch = 1  # its own position: written by the stream and by a resume
+        try:
+            stream.holder = object()  # type: ignore[attr-defined]
+        except AttributeError:
+            continue
+        raise AssertionError(f"{cls.__name__} took stream.holder after it was built")
 
     data = TrainData(
         stream=None,  # type: ignore[arg-type]
@@ -260,7 +272,7 @@ def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> N
     """``Capabilities`` (what a method supports), the registry's refusal table and ``asked_layouts`` (what a run
     needs) name the same layouts: a field no run asks would be a capability never checked, a layout asked without a
     field an unchecked run. Every mesh size set to 2 (``cp_backend`` ring with it) and ``mixed_precision: fp8`` are
-    the runs; a method lacking only one layout a run asks is refused, naming that layout's setting."""
+    the runs (and ``freeze_vision_tower: false``, which needs image records); a method lacking only one layout a run asks is refused, naming that layout's setting."""
     import dataclasses
 
     from hf_fsdp2.config import ConfigError, parse_config
@@ -274,6 +286,7 @@ def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> N
     base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
     runs = [(base, MeshPlan(**{f.name: 2})) for f in dataclasses.fields(MeshPlan) if f.type in ("int", int)]
     runs += [(base, MeshPlan(cp=2, cp_backend="ring")), (base + ["--mixed_precision", "fp8"], MeshPlan())]
+    runs += [(base + ["--freeze_vision_tower", "false"], MeshPlan())]  # images: a composite's tower trained
     asked: set[str] = set()
     sft = get_method("sft")
     for argv, mesh in runs:
