@@ -277,13 +277,13 @@ def launcher_main(argv: Sequence[str]) -> int:
         from hf_fsdp2.elastic.attempts import lost_only
 
         # A second's margin: a file's time comes from the kernel's coarse clock, behind time.time() by a tick.
-        lost = lost_only(Path(str(output_dir)), since=started - 1.0) if output_dir else set()
+        lost_ranks = lost_only(Path(str(output_dir)), since=started - 1.0) if output_dir else set()
 
         def precedence(rank: int) -> tuple[int, float]:
             f = failures[rank]
             if f.exitcode < 0:
                 return (3 if f.signal_name() == "SIGTERM" else 0), f.timestamp
-            return (2 if rank in lost else 1), f.timestamp
+            return (2 if rank in lost_ranks else 1), f.timestamp
 
         first = min(failures, key=precedence)
         failure = failures[first]
