@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.attention_layout import choose_attention_layout
+from hf_fsdp2.attention_layout import check_loaded_attention, choose_attention_layout
 from hf_fsdp2.composite import composite_spec, describe_parts, freeze_parts, vision_parameters
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.float8 import Float8Plan
-from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.plan import check_whole_export
 from hf_fsdp2.export.source import ExportSource
@@ -212,12 +211,13 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
         attn,
         " (chosen by transformers)" if m.attn_implementation == "auto" else "",
     )
-    if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
-            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
-            f"{attn!r}: set attn_implementation to one of them or turn packing off"
-        )
+    check_loaded_attention(
+        attn,
+        asked=m.attn_implementation,
+        packing=bool(d.packing),
+        padding_free=bool(d.padding_free),
+        model_cls=type(model),
+    )
     return model
 
 

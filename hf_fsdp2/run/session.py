@@ -101,6 +101,9 @@ class Session:
     # resume_from_checkpoint=auto found it (then it must be this run's).
     resume_from: str | None = None
     resume_auto: bool = False
+    # The start-up memory plan (rank 0 only; None on other ranks and where it could not be made): advice, read by
+    # choices rank 0 makes and shares (GRPO colocate's sleep mode).
+    memory_plan: Any = None
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
