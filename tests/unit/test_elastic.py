@@ -405,7 +405,9 @@ def test_the_kill_window_verdict_has_its_figures_and_offers_what_fits() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(tmp_path: Path) -> None:
+def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """What hf-fsdp2 train's launcher says when a restart's rendezvous times out: the node whose ranks the others
     lost (by process, or by the address in the transport's error), else every node but its own."""
     places = [
@@ -420,6 +422,24 @@ def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(t
     _end(tmp_path, 0, "lost", "Connection reset by peer [10.0.0.2]:4121", step=7)
     assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back, lost during step 7"
     assert "no record of the last attempt's nodes" in attempts.lost_nodes(tmp_path / "none", 0)
+    # The launcher's own line (its rendezvous, not the ranks, timed out), with the node from the run's records.
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from hf_fsdp2 import launch
+
+    def timed_out(args: object) -> None:
+        raise RendezvousTimeoutError("join timed out")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerate_launch, "launch_command", timed_out)
+        argv = [launch.ACCELERATE_LAUNCH, "--machine_rank", "0", "-m", "hf_fsdp2.methods", "sft"]
+        assert launch.launcher_main([*argv, "--output_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hf-fsdp2 train: exit status 1: the restart's rendezvous timed out on node 0: node 1 (b: ranks 2, 3) did not "
+        "come back, lost during step 7. Start it again (or replace it) and run the same command on every node"
+    ), err
 
 
 def test_hf_fsdp2_train_on_several_nodes_with_restarts_takes_the_c10d_config() -> None:
