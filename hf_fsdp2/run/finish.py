@@ -118,6 +118,7 @@ def export_run(
                     is_main_process=session.is_main,
                     # The merged copy's frozen parts are carried from the base's files, at the run's revision.
                     source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
+                    experts=session.expert_meshes,  # the merged twin's experts split as the run's
                 )
             else:
                 export_model(

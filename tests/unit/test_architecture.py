@@ -114,7 +114,7 @@ def test_a_method_folder_imports_no_other_method() -> None:
 
 
 def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
-    """The doc's order of the parallelize steps is the function's (float8, tp, cp, ac, compile, fsdp2, compile)."""
+    """The doc's order of the parallelize steps is the function's (float8, tp, cp, ep, ac, compile, fsdp2, compile)."""
     import inspect
 
     from hf_fsdp2.parallel import parallelize
@@ -124,6 +124,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
         "convert_float8",
         "apply_tensor_parallel",
         "apply_context_parallel",
+        "apply_expert_parallel",
         "apply_activation_checkpointing",
         "compile_regions",
         "shard_with_accelerate",
@@ -133,7 +134,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     assert positions == sorted(positions), calls
     text = DOC.read_text()
     assert (
-        "float8 -> tensor parallel -> context parallel ->\nactivation checkpointing -> regional compile -> FSDP2"
+        "float8 -> tensor parallel -> context parallel -> expert parallel ->\nactivation checkpointing -> regional compile -> FSDP2"
         in text
     )
 
