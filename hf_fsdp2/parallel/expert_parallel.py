@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from hf_fsdp2.parallel.experts import ExpertLoad, expert_load, experts_count, find_experts, in_backward
+from hf_fsdp2.parallel.experts import ExpertLoad, counts_load, expert_load, experts_count, find_experts
 
 EXPERTS_IMPLEMENTATION = "hf_fsdp2_expert_parallel"
 _SHARD = "_hf_fsdp2_expert_shard"  # the per-module state attribute
@@ -155,7 +155,7 @@ def expert_parallel_forward(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert: by destination rank
     per_expert = torch.bincount(flat, minlength=shard.num_experts)
-    if not in_backward():
+    if counts_load():
         shard.load.add(per_expert)
     received = torch.empty_like(per_expert)
     # The counts each rank sends each expert of this rank (the ep group, equal splits of E/ep integers).

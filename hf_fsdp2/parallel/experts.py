@@ -69,11 +69,13 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 def _unwrappable(model: nn.Module, found: dict[str, nn.Module]) -> list[str]:
     """Modules that hold routed experts outside the experts interface: named ``experts`` (or ``*experts``, not
-    ``shared_experts``: a dense MLP every token runs) and not marked."""
+    ``shared_experts``: a dense MLP every token runs), not marked, and not a wrapper around a marked one (LoRA on the
+    fused experts: PEFT's ``ParamWrapper`` takes the experts' name and holds them as its ``base_layer``)."""
     out = []
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
-        if last.endswith("experts") and not last.startswith("shared") and name not in found:
+        wraps = any(inner.startswith(f"{name}.") for inner in found)
+        if last.endswith("experts") and not last.startswith("shared") and name not in found and not wraps:
             out.append(f"{name} ({type(module).__name__})")
     return out
 
@@ -206,6 +208,12 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def counts_load() -> bool:
+    """Whether the forward running now is a training forward whose routing the load counts: with gradients (not an
+    evaluation, a rollout's generation or a reference pass) and not a checkpointed layer's recomputation."""
+    return torch.is_grad_enabled() and not in_backward()
+
+
 def expert_load(module: nn.Module) -> ExpertLoad:
     """The load counter of an experts module (made on first use)."""
     load = getattr(module, LOAD_ATTRIBUTE, None)
@@ -226,7 +234,7 @@ def count_expert_load(model: nn.Module, *, hooks: bool = True) -> int:
             continue
 
         def count(mod: nn.Module, args: tuple[Any, ...], load: ExpertLoad = load) -> None:
-            if len(args) >= 2 and isinstance(args[1], torch.Tensor) and not in_backward():
+            if len(args) >= 2 and isinstance(args[1], torch.Tensor) and counts_load():
                 load.add(torch.bincount(args[1].reshape(-1), minlength=experts_count(mod)))
 
         module.register_forward_pre_hook(count)

@@ -68,3 +68,23 @@ def test_models_expert_parallel_refuses_are_named() -> None:
         _config("deepseek_v3"), mesh
     )  # shared experts stay dense, dense first layer
     assert layout.modules == ("model.layers.1.mlp.experts",)
+
+
+def test_lora_on_the_experts_is_not_taken_for_experts_outside_the_interface() -> None:
+    """LoRA on the fused experts: PEFT's ``ParamWrapper`` takes the experts' name (``mlp.experts``) and holds them as
+    its ``base_layer``; the run reads the experts after the adapter is applied (run/build.py), where the wrapper was
+    refused as experts outside the interface before (ep_size with lora_target_parameters failed at start-up)."""
+    import torch
+
+    from hf_fsdp2.config.plans import LoraSettings
+    from hf_fsdp2.lora.adapter import apply_lora
+
+    name, extra = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, name)(vocab_size=256, **{**_COMMON, **extra})
+    )
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, target_parameters=["all-experts"])
+    layout = check_expert_parallel(apply_lora(model, settings, seed=0), MeshPlan(dp_shard=2, ep=2))
+    assert layout.num_experts == 4 and len(layout.modules) == 2
+    assert all(m.endswith("mlp.experts.base_layer.base_layer") for m in layout.modules), layout.modules
