@@ -269,7 +269,8 @@ def run_recipe(main: Any) -> None:
                     PROGRESS.output_dir,
                 ),
                 1,
-                "names, under Root Cause, the rank that ended first and its exit code; its traceback can be ignored",
+                "names, under Root Cause, the rank it saw end first (the lost rank, or one that lost it) and its exit "
+                "code; its traceback can be ignored",
             )
         leave(1, destroy=False)
     leave(0)

@@ -34,7 +34,9 @@ MOE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                      "router_aux_loss_coef": 0.1}),
     "mixtral": ("MixtralConfig", {"num_local_experts": EXPERTS, "num_experts_per_tok": 2,
                                   "output_router_logits": False}),
-    "olmoe": ("OlmoeConfig", {"num_experts": EXPERTS, "num_experts_per_tok": 2, "output_router_logits": False}),
+    # OLMoE: its head tied to the embedding (the root unit holds both; the other families' are untied).
+    "olmoe": ("OlmoeConfig", {"num_experts": EXPERTS, "num_experts_per_tok": 2, "output_router_logits": False,
+                              "tie_word_embeddings": True}),
     # Qwen2-MoE: a shared expert (and its sigmoid gate) beside the routed ones, dense on every rank.
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 32, "output_router_logits": True,

@@ -1,8 +1,8 @@
 """Worker for tests/distributed/test_expert_parallel.py: every MoE family of tests/support/moe.py trained through the
-library's own step on 4 gloo ranks in three layouts, flat FSDP2 (``ep 1``), ``ep 2 x efsdp 2`` and ``ep 4``, from
-rank 0's weights (the other ranks build the model on meta: ``fsdp_cpu_ram_efficient_loading``); each layout's export
-(verified); a checkpoint of ``ep 2`` resumed flat and one of flat resumed under ``ep 2``; the all-to-all calls and
-bytes of one step counted. Rank 0 writes ``<out>/<family>/result.json``.
+library's own step on 4 gloo ranks in the layouts the test names for it among flat FSDP2 (``ep 1``), ``ep 2 x efsdp
+2`` and ``ep 4``, from rank 0's weights (the other ranks build the model on meta: ``fsdp_cpu_ram_efficient_loading``);
+each layout's export (verified); a checkpoint of ``ep 2`` resumed flat and one of flat resumed under ``ep 2``; the
+all-to-all calls and bytes of one step counted. Rank 0 writes ``<out>/<family>/result.json``.
 """
 
 from __future__ import annotations
@@ -103,29 +103,33 @@ def load(acc, model, opt, run: Path, step: int) -> None:  # type: ignore[no-unty
     saver.load(checkpoint_dir(run, step), model, opt)
 
 
-def run_family(acc, family: str, model_dir: str, out: Path, resume: bool) -> dict:  # type: ignore[no-untyped-def]
+def run_family(acc, family: str, model_dir: str, out: Path, layouts: list[int], resume: bool) -> dict:  # type: ignore[no-untyped-def]
+    """Each layout of ``layouts`` trained and exported; with ``resume`` (layouts 1 and 2 among them), each of those
+    two runs saves a checkpoint after step 2 on its way, and each checkpoint resumes in the other layout."""
     result: dict = {}
     tokenizer = load_tokenizer(model_dir)
-    for ep in (1, 2, 4):
+    for ep in layouts:
         model, opt, settings = build(acc, model_dir, ep)
-        if ep > 1:  # the load-balancing loss and the load, step 0 apart: count the exchanges of one step
-            counted = Counted()
-            dist.all_to_all_single = counted
-            try:
-                first = steps(acc, model, opt, settings, 0, 1)
-            finally:
-                dist.all_to_all_single = counted.real
-            rows = [int(b["input_ids"].numel()) for b in moe_batches(0, acc.process_index)]
-            calls = torch.tensor([counted.calls, counted.bytes, sum(rows)])
-            everyone = [torch.zeros_like(calls) for _ in range(dist.get_world_size())]
-            dist.all_gather(everyone, calls)
-            result[f"ep{ep}_counted"] = [c.tolist() for c in everyone]
-            rest = steps(acc, model, opt, settings, 1, STEPS)
-            run = {k: first[k] + rest[k] for k in first}
-            shard = next(iter(expert_shards(model).values()))
-            run["local_experts"] = shard.local
-        else:
-            run = steps(acc, model, opt, settings, 0, STEPS)
+        counted = Counted()
+        dist.all_to_all_single = (
+            counted  # the exchanges of step 0 (the load-balancing loss and the load apart)
+        )
+        try:
+            first = steps(acc, model, opt, settings, 0, 1)
+        finally:
+            dist.all_to_all_single = counted.real
+        rows = [int(b["input_ids"].numel()) for b in moe_batches(0, acc.process_index)]
+        calls = torch.tensor([counted.calls, counted.bytes, sum(rows)])
+        everyone = [torch.zeros_like(calls) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, calls)
+        result[f"ep{ep}_counted"] = [c.tolist() for c in everyone]
+        middle = steps(acc, model, opt, settings, 1, 2)
+        if resume and ep in (1, 2):
+            save(acc, model, opt, out / f"run_ep{ep}", 2)
+        rest = steps(acc, model, opt, settings, 2, STEPS)
+        run = {k: first[k] + middle[k] + rest[k] for k in first}
+        if ep > 1:
+            run["local_experts"] = next(iter(expert_shards(model).values())).local
         run["routed"] = routed(model)
         result[f"ep{ep}"] = run
         done = export_model(
@@ -139,12 +143,8 @@ def run_family(acc, family: str, model_dir: str, out: Path, resume: bool) -> dic
         )
         result[f"ep{ep}"]["export"] = done.verify.summary() if done.verify else None
         del model, opt
-    if resume:  # ep 2 -> flat and flat -> ep 2, each from its checkpoint after step 2
+    if resume:  # ep 2 -> flat and flat -> ep 2, each from the checkpoint its run saved after step 2
         for saved, resumed in ((2, 1), (1, 2)):
-            model, opt, settings = build(acc, model_dir, saved)
-            steps(acc, model, opt, settings, 0, 2)
-            save(acc, model, opt, out / f"run_ep{saved}", 2)
-            del model, opt
             model, opt, settings = build(acc, model_dir, resumed)
             load(acc, model, opt, out / f"run_ep{saved}", 2)
             result[f"resume_ep{saved}_to_ep{resumed}"] = steps(acc, model, opt, settings, 2, STEPS)
@@ -156,7 +156,7 @@ def run_family(acc, family: str, model_dir: str, out: Path, resume: bool) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, help="folder with one model folder per family")
-    ap.add_argument("--families", required=True)
+    ap.add_argument("--families", required=True, help="family:layouts, e.g. qwen3_moe:1.2.4,mixtral:4")
     ap.add_argument("--resume", default="", help="families that also resume across layouts")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -167,11 +167,17 @@ def main() -> None:
         compile_plan=CompilePlan(),
         timeout_s=300,
     )
-    for family in args.families.split(","):
+    for spec in args.families.split(","):
+        family, _, layouts = spec.partition(":")
         out = Path(args.out) / family
         try:
             result = run_family(
-                acc, family, str(Path(args.root) / family), out, family in args.resume.split(",")
+                acc,
+                family,
+                str(Path(args.root) / family),
+                out,
+                [int(ep) for ep in layouts.split(".")],
+                family in args.resume.split(","),
             )
         except Exception as err:  # recorded per family: the test names the family that failed
             result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
