@@ -51,6 +51,26 @@ def test_fp8_with_ep_is_refused() -> None:
         )
 
 
+def test_methods_not_verified_with_ep_are_refused_by_name() -> None:
+    """sft and cpt run expert parallel; a method with a reference, reward or score model or weight syncs is refused
+    before any work (an ep_size the registry did not know before: every method ran it unchecked)."""
+    from hf_fsdp2.config import parse_config
+    from hf_fsdp2.methods import get_method
+    from hf_fsdp2.run.registry import check_capabilities
+
+    cfg = parse_config(
+        ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--ep_size", "2"]
+    )
+    mesh = MeshPlan(dp_shard=2, ep=2)
+    for name in ("sft", "cpt"):
+        check_capabilities(get_method(name), cfg, mesh)
+    for name in ("dpo", "kto", "rm", "grpo"):
+        with pytest.raises(
+            ConfigError, match=f"ep_size>1 is not supported by the {name} recipe .* sft and cpt"
+        ):
+            check_capabilities(get_method(name), cfg, mesh)
+
+
 def test_models_expert_parallel_refuses_are_named() -> None:
     mesh = MeshPlan(dp_shard=4, ep=2)
     with pytest.raises(ExpertParallelError, match="LlamaForCausalLM .* is not a mixture-of-experts model"):
