@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -240,8 +241,13 @@ def launcher_main(argv: Sequence[str]) -> int:
         raise ValueError(
             f"usage: python -m hf_fsdp2.launch {ACCELERATE_LAUNCH} [accelerate launch arguments]"
         )
-    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below. With
+    # restarts its "failed (exitcode: -9) local_rank: 1 (pid ...)" stays: the one place a restarted rank's signal shows.
+    restarts = recipe_max_restarts([a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+        logging.ERROR if restarts else logging.CRITICAL
+    )
+    started = time.time()
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
     except RendezvousTimeoutError:
@@ -263,14 +269,21 @@ def launcher_main(argv: Sequence[str]) -> int:
     except ChildFailedError as err:
         # Which rank to name: one killed by a signal printed nothing and the others' errors follow from losing it, but
         # the agent stamps a killed rank when it notices, often after the rank that lost it wrote its error, so a
-        # killed rank comes first; then a rank that exited with its own error; last one ended by SIGTERM, the agent's
-        # signal to the ranks still running once one failed (collateral, whatever its stamp). Ties: the earlier stamp.
+        # killed rank comes first; then a rank that exited with its own error; then one that exited on losing another
+        # (its record in the run folder says so: the same status 1, often stamped first); last one ended by SIGTERM,
+        # the agent's signal to the ranks still running once one failed (collateral). Ties: the earlier stamp.
         failures = err.failures
+        output_dir = recipe_value(list(argv[1:]), "output_dir")
+        from hf_fsdp2.elastic.attempts import lost_only
+
+        # A second's margin: a file's time comes from the kernel's coarse clock, behind time.time() by a tick.
+        lost_ranks = lost_only(Path(str(output_dir)), since=started - 1.0) if output_dir else set()
 
         def precedence(rank: int) -> tuple[int, float]:
             f = failures[rank]
-            order = 2 if f.exitcode < 0 and f.signal_name() == "SIGTERM" else 0 if f.exitcode < 0 else 1
-            return order, f.timestamp
+            if f.exitcode < 0:
+                return (3 if f.signal_name() == "SIGTERM" else 0), f.timestamp
+            return (2 if rank in lost_ranks else 1), f.timestamp
 
         first = min(failures, key=precedence)
         failure = failures[first]
@@ -279,9 +292,6 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
-        restarts = recipe_max_restarts(
-            [a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv)
-        )
         attempts = (
             f" in the last of its {restarts + 1} attempts (max_restarts {restarts})" if restarts else ""
         )

@@ -21,7 +21,7 @@
 # .venv-vllm) that it starts on the SFT model and stops after (also on failure or ctrl-C), and prints each backend's
 # seconds per step, generation tokens/s and exact match after GRPO (the transformers side once --grpo ran).
 # `scripts/demo.sh --vlm` builds a SmolVLM-style composite (Idefics3: SmolLM2 as its language model, a new small vision
-# tower and connector; no small vision-language checkpoint ships on PyPI), fine-tunes it to name the colour of the shape
+# tower and connector; no package of its environments ships a small vision-language checkpoint), fine-tunes it to name the colour of the shape
 # in synthetic images drawn by the demo (recipes/configs/demo_smolvlm.yaml: the tower and connector train with the
 # language model) and prints the exact match on 100 held-out images before and after.
 set -euo pipefail

@@ -1,6 +1,6 @@
 """The vision-language demo: a SmolVLM-style composite built here, and an image task it cannot do before training.
 
-No small vision-language checkpoint ships on PyPI (the ones found there download their weights from the hub), so the
+No package of this toolkit's environments ships a small vision-language checkpoint (and the run reads no hub), so the
 demo builds one the way SmolVLM was built: an ``Idefics3ForConditionalGeneration`` whose language model is the
 embedded SmolLM2-135M-Instruct (its weights, tokenizer and ChatML template) and whose vision tower (a 2-layer
 SigLIP-style encoder on 64-pixel images, 16 image tokens after the pixel shuffle) and connector are new, randomly

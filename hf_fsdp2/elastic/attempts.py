@@ -79,6 +79,19 @@ def read_ends(output_dir: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
 
+def lost_only(output_dir: Path, *, since: float) -> set[int]:
+    """The ranks whose record, written since ``since`` (this launch), says they ended on losing another rank: never
+    the cause of their attempt's end (for the launcher's line, whose failures all look alike: exit status 1)."""
+    lost = set()
+    for path in (Path(output_dir) / ATTEMPT_DIR).glob("rank*.json"):
+        try:
+            if path.stat().st_mtime >= since and json.loads(path.read_text()).get("kind") == LOST:
+                lost.add(int(path.stem.removeprefix("rank")))
+        except (OSError, ValueError):
+            continue
+    return lost
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     ranks = sorted(set(ranks))
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
@@ -228,14 +241,21 @@ def with_restart_note(message: str, launch: AgentLaunch, output_dir: Path | None
     )
     steps = [int(h.get("step") or 0) for h in earlier] + [PROGRESS.step]
     attempts = f"{launch.max_restarts + 1} attempts (max_restarts {launch.max_restarts})"
+    # Said here as well as in restarts.json: the launcher's own report names the rank it saw end first, which is
+    # often a rank that only lost the failing one, without the failing rank's error.
+    before = (
+        f" (the previous attempt's cause: {earlier[-1]['cause']})"
+        if earlier and earlier[-1].get("cause")
+        else ""
+    )
     if len(set(steps)) == 1:
         return (
             f"{message} No restart is left: all {attempts} ended {when(steps[0], STEP)}, so the failure is not "
-            "transient and another restart would end there too. Fix its cause (restarts.json in the run folder "
-            "lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
+            f"transient and another restart would end there too{before}. Fix its cause (restarts.json in the run "
+            "folder lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
         )
     return (
-        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)} "
+        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)}{before} "
         "(restarts.json in the run folder lists each cause); run the same command again to continue from the "
         "newest checkpoint."
     )

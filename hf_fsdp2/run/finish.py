@@ -118,6 +118,7 @@ def export_run(
                     is_main_process=session.is_main,
                     # The merged copy's frozen parts are carried from the base's files, at the run's revision.
                     source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
+                    experts=session.expert_meshes,  # the merged twin's experts split as the run's
                 )
             else:
                 export_model(
@@ -268,7 +269,8 @@ def run_recipe(main: Any) -> None:
                     PROGRESS.output_dir,
                 ),
                 1,
-                "names, under Root Cause, the rank that ended first and its exit code; its traceback can be ignored",
+                "names, under Root Cause, the rank it saw end first (the lost rank, or one that lost it) and its exit "
+                "code; its traceback can be ignored",
             )
         leave(1, destroy=False)
     leave(0)

@@ -139,6 +139,9 @@ class Capabilities:
         tensor_parallel: ``tp_size > 1``: the step counts a tensor-parallel group's batch once (token CE).
         float8: ``mixed_precision: fp8``: verified with the method's step and the models it loads (the policy only,
             no reference or reward model beside it, no weights sent elsewhere).
+        expert_parallel: ``ep_size > 1``: verified with the method's step and the models it loads, each MoE layer's
+            routed experts split over the ep ranks (the policy only: no reference, reward or score model beside it,
+            no weights sent elsewhere).
         images: image records, so a composite's vision tower and projector can train (``freeze_vision_tower`` /
             ``freeze_multi_modal_projector: false``; the data builder refuses them where the data has no image).
     """
@@ -147,6 +150,7 @@ class Capabilities:
     ring_attention: bool = False
     tensor_parallel: bool = False
     float8: bool = False
+    expert_parallel: bool = False
     images: bool = False
 
 

@@ -44,7 +44,7 @@ from hf_fsdp2.elastic.attempts import read_layout
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
-from hf_fsdp2.model import check_max_length, load_model_config, text_config
+from hf_fsdp2.model import check_max_length, load_model_config, meta_model, text_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
 from hf_fsdp2.observe.trackers import build_trackers
 from hf_fsdp2.parallel.accelerator import (
@@ -56,6 +56,8 @@ from hf_fsdp2.parallel.accelerator import (
     setup_logging,
     world_size,
 )
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes
+from hf_fsdp2.parallel.experts import check_expert_parallel
 from hf_fsdp2.parallel.kernels import check_liger_available
 from hf_fsdp2.parallel.launch_config import find_launch_request, fsdp_findings, world_findings
 from hf_fsdp2.parallel.tensor import check_tp_settings
@@ -101,7 +103,13 @@ class Session:
     # resume_from_checkpoint=auto found it (then it must be this run's).
     resume_from: str | None = None
     resume_auto: bool = False
+    # The start-up memory plan (rank 0 only; None on other ranks and where it could not be made): advice, read by
+    # choices rank 0 makes and shares (GRPO colocate's sleep mode).
+    memory_plan: Any = None
     started: float = field(default_factory=time.perf_counter)
+    expert_meshes: ExpertMeshes | None = (
+        None  # expert parallel's meshes, built once (run/build.py:expert_plan)
+    )
 
     @classmethod
     def start(cls, cfg: Config) -> Session:
@@ -166,6 +174,12 @@ class Session:
             kv_heads=getattr(text_config(model_config), "num_key_value_heads", None),
             max_length=d.max_length,
         )
+        # Expert parallel: the model's experts read from its config on the meta device (nothing loaded), every rank.
+        experts = (
+            check_expert_parallel(meta_model(model_config, trust_remote_code=m.trust_remote_code), mesh)
+            if mesh.ep > 1
+            else None
+        )
         tp_off = check_tp_settings(
             mesh.tp,
             use_peft=cfg.peft.use_peft,
@@ -219,6 +233,8 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
+        if experts is not None:
+            logger.info("%s", experts.describe(mesh.ep, mesh.efsdp))
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(

@@ -24,6 +24,7 @@ from hf_fsdp2.train.chunked_ce import (
     target_rows,
     vocab_shard,
 )
+from hf_fsdp2.train.router import router_loss
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:
@@ -265,13 +266,14 @@ def causal_lm_loss(
             host labels so that no device read is needed; None = found here from ``labels``.
 
     Returns:
-        The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
+        The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss of the micro-batch's global tokens
+        (:func:`~hf_fsdp2.train.router.router_loss`; collective), or None.
     """
     extra = {"output_router_logits": True} if plan.router_aux_coef else {}
     if plan.chunk_tokens <= 0:
         out = model(**inputs, **extra, use_cache=False)
         return LossOutput(
-            cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None
+            cross_entropy_sum(out.logits, labels), router_loss(out, model, inputs) if extra else None
         )
     head = model.get_output_embeddings()  # type: ignore[operator]
     targets = labels[:, 1:].reshape(-1)
@@ -287,7 +289,7 @@ def causal_lm_loss(
             f"the chunked loss was not computed: {type(model).__name__}'s output head {type(head).__name__} did not "
             "run during the forward; set ce_chunk_tokens=0"
         )
-    return LossOutput(request.result, getattr(out, "aux_loss", None) if extra else None)
+    return LossOutput(request.result, router_loss(out, model, inputs) if extra else None)
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,7 @@ docs/models.md holds the same matrix as a table; ``test_docs_table_matches_the_m
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -117,10 +118,15 @@ def _result(out: Path, family: str) -> dict:
 
 
 def reference(
-    model_dir: Path, *, lora: bool = False, exclude: str | None = None, parameters: list[str] | None = None
+    model_dir: Path,
+    *,
+    lora: bool = False,
+    exclude: str | None = None,
+    parameters: list[str] | None = None,
+    norms: list[float] | None = None,
 ) -> tuple[list[float], torch.nn.Module]:
     """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches; a composite
-    with its own class, its tower and projector frozen."""
+    with its own class, its tower and projector frozen. ``norms``: filled with each step's gradient norm."""
     torch.manual_seed(0)
     composite = model_dir.name in COMPOSITE
     auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
@@ -149,24 +155,39 @@ def reference(
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     text = model.config.get_text_config()
     coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
+    # Under PEFT, the family's own class holds the router loss function.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    balance = importlib.import_module(type(base).__module__).__dict__.get("load_balancing_loss_func")
     losses = []
     for step in range(STEPS):
-        micro = [b for rank in range(WORLD) for b in family_batches(step, rank)]
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        per_rank = [family_batches(step, rank) for rank in range(WORLD)]
+        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for mbs in per_rank for b in mbs)
         ce_total = 0.0
-        for b in micro:
-            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-            logits = out.logits[:, :-1].float()
-            ce = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum"
-            )
-            loss = ce / tokens + (coef * out.aux_loss / len(micro) if coef else 0.0)
+        for m in range(len(per_rank[0])):  # micro-batch m of every rank
+            loss, routed, masks = 0.0, [], []
+            for mbs in per_rank:
+                b = mbs[m]
+                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                logits = out.logits[:, :-1].float()
+                ce = F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum"
+                )
+                loss = loss + ce / tokens
+                ce_total += float(ce)
+                if coef:
+                    routed.append(out.router_logits)
+                    masks.append(b["attention_mask"].reshape(-1))
+            if coef:  # the router loss of micro-batch m's tokens of every rank, as transformers computes it
+                joined = tuple(torch.cat(layer) for layer in zip(*routed, strict=True))
+                aux = balance(joined, joined[0].size(-1), text.num_experts_per_tok, torch.cat(masks)[None])
+                loss = loss + coef * aux / len(per_rank[0])
             loss.backward()
-            ce_total += float(ce)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(ce_total / tokens)
+        if norms is not None:
+            norms.append(float(norm))
     return losses, model.eval()
 
 
@@ -227,10 +248,16 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
 
     models, out = matrix
     result = _result(out, family)
+    norms: list[float] = []
     want, ref_model = reference(
-        models / family, lora=True, exclude=LORA_EXCLUDED.get(family), parameters=LORA_PARAMETERS.get(family)
+        models / family,
+        lora=True,
+        exclude=LORA_EXCLUDED.get(family),
+        parameters=LORA_PARAMETERS.get(family),
+        norms=norms,
     )
     _close(result["lora"]["losses"], want)
+    _close(result["lora"]["grad_norms"], norms)  # the adapter's gradients, experts' pairs included
     assert all(r.startswith("verified") for r in result["lora_export"]), result["lora_export"]
     expected = _probe(ref_model)
     limit = 1e-3 * max(1.0, float(expected.abs().max()))

@@ -8,7 +8,9 @@
 - The split model's loss and every gradient equal the whole model's in fp64 (Llama with GQA and an untied head on
   plain logits; Qwen3 with per-head q/k norms, a tied head and the chunked loss; Gemma3 with per-head norms, sliding
   window and soft-capped logits), and the library's clip reads the same gradient norm from the 2-D DTensors
-  (tests/distributed/workers/tp_worker.py).
+  (tests/distributed/workers/tp_worker.py); the same under HSDP x TP (2 replica groups x 1 shard x tp 2, 3-D).
+- bf16 compute with activation checkpointing none / full / selective under the sequence layout: the whole bf16
+  model's loss and gradients, checkpointing bit for bit the same, and the collectives its recompute repeats.
 - The SFT recipe with tp 2 x dp_shard 2 trains the losses, target counts and gradient norms of flat FSDP2 over 4 ranks
   on the same data-parallel batch (per_device_train_batch_size doubles as the data world halves; fp32, accumulation,
   chat data with unequal target counts; eval every 2 steps), on Llama and Qwen3, and exports a verified folder equal to
@@ -74,7 +76,46 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             "qwen3_qk_norm_tied_chunked",
             "gemma3_qk_norm_sliding_softcap_plain",
             "llama_fp8_tensorwise",
+            "llama_hsdp_tp",
+            "llama_bf16_checkpointed",
         }
+        # HSDP x TP (2 replica groups x 1 shard x tp 2) in fp64: the whole model's loss, gradients and clip norm
+        # (measured 4e-16), parameters on the 3-D mesh.
+        hsdp = results.pop("llama_hsdp_tp")
+        assert "error" not in hsdp, hsdp.get("error")
+        for got, want in (hsdp["loss"], hsdp["norm"]):
+            assert abs(got - want) <= 1e-12 * abs(want), hsdp
+        assert hsdp["grad_rel"] <= 1e-12, hsdp["grad_rel"]
+        placements = hsdp["placements"]
+        assert (
+            placements["model.layers.0.self_attn.o_proj.weight"]
+            == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+        )
+        assert placements["model.norm.weight"] == "(Replicate(), Shard(dim=0), Replicate())"
+        # bf16 compute (fp32 master weights and reductions) with each checkpointing mode, tp 2 x FSDP2 2: the whole
+        # bf16 model's loss (measured 1.2e-5 relative) and gradients (1.3e-2 of each tensor's largest entry: a few
+        # bf16 roundings; a layout that lost or doubled a share would be off by 0.5 or more); checkpointing changes
+        # nothing (the same bf16 operations recomputed: bit for bit), and its backward repeats, per layer, the two
+        # all-gathers into attention and the MLP and (full) attention's reduce-scatter, whose output the residual
+        # stream needs (the checkpoint's recompute stops at the MLP's down projection, its last saved input);
+        # selective keeps the reduce-scatter's output (before: re-ran it, 1 per layer).
+        bf16 = results.pop("llama_bf16_checkpointed")
+        assert "error" not in bf16, bf16.get("error")
+        none = bf16["none"]
+        assert abs(none["loss"] - bf16["want"]) <= 1e-3 * bf16["want"], bf16
+        assert none["grad_rel"] <= 5e-2, bf16
+        kinds = ("all_gather", "reduce_scatter", "all_reduce")
+        for mode, reduce_scatters in (("full", LAYERS), ("selective", 0)):
+            assert bf16[mode]["loss"] == none["loss"] and bf16[mode]["grad_diff"] == 0.0, (mode, bf16)
+            recomputed = {k: bf16[mode]["backward"].get(k, 0) - none["backward"].get(k, 0) for k in kinds}
+            assert recomputed == {
+                "all_gather": 2 * LAYERS,
+                "reduce_scatter": reduce_scatters,
+                "all_reduce": 0,
+            }, (
+                mode,
+                bf16,
+            )
         fp8 = results.pop("llama_fp8_tensorwise")
         assert "error" not in fp8, fp8.get("error")
         # FP8 under TP (emulated tensorwise float8, the float8 styles, float8 on the wire as gloo bytes): the whole FP8

@@ -159,19 +159,20 @@ def test_a_hang_is_named_with_every_ranks_stack_and_a_repeated_failure_stops_the
     assert "distributed_c10d.py" in stacks[0] and "read_step_counts" in stacks[0]
     named = (out / "debug" / "hang-step3-rank0.txt").stat().st_mtime  # written as the hang was named
     assert named - stalled <= 4 + 30, (named, stalled)
-    # The repeated failure: stopped after its restarts, with the cause, said plainly.
-    assert proc.stderr.count("RuntimeError: injected failure at step 3") >= 2
+    # The repeated failure: stopped after its restarts, with the cause, said plainly by the library. (Not counted in
+    # the launcher's report: its agent, forking the ranks here, shows the traceback of the one rank it sees end
+    # first, and on a loaded machine that is rank 0, which only lost rank 1.)
     said = [line for line in proc.stderr.splitlines() if "No restart is left" in line]
-    assert (
-        said
-        and "all 3 attempts (max_restarts 2) ended during step 3, so the failure is not transient" in said[0]
-    )
+    assert said, proc.stderr[-6000:]
+    assert "all 3 attempts (max_restarts 2) ended during step 3, so the failure is not transient" in said[0]
+    assert "(the previous attempt's cause: rank 1: RuntimeError: injected failure at step 3)" in said[0], said
     restarts = json.loads((out / "restarts.json").read_text())["restarts"]
     assert [(r["kind"], r["ranks"], r["step"]) for r in restarts] == [("hang", [1], 3), ("error", [1], 3)]
     assert restarts[1]["cause"] == "rank 1: RuntimeError: injected failure at step 3"
     assert all(r["resumed_from_step"] == 2 and r["steps_lost"] == 0 for r in restarts)
     assert "The last 2 attempts all ended at step 3" in proc.stderr  # the warning at the last attempt's start
-    assert proc.stderr.count("test fault: error at step 3") == 2  # no attempt after the last restart
+    # Attempts 1 and 2 both ran, and none after the last restart.
+    assert proc.stderr.count("test fault: error at step 3") == 2, proc.stderr[-6000:]
 
 
 def test_two_nodes_restart_together_and_a_node_that_does_not_come_back_is_named(

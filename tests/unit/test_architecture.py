@@ -114,7 +114,7 @@ def test_a_method_folder_imports_no_other_method() -> None:
 
 
 def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
-    """The doc's order of the parallelize steps is the function's (float8, tp, cp, ac, compile, fsdp2, compile)."""
+    """The doc's order of the parallelize steps is the function's (float8, tp, cp, ep, ac, compile, fsdp2, compile)."""
     import inspect
 
     from hf_fsdp2.parallel import parallelize
@@ -124,6 +124,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
         "convert_float8",
         "apply_tensor_parallel",
         "apply_context_parallel",
+        "apply_expert_parallel",
         "apply_activation_checkpointing",
         "compile_regions",
         "shard_with_accelerate",
@@ -133,7 +134,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     assert positions == sorted(positions), calls
     text = DOC.read_text()
     assert (
-        "float8 -> tensor parallel -> context parallel ->\nactivation checkpointing -> regional compile -> FSDP2"
+        "float8 -> tensor parallel -> context parallel -> expert parallel ->\nactivation checkpointing -> regional compile -> FSDP2"
         in text
     )
 
@@ -234,11 +235,23 @@ def test_no_library_file_is_over_500_lines() -> None:
 
 def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
     """No hidden channel from a method's objective to the loop through the data object (GRPO once set
-    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen, so such a write
-    raises; the loop asks the ``Step`` instead."""
+    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen and its streams
+    (``DataStream``, GRPO's ``GenerationStream``) take no attribute beyond their own, so such a write raises; the loop
+    asks the ``Step`` instead."""
     import dataclasses
 
+    from hf_fsdp2.data.loader import DataStream, ShardedSampler
+    from hf_fsdp2.methods.grpo.batching import GenerationStream
     from hf_fsdp2.run.data import TrainData
+
+    for cls in (DataStream, GenerationStream):
+        stream = cls(None, ShardedSampler(4, rank=0, world_size=1, seed=0, shuffle=False), 2)  # type: ignore[arg-type]
+        stream.epoch = 1  # its own position: written by the stream and by a resume
+        try:
+            stream.holder = object()  # type: ignore[attr-defined]
+        except AttributeError:
+            continue
+        raise AssertionError(f"{cls.__name__} took stream.holder after it was built")
 
     data = TrainData(
         stream=None,  # type: ignore[arg-type]

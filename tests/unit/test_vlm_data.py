@@ -4,7 +4,8 @@
   DataCollatorForVisionLanguageModeling's key by key (ids, mask, pixels, grids, token types, labels) with its
   assistant-only loss; with every token trained (chat_loss all / TRL's default) the labels differ from TRL's exactly
   at the image tokens, which never carry a loss here.
-- String content takes its images before the first user text, as TRL places them; bad records are refused by name.
+- String content takes its images before the first user text, as TRL places them; an image as a path, bytes, a PIL
+  image or in an ``image`` column gives the same batch; bad records are refused by name.
 - Truncation never cuts an image; Gemma 3's images in rows of several documents are refused by name (the other
   families' padding-free runs equal the padded ones in tests/distributed/test_vlm_2rank.py).
 - The tower runs once in every forward (a dummy image without images), taking a zero gradient from it; the image
@@ -94,6 +95,37 @@ def test_string_content_takes_its_images_before_the_first_user_text(processors: 
     assert torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(
         ours["labels"], theirs["labels"]
     )
+
+
+def test_an_image_as_a_path_bytes_pil_or_the_image_column_gives_the_same_batch(
+    processors: dict[str, Any], tmp_path: Any
+) -> None:
+    """TRL's image forms: a relative path (read from the data file's folder), PNG bytes, a PIL image (the ``datasets``
+    Image feature's dict once in a Dataset) in an ``images`` list, or one image in an ``image`` column."""
+    import io
+
+    processor, record = processors["qwen2_5_vl"], vlm_records()[1]
+    (image,) = record["images"]
+    image.save(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    messages = record["messages"]
+    forms = {
+        "pil": {"messages": messages, "images": [image]},
+        "path": {"messages": messages, "images": ["a.png"]},
+        "bytes": {"messages": messages, "images": [buffer.getvalue()]},
+        "image column": {"messages": messages, "image": "a.png"},
+    }
+    collator = vision_collator(
+        processor, composite_config("qwen2_5_vl"), pad_token_id=0, packing=False, padding_free=False
+    )
+    batches = {
+        name: collator([_examples(processor, [form], image_root=tmp_path)[0]]) for name, form in forms.items()
+    }
+    want = trl_batch(processor, [record])
+    for name, batch in batches.items():
+        for key in want:
+            assert torch.equal(batch[key], want[key]), (name, key)
 
 
 def test_bad_image_records_are_refused_by_name(processors: dict[str, Any], tmp_path: Any) -> None:

@@ -15,8 +15,13 @@ METHOD = Method(
     objective=token_objective,
     preview_data=preview_sft,
     # cp: test_context_parallel (all-to-all), tests/gpu/test_ring_cp_check (ring); tp: test_tensor_parallel; fp8:
-    # test_float8; images: test_vlm_2rank.
+    # test_float8; images: test_vlm_2rank; ep: test_expert_parallel (the step), test_expert_parallel_recipe.
     capabilities=Capabilities(
-        context_parallel=True, ring_attention=True, tensor_parallel=True, float8=True, images=True
+        context_parallel=True,
+        ring_attention=True,
+        tensor_parallel=True,
+        float8=True,
+        expert_parallel=True,
+        images=True,
     ),
 )

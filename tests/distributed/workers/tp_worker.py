@@ -6,7 +6,10 @@ parallel) and Gemma3 (per-head norms, four norms per layer, sliding window, soft
   gradient equal the whole model's, and the collectives of a training forward and its backward, and of an eval
   forward of an odd length (the stream whole), counted with torch's CommDebugMode (hf_fsdp2.observe.comms);
 - tensor parallel 2 x FSDP2 over 2 data ranks in fp64: the whole model's loss and gradients, with two data ranks
-  holding different batches of unequal target counts; the gradient norm from the library's clip over 2-D DTensors.
+  holding different batches of unequal target counts; the gradient norm from the library's clip over 2-D DTensors;
+  Llama again under HSDP x TP (2 replica groups x 1 shard x tp 2: 3-D DTensors);
+- Llama with the run's bf16 policy and each activation-checkpointing mode (none, full, selective) under tensor
+  parallel 2 x FSDP2 over 2 data ranks: loss, gradients and each backward's collectives, against the whole bf16 model.
 
 Rank 0 writes ``<out>/result.json``.
 """
@@ -29,8 +32,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from hf_fsdp2.config.plans import ACPlan
 from hf_fsdp2.observe.comms import CollectiveCounter
 from hf_fsdp2.parallel import tensor as tensor_parallel
+from hf_fsdp2.parallel.accelerator import mixed_precision_policy
+from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.tensor import apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens
 from hf_fsdp2.train.step import clip_grad_norm
@@ -173,9 +179,12 @@ def tp_alone_fp8(mesh) -> dict:  # type: ignore[no-untyped-def]
     }
 
 
-def run_case(cls: str, extra: dict, chunk: int, mesh) -> dict:
+def run_case(cls: str, extra: dict, chunk: int, mesh, data: tuple[str, ...] = ("dp_shard_cp",)) -> dict:  # type: ignore[no-untyped-def]
+    """Tensor parallel over ``mesh["tp"]``, then FSDP2 over the ``data`` dimensions of ``mesh`` (one: flat FSDP2;
+    ``("dp_replicate", "dp_shard")``: HSDP), in fp64, against the whole model on both data ranks' batches."""
     plan = LossPlan(chunk_tokens=chunk)
-    dp_rank = mesh["dp_shard_cp"].get_local_rank()
+    dp_mesh = mesh[data] if len(data) > 1 else mesh[data[0]]
+    dp_rank = mesh[data[0]].get_local_rank()
     batches = [_batch(r) for r in range(DP)]
     total = sum(count_target_tokens(labels) for _, labels in batches)
     # The whole model on both data ranks' batches (every rank computes it alike).
@@ -188,8 +197,8 @@ def run_case(cls: str, extra: dict, chunk: int, mesh) -> dict:
     model = _model(cls, extra)
     line = apply_tensor_parallel(model, mesh["tp"], tp_plan_for(model))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp_shard_cp"])
-    fully_shard(model, mesh=mesh["dp_shard_cp"])
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     ids, labels = batches[dp_rank]
     local = causal_lm_loss(model, {"input_ids": ids}, labels, plan).ce_sum
     (local * DP / total).backward()  # FSDP2 averages over the DP data ranks
@@ -210,6 +219,51 @@ def run_case(cls: str, extra: dict, chunk: int, mesh) -> dict:
     }
 
 
+def bf16_checkpointed(mesh) -> dict:  # type: ignore[no-untyped-def]
+    """Llama (untied, the chunked loss: loss parallel) under tensor parallel 2 x FSDP2 over 2 data ranks with the
+    run's bf16 policy (bf16 compute, fp32 master weights and reductions) and each activation-checkpointing mode,
+    applied as :func:`~hf_fsdp2.parallel.parallelize.parallelize` orders it (tp, then checkpointing, then FSDP2):
+    the loss and gradients of each mode, the collectives of each backward, against the whole model computing in bf16
+    on the same (rounded) weights and both data ranks' batches."""
+    plan = LossPlan(chunk_tokens=8)
+    extra = {"tie_word_embeddings": False}
+    dp_rank = mesh["dp_shard_cp"].get_local_rank()
+    batches = [_batch(r) for r in range(DP)]
+    total = sum(count_target_tokens(labels) for _, labels in batches)
+    ref = _model("LlamaConfig", extra, torch.bfloat16)
+    want = sum(causal_lm_loss(ref, {"input_ids": i}, lab, plan).ce_sum for i, lab in batches) / total
+    want.backward()
+    ref_grads = {n: p.grad.float() for n, p in ref.named_parameters()}
+    out: dict = {"want": want.item()}
+    for mode in ("none", "full", "selective"):
+        model = _model("LlamaConfig", extra, torch.float32)
+        apply_tensor_parallel(model, mesh["tp"], tp_plan_for(model))
+        apply_activation_checkpointing(model, ACPlan(mode=mode), ("LlamaDecoderLayer",))
+        policy = mixed_precision_policy("bf16", "float32")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard_cp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp_shard_cp"], mp_policy=policy)
+        ids, labels = batches[dp_rank]
+        local = causal_lm_loss(model, {"input_ids": ids}, labels, plan).ce_sum
+        with CollectiveCounter() as backward:
+            (local * DP / total).backward()
+        got = torch.tensor([local.item()], dtype=torch.float64)
+        dist.all_reduce(got)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[mode] = {
+            "loss": got.item() / TP / total,
+            "grad_rel": _grad_rel(model, ref_grads),
+            "backward": backward.counts(),
+            "grads": grads,
+        }
+    # Checkpointing recomputes the same bf16 operations on the same inputs: each mode's gradients against none's.
+    base = out["none"].pop("grads")
+    for mode in ("full", "selective"):
+        grads = out[mode].pop("grads")
+        out[mode]["grad_diff"] = max((grads[n] - base[n]).abs().max().item() for n in base)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -217,6 +271,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard_cp", "tp"))
     results: dict = {}
+    # HSDP x TP: 2 replica groups of one shard each (the smallest HSDP mesh 4 ranks hold beside tp 2), over the tp
+    # groups of the mesh above.
+    hsdp = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    for name, run in (
+        ("llama_hsdp_tp", lambda: run_case(*CASES[0][1:], hsdp, ("dp_replicate", "dp_shard"))),
+        ("llama_bf16_checkpointed", lambda: bf16_checkpointed(mesh)),
+    ):
+        try:
+            results[name] = run()
+        except Exception:  # reported, so the test shows the failure
+            results[name] = {"error": traceback.format_exc()}
+            print(results[name]["error"], file=sys.stderr)
     try:
         results["llama_fp8_tensorwise"] = tp_alone_fp8(mesh)
     except Exception:  # reported, so the test shows the failure
