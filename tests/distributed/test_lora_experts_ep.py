@@ -4,9 +4,10 @@ layer's experts and adds the LoRA deltas of its own experts only; hf_fsdp2/lora/
 For Qwen3-MoE (PEFT's all-linear: attention, router and experts, the experts named by ``all-experts`` too) and gpt-oss
 (transposed experts with frozen biases, ``all-experts``): fp32 losses of 3 steps with 2 micro-batches per rank equal
 one-process PEFT + torch.optim.AdamW on every rank's micro-batches (relative 1e-4, the family matrix's reference,
-tests/distributed/test_families.py); the adapter (verified by the run: reloaded with plain PEFT in a fresh process)
-reloads with plain PEFT on the base to the reference logits; the merged export (each rank merging its own experts)
-reloads with plain transformers to the same logits.
+tests/distributed/test_families.py), and so do the gradient norms; the adapter reloads with plain PEFT on the base to
+the reference logits; the merged export (each rank merging its own experts) reloads with plain transformers to the
+same logits. (The run's own export verification, a reload in a fresh process, is left off: these reloads check more,
+against the reference; tests/recipes/test_expert_parallel_recipe.py runs it under expert parallel.)
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ def test_lora_on_experts_under_expert_parallel_matches_peft_and_merges(
     # The gradient norms too: AdamW's normalised update hides a wrong scale of the experts' LoRA gradients from the
     # losses (without the ep compensation in lora/experts.py they were 1.3e-3 off, the losses 6e-8).
     print(f"{family}: max relative grad-norm difference {_close(result['grad_norms'], norms):.2e}")
-    assert all(r.startswith("verified") for r in result["reports"]), result["reports"]
     saved = load_file(out / family / "lora" / "adapter_model.safetensors")
     experts = [k for k in saved if ".experts." in k and "lora_B" in k]
     assert len(experts) == 4 and all(float(saved[k].abs().max()) > 0 for k in experts), sorted(saved)

@@ -1,7 +1,7 @@
 """Expert parallel through the SFT recipe on 2 gloo ranks (``ep_size: 2``: each rank holds 2 of Qwen3-MoE's 4 experts
 per layer, tokens exchanged): the run reads the key, splits the experts from rank 0's weights, trains LoRA on the fused
-experts with the router loss on, in bf16 mixed precision, activation checkpointing and 2 micro-batches per step, logs
-the experts' load, and exports an adapter and a merged model that its own
+experts with the router loss on, in bf16 mixed precision, activation checkpointing, packed rows and 2 micro-batches per
+step, logs the experts' load, and exports an adapter and a merged model that its own
 verification reloads (plain PEFT, plain transformers) to the run's logits; the merged model reloads with plain
 transformers outside the run too. The parity of every layout with a one-process loop: test_expert_parallel.py and
 test_lora_experts_ep.py (the library's step); this is the recipe's path (config -> session -> build -> finish)."""
@@ -43,11 +43,13 @@ def test_sft_with_ep_size_trains_lora_on_the_experts_and_exports_verified(tmp_pa
         mixed_precision="bf16",
         activation_checkpointing="full",
         gradient_accumulation_steps=2,
+        packing=True,  # several documents per row (position_ids restart): the experts see tokens, not rows
     )
     proc = sft_2ranks(recipe)
     log = proc.stdout + proc.stderr
     assert "expert parallel 2: 2 experts modules (Qwen3MoeExperts)" in log, log[-3000:]
     assert "activation checkpointing full on 2 decoder layers" in log, log[-3000:]
+    assert "examples packed (best-fit decreasing)" in log, log[-3000:]
     assert "adapter verified" in log and "verified" in log.split("adapter verified", 1)[1], log[-3000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3, rows

@@ -1,6 +1,6 @@
 """Worker for tests/distributed/test_lora_experts_ep.py: LoRA on the fused experts under expert parallel (every rank
 holds whole experts, tokens exchanged), trained through the library's own step on 2 gloo ranks (``ep 2``), its adapter
-exported (verified: reloaded with plain PEFT in a fresh process) and merged gather-free (verified). Rank 0 writes
+exported and merged gather-free (not verified by the run: the test reloads both against its reference). Rank 0 writes
 ``<out>/<family>/result.json``. Run under torchrun.
 """
 
@@ -42,7 +42,7 @@ def run_family(acc, meshes, family: str, model_dir: str, out: Path, parameters: 
         done = train_step(model, opt, None, family_batches(step, acc.process_index), settings, acc.device)
         losses.append(done.loss())
         norms.append(float(done.grad_norm))
-    exported = export_lora(
+    export_lora(
         model,
         out / "lora",
         base_model=model_dir,
@@ -55,11 +55,11 @@ def run_family(acc, meshes, family: str, model_dir: str, out: Path, parameters: 
         compute_dtype=torch.float32,
         is_main_process=acc.is_main_process,
         experts=meshes,
+        verify=False,
     )
     return {
         "losses": losses,
         "grad_norms": norms,
-        "reports": [r.summary() if r else None for r in (exported.adapter_report, exported.merged_report)],
     }
 
 
