@@ -63,7 +63,7 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model(args.model).double()  # float64: compiled vs eager differ by rounding only
-    _Plan.backend = args.backend
+    _Plan.backend = args.whole_model_backend if scope == "model" else args.backend
     compile_plan = _Plan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
     cp = layout.startswith("cp")  # context parallel over both ranks: one batch, each rank half of every row
     tp = layout.startswith(
@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--eval_after", type=int, default=2)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--whole_model_backend", default="inductor")
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     tokenizer = AutoTokenizer.from_pretrained(args.model)
