@@ -74,7 +74,10 @@ def tower_blocks(tower: torch.nn.Module) -> torch.nn.ModuleList:
     """
     lists = [m for m in tower.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     if not lists:
-        raise ValueError(f"{type(tower).__name__} has no list of blocks to shard it by")
+        raise ValueError(
+            f"{type(tower).__name__} has no list of blocks to shard it by (another transformers layout than the "
+            "one tested); install the transformers docs/compatibility.md lists"
+        )
     return max(lists, key=lambda m: (len(m), _bytes(m)))
 
 
