@@ -117,10 +117,15 @@ def _result(out: Path, family: str) -> dict:
 
 
 def reference(
-    model_dir: Path, *, lora: bool = False, exclude: str | None = None, parameters: list[str] | None = None
+    model_dir: Path,
+    *,
+    lora: bool = False,
+    exclude: str | None = None,
+    parameters: list[str] | None = None,
+    norms: list[float] | None = None,
 ) -> tuple[list[float], torch.nn.Module]:
     """Plain transformers (+ PEFT) and torch.optim.AdamW in one process, on every rank's micro-batches; a composite
-    with its own class, its tower and projector frozen."""
+    with its own class, its tower and projector frozen. ``norms``: filled with each step's gradient norm."""
     torch.manual_seed(0)
     composite = model_dir.name in COMPOSITE
     auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
@@ -163,10 +168,12 @@ def reference(
             loss = ce / tokens + (coef * out.aux_loss / len(micro) if coef else 0.0)
             loss.backward()
             ce_total += float(ce)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(ce_total / tokens)
+        if norms is not None:
+            norms.append(float(norm))
     return losses, model.eval()
 
 
@@ -227,10 +234,16 @@ def test_lora_adapter_and_merge_reload_with_plain_peft(matrix: tuple[Path, Path]
 
     models, out = matrix
     result = _result(out, family)
+    norms: list[float] = []
     want, ref_model = reference(
-        models / family, lora=True, exclude=LORA_EXCLUDED.get(family), parameters=LORA_PARAMETERS.get(family)
+        models / family,
+        lora=True,
+        exclude=LORA_EXCLUDED.get(family),
+        parameters=LORA_PARAMETERS.get(family),
+        norms=norms,
     )
     _close(result["lora"]["losses"], want)
+    _close(result["lora"]["grad_norms"], norms)  # the adapter's gradients, experts' pairs included
     assert all(r.startswith("verified") for r in result["lora_export"]), result["lora_export"]
     expected = _probe(ref_model)
     limit = 1e-3 * max(1.0, float(expected.abs().max()))
