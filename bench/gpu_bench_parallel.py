@@ -20,7 +20,11 @@ part a rank holds), the sum over ranks is divided by ``cp x tp`` (a group's rank
 step's FLOPs are shared by the ``--procs`` devices: ``tflops_per_device = data ranks x row FLOPs / step_s / procs``;
 MFU against the device's spec peak (``peak_flops_for``). tokens/s: every data rank's row per timed step. The clock
 runs over ``--steps`` steps after ``--warmup`` (compile happens there), each end after a device synchronize; memory:
-``max_memory_allocated``, the largest rank. One ``torchrun`` per sequence length (a fresh process group and
+``max_memory_allocated``, the largest rank; ``collectives_per_step``: one more step's collectives on rank 0 by kind
+(:class:`hf_fsdp2.observe.comms.CollectiveCounter`, eager), printed next to the seconds (docs/performance.md has
+the per-layer counts of tensor parallel); with ``--optim muon`` also Muon's all-to-alls of that step
+(``muon_all_to_alls_per_step``, 2 per bucket) and its owner rounds (``muon_rounds``: 2 all-to-alls each before
+buckets). One ``torchrun`` per sequence length (a fresh process group and
 allocator); a length that fails (OOM, a refusal) is reported with its error, the others still run.
 """
 
@@ -65,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cp-backend", choices=("all_to_all", "ring"), default="all_to_all")
     ap.add_argument("--procs", dest="nproc", type=int, default=None, help="processes (GPUs); default cp x tp")
     ap.add_argument("--ac", choices=("none", "full"), default="full", help="activation checkpointing")
+    ap.add_argument(
+        "--optim",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: Muon on the decoder matrices (its bucketed all-to-alls counted), AdamW on the rest",
+    )
     ap.add_argument(
         "--eager", action="store_true", help="no torch.compile (default: regional compile on GPU)"
     )
@@ -147,6 +157,8 @@ def launch_line(args: argparse.Namespace, seq: int, out: Path, port: int) -> lis
         str(args.nproc),
         "--ac",
         args.ac,
+        "--optim",
+        args.optim,
         "--warmup",
         str(args.warmup),
         "--steps",
@@ -193,11 +205,14 @@ def worker(args: argparse.Namespace) -> None:
 
     from hf_fsdp2 import collectives
     from hf_fsdp2.config.plans import ACPlan, CompilePlan, ShardingPlan
+    from hf_fsdp2.observe.comms import CollectiveCounter
     from hf_fsdp2.observe.flops import peak_flops_for
     from hf_fsdp2.parallel.accelerator import build_accelerator
     from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
     from hf_fsdp2.parallel.tensor import tp_plan_for
     from hf_fsdp2.train.loss import plan_loss
+    from hf_fsdp2.train.muon import MuonSettings, build_muon_adamw
+    from hf_fsdp2.train.muon_exchange import owner_rounds
     from hf_fsdp2.train.optim import build_adamw, param_groups
     from hf_fsdp2.train.step import StepSettings, train_step
 
@@ -238,14 +253,28 @@ def worker(args: argparse.Namespace) -> None:
             for key, start in (("tp", "tensor parallel"), ("cp", "context parallel")):
                 if line.startswith(start):
                     result[key] = line
-        opt = build_adamw(
-            param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
-        )
+        if args.optim == "muon":
+            muon = MuonSettings(lr=1e-4, adjust_lr="match_rms_adamw", weight_decay=0.0)
+            opt, split = build_muon_adamw(
+                model,
+                ("LlamaDecoderLayer",),
+                muon,
+                lr=1e-4,
+                betas=(0.9, 0.95),
+                eps=1e-8,
+                device_type=device.type,
+            )
+            shapes = [(int(p.shape[0]), int(p.shape[1])) for _, p in split.muon]
+            result["muon_rounds"] = len(owner_rounds(shapes, args.nproc // args.tp))
+        else:
+            opt = build_adamw(
+                param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
+            )
         settings = StepSettings(plan_loss(model, 4096), max_grad_norm=1.0)
         gen = torch.Generator().manual_seed(1000 * collectives.data_rank())  # each data rank its own rows
         rows = [
             torch.randint(0, config.vocab_size, (1, seq), generator=gen)
-            for _ in range(args.warmup + args.steps)
+            for _ in range(args.warmup + args.steps + 1)
         ]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -258,10 +287,17 @@ def worker(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        outs += [step(ids) for ids in rows[args.warmup :]]
+        outs += [step(ids) for ids in rows[args.warmup : -1]]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
+        # One more step, untimed and eager, with its collectives counted (FSDP2's, tensor and context parallel's,
+        # the step's own reductions): compiled layers issue the same ones.
+        with torch.compiler.set_stance("force_eager"), CollectiveCounter() as counter:
+            step(rows[-1])
+        result["collectives_per_step"] = counter.counts()
+        if args.optim == "muon":  # of them, Muon's: 2 per bucket of owner rounds (2 per round before buckets)
+            result["muon_all_to_alls_per_step"] = opt.last_collectives
         for out in outs:  # read after the clock: a read waits for the device
             total = collectives.all_reduce_sum(out.loss_sum.detach().float().reshape(1))
             losses.append(float(total) / collectives.tp_size() / max(out.target_tokens, 1))
@@ -338,7 +374,15 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
         keys = (
             ("seq", "tflop_per_device_per_step", "launch")
             if args.dry_run
-            else ("seq", "tokens_per_s", "mfu", "step_s", "error")
+            else (
+                "seq",
+                "tokens_per_s",
+                "mfu",
+                "step_s",
+                "collectives_per_step",
+                "muon_all_to_alls_per_step",
+                "error",
+            )
         )
         shown = {k: v for k, v in entry.items() if k in keys}
         print(json.dumps(shown), flush=True)

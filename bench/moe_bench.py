@@ -218,10 +218,9 @@ def ep_child(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
     if args.ep > 1:
+        from hf_fsdp2.config.plans import MeshPlan
         from hf_fsdp2.parallel.expert_parallel import apply_expert_parallel
         from hf_fsdp2.parallel.expert_shard import expert_meshes, shard_expert_layers
-
-        from hf_fsdp2.config.plans import MeshPlan
 
         meshes = expert_meshes(MeshPlan(dp_shard=world, ep=args.ep), "cpu")
         apply_expert_parallel(model, meshes.ep)

@@ -13,7 +13,8 @@ on the rest), the same peak lr (``match_rms_adamw``: Moonlight's point is that A
 
 Per optimizer: ``loss_first`` / ``loss_last`` (mean of the first / last 3 steps), ``step_s`` (median seconds of a
 whole step after 2 warm-up steps), ``optim_s`` (median seconds of ``optimizer.step()``, ranks synchronised before
-and after), ``optim_share`` (optim_s / step_s), ``comm_mib`` (Muon: MiB this rank sent in its all-to-alls per step).
+and after), ``optim_share`` (optim_s / step_s), ``comm_mib`` (Muon: MiB this rank sent in its all-to-alls per step),
+``all_to_alls`` (Muon: per step, 2 per bucket of owner rounds; ``rounds``: the all-to-alls before buckets, 2 per round).
 Each optimizer runs in its own ``torchrun`` (fresh processes); the JSON goes to ``--json`` and stdout.
 """
 
@@ -58,6 +59,7 @@ def child(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_fsdp2.train.muon import MuonSettings, build_muon_adamw
+    from hf_fsdp2.train.muon_exchange import owner_rounds
     from hf_fsdp2.train.optim import build_adamw, param_groups
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
@@ -86,12 +88,14 @@ def child(args: argparse.Namespace) -> None:
         )
         if rank == 0:
             print(split.describe(), file=sys.stderr)
+        rounds = 2 * len(owner_rounds([(int(p.shape[0]), int(p.shape[1])) for _, p in split.muon], world))
     else:
+        rounds = 0
         opt = build_adamw(
             param_groups(model, 0.0), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, device_type="cpu"
         )
     data = batches(args.vocab, args.data_vocab, args.steps, args.rows * world, args.length, seed=1)
-    losses, step_s, optim_s, comm = [], [], [], []
+    losses, step_s, optim_s, comm, calls = [], [], [], [], []
     for ids in data:
         mine = ids[rank * args.rows : (rank + 1) * args.rows]
         dist.barrier()
@@ -111,6 +115,7 @@ def child(args: argparse.Namespace) -> None:
         step_s.append(t2 - t0)
         optim_s.append(t2 - t1)
         comm.append(getattr(opt, "last_comm_bytes", 0))
+        calls.append(getattr(opt, "last_collectives", 0))
     if rank == 0:
         skip = min(2, len(data) - 1)
         step, optim = statistics.median(step_s[skip:]), statistics.median(optim_s[skip:])
@@ -127,6 +132,8 @@ def child(args: argparse.Namespace) -> None:
                     "optim_s": round(optim, 4),
                     "optim_share": round(optim / step, 4),
                     "comm_mib": round(comm[-1] / 2**20, 2),
+                    "all_to_alls": calls[-1],
+                    "rounds": rounds,  # the all-to-alls before buckets: 2 per owner round
                     "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                 }
             ),
@@ -180,12 +187,13 @@ def main() -> None:
         results.append(json.loads(line[0][7:]))
         print(json.dumps(results[-1]), flush=True)
     print(
-        f"{'optim':6} {'loss first3':>11} {'loss last3':>10} {'step s':>7} {'optim s':>8} {'share':>6} {'comm MiB':>8}"
+        f"{'optim':6} {'loss first3':>11} {'loss last3':>10} {'step s':>7} {'optim s':>8} {'share':>6} {'comm MiB':>8} "
+        f"{'all-to-alls':>11} {'rounds':>6}"
     )
     for r in results:
         print(
             f"{r['optim']:6} {r['loss_first']:11.4f} {r['loss_last']:10.4f} {r['step_s']:7.3f} {r['optim_s']:8.4f} "
-            f"{r['optim_share']:6.1%} {r['comm_mib']:8.2f}"
+            f"{r['optim_share']:6.1%} {r['comm_mib']:8.2f} {r['all_to_alls']:11d} {r['rounds']:6d}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -197,7 +197,7 @@ def train_side(args: argparse.Namespace) -> None:
         group = None
         if rank == 0:
             info = client.wait_until_up()
-            group = WeightGroup.open(client, info, device, 0, 600.0)
+            group = WeightGroup.open(client, info, device, 0, timeout_s=600.0, connect_s=60.0)
         versions = iter(range(1, args.updates + 1))
         update_s, counts = timed(lambda: push_weights(model, client, group, next(versions), args.dtype))
         report["update_seconds"] = update_s

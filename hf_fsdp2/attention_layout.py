@@ -364,6 +364,39 @@ def choose_attention_layout(
     )
 
 
+def check_loaded_attention(
+    loaded: str | None, *, asked: str, packing: bool, padding_free: bool, model_cls: type
+) -> None:
+    """Refuse rows of several documents (``packing`` / ``padding_free``) on a loaded model whose attention does not
+    keep them apart by ``position_ids``. A kernel transformers substituted for the flash kernel asked for is kept:
+    a class that lists its own flash kernels (``_compatible_flash_implementations``: gpt-oss names
+    kernels-community's vllm-flash-attn3, which takes its attention sinks) is loaded with the first of them instead
+    of ``flash_attention_2``/``_3``, run through the same flash path, which takes the boundaries from position_ids.
+
+    Args:
+        loaded: the loaded model's ``config._attn_implementation``.
+        asked: the ``attn_implementation`` setting.
+        packing: rows hold several documents.
+        padding_free: micro-batches flattened into one row.
+        model_cls: the loaded model's class.
+
+    Raises:
+        ConfigError: naming the settings, the kernel that runs and the fix.
+    """
+    from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS, ConfigError
+
+    if not (packing or padding_free) or loaded in PACKED_ATTENTION_IMPLEMENTATIONS:
+        return
+    own = getattr(model_cls, "_compatible_flash_implementations", None) or ()
+    if asked in VARLEN_ATTENTION and loaded is not None and loaded in own and "flash" in loaded:
+        return
+    raise ConfigError(
+        f"packing={packing}, padding_free={padding_free} need an attention implementation that keeps "
+        f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
+        f"{loaded!r}: set attn_implementation to one of them or turn packing off"
+    )
+
+
 def method_rows(data: Any, batch_rows: str) -> tuple[bool, bool | None]:
     """``(packing, padding_free)`` of a method's data section as the layout decision reads them, by the method's
     ``batch_rows``: ``as_configured`` (SFT) as set; ``corpus`` (CPT) rows hold several documents unless

@@ -7,10 +7,12 @@ trains, and refuses by name an image-text-to-text architecture it does not.
 Text fine-tuning trains the language model; the tower and the projector are frozen by default (LLaMA-Factory's
 ``freeze_vision_tower`` / ``freeze_multi_modal_projector``): on text rows they never run, so they take no gradient,
 no optimizer state and (one FSDP2 unit each) no all-gather, and the export carries their bytes from the source files.
+On image records (:mod:`hf_fsdp2.vision`, docs/vlm.md) they run, and train when those keys are false.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +32,10 @@ class CompositeSpec:
         tower: the vision tower's module(s).
         projector: the multi-modal projector's module(s) (inside the tower for Qwen: its merger).
         text_layer: the language model's decoder-layer class: one FSDP2 unit each, what activation checkpointing,
-            compile, float8, QLoRA and Muon see.
-        tower_unit: the tower's class: one FSDP2 unit (frozen on text rows: never gathered).
+            compile, float8, QLoRA and Muon see ("": the text config's model class's, for a composite whose language
+            model is any causal LM: LLaVA, Idefics3; :func:`composite_spec` fills it in).
+        tower_unit: the tower's class: one FSDP2 unit (frozen on text rows: never gathered; "": each encoder layer of
+            the vision config's model is a unit, filled in likewise: LLaVA's tower).
         projector_unit: the projector's class: one FSDP2 unit (None: it lies inside the tower's unit).
     """
 
@@ -46,15 +50,6 @@ class CompositeSpec:
     def fsdp_units(self) -> tuple[str, ...]:
         """The classes FSDP2 wraps one unit each: the language model's decoder layers, the tower, the projector."""
         return (self.text_layer, self.tower_unit, *([self.projector_unit] if self.projector_unit else []))
-
-    def frozen_paths(
-        self, *, freeze_vision_tower: bool, freeze_multi_modal_projector: bool
-    ) -> tuple[str, ...]:
-        """The module paths whose parameters are frozen."""
-        return (
-            *(self.tower if freeze_vision_tower else ()),
-            *(self.projector if freeze_multi_modal_projector else ()),
-        )
 
 
 COMPOSITES: dict[str, CompositeSpec] = {
@@ -97,6 +92,43 @@ COMPOSITES: dict[str, CompositeSpec] = {
             projector_unit="Llama4MultiModalProjector",
         ),
         CompositeSpec(
+            architecture="Qwen2_5_VLForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.visual",),
+            projector=("model.visual.merger",),
+            text_layer="Qwen2_5_VLDecoderLayer",
+            tower_unit="Qwen2_5_VisionTransformerPretrainedModel",
+            projector_unit=None,
+        ),
+        CompositeSpec(
+            architecture="Qwen3VLForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.visual",),
+            # The merger and the DeepStack mergers (which feed image features to early decoder layers) project.
+            projector=("model.visual.merger", "model.visual.deepstack_merger_list"),
+            text_layer="Qwen3VLTextDecoderLayer",
+            tower_unit="Qwen3VLVisionModel",
+            projector_unit=None,
+        ),
+        CompositeSpec(
+            architecture="Idefics3ForConditionalGeneration",
+            language_model="model.text_model",
+            tower=("model.vision_model",),
+            projector=("model.connector",),
+            text_layer="",
+            tower_unit="Idefics3VisionTransformer",
+            projector_unit="Idefics3Connector",
+        ),
+        CompositeSpec(
+            architecture="LlavaForConditionalGeneration",
+            language_model="model.language_model",
+            tower=("model.vision_tower",),
+            projector=("model.multi_modal_projector",),
+            text_layer="",
+            tower_unit="",
+            projector_unit="LlavaMultiModalProjector",
+        ),
+        CompositeSpec(
             architecture="Mistral3ForConditionalGeneration",
             language_model="model.language_model",
             tower=("model.vision_tower",),
@@ -127,6 +159,37 @@ def _image_text_to_text_types() -> dict[str, str]:
     return dict(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
+def _resolved(spec: CompositeSpec, config: Any) -> CompositeSpec:
+    """``spec`` with a text layer or tower unit it leaves to the config ("") filled in: the text model's decoder
+    layer (its ``_no_split_modules``) and the vision model's class."""
+    if spec.text_layer and spec.tower_unit:
+        return spec
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    text_layer, tower_unit = spec.text_layer, spec.tower_unit
+    if not text_layer:
+        layers = list(getattr(MODEL_MAPPING[type(config.get_text_config())], "_no_split_modules", None) or [])
+        if not layers:
+            raise ConfigError(
+                f"{spec.architecture} over {type(config.get_text_config()).__name__}: its language model declares no "
+                "decoder-layer class (_no_split_modules), so its FSDP2 units are unknown; use a composite whose "
+                "language model is a family of docs/models.md"
+            )
+        text_layer = layers[0]
+    if not tower_unit:
+        # The tower's encoder layers, one unit each: LLaVA reads a hidden state of its tower (vision_feature_layer),
+        # which transformers records with hooks it looks up by the tower's class, and FSDP2 changes the class of a
+        # module it makes a unit (FSDPSiglipVisionModel: no hidden states, the forward fails).
+        blocks = list(getattr(MODEL_MAPPING[type(config.vision_config)], "_no_split_modules", None) or [])
+        tower_unit = next((b for b in blocks if b.endswith("Layer")), "")
+        if not tower_unit:
+            raise ConfigError(
+                f"{spec.architecture} over {type(config.vision_config).__name__}: its vision tower declares no layer "
+                f"class ({blocks}) to shard it by; use a SigLIP or CLIP tower"
+            )
+    return dataclasses.replace(spec, text_layer=text_layer, tower_unit=tower_unit)
+
+
 def composite_spec(config: Any) -> CompositeSpec | None:
     """The composite ``config`` describes (None: a causal LM, loaded with ``AutoModelForCausalLM`` as before).
 
@@ -152,7 +215,7 @@ def composite_spec(config: Any) -> CompositeSpec | None:
                 "name conversions to custom code, so the export could not keep the checkpoint's names; use the "
                 "architecture transformers ships (trust_remote_code: false, no auto_map)"
             )
-        return spec
+        return _resolved(spec, config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model_type in _image_text_to_text_types() and text is not config:
         name = architectures[0] if architectures else model_type
@@ -196,19 +259,13 @@ def auto_class(config: Any) -> Any:
     return transformers.AutoModelForImageTextToText
 
 
-def check_composite_run(
-    config: Any,
-    *,
-    tp_size: int,
-    cp_size: int,
-    freeze_vision_tower: bool,
-    freeze_multi_modal_projector: bool,
-) -> CompositeSpec | None:
+def check_composite_run(config: Any, *, tp_size: int, cp_size: int) -> CompositeSpec | None:
     """Refuse, before any work and on every rank alike (config and settings only), what a composite run cannot do
     in this version; returns the composite's spec (None: not a composite, nothing checked).
 
-    Composites train on text rows: the tower and the projector never run on them, so ``false`` for either freeze key
-    would train nothing; tensor and context parallel have plans for the language model's modules only.
+    Tensor and context parallel have plans for the language model's modules only. (``freeze_*: false`` needs image
+    records, which the data decides: the SFT data builder refuses it on text data, and the methods that read no
+    images refuse it by their capabilities.)
 
     Raises:
         ConfigError: as :func:`composite_spec`, or a setting above, naming it, why, and the fix.
@@ -216,17 +273,6 @@ def check_composite_run(
     spec = composite_spec(config)
     if spec is None:
         return None
-    for key, value, part in (
-        ("freeze_vision_tower", freeze_vision_tower, "vision tower"),
-        ("freeze_multi_modal_projector", freeze_multi_modal_projector, "multi-modal projector"),
-    ):
-        if not value:
-            raise ConfigError(
-                f"{key}=false on {spec.architecture}: this version trains composites on text rows only, and the "
-                f"{part} never runs on a text row (only image tokens reach it), so it would get no gradient and "
-                f"nothing would train it; leave {key}: true (the default; it is then frozen, one FSDP2 unit that is "
-                "never gathered, and exported byte-identical)"
-            )
     if tp_size > 1:
         raise ConfigError(
             f"tp_size={tp_size} on {spec.architecture}: tensor parallel splits modules by the family plan of "
@@ -302,14 +348,13 @@ def freeze_parts(
     freeze_multi_modal_projector: bool,
 ) -> list[str]:
     """Freeze the tower and / or the projector in place (``requires_grad_(False)``); returns the parameter names
+    frozen. A projector inside the tower (Qwen's mergers) is the projector's: it trains when only the tower is
     frozen. Every rank calls it alike (the config decides)."""
-    partition(model, spec)  # the table matches this model, or a named error
-    paths = spec.frozen_paths(
-        freeze_vision_tower=freeze_vision_tower, freeze_multi_modal_projector=freeze_multi_modal_projector
-    )
+    parts = partition(model, spec)  # the table matches this model, or a named error
+    names = set(parts["tower"] * freeze_vision_tower + parts["projector"] * freeze_multi_modal_projector)
     frozen = []
     for name, param in _unwrapped(model).named_parameters():
-        if _owners(paths, name):
+        if name in names:
             param.requires_grad_(False)
             frozen.append(name)
     return frozen

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -30,6 +31,8 @@ CPU_PROCESSES = 2  # gloo processes on a machine without a GPU (what the CPU con
 ACCELERATE_LAUNCH = "accelerate.commands.launch"
 # Set for the ranks hf-fsdp2 train launches: their launcher reports a failure in one line (see launcher_main).
 QUIET_LAUNCH_ENV = "HF_FSDP2_QUIET_LAUNCH"
+# torch's switch that gives each rendezvous round (attempt) of a c10d launch its own TCP store.
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Who usually sends the signal that ended a rank, for the launcher's line.
 _SIGNAL_CAUSES = {
     "SIGKILL": ": kill -9, or the out-of-memory killer (dmesg says 'Out of memory')",
@@ -105,7 +108,9 @@ def launch_command(
         )
     local = gpu_count() if gpus is None else gpus
     if config_file is None:
-        name = "fsdp2_multinode.yaml" if num_machines > 1 else ("fsdp2.yaml" if local else "fsdp2_cpu.yaml")
+        # Several nodes with restarts: torchrun's c10d rendezvous, which the nodes of each attempt meet through.
+        multinode = "fsdp2_multinode_elastic.yaml" if max_restarts else "fsdp2_multinode.yaml"
+        name = multinode if num_machines > 1 else ("fsdp2.yaml" if local else "fsdp2_cpu.yaml")
         config_file = str(packaged_accelerate_config(name))
     if num_processes is None:
         num_processes = (local or CPU_PROCESSES) * num_machines
@@ -129,25 +134,32 @@ def launch_command(
     return [*cmd, "-m", "hf_fsdp2.methods", recipe, *recipe_args]
 
 
-def recipe_max_restarts(recipe_args: Sequence[str]) -> int | None:
-    """The ``max_restarts`` a recipe's arguments ask for (the command line's ``--max_restarts``, else the YAML's
-    ``--config`` file's), read before the launch so that it reaches the launcher; None when they ask for none.
-
-    Raises:
-        ValueError: a value that is not a whole number, naming it.
-    """
+def recipe_value(recipe_args: Sequence[str], key: str) -> object:
+    """The value a recipe's arguments give ``key`` (the command line's ``--key``, else the YAML's ``--config``
+    file's), read before the launch; None when they give none."""
     args = list(recipe_args)
     value: object = None
     for i, arg in enumerate(args):
         if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args)):
             from hf_fsdp2.config import load_yaml
 
-            value = load_yaml(arg.split("=", 1)[1] if "=" in arg else args[i + 1]).get("max_restarts", value)
+            value = load_yaml(arg.split("=", 1)[1] if "=" in arg else args[i + 1]).get(key, value)
     for i, arg in enumerate(args):
-        if arg.startswith("--max_restarts="):
+        if arg.startswith(f"--{key}="):
             value = arg.split("=", 1)[1]
-        elif arg == "--max_restarts" and i + 1 < len(args):
+        elif arg == f"--{key}" and i + 1 < len(args):
             value = args[i + 1]
+    return value
+
+
+def recipe_max_restarts(recipe_args: Sequence[str]) -> int | None:
+    """The ``max_restarts`` a recipe's arguments ask for (:func:`recipe_value`), so that it reaches the launcher;
+    None when they ask for none.
+
+    Raises:
+        ValueError: a value that is not a whole number, naming it.
+    """
+    value = recipe_value(recipe_args, "max_restarts")
     if value is None:
         return None
     try:
@@ -177,6 +189,10 @@ def run_train(recipe: str, recipe_args: Sequence[str], **launch: object) -> int:
         raise FileNotFoundError(f"no Python interpreter at {cmd[0]}")
     print("hf-fsdp2 train: " + " ".join(cmd), file=sys.stderr, flush=True)
     env = dict(os.environ)
+    if "--max_restarts" in cmd and launch.get("num_machines", 1) != 1:  # type: ignore[operator]
+        # Each attempt's own store on several nodes: the agent's shared one would hand a restart the previous attempt's
+        # keys, and its nodes need not count their restarts alike (docs/restarts.md).
+        env.setdefault(SHARE_STORE_ENV, "1")
     if not env.get("HF_FSDP2_DEBUG") and cmd[1:3] == ["-m", ACCELERATE_LAUNCH]:
         # The same accelerate launch, run by launcher_main: a failed rank's error is not followed by the launcher's
         # traceback (the command line keeps "accelerate.commands.launch": the ranks read their launch from it).
@@ -219,26 +235,55 @@ def launcher_main(argv: Sequence[str]) -> int:
     from accelerate.commands.launch import launch_command as accelerate_launch
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     if list(argv[:1]) != [ACCELERATE_LAUNCH]:
         raise ValueError(
             f"usage: python -m hf_fsdp2.launch {ACCELERATE_LAUNCH} [accelerate launch arguments]"
         )
-    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... closing signal" lines: the line below. With
+    # restarts its "failed (exitcode: -9) local_rank: 1 (pid ...)" stays: the one place a restarted rank's signal shows.
+    restarts = recipe_max_restarts([a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+        logging.ERROR if restarts else logging.CRITICAL
+    )
+    started = time.time()
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv[1:])))
+    except RendezvousTimeoutError:
+        # A restart's rendezvous waited for every node and one never came back: name it from the run's records.
+        args = list(argv[1:])
+        node = int(recipe_value(args, "machine_rank") or recipe_value(args, "node_rank") or 0)  # type: ignore[call-overload]
+        output_dir = recipe_value(args, "output_dir")
+        from hf_fsdp2.elastic.attempts import lost_nodes
+
+        lost = lost_nodes(Path(str(output_dir)), node) if output_dir else "the recipe names no output_dir"
+        print(
+            f"hf-fsdp2 train: exit status 1: the restart's rendezvous timed out on node {node}: {lost}. Start it "
+            "again (or replace it) and run the same command on every node: the run resumes from its newest "
+            "checkpoint (resume_from_checkpoint: auto); --rdzv_conf join_timeout=<s> waits longer",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except ChildFailedError as err:
         # Which rank to name: one killed by a signal printed nothing and the others' errors follow from losing it, but
         # the agent stamps a killed rank when it notices, often after the rank that lost it wrote its error, so a
-        # killed rank comes first; then a rank that exited with its own error; last one ended by SIGTERM, the agent's
-        # signal to the ranks still running once one failed (collateral, whatever its stamp). Ties: the earlier stamp.
+        # killed rank comes first; then a rank that exited with its own error; then one that exited on losing another
+        # (its record in the run folder says so: the same status 1, often stamped first); last one ended by SIGTERM,
+        # the agent's signal to the ranks still running once one failed (collateral). Ties: the earlier stamp.
         failures = err.failures
+        output_dir = recipe_value(list(argv[1:]), "output_dir")
+        from hf_fsdp2.elastic.attempts import lost_only
+
+        # A second's margin: a file's time comes from the kernel's coarse clock, behind time.time() by a tick.
+        lost_ranks = lost_only(Path(str(output_dir)), since=started - 1.0) if output_dir else set()
 
         def precedence(rank: int) -> tuple[int, float]:
             f = failures[rank]
-            order = 2 if f.exitcode < 0 and f.signal_name() == "SIGTERM" else 0 if f.exitcode < 0 else 1
-            return order, f.timestamp
+            if f.exitcode < 0:
+                return (3 if f.signal_name() == "SIGTERM" else 0), f.timestamp
+            return (2 if rank in lost_ranks else 1), f.timestamp
 
         first = min(failures, key=precedence)
         failure = failures[first]
@@ -247,9 +292,6 @@ def launcher_main(argv: Sequence[str]) -> int:
             for rank, f in sorted(err.failures.items())
         )
         status = failure.exitcode if failure.exitcode > 0 else 1
-        restarts = recipe_max_restarts(
-            [a for a in argv if a.startswith("--max_restarts")] + _flag_value(argv)
-        )
         attempts = (
             f" in the last of its {restarts + 1} attempts (max_restarts {restarts})" if restarts else ""
         )

@@ -205,6 +205,16 @@ def load_model(
     return model
 
 
+def meta_model(config: PretrainedConfig, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model of ``config`` built on the meta device (a composite with its own class): its modules and shapes,
+    no memory and nothing read; for what must be known of the model before it loads."""
+    import copy
+
+    config = copy.deepcopy(config)
+    with torch.device("meta"):
+        return auto_class(config).from_config(config, trust_remote_code=trust_remote_code)  # type: ignore[no-any-return]
+
+
 def read_generation_files(
     model: torch.nn.Module, name_or_path: str, *, revision: str | None, trust_remote_code: bool
 ) -> None:

@@ -6,8 +6,9 @@
 # offload vs none; a CUDA memory snapshot; `bench/gpu_bench.py --quick` (1B shape); the 1B memory plan vs the
 # measured peak; the GRPO recipe (rollout on the FSDP2 policy, rewards, verified export); the Liger test; with 2+
 # GPUs, ring context parallel (cp 2 ring vs all-to-all vs cp 1 at 8k tokens) and the GRPO weight sync to a vLLM
-# server (seconds per update beside its all-gathers, broadcasts and bytes: bench/vllm_sync_bench.py); both skipped
-# on one GPU: NCCL forbids two ranks on one device. Nothing is downloaded. A failing check does not stop the others; each has a budget,
+# server (seconds per update beside its all-gathers, broadcasts and bytes: bench/vllm_sync_bench.py) and context
+# parallel + Muon at 8k tokens (seconds beside the step's counted all-to-alls: bench/gpu_bench_parallel.py); all
+# skipped on one GPU: NCCL forbids two ranks on one device. Nothing is downloaded. A failing check does not stop the others; each has a budget,
 # printed beside its time.
 #
 #   bash scripts/gpu_check.sh                  # scripts/setup.sh first (CUDA torch where nvidia-smi lists a GPU)
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
     --bundle) BUNDLE=${2:?--bundle needs a folder (what scripts/offline_bundle.sh built)}; OFFLINE=1; shift ;;
     --out) OUT=${2:?--out needs a path}; shift ;;
     -k) SELECT=${2:?-k needs an expression}; shift ;;
-    -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --no-setup, --offline, --bundle DIR, --out PATH, -k EXPR)" >&2
        exit 2 ;;
   esac

@@ -1,5 +1,5 @@
-"""``hf-fsdp2 convert-smollm2``, ``demo-data``, ``eval-task``, ``eval-preference``: the demo's model, data and
-scores (:mod:`hf_fsdp2.demo`)."""
+"""``hf-fsdp2 convert-smollm2``, ``demo-data``, ``eval-task``, ``eval-preference``: the demos' models, data and
+scores (:mod:`hf_fsdp2.demo`; ``--vlm``: the vision-language demo, :mod:`hf_fsdp2.demo.vision`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from hf_fsdp2.commands.common import Subparsers, load_failed, model_path, read_r
 def _run_convert_smollm2(args: argparse.Namespace) -> int:
     from hf_fsdp2.demo.assets import ensure_smollm2
 
-    print(ensure_smollm2(args.cache_dir, force=args.force))
+    text = ensure_smollm2(args.cache_dir, force=args.force)
+    if args.vlm:  # the vision-language demo's composite, built on the converted folder
+        from hf_fsdp2.demo.vision import build_smolvlm
+
+        print(build_smolvlm(text, text.parent / "SmolVLM-demo"))
+        return 0
+    print(text)
     return 0
 
 
@@ -34,6 +40,12 @@ def register_convert_smollm2(subparsers: Subparsers) -> None:
         help="parent folder of the converted model (default: $HF_FSDP2_CACHE or ~/.cache/hf_fsdp2)",
     )
     p.add_argument("--force", action="store_true", help="convert again and replace an existing folder")
+    p.add_argument(
+        "--vlm",
+        action="store_true",
+        help="also build the vision-language demo's composite (<cache-dir>/SmolVLM-demo: SmolLM2 as its language "
+        "model, a new small vision tower and connector) once, and print that folder",
+    )
     p.set_defaults(func=_run_convert_smollm2)
 
 
@@ -41,6 +53,13 @@ def _run_demo_data(args: argparse.Namespace) -> int:
     from hf_fsdp2.demo.tasks import make_preference_records, make_task_records, write_jsonl
 
     out_dir: Path = args.out_dir
+    if args.vlm:  # questions about synthetic images, for the vision-language demo
+        from hf_fsdp2.demo.vision import write_vision_data
+
+        print(
+            json.dumps(write_vision_data(out_dir, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed))
+        )
+        return 0
     if args.corpus:  # plain-text plays for the continued-pre-training demo
         from hf_fsdp2.demo.assets import write_play_corpus
 
@@ -99,6 +118,12 @@ def register_demo_data(subparsers: Subparsers) -> None:
         help="also write the training records as GRPO prompts with their answer (OUT_DIR/grpo_train.jsonl)",
     )
     p.add_argument(
+        "--vlm",
+        action="store_true",
+        help="write image records instead: the colour of the shape in synthetic images drawn here, the PNG files under "
+        "OUT_DIR/img/ (the vision-language demo)",
+    )
+    p.add_argument(
         "--corpus",
         action="store_true",
         help="write Shakespeare's plays as plain text (OUT_DIR/train/*.txt, and one held-out play in "
@@ -113,6 +138,17 @@ def _run_eval_task(args: argparse.Namespace) -> int:
     # A folder only: evaluate_folder reads a local export (no hub id).
     records = read_records(args.eval_jsonl, "EVAL_JSONL")
     model_dir = model_path(args.model_dir, what="MODEL_DIR", hub=False)
+    if any(r.get("images") for r in records):  # image records: the vision-language demo's task
+        from hf_fsdp2.demo.vision import evaluate_vision_folder
+
+        try:
+            scores = evaluate_vision_folder(
+                Path(model_dir), records, args.eval_jsonl.parent, batch_size=args.batch_size
+            )
+        except (OSError, ValueError) as err:
+            raise load_failed("MODEL_DIR", model_dir, err) from err
+        print(json.dumps(scores))
+        return 0
     try:
         score = evaluate_folder(
             model_dir, records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
@@ -128,7 +164,9 @@ def register_eval_task(subparsers: Subparsers) -> None:
         "eval-task",
         help="greedy exact-match accuracy of an HF model folder on a JSON-lines file of chat records",
         description=(
-            'Load MODEL_DIR (fp32, CPU), answer every record of EVAL_JSONL greedily and print {"exact_match": x, "n": n}.'
+            'Load MODEL_DIR (fp32, CPU), answer every record of EVAL_JSONL greedily and print {"exact_match": x, "n": n}. '
+            "Image records (an 'images' column, paths relative to EVAL_JSONL's folder) are answered by a "
+            "vision-language folder with its processor (the count of distinct answers printed too)."
         ),
     )
     p.add_argument(

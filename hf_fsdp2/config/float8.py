@@ -46,11 +46,14 @@ def check_float8_combination(
     tp_size: int,
     ram_efficient_loading: bool | None,
     optim: str = "adamw",
+    all_gather: bool = False,
+    ep_size: int = 1,
 ) -> None:
     """What ``mixed_precision=fp8`` cannot be combined with, refused before any work.
 
     Raises:
-        ConfigError: QLoRA, LoRA, tensor parallel, rank-0-only loading (set to true) or Muon with fp8.
+        ConfigError: QLoRA, LoRA, tensor parallel with the float8 weight all-gather, expert parallel, rank-0-only
+            loading (set to true) or Muon with fp8.
     """
     check(
         optim == "adamw",
@@ -71,9 +74,17 @@ def check_float8_combination(
         "use mixed_precision=bf16 with LoRA, or full fine-tuning with fp8",
     )
     check(
-        tp_size == 1,
-        f"mixed_precision=fp8 with tp_size={tp_size} is not supported: the decoder layers' tensor-parallel plan "
-        "splits plain linears, and float8 ones need torchao's float8 tensor-parallel styles; use tp_size=1 or bf16",
+        tp_size == 1 or not all_gather,
+        f"mixed_precision=fp8 with tp_size={tp_size} and fp8_all_gather=true (the default with tensorwise scaling) is "
+        "not supported: FSDP2's float8 all-gather of weights that tensor parallel has split too (2-D DTensors of "
+        "torchao's float8-cast wrappers) is not verified by hf_fsdp2; set fp8_all_gather=false (the weights gather in "
+        "bf16; the activations still cross the tp ranks in float8), or tp_size=1",
+    )
+    check(
+        ep_size == 1,
+        f"mixed_precision=fp8 with ep_size={ep_size} is not supported: FP8 converts the decoder layers' linears, and "
+        "expert parallel runs the routed experts as grouped matmuls over fused 3-D weights, which this version has "
+        "no float8 grouped GEMM for; use mixed_precision=bf16 with ep_size, or ep_size=1 with fp8",
     )
     check(
         not ram_efficient_loading,

@@ -85,6 +85,8 @@ class Config:
                 tp_size=f.tp_size or 1,
                 ram_efficient_loading=f.fsdp_cpu_ram_efficient_loading,
                 optim=t.optim,
+                all_gather=t.float8_plan().all_gather,
+                ep_size=f.ep_size or 1,
             )
         if p.load_in_4bit and p.bnb_4bit_compute_dtype is not None:
             compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision, m.torch_dtype)

@@ -93,13 +93,20 @@ CP_BACKENDS = ("auto", "all_to_all", "ring")
 class MeshPlan:
     """The device mesh of a run, in Accelerate's ``ParallelismConfig`` names: ``dp_replicate`` x ``dp_shard``
     (x ``tp`` x ``cp``) = world size. ``dp_replicate > 1`` is HSDP: parameters sharded over the ``dp_shard``
-    ranks of a replica group (one node) and replicated over the groups (across nodes)."""
+    ranks of a replica group (one node) and replicated over the groups (across nodes).
+
+    ``ep > 1`` is expert parallel (torchtitan's "dp2ep"): the routed experts of every MoE layer are split over ``ep``
+    ranks borrowed from the ``dp_shard x cp`` ranks a parameter is sharded over (``ep`` innermost: ranks ``k x ep`` ..
+    ``(k + 1) x ep - 1`` of a replica group share one expert split); the experts' own FSDP2 dimension is what remains,
+    ``efsdp = dp_shard x cp / ep``. Every other parameter keeps the FSDP2 layout above. No extra ranks: ``ep`` is not a
+    factor of the world size."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
     cp_backend: str = "all_to_all"
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -114,6 +121,11 @@ class MeshPlan:
         """Ranks a parameter is sharded over: ``dp_shard x cp`` (context-parallel ranks share the shards, as in
         torchtitan)."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks a routed expert is sharded over: ``dp_shard x cp / ep`` (expert parallel borrows ``ep`` of them)."""
+        return self.fsdp_shard // self.ep
 
     def describe(self) -> str:
         if self.hybrid:
@@ -134,6 +146,12 @@ class MeshPlan:
                 f"; tensor parallel {self.tp}: each decoder layer's linear weights split over {self.tp} ranks that "
                 f"read the same batches, every parameter a 2-D DTensor (data shards x tp)"
             )
+        if self.ep > 1:
+            text += (
+                f"; expert parallel {self.ep}: each MoE layer's routed experts split over {self.ep} ranks (tokens "
+                f"exchanged by all-to-all), each split sharded over {self.efsdp} rank(s) (efsdp = dp_shard "
+                f"{self.dp_shard} x cp {self.cp} / ep {self.ep}); every other parameter as above"
+            )
         return text
 
 
@@ -151,15 +169,18 @@ def resolve_mesh(
     tp: int | None,
     cp: int | None,
     cp_backend: str = "auto",
+    ep: int | None = None,
 ) -> MeshPlan:
     """The mesh for ``world`` ranks from the configured sizes (None: 1, and ``dp_shard`` the rest).
 
     Raises:
-        ConfigError: sizes that do not multiply to the world size (with the numbers), or an unknown CP backend.
+        ConfigError: sizes that do not multiply to the world size (with the numbers), an unknown CP backend, an
+            ``ep_size`` that does not divide ``dp_shard_size x cp_size``, or expert parallel with tensor parallel.
     """
     r = _size(dp_replicate, "dp_replicate_size") or 1
     t = _size(tp, "tp_size") or 1
     c = _size(cp, "cp_size") or 1
+    e = _size(ep, "ep_size") or 1
     s = _size(dp_shard, "dp_shard_size")
     if s is None:
         if world % (r * t * c):
@@ -176,6 +197,7 @@ def resolve_mesh(
         tp=t,
         cp=c,
         cp_backend="all_to_all" if cp_backend == "auto" else cp_backend,
+        ep=e,
     )
     if r > 1 and s * c == 1:
         raise ConfigError(
@@ -188,7 +210,31 @@ def resolve_mesh(
             f"run has {world} processes; the sizes must multiply to the world size (leave dp_shard_size unset to "
             "take the rest)"
         )
+    if e > 1:
+        check_expert_mesh(mesh)
     return mesh
+
+
+def check_expert_mesh(mesh: MeshPlan) -> None:
+    """Refuse an expert-parallel size the mesh cannot hold (model-independent; the model's own checks are
+    :func:`hf_fsdp2.parallel.experts.check_expert_parallel`).
+
+    Raises:
+        ConfigError: ``ep_size`` not dividing ``dp_shard_size x cp_size``, or with ``tp_size > 1``.
+    """
+    if mesh.tp > 1:
+        raise ConfigError(
+            f"ep_size={mesh.ep} with tp_size={mesh.tp} is not supported: tensor parallel leaves MoE layers whole "
+            "(transformers' fused-expert plan styles have no torch equivalent) and expert parallel borrows data "
+            "ranks, so the two would split one layer two ways; use tp_size=1 with ep_size, or ep_size=1"
+        )
+    if mesh.fsdp_shard % mesh.ep:
+        raise ConfigError(
+            f"ep_size={mesh.ep} does not divide dp_shard_size x cp_size = {mesh.dp_shard} x {mesh.cp} = "
+            f"{mesh.fsdp_shard}: expert parallel borrows its ranks from the ranks a parameter is sharded over (the "
+            f"experts keep dp_shard x cp / ep of them for their own FSDP2 shards); choose an ep_size that divides "
+            f"{mesh.fsdp_shard}"
+        )
 
 
 @dataclass(frozen=True)

@@ -326,6 +326,14 @@ class FSDPArgs:
             "the sequence per rank); parameters are sharded over dp_shard_size x cp_size. Unset: 1."
         },
     )
+    ep_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Expert parallel (MoE models): each MoE layer's routed experts split over this many ranks, "
+            "borrowed from dp_shard_size x cp_size (tokens exchanged by all-to-all); the experts' FSDP2 shards span "
+            "dp_shard_size x cp_size / ep_size ranks, every other parameter stays as without. Unset: 1."
+        },
+    )
     cp_backend: str = field(
         default="auto",
         metadata={
@@ -455,11 +463,12 @@ class FSDPArgs:
             tp=pick("tp_size"),
             cp=pick("cp_size"),
             cp_backend=self.cp_backend,
+            ep=self.ep_size,
         )
 
     def validate(self) -> None:
         """Raises ConfigError for a value argparse cannot refuse."""
-        for key in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+        for key in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"{key}={value} must be >= 1")
         check(

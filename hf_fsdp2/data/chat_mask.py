@@ -56,15 +56,16 @@ def render(
     index: int,
     columns: Sequence[str],
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> str:
-    """``turns`` rendered by the chat template, which receives ``tools`` (as TRL's SFTTrainer passes them); a template
-    error becomes a `RecordError` naming the record.
+    """``turns`` rendered by the chat template (``chat_template``, else the tokenizer's), which receives ``tools`` (as
+    TRL's SFTTrainer passes them); a template error becomes a `RecordError` naming the record.
 
     Raises:
         ValueError: The tokenizer has no chat template.
         RecordError: The template rejected the conversation, or it has tools and the template reads no ``tools``.
     """
-    if tokenizer.chat_template is None:
+    if chat_template is None and tokenizer.chat_template is None:
         raise ValueError(
             f"{source or 'The dataset'} has conversational prompt/completion records but the tokenizer "
             "has no chat_template; set tokenizer.chat_template."
@@ -83,7 +84,11 @@ def render(
         )
     try:
         rendered = tokenizer.apply_chat_template(
-            turns, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            turns,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            chat_template=chat_template,
         )
     except Exception as err:
         if tool_use:
@@ -110,17 +115,38 @@ def render(
     return rendered
 
 
-def chat_strings(
-    tokenizer: PreTrainedTokenizerBase, chat: _Chat, *, source: str, index: int, columns: Sequence[str]
-) -> list[str]:
-    """What `chat_labels` needs encoded: the whole conversation, then for each trained assistant turn the
-    render before it (with the generation prompt) and the render through it."""
+def chat_renders(chat: _Chat) -> list[tuple[list[dict[str, Any]], bool]]:
+    """The renders `chat_strings` makes, as ``(turns, generation prompt)``: the whole conversation, then for each
+    trained assistant turn the turns before it (with the generation prompt) and the turns through it."""
     renders = [(chat.messages, False)]
     for turn in chat.trained or []:
         renders += [(chat.messages[:turn], True), (chat.messages[: turn + 1], False)]
+    return renders
+
+
+def chat_strings(
+    tokenizer: PreTrainedTokenizerBase,
+    chat: _Chat,
+    *,
+    source: str,
+    index: int,
+    columns: Sequence[str],
+    chat_template: str | None = None,
+) -> list[str]:
+    """What `chat_labels` needs encoded: the renders of `chat_renders` (``chat_template``: a processor's, else the
+    tokenizer's)."""
     strings = [
-        render(tokenizer, turns, prompt, source=source, index=index, columns=columns, tools=chat.tools)
-        for turns, prompt in renders
+        render(
+            tokenizer,
+            turns,
+            prompt,
+            source=source,
+            index=index,
+            columns=columns,
+            tools=chat.tools,
+            chat_template=chat_template,
+        )
+        for turns, prompt in chat_renders(chat)
     ]
     missing = render_problem(chat.messages, chat.tools, chat.trained, strings[0])
     if missing:

@@ -240,6 +240,10 @@ class DataStream:
     yielded: a DataLoader with workers prefetches ahead. Each epoch reshuffles with ``seed + epoch``.
     """
 
+    # No attribute beyond these: a method's code cannot hand the loop something through the stream (a write such
+    # as ``stream.holder = ...`` raises); subclasses declare ``__slots__`` too.
+    __slots__ = ("batch_size", "batches_in_epoch", "epoch", "loader", "sampler")
+
     def __init__(self, loader: DataLoader, sampler: ShardedSampler, batch_size: int) -> None:
         self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
         self.epoch = 0

@@ -21,6 +21,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from hf_fsdp2.config.sources import DataSource, parse_column_mapping, parse_source, resolve_sources
+from hf_fsdp2.data.images import image_column, image_root
 from hf_fsdp2.data.loading import apply_column_mapping, load_source
 from hf_fsdp2.data.tokenize import TokenizeStats, tokenize_dataset
 from hf_fsdp2.data.tool_calls import read_tools_option
@@ -70,6 +71,24 @@ class SFTData:
         return lines
 
 
+def with_image_columns(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    """``parts``, the text ones given the image columns (no render, no image) when another part has images, so a
+    mixture of image and text sources concatenates; unchanged when none has."""
+    if not any("images" in p.column_names for p in parts):
+        return parts
+    from hf_fsdp2.data.vision_encode import VISION_FEATURES
+
+    out = []
+    for part in parts:
+        if "images" not in part.column_names:
+            part = part.add_column("text", [""] * len(part)).add_column(
+                "images", [[] for _ in range(len(part))]
+            )
+            part = part.cast(VISION_FEATURES)
+        out.append(part)
+    return out
+
+
 def _weighted_indices(n: int, weight: float, seed: int, salt: int) -> np.ndarray:
     """``round(weight * n)`` indices of ``range(n)``: whole copies, then a seeded subset without repeats."""
     total = round(weight * n)
@@ -96,6 +115,7 @@ def build_sft_datasets(
     eval_source: DataSource | None = None,
     eval_split_fraction: float = 0.0,
     load: Callable[[DataSource], datasets.Dataset] = load_source,
+    load_processor: Callable[[], Any] | None = None,
 ) -> SFTData:
     """Load, map columns, tokenize (cached) and mix the training sources; build the eval set.
 
@@ -117,6 +137,8 @@ def build_sft_datasets(
         eval_source: A separate eval source (its weight is ignored), or None.
         eval_split_fraction: Fraction of the training examples held out for eval, in ``[0, 1)``.
         load: How a source is read (tests replace it).
+        load_processor: Gives the model's processor, called for a source with images only (None: a text model; an
+            image column is then refused).
 
     Returns:
         The `SFTData`.
@@ -153,6 +175,8 @@ def build_sft_datasets(
             source=source.describe(),
             num_proc=num_proc,
             tools=tools,
+            processor=load_processor() if load_processor and image_column(raw.column_names) else None,
+            image_root=image_root(source.name),
         )
         if bad_lines:  # lines that were not records at all: skipped before tokenizing, counted here
             skipped = dict(stats.skipped)
@@ -190,7 +214,7 @@ def build_sft_datasets(
         counts.append(len(indices))
         is_identity = len(indices) == len(examples) and bool((indices == np.arange(len(examples))).all())
         parts.append(examples if is_identity else examples.select(indices))
-    train = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    train = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(with_image_columns(parts))
 
     eval_set: datasets.Dataset | None = None
     description = ""
@@ -199,7 +223,11 @@ def build_sft_datasets(
         all_stats.append(eval_stats)
         description = f"from {eval_source.describe()}"
     elif eval_split_fraction > 0:
-        eval_set = eval_parts[0] if len(eval_parts) == 1 else datasets.concatenate_datasets(eval_parts)
+        eval_set = (
+            eval_parts[0]
+            if len(eval_parts) == 1
+            else datasets.concatenate_datasets(with_image_columns(eval_parts))
+        )
         description = f"{eval_split_fraction:g} of each source held out from train, seed {seed}"
     if eval_set is not None and len(eval_set) == 0:
         raise ValueError(
@@ -219,8 +247,10 @@ def build_sft_datasets_from_config(
     *,
     seed: int,
     load: Callable[[DataSource], datasets.Dataset] = load_source,
+    load_processor: Callable[[], Any] | None = None,
 ) -> SFTData:
-    """:func:`build_sft_datasets` with every setting taken from a recipe's data section.
+    """:func:`build_sft_datasets` with every setting taken from a recipe's data section (``load_processor``: gives
+    the model's processor, for sources with images).
 
     The recipe and ``hf-fsdp2 show-data`` both call this, so what the latter shows is what trains.
     """
@@ -248,6 +278,7 @@ def build_sft_datasets_from_config(
         else None,
         eval_split_fraction=d.eval_split_fraction,
         load=load,
+        load_processor=load_processor,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -30,6 +31,7 @@ from hf_fsdp2.data.encode import (
     TRUNCATED,
     BatchTokenizer,
 )
+from hf_fsdp2.data.images import check_image_format, image_column
 from hf_fsdp2.data.records import (
     _FORMAT_COLUMNS,
     BAD_RECORD_POLICIES,
@@ -39,6 +41,7 @@ from hf_fsdp2.data.records import (
     detect_format,
 )
 from hf_fsdp2.data.tool_calls import ToolDataError, parse_tools
+from hf_fsdp2.data.vision_encode import VISION_FEATURES, VisionBatchTokenizer, processor_fingerprint
 
 # Bump when tokenization changes, so that caches written by older code are not reused.
 _PIPELINE_VERSION = 3
@@ -127,6 +130,8 @@ def tokenize_dataset(
     source: str = "",
     num_proc: int | None = None,
     tools: list[dict[str, Any]] | str | None = None,
+    processor: Any = None,
+    image_root: Path | None = None,
 ) -> tuple[datasets.Dataset, TokenizeStats]:
     """Tokenize records into ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where there is no loss).
 
@@ -162,6 +167,8 @@ def tokenize_dataset(
         source: Name of the dataset used in messages (e.g. its path).
         num_proc: Processes for the map (None: this process).
         tools: Tool schemas (a list or its JSON string) for the chat records without a ``tools`` column value.
+        processor: The model's processor (a vision-language composite's), for a dataset with images.
+        image_root: The folder relative image paths are read from (the data file's).
 
     Returns:
         The tokenized dataset (columns ``input_ids``, ``labels``, ``length``, ``num_targets``) and its
@@ -198,7 +205,7 @@ def tokenize_dataset(
         default_tools = parse_tools(tools)
     except ToolDataError as err:
         raise ValueError(f"The tools given for {source or 'the dataset'}: {err}.") from err
-    function = BatchTokenizer(
+    function: BatchTokenizer | VisionBatchTokenizer = BatchTokenizer(
         tokenizer,
         dataset_format=dataset_format,
         max_length=max_length,
@@ -209,6 +216,25 @@ def tokenize_dataset(
         source=source,
         tools=default_tools,
     )
+    features, vision = TOKENIZED_FEATURES, ""
+    if image_column(columns) is not None:
+        check_image_format(dataset_format, columns, source)
+        if processor is None:
+            raise ValueError(
+                f"{source or 'The dataset'} has an image column ({image_column(columns)!r}) but the model is not a "
+                "vision-language checkpoint (no processor builds image inputs for it): train a vision-language "
+                "composite (docs/vlm.md lists them), or drop the column for a text run"
+            )
+        function = VisionBatchTokenizer(
+            processor,
+            max_length=max_length,
+            chat_loss=chat_loss,
+            long_examples=long_examples,
+            on_bad_record=on_bad_record,
+            source=source,
+            image_root=image_root,
+        )
+        features, vision = VISION_FEATURES, processor_fingerprint(processor) + str(image_root)
     settings = [
         dataset_format,
         max_length,
@@ -218,6 +244,7 @@ def tokenize_dataset(
         on_bad_record,
         source,
         default_tools,
+        *([vision] if vision else []),
     ]
     fingerprint = Hasher.hash(
         [_PIPELINE_VERSION, dataset._fingerprint, tokenizer_fingerprint(tokenizer), settings]
@@ -228,7 +255,7 @@ def tokenize_dataset(
         with_indices=True,
         remove_columns=columns,
         num_proc=num_proc,
-        features=TOKENIZED_FEATURES,
+        features=features,
         new_fingerprint=fingerprint,
         load_from_cache_file=True,
         desc=f"Tokenizing {source}" if source else "Tokenizing",

@@ -269,8 +269,6 @@ def wrap_findings(model_config: Any, settings: Mapping[str, Any], cfg: Config) -
             model_config,
             tp_size=f.tp_size or 1,
             cp_size=f.cp_size or 1,
-            freeze_vision_tower=m.freeze_vision_tower,
-            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
         )
     except ConfigError as err:
         return [

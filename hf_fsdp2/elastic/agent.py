@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -158,3 +159,61 @@ def _attempt_rendezvous(url: str, timeout: Any = None, **kwargs: Any) -> Iterato
     attempt = AgentLaunch.from_env().attempt
     yield dist.PrefixStore(f"/hf_fsdp2/attempt_{attempt}", store), rank, world
     raise RuntimeError("the hf-fsdp2-attempt:// rendezvous cannot run twice in one process")
+
+
+class NodeLostError(RuntimeError):
+    """A rank of the launch did not join a restarted attempt: its node did not come back."""
+
+
+ARRIVAL_S = 300.0  # the longest a restarted attempt waits for every rank before its process group (at most ddp_timeout)
+
+
+def check_arrival(launch: AgentLaunch, *, timeout_s: float, layout: list[dict[str, Any]]) -> Any:
+    """A restarted attempt on several nodes: every rank says it is here through the launch's store and waits, at most
+    ``timeout_s``, for all of them, before the process group, whose creation would wait ``ddp_timeout`` for a rank
+    that never comes. torch's c10d agent restarts its ranks after a failure without meeting the other nodes again,
+    so a node lost with the failure is counted in the restart; the ranks find it missing here. Returns what must
+    stay alive until the process group exists (rank 0's store); None where there is nothing to check.
+
+    Raises:
+        NodeLostError: naming each rank that did not come, with its node and host in the last attempt (``layout``).
+    """
+    import torch.distributed as dist
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if launch.attempt == 0 or int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1 or world <= 1:
+        return None
+    from datetime import timedelta
+
+    shared = os.environ.get(_USE_AGENT_STORE) == str(True)
+    # The agent's store (shared: under this attempt's prefix), or the one rank 0 hosts for this attempt's process
+    # group (created here, multi-tenant: the group's env:// rendezvous reuses it).
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not shared,
+        timeout=timedelta(seconds=max(timeout_s, 1.0)),
+        wait_for_workers=False,  # the wait is below, bounded, and names who is missing
+        multi_tenant=True,
+    )
+    here = dist.PrefixStore(f"/hf_fsdp2/arrival/attempt_{launch.attempt}", store)
+    here.set(f"rank_{rank}", os.environ.get("GROUP_RANK", "0"))
+    deadline = time.monotonic() + timeout_s
+    keys = [f"rank_{r}" for r in range(world)]
+    while time.monotonic() < deadline:
+        if here.check(keys):
+            return store
+        time.sleep(0.2)
+    missing = [r for r in range(world) if not here.check([f"rank_{r}"])]
+    if not missing:
+        return store
+    where = {int(p["rank"]): p for p in layout}
+    named = ", ".join(
+        f"rank {r}" + (f" (node {where[r]['node']}, {where[r]['host']})" if r in where else "")
+        for r in missing
+    )
+    raise NodeLostError(
+        f"{launch.describe()}: {named} did not join within {timeout_s:.0f} s: its node did not come back (lost, or "
+        "its launcher stopped); the process group cannot form without it"
+    )

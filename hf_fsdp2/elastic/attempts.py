@@ -79,6 +79,19 @@ def read_ends(output_dir: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
 
+def lost_only(output_dir: Path, *, since: float) -> set[int]:
+    """The ranks whose record, written since ``since`` (this launch), says they ended on losing another rank: never
+    the cause of their attempt's end (for the launcher's line, whose failures all look alike: exit status 1)."""
+    lost = set()
+    for path in (Path(output_dir) / ATTEMPT_DIR).glob("rank*.json"):
+        try:
+            if path.stat().st_mtime >= since and json.loads(path.read_text()).get("kind") == LOST:
+                lost.add(int(path.stem.removeprefix("rank")))
+        except (OSError, ValueError):
+            continue
+    return lost
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     ranks = sorted(set(ranks))
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
@@ -228,14 +241,89 @@ def with_restart_note(message: str, launch: AgentLaunch, output_dir: Path | None
     )
     steps = [int(h.get("step") or 0) for h in earlier] + [PROGRESS.step]
     attempts = f"{launch.max_restarts + 1} attempts (max_restarts {launch.max_restarts})"
+    # Said here as well as in restarts.json: the launcher's own report names the rank it saw end first, which is
+    # often a rank that only lost the failing one, without the failing rank's error.
+    before = (
+        f" (the previous attempt's cause: {earlier[-1]['cause']})"
+        if earlier and earlier[-1].get("cause")
+        else ""
+    )
     if len(set(steps)) == 1:
         return (
             f"{message} No restart is left: all {attempts} ended {when(steps[0], STEP)}, so the failure is not "
-            "transient and another restart would end there too. Fix its cause (restarts.json in the run folder "
-            "lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
+            f"transient and another restart would end there too{before}. Fix its cause (restarts.json in the run "
+            "folder lists each attempt's), then run the same command again: it resumes from the newest checkpoint."
         )
     return (
-        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)} "
+        f"{message} No restart is left: the {attempts} ended at steps {', '.join(str(s) for s in steps)}{before} "
         "(restarts.json in the run folder lists each cause); run the same command again to continue from the "
         "newest checkpoint."
     )
+
+
+LAYOUT_FILE = "nodes.json"
+
+
+def clear_attempt(output_dir: Path) -> None:
+    """Rank 0, at the end of a finished run: the attempt's records (its nodes) go."""
+    shutil.rmtree(Path(output_dir) / ATTEMPT_DIR, ignore_errors=True)
+
+
+def rank_place() -> dict[str, Any]:
+    """This rank's place in the launch: its node (the agent's group rank), host and address (gathered by rank 0 at
+    start, so that a node that never comes back can be named)."""
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        addr = ""
+    return {"rank": _rank(), "node": int(os.environ.get("GROUP_RANK", "0")), "host": host, "addr": addr}
+
+
+def record_layout(output_dir: Path, places: Sequence[dict[str, Any]]) -> None:
+    """Rank 0: every rank's place in this attempt, beside the attempt's end records (never raises)."""
+    try:
+        folder = Path(output_dir) / ATTEMPT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / LAYOUT_FILE).write_text(json.dumps(list(places)))
+    except OSError as err:
+        logger.debug("could not record the ranks' nodes: %s", err)
+
+
+def read_layout(output_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's place in the last attempt that got to its first step (empty: none recorded)."""
+    try:
+        places = json.loads((Path(output_dir) / ATTEMPT_DIR / LAYOUT_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return places if isinstance(places, list) else []
+
+
+def lost_nodes(output_dir: Path, this_node: int) -> str:
+    """For a launcher whose rendezvous timed out: which node of the last attempt did not come back and how it was
+    lost, from the attempt's records (the ranks the survivors lost, by process or by address; else every node but
+    this one)."""
+    places = read_layout(output_dir)
+    if not places:
+        return "the run folder holds no record of the last attempt's nodes"
+    ends = read_ends(Path(output_dir))
+    by_rank = {int(p["rank"]): p for p in places}
+    gone = {int(r) for e in ends for r in e.get("gone") or []}
+    # A rank on another machine: the transport's error names its address.
+    messages = " ".join(e.get("message", "") + " " + e.get("where", "") for e in ends)
+    gone |= {
+        r
+        for r, p in by_rank.items()
+        if p.get("addr") and f"[{p['addr']}]" in messages and p["node"] != this_node
+    }
+    nodes = sorted({by_rank[r]["node"] for r in gone if r in by_rank} - {this_node})
+    if not nodes:
+        nodes = sorted({int(p["node"]) for p in places} - {this_node})
+    step = max((int(e.get("step", 0)) for e in ends), default=0)
+    named = "; ".join(
+        f"node {n} ({', '.join(sorted({p['host'] for p in places if p['node'] == n}))}: ranks "
+        f"{', '.join(str(p['rank']) for p in places if p['node'] == n)})"
+        for n in nodes
+    )
+    lost = f", lost during step {step}" if step else ""
+    return f"{named} did not come back{lost}"

@@ -163,7 +163,9 @@ class Watchdog:
                 self._hang(step, watched, bound)
                 return
             # The backstop for a main thread that holds the GIL (this thread then never runs again).
-            faulthandler.dump_traceback_later(bound - watched + self.grace_s, exit=True)
+            out = _stderr()
+            if out is not None:
+                faulthandler.dump_traceback_later(bound - watched + self.grace_s, exit=True, file=out)
 
     def _beat(self, step: int, phase: str) -> None:
         now = time.time()
@@ -302,7 +304,7 @@ def hang_message(
         else ""
     )
     return (
-        f"hang at step {step}: no step finished for {watched:.0f} s ({bound}): "
+        f"hang at step {step}: no step finished for {watched:.1f} s ({bound}): "
         + "; ".join(parts)
         + blame
         + f". Every rank's Python stack (and its last collectives: fr_trace) is in {debug}/hang-step{step}-rank<r>.txt"
@@ -318,7 +320,9 @@ def _dump(debug: Path, step: int, rank: int) -> list[str]:
         with open(path, "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         written.append(str(path))
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        out = _stderr()
+        if out is not None:
+            faulthandler.dump_traceback(file=out, all_threads=True)
         trace = flight_recorder_trace()
         if trace:
             (debug / f"hang-step{step}-rank{rank}.fr_trace.pkl").write_bytes(trace)
@@ -326,6 +330,19 @@ def _dump(debug: Path, step: int, rank: int) -> list[str]:
     except OSError as err:
         sys.stderr.write(f"hf_fsdp2: could not write the hang's stacks to {debug}: {err}\n")
     return written
+
+
+def _stderr() -> Any:
+    """The process's own stderr for faulthandler, which writes to a file descriptor (None when it has none: a
+    notebook, a test's capture)."""
+    for out in (sys.stderr, sys.__stderr__):
+        try:
+            if out is not None:
+                out.fileno()
+                return out
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def flight_recorder_trace() -> bytes | None:

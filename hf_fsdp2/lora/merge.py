@@ -9,6 +9,7 @@ consolidated export.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from hf_fsdp2.export.plan import _row_offset as row_offset
 from hf_fsdp2.lora.adapter import ADAPTER_CONFIG_NAME, LoraError, reshard
 from hf_fsdp2.lora.experts import adapted_weight, is_param_wrapper, local_expert_delta
 from hf_fsdp2.lora.quantize import is_nf4
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes
 
 
 def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
@@ -156,6 +158,7 @@ def build_merged_twin(
     layer_cls_names: tuple[str, ...],
     mp_policy: Any | None,
     adapter: str = "default",
+    experts: ExpertMeshes | None = None,
 ) -> Any:
     """A plain base-architecture model holding the merged weights, sharded like ``model``; no base gather.
 
@@ -169,21 +172,30 @@ def build_merged_twin(
         layer_cls_names: decoder-layer class names (one FSDP unit each, as in training).
         mp_policy: the training run's ``MixedPrecisionPolicy`` (the twin computes like the live model).
         adapter: the adapter name.
+        experts: the run's expert-parallel meshes (None: no expert parallel): the twin's experts are split over the
+            same ``ep`` ranks and sharded on the same expert mesh, so each rank's merged rows are its own.
 
     Returns:
         The sharded twin (an HF ``PreTrainedModel``), ready for ``export.export_model``.
     """
     import transformers
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from hf_fsdp2.model import auto_class_name
+    from hf_fsdp2.parallel.expert_parallel import apply_expert_parallel, expert_shards
+    from hf_fsdp2.parallel.expert_shard import shard_expert_layers
 
     merged = merged_local_weights(model, adapter)  # every rank
     base = model.get_base_model()
     device = next(iter(merged.values())).device
     auto = getattr(transformers, auto_class_name(base.config))  # a reward model's twin has its score head
+    config = base.config
+    shards = expert_shards(base) if experts is not None else {}
+    if shards:  # the live config names expert parallel: the twin starts from the implementation it wraps
+        config = copy.deepcopy(config)
+        config._experts_implementation = next(iter(shards.values())).implementation
     with torch.device("meta"):
-        twin = auto.from_config(base.config, dtype=next(iter(merged.values())).dtype)
+        twin = auto.from_config(config, dtype=next(iter(merged.values())).dtype)
     # The checkpoint's names as the live model has them (derived from the folder on every rank): a model built from
     # its config gets the class's conversions minus every prefix change, and would name a composite's tower
     # (Gemma 3's vision_tower.vision_model.*) otherwise than its checkpoint.
@@ -191,8 +203,11 @@ def build_merged_twin(
         twin._weight_conversions = base._weight_conversions
     kwargs: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     if dist.is_initialized():  # sharded like the live model; one process (offline export): a plain model
+        if shards and experts is not None:  # the MoE layers first, their experts on the expert mesh
+            apply_expert_parallel(twin, experts.ep)
+            shard_expert_layers(twin, layer_cls_names, experts, mesh=None, fsdp_kwargs=kwargs, upcast=False)
         for module in twin.modules():
-            if type(module).__name__ in layer_cls_names:
+            if type(module).__name__ in layer_cls_names and not isinstance(module, FSDPModule):
                 fully_shard(module, **kwargs)
         fully_shard(twin, **kwargs)
     twin.to_empty(device=device)

@@ -23,6 +23,7 @@ from hf_fsdp2.export.errors import ExportVerificationError, VerifyReport
 from hf_fsdp2.export.source import ExportSource
 from hf_fsdp2.lora.adapter import ADAPTER_WEIGHTS_NAME, MERGED_DIR_NAME, reshard
 from hf_fsdp2.lora.merge import build_merged_twin
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -248,6 +249,7 @@ def export_lora(
     is_main_process: bool,
     base_dtype: torch.dtype | None = None,
     source: ExportSource | None = None,
+    experts: ExpertMeshes | None = None,
 ) -> LoraExport:
     """The end-of-training LoRA export: the adapter in ``out_dir`` and, with ``merge``, the merged model
     in ``out_dir/merged``. Each is written to a staging folder, verified, and only then published: a
@@ -273,6 +275,8 @@ def export_lora(
         source: the base checkpoint (``model_name_or_path`` and its revision): the merged export carries from its
             files what did not train (a composite's vision tower and projector) and what the class does not load, as
             a full export does. None: ``base_model`` at its default revision.
+        experts: the run's expert-parallel meshes (None: no expert parallel): the merged twin's experts are split
+            as the run's.
 
     Returns:
         The folders and their verification reports (None when not verified).
@@ -330,7 +334,8 @@ def export_lora(
         result = LoraExport(adapter_dir=out, adapter_report=report)
         if not merge:
             return result
-        twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy)  # every rank
+        # every rank
+        twin = build_merged_twin(model, layer_cls_names=layer_cls_names, mp_policy=mp_policy, experts=experts)
         merged_dir = out / MERGED_DIR_NAME
         merged = export_model(
             twin,

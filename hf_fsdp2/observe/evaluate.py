@@ -23,7 +23,7 @@ import torch
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.collectives import all_reduce_sum
-from hf_fsdp2.parallel.all_to_all import shard_sequence, whole_sequences
+from hf_fsdp2.parallel.all_to_all import pad_to_multiple, shard_sequence, whole_sequences
 from hf_fsdp2.parallel.compiling import eager
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import (
@@ -139,7 +139,11 @@ def evaluate_loss(
     shard = shard_ring if ring is not None else shard_sequence
     with torch.no_grad(), eager(), ring_context(ring):
         for batch in batches:
-            if collectives.cp_size() > 1:  # this rank's part of each sequence, as in training
+            # Sequence parallel splits a length that is a multiple of tp; context parallel then takes this rank's
+            # part of each sequence, as in training (the padding carries no target).
+            if collectives.tp_size() > 1 and ring is None:
+                batch = pad_to_multiple(batch, collectives.tp_size() * collectives.cp_size())
+            if collectives.cp_size() > 1:
                 batch = shard(batch, collectives.cp_size(), collectives.cp_rank())
             tokens += count_target_tokens(batch["labels"])  # host labels: no device read
             rows = shifted_target_rows(batch["labels"]) if plan.chunk_tokens > 0 else None

@@ -25,12 +25,13 @@ from accelerate.utils import (
     TorchDynamoPlugin,
 )
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from hf_fsdp2 import collectives
 from hf_fsdp2.config.plans import CompilePlan, MeshPlan, ShardingPlan
 from hf_fsdp2.dtypes import MIXED_PRECISION, dtype_named
 from hf_fsdp2.noise import quiet_foreign_noise
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes, load_rank0_state, shard_expert_layers
 from hf_fsdp2.parallel.tensor import tp_prepared_by_torch
 
 logger = logging.getLogger("hf_fsdp2")
@@ -276,6 +277,8 @@ def shard_with_accelerate(
     layer_cls_names: tuple[str, ...],
     *,
     frozen: bool = False,
+    experts: ExpertMeshes | None = None,
+    source: dict[str, torch.Tensor] | None = None,
 ) -> torch.nn.Module:
     """``fully_shard`` each module of the classes ``layer_cls_names`` (the decoder layers; a composite's tower and
     projector), then the root, through Accelerate (its plugin holds the mesh, the
@@ -285,10 +288,48 @@ def shard_with_accelerate(
     beside the trained model (a reference), sharded by Accelerate's FSDP2 function without being registered as the
     accelerator's model (it prepares one model under FSDP2).
 
+    ``experts`` (expert parallel): the units that hold experts are sharded first, the experts on their own mesh
+    (:func:`~hf_fsdp2.parallel.expert_shard.shard_expert_layers`); Accelerate shards the rest. Under
+    ``cpu_ram_efficient_loading`` Accelerate then loads nothing, and every rank's shards are filled from rank 0's
+    whole tensors ``source`` (taken before the experts were split; None on the other ranks).
+
     Returns:
         The sharded model.
     """
-    accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
+    plugin = accelerator.state.fsdp_plugin
+    plugin.transformer_cls_names_to_wrap = list(layer_cls_names)
+    if experts is None:
+        return _prepare(accelerator, model, frozen)
+    grid = accelerator.torch_device_mesh
+    shard_expert_layers(
+        model,
+        layer_cls_names,
+        experts,
+        mesh=grid[tuple(accelerator.parallelism_config.fsdp_dim_names)] if grid is not None else None,
+        fsdp_kwargs={
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        },
+        upcast=accelerator.mixed_precision != "no",
+    )
+    # Accelerate looks each class up by name: a class whose every module is sharded now bears FSDP's name.
+    present = {type(m).__name__ for m in model.modules()}
+    plugin.transformer_cls_names_to_wrap = [n for n in layer_cls_names if n in present]
+    rank0_loading = bool(plugin.cpu_ram_efficient_loading)
+    plugin.cpu_ram_efficient_loading = False  # its broadcast would carry rank 0's block of the experts only
+    try:
+        model = _prepare(accelerator, model, frozen)
+    finally:
+        plugin.cpu_ram_efficient_loading = rank0_loading
+    if rank0_loading:
+        load_rank0_state(
+            model, source, accelerator.device, offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+        )
+    return model
+
+
+def _prepare(accelerator: Accelerator, model: torch.nn.Module, frozen: bool) -> torch.nn.Module:
     if frozen:
         return fsdp2_prepare_model(accelerator, model)
     with warnings.catch_warnings(), _torchao_checked_once():

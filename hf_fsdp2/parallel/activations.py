@@ -6,9 +6,10 @@ Modes (config ``activation_checkpointing``, docs/performance.md has the measured
 - ``full``: each decoder layer keeps only its input; its forward runs again in backward.
 - ``every_k``: ``full`` on layers 0, k, 2k, ... (``ac_every_k``); the others keep everything. A dial
   between the two above.
-- ``selective``: each decoder layer keeps the outputs of its matmuls and attention and recomputes the
-  cheap rest (norms, activations, rotary embeddings, residual adds) in backward: most of ``full``'s
-  saving of elementwise tensors at a fraction of its recompute cost.
+- ``selective``: each decoder layer keeps the outputs of its matmuls and attention (and, under tensor
+  parallel, of its reduce-scatters) and recomputes the cheap rest (norms, activations, rotary embeddings,
+  residual adds) in backward: most of ``full``'s saving of elementwise tensors at a fraction of its
+  recompute cost.
 - ``offload``: ``full``, and the one tensor each layer keeps (its input) goes to host memory (pinned)
   until backward needs it; nothing else does, compiled or not (:class:`OffloadLayerInputs`). Only
   meaningful with a GPU.
@@ -42,7 +43,11 @@ from hf_fsdp2.config.plans import ACPlan
 _aten = torch.ops.aten
 # Outputs the selective mode keeps: everything expensive to recompute (FLOPs grow with the sequence or
 # the hidden size squared). Attention kernels return several tensors (output, logsumexp, ...); all are kept.
+# Under tensor parallel's sequence layout a row-wise projection's output leaves in a reduce-scatter: kept too (a
+# 1/tp share of the sequence, where recomputing it repeats the collective in backward, as torchtitan's policy
+# keeps it); the all-gathers into each block are recomputed (their whole-sequence outputs would cost tp x that).
 _SAVED_OPS = {
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,

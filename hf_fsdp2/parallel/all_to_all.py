@@ -10,7 +10,10 @@ gives each rank its positions back with every head. torch's autograd all-to-all
 Masks: the kernel sees whole sequences, so the mask is built here from the whole sequence's ``position_ids``
 (handed to every layer as the keyword :data:`POSITIONS_KEY`): causal, no attention across the documents of a packed
 or padding-free row (a position that does not follow its predecessor starts a document, as transformers detects
-them), and the layer's sliding window when it has one. Right padding needs no mask: causal attention never lets a
+them), and the layer's sliding window when it has one. Under sdpa and eager it is flex attention's block mask, run by
+flex attention's kernel (:mod:`hf_fsdp2.parallel.block_mask`: tile lists, no ``[rows, 1, S, S]`` tensor), where flex
+attention trains (CUDA); elsewhere (CPU, attention dropout or sinks) a dense mask, refused over a size
+(:func:`check_dense_mask`). Right padding needs no mask: causal attention never lets a
 real token see the padding after it. A flash kernel takes no mask: it is handed the documents' boundaries over the
 rows laid end to end (``cu_seq_lens_q/k``, ``max_length_q/k``, :func:`varlen_boundaries`), which transformers' flash
 path takes at any number of rows, where from ``position_ids`` it finds documents in a one-row batch only.
@@ -24,6 +27,7 @@ batch's, so the step's loss (sum over every target token / their count) and its 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -33,12 +37,28 @@ import torch.nn.functional as F
 
 from hf_fsdp2.config.plans import split_heads
 from hf_fsdp2.labels import IGNORE_INDEX
+from hf_fsdp2.parallel.block_mask import (
+    block_mask_bytes,
+    build_block_mask,
+    dense_mask_bytes,
+    document_ids,
+    document_starts,
+    flex,
+    flex_trains_on,
+)
 
 ATTENTION_NAME = "hf_fsdp2_cp_all_to_all"
 POSITIONS_KEY = "hf_fsdp2_cp_positions"
 RING_ATTENTION_NAME = "hf_fsdp2_cp_ring"  # the ring backend's interface (hf_fsdp2.parallel.ring)
 # The run's own kernels that the all-to-all wraps (flex needs its block mask built for the whole sequence).
 INNER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+# A dense mask of one layer over this is refused, over the other warned once (see check_dense_mask).
+DENSE_MASK_LIMIT_BYTES = 2**30
+DENSE_MASK_WARN_BYTES = 2**26
+_WARNED: list[int] = []
+logger = logging.getLogger("hf_fsdp2")
 
 
 class ContextParallelError(ValueError):
@@ -76,20 +96,11 @@ def shard_sequence(
     Raises:
         ContextParallelError: a left-padded batch (its padding would sit before real tokens of another rank).
     """
-    ids, labels = batch["input_ids"], batch["labels"]
-    rows, width = ids.shape
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     if check_padding:
-        check_right_padded(mask)
-    pad = (-width) % cp
-    if pad:
-        ids = F.pad(ids, (0, pad), value=0)
-        labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
-        if positions is not None:  # the padding: a document of its own, attending to itself only
-            positions = torch.cat(
-                [positions, torch.arange(pad, device=positions.device).expand(rows, pad)], dim=1
-            )
-    full = width + pad
+        check_right_padded(batch.get("attention_mask"))
+    padded = pad_to_multiple(batch, cp)
+    ids, labels, positions = padded["input_ids"], padded["labels"], padded.get("position_ids")
+    rows, full = ids.shape
     part = full // cp
     start, end = index * part, (index + 1) * part
     whole = positions if positions is not None else torch.arange(full, device=ids.device).expand(rows, full)
@@ -100,6 +111,29 @@ def shard_sequence(
     }
     if positions is not None:
         out[POSITIONS_KEY] = positions.contiguous()
+    return out
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """A collated micro-batch padded on the right to a length that is a multiple of ``multiple`` (itself when it is
+    one): ``input_ids`` with 0, ``labels`` with -100 (no target), ``attention_mask`` with 0, ``position_ids`` counting
+    from 0 (the padding a document of its own, attending to itself only). Causal attention never lets a real token see
+    padding after it, so the real tokens' values are unchanged."""
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    pad = (-width) % multiple
+    if not pad:
+        return batch
+    out = dict(batch)
+    out["input_ids"] = F.pad(ids, (0, pad), value=0)
+    out["labels"] = F.pad(batch["labels"], (0, pad), value=IGNORE_INDEX)
+    if batch.get("attention_mask") is not None:
+        out["attention_mask"] = F.pad(batch["attention_mask"], (0, pad), value=0)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        out["position_ids"] = torch.cat(
+            [positions, torch.arange(pad, device=positions.device).expand(rows, pad)], dim=1
+        )
     return out
 
 
@@ -129,14 +163,6 @@ def scatter_sequence(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
 
 
-def document_starts(positions: torch.Tensor) -> torch.Tensor:
-    """``[batch, length]`` booleans, True where a document starts in whole-row ``positions``: at every row's first
-    position and wherever a position does not follow its predecessor (as transformers detects packed documents)."""
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return starts
-
-
 def allowed_pairs(
     positions: torch.Tensor | None, length: int, window: int | None, device: torch.device
 ) -> torch.Tensor:
@@ -147,7 +173,7 @@ def allowed_pairs(
     if window is not None:
         allowed = allowed & ((q[:, None] - q[None, :]) < window)[None, None]
     if positions is not None:
-        doc = document_starts(positions).long().cumsum(dim=1)
+        doc = document_ids(positions)
         allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
     return allowed
 
@@ -234,7 +260,16 @@ def cp_attention(
         if positions is not None:
             kwargs.update(varlen_boundaries(positions.to(q.device)))
     elif name == "eager" or positions is not None or window is not None:
+        why_dense = dense_mask_reason(q.device.type, kwargs)
+        if not why_dense:
+            # Documents and windows as flex attention's block mask: tile lists, not [rows, 1, S, S] per layer.
+            documents = document_ids(positions.to(q.device)) if positions is not None else None
+            rows = documents.shape[0] if documents is not None else 1
+            mask = build_block_mask(documents, length, window, rows, q.device)
+            out = flex(q, k, v, mask, scale=kwargs.get("scaling"), softcap=kwargs.get("softcap"))
+            return scatter_sequence(out, group, split.cp), None
         allowed = allowed_pairs(positions, length, window, q.device)
+        check_dense_mask(allowed.shape[0], length, q.element_size() if name == "eager" else 1, why_dense)
         if name == "eager":
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
@@ -242,6 +277,49 @@ def cp_attention(
             mask = allowed
     out, _ = kernel(view, q, k, v, mask, **kwargs)
     return scatter_sequence(out, group, split.cp), None
+
+
+def dense_mask_reason(device_type: str, kwargs: dict[str, Any]) -> str:
+    """Why a layer's documents or window need the dense ``[rows, 1, S, S]`` mask rather than flex attention's block
+    mask ('' when they do not): a device where flex attention has no backward, attention dropout or attention sinks
+    (flex attention has neither)."""
+    if not flex_trains_on(device_type):
+        return f"flex attention has no backward on {device_type} (torch 2.13)"
+    if kwargs.get("dropout"):
+        return f"attention dropout {kwargs['dropout']:g} (flex attention has none)"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (flex attention has none)"
+    return ""
+
+
+def check_dense_mask(rows: int, length: int, itemsize: int, why: str) -> None:
+    """Refuse a dense ``[rows, 1, S, S]`` mask over :data:`DENSE_MASK_LIMIT_BYTES` in one layer (built per layer and
+    kept for backward); warn once per process over :data:`DENSE_MASK_WARN_BYTES`.
+
+    Raises:
+        ContextParallelError: the mask's bytes, why it is dense, and the fix.
+    """
+    size = dense_mask_bytes(rows, length, itemsize)
+    if size > DENSE_MASK_LIMIT_BYTES:
+        raise ContextParallelError(
+            f"context parallel: a dense [{rows}, 1, {length}, {length}] attention mask of {size / 2**30:.1f} GiB per "
+            f"layer (kept for backward) for this micro-batch's documents or sliding window, because {why}; the limit "
+            f"is {DENSE_MASK_LIMIT_BYTES / 2**30:.0f} GiB: train on CUDA (flex attention's block mask), use "
+            "attn_implementation=flash_attention_2 (the documents' boundaries, no mask), set attention_dropout=0, or "
+            "shorten the rows (max_length, or fewer rows per micro-batch)"
+        )
+    if size > DENSE_MASK_WARN_BYTES and not _WARNED:
+        _WARNED.append(size)
+        logger.warning(
+            "context parallel: a dense [%d, 1, %d, %d] attention mask of %.0f MiB per layer (kept for backward), "
+            "because %s; on CUDA flex attention's block mask holds %.1f MiB instead",
+            rows,
+            length,
+            length,
+            size / 2**20,
+            why,
+            block_mask_bytes(rows, length, documents=True) / 2**20,
+        )
 
 
 def register_attention() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,29 @@ def _configure_dynamo() -> None:
     setattr(config, DYNAMO_SETTING, True)
 
 
+# AOT autograd builds each traced value's FX node lazily from its inputs' nodes; with DTensor (tensor-parallel) layers
+# and dynamic sequence dims, the symbolic shape arithmetic of the redistributions chains those builds deeper than
+# Python's default recursion limit (1000): "RecursionError: maximum recursion depth exceeded" in proxy_tensor's
+# _compute_proxy, with the aot_eager backend as with inductor, so on GPUs too (measured, torch 2.13: a Qwen3 layer
+# under tp 2 fails at 1000 and compiles at 3000, to the eager losses). The depth is per compiled layer, not per model.
+DTENSOR_COMPILE_RECURSION_LIMIT = 10_000
+
+
+def _deepen_recursion_for_dtensors(model: torch.nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()) and (
+        sys.getrecursionlimit() < DTENSOR_COMPILE_RECURSION_LIMIT
+    ):
+        logger.info(
+            "regional compile of tensor-parallel layers: Python's recursion limit %d -> %d (AOT autograd's tracing "
+            "of DTensor shapes under dynamic sequence dims recurses deeper than the default)",
+            sys.getrecursionlimit(),
+            DTENSOR_COMPILE_RECURSION_LIMIT,
+        )
+        sys.setrecursionlimit(DTENSOR_COMPILE_RECURSION_LIMIT)
+
+
 # torch 2.11's inductor cannot compile the backward of a float64 Llama (its RMSNorm and rotary compute in float32
 # inside a float64 graph: "expected scalar type Double but found Float" at the first backward, with or without
 # activation checkpointing); float32 and bfloat16 models compile there. Checked on 2.11 and 2.13 (works); 2.12
@@ -174,6 +198,7 @@ def compile_regions(model: torch.nn.Module, layer_cls_names: tuple[str, ...], pl
             f"{type(model).__name__}; set fsdp_layer_cls_to_wrap"
         )
     _configure_dynamo()
+    _deepen_recursion_for_dtensors(model)
     names = []
     for name, _ in layers:
         module = model.get_submodule(name)

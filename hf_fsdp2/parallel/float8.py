@@ -1,6 +1,6 @@
 """FP8 training of the decoder layers' linears with torchao's float8 (``mixed_precision: fp8``).
 
-torchtitan's recipe, applied to a loaded model by explicit functions, in the house order (tp -> float8 -> ac ->
+torchtitan's recipe, applied to a loaded model by explicit functions, in the house order (float8 -> tp -> ac ->
 compile -> fsdp): :func:`convert_float8` swaps the decoder layers' ``nn.Linear`` for torchao's ``Float8Linear``
 before ``fully_shard``; with ``fp8_all_gather`` (tensorwise scaling) FSDP2 all-gathers those weights as float8
 bytes (half of bf16's traffic), and :func:`register_scale_precompute` computes their scales once per optimizer

@@ -3,17 +3,22 @@
 :func:`parallelize` applies a :class:`ParallelPlan` to a model that is loaded, resized and wrapped with its adapters
 (LoRA, QLoRA) and kernels (Liger), in this order, each step a small function with explicit arguments:
 
-1. tensor parallel: the family's plan through torch's DTensor styles over the ``tp`` mesh (before anything wraps
-   the linears);
-2. context parallel: the attention modules run the all-to-all (or ring) exchange over the cp group;
-3. float8: torchao's ``Float8Linear`` in the decoder layers (before checkpointing and compile wrap them);
+1. float8: torchao's ``Float8Linear`` in the decoder layers (torchtitan's order: converted before any split, so
+   that tensor parallel splits float8 linears with torchao's float8 styles; before checkpointing and compile wrap
+   them);
+2. tensor parallel: the family's plan through torch's DTensor styles over the ``tp`` mesh (before anything else
+   wraps the linears);
+3. context parallel: the attention modules run the all-to-all (or ring) exchange over the cp group;
+3b. expert parallel: each MoE layer's routed experts split over the ``ep`` ranks, tokens exchanged by all-to-all
+   (:mod:`hf_fsdp2.parallel.expert_parallel`); the experts' load counted on every MoE model;
 4. activation checkpointing of the decoder layers;
 5. regional compile of each decoder layer, in place;
 6. FSDP2: ``fully_shard`` per unit (each decoder layer; a composite's vision tower and projector, one unit each),
-   then the root (through Accelerate, on the mesh and mixed-precision policy its plugin holds);
+   then the root (through Accelerate, on the mesh and mixed-precision policy its plugin holds); under expert
+   parallel a layer's experts on their own mesh within the layer's unit (:mod:`hf_fsdp2.parallel.expert_shard`);
 7. whole-model compile, when asked instead of regional.
 
-Expert parallel joins this list as one step after context parallel. The optimizer is built afterwards on the
+The optimizer is built afterwards on the
 sharded parameters (:func:`hf_fsdp2.run.build.build_model`), and FP8's post-optimizer hook after it
 (:func:`~hf_fsdp2.parallel.float8.finish_float8`). Parallelism never edits model code: every step wraps or swaps
 modules of the loaded model.
@@ -35,6 +40,9 @@ from hf_fsdp2.parallel.accelerator import shard_with_accelerate
 from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.all_to_all import enable_context_parallel
 from hf_fsdp2.parallel.compiling import compile_model, compile_regions
+from hf_fsdp2.parallel.expert_parallel import apply_expert_parallel
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes, rank0_state
+from hf_fsdp2.parallel.experts import count_expert_load
 from hf_fsdp2.parallel.float8 import convert_float8
 from hf_fsdp2.parallel.ring import enable_ring_attention
 from hf_fsdp2.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
@@ -61,6 +69,15 @@ class ContextParallel:
     tp_size: int = 1
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallel's step: the experts' meshes, and whether rank 0 alone holds the weights (the other ranks on
+    meta: ``fsdp_cpu_ram_efficient_loading``), whose whole tensors are then kept before the experts are split."""
+
+    meshes: ExpertMeshes
+    rank0_loading: bool = False
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
     """What :func:`parallelize` applies; None (or a disabled plan) skips a step.
@@ -73,6 +90,7 @@ class ParallelPlan:
             (:func:`hf_fsdp2.model.fsdp_unit_classes`).
         tp: tensor parallel's step.
         cp: context parallel's step.
+        ep: expert parallel's step.
         float8: the FP8 settings (``mixed_precision: fp8``).
         ac: activation checkpointing of the decoder layers.
         compile: torch.compile (regional or whole-model).
@@ -84,6 +102,7 @@ class ParallelPlan:
     units: tuple[str, ...] = ()
     tp: TensorParallel | None = None
     cp: ContextParallel | None = None
+    ep: ExpertParallel | None = None
     float8: Float8Plan | None = None
     ac: ACPlan = ACPlan()
     compile: CompilePlan = CompilePlan()
@@ -99,19 +118,32 @@ def parallelize(model: torch.nn.Module, accelerator: Accelerator, plan: Parallel
     Raises:
         TensorParallelError, ContextParallelError, ConfigError: a step the model cannot take (each names why).
     """
+    if plan.float8 is not None:
+        logger.info("%s", convert_float8(model, plan.layer_cls, plan.float8).describe(plan.float8))
     if plan.tp is not None:
         logger.info("%s", apply_tensor_parallel(model, plan.tp.mesh, plan.tp.plan))
     if plan.cp is not None:
         logger.info("%s", apply_context_parallel(model, plan.cp))
-    if plan.float8 is not None:
-        logger.info("%s", convert_float8(model, plan.layer_cls, plan.float8).describe(plan.float8))
+    source = None
+    if plan.ep is not None:
+        if plan.ep.rank0_loading and accelerator.is_main_process:
+            source = rank0_state(model)  # the whole experts, before they are split
+        logger.info("%s", apply_expert_parallel(model, plan.ep.meshes.ep))
+    count_expert_load(model, hooks=plan.ep is None and not plan.frozen)
     wrapped = apply_activation_checkpointing(model, plan.ac, plan.layer_cls)
     if wrapped:
         logger.info("activation checkpointing %s on %d decoder layers", plan.ac.mode, len(wrapped))
     if plan.compile.enabled and plan.compile.scope == "regional":
         compiled = compile_regions(model, plan.layer_cls, plan.compile)
         logger.info("regional compile: %d decoder layers compiled in place", len(compiled))
-    model = shard_with_accelerate(accelerator, model, plan.units or plan.layer_cls, frozen=plan.frozen)
+    model = shard_with_accelerate(
+        accelerator,
+        model,
+        plan.units or plan.layer_cls,
+        frozen=plan.frozen,
+        experts=plan.ep.meshes if plan.ep is not None else None,
+        source=source,
+    )
     if plan.compile.enabled and plan.compile.scope == "model":
         logger.info("%s", compile_model(model, plan.compile))
     return model

@@ -240,7 +240,11 @@ def compute_bytes(model_config: Any, settings: PlanSettings) -> ComputeBytes:
     live = _LiveBytes(params)
     meter = SavedTensorMeter(model, layer_cls)
     # Context parallel: the run's all-to-all attention on rank 0's part of each sequence (hf_fsdp2.plan.context).
-    parallel = meta_context_parallel(model, settings.cp) if settings.cp > 1 else contextlib.nullcontext()
+    parallel = (
+        meta_context_parallel(model, settings.cp, settings.device_type)
+        if settings.cp > 1
+        else contextlib.nullcontext()
+    )
     try:
         # Data-dependent sizes (nonzero: the rows with a target) read as "every element": the planned batch
         # is full rows, every token a target.

@@ -5,8 +5,9 @@ Each rank of a context-parallel group holds ``ceil(S / cp)`` tokens of every seq
 and logits cost ``1/cp``. Around each attention the run's own :func:`~hf_fsdp2.parallel.all_to_all.cp_attention` runs
 on the meta model too (:func:`meta_context_parallel`): q, k, v of ``[b, heads, S/cp, d]`` become ``[b, heads/cp, S,
 d]`` (KV heads repeated when they do not divide), the kernel runs on the whole sequence with ``heads/cp`` heads (its
-saved tensors and temporaries are those of ``S`` tokens), the ``[b, 1, S, S]`` mask is built per layer when the run
-builds one, and the output goes back as ``[b, S/cp, heads, d]``. The all-to-all, which needs a process group, is
+saved tensors and temporaries are those of ``S`` tokens), the documents' and window's mask is built per layer when the
+run builds one (on CUDA flex attention's block mask, a fused kernel's saved tensors; elsewhere a dense ``[b, 1, S, S]``
+one: :mod:`hf_fsdp2.parallel.block_mask`), and the output goes back as ``[b, S/cp, heads, d]``. The all-to-all, which needs a process group, is
 replaced there by a local copy of the same shape (what a rank receives), so every byte the run allocates around it
 is counted by the meta forward. :class:`ContextPlan` states those per-layer sizes from the shapes alone, for the
 plan's lines and its tests.
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 from hf_fsdp2.config.plans import ConfigError, HeadSplit, split_heads
 from hf_fsdp2.plan.settings import PlanError, PlanSettings
@@ -51,9 +53,11 @@ class ContextPlan:
         head_dim: size of one head.
         itemsize: bytes of the compute dtype.
         kernel: the run's attention kernel the all-to-all wraps.
-        mask_rows: rows of the ``[rows, 1, S, S]`` mask the run builds per layer (1 for a plain causal one of one
-            document per row), 0 when it builds none.
+        mask_rows: rows of the mask the run builds per layer (1 for a plain causal one of one document per row), 0
+            when it builds none.
         mask_itemsize: 1 (bool, for sdpa) or the compute dtype's (an additive mask, for eager).
+        block: the mask is flex attention's block mask (the device trains flex attention), not a dense one.
+        documents: the block mask reads each row's document ids (packed or padding-free rows).
     """
 
     split: HeadSplit
@@ -64,6 +68,8 @@ class ContextPlan:
     kernel: str
     mask_rows: int
     mask_itemsize: int
+    block: bool = False
+    documents: bool = False
 
     @property
     def part(self) -> int:
@@ -86,19 +92,29 @@ class ContextPlan:
 
     @property
     def mask_bytes(self) -> int:
-        """The ``[rows, 1, S, S]`` mask built per layer (0 when none)."""
-        return self.mask_rows * self.tokens * self.tokens * self.mask_itemsize
+        """The mask built per layer (0 when none): the block mask's tile lists and document ids
+        (:func:`~hf_fsdp2.parallel.block_mask.block_mask_bytes`), or the dense ``[rows, 1, S, S]`` one."""
+        from hf_fsdp2.parallel.block_mask import block_mask_bytes, dense_mask_bytes
+
+        if not self.mask_rows:
+            return 0
+        if self.block:
+            return block_mask_bytes(self.mask_rows, self.tokens, self.documents)
+        return dense_mask_bytes(self.mask_rows, self.tokens, self.mask_itemsize)
 
     def describe(self, human_bytes: Callable[[float], str]) -> str:
         """The plan's line: what context parallel does and what it costs per layer (sizes written by
         ``human_bytes``, the table's)."""
         s = self.split
-        mask = (
-            f"; a [{self.mask_rows}, 1, {self.tokens}, {self.tokens}] "
-            f"{'bool' if self.mask_itemsize == 1 else 'additive'} mask per layer {human_bytes(self.mask_bytes)}"
-            if self.mask_rows
-            else "; no mask (causal kernel)"
-        )
+        if not self.mask_rows:
+            mask = "; no mask (causal kernel)"
+        elif self.block:
+            mask = f"; flex attention's block mask per layer {human_bytes(self.mask_bytes)} (no dense mask)"
+        else:
+            mask = (
+                f"; a [{self.mask_rows}, 1, {self.tokens}, {self.tokens}] "
+                f"{'bool' if self.mask_itemsize == 1 else 'additive'} mask per layer {human_bytes(self.mask_bytes)}"
+            )
         return (
             f"context parallel {s.cp} (all-to-all around the {self.kernel} kernel): each rank holds {self.part} of "
             f"the {self.tokens} tokens of every sequence (activations, MLPs, loss and logits at 1/{s.cp}); per "
@@ -151,9 +167,18 @@ def context_plan(
     except ConfigError as err:
         raise PlanError(str(err)) from err
     rows, tokens = rank_tokens(settings, layout.padding_free)
+    from hf_fsdp2.parallel.all_to_all import ContextParallelError, check_dense_mask, dense_mask_reason
+    from hf_fsdp2.parallel.block_mask import flex_trains_on
+
     mask = builds_mask(layout, model_config)
+    documents = layout.packing or layout.padding_free
     # One document per row and no window: allowed_pairs gives one [1, 1, S, S] mask for every row.
-    mask_rows = (rows if (layout.packing or layout.padding_free) else 1) if mask else 0
+    mask_rows = (rows if documents else 1) if mask else 0
+    if mask_rows and not flex_trains_on(settings.device_type):
+        try:  # the run's refusal of a dense mask too large for one layer
+            check_dense_mask(mask_rows, tokens, 1, dense_mask_reason(settings.device_type, {}))
+        except ContextParallelError as err:
+            raise PlanError(str(err)) from err
     return ContextPlan(
         split=split,
         rows=rows,
@@ -163,6 +188,8 @@ def context_plan(
         kernel=layout.kernel,
         mask_rows=mask_rows,
         mask_itemsize=1 if layout.kernel == "sdpa" else itemsize,
+        block=flex_trains_on(settings.device_type),
+        documents=documents,
     )
 
 
@@ -172,17 +199,39 @@ def _received(chunks: torch.Tensor, group: Any) -> torch.Tensor:
     return chunks.contiguous().clone()
 
 
+def _fused_flex(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: Any,
+    *,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Flex attention's fused kernel on meta tensors: what it allocates and keeps (query, key, value, output and the
+    log-sum-exp, no scores) is what a flash kernel keeps, which the planner's meta forward sends sdpa to on a GPU."""
+    grouped = key.shape[1] != query.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=grouped)
+    return out.transpose(1, 2).contiguous()
+
+
 @contextlib.contextmanager
-def meta_context_parallel(model: torch.nn.Module, cp: int) -> Iterator[None]:
+def meta_context_parallel(model: torch.nn.Module, cp: int, device_type: str) -> Iterator[None]:
     """Run ``model``'s attention through the run's :func:`~hf_fsdp2.parallel.all_to_all.cp_attention` over ``cp``
-    emulated ranks inside the block (the meta model: no process group; each all-to-all a local copy of its shape)."""
+    emulated ranks inside the block (the meta model: no process group; each all-to-all a local copy of its shape),
+    choosing the mask as the run does on ``device_type`` (flex attention's block mask where it trains)."""
     from hf_fsdp2.parallel import all_to_all
+    from hf_fsdp2.parallel.block_mask import flex_trains_on
 
     try:
         all_to_all.enable_context_parallel(model, None, cp)
     except (ConfigError, all_to_all.ContextParallelError) as err:
         raise PlanError(str(err)) from err
-    with mock.patch.object(all_to_all, "_all_to_all", _received):
+    with (
+        mock.patch.object(all_to_all, "_all_to_all", _received),
+        mock.patch.object(all_to_all, "flex_trains_on", lambda device: flex_trains_on(device_type)),
+        mock.patch.object(all_to_all, "flex", _fused_flex),
+    ):
         yield
 
 

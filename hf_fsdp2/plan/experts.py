@@ -250,19 +250,10 @@ class ExpertPlan:
         return lines
 
 
-def recipes_take_ep_size() -> bool:
-    """Whether this version's recipes have the ``ep_size`` key (the plan proposes only a key a run reads)."""
-    import dataclasses
-
-    from hf_fsdp2.config.training import FSDPArgs
-
-    return any(f.name == "ep_size" for f in dataclasses.fields(FSDPArgs))
-
-
 def propose_ep(shapes: ExpertShapes, options: list[ExpertTraffic], current: int) -> int | None:
     """The ``ep_size`` to propose: when the experts dominate (:data:`DOMINANT_SHARE`) and the run has none, the one
     sending the fewest bytes per step (the larger on a tie), if fewer than flat FSDP2; else None."""
-    if current != 1 or shapes.share < DOMINANT_SHARE or len(options) < 2 or not recipes_take_ep_size():
+    if current != 1 or shapes.share < DOMINANT_SHARE or len(options) < 2:
         return None
     best = min(options, key=lambda o: (o.step_sent, -o.ep))
     return best.ep if best.ep != 1 and best.step_sent < options[0].step_sent else None

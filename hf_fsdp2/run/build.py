@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.attention_layout import choose_attention_layout
+from hf_fsdp2.attention_layout import check_loaded_attention, choose_attention_layout
 from hf_fsdp2.composite import composite_spec, describe_parts, freeze_parts, vision_parameters
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.config.float8 import Float8Plan
-from hf_fsdp2.config.plans import PACKED_ATTENTION_IMPLEMENTATIONS
 from hf_fsdp2.export.errors import ExportError
 from hf_fsdp2.export.plan import check_whole_export
 from hf_fsdp2.export.source import ExportSource
@@ -35,12 +34,20 @@ from hf_fsdp2.model import (
     resize_embeddings,
 )
 from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
-from hf_fsdp2.parallel.accelerator import describe_layout, sharded_units
+from hf_fsdp2.parallel.accelerator import describe_layout, launcher_mesh, sharded_units
 from hf_fsdp2.parallel.all_to_all import ContextParallelError
+from hf_fsdp2.parallel.expert_shard import expert_meshes
+from hf_fsdp2.parallel.experts import check_expert_split, find_experts, read_experts
 from hf_fsdp2.parallel.float8 import check_float8_hardware, finish_float8, warn_without_compile
 from hf_fsdp2.parallel.grouped_mm import model_experts_kernel
 from hf_fsdp2.parallel.kernels import apply_liger_kernels
-from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, TensorParallel, parallelize
+from hf_fsdp2.parallel.parallelize import (
+    ContextParallel,
+    ExpertParallel,
+    ParallelPlan,
+    TensorParallel,
+    parallelize,
+)
 from hf_fsdp2.parallel.tensor import TensorParallelError, tp_plan_for
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.loss import LossPlan, plan_loss, router_aux_coef
@@ -78,7 +85,7 @@ def build_model(
     session: Session, tokenizer: Any, *, no_dropout: bool = False, reward: bool = False
 ) -> tuple[TrainModel, torch.optim.Optimizer]:
     """The run's model, in the order torchtitan builds one: load -> adapters (QLoRA, LoRA, Liger) ->
-    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (TP -> CP -> float8 -> AC -> compile -> FSDP2) -> the optimizer
+    :func:`~hf_fsdp2.parallel.parallelize.parallelize` (float8 -> TP -> CP -> AC -> compile -> FSDP2) -> the optimizer
     on the sharded parameters (and FP8's post-step hook) -> the loss plan.
 
     Every rank takes part (sharding, the loss probe). ``no_dropout``: every dropout set to 0 (LoRA's too).
@@ -212,12 +219,13 @@ def load_run_model(session: Session, tokenizer: Any, *, reward: bool) -> torch.n
         attn,
         " (chosen by transformers)" if m.attn_implementation == "auto" else "",
     )
-    if (d.packing or d.padding_free) and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"packing={d.packing}, padding_free={d.padding_free} need an attention implementation that keeps "
-            f"examples apart by position_ids, one of {list(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model runs "
-            f"{attn!r}: set attn_implementation to one of them or turn packing off"
-        )
+    check_loaded_attention(
+        attn,
+        asked=m.attn_implementation,
+        packing=bool(d.packing),
+        padding_free=bool(d.padding_free),
+        model_cls=type(model),
+    )
     return model
 
 
@@ -236,8 +244,7 @@ def freeze_composite(session: Session, model: torch.nn.Module) -> None:
         freeze_multi_modal_projector=m.freeze_multi_modal_projector,
     )
     logger.info(
-        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s: on text rows the tower and the projector "
-        "never run)",
+        "%s (freeze_vision_tower=%s, freeze_multi_modal_projector=%s)",
         describe_parts(model, spec),
         str(m.freeze_vision_tower).lower(),
         str(m.freeze_multi_modal_projector).lower(),
@@ -332,10 +339,28 @@ def parallel_plan(
         units=fsdp_unit_classes(model, layer_cls),
         tp=tp,
         cp=cp,
+        ep=expert_plan(session, model),
         float8=fp8,
         ac=session.sharding.ac,
         compile=session.compile_plan,
     )
+
+
+def expert_plan(session: Session, model: torch.nn.Module) -> ExpertParallel | None:
+    """Expert parallel's step for ``model`` (the policy, or a frozen reference: sharded alike when it has routed
+    experts), None without ``ep_size > 1``; the experts' meshes are built once per run (collective: every rank).
+
+    Raises:
+        ConfigError: a reference whose experts cannot be split as the run's (read as the run read the policy's).
+    """
+    f = session.cfg.fsdp
+    if (f.ep_size or 1) <= 1 or not find_experts(model):
+        return None
+    mesh = f.mesh_plan(session.world, launcher_mesh())
+    check_expert_split(read_experts(model), mesh)
+    if session.expert_meshes is None:
+        session.expert_meshes = expert_meshes(mesh, session.device.type)
+    return ExpertParallel(session.expert_meshes, rank0_loading=bool(f.fsdp_cpu_ram_efficient_loading))
 
 
 def build_optimizer(
@@ -355,6 +380,11 @@ def build_optimizer(
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_epsilon,
             device_type=session.device.type,
+        )
+    if (f.ep_size or 1) > 1:
+        raise ConfigError(
+            f"optim=muon with ep_size={f.ep_size}: Muon's update of the decoder layers' matrices has not been verified "
+            "with the experts on their own mesh (expert parallel); use optim=adamw with ep_size, or ep_size=1"
         )
     if collectives.tp_size() > 1:
         raise ConfigError(
@@ -429,7 +459,7 @@ def run_loss_plan(model: torch.nn.Module, ce_chunk_tokens: int, *, reward: bool)
 
 def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsModel, float | None]:
     """MFU's inputs: FLOPs from the unsharded model's config (a composite's language model: its tower and projector
-    never run on text rows); the peak from the GPU's name unless ``peak_flops``."""
+    never run on text rows, and their FLOPs on images are not counted); the peak from the GPU's name unless ``peak_flops``."""
     d, o = session.cfg.data, session.cfg.observe
     spec = composite_spec(model.config)
     unused = vision_parameters(model, spec) if spec is not None else 0

@@ -33,6 +33,7 @@ class TrainData:
     total_steps: int
     examples_per_step: int
     train_set: Any = None  # the training examples (the DPO recipe's reference pass reads them)
+    processor: Any = None  # an image run's processor: the model then runs its vision tower in every forward
 
 
 def logged_layout(session: Session, batch_rows: str) -> AttentionLayout:

@@ -21,8 +21,8 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.checkpoint.layout import CheckpointError
 from hf_fsdp2.composite import composite_spec
 from hf_fsdp2.config import ConfigError, parse_size
-from hf_fsdp2.elastic.agent import AgentLaunch
-from hf_fsdp2.elastic.attempts import ERROR, LOST, read_history, record_end, with_restart_note
+from hf_fsdp2.elastic.agent import AgentLaunch, NodeLostError
+from hf_fsdp2.elastic.attempts import ERROR, LOST, clear_attempt, read_history, record_end, with_restart_note
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import wait_while_a_hang_is_named
 from hf_fsdp2.export.card import render_model_card
@@ -57,6 +57,7 @@ USER_ERRORS = (
     LoraError,
     NonFiniteError,
     CollapseError,
+    NodeLostError,
     FileNotFoundError,
     ValueError,
 )
@@ -117,6 +118,7 @@ def export_run(
                     is_main_process=session.is_main,
                     # The merged copy's frozen parts are carried from the base's files, at the run's revision.
                     source=ExportSource(cfg.model.model_name_or_path or "", cfg.model.model_revision),
+                    experts=session.expert_meshes,  # the merged twin's experts split as the run's
                 )
             else:
                 export_model(
@@ -181,6 +183,7 @@ def finish(
         logger.info(line)
     if session.is_main:
         write_summary(summary, session.output_dir)
+        clear_attempt(session.output_dir)  # a finished run: no attempt left to explain
     session.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -266,7 +269,8 @@ def run_recipe(main: Any) -> None:
                     PROGRESS.output_dir,
                 ),
                 1,
-                "names, under Root Cause, the rank that ended first and its exit code; its traceback can be ignored",
+                "names, under Root Cause, the rank it saw end first (the lost rank, or one that lost it) and its exit "
+                "code; its traceback can be ignored",
             )
         leave(1, destroy=False)
     leave(0)

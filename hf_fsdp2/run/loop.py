@@ -57,7 +57,7 @@ def run(cfg: Config, method: Method) -> None:
         )
         # The per-rank memory plan from the model config (rank 0; a meta model, no collective; never fails).
         if session.is_main:
-            log_run_plan(
+            session.memory_plan = log_run_plan(
                 cfg, session.model_config, world_size=session.world, device=session.device, method=method
             )
         tokenizer = load_run_tokenizer(session)

@@ -24,6 +24,8 @@ from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.data import TrainData
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import LossStep, Step, StepLoss, StepSettings, TokenLoss
+from hf_fsdp2.vision.processor import dummy_image_inputs
+from hf_fsdp2.vision.tower import run_tower_always, unwrap_model
 
 BATCH_ROWS = ("as_configured", "corpus", "padded")
 """How a method lays out its rows: ``as_configured`` (the data keys packing / padding_free decide), ``corpus``
@@ -78,6 +80,10 @@ def loss_step(
 def _build_token_step(
     session: Session, model: TrainModel, optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainData
 ) -> tuple[Step, Any]:
+    if data.processor is not None:
+        # Image records: every forward runs the vision tower (on a dummy image where a micro-batch has none), so a
+        # rank with a text-only micro-batch runs the tower's collectives as the ranks with images do.
+        run_tower_always(model.module, dummy_image_inputs(data.processor, unwrap_model(model.module)))
     step = loss_step(
         session, model, optimizer, scheduler, lambda: TokenLoss(model.loss_plan, session.device, model.module)
     )
@@ -121,7 +127,7 @@ def _no_notes(cfg: Config, plan: Any, model_config: Any) -> list[str]:
     return []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capabilities:
     """The layouts a method's step supports beyond FSDP2 and HSDP (which every method runs); each is verified by the
     tests named at the method's ``METHOD``. :func:`~hf_fsdp2.run.registry.check_capabilities` refuses the others before any work.
@@ -133,12 +139,19 @@ class Capabilities:
         tensor_parallel: ``tp_size > 1``: the step counts a tensor-parallel group's batch once (token CE).
         float8: ``mixed_precision: fp8``: verified with the method's step and the models it loads (the policy only,
             no reference or reward model beside it, no weights sent elsewhere).
+        expert_parallel: ``ep_size > 1``: verified with the method's step and the models it loads, each MoE layer's
+            routed experts split over the ep ranks (the policy only: no reference, reward or score model beside it,
+            no weights sent elsewhere).
+        images: image records, so a composite's vision tower and projector can train (``freeze_vision_tower`` /
+            ``freeze_multi_modal_projector: false``; the data builder refuses them where the data has no image).
     """
 
     context_parallel: bool = False
     ring_attention: bool = False
     tensor_parallel: bool = False
     float8: bool = False
+    expert_parallel: bool = False
+    images: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

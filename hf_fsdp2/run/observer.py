@@ -18,6 +18,7 @@ from hf_fsdp2.observe.meter import StepMeter
 from hf_fsdp2.observe.profiling import StepProfiler
 from hf_fsdp2.observe.trackers import tracker_config, tracker_values
 from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.parallel.experts import expert_load_metrics
 from hf_fsdp2.run.build import TrainModel
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.step import StepOutput
@@ -147,6 +148,9 @@ class Observer:
         # Every rank (collective when there is any): the router loss, logged apart from the token loss; DPO's
         # rewards, accuracy, margins and log-probs.
         record.update(out.extra_metrics(len(micro_batches)))
+        # Every rank (one all-reduce on an MoE, none on a dense model: the same on every rank, read from the model's
+        # structure): the least and most loaded expert since the last log, as multiples of an even load.
+        record.update(expert_load_metrics(model, self.session.device))
         compiled = self.compile_watch.take()  # seconds spent compiling inside these steps, recompiles so far
         if compiled:
             self.compile_totals["compile_s"] += compiled["compile_s"]

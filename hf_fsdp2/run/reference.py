@@ -30,7 +30,7 @@ from hf_fsdp2.model import (
     resize_embeddings,
 )
 from hf_fsdp2.parallel.parallelize import ContextParallel, ParallelPlan, parallelize
-from hf_fsdp2.run.build import TrainModel
+from hf_fsdp2.run.build import TrainModel, expert_plan
 from hf_fsdp2.run.data import TrainData
 from hf_fsdp2.run.session import Session
 from hf_fsdp2.train.logps import (
@@ -98,7 +98,13 @@ def load_reference(
     model = parallelize(
         model,
         session.accelerator,
-        ParallelPlan(layer_cls=layer_cls, units=fsdp_unit_classes(model, layer_cls), cp=cp, frozen=True),
+        ParallelPlan(
+            layer_cls=layer_cls,
+            units=fsdp_unit_classes(model, layer_cls),
+            cp=cp,
+            ep=expert_plan(session, model),
+            frozen=True,
+        ),
     )
     logger.info(
         "%s reference: %s, frozen, sharded per decoder layer in %s (no optimizer state)",

@@ -87,6 +87,18 @@ _LAYOUTS = {
         "its reference, reward or score models and weight syncs are not verified with float8 linears",
         "use mixed_precision=bf16",
     ),
+    "expert_parallel": (
+        "ep_size>1",
+        "its reference, reward or score models and its weight syncs are not verified with each MoE layer's experts "
+        "split over ranks",
+        "use ep_size=1 (FSDP2 shards the experts, the plan shows what they move)",
+    ),
+    "images": (
+        "freeze_vision_tower=false or freeze_multi_modal_projector=false",
+        "it reads no image records, and a composite's vision tower and projector run on image tokens only, so they "
+        "would get no gradient and train nothing",
+        "leave both true (the default: frozen, never gathered on text rows, exported byte-identical)",
+    ),
 }
 
 
@@ -99,8 +111,12 @@ def asked_layouts(cfg: Config, mesh: MeshPlan) -> list[str]:
             asked.append("ring_attention")
     if mesh.tp > 1:
         asked.append("tensor_parallel")
+    if mesh.ep > 1:
+        asked.append("expert_parallel")
     if cfg.train.mixed_precision == "fp8":
         asked.append("float8")
+    if not (cfg.model.freeze_vision_tower and cfg.model.freeze_multi_modal_projector):
+        asked.append("images")
     return asked
 
 

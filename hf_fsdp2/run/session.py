@@ -31,17 +31,20 @@ from hf_fsdp2.composite import check_composite_run
 from hf_fsdp2.config import CONFIG_NAME, Config, ConfigError, save_config
 from hf_fsdp2.config.plans import CompilePlan, ShardingPlan, check, check_mesh
 from hf_fsdp2.elastic.agent import (
+    ARRIVAL_S,
     AUTO,
     AgentLaunch,
     ResumeSetting,
     attempt_init_method,
+    check_arrival,
     check_max_restarts,
     resume_setting,
 )
+from hf_fsdp2.elastic.attempts import read_layout
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.elastic.watchdog import Watchdog, describe_watchdog, flight_recorder_env
 from hf_fsdp2.export.hub import check_can_push
-from hf_fsdp2.model import check_max_length, load_model_config, text_config
+from hf_fsdp2.model import check_max_length, load_model_config, meta_model, text_config
 from hf_fsdp2.observe.profiling import apply_distributed_debug
 from hf_fsdp2.observe.trackers import build_trackers
 from hf_fsdp2.parallel.accelerator import (
@@ -53,6 +56,8 @@ from hf_fsdp2.parallel.accelerator import (
     setup_logging,
     world_size,
 )
+from hf_fsdp2.parallel.expert_shard import ExpertMeshes
+from hf_fsdp2.parallel.experts import check_expert_parallel
 from hf_fsdp2.parallel.kernels import check_liger_available
 from hf_fsdp2.parallel.launch_config import find_launch_request, fsdp_findings, world_findings
 from hf_fsdp2.parallel.tensor import check_tp_settings
@@ -98,7 +103,13 @@ class Session:
     # resume_from_checkpoint=auto found it (then it must be this run's).
     resume_from: str | None = None
     resume_auto: bool = False
+    # The start-up memory plan (rank 0 only; None on other ranks and where it could not be made): advice, read by
+    # choices rank 0 makes and shares (GRPO colocate's sleep mode).
+    memory_plan: Any = None
     started: float = field(default_factory=time.perf_counter)
+    expert_meshes: ExpertMeshes | None = (
+        None  # expert parallel's meshes, built once (run/build.py:expert_plan)
+    )
 
     @classmethod
     def start(cls, cfg: Config) -> Session:
@@ -156,8 +167,6 @@ class Session:
             model_config,
             tp_size=mesh.tp,
             cp_size=mesh.cp,
-            freeze_vision_tower=m.freeze_vision_tower,
-            freeze_multi_modal_projector=m.freeze_multi_modal_projector,
         )
         check_mesh(
             mesh,
@@ -165,18 +174,22 @@ class Session:
             kv_heads=getattr(text_config(model_config), "num_key_value_heads", None),
             max_length=d.max_length,
         )
+        # Expert parallel: the model's experts read from its config on the meta device (nothing loaded), every rank.
+        experts = (
+            check_expert_parallel(meta_model(model_config, trust_remote_code=m.trust_remote_code), mesh)
+            if mesh.ep > 1
+            else None
+        )
         tp_off = check_tp_settings(
             mesh.tp,
             use_peft=cfg.peft.use_peft,
             load_in_4bit=cfg.peft.load_in_4bit,
             liger=t.use_liger_kernel,
             ram_efficient_loading=ram_efficient_set,
-            torch_compile=f.torch_compile,
-            compile_default=on_gpu,
         )
         if mesh.tp > 1:  # what tensor parallel turns off (set to true, refused above)
-            f.fsdp_cpu_ram_efficient_loading, f.torch_compile = False, False
-            sharding, compile_plan = f.sharding_plan(on_gpu=on_gpu), f.compile_plan(on_gpu=on_gpu)
+            f.fsdp_cpu_ram_efficient_loading = False
+            sharding = f.sharding_plan(on_gpu=on_gpu)
             loading_note = tp_off.get("fsdp_cpu_ram_efficient_loading", loading_note)
         check(
             not (cfg.peft.load_in_4bit and mesh.hybrid),
@@ -196,6 +209,10 @@ class Session:
         )
         refused = [x.line() for x in launch if x.level == "error"]
         check(not refused, "the launch cannot run as asked:\n  " + "\n  ".join(refused))
+        # A restarted attempt on several nodes: every rank here before the process group, or the ones missing named.
+        arrival = check_arrival(
+            agent, timeout_s=min(float(t.ddp_timeout), ARRIVAL_S), layout=read_layout(output_dir)
+        )
         accelerator = build_accelerator(
             sharding,
             mixed_precision=t.mixed_precision,
@@ -206,6 +223,7 @@ class Session:
             mesh=mesh,
             init_method=attempt_init_method(agent),
         )
+        del arrival  # rank 0's store for this attempt: the process group's rendezvous has taken it over
         setup_logging(accelerator.is_main_process)
         logger.info(
             "collective timeout ddp_timeout=%ds, waits for rank 0 (host group) host_wait_timeout=%ds; debug variables: %s",
@@ -215,8 +233,8 @@ class Session:
         )
         logger.info("%s", loading_note)
         logger.info("device mesh: %s", mesh.describe())
-        if "torch_compile" in tp_off:
-            logger.info("%s", tp_off["torch_compile"])
+        if experts is not None:
+            logger.info("%s", experts.describe(mesh.ep, mesh.efsdp))
         if launch:
             where = f" ({request.source})" if request is not None else ""
             logger.info(

@@ -17,10 +17,10 @@ from hf_fsdp2.checkpoint.layout import CONFIG_FILE, STATE_FILE, CheckpointError,
 from hf_fsdp2.checkpoint.preemption import StopRequest
 from hf_fsdp2.checkpoint.resume import check_config_compatible, list_checkpoints, new_run_id, resolve_resume
 from hf_fsdp2.checkpoint.space import check_disk_space, checkpoint_bytes, export_bytes, planned_checkpoints
-from hf_fsdp2.collectives import broadcast_object
+from hf_fsdp2.collectives import broadcast_object, gather_objects
 from hf_fsdp2.config.sources import parse_source, resolve_sources
 from hf_fsdp2.data.fingerprint import changed_files, data_fingerprint
-from hf_fsdp2.elastic.attempts import describe_restart, read_history, take_previous
+from hf_fsdp2.elastic.attempts import describe_restart, rank_place, read_history, record_layout, take_previous
 from hf_fsdp2.elastic.kill_window import KillWindow
 from hf_fsdp2.elastic.progress import PROGRESS
 from hf_fsdp2.export.hub import CheckpointPusher
@@ -101,6 +101,10 @@ class RunState:
         if session.resume_from:
             self._resume(session.resume_from)
         self.restarted = self._take_previous_attempt()
+        # Every rank's node, host and address in this attempt: what names a node that does not come back.
+        places = gather_objects(rank_place())
+        if session.is_main:
+            record_layout(session.output_dir, places)
         # on_nonfinite: the step reports its loss and gradient-norm flags to this guard through the optimizer.
         self._check_disk(total_steps)
         # on_collapse: a run that learns nothing is decided by the same guard (each finding recorded, _report).

@@ -13,8 +13,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hf_fsdp2.labels import IGNORE_INDEX
 
@@ -95,6 +97,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         transform: LogitTransform,
         rows: torch.Tensor | None,
+        vocab: VocabShard | None,
     ) -> torch.Tensor:
         acc = accumulation_dtype(hidden.dtype)
         operand = hidden.dtype  # of the GEMMs: bf16 under mixed precision, else fp32 (fp64 for fp64)
@@ -112,14 +115,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden.index_select(0, index)
             t = targets.index_select(0, index)
             logits, capped = transform.chunk_logits(h, head, acc)
-            picked = logits.gather(1, t[:, None]).squeeze(1)
-            top = logits.amax(dim=-1, keepdim=True)
-            probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
-            norm = probs.sum(dim=-1, keepdim=True)
-            total += ((top + norm.log()).squeeze(1) - picked).sum()
-            # d(sum CE)/d logits = softmax - one-hot, computed in place.
-            probs.div_(norm)
-            probs[torch.arange(probs.size(0), device=probs.device), t] -= 1.0
+            if vocab is None:
+                picked = logits.gather(1, t[:, None]).squeeze(1)
+                top = logits.amax(dim=-1, keepdim=True)
+                probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
+                norm = probs.sum(dim=-1, keepdim=True)
+                total += ((top + norm.log()).squeeze(1) - picked).sum()
+                # d(sum CE)/d logits = softmax - one-hot, computed in place.
+                probs.div_(norm)
+                probs[torch.arange(probs.size(0), device=probs.device), t] -= 1.0
+            else:
+                probs, chunk_loss = _vocab_parallel_softmax_grad(logits, t, vocab)
+                total += chunk_loss
             # Back through the transform to the head's raw output.
             if capped is not None:
                 probs.mul_(1.0 - capped.square_())
@@ -154,7 +161,57 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         has_h, has_w = ctx.has_grads  # type: ignore[attr-defined]
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if has_h else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if has_w else None  # type: ignore[attr-defined]
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of an output head split over the vocabulary across a tensor-parallel group (loss parallel):
+    the group, and the first vocabulary id it holds."""
+
+    group: Any
+    start: int
+
+
+def vocab_shard(weight: torch.Tensor) -> VocabShard | None:
+    """The :class:`VocabShard` of a head weight that is a DTensor split over its rows (``Shard(0)``, torch.chunk's
+    split) on a 1-D mesh (tensor parallel's ``VocabHead``); None for any other weight."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor) or tuple(weight.placements) != (Shard(0),):
+        return None
+    mesh = weight.device_mesh
+    rows = int(weight.shape[0])
+    per = -(-rows // mesh.size())
+    return VocabShard(mesh.get_group(), min(mesh.get_local_rank() * per, rows))
+
+
+def _vocab_parallel_softmax_grad(
+    logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of a vocabulary-split head: ``logits`` are this rank's columns ``[chunk, V / tp]``. Each rank's
+    maximum, sum of exponentials and target logit (0 where another rank holds the target) travel in one all-gather of
+    ``[3, chunk]`` (every rank of the group, same chunk); each rank then has the whole log-sum-exp. Returns the
+    gradient of the summed CE for its columns (softmax - one-hot, in place of ``logits``) and the chunk's summed CE
+    (the same on every rank)."""
+    columns = logits.size(1)
+    local = targets - vocab.start
+    owned = (local >= 0) & (local < columns)
+    index = local.clamp(0, columns - 1)
+    picked = logits.gather(1, index[:, None]).squeeze(1).masked_fill(~owned, 0.0)
+    top = logits.amax(dim=-1)
+    probs = logits.sub_(top[:, None]).exp_()
+    stats = torch.stack([top, probs.sum(dim=-1), picked])
+    ranks = dist.get_world_size(vocab.group)
+    gathered = stats.new_empty((ranks * 3, stats.size(1)))
+    dist.all_gather_into_tensor(gathered, stats, group=vocab.group)
+    per_rank = gathered.view(ranks, 3, -1)
+    peak = per_rank[:, 0].amax(dim=0)
+    lse = peak + (per_rank[:, 1] * (per_rank[:, 0] - peak).exp()).sum(dim=0).log()
+    probs.mul_((top - lse).exp()[:, None])  # exp(logit - top) * exp(top - lse): this rank's softmax columns
+    rows = torch.arange(probs.size(0), device=probs.device)
+    probs[rows[owned], index[owned]] -= 1.0
+    return probs, (lse - per_rank[:, 2].sum(dim=0)).sum()
 
 
 def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -187,6 +244,7 @@ def chunked_linear_cross_entropy_sum(
     chunk_tokens: int,
     transform: LogitTransform | None = None,
     rows: torch.Tensor | None = None,
+    vocab: VocabShard | None = None,
 ) -> torch.Tensor:
     """Summed CE of ``transform(hidden @ weight.T)`` against ``targets`` without the full logits.
 
@@ -198,12 +256,15 @@ def chunked_linear_cross_entropy_sum(
         transform: the model's logit post-processing (none by default).
         rows: :func:`target_rows` of ``targets`` on ``hidden``'s device, found from host labels; None = found
             here, which reads the device once (``nonzero``) on a GPU.
+        vocab: ``weight`` is this rank's rows of a head split over the vocabulary (:func:`vocab_shard`): loss
+            parallel, one ``[3, chunk]`` all-gather over its group per chunk; the gradient of ``hidden`` is then this
+            rank's partial sum (the caller reduces it over the group).
 
     Returns:
         A scalar tensor (fp32, fp64 for fp64 inputs) whose gradients match the plain computation's.
     """
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, chunk_tokens, transform or LogitTransform(), rows
+        hidden, weight, targets, chunk_tokens, transform or LogitTransform(), rows, vocab
     )
 
 

@@ -19,6 +19,7 @@ from hf_fsdp2 import collectives
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.chunked_ce import accumulation_dtype, head_input_replaced
 from hf_fsdp2.train.loss import LossPlan
+from hf_fsdp2.train.router import router_loss
 
 
 def completion_logps(
@@ -106,7 +107,9 @@ def row_logps(
     logits = logits.to(accumulation_dtype(logits.dtype))
     picked = logits.gather(-1, picked_targets.to(logits.device)[:, None]).squeeze(-1)
     per_token = picked - torch.logsumexp(logits, dim=-1)
-    aux = getattr(out, "aux_loss", None) if extra else None
+    aux = (
+        router_loss(out, model, inputs) if extra else None
+    )  # the micro-batch's global router loss (collective)
     sums = torch.zeros(labels.size(0), dtype=per_token.dtype, device=per_token.device)
     device_rows = rows.to(per_token.device)
     if sequence_labels is None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.train.chunked_ce import (
@@ -22,7 +22,9 @@ from hf_fsdp2.train.chunked_ce import (
     chunked_linear_cross_entropy_sum,
     head_input_replaced,
     target_rows,
+    vocab_shard,
 )
+from hf_fsdp2.train.router import router_loss
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:
@@ -264,13 +266,14 @@ def causal_lm_loss(
             host labels so that no device read is needed; None = found here from ``labels``.
 
     Returns:
-        The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss (or None).
+        The summed CE (fp32, fp64 for fp64 models) and the router auxiliary loss of the micro-batch's global tokens
+        (:func:`~hf_fsdp2.train.router.router_loss`; collective), or None.
     """
     extra = {"output_router_logits": True} if plan.router_aux_coef else {}
     if plan.chunk_tokens <= 0:
         out = model(**inputs, **extra, use_cache=False)
         return LossOutput(
-            cross_entropy_sum(out.logits, labels), getattr(out, "aux_loss", None) if extra else None
+            cross_entropy_sum(out.logits, labels), router_loss(out, model, inputs) if extra else None
         )
     head = model.get_output_embeddings()  # type: ignore[operator]
     targets = labels[:, 1:].reshape(-1)
@@ -286,7 +289,7 @@ def causal_lm_loss(
             f"the chunked loss was not computed: {type(model).__name__}'s output head {type(head).__name__} did not "
             "run during the forward; set ce_chunk_tokens=0"
         )
-    return LossOutput(request.result, getattr(out, "aux_loss", None) if extra else None)
+    return LossOutput(request.result, router_loss(out, model, inputs) if extra else None)
 
 
 @dataclass(kw_only=True)
@@ -300,9 +303,15 @@ class _ChunkedLoss:
     result: torch.Tensor | None = None
 
     def __call__(self, head: torch.nn.Module, full: torch.Tensor) -> torch.Tensor:
-        # Tensor parallel replicates the head over tp (parallel/tensor.py): its weight and input are DTensors
-        # holding the whole tensor on every tp rank, and the loss computes on those local tensors.
-        local = full.to_local() if isinstance(full, DTensor) else full
+        # Tensor parallel splits the head over the vocabulary (parallel/sequence_parallel.py): its input is the whole
+        # sequence replicated over tp, its weight this rank's rows. The loss computes on the local tensors (loss
+        # parallel); the input's gradient is this rank's partial sum over its rows, reduced over tp on the way back.
+        assert isinstance(head.weight, torch.Tensor)
+        vocab = vocab_shard(head.weight)
+        if isinstance(full, DTensor):
+            local = full.to_local(grad_placements=[Partial()] if vocab is not None else None)
+        else:
+            local = full
         hidden = local[:, : self.positions].reshape(-1, local.size(-1))
         weight = head.weight.to_local() if isinstance(head.weight, DTensor) else head.weight
         assert isinstance(weight, torch.Tensor)
@@ -313,6 +322,7 @@ class _ChunkedLoss:
             self.plan.chunk_tokens,
             self.plan.transform,
             self.rows.to(local.device, non_blocking=True),
+            vocab,
         )
         # The head itself runs on the last position only. Contiguous: a view's stride follows the sequence length,
         # which the head's compiled graph would be guarded on (one recompile per new stride, measured).

@@ -6,10 +6,12 @@ update itself) runs on the local shards; only the orthogonalisation needs the wh
 owner rank (largest first, to the least-loaded rank), and the matrices go in rounds of one per rank: one
 ``all_to_all`` sends every rank's row block of each matrix to its owner (bf16: what torch's Newton-Schulz casts to
 first, so nothing is lost), each owner orthogonalises its one whole matrix with ``torch.optim.Muon``'s own
-Newton-Schulz, and a second ``all_to_all`` sends the row blocks back. No rank ever holds more than one whole
-matrix, every rank runs the same collectives in the same order (a rank without a matrix in a round sends and
-receives empty blocks), and the bytes on the wire equal one bf16 reduce-scatter plus one all-gather of the
-Muon matrices (``last_comm_bytes``).
+Newton-Schulz, and a second ``all_to_all`` sends the row blocks back. Rounds go in buckets (:func:`muon_buckets`,
+up to :data:`MUON_BUCKET_BYTES` of whole matrices per rank): two asynchronous all-to-alls per bucket, the next
+bucket's gather in flight while this one is orthogonalised. No rank holds more than two buckets of whole matrices,
+every rank runs the same collectives in the same order (a rank without a matrix in a round sends and receives empty
+blocks), and the bytes on the wire equal one bf16 reduce-scatter plus one all-gather of the Muon matrices
+(``last_comm_bytes``).
 
 The math is torch's (``torch.optim._muon``: Newton-Schulz and the learning-rate adjustment, including Moonlight's
 ``match_rms_adamw``); ``tests/unit/test_muon.py`` holds this optimizer to ``torch.optim.Muon`` bit for bit in
@@ -25,6 +27,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hf_fsdp2.train.muon_exchange import (
+    MUON_BUCKET_BYTES,
+    Exchange,
+    Flight,
+    _row_blocks,
+    muon_buckets,
+    owner_rounds,
+)
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -154,31 +165,6 @@ def split_params(model: torch.nn.Module, layer_cls: Iterable[str]) -> ParamSplit
     return ParamSplit(muon, decay, no_decay)
 
 
-def _row_blocks(rows: int, world: int) -> list[int]:
-    """Rows of each rank's block of a ``Shard(0)`` DTensor: ``torch.chunk``'s sizes, empty blocks at the end (how
-    DTensor and FSDP2 split a dimension that the world does not divide)."""
-    sizes = [len(c) for c in torch.arange(rows).chunk(world)]
-    return sizes + [0] * (world - len(sizes))
-
-
-def owner_rounds(shapes: list[tuple[int, int]], world: int) -> list[list[int | None]]:
-    """Which matrix each rank orthogonalises in each round: largest first, each to the rank with the least
-    Newton-Schulz work so far (``min(m, n)^2 * max(m, n)``, lowest rank on a tie).
-
-    Returns:
-        Rounds; round ``k`` is, per rank, the index (into ``shapes``) of its ``k``-th matrix or None.
-    """
-    cost = [min(s) ** 2 * max(s) for s in shapes]
-    order = sorted(range(len(shapes)), key=lambda i: (-cost[i], i))
-    load, owned = [0] * world, [[] for _ in range(world)]  # type: list[int], list[list[int]]
-    for i in order:
-        rank = min(range(world), key=lambda r: (load[r], r))
-        load[rank] += cost[i]
-        owned[rank].append(i)
-    depth = max((len(o) for o in owned), default=0)
-    return [[o[k] if k < len(o) else None for o in owned] for k in range(depth)]
-
-
 def _shard_group(tensor: torch.Tensor) -> tuple[dist.ProcessGroup | None, int, int]:
     """The process group over which ``tensor``'s rows are split, the world of that group and this rank's index.
 
@@ -217,6 +203,7 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_groups: AdamW's groups (``params``, ``weight_decay``).
         muon: Muon's settings.
         lr, betas, eps, fused: AdamW's.
+        bucket_bytes: the whole matrices a rank gathers per bucket of rounds (0: :data:`MUON_BUCKET_BYTES`).
     """
 
     def __init__(
@@ -229,7 +216,9 @@ class MuonAdamW(torch.optim.Optimizer):
         betas: tuple[float, float],
         eps: float,
         fused: bool,
+        bucket_bytes: int = 0,
     ) -> None:
+        bucket_bytes = bucket_bytes or MUON_BUCKET_BYTES
         self._ns, self._adjust_lr, coefficients, eps_ns = _torch_muon_pieces()
         if muon.adjust_lr not in MUON_ADJUST_LR:
             raise ValueError(f"muon_adjust_lr={muon.adjust_lr!r} is not one of {list(MUON_ADJUST_LR)}")
@@ -259,7 +248,9 @@ class MuonAdamW(torch.optim.Optimizer):
         all_groups = (self._adamw.param_groups if self._adamw else []) + ([muon_group] if muon_params else [])
         super().__init__(all_groups, {"lr": lr})
         self._link()
+        self.bucket_bytes = bucket_bytes
         self.last_comm_bytes = 0  # bytes this rank sent in the last step's all-to-alls (the cost, measured)
+        self.last_collectives = 0  # all-to-alls of the last step: 2 per bucket of rounds (muon_buckets)
 
     def _link(self) -> None:
         """Point the inner AdamW at this optimizer's AdamW group dicts and state (again after a load, which
@@ -316,7 +307,7 @@ class MuonAdamW(torch.optim.Optimizer):
             return []
         pg, world, me = _shard_group(params[0])
         if world == 1:
-            self.last_comm_bytes = 0
+            self.last_comm_bytes = self.last_collectives = 0
             return [ns(u) for u in updates]
         shapes = [(int(p.shape[0]), int(p.shape[1])) for p in params]
         blocks = [_row_blocks(r, world) for r, _ in shapes]
@@ -327,29 +318,30 @@ class MuonAdamW(torch.optim.Optimizer):
                     f"by torch.chunk: {b}) or another process group: the FSDP2 layout is not the one optim=muon "
                     "assumes; use optim=adamw and report this"
                 )
-        sent = 0
+        rounds = owner_rounds(shapes, world)
+        buckets = muon_buckets(rounds, shapes, world, self.bucket_bytes)
+        ctx = Exchange(updates=updates, shapes=shapes, blocks=blocks, me=me, world=world, group=pg)
         out: list[torch.Tensor | None] = [None] * len(params)
-        dtype, device = torch.bfloat16, updates[0].device
-        for row in owner_rounds(shapes, world):
-            # Every rank of the shard group takes part in both all-to-alls of every round, whatever it owns.
-            mine = row[me]
-            in_split = [0 if i is None else blocks[i][me] * shapes[i][1] for i in row]
-            out_split = [0 if mine is None else blocks[mine][r] * shapes[mine][1] for r in range(world)]
-            send = torch.cat([updates[i].to(dtype).reshape(-1) for i in row if i is not None])
-            gathered = torch.empty(sum(out_split), dtype=dtype, device=device)
-            dist.all_to_all_single(gathered, send, out_split, in_split, group=pg)
-            if mine is not None:
-                whole = ns(gathered.view(shapes[mine]))
-                back = whole.reshape(-1).to(dtype)
-            else:
-                back = torch.empty(0, dtype=dtype, device=device)
-            received = torch.empty(sum(in_split), dtype=dtype, device=device)
-            dist.all_to_all_single(received, back, in_split, out_split, group=pg)
-            sent += (send.numel() - in_split[me] + back.numel() - out_split[me]) * send.element_size()
-            for i, part in zip(row, received.split(in_split), strict=True):
-                if i is not None:
-                    out[i] = part.view(blocks[i][me], shapes[i][1])
-        self.last_comm_bytes = sent
+        # A pipeline over buckets of rounds (every rank the same buckets, the same collectives in the same order):
+        # the next bucket's gather is in flight while this one's matrices are orthogonalised, and each bucket's
+        # scatter while the next is; at most two buckets' whole matrices are held at once.
+        gather = ctx.gather([rounds[k] for k in buckets[0]])
+        scatter: Flight | None = None
+        for n in range(len(buckets)):
+            gather.work.wait()
+            current = gather
+            if n + 1 < len(buckets):
+                gather = ctx.gather([rounds[k] for k in buckets[n + 1]])
+            done = ctx.scatter(current, [ns(whole) for whole in ctx.wholes(current)])
+            if scatter is not None:
+                scatter.work.wait()
+                ctx.unpack(scatter, out)
+            scatter = done
+        assert scatter is not None
+        scatter.work.wait()
+        ctx.unpack(scatter, out)
+        self.last_comm_bytes = ctx.sent
+        self.last_collectives = 2 * len(buckets)
         return [o for o in out if o is not None]
 
 

@@ -30,10 +30,11 @@ import torch
 from torch.profiler import record_function
 
 from hf_fsdp2 import collectives
-from hf_fsdp2.parallel.all_to_all import shard_sequence
+from hf_fsdp2.parallel.all_to_all import pad_to_multiple, shard_sequence
 from hf_fsdp2.parallel.ring import ring_context, ring_mesh, shard_ring
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, count_target_tokens, shifted_target_rows
 from hf_fsdp2.train.nonfinite import NonFiniteGuard, guard_of
+from hf_fsdp2.train.router import RouterLoss
 
 Batch = dict[str, torch.Tensor]
 
@@ -245,23 +246,6 @@ def apply_update(
     optimizer.zero_grad(set_to_none=True)
 
 
-class RouterLoss:
-    """A step's MoE router loss: added to each micro-batch's backward objective as a mean over every micro-batch
-    of every rank (FSDP2 averages over ranks), and this rank's sum kept for the log (``sum``: None when the loss
-    plan has no router loss)."""
-
-    def __init__(self, coef: float, micro_batches: int, device: torch.device) -> None:
-        self.scale = coef / micro_batches
-        self.sum = torch.zeros((), dtype=torch.float32, device=device) if coef else None
-
-    def added(self, total: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-        """``total`` plus this micro-batch's scaled router loss ``aux`` (counted in :attr:`sum`), or ``total``."""
-        if aux is None or self.sum is None:
-            return total
-        self.sum += aux.detach().float()
-        return total + aux * self.scale
-
-
 def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_each_microbatch: bool) -> None:
     """Whether FSDP2 reduce-scatters micro-batch ``index`` (of ``count``)'s gradients after its backward: every
     micro-batch's, or only the last's (no-op on a model that is not FSDP2-sharded). Every rank makes the same
@@ -272,9 +256,22 @@ def choose_gradient_sync(model: torch.nn.Module, index: int, count: int, sync_ea
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip the global gradient norm (DTensor gradients included); returns the norm before clipping. Each mesh's
+    gradients (expert parallel: the experts' on ``efsdp x ep``, the rest on the run's mesh) are reduced on their own
+    (collective over its ranks): DTensors of two meshes cannot be stacked."""
+    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = [
+        torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]) for ps in by_mesh.values()
+    ]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    limit = max_norm if max_norm > 0 else float("inf")
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, limit, total)
+    return total
 
 
 def clip_and_update(
@@ -329,7 +326,7 @@ def forward_backward(
         local = torch.tensor(loss.local_counts(batches), dtype=torch.long, device=device)
         counts = loss.begin(read_step_counts(local, guard), guard)
     ranks = collectives.grad_world()
-    router = RouterLoss(settings.loss.router_aux_coef, len(batches), device)
+    router = RouterLoss(settings.loss.router_aux_coef, len(batches), device, ranks)
     loss_sum = torch.zeros((), dtype=loss.log_dtype, device=device)
     for i, batch in enumerate(batches):
         choose_gradient_sync(model, i, len(batches), settings.sync_each_microbatch)
@@ -408,12 +405,14 @@ class TokenLoss(StepLoss):
         self.tokens = 0
 
     def prepare(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
-        cp = collectives.cp_size()
+        cp, tp = collectives.cp_size(), collectives.tp_size()
         if cp <= 1:
             return micro_batches
-        # Context parallel: this rank's part of each sequence (its labels one column wider).
-        shard = shard_ring if self.ring is not None else shard_sequence
-        return [shard(b, cp, collectives.cp_rank()) for b in micro_batches]
+        # Context parallel: this rank's part of each sequence (its labels one column wider); under tensor parallel
+        # too, parts whose length is a multiple of tp (sequence parallel splits them further).
+        if self.ring is not None:
+            return [shard_ring(b, cp, collectives.cp_rank()) for b in micro_batches]
+        return [shard_sequence(pad_to_multiple(b, cp * tp), cp, collectives.cp_rank()) for b in micro_batches]
 
     def local_counts(self, micro_batches: Sequence[Batch]) -> list[int]:
         # The step's target tokens normalise the loss; with the processed count they give its padding efficiency.
@@ -434,6 +433,9 @@ class TokenLoss(StepLoss):
         return ring_context(self.ring) if self.ring is not None else contextlib.nullcontext()
 
     def micro(self, model: torch.nn.Module, batch: Batch, index: int) -> MicroLoss:
+        if collectives.tp_size() > 1 and collectives.cp_size() <= 1:
+            # Sequence parallel splits a length that is a multiple of tp (padding: no target, not counted above).
+            batch = pad_to_multiple(batch, collectives.tp_size())
         # The chunked loss's target positions from the host labels: finding them on the device would wait for it.
         rows = shifted_target_rows(batch["labels"]) if self.plan.chunk_tokens > 0 else None
         batch = to_device(batch, self.device)

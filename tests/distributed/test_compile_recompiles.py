@@ -20,8 +20,10 @@ from support.tiny import make_tiny_llama_dir, write_chat_jsonl
 WORKER = Path(__file__).parent / "workers" / "recompile_worker.py"
 # cppf: context parallel over the 2 ranks (one padding-free batch, each rank half of every row; the all-to-all inside
 # each compiled layer), under regional compile, the GPU default.
-COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf"]
-CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", *COMPILED]
+# tp: tensor parallel over the 2 ranks (sequence parallel: DTensor redistributions inside each compiled layer; padded
+# rows of even length, the run's own padding), under regional compile; eval and generation keep the stream whole.
+COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf", "regional:tp"]
+CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", "eager:tp", *COMPILED]
 STEPS, EVAL_AFTER = 4, 1
 # Both scopes compile in step 0 (regional: each layer's sequence dims marked dynamic before it).
 # The whole model compiles its frames (those between FSDP2's graph breaks, started on tensors eager code hands them)
@@ -35,9 +37,15 @@ WARMUP_STEPS = 1
 MAX_RECOMPILES_FIRST_TWO_STEPS = 2  # the whole model's
 MAX_RECOMPILES_AFTER_WARMUP = 1
 # dynamo's guards, graph breaks and recompiles do not depend on the backend; aot_eager (AOT autograd without code
-# generation) keeps the test near 2 minutes on 2 cores, where inductor's C++ builds take minutes per config.
+# generation) keeps the regional configs near a minute on 2 cores, where inductor's C++ builds take minutes per config.
 # Inductor's numerics against eager: tests/distributed/test_perf_modes.py and tests/recipes/test_perf_recipe.py.
 BACKEND = "aot_eager"
+# The whole model runs dynamo alone (backend "eager"): its shape-generic decoder-layer frame (dynamic=True makes
+# every size and float symbolic) took 34 s of AOT tracing per layout under aot_eager, in two attempts (the first fails
+# in AOT's float tensorification and restarts), 2/3 of this file's time. Measured the same under both backends (torch
+# 2.13, model:padded): 2 recompiles, all in step 0, 5 graphs, eager's losses. Without dynamic=True the whole model
+# still recompiles 13 times here. AOT autograd under compile: the regional configs.
+WHOLE_MODEL_BACKEND = "eager"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = root / "results.json"
     args = ["--model", str(model), "--data", str(data), "--out", str(out), "--configs", ",".join(CONFIGS)]
     args += ["--steps", str(STEPS), "--eval_after", str(EVAL_AFTER), "--backend", BACKEND]
-    torchrun(WORKER, args, nproc=2)
+    args += ["--whole_model_backend", WHOLE_MODEL_BACKEND]
+    # 8 configurations' compiles in one launch: on a loaded 2-core machine it passed 600 s (load average 15-19).
+    torchrun(WORKER, args, nproc=2, timeout=1200)
     return json.loads(out.read_text())
 
 

@@ -20,6 +20,7 @@ docs/models.md holds the same matrix as a table; ``test_docs_table_matches_the_m
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -154,20 +155,33 @@ def reference(
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     text = model.config.get_text_config()
     coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
+    # Under PEFT, the family's own class holds the router loss function.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    balance = importlib.import_module(type(base).__module__).__dict__.get("load_balancing_loss_func")
     losses = []
     for step in range(STEPS):
-        micro = [b for rank in range(WORLD) for b in family_batches(step, rank)]
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        per_rank = [family_batches(step, rank) for rank in range(WORLD)]
+        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for mbs in per_rank for b in mbs)
         ce_total = 0.0
-        for b in micro:
-            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-            logits = out.logits[:, :-1].float()
-            ce = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum"
-            )
-            loss = ce / tokens + (coef * out.aux_loss / len(micro) if coef else 0.0)
+        for m in range(len(per_rank[0])):  # micro-batch m of every rank
+            loss, routed, masks = 0.0, [], []
+            for mbs in per_rank:
+                b = mbs[m]
+                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                logits = out.logits[:, :-1].float()
+                ce = F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1), reduction="sum"
+                )
+                loss = loss + ce / tokens
+                ce_total += float(ce)
+                if coef:
+                    routed.append(out.router_logits)
+                    masks.append(b["attention_mask"].reshape(-1))
+            if coef:  # the router loss of micro-batch m's tokens of every rank, as transformers computes it
+                joined = tuple(torch.cat(layer) for layer in zip(*routed, strict=True))
+                aux = balance(joined, joined[0].size(-1), text.num_experts_per_tok, torch.cat(masks)[None])
+                loss = loss + coef * aux / len(per_rank[0])
             loss.backward()
-            ce_total += float(ce)
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()

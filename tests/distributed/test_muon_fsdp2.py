@@ -255,3 +255,12 @@ def test_three_ranks_uneven_and_empty_row_blocks_equal_torch_muon(tmp_path: Path
     print(f"3 ranks: max relative parameter difference per step {got['diffs']}")
     assert got["world"] == 3 and all(b > 0 for b in got["sent"])
     assert max(got["diffs"]) <= 1e-5 and got["moved"][-1] > 1e-2, got
+    # Counted per step: 2 all-to-alls per bucket of rounds (8 matrices over 3 ranks by Newton-Schulz cost: 6 rounds,
+    # one rank taking the cheap 2-row ones; one bucket under the default 256 MiB), where one round per bucket (the
+    # exchange before buckets) takes 2 per round; the same parameters bit for bit (the same bf16 blocks reach the
+    # same Newton-Schulz: only the transport is grouped).
+    assert (got["rounds"], got["buckets"]) == (6, 1)
+    assert got["all_to_alls"] == [2 * got["buckets"], 2 * got["rounds"]] * len(got["diffs"]), got[
+        "all_to_alls"
+    ]
+    assert all(got["bit_identical"]), got["bit_identical"]

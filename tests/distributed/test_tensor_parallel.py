@@ -1,9 +1,16 @@
 """Tensor parallel 2 x FSDP2 over 2 data ranks on 4 gloo processes (one mesh: dp_shard_cp x tp).
 
+- Tensor parallel alone on 2 ranks (each tp group of the mesh, fp32) gives the whole model's loss and gradients, and
+  issues torchtitan's collectives, counted with CommDebugMode: per decoder layer 2 all-gathers + 2 reduce-scatters
+  forward and backward (before sequence parallel: 2 all-reduces forward and 5 backward, one per q/k/v/gate/up), the
+  embedding split over the vocabulary (1 all-reduce), the head's input gathered once and, under the chunked loss,
+  one [3 x chunk] all-gather per chunk (loss parallel). An eval forward of an odd length keeps the stream whole.
 - The split model's loss and every gradient equal the whole model's in fp64 (Llama with GQA and an untied head on
   plain logits; Qwen3 with per-head q/k norms, a tied head and the chunked loss; Gemma3 with per-head norms, sliding
   window and soft-capped logits), and the library's clip reads the same gradient norm from the 2-D DTensors
-  (tests/distributed/workers/tp_worker.py).
+  (tests/distributed/workers/tp_worker.py); the same under HSDP x TP (2 replica groups x 1 shard x tp 2, 3-D).
+- bf16 compute with activation checkpointing none / full / selective under the sequence layout: the whole bf16
+  model's loss and gradients, checkpointing bit for bit the same, and the collectives its recompute repeats.
 - The SFT recipe with tp 2 x dp_shard 2 trains the losses, target counts and gradient norms of flat FSDP2 over 4 ranks
   on the same data-parallel batch (per_device_train_batch_size doubles as the data world halves; fp32, accumulation,
   chat data with unequal target counts; eval every 2 steps), on Llama and Qwen3, and exports a verified folder equal to
@@ -40,6 +47,25 @@ GRAD_NORM_RTOL = 5e-4
 RESUMED = "llama3_untied"  # the family whose checkpoints the resume and offline-export tests read
 
 
+LAYERS, CHUNK = 2, 8  # the worker's models and the chunked case's chunk rows
+
+
+def training_collectives(chunks: int) -> tuple[dict[str, int], dict[str, int]]:
+    """A training forward's and its backward's collectives over tp for a model of :data:`LAYERS` decoder layers
+    (``chunks``: the chunked loss's chunks; 0: plain logits).
+
+    Forward: per layer one all-gather into attention and one into the MLP, one reduce-scatter out of each; the
+    vocabulary-split embedding's all-reduce; the head's input all-gathered; the logits gathered (plain), or one
+    ``[3 x chunk]`` all-gather per chunk and the one-position logits the head itself still computes (chunked).
+    Backward: each forward all-gather's reduce-scatter and each reduce-scatter's all-gather, per layer; the head
+    input's reduce-scatter; the first layer's input gradient gathered back to the whole (replicated) embedding output.
+    """
+    head = chunks + 1 if chunks else 1
+    forward = {"all_gather": 2 * LAYERS + 1 + head, "reduce_scatter": 2 * LAYERS, "all_reduce": 1}
+    backward = {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1}
+    return forward, backward
+
+
 def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: Path) -> None:
     torchrun(WORKER, [str(tmp_path)], nproc=4)
     ranks = json.loads((tmp_path / "result.json").read_text())
@@ -49,7 +75,61 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             "llama_gqa_untied_plain",
             "qwen3_qk_norm_tied_chunked",
             "gemma3_qk_norm_sliding_softcap_plain",
+            "llama_fp8_tensorwise",
+            "llama_hsdp_tp",
+            "llama_bf16_checkpointed",
         }
+        # HSDP x TP (2 replica groups x 1 shard x tp 2) in fp64: the whole model's loss, gradients and clip norm
+        # (measured 4e-16), parameters on the 3-D mesh.
+        hsdp = results.pop("llama_hsdp_tp")
+        assert "error" not in hsdp, hsdp.get("error")
+        for got, want in (hsdp["loss"], hsdp["norm"]):
+            assert abs(got - want) <= 1e-12 * abs(want), hsdp
+        assert hsdp["grad_rel"] <= 1e-12, hsdp["grad_rel"]
+        placements = hsdp["placements"]
+        assert (
+            placements["model.layers.0.self_attn.o_proj.weight"]
+            == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+        )
+        assert placements["model.norm.weight"] == "(Replicate(), Shard(dim=0), Replicate())"
+        # bf16 compute (fp32 master weights and reductions) with each checkpointing mode, tp 2 x FSDP2 2: the whole
+        # bf16 model's loss (measured 1.2e-5 relative) and gradients (1.3e-2 of each tensor's largest entry: a few
+        # bf16 roundings; a layout that lost or doubled a share would be off by 0.5 or more); checkpointing changes
+        # nothing (the same bf16 operations recomputed: bit for bit), and its backward repeats, per layer, the two
+        # all-gathers into attention and the MLP and (full) attention's reduce-scatter, whose output the residual
+        # stream needs (the checkpoint's recompute stops at the MLP's down projection, its last saved input);
+        # selective keeps the reduce-scatter's output (before: re-ran it, 1 per layer).
+        bf16 = results.pop("llama_bf16_checkpointed")
+        assert "error" not in bf16, bf16.get("error")
+        none = bf16["none"]
+        assert abs(none["loss"] - bf16["want"]) <= 1e-3 * bf16["want"], bf16
+        assert none["grad_rel"] <= 5e-2, bf16
+        kinds = ("all_gather", "reduce_scatter", "all_reduce")
+        for mode, reduce_scatters in (("full", LAYERS), ("selective", 0)):
+            assert bf16[mode]["loss"] == none["loss"] and bf16[mode]["grad_diff"] == 0.0, (mode, bf16)
+            recomputed = {k: bf16[mode]["backward"].get(k, 0) - none["backward"].get(k, 0) for k in kinds}
+            assert recomputed == {
+                "all_gather": 2 * LAYERS,
+                "reduce_scatter": reduce_scatters,
+                "all_reduce": 0,
+            }, (
+                mode,
+                bf16,
+            )
+        fp8 = results.pop("llama_fp8_tensorwise")
+        assert "error" not in fp8, fp8.get("error")
+        # FP8 under TP (emulated tensorwise float8, the float8 styles, float8 on the wire as gloo bytes): the whole FP8
+        # model's loss and gradients (the same scales: each amax is reduced over the tp ranks), the bf16 layout's
+        # all-gathers and reduce-scatters, of which the block inputs (forward) and the row-parallel output gradients
+        # (backward) in float8: 4 per layer; the all-reduces add the amaxes of split tensors.
+        got, want = fp8["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want) and fp8["grad_rel"] <= 1e-4, fp8
+        forward, backward = training_collectives(-(-fp8["targets"] // CHUNK))
+        for kind in ("all_gather", "reduce_scatter"):
+            assert fp8["collectives"][kind] == forward.get(kind, 0) + backward.get(kind, 0), fp8[
+                "collectives"
+            ]
+        assert fp8["float8_all_gathers"] == 4 * LAYERS, fp8
         for case, r in results.items():
             assert "error" not in r, r.get("error")
             # fp64: rounding only. Gemma's RMSNorm computes in fp32 whatever the dtype: its gradients carry fp32
@@ -63,6 +143,18 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
             # Split layers: (data shard, tp shard); everything else replicated over tp.
             assert r["placements"]["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
             assert r["placements"]["model.norm.weight"] == "(Shard(dim=0), Replicate())"
+            alone = r["tp_alone"]
+            # fp32: the split adds in another order (measured: losses to 3e-8, gradients to 2e-6 relative).
+            for got, want in (alone["loss"], alone["odd_loss"]):
+                assert abs(got - want) <= 1e-5 * abs(want), case
+            assert alone["grad_rel"] <= 1e-4, (case, alone["grad_rel"])
+            chunks, odd_chunks = (-(-n // CHUNK) if "chunked" in case else 0 for n in alone["targets"])
+            forward, backward = training_collectives(chunks)
+            assert alone["forward"] == forward, (case, alone["forward"])
+            assert alone["backward"] == backward, (case, alone["backward"])
+            # Eval: the stream whole, so one all-reduce per block and the embedding's; the head gathers no input.
+            gathers = odd_chunks + 1 if odd_chunks else 1
+            assert alone["eval_forward"] == {"all_reduce": 2 * LAYERS + 1, "all_gather": gathers}, case
     assert "4 replicated_with_grad_allreduce" in ranks[0]["qwen3_qk_norm_tied_chunked"]["line"]
 
 
@@ -150,9 +242,16 @@ def test_tp2_x_dp2_trains_like_flat_fsdp2_over_4_ranks_and_exports_the_same_mode
     flat, _ = run(family, 1)
     out, log = run(family, 2)
     assert "device mesh: flat FSDP2 over 2 ranks; tensor parallel 2" in log
-    assert f"tensor parallel 2 ({plan}'s base_model_tp_plan through torch DTensor styles)" in log
-    assert "no loss parallel" in log
-    assert "on mesh (dp_shard_cp=2, tp=2)" in log and "(Shard(dim=0), Replicate())" in log
+    assert (
+        f"tensor parallel 2 ({plan}'s base_model_tp_plan through torch DTensor styles, sequence parallel"
+        in log
+    )
+    assert "loss parallel under the chunked loss" in log
+    # The embedding split over the vocabulary across tp, and each part over the data ranks (FSDP2's strided shard).
+    assert (
+        "model.embed_tokens.weight (_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (dp_shard_cp=2, tp=2)"
+        in log
+    )
     assert "fsdp_cpu_ram_efficient_loading=false (tp_size=2" in log
     assert "export verified" in log
     _same(out, flat, list(range(1, STEPS + 1)))

@@ -1,6 +1,6 @@
 """No rejection of a correct export: run dtype (fp32, bf16 mixed) x export dtype (bf16, fp32, fp16, training)
 x full / LoRA adapter / merged, 2 gloo ranks, on a tiny model with large logits (initializer_range 0.5) and,
-slow, on SmolLM2-135M. The probe's difference must be kernel noise: far under its limit."""
+slow, on SmolLM2-135M (its fp32 run). The probe's difference must be kernel noise: far under its limit."""
 
 from __future__ import annotations
 
@@ -53,11 +53,17 @@ def test_every_export_of_a_correct_run_is_verified(
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_run_and_fp32_run_export_verified(tmp_path: Path) -> None:
+def test_smollm2_fp32_run_export_verified(tmp_path: Path) -> None:
+    """The demo's settings (fp32 run, bf16 export) on the real model: its full, adapter and merged exports reload
+    (544 and 420 tensors, tied head) and pass the probe at the fp32 run's limit (~0.035 at logit scale ~35), the
+    tightest, so a wrong tensor of the real model shows here. A bf16 mixed-precision run's limit is ~8.6 at that
+    scale and CPU runs the same kernels on both sides (every difference was 0.0 in both runs), so that run of the
+    real model could only fail where this one does; its path (compute dtype bf16, every export dtype, large logits)
+    is test_every_export_of_a_correct_run_is_verified[bf16]."""
     from hf_fsdp2.demo.assets import ensure_smollm2
 
-    model = ensure_smollm2()
-    for mixed_precision in ("bf16", "no"):
-        reports = _run(model, tmp_path / mixed_precision, mixed_precision, ("bfloat16",))
-        for name, r in reports.items():
-            assert r["ok"] and r["max_diff"] <= r["atol"] / 10, (mixed_precision, name, r["summary"])
+    reports = _run(ensure_smollm2(), tmp_path, "no", ("bfloat16",))
+    assert set(reports) == {"full-bfloat16", "adapter", "merged-bfloat16"}
+    for name, r in reports.items():
+        assert r["ok"] and r["max_diff"] <= r["atol"] / 10 and r["atol"] < 0.1, (name, r["summary"])
+        assert r["reloaded"] == (420 if name == "adapter" else 544), (name, r["reloaded"])

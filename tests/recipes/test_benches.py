@@ -337,6 +337,12 @@ def test_gpu_bench_parallel_smoke_trains_the_cp1_losses_under_cp2(tmp_path: Path
     assert "error" not in cp2 and "error" not in cp1, (cp2.get("traceback"), cp1.get("traceback"))
     assert cp2["cp"].startswith("context parallel: all-to-all over 2 ranks") and "cp" not in cp1
     assert len(cp2["losses"]) == 2 and all(math.isfinite(x) for x in cp2["losses"])
+    # The counted step's collectives, printed next to the seconds: the all-to-alls only under cp 2 (2 decoder layers:
+    # q, k, v gathered and the output scattered, in the forward, again in full checkpointing's recompute, and back).
+    assert (
+        cp2["collectives_per_step"]["all_to_all"] == 2 * 3 * 4
+        and "all_to_all" not in cp1["collectives_per_step"]
+    )
     for a, b in zip(cp2["losses"], cp1["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (cp2["losses"], cp1["losses"])
     assert cp2["tokens_per_s"] > 0 and math.isclose(

@@ -22,7 +22,7 @@ from support.vllm_models import NO_VLLM, VLLM_PYTHON, tiny_vllm_llama
 from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK, write_local_tasks
 
 N = 4  # items per local task
-# slow: ~160 s here at load ~8 (vLLM's import and engine start in a process of its own), as the SmolLM2 harness test.
+# slow: vLLM's import and two engine starts in a process of their own, as the SmolLM2 harness test.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -31,28 +31,46 @@ pytestmark = [
     ),
 ]
 # The command's code path (evaluate_and_report, as `hf-fsdp2 eval-harness MODEL --tasks ... --backend vllm`), with
-# lm-eval's per-item samples kept so that answers and log-likelihoods can be compared item by item.
+# lm-eval's per-item samples kept so that answers and log-likelihoods can be compared item by item: the model on both
+# local tasks, then an adapter over it on the generation task only (vLLM 0.32's CPU LoRA kernels fail on the prompt
+# log-probs a multiple-choice task asks for: an einsum shape error in punica_cpu.add_lora_logits, vLLM's own). One
+# process for both: vLLM's import is half of each evaluation's time, each evaluation starts its own engine.
 RUN = """
 import json, sys
 from pathlib import Path
 from hf_fsdp2.harness.evaluate import evaluate_and_report
-from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK, write_local_tasks
-report = evaluate_and_report(Path(sys.argv[1]), [DATES_TASK, DATES_MC_TASK], local_items=int(sys.argv[2]),
-                             log_samples=True, device="cpu", backend="vllm")
+from hf_fsdp2.harness.run import vllm_lora_ranks
+from hf_fsdp2.harness.tasks import DATES_MC_TASK, DATES_TASK
+n = int(sys.argv[3])
+report = evaluate_and_report(Path(sys.argv[1]), [DATES_TASK, DATES_MC_TASK], local_items=n, log_samples=True,
+                             device="cpu", backend="vllm")
 keep = {t: [{"doc_id": s["doc_id"], "filtered_resps": s["filtered_resps"]} for s in v]
         for t, v in report.after["samples"].items()}
-print("RESULT " + json.dumps({**{k: v for k, v in report.after.items() if k != "samples"}, "samples": keep}))
+print("RESULT " + json.dumps({**{k: v for k, v in report.after.items() if k != "samples"}, "samples": keep}),
+      flush=True)
+report = evaluate_and_report(Path(sys.argv[2]), [DATES_TASK], local_items=n, log_samples=True, device="cpu",
+                             backend="vllm")
+keep = [{"doc_id": s["doc_id"], "filtered_resps": s["filtered_resps"]} for s in report.after["samples"][DATES_TASK]]
+print("ADAPTER " + json.dumps({"ranks": list(vllm_lora_ranks()), "samples": keep}))
 """
 
 
-def _model(folder: Path) -> Path:
-    return tiny_vllm_llama(folder, tied=False)
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny model (an untied random head, so that greedy answers are strings of many tokens) and an r=32 LoRA
+    adapter over it (q and v, random B), both evaluated in one .venv-vllm process: its two results."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-
-def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = _model(tmp_path / "model")
+    root = tmp_path_factory.mktemp("harness_vllm")
+    model = tiny_vllm_llama(root / "model", tied=False)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+        LoraConfig(r=32, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    adapter = root / "adapter"
+    peft_model.save_pretrained(adapter)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -61,16 +79,26 @@ def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Pa
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
     }
     proc = subprocess.run(
-        [str(VLLM_PYTHON), "-c", RUN, str(model), str(N)],
+        [str(VLLM_PYTHON), "-c", RUN, str(model), str(adapter), str(N)],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    got = json.loads(line.removeprefix("RESULT "))
+    lines = proc.stdout.splitlines()
+    found = {
+        kind: json.loads(next(x for x in lines if x.startswith(f"{kind} ")).removeprefix(f"{kind} "))
+        for kind in ("RESULT", "ADAPTER")
+    }
+    return {"model": model, "adapter": adapter, "base": found["RESULT"], "lora": found["ADAPTER"]}
+
+
+def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(evaluated: dict, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, got = evaluated["model"], evaluated["base"]
     assert got["backend"] == "vllm" and got["backend_reason"] == "vllm imports in this environment"
     direct = direct_scores(
         AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
@@ -98,60 +126,19 @@ def test_vllm_backend_numbers_equal_transformers_on_the_local_tasks(tmp_path: Pa
     assert saved["backend"] == "vllm" and saved["tasks"] == got["tasks"]
 
 
-# An adapter through the vLLM backend: the local generation task only (vLLM 0.32's CPU LoRA kernels fail on the
-# prompt log-probs a multiple-choice task asks for: an einsum shape error in punica_cpu.add_lora_logits, vLLM's own).
-RUN_ADAPTER = """
-import json, sys
-from pathlib import Path
-from hf_fsdp2.harness.evaluate import evaluate_and_report
-from hf_fsdp2.harness.run import vllm_lora_ranks
-from hf_fsdp2.harness.tasks import DATES_TASK
-report = evaluate_and_report(Path(sys.argv[1]), [DATES_TASK], local_items=int(sys.argv[2]), log_samples=True,
-                             device="cpu", backend="vllm")
-keep = [{"doc_id": s["doc_id"], "filtered_resps": s["filtered_resps"]} for s in report.after["samples"][DATES_TASK]]
-print("RESULT " + json.dumps({"ranks": list(vllm_lora_ranks()), "samples": keep}))
-"""
-
-
-def test_vllm_backend_evaluates_a_lora_adapter_of_rank_32(tmp_path: Path) -> None:
+def test_vllm_backend_evaluates_a_lora_adapter_of_rank_32(evaluated: dict) -> None:
     """lm-eval's vLLM backend bounds adapters at max_lora_rank 16 unless told: an r=32 adapter was refused
     ("LoRA rank 32 is greater than max_lora_rank 16"); given its rank, vLLM serves it and its greedy answers are
     the base + adapter's (transformers, the adapter merged). The allowed ranks the harness rounds up to are the
     installed vLLM's."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from support.vllm_models import VLLM_LORA_RANKS
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = _model(tmp_path / "base")
-    torch.manual_seed(0)
-    peft_model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=32, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
-    )
-    adapter = tmp_path / "adapter"
-    peft_model.save_pretrained(adapter)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-    }
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), "-c", RUN_ADAPTER, str(adapter), str(N)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    got = json.loads(
-        next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
-    )
+    base, got = evaluated["model"], evaluated["lora"]
     assert tuple(got["ranks"]) == VLLM_LORA_RANKS
     merged = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter)
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(evaluated["adapter"])
     )
     direct = direct_scores(merged.merge_and_unload(), AutoTokenizer.from_pretrained(base), N)
     plain = direct_scores(

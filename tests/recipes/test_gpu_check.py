@@ -29,6 +29,8 @@ CHECKS = [
     "grpo_tiny",
     "liger",
     "ring_cp",
+    "vllm_weight_sync",
+    "parallel_counts",
 ]
 RECIPE_CHECKS = ["sft_tiny[tied]", "sft_tiny[untied]", "lora_merge", "memory_snapshot"]
 
@@ -82,8 +84,13 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
     assert all(c["budget_s"] > 0 for c in report["checks"])
     one_gpu = [c["budget_s"] for c in report["checks"] if c["min_gpus"] == 1]
     assert report["budget_s"] == sum(one_gpu) <= report["total_budget_s"] == 540
-    # The ring check needs 2 GPUs (skipped on one H200): its budget apart, its three launch lines validated.
-    assert report["multi_gpu_budget_s"] == 150 and commands["ring_cp"].startswith("accelerate launch ")
+    # The ring, weight-sync and parallel-counts checks need 2 GPUs (skipped on one H200): their budgets apart, the
+    # ring's three launch lines validated, the counts check's bench flags (cp 2 + Muon, counts beside seconds).
+    assert report["multi_gpu_budget_s"] == 150 + 60 + 120 and commands["ring_cp"].startswith(
+        "accelerate launch "
+    )
+    assert commands["parallel_counts"].startswith("python bench/gpu_bench_parallel.py --shape 1b --cp 2")
+    assert "--optim muon" in commands["parallel_counts"]
     ring = next(c["figures"] for c in report["checks"] if c["name"] == "ring_cp")
     assert (
         "--num_processes 1 " in ring["cp1:command"]

@@ -134,6 +134,8 @@ def test_colocate_loads_the_weights_into_each_ranks_engine_before_every_rollout_
     log = str(runs["straight_log"])
     assert "vLLM colocate: 2 engine(s) of tensor parallel size 1 over 2 processes" in log, log[-3000:]
     assert "rollouts: vLLM in each training process (vllm_mode colocate, float32, tensor parallel 1" in log
+    # vllm_enable_sleep_mode unset: the run's choice, said once (on CPU: no sleep mode to choose).
+    assert "vLLM colocate sleep mode: off (no GPU: vLLM's CPU backend has no sleep mode)" in log
     for version in (
         1,
         2,

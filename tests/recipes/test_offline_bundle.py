@@ -1,13 +1,14 @@
 """scripts/offline_bundle.sh: the offline install bundle for an air-gapped node, end to end on CPU.
 
 The slow test plays both machines on this one. The "node" is a fresh virtual environment (no pip of its own)
-that has only torch: this machine's CPU torch and its dependencies (filelock, sympy, ...), linked from the test
-environment into one folder that a .pth file puts on the venv's path, as a node's preinstalled torch sits
-outside what pip installs. Installing it instead (`pip install torch==2.13.0`) takes torch from local disk
+that has only torch and the binary data stack: this machine's CPU torch, pyarrow and pandas and their dependencies
+(filelock, sympy, numpy, ...), linked from the test environment into one folder that a .pth file puts on the venv's
+path, as a node's preinstalled torch sits outside what pip installs. Installing it instead (`pip install torch==2.13.0`) takes torch from local disk
 (/opt/wheels) but, with PIP_NO_INDEX=1, fails on torch's own dependencies, which come from an index; it also
 took 165 s of this test's time on a loaded 2-core machine. The bundle is built by the script for this Python
-with the node's `pip freeze` as --have, so it holds everything but torch and its dependencies: ~113 MiB for
-Python 3.11 (pyarrow alone 52 MiB), hence --max-mib 256 here; the reference node has pyarrow, pandas and
+with the node's `pip freeze` as --have, so it holds everything but those: with pyarrow and pandas ~113 MiB for
+Python 3.11 (pyarrow alone 52 MiB; unpacked by the build and both installs: 15 s more of this test), so
+--max-mib 256 here; the reference node has pyarrow, pandas and
 transformers already, and its bundle is ~2 MiB. Every install from the bundle runs with PIP_NO_INDEX=1, no pip
 configuration file (PIP_CONFIG_FILE=/dev/null) and no PIP_FIND_LINKS: only the bundle is visible, so a package
 missing from it fails the install (checked: the bundle less multiprocess is refused) or the imports (the
@@ -184,6 +185,11 @@ def _torch_state(venv: Path, env: dict[str, str]) -> tuple[str, str]:
     return version, where
 
 
+# What the node has besides torch: the binary data stack (~80 MiB of wheels: pyarrow alone 52), as the reference
+# node has it; a bundle that repeats it adds unpacking time to the build and to both installs, not another case.
+NODE_HAS = ("pyarrow", "pandas")
+
+
 def _node_with_only_torch(root: Path) -> Path:
     """A venv without pip that sees torch and its dependencies (linked from the test environment) and nothing else."""
     from importlib import metadata
@@ -195,7 +201,7 @@ def _node_with_only_torch(root: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     shelf.mkdir()
     seen: set[str] = set()
-    queue = ["torch"]
+    queue = ["torch", *NODE_HAS]
     while queue:
         name = canonicalize_name(queue.pop())
         if name in seen:
@@ -291,6 +297,7 @@ def test_the_bundle_installs_offline_beside_the_nodes_torch_and_trains(tmp_path:
         "accelerate",
     } <= names
     assert not {n for n in names if ob.EXCLUDED.match(n)} and "filelock" not in names, names
+    assert not {"pyarrow", "pandas", "numpy"} & names, names  # the node's, kept through --have
     assert len(list(bundle.glob("*.whl"))) == len(pins)
     t_build = time.monotonic()
 

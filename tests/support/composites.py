@@ -83,6 +83,53 @@ def _mistral3(ids: dict[str, int]) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _qwen_vl(ids: dict[str, int], *, v3: bool) -> dict[str, Any]:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3] if v3 else [2, 2, 4]}
+    if v3:
+        rope["mrope_interleaved"] = True
+    vision: dict[str, Any] = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=8,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+    )
+    if v3:
+        vision.update(deepstack_visual_indexes=[0], num_position_embeddings=64)
+    else:
+        vision.update(fullatt_block_indexes=[1], window_size=16)
+    return dict(
+        text_config=dict(_TEXT, head_dim=16, rope_parameters=rope), vision_config=vision,
+        image_token_id=ids["image_token"], video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"], vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=v3,
+    )  # fmt: skip
+
+
+def _idefics3(ids: dict[str, int]) -> dict[str, Any]:
+    return dict(
+        text_config=dict(_TEXT, model_type="llama", head_dim=16), vision_config=dict(_TOWER), scale_factor=2,
+        image_token_id=ids["image_token"], tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _llava(ids: dict[str, int]) -> dict[str, Any]:
+    return dict(
+        text_config=dict(_TEXT, model_type="llama", head_dim=16), image_token_index=ids["image_token"],
+        vision_config=dict(_TOWER, model_type="siglip_vision_model"), vision_feature_select_strategy="full",
+        vision_feature_layer=-1, projector_hidden_act="gelu", tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+# Idefics3's processor writes <fake_token_around_image>, <global-img> and a <row_r_col_c> tag per crop (up to 2 x 2
+# here), special tokens as in SmolVLM's tokenizer.
+_IDEFICS3_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                    "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>",
+                    **{f"row_{r}_col_{c}": f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)}}  # fmt: skip
+
 # name -> (config class, the tokenizer's named image tokens, the config keys from those tokens' ids).
 COMPOSITE_FAMILIES: dict[str, tuple[str, dict[str, str], Any]] = {
     "gemma3_vlm": (
@@ -99,7 +146,19 @@ COMPOSITE_FAMILIES: dict[str, tuple[str, dict[str, str], Any]] = {
     ),
     "mistral3": ("Mistral3Config", {"image_token": "[IMG]"}, _mistral3),
 }
-"""The composite fixtures, by family name (``make_composite_dir``'s ``family``)."""
+"""The composite fixtures the text family matrix trains, by family name (``make_composite_dir``'s ``family``)."""
+
+VLM_ONLY: dict[str, tuple[str, dict[str, str], Any]] = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", _QWEN_TOKENS, lambda ids: _qwen_vl(ids, v3=False)),
+    "qwen3_vl": ("Qwen3VLConfig", _QWEN_TOKENS, lambda ids: _qwen_vl(ids, v3=True)),
+    "idefics3": ("Idefics3Config", _IDEFICS3_TOKENS, _idefics3),
+    "llava": ("LlavaConfig", {"image_token": "<image>"}, _llava),
+}
+"""Composites trained on image records only in the tests (tests/distributed/test_vlm_2rank.py)."""
+
+VLM_FAMILIES = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava")
+"""The fixtures of the composites trained on image records (with :func:`vlm_processor`)."""
+_ALL = {**COMPOSITE_FAMILIES, **VLM_ONLY}
 
 # The dtype each fixture is saved in by default: one in bf16 (the default export_dtype), so that "the tower
 # byte-identical" is tested where the export casts nothing, and the others in fp32, where it casts the language model.
@@ -115,14 +174,21 @@ MTP_TENSORS = {
 
 # ChatML with content that is a string or a list of parts (``{"type": "image"}``, ``{"type": "text", ...}``), the
 # image part written as the family's image marker: the template shape of the hub's VLM checkpoints.
+# An assistant turn's content and end of turn are in {% generation %} markers, which TRL's assistant-only loss reads.
 _VLM_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ 'IMAGE_MARKER' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -133,7 +199,7 @@ def composite_tokenizer(family: str) -> Any:
     (``tokenizer.image_token``, ``.boi_token_id`` ... as hub tokenizers have them), pad = EOS, and a chat template
     that writes an image part as the family's image marker (Gemma 3: ``<start_of_image>``, which its processor
     expands)."""
-    _, named, _ = COMPOSITE_FAMILIES[family]
+    _, named, _ = _ALL[family]
     base = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, small=True)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer,
@@ -145,7 +211,7 @@ def composite_tokenizer(family: str) -> Any:
     tokenizer.add_special_tokens({"extra_special_tokens": [*CHATML_SPECIAL_TOKENS, *named.values()]})
     tokenizer.pad_token = tokenizer.eos_token
     marker = named.get("boi_token") if family == "gemma3_vlm" else named["image_token"]
-    if family == "qwen3_5_vlm" or family == "qwen3_5_moe_vlm":
+    if family in ("qwen3_5_vlm", "qwen3_5_moe_vlm", "qwen2_5_vl", "qwen3_vl"):
         marker = "<|vision_start|><|image_pad|><|vision_end|>"
     tokenizer.chat_template = _VLM_TEMPLATE.replace("IMAGE_MARKER", marker or "")
     return tokenizer
@@ -162,6 +228,51 @@ def _gemma3_processor(tokenizer: Any) -> Any:
     )
 
 
+class _ImageOnly:
+    """A Qwen processor without its video processor (which needs torchvision): what image records use of it."""
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)  # type: ignore[misc]
+
+
+def vlm_processor(family: str, tokenizer: Any = None) -> Any:
+    """``family``'s processor built in code (its PIL image processor: no torchvision) over ``tokenizer`` (default:
+    :func:`composite_tokenizer`'s): 32-pixel tiles for Gemma 3, LLaVA and Idefics3 (4 tokens each for Gemma 3 and
+    Idefics3, whose crops follow the image's size up to 2 x 2 plus the whole image), Qwen's 8-pixel patches merged 2 x 2
+    at up to 64 x 64 pixels (4 to 16 tokens by the image's size)."""
+    tokenizer = tokenizer if tokenizer is not None else composite_tokenizer(family)
+    template = tokenizer.chat_template
+    if family == "gemma3_vlm":
+        return _gemma3_processor(tokenizer)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        base = transformers.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLProcessor
+        cls = type(base.__name__, (_ImageOnly, base), {})
+        image_processor = transformers.Qwen2VLImageProcessorPil(
+            patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64
+        )
+        return cls(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template
+        )
+    if family == "idefics3":
+        image_processor = transformers.Idefics3ImageProcessorPil(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+        )
+        return transformers.Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=template
+        )
+    if family == "llava":
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return transformers.LlavaProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="full",
+            num_additional_image_tokens=0, chat_template=template,
+        )  # fmt: skip
+    raise ValueError(f"no processor fixture for {family!r}")
+
+
 def _add_tensors(path: Path, extra: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int) -> None:
     """Append ``extra`` (random values) to the folder's single safetensors file, its metadata kept."""
     from safetensors import safe_open
@@ -175,6 +286,27 @@ def _add_tensors(path: Path, extra: dict[str, tuple[int, ...]], dtype: torch.dty
     for name, shape in extra.items():
         tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(file), metadata=metadata)
+
+
+def composite_config(family: str, tokenizer: Any = None, overrides: dict[str, Any] | None = None) -> Any:
+    """``family``'s tiny config (the one :func:`make_composite_dir` saves), its token ids from ``tokenizer``
+    (default: :func:`composite_tokenizer`'s)."""
+    cls, named, keys = _ALL[family]
+    tokenizer = tokenizer if tokenizer is not None else composite_tokenizer(family)
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in named.items()}
+    kwargs = keys(ids)
+    kwargs["text_config"] = dict(
+        kwargs["text_config"],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    kwargs.update(overrides or {})
+    config = getattr(transformers, cls)(**kwargs)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
 
 
 def make_composite_dir(
@@ -204,22 +336,9 @@ def make_composite_dir(
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    cls, named, keys = COMPOSITE_FAMILIES[family]
     dtype = dtype or FIXTURE_DTYPES.get(family, torch.float32)
     tokenizer = composite_tokenizer(family)
-    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in named.items()}
-    kwargs = keys(ids)
-    kwargs["text_config"] = dict(
-        kwargs["text_config"],
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    kwargs.update(overrides or {})
-    config = getattr(transformers, cls)(**kwargs)
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    config = composite_config(family, tokenizer, overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type])(config)
     for (
@@ -241,8 +360,12 @@ def make_composite_dir(
     model.save_pretrained(path)
     if family in ("qwen3_5_vlm", "qwen3_5_moe_vlm"):
         _add_tensors(path, MTP_TENSORS, dtype, seed)
-    if processor and family == "gemma3_vlm":
-        _gemma3_processor(tokenizer).save_pretrained(path)
+    if processor and family in (
+        "gemma3_vlm",
+        "idefics3",
+        "llava",
+    ):  # the Qwen processors need torchvision to load
+        vlm_processor(family, tokenizer).save_pretrained(path)
     save_tokenizer(tokenizer, path)
     return path
 

@@ -13,7 +13,9 @@ the library holds no hook a user could trip), each ``{"attempt": a, "rank": r, "
   and published;
 - ``{"at": "error", "step": s}``: raises ``RuntimeError`` as step ``s`` starts (an error of its own);
 - ``{"at": "hang", "step": s}``: stops answering as step ``s`` starts (sleeps), so the others wait for it in the
-  step's first collective.
+  step's first collective;
+- ``{"at": "node", "step": s}``: kills its node as step ``s`` starts (the agent, its parent, then itself: one rank
+  per node), a machine lost.
 
 A worker forked by the agent (``--run-path``, start method fork) returns from the script instead of leaving with
 ``os._exit(0)`` (:func:`hf_fsdp2.run.finish.leave`): the agent's multiprocessing worker reports its end through a
@@ -50,13 +52,17 @@ def _at_step(step: int, fault: dict[str, Any]) -> None:
         raise RuntimeError(f"injected failure at step {step}")
     if fault["at"] == "hang":
         time.sleep(HANG_S)
+    if fault["at"] == "node":  # the whole node: its agent (this rank's parent), then this rank
+        sys.stderr.flush()
+        os.kill(os.getppid(), signal.SIGKILL)
+        _kill()
 
 
 def install(faults: list[dict[str, Any]]) -> None:
     """Apply this rank's faults of this attempt to the library's functions (in this process only)."""
     from hf_fsdp2.run import observer
 
-    at_start = {int(f["step"]): f for f in faults if f["at"] in ("step", "error", "hang")}
+    at_start = {int(f["step"]): f for f in faults if f["at"] in ("step", "error", "hang", "node")}
     if at_start:
         start = observer.Observer.start_step
 

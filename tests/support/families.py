@@ -135,6 +135,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+def family_config(family: str, tokenizer: Any, **overrides: Any) -> transformers.PretrainedConfig:
+    """The tiny config of ``family`` (a key of :data:`FAMILIES`), its vocabulary and special ids ``tokenizer``'s,
+    ``overrides`` replacing the tiny defaults."""
+    cls, extra = FAMILIES[family]
+    return getattr(transformers, cls)(  # type: ignore[no-any-return]
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **{**_COMMON, **extra, **overrides},
+    )
+
+
 def make_family_dir(
     path: Path,
     family: str,
@@ -155,20 +168,12 @@ def make_family_dir(
     Returns:
         ``path``.
     """
-    cls, extra = FAMILIES[family]
     tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, small=True)
     tokenizer.pad_token = tokenizer.eos_token
-    kwargs = dict(_COMMON, **extra)
-    kwargs.update(overrides or {})
+    kwargs = dict(overrides or {})
     if initializer_range is not None:
         kwargs["initializer_range"] = initializer_range
-    config = getattr(transformers, cls)(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **kwargs,
-    )
+    config = family_config(family, tokenizer, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     path.mkdir(parents=True, exist_ok=True)

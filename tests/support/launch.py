@@ -192,7 +192,8 @@ def elastic(
     check: bool = True,
     pgids: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """A real launcher with torch's elastic agent (``accelerate launch`` or ``torchrun`` and their ``--max_restarts``,
+    """A real launcher with torch's elastic agent (``accelerate launch``, ``torchrun`` or hf-fsdp2 train's
+    ``hf_fsdp2`` (accelerate launch in its process) and their ``--max_restarts``,
     restarts and rendezvous: their own code) running ``script args`` on every rank, with ``faults`` for its attempts
     (tests/support/elastic_rank.py). Forked from this worker's launch server, the agent forks each attempt's ranks
     (torchrun's ``--run-path``, fork start method), which start with the server's imports instead of ~6 s each.
@@ -202,13 +203,17 @@ def elastic(
     processes."""
     env = _env()
     env["HF_FSDP2_TEST_FAULTS"] = json.dumps(faults or [])
+    module = {"accelerate": "accelerate.commands.launch", "torchrun": "torch.distributed.run"}.get(
+        launcher, "hf_fsdp2.launch accelerate.commands.launch"
+    )
+    if launcher == "hf_fsdp2":
+        env["HF_FSDP2_QUIET_LAUNCH"] = "1"  # as hf-fsdp2 train runs it
     run_args = [str(ELASTIC_RANK), str(Path(script).resolve()), *[str(a) for a in args]]
     argvs = [[*launcher_args, *node, *run_args] for node in (nodes or [[]])]
     with tempfile.TemporaryDirectory(prefix="launch-") as folder:
         outs = [(Path(folder) / f"stdout{i}", Path(folder) / f"stderr{i}") for i in range(len(argvs))]
         start = time.perf_counter()
         if _server_enabled():
-            module = "accelerate.commands.launch" if launcher == "accelerate" else "torch.distributed.run"
             request = {
                 "agents": [
                     {"launcher": launcher, "argv": argv, "stdout": str(o), "stderr": str(e)}
@@ -221,10 +226,9 @@ def elastic(
             answer = _server(env).launch(request, timeout)
             codes = list(answer["codes"])
         else:
-            module = "accelerate.commands.launch" if launcher == "accelerate" else "torch.distributed.run"
             procs = [
                 subprocess.Popen(
-                    [sys.executable, "-m", module, *argv],
+                    [sys.executable, "-m", *module.split(), *argv],
                     cwd=REPO,
                     env=env,
                     stdout=open(o, "w"),  # noqa: SIM115
@@ -269,6 +273,9 @@ def python(script: Path | str, args: list[str], *, timeout: int = 600, check: bo
 _READ_AT_RUN_TIME = (
     "HF_FSDP2_FAULT",
     "HF_FSDP2_TEST_FAULTS",
+    # Read by a launcher and its ranks as they run (hf-fsdp2 train's, torch's rendezvous): an elastic run's own.
+    "HF_FSDP2_QUIET_LAUNCH",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "PYTEST_CURRENT_TEST",
     "PYTEST_XDIST_WORKER",
     "HF_FSDP2_TEST_LAUNCH_LOG",

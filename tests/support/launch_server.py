@@ -205,7 +205,12 @@ def _run_agent(request: dict, agent: dict) -> None:
         added = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and e not in sys.path]
         sys.path[1:1] = added
         reload_zygote.install(_RELOAD_SOCKET)  # the ranks' export reloads, as a served rank's
-        if agent["launcher"] == "accelerate":
+        if agent["launcher"] == "hf_fsdp2":  # hf-fsdp2 train's launcher: accelerate launch in this process
+            from hf_fsdp2.launch import ACCELERATE_LAUNCH, QUIET_LAUNCH_ENV, launcher_main
+
+            os.environ[QUIET_LAUNCH_ENV] = "1"
+            sys.exit(launcher_main([ACCELERATE_LAUNCH, *agent["argv"]]))
+        elif agent["launcher"] == "accelerate":
             from accelerate.commands.launch import launch_command, launch_command_parser
 
             launch_command(launch_command_parser().parse_args(agent["argv"]))

@@ -189,7 +189,8 @@ def engine(llm: LLM, dtype: str = "float32") -> Any:
 def serve(e: Any, behaviour: str = "ok") -> tuple[ThreadingHTTPServer, str, list[tuple[str, int]]]:
     """The server's HTTP handler over ``e`` on a free port, in a thread; returns the server, its URL and the
     (path, body bytes) of every POST it gets. ``behaviour``: ``dies`` (the connection dropped at the weight update,
-    as a server process that died), ``slow`` (3 s before each update), ``other`` (rollouts answered with weights
+    as a server process that died), ``unreachable`` (its workers cannot join the weight group), ``slow`` (3 s
+    before each update), ``other`` (rollouts answered with weights
     version 99, as a server another trainer updated)."""
     import time
 
@@ -210,6 +211,11 @@ def serve(e: Any, behaviour: str = "ok") -> tuple[ThreadingHTTPServer, str, list
                 for worker in e.llm.workers:
                     worker.hf_fsdp2_weight_group = None
                 self.connection.close()
+                return
+            if (
+                self.path == "/weights/group" and behaviour == "unreachable"
+            ):  # its workers cannot reach the store
+                self._answer(500, {"error": "DistNetworkError: failed to connect to the trainer's store"})
                 return
             if self.path == "/weights/update" and behaviour == "slow":
                 time.sleep(3)

@@ -114,16 +114,17 @@ def test_a_method_folder_imports_no_other_method() -> None:
 
 
 def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
-    """The doc's order of the parallelize steps is the function's (tp, cp, float8, ac, compile, fsdp2, compile)."""
+    """The doc's order of the parallelize steps is the function's (float8, tp, cp, ep, ac, compile, fsdp2, compile)."""
     import inspect
 
     from hf_fsdp2.parallel import parallelize
 
     body = inspect.getsource(parallelize.parallelize)
     calls = [
+        "convert_float8",
         "apply_tensor_parallel",
         "apply_context_parallel",
-        "convert_float8",
+        "apply_expert_parallel",
         "apply_activation_checkpointing",
         "compile_regions",
         "shard_with_accelerate",
@@ -133,7 +134,7 @@ def test_the_layout_steps_are_the_ones_parallelize_states() -> None:
     assert positions == sorted(positions), calls
     text = DOC.read_text()
     assert (
-        "tensor parallel -> context parallel -> float8 ->\nactivation checkpointing -> regional compile -> FSDP2"
+        "float8 -> tensor parallel -> context parallel -> expert parallel ->\nactivation checkpointing -> regional compile -> FSDP2"
         in text
     )
 
@@ -234,11 +235,23 @@ def test_no_library_file_is_over_500_lines() -> None:
 
 def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
     """No hidden channel from a method's objective to the loop through the data object (GRPO once set
-    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen, so such a write
-    raises; the loop asks the ``Step`` instead."""
+    ``data.reads_per_step`` and ``data.stream.holder`` after ``build_data``): ``TrainData`` is frozen and its streams
+    (``DataStream``, GRPO's ``GenerationStream``) take no attribute beyond their own, so such a write raises; the loop
+    asks the ``Step`` instead."""
     import dataclasses
 
+    from hf_fsdp2.data.loader import DataStream, ShardedSampler
+    from hf_fsdp2.methods.grpo.batching import GenerationStream
     from hf_fsdp2.run.data import TrainData
+
+    for cls in (DataStream, GenerationStream):
+        stream = cls(None, ShardedSampler(4, rank=0, world_size=1, seed=0, shuffle=False), 2)  # type: ignore[arg-type]
+        stream.epoch = 1  # its own position: written by the stream and by a resume
+        try:
+            stream.holder = object()  # type: ignore[attr-defined]
+        except AttributeError:
+            continue
+        raise AssertionError(f"{cls.__name__} took stream.holder after it was built")
 
     data = TrainData(
         stream=None,  # type: ignore[arg-type]
@@ -254,3 +267,42 @@ def test_the_data_a_method_built_takes_no_writes_afterwards() -> None:
         except dataclasses.FrozenInstanceError:
             continue
         raise AssertionError(f"TrainData took data.{name} = {value} after it was built")
+
+
+def test_every_capability_is_asked_by_a_layout_and_refused_by_its_setting() -> None:
+    """``Capabilities`` (what a method supports), the registry's refusal table and ``asked_layouts`` (what a run
+    needs) name the same layouts: a field no run asks would be a capability never checked, a layout asked without a
+    field an unchecked run. Every mesh size set to 2 (``cp_backend`` ring with it) and ``mixed_precision: fp8`` are
+    the runs (and ``freeze_vision_tower: false``, which needs image records); a method lacking only one layout a run asks is refused, naming that layout's setting."""
+    import dataclasses
+
+    from hf_fsdp2.config import ConfigError, parse_config
+    from hf_fsdp2.config.plans import MeshPlan
+    from hf_fsdp2.methods import get_method
+    from hf_fsdp2.run import registry
+    from hf_fsdp2.run.method import Capabilities
+
+    caps = {f.name for f in dataclasses.fields(Capabilities)}
+    assert caps == set(registry._LAYOUTS), (caps, set(registry._LAYOUTS))
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
+    runs = [(base, MeshPlan(**{f.name: 2})) for f in dataclasses.fields(MeshPlan) if f.type in ("int", int)]
+    runs += [(base, MeshPlan(cp=2, cp_backend="ring")), (base + ["--mixed_precision", "fp8"], MeshPlan())]
+    runs += [(base + ["--freeze_vision_tower", "false"], MeshPlan())]  # images: a composite's tower trained
+    asked: set[str] = set()
+    sft = get_method("sft")
+    for argv, mesh in runs:
+        cfg = parse_config(argv)
+        layouts = registry.asked_layouts(cfg, mesh)
+        asked |= set(layouts)
+        for layout in layouts:
+            setting = registry._LAYOUTS[layout][0].format(cp=mesh.cp, tp=mesh.tp)
+            lacking = Capabilities(**{name: name != layout for name in caps})
+            try:
+                registry.check_capabilities(dataclasses.replace(sft, capabilities=lacking), cfg, mesh)
+            except ConfigError as err:
+                assert setting in str(err), (layout, str(err))
+            else:
+                raise AssertionError(
+                    f"{layout} asked by {mesh} {argv[6:]} but not refused for a method without it"
+                )
+    assert asked == caps, (asked, caps)

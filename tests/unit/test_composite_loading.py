@@ -118,22 +118,20 @@ def test_freezing_only_the_tower_leaves_the_projector_trainable(folders: dict[st
 
 def test_a_composite_run_is_refused_before_any_work_where_it_cannot_run(folders: dict[str, Path]) -> None:
     config = load_model_config(str(folders["gemma3_vlm"]))
-    ok = dict(tp_size=1, cp_size=1, freeze_vision_tower=True, freeze_multi_modal_projector=True)
+    ok = dict(tp_size=1, cp_size=1)
     assert check_composite_run(config, **ok) is COMPOSITES["Gemma3ForConditionalGeneration"]
     for key, value, words in (
-        ("freeze_vision_tower", False, "the vision tower never runs on a text row"),
-        ("freeze_multi_modal_projector", False, "the multi-modal projector never runs on a text row"),
         ("tp_size", 2, "tp_size=2 on Gemma3ForConditionalGeneration"),
         ("cp_size", 2, "cp_size=2 on Gemma3ForConditionalGeneration"),
     ):
         with pytest.raises(ConfigError, match=words):
             check_composite_run(config, **{**ok, key: value})
-    # A text model: nothing to check, whatever the freeze keys say.
-    assert check_composite_run(transformers.LlamaConfig(), **{**ok, "freeze_vision_tower": False}) is None
+    # A text model: nothing to check.
+    assert check_composite_run(transformers.LlamaConfig(), **{**ok, "tp_size": 2}) is None
     # An image-text-to-text family outside the table, named; remote code refused.
-    llava = transformers.LlavaConfig()
-    with pytest.raises(ConfigError, match="LlavaForConditionalGeneration|'llava'"):
-        composite_spec(llava)
+    other = transformers.PaliGemmaConfig()
+    with pytest.raises(ConfigError, match="PaliGemmaForConditionalGeneration|'paligemma'"):
+        composite_spec(other)
     remote = copy.deepcopy(config)
     remote.auto_map = {"AutoModelForImageTextToText": "modeling.Custom"}
     with pytest.raises(ConfigError, match="remote code"):

@@ -6,6 +6,7 @@ and ``max_restarts`` reaching the launcher through ``hf-fsdp2 train``."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -193,16 +194,27 @@ def test_the_last_attempt_says_no_restart_is_left_and_whether_the_failure_repeat
         "The launcher restarts the run (2 of max_restarts 3 restart(s) left)"
         in attempts.with_restart_note("boom", _agent(1, 3), tmp_path)
     )
-    history = [{"launch": "restart", "restart": r, "step": 4} for r in (1, 2)]
+    history = [
+        {"launch": "restart", "restart": r, "step": 4, "cause": f"rank 1: RuntimeError: bad batch {r}"}
+        for r in (1, 2)
+    ]
     (tmp_path / RESTARTS_FILE).write_text(json.dumps({"restarts": history}))
     PROGRESS.reset(tmp_path)
     PROGRESS.begin_step(4)
     same = attempts.with_restart_note("boom", _agent(2, 2), tmp_path)
     assert same.startswith("boom. No restart is left: all 3 attempts (max_restarts 2) ended during step 4")
-    assert "not transient" in same
+    # The cause is in the line itself: the launcher's report may name a rank that only lost the failing one.
+    assert (
+        "not transient and another restart would end there too (the previous attempt's cause: rank 1: "
+        in same
+    )
+    assert "RuntimeError: bad batch 2). Fix its cause" in same
     PROGRESS.begin_step(5)
     moved = attempts.with_restart_note("boom", _agent(2, 2), tmp_path)
-    assert "the 3 attempts (max_restarts 2) ended at steps 4, 4, 5" in moved
+    assert (
+        "the 3 attempts (max_restarts 2) ended at steps 4, 4, 5 (the previous attempt's cause: rank 1: "
+        in moved
+    )
     PROGRESS.reset(None)
 
 
@@ -291,7 +303,7 @@ def test_the_hang_line_names_where_each_rank_is_and_whom_the_others_wait_for(tmp
     beats = {2: {"step": 5, "phase": "step", "time": 0.0}}
     line = hang_message(5, "hang_timeout 30 s", answers, tmp_path, beats=beats)
     assert line.startswith(
-        "hang at step 5: no step finished for 31 s (hang_timeout 30 s): rank 0 (a) waits in"
+        "hang at step 5: no step finished for 31.0 s (hang_timeout 30 s): rank 0 (a) waits in"
     )
     assert "rank 1 (a) is not in a collective: next in load (data/loader.py:9)" in line
     assert (
@@ -386,3 +398,120 @@ def test_the_kill_window_verdict_has_its_figures_and_offers_what_fits() -> None:
     said = window.check([9.0, 5.0, 5.0, 5.0])
     assert said is not None and said[0] and "a save (3.0 s, measured)" in said[1]
     assert window.check([9.0, 5.0, 5.0, 5.0, 5.0]) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several nodes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_did_not_come_back_is_named_from_the_last_attempts_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What hf-fsdp2 train's launcher says when a restart's rendezvous times out: the node whose ranks the others
+    lost (by process, or by the address in the transport's error), else every node but its own."""
+    places = [
+        {"rank": 0, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 1, "node": 0, "host": "a", "addr": "10.0.0.1"},
+        {"rank": 2, "node": 1, "host": "b", "addr": "10.0.0.2"},
+        {"rank": 3, "node": 1, "host": "b", "addr": "10.0.0.2"},
+    ]
+    attempts.record_layout(tmp_path, places)
+    assert attempts.read_layout(tmp_path) == places
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back"
+    _end(tmp_path, 0, "lost", "Connection reset by peer [10.0.0.2]:4121", step=7)
+    assert attempts.lost_nodes(tmp_path, 0) == "node 1 (b: ranks 2, 3) did not come back, lost during step 7"
+    assert "no record of the last attempt's nodes" in attempts.lost_nodes(tmp_path / "none", 0)
+    # The launcher's own line (its rendezvous, not the ranks, timed out), with the node from the run's records.
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from hf_fsdp2 import launch
+
+    def timed_out(args: object) -> None:
+        raise RendezvousTimeoutError("join timed out")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerate_launch, "launch_command", timed_out)
+        argv = [launch.ACCELERATE_LAUNCH, "--machine_rank", "0", "-m", "hf_fsdp2.methods", "sft"]
+        assert launch.launcher_main([*argv, "--output_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hf-fsdp2 train: exit status 1: the restart's rendezvous timed out on node 0: node 1 (b: ranks 2, 3) did not "
+        "come back, lost during step 7. Start it again (or replace it) and run the same command on every node"
+    ), err
+
+
+def test_hf_fsdp2_train_on_several_nodes_with_restarts_takes_the_c10d_config() -> None:
+    command = launch_command(
+        "sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8, max_restarts=2
+    )
+    assert command[command.index("--config_file") + 1].endswith("fsdp2_multinode_elastic.yaml")
+    config = yaml.safe_load(Path(command[command.index("--config_file") + 1]).read_text())
+    assert (
+        config["rdzv_backend"] == "c10d" and config["same_network"] is False
+    )  # accelerate passes the endpoint
+    plain = launch_command("sft", [], num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", gpus=8)
+    assert plain[plain.index("--config_file") + 1].endswith("fsdp2_multinode.yaml")
+
+
+def test_a_restarted_attempt_names_the_ranks_that_do_not_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_fsdp2.elastic.agent import NodeLostError, check_arrival
+
+    port = _free_port()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+    }
+    env |= {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert (
+        check_arrival(_agent(0, 2), timeout_s=1, layout=[]) is None
+    )  # a first attempt: the rendezvous met them
+    layout = [{"rank": 1, "node": 1, "host": "b"}]
+    with pytest.raises(
+        NodeLostError, match=r"restart 1\): rank 1 \(node 1, b\) did not join within 1 s: its node"
+    ):
+        check_arrival(_agent(1, 2), timeout_s=1, layout=layout)
+
+
+def test_a_long_save_is_no_hang_and_the_step_after_it_is_watched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A save 4x the bound inside a watched step is not named; the step's own time after it is, and the stacks go to
+    a stderr that has no file descriptor (pytest's capture, a notebook) without the watchdog's thread dying on it."""
+    import os
+    import time
+
+    from hf_fsdp2.elastic.watchdog import HANG_EXIT, Watchdog
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # the watchdog's end of the rank, in this test's process
+    progress = Progress()
+    progress.reset(tmp_path)
+    progress.begin_step(1)
+    progress.begin_step(2)  # a watched step
+    watchdog = Watchdog(timeout_s=0.5, output_dir=tmp_path, rank=0, world=1, progress=progress, poll_s=0.05)
+    watchdog.start()
+    try:
+        with progress.unwatched("checkpoint save"):
+            time.sleep(2.0)  # 4x the bound, in a save: not a hang
+        assert exits == []
+        deadline = time.monotonic() + 30
+        while not exits and time.monotonic() < deadline:  # the step again: a hang
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    assert exits == [HANG_EXIT]
+    err = capsys.readouterr().err
+    found = re.search(
+        r"hf_fsdp2 error: hang at step 2: no step finished for (\d+\.\d) s \(hang_timeout 0\.5 s\)", err
+    )
+    assert found, err[-2000:]
+    # The step's watched time alone (one decimal): past the bound, and without the save's 2 s.
+    assert 0.5 <= float(found.group(1)) < 2.0, found.group(0)
+    assert (tmp_path / "debug" / "hang-step2-rank0.txt").is_file()

@@ -236,7 +236,7 @@ def test_config_keys_and_refusals() -> None:
     refusals = {
         "load_in_4bit=true \\(QLoRA\\)": {"load_in_4bit": True},
         "use_peft=true \\(LoRA\\)": {"use_peft": True},
-        "tp_size=2": {"tp_size": 2},
+        "tp_size=2 and fp8_all_gather=true": {"tp_size": 2, "all_gather": True},
         "fsdp_cpu_ram_efficient_loading=true": {"ram_efficient_loading": True},
         "optim=muon": {"optim": "muon"},
     }
@@ -245,6 +245,9 @@ def test_config_keys_and_refusals() -> None:
         with pytest.raises(ConfigError, match=f"mixed_precision=fp8 with {message}.*(use|set) "):
             check_float8_combination(**{**base, **change})
     check_float8_combination(**base)
+    # FP8 under tensor parallel: torchao's float8 TP styles (tests/distributed/test_tensor_parallel.py); the weights'
+    # FSDP2 float8 all-gather on 2-D DTensors is the part refused.
+    check_float8_combination(**{**base, "tp_size": 2, "all_gather": False})
     # rank-0-only loading: unset is resolved off under fp8 (every rank converts its own copy)
     f = FSDPArgs()
     assert "mixed_precision=fp8" in f.resolve_ram_efficient_loading(8, resize_embeddings=False, float8=True)

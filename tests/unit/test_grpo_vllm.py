@@ -187,6 +187,21 @@ def test_a_server_that_is_not_up_is_named_with_its_timeout_and_the_command_to_st
     )
 
 
+@pytest.mark.parametrize("fake", ["unreachable"], indirect=True)
+def test_a_server_that_cannot_join_the_weight_group_stops_the_connect_within_its_timeout(fake: Fake) -> None:
+    """The server's workers cannot reach the trainer's store: the connect fails on every rank within
+    vllm_server_timeout (the rendezvous's), with the server's reason, not after vllm_request_timeout."""
+    gen = _generator(fake.url, timeout=2.0, request_timeout=600.0)
+    start = time.monotonic()
+    with pytest.raises(
+        VllmServerError,
+        match=r"failed while connecting to the vLLM server \(rank 0\).*failed POST /weights/group \(HTTP 500\): "
+        "DistNetworkError: failed to connect",
+    ):
+        gen.connect()
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("fake", ["dies"], indirect=True)
 def test_a_server_that_dies_mid_update_is_a_clear_error(fake: Fake) -> None:
     gen = _generator(fake.url)
@@ -392,6 +407,61 @@ def test_colocate_checks_and_forwards_generation_kwargs(monkeypatch: pytest.Monk
         build({"suppress_tokens": [1]})
 
 
+@pytest.mark.parametrize(
+    ("asked", "gpu_gib", "peak_gib", "sleeps", "why"),
+    [
+        (
+            None,
+            80,
+            40,
+            False,
+            "off (vllm_enable_sleep_mode unset: the engine and training fit this GPU of 80.00 GiB",
+        ),
+        (None, 48, 40, True, "level 2 (vllm_enable_sleep_mode unset: the engine and training need 63.49 GiB"),
+        (None, 80, None, True, "level 2 (vllm_enable_sleep_mode unset and no memory plan"),
+        (False, 48, 40, False, "off (vllm_enable_sleep_mode: false, as set)"),
+        (True, 80, 40, True, "level 2 (vllm_enable_sleep_mode: true, as set)"),
+        (None, None, 40, False, "off (no GPU: vLLM's CPU backend has no sleep mode)"),
+    ],
+)
+def test_colocate_sleep_mode_left_unset_is_the_plans_choice(  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch, caplog, asked, gpu_gib, peak_gib, sleeps, why
+) -> None:
+    """vllm_enable_sleep_mode unset: the recipe's builder sleeps the engine (level 2) only where the start-up plan's
+    training peak and the engine's reservation do not fit this GPU side by side (or no plan says they do); set, as
+    set; without a GPU never. The engine is built with that choice and the log says why (a GPU of gpu_gib as torch
+    would report it). Before: unset was false, whatever the GPU."""
+    import logging
+
+    from hf_fsdp2.methods.grpo.vllm import colocate as vllm_colocate
+
+    gib = 2**30
+    llm, built = standin.LLM(), []
+    monkeypatch.setattr(vllm_colocate, "require_vllm", lambda: None)
+    monkeypatch.setattr(
+        vllm_colocate, "build_engine", lambda *a, **kw: built.append(kw) or standin.engine(llm)
+    )
+    monkeypatch.setattr(vllm_colocate, "gpu_bytes", lambda device: None if gpu_gib is None else gpu_gib * gib)
+    g = GrpoArgs(reward_funcs=["format"], use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=asked)
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level(logging.INFO, logger="hf_fsdp2"):
+        vllm_colocate.build_colocate_generator(
+            g,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            lambda text, add_special_tokens=False: {"input_ids": [1, 2]},
+            [standin.EOS],
+            SamplingSettings(max_completion_length=4),
+            "no",
+            torch.device("cpu"),
+            "model",
+            64,
+            training_peak=None if peak_gib is None else peak_gib * gib,
+        )
+    assert built[0]["sleep_mode"] is sleeps
+    assert f"vLLM colocate sleep mode: {why}" in caplog.text
+
+
 def test_probe_bound_scales_with_the_coarser_dtype() -> None:
     logps = torch.tensor([-0.5, -10.0])
     assert probe_bound(logps, "float32", "float32") == pytest.approx(32 * 2**-24 * math.sqrt(2) * 11)
@@ -459,7 +529,7 @@ def test_the_plan_says_whether_a_colocated_engine_needs_sleep_mode() -> None:
     gib = 2**30
     plan = SimpleNamespace(total_params=8 * 10**9, peak=40 * gib)
 
-    def cfg(sleep: bool, mode: str = "colocate") -> Any:
+    def cfg(sleep: bool | None, mode: str = "colocate") -> Any:
         g = GrpoArgs(
             use_vllm=True, vllm_mode=mode, vllm_enable_sleep_mode=sleep, vllm_gpu_memory_utilization=0.3
         )
@@ -483,3 +553,11 @@ def test_the_plan_says_whether_a_colocated_engine_needs_sleep_mode() -> None:
     )
     assert "this GPU would not need it" in str(colocate_note(plan, cfg(True), 80 * gib))
     assert "would not need" not in str(colocate_note(plan, cfg(True), 48 * gib))
+    # Unset: the plan says what the run chooses (the same function as the run).
+    assert "; sleep mode off (vllm_enable_sleep_mode unset: the engine and training fit" in str(
+        colocate_note(plan, cfg(None), 80 * gib)
+    )
+    assert (
+        "; sleep mode level 2 (vllm_enable_sleep_mode unset: the engine and training need 63.49 GiB"
+        in str(colocate_note(plan, cfg(None), 48 * gib))
+    )

@@ -90,9 +90,15 @@ def test_activations_are_those_of_a_part_of_each_sequence() -> None:
     assert none[0] / 2 <= none[1] <= 1.1 * none[0] / 2 and none[0] / 4 <= none[2] <= 1.15 * none[0] / 4
     # The loss and logits: the part's tokens only.
     assert _plan(cp=2).compute.saved.loss < _plan(cp=1).compute.saved.loss
-    # Eager keeps the attention probabilities [b, heads/cp, S, S]: half of the flat run's at cp 2.
-    eager = [_plan(cp=cp, attn_implementation="eager").compute.saved.activations for cp in (1, 2)]
+    # Eager keeps the attention probabilities [b, heads/cp, S, S]: half of the flat run's at cp 2 on CPU. On CUDA the
+    # all-to-all runs flex attention's fused kernel instead (the causal mask as a block mask): no [S, S] kept.
+    eager = [
+        _plan(cp=cp, attn_implementation="eager", device_type="cpu").compute.saved.activations
+        for cp in (1, 2)
+    ]
     assert eager[0] / 2 <= eager[1] <= 1.05 * eager[0] / 2
+    fused = _plan(cp=2, attn_implementation="eager").compute.saved.activations
+    assert fused <= 1.1 * _plan(cp=2).compute.saved.activations  # as sdpa's flash kernel
 
 
 def test_the_all_to_all_buffers_and_the_mask_per_layer() -> None:
@@ -105,11 +111,18 @@ def test_the_all_to_all_buffers_and_the_mask_per_layer() -> None:
     assert ctx.gathered_bytes == 2 * (2 + 2 * 1) * 512 * head * 2  # [b, 2 + 1 + 1 heads, S, d] in bf16
     assert ctx.scattered_bytes == 2 * 128 * 8 * head * 2  # [b, S/cp, heads, d]
     assert ctx.mask_bytes == 0  # one causal document per row: sdpa's causal kernel, no mask
-    # Packed rows: a [b, 1, S, S] bool mask per layer, which sdpa turns into an additive one kept for backward.
+    # Packed rows on CUDA: flex attention's block mask per layer (4 int32 tile lists [b, 1, 4, 4] of 128-position
+    # tiles with their counts, and the [b, S] int64 document ids), kept by no kernel; a fused kernel's saved tensors.
     padded, packed = _plan(cp=2), _plan(cp=2, packing=True)
-    assert packed.context is not None and packed.context.mask_bytes == 2 * 512 * 512
+    assert packed.context is not None and packed.context.block
+    assert packed.context.mask_bytes == 4 * 4 * 2 * 4 * (4 + 1) + 8 * 2 * 512
     grown = packed.compute.saved.activations - padded.compute.saved.activations
-    assert abs(grown - LAYERS * 2 * 512 * 512 * 2) <= 0.01 * grown
+    assert grown <= LAYERS * 2 * 512 * 8  # the document ids at most, where the dense mask kept 2 MiB (below)
+    # On CPU (flex attention has no backward there): a [b, 1, S, S] bool mask per layer, which sdpa turns into an
+    # additive one; the dense path was the CUDA one before the block mask: LAYERS x 2 x 512 x 512 x 2 bytes kept.
+    dense = _plan(cp=2, packing=True, device_type="cpu")
+    assert dense.context is not None and not dense.context.block
+    assert dense.context.mask_bytes == 2 * 512 * 512
     # A length that does not divide: padded to a multiple of cp, as the run pads it.
     odd = _plan(cp=4, seq_len=510)
     assert odd.context is not None and odd.context.tokens == 512
@@ -124,7 +137,9 @@ def test_the_table_and_json_say_what_cp_does() -> None:
         in text
     )
     assert "4 query heads and 1 key/value heads per rank over the whole sequence" in text
-    assert "q/k/v gathered" in text and "bool mask per layer" in text and "2 data-parallel ranks" in text
+    assert "q/k/v gathered" in text and "flex attention's block mask per layer" in text
+    assert "2 data-parallel ranks" in text
+    assert "bool mask per layer" in format_plan(_plan(cp=2, packing=True, device_type="cpu"))
     out = plan.to_json()
     assert out["settings"]["cp_size"] == 2 and out["settings"]["dp_shard_size"] == 2
     assert out["context_parallel"]["tokens_per_rank"] == 256 and out["context_parallel"]["kv_repeat"] == 1

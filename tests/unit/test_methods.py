@@ -87,3 +87,36 @@ def test_the_toy_methods_key_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
         ConfigError, match="'toy_weight' in the command line is a key of the toy recipe, not of the sft"
     ):
         parse_method_config("sft", [*argv, "--toy_weight", "3"])
+
+
+def test_a_registered_methods_capabilities_reach_the_run_and_doctor_refusals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which recipes run a layout is read from the registry (a method registered from outside is listed), and doctor
+    reports the run's own refusal word for word: one check, one message."""
+    import hf_fsdp2.run.registry
+    from hf_fsdp2.config import parse_config
+    from hf_fsdp2.config.plans import MeshPlan
+    from hf_fsdp2.doctor.layouts import capability_findings
+    from hf_fsdp2.run.method import Capabilities
+    from hf_fsdp2.run.registry import check_capabilities
+
+    monkeypatch.setattr(hf_fsdp2.run.registry, "_REGISTERED", {})
+    register(
+        Method(
+            name="toy_tp",
+            title="x",
+            build_data=lambda s, t: None,  # type: ignore[arg-type, return-value]
+            objective=lambda c: Objective(lambda *a: None),  # type: ignore[arg-type, return-value]
+            capabilities=Capabilities(tensor_parallel=True),
+        )
+    )
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--tp_size", "2"]
+    cfg = parse_config(argv)
+    check_capabilities(get_method("toy_tp"), cfg, MeshPlan(tp=2))
+    with pytest.raises(ConfigError) as refused:
+        check_capabilities(get_method("dpo"), cfg, MeshPlan(tp=2))
+    assert "tp_size=2 is not supported by the dpo recipe" in str(refused.value)
+    assert "tensor parallel runs with the sft, cpt and toy_tp recipes" in str(refused.value)
+    found = capability_findings(cfg, method=get_method("dpo"), world=4)
+    assert [(f.check, f.level, f.message) for f in found] == [("layouts", "error", str(refused.value))]

@@ -342,3 +342,34 @@ def test_a_torch_without_the_private_muon_functions_is_refused_with_the_fix(
     monkeypatch.delattr(torch_muon, "_zeropower_via_newtonschulz")
     with pytest.raises(RuntimeError, match="use optim=adamw or the torch docs/compatibility.md lists"):
         MuonAdamW([], [], MuonSettings(lr=1.0), lr=1.0, betas=(0.9, 0.9), eps=1e-8, fused=False)
+
+
+def test_rounds_go_in_buckets_of_at_most_the_cap_two_all_to_alls_each() -> None:
+    """Llama-3-8B's 224 Muon matrices on 8 ranks: 28 rounds of one matrix per rank went out in 56 all-to-alls per step;
+    in buckets of up to 256 MiB of whole bf16 matrices per rank, 8 buckets: 16 (the MLP's 112 MiB matrices two rounds a
+    bucket). Every round in one bucket, in order; a bucket over the cap only when one round alone is."""
+    from hf_fsdp2.train.muon_exchange import MUON_BUCKET_BYTES, muon_buckets
+
+    per_layer = [
+        (4096, 4096),
+        (1024, 4096),
+        (1024, 4096),
+        (4096, 4096),
+        (14336, 4096),
+        (14336, 4096),
+        (4096, 14336),
+    ]
+    shapes = per_layer * 32
+    rounds = owner_rounds(shapes, 8)
+    buckets = muon_buckets(rounds, shapes, 8, MUON_BUCKET_BYTES)
+    assert (len(rounds), len(buckets)) == (28, 8)
+    assert [k for bucket in buckets for k in bucket] == list(range(28))
+    for bucket in buckets:
+        per_rank = [
+            sum(2 * shapes[i][0] * shapes[i][1] for k in bucket if (i := rounds[k][r]) is not None)
+            for r in range(8)
+        ]
+        assert max(per_rank) <= MUON_BUCKET_BYTES or len(bucket) == 1
+    assert (
+        len(muon_buckets(rounds, shapes, 8, 1)) == 28
+    )  # one round per bucket: 2 all-to-alls per round, as before

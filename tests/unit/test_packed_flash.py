@@ -6,7 +6,9 @@ document attending to the documents before it. The batches the SFT (``packing``)
 builders make for a flash kernel, and the context-parallel flash branch, are run here through transformers' own
 flash code with a stand-in for flash-attn (tests/support/fake_flash.py) that records what it receives: a varlen
 call whose boundaries are exactly the batch's documents, never a plain call, and per-token losses equal to each
-document run alone (float64, sdpa).
+document run alone (float64, sdpa). The families whose layers ask the kernel for more (OLMo 3's and EXAONE 4's
+sliding windows, gpt-oss's windows and attention sinks) are run so too, each layer's window and sinks checked in the
+kernel's calls; Llama 4's chunked attention has no flash path in transformers and is refused by name.
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_llama2_test_tokenizer
 from support.fake_flash import StandInFlash
+from support.families import family_config
 from support.numerics import assert_same_maths
 from support.tiny import WORDS, write_chat_jsonl
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from hf_fsdp2.attention_layout import choose_attention_layout
+from hf_fsdp2.attention_layout import check_loaded_attention, choose_attention_layout
 from hf_fsdp2.config import ConfigError
 from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.methods import parse_method_config
@@ -77,14 +88,22 @@ def per_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def check_documents_apart(
-    model: LlamaForCausalLM, batch: dict[str, torch.Tensor], flash: StandInFlash
+    model: PreTrainedModel,
+    batch: dict[str, torch.Tensor],
+    flash: StandInFlash,
+    *,
+    reference: str = "sdpa",
 ) -> int:
     """Run ``batch`` as the training step does; the stand-in must get every document apart and the losses must be
-    each document's alone. Returns how many documents the batch held."""
+    each document's alone (run with ``reference`` attention). Returns how many documents the batch held."""
     assert "attention_mask" not in batch
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    kernel = model.config._attn_implementation
     flash.calls.clear()
-    with torch.no_grad(), flash.installed():
+    with (
+        torch.no_grad(),
+        flash.installed(also=(kernel,) if kernel not in (FLASH, "flash_attention_3") else ()),
+    ):
         logits = model(**inputs, use_cache=False).logits
         summed = causal_lm_loss(model, inputs, batch["labels"], LossPlan()).ce_sum
     spans = documents(batch["position_ids"])
@@ -98,7 +117,7 @@ def check_documents_apart(
     # Each document alone (sdpa, the same weights): the same per-token losses, the same summed loss.
     ids, labels = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1)
     got = per_token_losses(logits.reshape(1, -1, logits.shape[-1]), labels[None])[0]
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = reference
     total = torch.zeros((), dtype=torch.float64)
     try:
         with torch.no_grad():
@@ -111,7 +130,7 @@ def check_documents_apart(
                     assert got[a - 1] == 0
                 total += alone.sum()
     finally:
-        model.config._attn_implementation = FLASH
+        model.config._attn_implementation = kernel
     assert_same_maths(summed.double(), total, terms=model.config.vocab_size * len(spans), name="summed loss")
     return len(spans)
 
@@ -190,6 +209,124 @@ def test_packed_sft_rows_reach_the_flash_kernel_apart(
     for batch in first_batches(data.stream, 2):
         held = check_documents_apart(model, batch, flash)
         assert held > batch_size  # several packed rows of several examples each, of different lengths
+
+
+# What transformers 5.25 loads gpt-oss with when asked for flash_attention_2/3: the first flash kernel its class lists
+# (``_compatible_flash_implementations``), kernels-community's vllm-flash-attn3, which takes the attention sinks.
+GPT_OSS_FLASH = "kernels-community/vllm-flash-attn3"
+
+
+def family_flash_model(family: str, tokenizer: PreTrainedTokenizerBase) -> tuple[PreTrainedModel, str]:
+    """The tiny ``family`` model (tests/support/families.py) in float64 on its flash path, loaded as a run loads it
+    where transformers replaces the flash kernel (gpt-oss), and the attention its documents are checked alone with.
+    gpt-oss's sinks get distinct values per head and layer (initialised near 0 they would hardly move a softmax)."""
+    config = family_config(family, tokenizer)
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    torch.manual_seed(0)
+    if getattr(cls, "_compatible_flash_implementations", None):
+        with StandInFlash().installed(also=tuple(cls._compatible_flash_implementations[:1])):
+            model = cls._from_config(config, attn_implementation=FLASH, experts_implementation="batched_mm")
+    else:
+        model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model.config._attn_implementation = FLASH
+    model = model.double().eval()
+    for i, layer in enumerate(model.model.layers):
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:
+            sinks.data = torch.linspace(-1.0, 2.0, sinks.numel(), dtype=torch.float64) + i
+    return model, ("sdpa" if cls._supports_sdpa else "eager")
+
+
+@pytest.fixture(scope="module")
+def small_chatml_tokenizer() -> PreTrainedTokenizerBase:
+    """The families' tokenizer (the cut Llama-2 vocabulary, ChatML), EOS as pad as a run loads it: a small head."""
+    tokenizer = build_llama2_test_tokenizer(CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, small=True)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@pytest.mark.parametrize("family", ["olmo3", "exaone4", "gpt_oss"])
+def test_packed_rows_of_window_and_sink_families_reach_the_flash_kernel_apart(
+    family: str, small_chatml_tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """OLMo 3 and EXAONE 4 (a sliding-window layer and a full one) and gpt-oss (the same, with attention sinks and
+    experts): packed SFT rows on a flash kernel reach it as varlen calls with every document's boundaries, each layer
+    asking its own window (8 tokens, shorter than the documents: flash-attn's inclusive (7, 7)) and gpt-oss's layers
+    their own sinks, and each document's per-token losses are those it gives alone (sdpa; eager for gpt-oss, whose
+    softmax takes the sinks). gpt-oss is loaded with flash_attention_2 as a run loads it: transformers runs it on
+    the flash kernel its class names instead, which the run's build check keeps."""
+    tokenizer = small_chatml_tokenizer
+    model, reference = family_flash_model(family, tokenizer)
+    loaded = model.config._attn_implementation
+    assert loaded == (GPT_OSS_FLASH if family == "gpt_oss" else FLASH)
+    check_loaded_attention(loaded, asked=FLASH, packing=True, padding_free=False, model_cls=type(model))
+    data_file = write_chat_jsonl(tmp_path / "chat.jsonl", 30, seed=7)
+    run = session(
+        "sft",
+        [
+            "--dataset_name",
+            str(data_file),
+            "--packing",
+            "true",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            "2",
+        ],
+        model.config,
+        tmp_path,
+    )
+    batch = first_batches(build_sft_data(run, tokenizer).stream, 1)[0]  # type: ignore[arg-type]
+    flash = StandInFlash()
+    assert check_documents_apart(model, batch, flash, reference=reference) > 2
+    window = model.config.sliding_window
+    per_layer = [
+        (window - 1, window - 1) if kind == "sliding_attention" else None for kind in model.config.layer_types
+    ]
+    assert set(per_layer) == {(7, 7), None}
+    assert [c.window for c in flash.calls] == per_layer * 2, "each layer's own window, both forwards"
+    sinks = [
+        tuple(layer.self_attn.sinks.tolist()) if family == "gpt_oss" else None for layer in model.model.layers
+    ]
+    assert [c.sinks for c in flash.calls] == sinks * 2, "each layer's own sinks (gpt-oss), none elsewhere"
+
+
+def test_llama4_text_chunked_attention_has_no_flash_path_and_is_refused_by_name(
+    small_chatml_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Llama 4's chunked layers: transformers gives its text model no flash path (``_supports_flash_attn`` false;
+    its chunk mask under a flash kernel raises for rows longer than the chunk), so a flash kernel is refused at
+    start-up, before any weight is read, packed rows or not."""
+    config = family_config("llama4_text", small_chatml_tokenizer)
+    for kernel in ("flash_attention_2", "flash_attention_3"):
+        for packing in (True, False):
+            with pytest.raises(
+                ConfigError, match=f"attn_implementation={kernel}: Llama4ForCausalLM does not support it"
+            ):
+                choose_attention_layout(
+                    config,
+                    device_type="cuda",
+                    attn_implementation=kernel,
+                    packing=packing,
+                    installed=frozenset({kernel}),
+                )
+
+
+def test_rows_of_documents_on_a_kernel_that_is_not_the_flash_kernel_transformers_substitutes_are_refused() -> (
+    None
+):
+    """The build check keeps only what keeps documents apart: gpt-oss's own flash kernel when a flash kernel was
+    asked for; the same name on a class that does not list it, or after asking for another kernel, is refused."""
+    check_loaded_attention(
+        GPT_OSS_FLASH, asked=FLASH, packing=False, padding_free=True, model_cls=GptOssForCausalLM
+    )
+    for asked, cls in ((FLASH, LlamaForCausalLM), ("flex_attention", GptOssForCausalLM)):
+        with pytest.raises(ConfigError, match=f"padding_free=True need .* the model runs '{GPT_OSS_FLASH}'"):
+            check_loaded_attention(GPT_OSS_FLASH, asked=asked, packing=True, padding_free=True, model_cls=cls)
+    check_loaded_attention("sdpa", asked="sdpa", packing=True, padding_free=False, model_cls=LlamaForCausalLM)
+    check_loaded_attention(
+        "whatever", asked="sdpa", packing=False, padding_free=False, model_cls=LlamaForCausalLM
+    )
 
 
 def write_corpus(path: Path, n: int, seed: int) -> Path:

@@ -122,3 +122,46 @@ def test_a_rank_the_agent_ended_with_sigterm_is_not_named_as_the_cause(
         assert line.startswith(
             "hf-fsdp2 train: exit status 2 (rank 0 failed first; rank 0: 2, rank 1: SIGTERM)"
         ), line
+
+
+def test_a_rank_that_only_lost_the_failing_one_is_not_named_as_the_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Rank 1 raised its own error; rank 0 lost it and exited 1 too, in the agent's same poll: the same status, the
+    same stamp, and rank 0 first. Before, "rank 0 failed first" (no error of rank 0's above); now rank 1, from the
+    ranks' records in the run folder (a record of an earlier launch does not count)."""
+    import json
+    import os
+
+    from hf_fsdp2.checkpoint.layout import ATTEMPT_DIR
+
+    records = tmp_path / "run" / ATTEMPT_DIR
+    records.mkdir(parents=True)
+    (records / "rank0.json").write_text(json.dumps({"rank": 0, "kind": "lost"}))
+    (records / "rank1.json").write_text(json.dumps({"rank": 1, "kind": "error"}))
+    import accelerate.commands.launch as accelerate_launch
+
+    def failed(args: object) -> None:
+        failures = {0: _failure(0, 1, tmp_path), 1: _failure(1, 1, tmp_path)}
+        failures[0].timestamp = failures[1].timestamp = 100
+        for path in records.iterdir():  # written during this launch
+            os.utime(path)
+        raise ChildFailedError("sft", failures)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", failed)
+    argv = [launch.ACCELERATE_LAUNCH, "-m", "hf_fsdp2.methods", "sft", "--output_dir", str(tmp_path / "run")]
+    assert launch.launcher_main(argv) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("hf-fsdp2 train: exit status 1 (rank 1 failed first; rank 0: 1, rank 1: 1)"), line
+    # An earlier launch's records (older than this launch) say nothing about this one: the earlier stamp decides.
+    for path in records.iterdir():
+        os.utime(path, (1, 1))
+
+    def failed_again(args: object) -> None:
+        failures = {0: _failure(0, 1, tmp_path), 1: _failure(1, 1, tmp_path)}
+        failures[0].timestamp = failures[1].timestamp = 100
+        raise ChildFailedError("sft", failures)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", failed_again)
+    assert launch.launcher_main(argv) == 1
+    assert capsys.readouterr().err.strip().startswith("hf-fsdp2 train: exit status 1 (rank 0 failed first;")

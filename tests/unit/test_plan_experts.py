@@ -20,10 +20,7 @@ import transformers
 from hf_fsdp2.config.plans import ACPlan, LoraSettings
 from hf_fsdp2.parallel.grouped_mm import LOOP, experts_kernel, model_experts_kernel
 from hf_fsdp2.plan import PlanSettings, build_meta_model, fsdp_units, plan_memory, recommend, state_bytes
-from hf_fsdp2.plan.experts import expert_plan, recipes_take_ep_size
-
-# Until the recipes read ep_size (expert parallel's key), the plan shows what each ep_size would move but proposes none.
-PROPOSES = recipes_take_ep_size()
+from hf_fsdp2.plan.experts import expert_plan
 
 P = 3 * 2048 * 768
 E, K, H, T = 128, 8, 2048, 4096  # experts, top-k, hidden, tokens per rank and micro-batch
@@ -94,10 +91,10 @@ def test_qwen3_30b_a3b_on_8_gpus_by_hand(meta: torch.nn.Module) -> None:
     assert by_ep[4].step_sent == 2 * (2 * 32 * P * BF16 // 2 + 16 * P * FP32 + 4 * ROWS * 3 // 4)
     # The sharded state (fp32 masters, gradients, AdamW's two moments) is 16 experts per rank at every ep_size.
     assert {o.sharded_bytes for o in plan.options} == {2 * 16 * P * FP32 * 4}
-    assert plan.proposed == (8 if PROPOSES else None) and ep8.step_sent / flat.step_sent < 0.12
+    assert plan.proposed == 8 and ep8.step_sent / flat.step_sent < 0.12
     text = "\n".join(plan.describe(str))
     # 65% of the 2-layer model (the 151936 x 2048 embedding and head weigh here; 95% of the 48-layer one).
-    assert ("set ep_size: 8" in text and "<- proposed" in text) is PROPOSES and "(65% of the model" in text
+    assert "set ep_size: 8" in text and "<- proposed" in text and "(65% of the model" in text
     # Full activation checkpointing recomputes the layer: the forward's two exchanges again (6 per micro-batch).
     recomputed = expert_plan(meta, qwen3_30b_a3b(), SETTINGS.replace(ac=ACPlan("full"), ep=8))
     assert recomputed is not None and recomputed.current.step_sent == 2 * 6 * 117_440_512
@@ -112,7 +109,7 @@ def test_frozen_experts_under_lora_move_no_gradients() -> None:
     assert (
         flat.reduce_sent == 0 and flat.sharded_bytes == 2 * 16 * P * BF16
     )  # frozen bf16, no gradient or moments
-    assert flat.step_sent == 2 * 2 * 1_056_964_608 and plan.proposed == (8 if PROPOSES else None)
+    assert flat.step_sent == 2 * 2 * 1_056_964_608 and plan.proposed == 8
 
 
 def test_expert_parallel_splits_the_gathered_experts_not_the_sharded_state(meta: torch.nn.Module) -> None:
@@ -169,7 +166,7 @@ def test_the_recommender_the_command_and_doctor_propose_ep_size(tmp_path, capsys
 
     settings = SETTINGS.replace(seq_len=256)
     tried = recommend(qwen3_30b_a3b(), settings, 80 * 10**9, 0.1, expert_parallel=True)
-    assert tried[0].changes == ({"ep_size": 8} if PROPOSES else {}) and tried[0].fits
+    assert tried[0].changes == {"ep_size": 8} and tried[0].fits
     assert recommend(qwen3_30b_a3b(), settings, 80 * 10**9, 0.1)[0].changes == {}  # a method without it
 
     folder = tmp_path / "qwen3_30b_a3b"
@@ -181,22 +178,17 @@ def test_the_recommender_the_command_and_doctor_propose_ep_size(tmp_path, capsys
     )
     assert cli_main(["plan", "--config", str(recipe), "--world_size", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (
-        out["experts"]["proposed_ep_size"] == (8 if PROPOSES else None) and out["experts"]["num_experts"] == E
-    )
+    assert out["experts"]["proposed_ep_size"] == 8 and out["experts"]["num_experts"] == E
     assert [o["ep"] for o in out["experts"]["options"]] == [1, 2, 4, 8]
     assert cli_main(["plan", "--config", str(recipe), "--world_size", "8"]) == 0
     text = capsys.readouterr().out
-    assert (
-        "MoE: 2 layers of Qwen3MoeExperts, 128 experts (top 8)" in text
-        and ("set ep_size: 8" in text) is PROPOSES
-    )
+    assert "MoE: 2 layers of Qwen3MoeExperts, 128 experts (top 8)" in text and "set ep_size: 8" in text
 
     cfg = parse_config(["--config", str(recipe)])
     plan = plan_memory(qwen3_30b_a3b(), settings)
     found = {f.check: f for f in expert_findings(cfg, plan, on_gpu=False)}
-    assert found["experts"].level == ("warning" if PROPOSES else "ok")
-    assert found["experts"].fix.startswith("set ep_size: 8") is PROPOSES
+    assert found["experts"].level == "warning"
+    assert found["experts"].fix.startswith("set ep_size: 8")
     assert (found["experts kernel"].level, found["experts kernel"].value) == ("ok", "grouped_mm")
 
 

@@ -5,6 +5,7 @@ TP refused naming the reason and the fix."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from hf_fsdp2.config import ConfigError
@@ -17,16 +18,33 @@ def _model(cls: str, **extra: object) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**SMALL, **extra))
 
 
-def test_the_family_plan_is_expanded_to_every_decoder_layer() -> None:
-    plan = tp_plan_for(_model("Qwen3Config", num_key_value_heads=2, head_dim=8))
-    assert plan.family == "qwen3"
+def test_the_family_plan_is_expanded_to_every_decoder_layer_with_sequence_parallel_around_it() -> None:
+    plan = tp_plan_for(_model("Qwen3Config", num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
+    assert plan.family == "qwen3" and plan.tied
     assert plan.styles["model.layers.1.self_attn.k_proj"] == "colwise"
     assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
     assert plan.styles["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
-    assert len(plan.styles) == 2 * 9  # q/k/v, q/k norms, o, gate/up/down per layer
-    assert "10 colwise, 4 replicated_with_grad_allreduce, 4 rowwise" in plan.describe(
-        2
-    ) and "no loss parallel" in plan.describe(2)
+    # torchtitan's layout: the blocks gather their input, the norms run on sequence parts, the vocabulary is split.
+    assert plan.styles["model.layers.0.self_attn"] == plan.styles["model.layers.1.mlp"] == "gather_sequence"
+    assert plan.styles["model.layers.1.input_layernorm"] == plan.styles["model.norm"] == "sequence_norm"
+    assert plan.styles["model.layers.0"] == "split_sequence"
+    assert plan.styles["model.embed_tokens"] == "vocab_embedding" and plan.styles["lm_head"] == "vocab_head"
+    assert list(plan.styles)[:2] == ["model.embed_tokens", "model.layers.0"]  # applied in this order
+    assert list(plan.styles)[-1] == "lm_head"
+    # per layer: q/k/v, q/k norms, o, gate/up/down, 2 blocks, 2 norms; then embedding, first layer, final norm, head
+    assert len(plan.styles) == 2 * 13 + 4
+    text = plan.describe(2)
+    assert (
+        "10 colwise, 4 gather_sequence, 4 replicated_with_grad_allreduce, 4 rowwise, 5 sequence_norm" in text
+    )
+    assert "loss parallel under the chunked loss" in text and "(tied: one weight)" in text
+
+
+def test_a_decoder_layer_part_that_is_neither_a_split_block_nor_a_norm_is_refused_by_name() -> None:
+    model = _model("LlamaConfig", num_key_value_heads=2)
+    model.model.layers[0].adapter = torch.nn.Linear(32, 32)  # a parameterised module the plan does not name
+    with pytest.raises(TensorParallelError, match=r"model\.layers\.0\.adapter \(Linear, .* neither a block"):
+        tp_plan_for(model)
 
 
 def test_a_family_without_a_plan_is_refused_by_name() -> None:
@@ -63,14 +81,7 @@ def test_moe_experts_and_fused_styles_are_refused_with_the_reason() -> None:
         tp_plan_for(_model("Phi3Config", num_key_value_heads=2, pad_token_id=0))
 
 
-_SETTINGS = dict(
-    use_peft=False,
-    load_in_4bit=False,
-    liger=False,
-    ram_efficient_loading=None,
-    torch_compile=None,
-    compile_default=True,
-)
+_SETTINGS = dict(use_peft=False, load_in_4bit=False, liger=False, ram_efficient_loading=None)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +92,6 @@ _SETTINGS = dict(
         (dict(liger=True), "use_liger_kernel=true is not supported"),
         (dict(ram_efficient_loading=True), "fsdp_cpu_ram_efficient_loading=true is not supported.*set "
                                            "fsdp_cpu_ram_efficient_loading=false"),
-        (dict(torch_compile=True), "torch_compile=true is not supported in this version: .*RecursionError.*set "
-                                   "torch_compile=false"),
     ],
 )  # fmt: skip
 def test_settings_that_do_not_compose_with_tp_are_refused(settings: dict, message: str) -> None:
@@ -91,16 +100,11 @@ def test_settings_that_do_not_compose_with_tp_are_refused(settings: dict, messag
     assert check_tp_settings(1, **(_SETTINGS | settings)) == {}  # nothing to refuse without TP
 
 
-def test_unset_ram_efficient_loading_and_compile_are_turned_off_under_tp_with_a_log_line() -> None:
+def test_unset_ram_efficient_loading_is_turned_off_under_tp_with_a_log_line_and_compile_is_kept() -> None:
     off = check_tp_settings(2, **_SETTINGS)
+    assert off.keys() == {"fsdp_cpu_ram_efficient_loading"}  # torch_compile is not turned off any more
     assert off["fsdp_cpu_ram_efficient_loading"].startswith("fsdp_cpu_ram_efficient_loading=false (tp_size=2")
-    assert off["torch_compile"].startswith("torch_compile=false (tp_size=2")
-    # The recipe's own false, or a compile that would be off anyway (no GPU): nothing to say.
-    quiet = _SETTINGS | {"ram_efficient_loading": False, "torch_compile": None, "compile_default": False}
-    assert check_tp_settings(2, **quiet) == {}
-    assert check_tp_settings(2, **(_SETTINGS | {"torch_compile": False})).keys() == {
-        "fsdp_cpu_ram_efficient_loading"
-    }
+    assert check_tp_settings(2, **(_SETTINGS | {"ram_efficient_loading": False})) == {}
 
 
 def test_accelerates_own_tp_prepare_is_skipped_for_the_block_only() -> None:

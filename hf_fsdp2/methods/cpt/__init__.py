@@ -15,6 +15,9 @@ METHOD = Method(
     batch_rows="corpus",
     preview_data=preview_sft,
     # cp: test_context_parallel (all-to-all), tests/gpu/test_ring_cp_check (ring); tp: test_tensor_parallel; fp8:
-    # test_float8.
-    capabilities=Capabilities(context_parallel=True, ring_attention=True, tensor_parallel=True, float8=True),
+    # test_float8; ep: SFT's objective and models (test_expert_parallel, test_expert_parallel_recipe), the experts
+    # exchange tokens whatever rows they come from.
+    capabilities=Capabilities(
+        context_parallel=True, ring_attention=True, tensor_parallel=True, float8=True, expert_parallel=True
+    ),
 )

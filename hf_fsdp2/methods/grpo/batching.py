@@ -165,6 +165,8 @@ class GenerationStream(DataStream):
     (the run's step adds its buffered generation batch beside it, :class:`~hf_fsdp2.train.step.Step`), resumed as it
     was saved whatever the world size."""
 
+    __slots__ = ()  # the stream's own fields only, as DataStream
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
 

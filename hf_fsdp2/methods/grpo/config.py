@@ -254,9 +254,12 @@ class GrpoArgs:
         default=0.3,
         metadata={"help": "vllm_mode colocate: each engine's GPU memory fraction (the server: a flag)."},
     )
-    vllm_enable_sleep_mode: bool = field(
-        default=False,
-        metadata={"help": "colocate: the engine sleeps outside rollouts (GPU only; CPU vLLM has none)."},
+    vllm_enable_sleep_mode: bool | None = field(
+        default=None,
+        metadata={
+            "help": "colocate: the engine sleeps (level 2) outside rollouts (GPU only; CPU vLLM has none). Unset: "
+            "only where the start-up plan finds the engine and training do not fit the GPU side by side."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,

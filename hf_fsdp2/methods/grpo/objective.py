@@ -229,6 +229,7 @@ def _build_grpo(
             session.device,
             str(cfg.model.model_name_or_path),
             cfg.data.max_length,
+            training_peak=session.memory_plan.peak if session.memory_plan is not None else None,
         )
     elif g.use_vllm:  # rollouts from the vLLM server, weights sent after each update
         generator = build_vllm_generator(

@@ -81,10 +81,44 @@ def colocate_gpu_bytes(peak: int, utilization: float, headroom: float) -> int:
     return int(peak / max((1.0 - utilization) * (1.0 - headroom), 1e-9))
 
 
+def choose_sleep_mode(
+    asked: bool | None, *, peak: int | None, gpu_bytes: int | None, utilization: float, headroom: float
+) -> tuple[bool, str]:
+    """Whether a colocated engine sleeps (level 2) between rollouts, and why: as ``asked`` where the key is set;
+    unset, only where the engine's reservation (``utilization`` of a GPU of ``gpu_bytes``) and the training ``peak``
+    per rank (the start-up plan's; None: no plan) do not fit side by side (:func:`colocate_gpu_bytes`): sleeping
+    discards the engine's weights, so every rollout reloads them, updated or not. Without a GPU (None), no sleep:
+    vLLM's CPU backend has none. Without a plan, sleep: the choice that fits whatever the peak."""
+    from hf_fsdp2.plan.table import human_bytes
+
+    if gpu_bytes is None:
+        return False, "off (no GPU: vLLM's CPU backend has no sleep mode)"
+    if asked is not None:
+        return (
+            asked,
+            f"{'level 2' if asked else 'off'} (vllm_enable_sleep_mode: {str(asked).lower()}, as set)",
+        )
+    if peak is None:
+        return (
+            True,
+            "level 2 (vllm_enable_sleep_mode unset and no memory plan to say the engine fits beside training)",
+        )
+    need = colocate_gpu_bytes(peak, utilization, headroom)
+    if gpu_bytes >= need:
+        return False, (
+            f"off (vllm_enable_sleep_mode unset: the engine and training fit this GPU of {human_bytes(gpu_bytes)}, "
+            f"{human_bytes(need)} needed; no reloads)"
+        )
+    return True, (
+        f"level 2 (vllm_enable_sleep_mode unset: the engine and training need {human_bytes(need)} side by side, this "
+        f"GPU has {human_bytes(gpu_bytes)})"
+    )
+
+
 def colocate_note(plan: Any, cfg: Any, gpu_bytes: int | None) -> str | None:
     """The plan's line for ``vllm_mode: colocate``: whether the engine fits beside training without sleep mode on a
-    GPU of ``gpu_bytes`` (None: no GPU here; the line gives the size it needs), and what the run does. None for
-    other runs."""
+    GPU of ``gpu_bytes`` (None: no GPU here; the line gives the size it needs), and what the run does (with the key
+    unset, what it chooses: :func:`choose_sleep_mode`). None for other runs."""
     from hf_fsdp2.plan.settings import DEFAULT_HEADROOM
     from hf_fsdp2.plan.table import human_bytes
 
@@ -102,7 +136,16 @@ def colocate_note(plan: Any, cfg: Any, gpu_bytes: int | None) -> str | None:
     if gpu_bytes is None:
         return line + " (no GPU here to compare with)"
     fits = gpu_bytes >= need
-    if g.vllm_enable_sleep_mode:
+    if g.vllm_enable_sleep_mode is None:
+        _, why = choose_sleep_mode(
+            None,
+            peak=plan.peak,
+            gpu_bytes=gpu_bytes,
+            utilization=g.vllm_gpu_memory_utilization,
+            headroom=DEFAULT_HEADROOM,
+        )
+        verdict = f"; sleep mode {why}"
+    elif g.vllm_enable_sleep_mode:
         verdict = (
             "; sleep mode on (level 2: the engine's memory freed while training, its weights reloaded at every "
             "rollout, nothing copied to host memory)"

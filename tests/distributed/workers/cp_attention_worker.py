@@ -11,11 +11,14 @@ which the flash path keeps apart only when it is handed their boundaries.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,10 @@ CASES = [
 ]
 
 
+# Packed rows under sdpa, and Gemma2's sliding window and soft-capped logits under its eager kernel.
+BLOCK_CASES = ("llama_gqa_sdpa_packed", "gemma2_sliding_softcap_packed")
+
+
 def batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
     """Two rows of 23 tokens (not a multiple of 2 or 4: parts are padded); packed: documents of 9, 8 and 6 tokens,
     then of 4, 12 and 7; padded: the second row right-padded after 15 tokens. Labels mask each row's first 3 tokens."""
@@ -109,7 +116,47 @@ def batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int, flash: StandInFlash) -> dict:
+@contextlib.contextmanager
+def recorded_masks(masks: list[dict], block: bool) -> Iterator[None]:
+    """Every mask the layers build recorded (kind, the bytes its tensors hold, the formula's); ``block``: the CUDA
+    path on CPU, cp_attention takes flex attention's block mask (torch's check that refuses flex's backward on CPU is
+    lifted, so its unfused math implementation runs, forward and backward)."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    from hf_fsdp2.parallel import all_to_all, block_mask
+
+    def built(documents, length, window, rows, device):  # type: ignore[no-untyped-def]
+        mask = block_mask.build_block_mask(documents, length, window, rows, device)
+        held = sum(t.nbytes for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+        held += documents.nbytes if documents is not None else 0
+        formula = block_mask.block_mask_bytes(rows, length, documents is not None)
+        masks.append({"kind": "block", "bytes": held, "formula": formula})
+        return mask
+
+    def dense(*args, **kwargs):  # type: ignore[no-untyped-def]
+        allowed = all_to_all_pairs(*args, **kwargs)
+        masks.append({"kind": "dense", "bytes": allowed.nbytes, "shape": list(allowed.shape)})
+        return allowed
+
+    all_to_all_pairs = all_to_all.allowed_pairs
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(all_to_all, "build_block_mask", built))
+        stack.enter_context(mock.patch.object(all_to_all, "allowed_pairs", dense))
+        if block:
+            stack.enter_context(mock.patch.object(all_to_all, "flex_trains_on", lambda device_type: True))
+            stack.enter_context(mock.patch.object(torch_flex, "_validate_device", lambda *tensors: None))
+        yield
+
+
+def check(
+    case: tuple,
+    group: dist.ProcessGroup,
+    cp: int,
+    index: int,
+    seed: int,
+    flash: StandInFlash,
+    block: bool = False,
+) -> dict:
     name, cls, extra, kernel, packed = case
     config = getattr(transformers, cls)(**SMALL, **extra)
     torch.manual_seed(0)
@@ -134,10 +181,14 @@ def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int,
     line = enable_context_parallel(part, group, cp)
     mine = shard_sequence(data, cp, index)
     flash.calls.clear()
-    got = causal_lm_loss(part, {k: v for k, v in mine.items() if k != "labels"}, mine["labels"], plan).ce_sum
-    counts = torch.tensor([count_target_tokens(mine["labels"])])
-    dist.all_reduce(counts, group=group)
-    (got / tokens).backward()
+    masks: list[dict] = []
+    with recorded_masks(masks, block):
+        got = causal_lm_loss(
+            part, {k: v for k, v in mine.items() if k != "labels"}, mine["labels"], plan
+        ).ce_sum
+        counts = torch.tensor([count_target_tokens(mine["labels"])])
+        dist.all_reduce(counts, group=group)
+        (got / tokens).backward()
     calls = list(flash.calls)
     loss = got.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -160,6 +211,7 @@ def check(case: tuple, group: dist.ProcessGroup, cp: int, index: int, seed: int,
         "grad_rel": worst,
         "whole_sequences_diff": float((same - ref).abs().max()),
         "dtype": str(dtype),
+        "masks": masks,
     }
 
 
@@ -177,6 +229,12 @@ def main() -> None:
                 # cp = world: one group, one batch; cp = 2: two groups with different batches (seed by group).
                 results[f"{case[0]}/cp{world}"] = check(case, dist.group.WORLD, world, rank, 0, flash)
                 results[f"{case[0]}/cp2"] = check(case, pairs[rank // 2], 2, rank % 2, 1 + rank // 2, flash)
+                if (
+                    case[0] in BLOCK_CASES
+                ):  # the same, the documents and window as flex attention's block mask
+                    results[f"{case[0]}/cp2/block"] = check(
+                        case, pairs[rank // 2], 2, rank % 2, 1 + rank // 2, flash, block=True
+                    )
     except Exception:  # noqa: BLE001 - reported to the test
         results["error"] = traceback.format_exc()
     gathered: list = [None] * world

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoTokenizer
 
 from hf_fsdp2 import collectives
@@ -23,9 +24,11 @@ from hf_fsdp2.labels import IGNORE_INDEX
 from hf_fsdp2.model import decoder_layer_classes, load_model
 from hf_fsdp2.observe.evaluate import eval_batches, evaluate_loss, generate_samples
 from hf_fsdp2.parallel.accelerator import build_accelerator
+from hf_fsdp2.parallel.activations import apply_activation_checkpointing
 from hf_fsdp2.parallel.all_to_all import enable_context_parallel, shard_sequence
-from hf_fsdp2.parallel.compiling import CompileWatch
+from hf_fsdp2.parallel.compiling import CompileWatch, compile_model, compile_regions
 from hf_fsdp2.parallel.parallelize import ParallelPlan, parallelize
+from hf_fsdp2.parallel.tensor import apply_tensor_parallel, tp_plan_for
 from hf_fsdp2.train.loss import LossPlan, causal_lm_loss, shifted_target_rows
 
 BATCH = 2
@@ -60,22 +63,32 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model(args.model).double()  # float64: compiled vs eager differ by rounding only
-    _Plan.backend = args.backend
+    _Plan.backend = args.whole_model_backend if scope == "model" else args.backend
     compile_plan = _Plan(enabled=scope != "eager", scope="regional" if scope == "eager" else scope)
     cp = layout.startswith("cp")  # context parallel over both ranks: one batch, each rank half of every row
-    collectives.set_layout(cp=2 if cp else 1, cp_group=torch.distributed.group.WORLD if cp else None)
+    tp = layout.startswith(
+        "tp"
+    )  # tensor parallel over both ranks (no FSDP2): one batch, padded to even lengths
+    collectives.set_layout(
+        cp=2 if cp else 1, tp=2 if tp else 1, cp_group=torch.distributed.group.WORLD if cp else None
+    )
     if cp:
         enable_context_parallel(model, torch.distributed.group.WORLD, 2)
-    model = parallelize(
-        model,
-        acc,
-        ParallelPlan(layer_cls=decoder_layer_classes(model), ac=ShardingPlan().ac, compile=compile_plan),
-    )
+    plan = ParallelPlan(layer_cls=decoder_layer_classes(model), ac=ShardingPlan().ac, compile=compile_plan)
+    if tp:  # parallelize's order without its FSDP2 step: the data dimension would be 1 rank
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), tp_plan_for(model))
+        apply_activation_checkpointing(model, plan.ac, plan.layer_cls)
+        if compile_plan.enabled and scope == "regional":
+            compile_regions(model, plan.layer_cls, compile_plan)
+        elif compile_plan.enabled:
+            compile_model(model, compile_plan)
+    else:
+        model = parallelize(model, acc, plan)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)  # linear in the gradient: rounding is not amplified
     collate = (
         PackedCollator(tokenizer.pad_token_id, padding_free=True)
         if layout.endswith("pf")
-        else PaddingCollator(tokenizer.pad_token_id)
+        else PaddingCollator(tokenizer.pad_token_id, pad_to_multiple_of=2 if tp else None)
     )
     plan = LossPlan(8)  # chunks of 8 target rows: the chunk count changes with the step's targets
     watch = CompileWatch(enabled=scope != "eager").start()
@@ -84,7 +97,7 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
     train, held_out = data[: -2 * world], data[-2 * world :]
     for step in range(args.steps):
         # Context parallel: both ranks read the batches rank 1 reads without it (their target counts all differ).
-        first = (step * world + (1 if cp else rank)) * BATCH
+        first = (step * world + (1 if cp or tp else rank)) * BATCH
         batch = collate(train[first : first + BATCH])
         if cp:
             batch = shard_sequence(batch, 2, rank)
@@ -97,12 +110,14 @@ def run(acc, args, scope: str, layout: str, data: list, tokenizer) -> dict:  # t
         sums = collectives.all_reduce_sum(
             torch.tensor([float(loss), float(rows.numel())], dtype=torch.float64)
         )
-        out["loss_sums"].append(float(sums[0]))
+        out["loss_sums"].append(
+            float(sums[0]) / (2 if tp else 1)
+        )  # a tp group's ranks each hold the whole loss
         out["targets"].append(int(sums[1]))
         out["tokens"].append(int(batch["input_ids"].numel()))
         out["compile"].append(watch.take())
         if step == args.eval_after:  # eval and generation between steps, as the recipe does
-            data_rank, data_world = (0, 1) if cp else (rank, world)
+            data_rank, data_world = (0, 1) if cp or tp else (rank, world)
             batches = eval_batches(
                 held_out, rank=data_rank, world_size=data_world, batch_size=BATCH, collator=collate
             )
@@ -124,6 +139,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--eval_after", type=int, default=2)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--whole_model_backend", default="inductor")
     args = ap.parse_args()
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     tokenizer = AutoTokenizer.from_pretrained(args.model)

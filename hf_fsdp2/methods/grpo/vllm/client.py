@@ -167,10 +167,18 @@ class VllmClient:
     def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
         return self._request("POST", "/logprobs", {"prompt": list(prompt), "completion": list(completion)})
 
-    def open_group(self, host: str, port: int, backend: str, timeout_s: float) -> dict[str, Any]:
+    def open_group(
+        self, host: str, port: int, backend: str, timeout_s: float, connect_s: float
+    ) -> dict[str, Any]:
         """The engine's workers join the weight group whose store is at ``host:port`` (blocks until the trainer's
-        end joins too)."""
-        payload = {"host": host, "port": port, "backend": backend, "timeout_s": timeout_s}
+        end joins too, up to ``connect_s``)."""
+        payload = {
+            "host": host,
+            "port": port,
+            "backend": backend,
+            "timeout_s": timeout_s,
+            "connect_s": connect_s,
+        }
         return self._request("POST", "/weights/group", payload)
 
     def update_weights(self, version: int, buckets: list[dict[str, Any]]) -> dict[str, Any]:
@@ -240,7 +248,9 @@ class VllmGenerator:
             if collectives.rank() != 0:
                 return None
             info = self.client.wait_until_up()
-            self.group = WeightGroup.open(self.client, info, self.device, s.group_port, s.request_timeout)
+            self.group = WeightGroup.open(
+                self.client, info, self.device, s.group_port, timeout_s=s.request_timeout, connect_s=s.timeout
+            )
             return info
 
         info = collectives.broadcast_object(

@@ -19,7 +19,8 @@ each generation batch; after each optimizer update the next rollout first loads 
   probe and the importance sampling correction are the server mode's (:class:`~.client.VllmGenerator`): here every
   rank probes its own engine.
 - Memory: ``vllm_gpu_memory_utilization`` (TRL's default 0.3) of the GPU for each engine. With
-  ``vllm_enable_sleep_mode`` the engine sleeps at level 2 after each rollout (weights and KV cache discarded, nothing
+  ``vllm_enable_sleep_mode`` (unset: where the start-up plan finds the engine and training do not fit side by side)
+  the engine sleeps at level 2 after each rollout (weights and KV cache discarded, nothing
   copied to host memory) and wakes in two steps before the next: its weights, loaded from the policy (every rollout
   then loads them, updated or not), then its KV cache; without it the engine keeps both beside training (the
   start-up plan says which fits). vLLM's CPU backend has no sleep mode (its sleep/wake_up log a warning and do
@@ -384,6 +385,11 @@ class ColocateGenerator(VllmGenerator):
         return ids[mine]  # type: ignore[no-any-return]
 
 
+def gpu_bytes(device: torch.device) -> int | None:
+    """The memory of ``device``'s GPU (None without one)."""
+    return torch.cuda.get_device_properties(device).total_memory if torch.cuda.is_available() else None
+
+
 def build_colocate_generator(
     g: Any,
     model: torch.nn.Module,
@@ -395,14 +401,19 @@ def build_colocate_generator(
     device: torch.device,
     model_path: str,
     max_model_len: int,
+    training_peak: int | None = None,
 ) -> ColocateGenerator:
     """The GRPO recipe's colocated vLLM generator from its keys (``g``: GrpoArgs): every rank builds its engine (or
     its shard of one) on ``model_path``, in the trainer's compute dtype, marked stale by every optimizer update.
+    Sleep mode: the key where set, else rank 0's choice from ``training_peak`` (the start-up plan's peak per rank;
+    None: no plan) and its GPU (:func:`~hf_fsdp2.methods.grpo.plan.choose_sleep_mode`), the same on every rank.
 
     Raises:
         ConfigError: ``vllm_tensor_parallel_size`` does not divide the training processes.
     """
+    from hf_fsdp2.methods.grpo.plan import choose_sleep_mode
     from hf_fsdp2.methods.grpo.vllm.importance import correction_from_keys, engine_dtype_name
+    from hf_fsdp2.plan.settings import DEFAULT_HEADROOM
 
     require_vllm()
     tp = int(g.vllm_tensor_parallel_size)
@@ -418,6 +429,17 @@ def build_colocate_generator(
             "vllm_enable_sleep_mode ignored: vLLM's CPU backend has no sleep mode (its sleep and wake_up "
             "do nothing); the engine keeps its weights and KV cache while the trainer trains"
         )
+    sleep_mode, why = choose_sleep_mode(
+        g.vllm_enable_sleep_mode,
+        peak=training_peak,
+        gpu_bytes=gpu_bytes(device),
+        utilization=g.vllm_gpu_memory_utilization,
+        headroom=DEFAULT_HEADROOM,
+    )
+    # Rank 0 holds the plan: its choice, on every rank (an engine spanning ranks needs one setting).
+    sleep_mode, why = collectives.broadcast_object((sleep_mode, why))
+    if collectives.rank() == 0:
+        logger.info("vLLM colocate sleep mode: %s", why)
     start = time.perf_counter()
     engine = collectives.run_on_all(
         "starting the in-process vLLM engines",
@@ -426,7 +448,7 @@ def build_colocate_generator(
             dtype=compute,
             max_model_len=max_model_len,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-            sleep_mode=g.vllm_enable_sleep_mode,
+            sleep_mode=sleep_mode,
             tensor_parallel_size=tp,
         ),
         VllmServerError,
@@ -451,7 +473,7 @@ def build_colocate_generator(
         compute_dtype=compute,
         device=device,
         correction=correction,
-        sleep_mode=g.vllm_enable_sleep_mode,
+        sleep_mode=sleep_mode,
         tensor_parallel_size=tp,
     )
     generator.server_dtype = engine.dtype

@@ -20,7 +20,7 @@ Endpoints (every answer is JSON):
   the distribution the token was drawn from); ``fresh_cache``: the prefix cache dropped first, so a rollout's
   numbers never depend on what earlier requests left cached (a resumed run samples what the uninterrupted one did).
   ``generation_kwargs``: more ``SamplingParams`` fields (``/health`` lists them as ``sampling_fields``).
-- ``POST /weights/group`` ``{host, port, backend, timeout_s}``: every worker of the engine joins the trainer's group
+- ``POST /weights/group`` ``{host, port, backend, timeout_s, connect_s}``: every worker of the engine joins the trainer's group
   (:func:`join_weight_group`: rank 0 the trainer, the workers ``1 + their rank``), replacing an earlier one.
 - ``POST /weights/update`` ``{version, buckets}``: every worker receives each bucket (one FSDP unit of the trainer,
   its tensors' names and shapes, one dtype) as one broadcast and loads it in place as it arrives
@@ -204,13 +204,8 @@ class Engine:
 
     def open_group(self, req: dict[str, Any]) -> dict[str, Any]:
         """Every worker joins the trainer's weight group (the trainer joins at the same time: it asked on a thread)."""
-        args = (
-            str(req["host"]),
-            int(req["port"]),
-            1 + self.workers,
-            str(req["backend"]),
-            float(req["timeout_s"]),
-        )
+        timeout, connect = float(req["timeout_s"]), float(req.get("connect_s") or req["timeout_s"])
+        args = (str(req["host"]), int(req["port"]), 1 + self.workers, str(req["backend"]), timeout, connect)
         with self.lock:
             ranks = self.llm.collective_rpc(join_weight_group, args=args)
         logger.info(
@@ -260,7 +255,9 @@ def worker_rank(worker: Any) -> int:
     return int(getattr(worker, "rank", 0))
 
 
-def join_weight_group(worker: Any, host: str, port: int, size: int, backend: str, timeout_s: float) -> int:
+def join_weight_group(
+    worker: Any, host: str, port: int, size: int, backend: str, timeout_s: float, connect_s: float
+) -> int:
     """Run in each worker of the engine (``collective_rpc``): join the trainer's weight group at ``host:port`` as rank
     ``1 + the worker's rank`` of ``size``, over ``backend`` (the trainer's rank 0 hosts the store), replacing an
     earlier group; the group and the worker's device are kept on the worker. Returns the rank taken."""
@@ -271,19 +268,20 @@ def join_weight_group(worker: Any, host: str, port: int, size: int, backend: str
 
     worker.hf_fsdp2_weight_group = None  # an earlier trainer's group, gone with it
     rank = 1 + worker_rank(worker)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)  # each broadcast's; the rendezvous waits connect_s
+    connect = datetime.timedelta(seconds=connect_s)
     store = dist.PrefixStore(
-        "hf_fsdp2_weights", dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        "hf_fsdp2_weights", dist.TCPStore(host, port, size, is_master=False, timeout=connect)
     )
     group: Any
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = connect
         group = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+        group = dist.ProcessGroupGloo(store, rank, size, connect)
     device = getattr(worker, "device", None) or torch.device("cpu")
-    worker.hf_fsdp2_weight_group = (group, device)
+    worker.hf_fsdp2_weight_group = (group, device, timeout)
     return rank
 
 
@@ -301,9 +299,9 @@ def receive_weights(worker: Any, buckets: list[dict[str, Any]]) -> int:
     held = getattr(worker, "hf_fsdp2_weight_group", None)
     if held is None:
         raise ValueError("no weight group: the trainer opens it when it connects (POST /weights/group)")
-    group, device = held
+    group, device, timeout = held
     opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
 
     def stream() -> Iterator[tuple[str, Any]]:
         for bucket in buckets:

@@ -12,7 +12,7 @@ broadcast each, in the engine's dtype, device to device.
   shapes and dtype) on a thread of rank 0, answered once the workers loaded it; meanwhile every rank gathers each
   unit in the engine's dtype (:func:`~hf_fsdp2.parallel.gather.gathered_units`) and rank 0 broadcasts it to the
   workers, which load it in place and free it before the next. Nothing goes through host memory or HTTP.
-- Failures: the group's timeout is ``vllm_request_timeout``; a server that dies closes its end (gloo fails at
+- Failures: the rendezvous waits ``vllm_server_timeout`` at most, each broadcast ``vllm_request_timeout``; a server that dies closes its end (gloo fails at
   once); a failed update stops rank 0's broadcasts (its group closed, so the workers stop waiting), rank 0 still
   takes part in every gather, and every rank raises the same :class:`~.client.VllmServerError`.
 
@@ -27,7 +27,7 @@ import datetime
 import logging
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -128,29 +128,37 @@ class WeightGroup:
 
     @classmethod
     def open(
-        cls, client: Any, info: dict[str, Any], device: torch.device, port: int, timeout_s: float
+        cls,
+        client: Any,
+        info: dict[str, Any],
+        device: torch.device,
+        port: int,
+        *,
+        timeout_s: float,
+        connect_s: float,
     ) -> WeightGroup:
         """Host the store, ask the server's workers to join (a request on a thread: they block in the rendezvous
-        until this end joins too) and join as rank 0 (rank 0 of the trainer only)."""
+        until this end joins too) and join as rank 0 (rank 0 of the trainer only). ``connect_s``: how long the
+        rendezvous may take (``vllm_server_timeout``); ``timeout_s``: each broadcast (``vllm_request_timeout``)."""
         import torch.distributed as dist
 
         backend = check_backend(info, device, client.url)
         workers = int(info.get("workers", 1))
         host = local_address(client.url)
-        timeout = datetime.timedelta(seconds=timeout_s)
+        connect = datetime.timedelta(seconds=connect_s)
         store = dist.TCPStore(
-            host, port, 1 + workers, is_master=True, timeout=timeout, wait_for_workers=False
+            host, port, 1 + workers, is_master=True, timeout=connect, wait_for_workers=False
         )
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.open_group, host, int(store.port), backend, timeout_s)
-            try:
-                group = _backend_group(
-                    dist.PrefixStore("hf_fsdp2_weights", store), 1 + workers, backend, timeout
-                )
-            except Exception:
-                joined.result()  # the server's reason, when it gave one, names the failure better
-                raise
-            joined.result()
+        # Both ends block in the rendezvous until every rank joined (up to connect_s): this end on one thread, the
+        # server's request on another; a server that answers first with an error (its workers cannot reach the
+        # store) stops the wait at once, its reason raised.
+        joined = in_thread(client.open_group, host, int(store.port), backend, timeout_s, connect_s)
+        built = in_thread(
+            _backend_group, dist.PrefixStore("hf_fsdp2_weights", store), 1 + workers, backend, connect
+        )
+        wait([joined, built], return_when=FIRST_EXCEPTION)
+        joined.result()
+        group = built.result()
         return cls(group, store, backend, workers=workers, timeout_s=timeout_s)
 
     def broadcast(self, flat: torch.Tensor) -> None:
@@ -159,6 +167,7 @@ class WeightGroup:
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)  # the group's own: the rendezvous's
         self.group.broadcast([flat], opts).wait()
         if flat.is_cuda:  # the unit's buffer is freed next: its send must be done (one host sync per unit)
             torch.cuda.current_stream(flat.device).synchronize()
@@ -167,6 +176,23 @@ class WeightGroup:
         """Drop this end: the workers' pending receives fail at once instead of waiting out the timeout."""
         self.group = None
         self.store = None
+
+
+def in_thread(fn: Any, *args: Any) -> Future[Any]:
+    """``fn(*args)`` on a daemon thread: a wait left behind after a failure (a rendezvous, a request) never holds
+    the process at exit, as an executor's threads would."""
+    import threading
+
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - the caller's result() raises it
+            future.set_exception(err)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def _backend_group(store: Any, size: int, backend: str, timeout: datetime.timedelta) -> Any:
@@ -201,36 +227,33 @@ def push_weights(
     units = sync_units(model)
     sender = collectives.rank() == 0
     error: str | None = None
-    pool, answer = ThreadPoolExecutor(max_workers=1), None
+    answer = None
     future: Future[dict[str, Any]] | None = None
     if sender:
         if group is None or group.group is None:
             error = "no weight group with the server (it closed after an earlier failure)"
         else:
-            future = pool.submit(client.update_weights, version, bucket_plan(units, dtype_name))
+            future = in_thread(client.update_weights, version, bucket_plan(units, dtype_name))
             counts.requests += 1
-    try:
-        for unit in gathered_units(units, DTYPES[dtype_name], sender, counts.gather):
-            if future is None or error is not None or unit.flat is None or group is None:
-                continue
-            if future.done():  # the server answered before every unit was sent: its error says why
-                error = _outcome(future) or "the server answered the update before receiving every unit"
-                group.close()
-                continue
-            try:
-                group.broadcast(unit.flat)
-                counts.broadcasts += 1
-                counts.broadcast_bytes += unit.flat.numel() * unit.flat.element_size()
-            except Exception as err:  # noqa: BLE001 - said on every rank below
-                error = f"sending a unit over the weight group: {type(err).__name__}: {err}"
-                group.close()
-        if future is not None:  # the server's own answer: its reason first when both ends failed
-            failed = _outcome(future)
-            if failed is not None:
-                error = failed if error is None or failed in error else f"{failed} ({error})"
-            answer = None if failed else future.result()
-    finally:
-        pool.shutdown(wait=False)
+    for unit in gathered_units(units, DTYPES[dtype_name], sender, counts.gather):
+        if future is None or error is not None or unit.flat is None or group is None:
+            continue
+        if future.done():  # the server answered before every unit was sent: its error says why
+            error = _outcome(future) or "the server answered the update before receiving every unit"
+            group.close()
+            continue
+        try:
+            group.broadcast(unit.flat)
+            counts.broadcasts += 1
+            counts.broadcast_bytes += unit.flat.numel() * unit.flat.element_size()
+        except Exception as err:  # noqa: BLE001 - said on every rank below
+            error = f"sending a unit over the weight group: {type(err).__name__}: {err}"
+            group.close()
+    if future is not None:  # the server's own answer: its reason first when both ends failed
+        failed = _outcome(future)
+        if failed is not None:
+            error = failed if error is None or failed in error else f"{failed} ({error})"
+        answer = None if failed else future.result()
     if answer is not None and error is None:
         want = sum(len(u) for u in units)
         if answer.get("weights_version") != version or int(answer.get("loaded", -1)) != want:
