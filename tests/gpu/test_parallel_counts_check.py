@@ -15,7 +15,7 @@ reduce-scatters and all-reduces held to :func:`~.formulas.tp_step_collectives` (
 reduce-scatters forward and backward, torchtitan's layout; the formula matched the same bench on 4 gloo ranks at 2
 and 3 layers, tests/unit/test_gpu_formulas.py).
 
-``bench/moe_bench.py ep --procs 2 --eps 1,2`` (the expert-parallel check, issue 53's, on any node: the bench trains
+``bench/moe_bench.py ep --procs 2 --eps 1,2`` (the expert-parallel check, on any node: the bench trains
 on 2 gloo ranks on the host, since NCCL refuses two ranks on one GPU and the bench has no GPU mode yet): a tiny
 Qwen3-MoE flat and at ep 2, seconds and tokens/s beside the bytes each collective moved per step and rank, held to
 :func:`~.formulas.ep_step_bytes`: FSDP2's all-gather and reduce-scatter bytes exactly (flat: every expert gathered
