@@ -102,3 +102,38 @@ def rollout_counts(*, prompts: int, procs: int, units: int, params: int, itemsiz
         "gathered_bytes": params * itemsize,
         "host_bytes": 0,
     }
+
+
+def ep_failures(measured: dict[int, dict[str, float]], expected: dict[int, dict[str, float]]) -> list[str]:
+    """What in ``bench/moe_bench.py ep``'s bytes per step (``{ep: {collective: bytes}}``) leaves
+    :func:`ep_step_bytes`'s ``expected``: FSDP2's bytes by one byte, an all-to-all under flat FSDP2, an exchange outside
+    :data:`ALL_TO_ALL_BAND`. Empty: every count on its formula."""
+    low, high = ALL_TO_ALL_BAND
+    out = []
+    for ep, want in expected.items():
+        got = measured[ep]
+        for kind in ("all_gather_single", "reduce_scatter_single"):
+            if got.get(kind, 0) != want[kind]:
+                out.append(f"ep {ep}: {kind} {got.get(kind, 0)} bytes, formula {want[kind]}")
+        exchanged = got.get("all_to_all_single", 0)
+        if ep == 1 and exchanged:
+            out.append(f"flat FSDP2 sent {exchanged} bytes by all-to-all")
+        if ep > 1 and not low <= exchanged / want["all_to_all_single"] <= high:
+            out.append(
+                f"ep {ep}: all-to-all {exchanged} bytes, {exchanged / want['all_to_all_single']:.2f}x balanced"
+            )
+    return out
+
+
+def rollout_failures(row: dict[str, float], want: dict[str, Any], broadcast: int) -> list[str]:
+    """What in a ``bench/grpo_bench.py`` row (its ``*_per_step`` counts) leaves :func:`rollout_counts`'s ``want``;
+    ``broadcast``: the bytes the update must broadcast (the server: every parameter's; colocate: 0)."""
+    pairs = {
+        "engine_calls_per_step": want["engine_calls"],
+        "engine_prompts_per_step": want["engine_prompts"],
+        "sync_all_gathers_per_step": want["all_gathers"],
+        "sync_gathered_bytes_per_step": want["gathered_bytes"],
+        "sync_host_bytes_per_step": want["host_bytes"],
+        "sync_broadcast_bytes_per_step": broadcast,
+    }
+    return [f"{key} {row.get(key)}, formula {value}" for key, value in pairs.items() if row.get(key) != value]

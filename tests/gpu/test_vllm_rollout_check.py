@@ -24,7 +24,7 @@ import torch
 from hf_fsdp2.methods import parse_method_config
 
 from .conftest import Check
-from .formulas import rollout_counts
+from .formulas import rollout_counts, rollout_failures
 from .test_gpu_checks import REPO, load_script, run, tail
 
 pytestmark = pytest.mark.gpu
@@ -83,20 +83,13 @@ def _rollout_check(check: Check, backend: str, procs: int) -> None:
     check.figures["units"] = max(units)
     sleep = re.search(r"vLLM colocate sleep mode: (.*)", run_log)
     check.figures["sleep_mode"] = sleep.group(1) if sleep else None
-    # One engine call of the step's unique prompts (not one per rank, not one prefill per completion).
-    assert row["engine_calls_per_step"] == want["engine_calls"], row
-    assert row["engine_prompts_per_step"] == want["engine_prompts"], row
-    # The load (the steps after the warm-up one): one all-gather per FSDP unit of every parameter's bf16 bytes,
-    # nothing through host memory.
-    assert want["all_gathers"] <= config.num_hidden_layers + 3, (
-        units
-    )  # a unit per layer, the embeddings, the root
-    assert row["sync_all_gathers_per_step"] == want["all_gathers"], (row, want)
-    assert row["sync_gathered_bytes_per_step"] == want["gathered_bytes"], (row, want)
-    assert row["sync_host_bytes_per_step"] == want["host_bytes"], row
-    # Server: every parameter's bf16 bytes broadcast to the engine once per update; colocate: none (loaded in place).
-    broadcast = want["gathered_bytes"] if backend == "vllm" else 0
-    assert row["sync_broadcast_bytes_per_step"] == broadcast, (row, broadcast)
+    # One engine call of the step's unique prompts (not one per rank, not one prefill per completion); the load (the
+    # steps after the warm-up one): one all-gather per FSDP unit of every parameter's bf16 bytes, nothing through
+    # host memory; the server: every parameter's bf16 bytes broadcast once per update, colocate: none (in place).
+    # a unit per decoder layer, the embeddings, the root (a log read wrongly would pass anything)
+    assert want["all_gathers"] <= config.num_hidden_layers + 3, units
+    failures = rollout_failures(row, want, want["gathered_bytes"] if backend == "vllm" else 0)
+    assert not failures, failures
 
 
 @pytest.mark.budget(150)

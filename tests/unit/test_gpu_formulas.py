@@ -72,12 +72,24 @@ def test_ep_formula_is_what_moe_bench_counted_on_cpu() -> None:
     # Exact: FSDP2's gathers and reductions; flat FSDP2 sends no all-to-all.
     assert flat == {"all_gather_single": 594048, "reduce_scatter_single": 329856}
     assert (ep["all_gather_single"], ep["reduce_scatter_single"]) == (200832, 133248)
-    # The exchange under random routing: measured 277,194 bytes per step, 1.06x the balanced 262,176.
-    low, high = formulas.ALL_TO_ALL_BAND
-    assert ep["all_to_all_single"] == 262176
-    assert low <= 277194 / ep["all_to_all_single"] <= high
-    # The experts gathered as flat FSDP2 does (a layout that stopped splitting them) leaves the formula.
-    assert flat["all_gather_single"] != ep["all_gather_single"]
+    assert ep["all_to_all_single"] == 262176  # balanced routing
+    # What the bench counted passes the GPU check's test (the exchange under random routing: 1.06x balanced) ...
+    measured = {
+        1: {"all_gather_single": 594048, "reduce_scatter_single": 329856},
+        2: {"all_gather_single": 200832, "reduce_scatter_single": 133248, "all_to_all_single": 277194},
+    }
+    expected = {1: flat, 2: ep}
+    assert formulas.ep_failures(measured, expected) == []
+    # ... and a count off its formula fails it: the experts gathered again under ep, an exchange under flat FSDP2,
+    # the exchange doubled (or in fp32 where bf16 was meant).
+    gathered = {**measured, 2: {**measured[2], "all_gather_single": measured[1]["all_gather_single"]}}
+    assert formulas.ep_failures(gathered, expected) == [
+        "ep 2: all_gather_single 594048 bytes, formula 200832"
+    ]
+    exchanged = {**measured, 1: {**measured[1], "all_to_all_single": 8}}
+    assert formulas.ep_failures(exchanged, expected) == ["flat FSDP2 sent 8 bytes by all-to-all"]
+    doubled = {**measured, 2: {**measured[2], "all_to_all_single": 2 * 277194}}
+    assert formulas.ep_failures(doubled, expected) == ["ep 2: all-to-all 554388 bytes, 2.11x balanced"]
     with pytest.raises(ValueError, match="ep 3"):
         formulas.ep_step_bytes(model, ranks=4, ep=3, tokens=tokens)
 
@@ -85,11 +97,33 @@ def test_ep_formula_is_what_moe_bench_counted_on_cpu() -> None:
 def test_rollout_formula_is_what_the_colocate_bench_counted_on_cpu() -> None:
     # Steps 2 and 3 of the run (the tiny tied Llama: 2 layers, 4 FSDP units, 2,122,048 parameters, fp32 engine): 1
     # engine call of the 2 unique prompts (2 x 2 completions), 4 all-gathers of 8,488,192 bytes, no host bytes.
-    measured = {
+    want = formulas.rollout_counts(prompts=2, procs=1, units=4, params=2122048, itemsize=4)
+    assert want == {
         "engine_calls": 1,
         "engine_prompts": 2,
         "all_gathers": 4,
         "gathered_bytes": 8488192,
         "host_bytes": 0,
     }
-    assert formulas.rollout_counts(prompts=2, procs=1, units=4, params=2122048, itemsize=4) == measured
+    # grpo_bench's row of that run (per step after the warm-up) passes the GPU check's test...
+    row = {
+        "engine_calls_per_step": 1.0,
+        "engine_prompts_per_step": 2.0,
+        "sync_all_gathers_per_step": 4.0,
+        "sync_gathered_bytes_per_step": 8488192.0,
+        "sync_broadcast_bytes_per_step": 0.0,
+        "sync_host_bytes_per_step": 0.0,
+    }
+    assert formulas.rollout_failures(row, want, broadcast=0) == []
+    # ... and what the path before this work counted fails it: one request of every completion (B prompts), one
+    # all-gather per parameter tensor (20) in fp32 staged through host memory; a server that was sent nothing.
+    before = {
+        **row,
+        "engine_prompts_per_step": 4.0,
+        "sync_all_gathers_per_step": 20.0,
+        "sync_host_bytes_per_step": 8.5e6,
+    }
+    assert len(formulas.rollout_failures(before, want, broadcast=0)) == 3
+    assert formulas.rollout_failures(row, want, broadcast=8488192) == [
+        "sync_broadcast_bytes_per_step 0.0, formula 8488192"
+    ]
