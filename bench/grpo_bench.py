@@ -1,8 +1,8 @@
 """GRPO on GPUs: generation tokens/s and training tokens/s of the recipe, with transformers' ``generate`` on the
 sharded policy, with the vLLM server, and with vLLM colocated in the training processes.
 
-    python bench/grpo_bench.py --out bench/out/grpo_1b.json                  # one GPU: Llama-3.2-1B shape, both backends
-    python bench/grpo_bench.py --model /path/to/Llama-3.2-1B --procs 8        # a real model folder, 8 GPUs
+    python bench/grpo_bench.py --out bench/out/grpo_1b.json                  # 2 GPUs: 1B shape, transformers and the server
+    python bench/grpo_bench.py --model /path/to/Llama-3.2-1B --procs 7        # a real model folder, 7 trainer GPUs + the server
     python bench/grpo_bench.py --dry-run                                      # any machine: the plan and commands
     python bench/grpo_bench.py --smoke --out /tmp/grpo_bench.json             # any machine: CPU, tiny, transformers
     python bench/grpo_bench.py --backends colocate --steps 4 --warmup 1       # one GPU: vLLM in the training process
