@@ -137,6 +137,15 @@ def _parts(
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "video":
+            raise _record_error(
+                source,
+                index,
+                list(record),
+                f"message {turn} has a video part: this version trains on images and text, not videos",
+                "Drop the record, or give the video's frames as images.",
+                "video",
+            )
         if kind == "image":
             parts.append({"type": "image"})
         elif kind == "text" and isinstance(part.get("text"), str):
@@ -175,6 +184,16 @@ def vision_chat(record: Mapping[str, Any], images: int, *, chat_loss: str, sourc
             "column 'messages' must be a non-empty list of turns",
             _FIX,
             "missing field",
+        )
+    videos = next((c for c in ("videos", "video") if record.get(c)), None)
+    if videos:
+        raise _record_error(
+            source,
+            index,
+            list(record),
+            f"the record has videos (column {videos!r}): this version trains on images and text, not videos",
+            "Drop the record or the column, or give the video's frames as images.",
+            "video",
         )
     turns: list[dict[str, Any]] = []
     for i, message in enumerate(messages):

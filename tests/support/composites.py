@@ -273,6 +273,26 @@ def vlm_processor(family: str, tokenizer: Any = None) -> Any:
     raise ValueError(f"no processor fixture for {family!r}")
 
 
+def save_vlm_processor(processor: Any, folder: Path) -> Path:
+    """``processor`` (a code-built Qwen one, without a video processor) saved as a hub checkpoint lays it out: its
+    image processor's ``preprocessor_config.json``, the tokenizer, ``processor_config.json``, ``chat_template.jinja``
+    and the ``video_preprocessor_config.json`` that makes ``AutoProcessor`` load a torchvision video processor.
+    (``save_pretrained`` of the processor itself cannot save a missing video processor.)"""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    processor.image_processor.save_pretrained(folder)
+    processor.tokenizer.save_pretrained(folder)
+    name = type(processor).__name__
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": name}))
+    (folder / "chat_template.jinja").write_text(processor.chat_template)
+    video = "Qwen2VLVideoProcessor" if name == "Qwen2_5_VLProcessor" else "Qwen3VLVideoProcessor"
+    (folder / "video_preprocessor_config.json").write_text(
+        json.dumps({"video_processor_type": video, "processor_class": name, "patch_size": 8, "merge_size": 2})
+    )
+    return folder
+
+
 def _add_tensors(path: Path, extra: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int) -> None:
     """Append ``extra`` (random values) to the folder's single safetensors file, its metadata kept."""
     from safetensors import safe_open

@@ -21,7 +21,7 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from support.composites import composite_config, vlm_processor
+from support.composites import composite_config, save_vlm_processor, vlm_processor
 from support.vlm import trl_batch, vlm_records
 
 from hf_fsdp2.config import ConfigError
@@ -295,3 +295,45 @@ def test_the_vision_demo_builds_a_composite_that_reads_its_images(tmp_path: Any)
     assert stats.num_kept == 4 and all(n >= 2 for n in examples["num_targets"])  # the word(s) and <|im_end|>
     scores = evaluate_vision_folder(folder, records, tmp_path / "data", batch_size=4)
     assert scores["n"] == 4 and 0 <= scores["exact_match"] <= 1 and 1 <= scores["distinct_answers"] <= 4
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_folder_loads_without_torchvision_and_refuses_videos(
+    processors: dict[str, Any], family: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub-like folder (its video processor config included, which AutoProcessor cannot load without torchvision)
+    gives the image processor + tokenizer + chat template, and the code-built processor's batches key by key."""
+    from transformers.utils import is_torchvision_available
+
+    from hf_fsdp2.vision.processor import load_processor
+
+    built, records = processors[family], vlm_records()
+    folder = save_vlm_processor(built, tmp_path / "ckpt")
+    with caplog.at_level("INFO", logger="hf_fsdp2"):
+        loaded = load_processor(str(folder))
+    if not is_torchvision_available():
+        assert loaded.video_processor is None and "videos are not available" in caplog.text
+    assert type(loaded).__name__ == type(built).__name__
+    collate = {
+        name: vision_collator(
+            p,
+            composite_config(family),
+            pad_token_id=p.tokenizer.pad_token_id,
+            packing=False,
+            padding_free=False,
+        )
+        for name, p in (("built", built), ("loaded", loaded))
+    }
+    want = collate["built"]([_examples(built, records)[i] for i in range(4)])
+    got = collate["loaded"]([_examples(loaded, records)[i] for i in range(4)])
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    video = copy.deepcopy(records[2])
+    video["messages"][0]["content"].append({"type": "video"})
+    with pytest.raises(
+        ValueError, match="message 0 has a video part: this version trains on images and text"
+    ):
+        _examples(loaded, [video])
+    with pytest.raises(ValueError, match="the record has videos .column 'videos'."):
+        _examples(loaded, [dict(records[1], videos=["clip.mp4"])])
