@@ -1,10 +1,11 @@
 """GRPO on GPUs: generation tokens/s and training tokens/s of the recipe, with transformers' ``generate`` on the
-sharded policy and with the vLLM server.
+sharded policy, with the vLLM server, and with vLLM colocated in the training processes.
 
-    python bench/grpo_bench.py --out bench/out/grpo_1b.json                  # one GPU: Llama-3.2-1B shape, both backends
-    python bench/grpo_bench.py --model /path/to/Llama-3.2-1B --procs 8        # a real model folder, 8 GPUs
+    python bench/grpo_bench.py --out bench/out/grpo_1b.json                  # 2 GPUs: 1B shape, transformers and the server
+    python bench/grpo_bench.py --model /path/to/Llama-3.2-1B --procs 7        # a real model folder, 7 trainer GPUs + the server
     python bench/grpo_bench.py --dry-run                                      # any machine: the plan and commands
     python bench/grpo_bench.py --smoke --out /tmp/grpo_bench.json             # any machine: CPU, tiny, transformers
+    python bench/grpo_bench.py --backends colocate --steps 4 --warmup 1       # one GPU: vLLM in the training process
 
 The work: ``recipes/grpo.py`` itself, launched by ``torchrun`` once per backend on the same model, prompts and keys
 (``--procs`` ranks, bf16, ``--steps`` steps of ``--prompts`` prompts x ``--generations`` completions of
@@ -25,8 +26,13 @@ What is measured, from each run's metrics.jsonl (the first ``--warmup`` steps le
 
 vLLM needs its own environment (``.venv-vllm``; ``bash scripts/setup_vllm.sh`` builds it, ``HF_FSDP2_VLLM_SPEC=vllm``
 on a GPU node) or ``--vllm-python``. Without it the vLLM side is reported as not run, with that reason and the fix,
-and the transformers side still runs. With it, the server (``hf-fsdp2 vllm-serve``) shares the GPU with rank 0
-(``--vllm-gpu-memory-utilization``), started before and stopped after its run.
+and the transformers side still runs. With it, the server (``hf-fsdp2 vllm-serve``) runs on the GPU after the
+trainers' (``CUDA_VISIBLE_DEVICES``: the weights go over an NCCL group of trainer rank 0 and the engine, and NCCL
+forbids two ranks of a group on one GPU; a node without a spare GPU reports the server backend as not run, with that
+reason), started before and stopped after its run; ``colocate`` runs the recipe itself with that Python
+(``vllm_mode: colocate``: an engine in each training process, ``--vllm-gpu-memory-utilization`` of its GPU).
+Per step beside the seconds, for the vLLM backends: engine calls, prompts prefilled, the weight load's all-gathers,
+bytes gathered per rank, bytes broadcast to the server and host bytes (hf_fsdp2/methods/grpo/timing.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+BACKENDS = {"hf": "transformers generate", "vllm": "vLLM server", "colocate": "vLLM colocate"}
+COLOCATE = [
+    "--use_vllm",
+    "true",
+    "--vllm_mode",
+    "colocate",
+]  # with --vllm_gpu_memory_utilization (recipe_args)
 VLLM_COUNTS = (  # hf_fsdp2/methods/grpo/timing.py's (this script imports nothing of hf_fsdp2)
     "rollout/engine_calls",
     "rollout/engine_prompts",
@@ -88,7 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="an HF model folder (default: a random Llama-3.2-1B shape)")
     ap.add_argument("--shape", choices=("1b", "tiny"), default="1b", help="the random model's shape")
-    ap.add_argument("--backends", default="hf,vllm", help="hf (transformers generate), vllm, or both")
+    ap.add_argument(
+        "--backends",
+        default="hf,vllm",
+        help="hf (transformers generate), vllm (the server), colocate (vLLM in the training processes), comma-separated",
+    )
     ap.add_argument("--procs", type=int, default=1, help="training ranks (GPUs)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
@@ -115,9 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             setattr(args, key, value)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in args.backends if b not in ("hf", "vllm")]
+    bad = [b for b in args.backends if b not in BACKENDS]
     if bad or not args.backends:
-        ap.error(f"--backends {','.join(args.backends)}: give hf, vllm or hf,vllm")
+        ap.error(f"--backends {','.join(args.backends)}: give some of {', '.join(BACKENDS)}, comma-separated")
     if args.prompts * args.generations % args.procs:
         ap.error(
             f"--prompts {args.prompts} x --generations {args.generations} must split evenly over --procs "
@@ -169,6 +186,10 @@ def recipe_args(args: argparse.Namespace, model: str, data: str, out: str) -> li
         str(args.completion + args.prompt_tokens + 16),
         "--reward_funcs",
         "length_penalty",
+        # A random model never ends early: every completion's reward is the same, a run without a learning signal that
+        # on_collapse's default stops at step 3; the bench measures the mechanics, so it goes on (warned).
+        "--on_collapse",
+        "warn",
         "--temperature",
         "1.0",
         "--learning_rate",
@@ -192,9 +213,10 @@ def recipe_args(args: argparse.Namespace, model: str, data: str, out: str) -> li
     ]
 
 
-def launch(args: argparse.Namespace, extra: list[str]) -> list[str]:
+def launch(args: argparse.Namespace, extra: list[str], python: str = sys.executable) -> list[str]:
+    """torchrun of the recipe with ``python`` (colocate: the vLLM environment's, which imports the trainer too)."""
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -243,6 +265,12 @@ def build_assets(args: argparse.Namespace, work: Path) -> tuple[str, str]:
     return str(folder), str(data)
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,8 +302,11 @@ def start_server(
         "--gpu-memory-utilization",
         str(args.vllm_gpu_memory_utilization),
     ]
+    env = dict(os.environ)
+    if not args.cpu:  # the GPU after the trainers' (NCCL: one rank of the weight group per GPU)
+        env["CUDA_VISIBLE_DEVICES"] = str(args.procs)
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     start = time.monotonic()
     while "ready on http" not in log.read_text():
         if proc.poll() is not None or time.monotonic() - start > 900:
@@ -346,22 +377,39 @@ def run_backend(
     """One backend's recipe run, its torchrun started by ``run`` (subprocess.run; the tests fork the same command)."""
     out = work / f"run_{backend}"
     extra = recipe_args(args, model, data, str(out))
-    row: dict[str, Any] = {"backend": "transformers generate" if backend == "hf" else "vLLM server"}
-    server = None
-    if backend == "vllm":
-        python, why = vllm_python(args.vllm_python)
-        if python is None:
+    row: dict[str, Any] = {"backend": BACKENDS[backend]}
+    server, python, vllm = None, sys.executable, ""
+    if backend != "hf":
+        found, why = vllm_python(args.vllm_python)
+        if found is None:
             return {**row, "not_run": why}
+        vllm = found
+    if backend == "colocate":
+        python = vllm
+        extra += [*COLOCATE, "--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
+    if backend == "vllm":
+        spare = None if args.cpu or args.dry_run else _gpus() - args.procs
+        if spare is not None and spare < 1:
+            return {
+                **row,
+                "not_run": (
+                    f"the server needs a GPU of its own: {args.procs} trainer rank(s) on a node of "
+                    f"{args.procs + spare} GPU(s), and NCCL forbids two ranks of the weight group on one GPU; "
+                    f"give --procs {args.procs + spare - 1} or --backends colocate"
+                ),
+            }
         if args.dry_run:
-            row["server"] = f"hf-fsdp2 vllm-serve --model {model} --python {python} ..."
+            row["server"] = f"hf-fsdp2 vllm-serve --model {model} --python {vllm} ..."
         else:
-            server, url = start_server(args, python, model, work / "vllm_server.log")
+            server, url = start_server(args, vllm, model, work / "vllm_server.log")
             extra += ["--use_vllm", "true", "--vllm_server_base_url", url]
-    cmd = launch(args, extra)
+    cmd = launch(args, extra, python)
     row["command"] = shlex.join(cmd)
     if args.dry_run:
         return row
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if backend == "colocate":  # the vLLM environment runs the trainer from this checkout
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     if args.cpu:
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     try:

@@ -348,6 +348,319 @@ def ep_main(args: argparse.Namespace, run: Any = None) -> list[dict[str, Any]]:
     return results
 
 
+# Qwen3-30B-A3B's shape (its config.json): 48 MoE layers of 128 experts (top 8), hidden 2048, expert width 768, 32 query
+# / 4 KV heads of 128; "tiny" for --smoke (CPU, gloo).
+QWEN3_30B_A3B = {
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}  # fmt: skip
+TINY = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+GPU_SMOKE = {
+    "cpu": True,
+    "procs": 2,
+    "eps": "1,2",
+    "layers": None,
+    "seq": 64,
+    "rows": 1,
+    "warmup": 1,
+    "steps": 1,
+}
+
+
+def gpu_config(args: argparse.Namespace) -> Any:
+    """The Qwen3-MoE config of the run: ``--shape``, with ``--layers`` decoder layers when given."""
+    import transformers
+
+    shape = dict(TINY if args.shape == "tiny" else QWEN3_30B_A3B)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    config = transformers.Qwen3MoeConfig(**shape, max_position_embeddings=max(4096, args.seq))
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    return config
+
+
+def meta_model(config: Any) -> Any:
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def gpu_flops(model: Any) -> Any:
+    """hf_fsdp2's meter's FLOPs model of ``model`` (unsharded or meta), as the recipe builds it: ``6N + 12LHQT`` with
+    ``N`` the non-embedding parameters a token runs (each layer's routed experts at top_k / experts)."""
+    from hf_fsdp2.observe.flops import active_non_embedding_params, flops_model
+
+    return flops_model(model.config, active_non_embedding_params(model))
+
+
+def gpu_step_flops(flops: Any, args: argparse.Namespace) -> float:
+    """FLOPs of one step per device as the meter charges them: every rank's ``--rows`` rows of ``--seq`` tokens (no
+    padding: random ids, no pad token), the sum over ranks shared by the ``--procs`` devices."""
+    return float(flops.for_sequences([args.seq] * args.rows))
+
+
+def gpu_plan(args: argparse.Namespace, ep: int, model: Any) -> dict[str, Any]:
+    """What one layout will run, checked as a run checks it (anywhere, no device): the mesh, the experts' split, the
+    FLOPs per device and step, and with ``--plan-memory`` the memory plan's peak per GPU (``hf-fsdp2 plan``'s).
+    ``model``: the run's model on the meta device."""
+    from hf_fsdp2.config.plans import MeshPlan, check_expert_mesh, check_mesh
+    from hf_fsdp2.parallel.experts import check_expert_split, read_experts
+
+    config = model.config
+    mesh = MeshPlan(dp_shard=args.procs, ep=ep)
+    check_mesh(
+        mesh, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, max_length=args.seq
+    )
+    if ep > 1:  # the run's refusals, before any launch
+        check_expert_mesh(mesh)
+        check_expert_split(read_experts(model), mesh)
+    layers = config.num_hidden_layers
+    flops = gpu_flops(model)
+    plan: dict[str, Any] = {
+        "ep": ep,
+        "procs": args.procs,
+        "layers": layers,
+        "mesh": mesh.describe(),
+        "active_params_b": round(flops.non_embedding_params / 1e9, 3),
+        "tflop_per_device_per_step": round(gpu_step_flops(flops, args) / 1e12, 3),
+        "tokens_per_step": args.procs * args.rows * args.seq,
+    }
+    if args.plan_memory:
+        plan["planned_peak_gib"] = round(planned_peak(config, args, ep) / 2**30, 2)
+    return plan
+
+
+def planned_peak(config: Any, args: argparse.Namespace, ep: int) -> int:
+    """The memory plan's peak bytes per GPU of the worst rank (bf16 compute, fp32 masters, AdamW)."""
+    from hf_fsdp2.config.plans import ACPlan
+    from hf_fsdp2.plan import PlanSettings, plan_memory
+
+    settings = PlanSettings(
+        world_size=args.procs,
+        ep=ep,
+        micro_batch=args.rows,
+        seq_len=args.seq,
+        ac=ACPlan(args.ac),
+        mixed_precision="bf16",
+        ce_chunk_tokens=4096,
+        device_type="cuda",
+        attn_implementation="sdpa",
+    )
+    return int(plan_memory(config, settings).peak)
+
+
+def largest_fitting_layers(args: argparse.Namespace, gib: float) -> int:
+    """The most decoder layers of ``--shape`` whose planned peak on one GPU (ep 1, ``--procs`` 1) stays under
+    ``gib`` less the plan's 10% headroom (bisection over 1 .. the shape's layers)."""
+    import copy
+
+    from hf_fsdp2.plan import DEFAULT_HEADROOM
+
+    budget = gib * 2**30 * (1 - DEFAULT_HEADROOM)
+    probe = copy.copy(args)
+    probe.procs = 1
+    low, high = 0, (TINY if args.shape == "tiny" else QWEN3_30B_A3B)["num_hidden_layers"]
+    while low < high:
+        mid = (low + high + 1) // 2
+        probe.layers = mid
+        if planned_peak(gpu_config(probe), probe, 1) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    if low == 0:
+        raise SystemExit(
+            f"--fit-gib {gib}: not even one layer of {args.shape} fits (planned peak over the budget)"
+        )
+    return low
+
+
+def gpu_launch_line(args: argparse.Namespace, ep: int, out: Path, port: int) -> list[str]:
+    """The torchrun command of one layout (its ranks run ``gpu-child``)."""
+    flags = [
+        "gpu-child", f"--ep={ep}", f"--procs={args.procs}", f"--shape={args.shape}", f"--seq={args.seq}",
+        f"--rows={args.rows}", f"--ac={args.ac}", f"--warmup={args.warmup}", f"--steps={args.steps}",
+        f"--worker={out}",
+    ]  # fmt: skip
+    flags += [f"--layers={args.layers}"] * bool(args.layers) + ["--eager"] * args.eager + ["--cpu"] * args.cpu
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.procs),
+        "--master_addr", "127.0.0.1", "--master_port", str(port), str(Path(__file__).resolve()), *flags,
+    ]  # fmt: skip
+
+
+def _materialize(model: Any, device: Any, config: Any, seed: int) -> None:
+    """The sharded meta model's storage on ``device``, random-initialised shard by shard (norms at 1, the rest
+    N(0, 0.02): a random-init model trains the same FLOPs), and the rotary tables recomputed (``to_empty`` leaves
+    buffers empty)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if name.endswith("norm.weight"):
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02, generator=gen)
+        for module in model.modules():
+            if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
+                fresh = type(module)(config).to(device)
+                for name, buf in fresh.named_buffers():
+                    getattr(module, name).copy_(buf)
+
+
+def gpu_child(args: argparse.Namespace) -> None:
+    """One layout on every rank of this torchrun: build (meta, then sharded and materialised), train, time; rank 0
+    writes the JSON. Every piece is the library's as the recipe builds it: the mesh, expert parallel, activation
+    checkpointing, regional compile, FSDP2 (bf16 compute over fp32 masters), the step (chunked loss), AdamW."""
+    import torch
+
+    from hf_fsdp2 import collectives
+    from hf_fsdp2.config.plans import ACPlan, CompilePlan, MeshPlan, ShardingPlan
+    from hf_fsdp2.observe.comms import CollectiveCounter
+    from hf_fsdp2.observe.flops import peak_flops_for
+    from hf_fsdp2.parallel.accelerator import build_accelerator
+    from hf_fsdp2.parallel.expert_shard import expert_meshes
+    from hf_fsdp2.parallel.parallelize import ExpertParallel, ParallelPlan, parallelize
+    from hf_fsdp2.train.loss import plan_loss
+    from hf_fsdp2.train.optim import build_adamw, param_groups
+    from hf_fsdp2.train.step import StepSettings, train_step
+
+    gpu = not args.cpu
+    result: dict[str, Any] = {"ep": args.ep, "layout": "flat FSDP2" if args.ep == 1 else f"ep {args.ep}"}
+    try:
+        mesh = MeshPlan(dp_shard=args.procs, ep=args.ep)
+        sharding = ShardingPlan(activation_checkpointing=ACPlan(args.ac, pin_memory=gpu))
+        compile_plan = CompilePlan(enabled=gpu and not args.eager, scope="regional")
+        acc = build_accelerator(
+            sharding,
+            mixed_precision="bf16" if gpu else "no",
+            compile_plan=compile_plan,
+            force_cpu=not gpu,
+            mesh=mesh,
+        )
+        device = acc.device
+        config = gpu_config(args)
+        model = meta_model(config)
+        flops = gpu_flops(model)
+        experts = ExpertParallel(expert_meshes(mesh, device.type)) if args.ep > 1 else None
+        plan = ParallelPlan(
+            layer_cls=("Qwen3MoeDecoderLayer",), ep=experts, ac=sharding.ac, compile=compile_plan
+        )
+        model = parallelize(model, acc, plan)
+        _materialize(model, device, config, seed=collectives.rank())
+        opt = build_adamw(
+            param_groups(model, 0.0), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, device_type=device.type
+        )
+        settings = StepSettings(plan_loss(model, 4096), max_grad_norm=1.0)
+        gen = torch.Generator().manual_seed(1000 + collectives.rank())  # each rank its own rows
+        rows = [
+            torch.randint(0, config.vocab_size, (args.rows, args.seq), generator=gen)
+            for _ in range(args.warmup + args.steps + 1)
+        ]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        def step(ids: Any) -> Any:
+            return train_step(model, opt, None, [{"input_ids": ids, "labels": ids.clone()}], settings, device)
+
+        outs = [step(ids) for ids in rows[: args.warmup]]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        outs += [step(ids) for ids in rows[args.warmup : -1]]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        # One more step, untimed and eager, its collectives counted by kind (calls) and in bytes this rank moves.
+        tally: dict[str, int] = {}
+        _count_collectives(tally)
+        with torch.compiler.set_stance("force_eager"), CollectiveCounter() as counter:
+            step(rows[-1])
+        result["collectives_per_step"] = counter.counts()
+        result["mib_per_step"] = {k: round(v / 2**20, 1) for k, v in tally.items() if v}
+        losses = [float(o.loss()) for o in outs]
+        step_s = seconds / args.steps
+        per_device = gpu_step_flops(flops, args)  # each rank its rows: FLOPs per device = one rank's
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = peak_flops_for(name) if device.type == "cuda" else None
+        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        result.update(
+            {
+                "tokens_per_s": args.procs * args.rows * args.seq / step_s,
+                "step_s": step_s,
+                "tflops_per_device": per_device / step_s / 1e12,
+                "mfu": per_device / step_s / peak if peak else None,
+                "losses": losses,
+                "max_mem_allocated_gib": collectives.all_reduce_max([memory])[0] if gpu else None,
+                "device": name,
+            }
+        )
+    except Exception as err:  # noqa: BLE001  # reported for this layout; the others still run
+        import traceback
+
+        result["error"] = f"{type(err).__name__}: {err}"[:2000]
+        result["traceback"] = traceback.format_exc()[-3000:]
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.worker).write_text(json.dumps(result))
+
+
+def gpu_main(args: argparse.Namespace, run: Any = None) -> dict[str, Any]:
+    """Each ``--eps`` layout in its own torchrun (``run``: subprocess.run or the tests' stand-in); ``--dry-run``: the
+    plans and command lines only. Prints one JSON line per layout; returns the report."""
+    import socket
+    import subprocess
+    import tempfile
+
+    run = run or subprocess.run
+    if args.fit_gib:
+        args.layers = largest_fitting_layers(args, args.fit_gib)
+    report: dict[str, Any] = {"shape": args.shape, "procs": args.procs, "seq": args.seq, "rows": args.rows}
+    model = meta_model(gpu_config(args))
+    report["layers"] = model.config.num_hidden_layers
+    report["results"] = []
+    work = Path(tempfile.mkdtemp(prefix="moe_bench-"))
+    for ep in [int(e) for e in str(args.eps).split(",") if e]:
+        entry = gpu_plan(args, ep, model)
+        out = work / f"ep{ep}.json"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        cmd = gpu_launch_line(args, ep, out, port)
+        entry["launch"] = " ".join(cmd[1:])
+        if not args.dry_run:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+            try:
+                proc = run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                entry.update(
+                    json.loads(out.read_text())
+                    if out.is_file()
+                    else {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]}
+                )
+            except subprocess.TimeoutExpired:
+                entry["error"] = f"stopped after {args.timeout_s:.0f} s"
+        report["results"].append(entry)
+        keys = (
+            ("ep", "layers", "mesh", "tflop_per_device_per_step", "planned_peak_gib", "launch")
+            if args.dry_run
+            else ("ep", "tokens_per_s", "mfu", "tflops_per_device", "step_s", "max_mem_allocated_gib",
+                  "mib_per_step", "error")
+        )  # fmt: skip
+        print(json.dumps({k: v for k, v in entry.items() if k in keys}), flush=True)
+    return report
+
+
 def main(argv: list[str] | None = None, run: Any = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -375,9 +688,63 @@ def main(argv: list[str] | None = None, run: Any = None) -> None:
         e.add_argument("--steps", type=int, default=8)
         e.add_argument("--warmup", type=int, default=2)
         e.add_argument("--json", default=None)
+    for name in ("gpu", "gpu-child"):
+        g = sub.add_parser(
+            name, help="Qwen3-30B-A3B shapes on GPUs: tokens/s and MFU at each ep size (NCCL, bf16)"
+        )
+        g.add_argument("--procs", type=int, default=8, help="processes (GPUs) of each layout's torchrun")
+        g.add_argument("--eps", default="1,8", help="ep sizes, comma-separated (1: flat FSDP2)")
+        g.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
+        g.add_argument("--shape", choices=("qwen3-30b-a3b", "tiny"), default="qwen3-30b-a3b")
+        g.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 48)")
+        g.add_argument("--seq", type=int, default=4096, help="tokens per row")
+        g.add_argument("--rows", type=int, default=1, help="rows per rank and step (the micro-batch)")
+        g.add_argument("--ac", choices=("none", "full"), default="full", help="activation checkpointing")
+        g.add_argument(
+            "--eager", action="store_true", help="no torch.compile (default: regional compile on GPU)"
+        )
+        g.add_argument("--warmup", type=int, default=2)
+        g.add_argument("--steps", type=int, default=5)
+        g.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (what --smoke uses)")
+        g.add_argument(
+            "--smoke", action="store_true", help="tiny shape, ep 1 and 2 on 2 CPU processes, 1+1 steps"
+        )
+        g.add_argument(
+            "--dry-run", action="store_true", help="check and print the plans and launch lines only"
+        )
+        g.add_argument("--plan-memory", action="store_true", help="with the memory plan's peak per GPU")
+        g.add_argument(
+            "--fit-gib", type=float, default=None,
+            help="one GPU of this many GiB: the most layers whose planned peak fits (less 10%% headroom)",
+        )  # fmt: skip
+        g.add_argument(
+            "--timeout-s", type=float, default=1800.0, help="one layout's torchrun is stopped after"
+        )
+        g.add_argument("--json", default=None, help="write the report here")
+        g.add_argument(
+            "--worker", default=None, help=argparse.SUPPRESS
+        )  # a rank's JSON path (torchrun child)
     args = ap.parse_args(argv)
     if args.what == "ep-child":
         ep_child(args)
+        return
+    if args.what in ("gpu", "gpu-child"):
+        if args.smoke:
+            for key, value in GPU_SMOKE.items():
+                setattr(args, key, value)
+            args.shape = "tiny"
+        if args.warmup < 1 or args.steps < 1 or args.seq < 1 or args.rows < 1:
+            ap.error("--warmup, --steps, --seq and --rows must be >= 1")
+        if args.what == "gpu-child":
+            gpu_child(args)
+            return
+        try:
+            report = gpu_main(args, run)
+        except ValueError as err:  # the run's refusals (ConfigError, ExpertParallelError): argparse's exit 2
+            ap.error(str(err))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
         return
     results = ep_main(args, run) if args.what == "ep" else kernels(args)
     if args.json:

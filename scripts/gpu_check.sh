@@ -4,12 +4,15 @@
 # world size 1 (bf16, regional compile, activation checkpointing, chunked CE) on a tied/untied tiny Llama built
 # in code, each export verified and reloaded on the GPU; LoRA + merge; QLoRA (4-bit NF4 base) + merge; activation
 # offload vs none; a CUDA memory snapshot; `bench/gpu_bench.py --quick` (1B shape); the 1B memory plan vs the
-# measured peak; the GRPO recipe (rollout on the FSDP2 policy, rewards, verified export); the Liger test; with 2+
-# GPUs, ring context parallel (cp 2 ring vs all-to-all vs cp 1 at 8k tokens) and the GRPO weight sync to a vLLM
-# server (seconds per update beside its all-gathers, broadcasts and bytes: bench/vllm_sync_bench.py) and context
-# parallel + Muon at 8k tokens (seconds beside the step's counted all-to-alls: bench/gpu_bench_parallel.py); all
-# skipped on one GPU: NCCL forbids two ranks on one device. Nothing is downloaded. A failing check does not stop the others; each has a budget,
-# printed beside its time.
+# measured peak; the GRPO recipe (rollout on the FSDP2 policy, rewards, verified export); the Liger test; expert
+# parallel vs flat FSDP2 (bench/moe_bench.py ep on 2 gloo ranks: bytes per collective beside seconds); with
+# .venv-vllm, GRPO with vLLM colocated (engine calls, prompts prefilled, the weight load's all-gathers and bytes
+# beside seconds: bench/grpo_bench.py); with 2+ GPUs, ring context parallel (cp 2 ring vs all-to-all vs cp 1 at
+# 8k tokens), the GRPO weight sync to a vLLM server (bench/vllm_sync_bench.py), the vLLM server's rollouts, and
+# context parallel + Muon at 8k tokens (bench/gpu_bench_parallel.py); with 4+, tensor parallel 2 x FSDP2 2 (the
+# step's all-gathers and reduce-scatters beside seconds); each count held to its formula (tests/gpu/formulas.py),
+# skipped with the reason where the node lacks the GPUs (NCCL forbids two ranks on one device) or vLLM. Nothing is
+# downloaded. A failing check does not stop the others; each has a budget, printed beside its time.
 #
 #   bash scripts/gpu_check.sh                  # scripts/setup.sh first (CUDA torch where nvidia-smi lists a GPU)
 #   bash scripts/gpu_check.sh --no-setup       # .venv as it is
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
     --bundle) BUNDLE=${2:?--bundle needs a folder (what scripts/offline_bundle.sh built)}; OFFLINE=1; shift ;;
     --out) OUT=${2:?--out needs a path}; shift ;;
     -k) SELECT=${2:?-k needs an expression}; shift ;;
-    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --no-setup, --offline, --bundle DIR, --out PATH, -k EXPR)" >&2
        exit 2 ;;
   esac

@@ -1,7 +1,8 @@
 """FLOPs per token and MFU (torchtitan / nanoGPT conventions, docs/observability.md).
 
 A sequence of ``s`` real tokens costs ``s * (6 * N + 12 * L * H * Q * s)`` where ``N`` is the parameter count
-without the input embedding table, ``L`` layers, ``H`` attention heads, ``Q`` head dim; ``T = s`` is each
+without the input embedding table (of a mixture of experts, the parameters a token runs: each layer's routed experts
+counted ``top_k / experts`` of them, :func:`active_non_embedding_params`), ``L`` layers, ``H`` attention heads, ``Q`` head dim; ``T = s`` is each
 sequence's own non-pad length (a packed row holds several sequences). Forward + backward only:
 activation-checkpointing recompute is never counted. MFU = achieved FLOP/s per device / the device's peak
 dense bf16 FLOP/s (``PEAK_FLOPS`` or the ``peak_flops`` key); without a known peak only the achieved FLOP/s
@@ -125,6 +126,30 @@ def non_embedding_params(model: torch.nn.Module) -> int:
         if table is not None and table is not head_weight:
             total -= table.numel()
     return total
+
+
+def inactive_expert_params(model: torch.nn.Module) -> int:
+    """The routed experts' parameters a token does not run: of each experts module transformers dispatches (its fused
+    ``[experts, ...]`` tensors, global shapes under expert parallel), the share ``1 - top_k / experts`` (``top_k``: the
+    config's ``num_experts_per_tok``). 0 for a dense model; shared experts and routers run for every token and count.
+    """
+    from hf_fsdp2.parallel.experts import experts_count, find_experts
+
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    total = 0.0
+    for module in find_experts(model).values():
+        experts = experts_count(module)
+        if 0 < top_k < experts:
+            total += sum(p.numel() for p in module.parameters()) * (experts - top_k) / experts
+    return int(total)
+
+
+def active_non_embedding_params(model: torch.nn.Module) -> int:
+    """``N`` of the FLOPs model: :func:`non_embedding_params` less :func:`inactive_expert_params` (a mixture of experts
+    counted at the experts each token is routed to, as its "active parameters"; a dense model: every parameter)."""
+    return non_embedding_params(model) - inactive_expert_params(model)
 
 
 def flops_model(model_config: Any, non_embedding: int) -> FlopsModel:

@@ -33,7 +33,7 @@ from hf_fsdp2.model import (
     load_tokenizer,
     resize_embeddings,
 )
-from hf_fsdp2.observe.flops import FlopsModel, flops_model, non_embedding_params, peak_flops_for
+from hf_fsdp2.observe.flops import FlopsModel, active_non_embedding_params, flops_model, peak_flops_for
 from hf_fsdp2.parallel.accelerator import describe_layout, launcher_mesh, sharded_units
 from hf_fsdp2.parallel.all_to_all import ContextParallelError
 from hf_fsdp2.parallel.expert_shard import expert_meshes
@@ -463,13 +463,13 @@ def _flops_and_peak(session: Session, model: torch.nn.Module) -> tuple[FlopsMode
     d, o = session.cfg.data, session.cfg.observe
     spec = composite_spec(model.config)
     unused = vision_parameters(model, spec) if spec is not None else 0
-    flops = flops_model(model.config, non_embedding_params(model) - unused)
+    flops = flops_model(model.config, active_non_embedding_params(model) - unused)
     on_cuda = session.device.type == "cuda"
     device_name = torch.cuda.get_device_name(session.device) if on_cuda else "cpu"
     peak = o.peak_flops or (peak_flops_for(device_name) if on_cuda else None)
     logger.info(
-        "FLOPs per token 6N + 12LHQT = %.3g at T=max_length=%d (N=%.1fM non-embedding, L=%d, H=%d, Q=%d; T is "
-        "each sequence's own length); MFU against %s",
+        "FLOPs per token 6N + 12LHQT = %.3g at T=max_length=%d (N=%.1fM non-embedding parameters a token runs, "
+        "L=%d, H=%d, Q=%d; T is each sequence's own length); MFU against %s",
         flops.per_token(d.max_length),
         d.max_length,
         flops.non_embedding_params / 1e6,

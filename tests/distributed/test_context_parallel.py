@@ -234,9 +234,14 @@ def test_packed_rows_of_2048_tokens_over_several_documents_with_ac_chunked_loss_
     long_corpus, tmp_path: Path
 ) -> None:
     torchrun(CPT, _cpt_args(long_corpus, tmp_path / "flat", 1), nproc=4)
-    proc = torchrun(CPT, _cpt_args(long_corpus, tmp_path / "cp", 2, "--cp_size", "2"), nproc=4)
+    # Under expert parallel too (ep 2 over the cp x dp_shard ranks: each rank 2 of the 4 experts of each layer, the
+    # tokens of its part of every row exchanged): CPT's packed rows through the recipe, with context parallel.
+    proc = torchrun(
+        CPT, _cpt_args(long_corpus, tmp_path / "cp", 2, "--cp_size", "2", "--ep_size", "2"), nproc=4
+    )
     log = proc.stdout + proc.stderr
     assert "context parallel: all-to-all over 2 ranks" in log
+    assert "expert parallel 2: 2 experts modules (Qwen3MoeExperts)" in log, log[-3000:]
     got, want = (
         read_metrics(tmp_path / "cp" / "metrics.jsonl"),
         read_metrics(tmp_path / "flat" / "metrics.jsonl"),

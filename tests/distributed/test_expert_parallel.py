@@ -13,6 +13,12 @@ run's logits) and holds every tensor under the checkpoint's names, the experts n
 started; Qwen3-MoE's expert-parallel exports equal its flat run's. A checkpoint of ``ep 2`` resumes flat and one of
 flat resumes under ``ep 2`` with the losses of the runs that did not stop; one step's all-to-all calls and bytes are
 those of the formula of docs/fsdp2-guide.md (none flat).
+
+Two compositions ride in the same launch, checked like the other layouts (the one-process loop's losses, router loss
+and gradient norms, the skew, the all-to-all formula): Qwen3-MoE under HSDP 2 x 2 with ``ep 2`` (efsdp 1: the
+experts replicated over the replica groups, sharded over one rank) and regional compile (``hsdp2``), and Mixtral
+under context parallel 2 x dp_shard 2 with ``ep 2`` (``cp2``: each cp pair reads two flat ranks' micro-batches, each
+row split over the pair; the experts' exchanges carry each rank's half of the rows).
 """
 
 from __future__ import annotations
@@ -32,7 +38,17 @@ from transformers import AutoModelForCausalLM
 WORKER = Path(__file__).parent / "workers" / "ep_worker.py"
 # family -> its layouts (ep_size): each layout with and without a router loss, ep 4 with a shared expert, the tied head
 # and gpt-oss's biases under expert parallel.
-LAYOUTS = {"qwen3_moe": (1, 2, 4), "mixtral": (4,), "olmoe": (2,), "qwen2_moe": (4,), "gpt_oss": (2, 4)}
+# hsdp2: HSDP 2 x 2 with ep 2 and regional compile; cp2: context parallel 2 x dp_shard 2 with ep 2 (no router loss:
+# context parallel refuses one).
+LAYOUTS = {
+    "qwen3_moe": ("1", "2", "4", "hsdp2"),
+    "mixtral": ("4", "cp2"),
+    "olmoe": ("2",),
+    "qwen2_moe": ("4",),
+    "gpt_oss": ("2", "4"),
+}
+PLAIN = {f: tuple(int(x) for x in ls if x.isdigit()) for f, ls in LAYOUTS.items()}
+EP = {"hsdp2": 2, "cp2": 2}  # the composed layouts' ep_size
 FAMILIES = tuple(MOE_FAMILIES)
 RESUME = ("qwen3_moe",)
 
@@ -45,7 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     torchrun(
         WORKER,
         ["--root", str(root / "models"),
-         "--families", ",".join(f"{f}:{'.'.join(map(str, LAYOUTS[f]))}" for f in FAMILIES),
+         "--families", ",".join(f"{f}:{'.'.join(LAYOUTS[f])}" for f in FAMILIES),
          "--resume", ",".join(RESUME), "--out", str(root / "out")],
         nproc=WORLD,
         timeout=900,
@@ -125,7 +141,7 @@ def test_expert_parallel_trains_like_flat_fsdp2_and_one_process(runs: tuple[Path
     want = reference(models / family)
     router = MOE_FAMILIES[family][1]["output_router_logits"]
     figures = {}
-    for layout in (f"ep{ep}" for ep in LAYOUTS[family]):
+    for layout in (f"ep{x}" if x.isdigit() else x for x in LAYOUTS[family]):
         run = result[layout]
         figures[layout] = (
             _close(run["losses"], want["losses"], f"{layout} losses"),
@@ -135,11 +151,15 @@ def test_expert_parallel_trains_like_flat_fsdp2_and_one_process(runs: tuple[Path
             _close(run["aux"], want["aux"], f"{layout} router loss")
         else:
             assert run["aux"] == [None] * STEPS
-        assert run["export"].startswith("verified"), run["export"]
+        if layout.startswith("ep"):
+            assert run["export"].startswith("verified"), run["export"]
         # The skew: no rank routed a token to experts 6 and 7; every rank routed some to the others.
         for rank, counts in enumerate(run["routed"]):
             assert [counts[e] for e in IDLE] == [0, 0], (layout, rank, counts)
-    assert all(result[f"ep{ep}"]["local_experts"] == 8 // ep for ep in LAYOUTS[family] if ep > 1)
+    local = {f"ep{ep}": 8 // ep for ep in PLAIN[family] if ep > 1} | {
+        x: 8 // EP[x] for x in LAYOUTS[family] if x in EP
+    }
+    assert {k: result[k]["local_experts"] for k in local} == local
     print(family, {k: f"loss {a:.1e} grad norm {b:.1e}" for k, (a, b) in figures.items()})
 
 
@@ -149,9 +169,9 @@ def test_expert_parallel_exports_hold_every_expert_where_it_belongs(
 ) -> None:
     models, out = runs
     start = load_file(models / family / "model.safetensors")
-    flat = load_file(out / family / "export_ep1" / "model.safetensors") if 1 in LAYOUTS[family] else None
+    flat = load_file(out / family / "export_ep1" / "model.safetensors") if 1 in PLAIN[family] else None
     worst = {}
-    for ep in LAYOUTS[family]:
+    for ep in PLAIN[family]:
         got = load_file(out / family / f"export_ep{ep}" / "model.safetensors")
         # The names transformers wrote the checkpoint with: one tensor per expert (gpt-oss: fused, as its checkpoints
         # are).
@@ -182,18 +202,49 @@ def test_a_checkpoint_resumes_across_layouts(runs: tuple[Path, Path], family: st
 
 
 def test_the_all_to_all_moves_what_the_formula_says(runs: tuple[Path, Path]) -> None:
-    """One step of Qwen3-MoE (2 MoE layers, 2 micro-batches, no activation checkpointing, fp32): per rank and MoE layer
-    and micro-batch, 3 exchanges in the forward (the counts, the tokens out, the results back) and 2 in the backward;
-    over all ranks, ``layers x (4 x k x hidden x bytes x T + ranks x micro-batches x experts x 8)`` bytes go into
-    ``all_to_all_single`` (T: the step's tokens of all ranks, padding included; each (token, choice) row out and back,
-    forward and backward; the counts as int64)."""
+    """One step (2 MoE layers, no activation checkpointing, fp32): per rank and MoE layer and micro-batch, 3 exchanges
+    in the forward (the counts, the tokens out, the results back) and 2 in the backward; over all ranks, ``layers x (4
+    x k x hidden x bytes x T + sum over ranks of micro-batches x experts x 8)`` bytes go into ``all_to_all_single``
+    (T: the step's tokens of all ranks, padding included, under context parallel each rank's part of its rows; each
+    (token, choice) row out and back, forward and backward; the counts as int64). Qwen3-MoE flat, at ep 2, ep 4 and
+    HSDP x ep 2 (regionally compiled: the exchanges run eagerly between the compiled parts of each layer), Mixtral
+    under context parallel x ep 2 (4 micro-batches per rank: its cp pair's two ranks' two each)."""
     _, out = runs
-    result = _result(out, "qwen3_moe")
-    layers, micro, k, hidden = 2, 2, 2, 64
-    assert all(calls == 0 for calls, _, _ in result["ep1_counted"])  # flat FSDP2: no exchange
-    for ep in (2, 4):
-        counted = result[f"ep{ep}_counted"]
-        assert all(calls == layers * micro * (3 + 2) for calls, _, _ in counted), counted
-        tokens = sum(t for _, _, t in counted)
-        want = layers * (4 * k * hidden * 4 * tokens + WORLD * micro * EXPERTS * 8)
-        assert sum(b for _, b, _ in counted) == want, (ep, counted, want)
+    layers, k, hidden = 2, 2, 64
+    qwen3, mixtral = _result(out, "qwen3_moe"), _result(out, "mixtral")
+    assert all(calls == 0 for calls, _, _, _ in qwen3["ep1_counted"])  # flat FSDP2: no exchange
+    for name, counted in (
+        ("ep2", qwen3["ep2_counted"]),
+        ("ep4", qwen3["ep4_counted"]),
+        ("hsdp2", qwen3["hsdp2_counted"]),
+        ("cp2", mixtral["cp2_counted"]),
+    ):
+        assert all(calls == layers * micro * (3 + 2) for calls, _, _, micro in counted), (name, counted)
+        tokens = sum(t for _, _, t, _ in counted)
+        want = layers * (4 * k * hidden * 4 * tokens + sum(micro for *_, micro in counted) * EXPERTS * 8)
+        assert sum(b for _, b, _, _ in counted) == want, (name, counted, want)
+    assert [micro for *_, micro in mixtral["cp2_counted"]] == [4] * WORLD
+
+
+def test_hsdp_with_compile_and_context_parallel_under_expert_parallel_are_those_layouts(
+    runs: tuple[Path, Path],
+) -> None:
+    """The composed runs ran as named: under HSDP the experts replicated over the two replica groups and sharded over
+    their efsdp of 1 inside each (the dense parameters over dp_replicate x dp_shard), the decoder layers compiled
+    (dynamo compiled graphs, no recompile limit hit); under context parallel the experts sharded over efsdp 2 (the
+    dense parameters over the 4 ranks, as flat FSDP2 shards them)."""
+    _, out = runs
+    hsdp = _result(out, "qwen3_moe")["hsdp2"]
+    assert hsdp["placements"] == {
+        "experts": "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0)) on ('dp_replicate', 'efsdp', 'ep')",
+        "dense": "(Replicate(), Shard(dim=0)) on ('dp_replicate', 'dp_shard_cp')",
+    }
+    assert hsdp["compile"]["compiled_graphs"] > 0 and hsdp["compile"]["recompile_limit_hits"] == 0, hsdp[
+        "compile"
+    ]
+    cp = _result(out, "mixtral")["cp2"]
+    assert cp["placements"] == {
+        "experts": "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on ('efsdp', 'ep')",
+        "dense": "(Shard(dim=0),) on None",
+    }
+    assert cp["compile"] == {}

@@ -11,7 +11,9 @@ Options (given by scripts/gpu_check.sh):
 
 Budgets: each check carries ``@pytest.mark.budget(seconds)``, its expected time on one H200 (all together at
 most 9 minutes). A check marked ``@pytest.mark.gpus(n)`` (n > 1) needs n GPUs and is skipped on one: its budget is
-reported apart (``multi_gpu_budget_s``), outside the one-H200 total. The summary prints it beside the measured time and flags ``over_budget``; a check is stopped
+reported apart (``multi_gpu_budget_s``), outside the one-H200 total; so is a check marked
+``@pytest.mark.needs_vllm`` (``needs_vllm_budget_s``): it runs with ``.venv-vllm``, which the lent GPU image lacks
+(skipped there with the reason). The summary prints it beside the measured time and flags ``over_budget``; a check is stopped
 and fails at :data:`OVER_BUDGET_FACTOR` times its budget (its subprocess timeouts are derived from it), since a
 check that slow is stuck or on the wrong path (CPU kernels, recompiling), not merely slow.
 
@@ -63,6 +65,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "budget(seconds): a GPU check's expected time on one H200")
     config.addinivalue_line("markers", "gpus(n): a GPU check that needs n CUDA devices (skipped with fewer)")
+    config.addinivalue_line(
+        "markers", "needs_vllm: a GPU check that runs vLLM from .venv-vllm (skipped without it; budget apart)"
+    )
     _ROOT[0] = config.rootpath
 
 
@@ -82,6 +87,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.user_properties.append(("budget_s", budget))
             gpus = item.get_closest_marker("gpus")
             item.user_properties.append(("min_gpus", int(gpus.args[0]) if gpus else 1))
+            item.user_properties.append(("needs_vllm", item.get_closest_marker("needs_vllm") is not None))
             # pytest-timeout's limit, so that a stuck check stops and the others still run
             item.add_marker(pytest.mark.timeout(OVER_BUDGET_FACTOR * budget + 30))
     if dry_run(config) or torch.cuda.is_available():
@@ -136,7 +142,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "figures" and isinstance(value, dict):
             entry["figures"].update(value)
-        if key in ("budget_s", "min_gpus"):
+        if key in ("budget_s", "min_gpus", "needs_vllm"):
             entry[key] = value
     if "budget_s" in entry:
         entry["over_budget"] = entry["seconds"] > entry["budget_s"]
@@ -177,6 +183,11 @@ def _device() -> dict[str, Any]:
     return info
 
 
+def _on_one_gpu(entry: dict[str, Any]) -> bool:
+    """Whether a check counts towards the one-H200 total: one GPU and nothing the lent image lacks."""
+    return entry.get("min_gpus", 1) == 1 and not entry.get("needs_vllm")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("--gpu-report", default=None)
     if not path:
@@ -190,8 +201,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "passed": sum(c["ok"] is True for c in checks),
         "failed": sum(c["ok"] is False for c in checks),
         "skipped": sum("skipped" in c and c["ok"] is None for c in checks),
-        "budget_s": sum(c.get("budget_s", 0) for c in checks if c.get("min_gpus", 1) == 1),
+        "budget_s": sum(c.get("budget_s", 0) for c in checks if _on_one_gpu(c)),
         "multi_gpu_budget_s": sum(c.get("budget_s", 0) for c in checks if c.get("min_gpus", 1) > 1),
+        "needs_vllm_budget_s": sum(
+            c.get("budget_s", 0) for c in checks if c.get("needs_vllm") and c.get("min_gpus", 1) == 1
+        ),
         "total_budget_s": TOTAL_BUDGET_S,
         "over_budget": [c["name"] for c in checks if c.get("over_budget")],
         "checks": checks,
@@ -216,7 +230,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         timing = f"{entry['seconds']:7.1f} s / {budget:5.0f} s" if budget else f"{entry['seconds']:7.1f} s"
         flag = " OVER BUDGET" if entry.get("over_budget") and entry["ok"] is not None else ""
         terminalreporter.write_line(f"{entry['name']:<28} {state:<8} {timing}{flag}  {figures[:220]}")
-    total = sum(e.get("budget_s", 0) for e in _RESULTS.values() if e.get("min_gpus", 1) == 1)
+    total = sum(e.get("budget_s", 0) for e in _RESULTS.values() if _on_one_gpu(e))
     terminalreporter.write_line(
         f"budgets: {total:.0f} s of {TOTAL_BUDGET_S} s (one H200); time / budget above"
     )

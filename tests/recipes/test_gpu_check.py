@@ -31,6 +31,10 @@ CHECKS = [
     "ring_cp",
     "vllm_weight_sync",
     "parallel_counts",
+    "tp_counts",
+    "ep_counts",
+    "vllm_colocate_rollout",
+    "vllm_server_rollout",
 ]
 RECIPE_CHECKS = ["sft_tiny[tied]", "sft_tiny[untied]", "lora_merge", "memory_snapshot"]
 
@@ -82,15 +86,23 @@ def test_dry_run_lists_every_check_and_validates_its_commands(tmp_path: Path):
     assert "fsdp2.yaml --num_processes 1 " in commands["grpo_tiny"]
     assert "-m hf_fsdp2.methods grpo --config" in commands["grpo_tiny"]
     assert all(c["budget_s"] > 0 for c in report["checks"])
-    one_gpu = [c["budget_s"] for c in report["checks"] if c["min_gpus"] == 1]
+    one_gpu = [c["budget_s"] for c in report["checks"] if c["min_gpus"] == 1 and not c["needs_vllm"]]
     assert report["budget_s"] == sum(one_gpu) <= report["total_budget_s"] == 540
-    # The ring, weight-sync and parallel-counts checks need 2 GPUs (skipped on one H200): their budgets apart, the
-    # ring's three launch lines validated, the counts check's bench flags (cp 2 + Muon, counts beside seconds).
-    assert report["multi_gpu_budget_s"] == 150 + 60 + 120 and commands["ring_cp"].startswith(
+    # The ring, weight-sync, parallel-counts and vLLM server checks need 2 GPUs, the tensor-parallel counts 4 (skipped
+    # on one H200): their budgets apart, the ring's three launch lines validated, the counts checks' bench flags
+    # (cp 2 + Muon, tp 2 x dp 2: counts beside seconds). The vLLM checks need .venv-vllm, which the lent image lacks.
+    assert report["multi_gpu_budget_s"] == 150 + 60 + 120 + 120 + 180 and commands["ring_cp"].startswith(
         "accelerate launch "
     )
+    assert report["needs_vllm_budget_s"] == 150
     assert commands["parallel_counts"].startswith("python bench/gpu_bench_parallel.py --shape 1b --cp 2")
     assert "--optim muon" in commands["parallel_counts"]
+    assert commands["tp_counts"].startswith("python bench/gpu_bench_parallel.py --shape 1b --tp 2 --procs 4")
+    assert commands["ep_counts"].startswith("python bench/moe_bench.py ep --procs=2 --eps=1,2")
+    assert commands["vllm_colocate_rollout"].startswith("python bench/grpo_bench.py --backends colocate")
+    assert commands["vllm_server_rollout"].startswith("python bench/grpo_bench.py --backends vllm")
+    expected = {c["name"]: c["figures"].get("expected_collectives_per_step") for c in report["checks"]}
+    assert expected["tp_counts"] == {"all_gather": 134, "reduce_scatter": 98, "all_reduce": 37}
     ring = next(c["figures"] for c in report["checks"] if c["name"] == "ring_cp")
     assert (
         "--num_processes 1 " in ring["cp1:command"]

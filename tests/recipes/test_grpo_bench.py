@@ -69,6 +69,22 @@ def test_dry_run_plans_both_backends_and_says_vllm_is_absent(tmp_path: Path) -> 
     assert per_rank * 8 == 8 * 8  # 8 prompts x 8 completions over 8 ranks
     with pytest.raises(SystemExit):
         bench.parse_args(["--backends", "hf,sglang"])
+    # colocate: the recipe itself with the vLLM environment's Python, vllm_mode colocate, keys the recipe takes.
+    args = bench.parse_args(["--backends", "colocate", "--dry-run", "--vllm-python", sys.executable])
+    row = bench.run_backend(args, "colocate", "m", "d.jsonl", tmp_path)
+    assert row["backend"] == "vLLM colocate" and row["command"].startswith(
+        sys.executable + " -m torch.distributed.run"
+    )
+    assert "--use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization 0.3" in row["command"]
+    extra = bench.COLOCATE + ["--vllm_gpu_memory_utilization", "0.3"]
+    cfg = parse_method_config("grpo", bench.recipe_args(args, "m", "d.jsonl", str(tmp_path / "c")) + extra)
+    assert cfg.method.vllm_mode == "colocate" and cfg.train.on_collapse == "warn"
+    # The server on a GPU needs one of its own (NCCL: one rank of the weight group per GPU): said, nothing started.
+    args = bench.parse_args(["--backends", "vllm", "--vllm-python", sys.executable])
+    row = bench.run_backend(args, "vllm", "m", "d.jsonl", tmp_path)
+    assert (
+        "the server needs a GPU of its own" in row["not_run"] and "--backends colocate" in row["not_run"]
+    ), row
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")

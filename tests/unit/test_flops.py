@@ -60,3 +60,45 @@ def test_names_match_whole_tokens_only() -> None:
 )
 def test_unknown_devices_have_no_peak(device: str) -> None:
     assert peak_flops_for(device) is None
+
+
+def test_a_mixture_of_experts_is_counted_at_its_active_parameters() -> None:
+    """``N`` of an MoE: each layer's routed experts at top_k / experts of their parameters (what a token runs), the
+    rest (attention, routers, shared experts, head) whole; a dense model: every non-embedding parameter. Qwen3-30B-A3B
+    at 1 of its 48 layers on the meta device, scaled to 48: 30.5B parameters, 3.35B of them a token runs (its model
+    card: 3.3B activated of 30.5B), where the meter charged all of them before."""
+    import torch
+    import transformers
+
+    from hf_fsdp2.observe.flops import (
+        active_non_embedding_params,
+        inactive_expert_params,
+        non_embedding_params,
+    )
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    experts = 128 * 3 * 2048 * 768
+    assert inactive_expert_params(model) == experts * 120 // 128
+    active = active_non_embedding_params(model)
+    assert active == non_embedding_params(model) - experts * 120 // 128
+    small, table = (
+        64 * 2048,
+        151936 * 2048,
+    )  # this model's embedding (and untied head), and the real vocabulary's
+    layer = sum(p.numel() for p in model.parameters()) - 2 * small - 2048
+    active_layer = active - small - 2048
+    assert round((2 * table + 2048 + 48 * layer) / 1e9, 1) == 30.5
+    assert round((2 * table + 2048 + 48 * active_layer) / 1e9, 2) == 3.35
+    with torch.device("meta"):
+        dense = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+            )
+        )
+    assert inactive_expert_params(dense) == 0
