@@ -23,6 +23,7 @@ from hf_fsdp2.conversions import name_conversions_from_folder
 from hf_fsdp2.dtypes import dtype_named
 from hf_fsdp2.score_head import auto_map as score_auto_map
 from hf_fsdp2.score_head import carries_score_head, needs_score_head, score_head_class
+from hf_fsdp2.vision.grain import block_unit
 
 logger = logging.getLogger("hf_fsdp2")
 
@@ -321,7 +322,8 @@ def decoder_layer_classes(model: torch.nn.Module, override: list[str] | None = N
 def fsdp_unit_classes(model: torch.nn.Module, layer_cls: tuple[str, ...]) -> tuple[str, ...]:
     """The classes FSDP2 makes one unit each: the decoder layers ``layer_cls``, and a composite's vision tower and
     projector (one unit each: on text rows they never run, so their units are never gathered, and their parameters
-    are not left in the root unit, which is gathered every step and kept gathered).
+    are not left in the root unit, which is gathered every step and kept gathered); the tower's blocks too where
+    that lowers the peak of unsharded parameters (:func:`hf_fsdp2.vision.grain.block_unit`).
 
     Raises:
         ValueError: a unit class of the composite table that no module of the model is.
@@ -337,6 +339,8 @@ def fsdp_unit_classes(model: torch.nn.Module, layer_cls: tuple[str, ...]) -> tup
             f"{spec.architecture}: the FSDP2 unit classes {missing} of hf_fsdp2's composite table are not in the "
             "loaded model (another transformers layout); install the transformers docs/compatibility.md lists"
         )
+    block = block_unit(model, spec, layer_cls)
+    parts = (*parts, block) if block is not None else parts
     return (*layer_cls, *(n for n in parts if n not in layer_cls))
 
 

@@ -10,7 +10,7 @@
 # beside seconds: bench/grpo_bench.py); with 2+ GPUs, ring context parallel (cp 2 ring vs all-to-all vs cp 1 at
 # 8k tokens), the GRPO weight sync to a vLLM server (bench/vllm_sync_bench.py), the vLLM server's rollouts, and
 # context parallel + Muon at 8k tokens (bench/gpu_bench_parallel.py); with 4+, tensor parallel 2 x FSDP2 2 (the
-# step's all-gathers and reduce-scatters beside seconds); each count held to its formula (tests/gpu/formulas.py),
+# step's all-gathers and reduce-scatters beside seconds); each count held to its formula (tests/support/count_formulas.py),
 # skipped with the reason where the node lacks the GPUs (NCCL forbids two ranks on one device) or vLLM. Nothing is
 # downloaded. A failing check does not stop the others; each has a budget, printed beside its time.
 #

@@ -13,7 +13,7 @@
    (:mod:`hf_fsdp2.parallel.expert_parallel`); the experts' load counted on every MoE model;
 4. activation checkpointing of the decoder layers;
 5. regional compile of each decoder layer, in place;
-6. FSDP2: ``fully_shard`` per unit (each decoder layer; a composite's vision tower and projector, one unit each),
+6. FSDP2: ``fully_shard`` per unit (each decoder layer; a composite's vision tower, whole or per block, and projector),
    then the root (through Accelerate, on the mesh and mixed-precision policy its plugin holds); under expert
    parallel a layer's experts on their own mesh within the layer's unit (:mod:`hf_fsdp2.parallel.expert_shard`);
 7. whole-model compile, when asked instead of regional.

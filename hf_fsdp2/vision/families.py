@@ -85,7 +85,8 @@ def image_training(config: Any) -> ImageTraining:
         raise ConfigError(
             f"image records on {spec.architecture}: this version trains its language model on text, but not on "
             f"images: {processor} is not tested with this toolkit's image batches (Llama 4's and Mistral 3's "
-            "processors need torchvision, which the test machines lack). Train on text records (the tower and "
+            "processors need torchvision, and no torchvision build loads beside the CPU torch the toolkit is "
+            "tested with: docs/vlm.md#families). Train on text records (the tower and "
             f"projector frozen), or use a composite trained on images: {', '.join(sorted(IMAGE_TRAINING))}"
         )
     return row

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.count_formulas import tp_step_collectives
 from support.families import make_family_dir
 from support.launch import REPO, SFT, python, torchrun
 from support.tiny import write_chat_jsonl
@@ -116,6 +117,13 @@ def test_tp_x_fsdp2_gives_the_whole_models_loss_and_gradients_in_fp64(tmp_path: 
                 mode,
                 bf16,
             )
+        # The whole forward and backward (tp and FSDP2 alike) is the GPU check's formula less the step's own 3
+        # all-reduces (bench/gpu_bench_parallel.py's tp_counts; tests/support/count_formulas.py).
+        for mode in ("none", "full"):
+            r = bf16[mode]
+            got = {k: r["forward"].get(k, 0) + r["backward"].get(k, 0) for k in kinds}
+            want = tp_step_collectives(LAYERS, -(-r["targets"] // CHUNK), mode)
+            assert got == {**want, "all_reduce": want["all_reduce"] - 3}, (mode, got, want)
         fp8 = results.pop("llama_fp8_tensorwise")
         assert "error" not in fp8, fp8.get("error")
         # FP8 under TP (emulated tensorwise float8, the float8 styles, float8 on the wire as gloo bytes): the whole FP8

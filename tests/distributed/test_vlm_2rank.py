@@ -13,6 +13,11 @@ process on TRL's batches of the same raw records, exports whole, and keeps the r
   its tower frozen and projector trained, padded (its images cannot share a row: refused); the same reference.
 * The exports reload with AutoModelForImageTextToText and give the trained model's logits on an image
   batch; a frozen tower is byte-identical to the checkpoint's.
+* The tower's FSDP2 grain, measured in the same launch: one step of Qwen2.5-VL (tower and merger frozen), Qwen3-VL
+  (tower frozen, mergers trained) and Idefics3 (tower and connector trained) with the tower as one unit and per
+  block: the same loss, every all-gather counted at dispatch and by unit against hf_fsdp2.vision.grain's formulas,
+  the peak of unsharded parameters measured; the library shards per block exactly where that lowered the measured
+  peak or the bytes all-gathered.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from support.launch import torchrun
 from support.vlm import LR, reference_losses, vlm_records, write_records
 from transformers import AutoModelForImageTextToText
 
+from hf_fsdp2.vision.grain import TowerSizes, tower_gather_bytes, tower_gathers, tower_peak
+
 WORKER = Path(__file__).parent / "workers" / "vlm_worker.py"
 # family -> (tower, projector, padding-free too): what trains in the run, and its layouts.
 SCENARIOS = {
@@ -36,6 +43,12 @@ SCENARIOS = {
     "qwen3_vl": ("frozen", "trained", True),
     "idefics3": ("trained", "trained", True),
     "llava": ("frozen", "frozen", True),
+}
+# family -> (tower, projector): the grains measured (one step each with the tower as one unit and per block).
+GRAINS = {
+    "qwen2_5_vl": ("frozen", "frozen"),
+    "qwen3_vl": ("frozen", "trained"),
+    "idefics3": ("trained", "trained"),
 }
 # Module paths of each family's tower and projector (the reference freezes by them; the checkpoint names differ).
 PARTS = {
@@ -73,9 +86,21 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     root = tmp_path_factory.mktemp("vlm")
     families = ",".join(f"{f}:{t}:{p}:{'pf' if pf else 'no'}" for f, (t, p, pf) in SCENARIOS.items())
     recipe = _gemma_recipe(models, root)
+    grains = ",".join(f"{f}:{t}:{p}" for f, (t, p) in GRAINS.items())
     torchrun(
         WORKER,
-        ["--root", str(models), "--families", families, "--out", str(root / "out"), "--recipe", str(recipe)],
+        [
+            "--root",
+            str(models),
+            "--families",
+            families,
+            "--out",
+            str(root / "out"),
+            "--recipe",
+            str(recipe),
+            "--grains",
+            grains,
+        ],  # fmt: skip
         nproc=2,
         timeout=900,
     )
@@ -216,3 +241,42 @@ def test_gemma3_recipe_trains_on_image_paths_like_its_class(runs: tuple[Path, Pa
         got_logits = reloaded(**batch, use_cache=False).logits
         want_logits = trained(**batch, use_cache=False).logits
     assert float((got_logits - want_logits).abs().max()) <= 1e-3 * max(1.0, float(want_logits.abs().max()))
+
+
+@pytest.mark.parametrize("family", list(GRAINS))
+def test_the_tower_grain_follows_the_measured_peak(runs: tuple[Path, Path], family: str) -> None:
+    """Per block where that lowers the peak of unsharded parameters or the bytes all-gathered, one unit where it
+    does not; the all-gathers of each grain as the formulas say, the same bytes where the whole tower trains, the
+    loss unchanged."""
+    result = json.loads((runs[1] / f"grain_{family}.json").read_text())
+    assert "error" not in result, result.get("traceback")
+    sizes, tower = TowerSizes(**result["tower_sizes"]), result["tower_path"]
+    tower_bytes: dict[str, list[int]] = {"tower": [], "blocks": []}
+    for grain in ("tower", "blocks"):
+        for rank in result[grain]:
+            units = {k: n for k, n in rank["gathers"].items() if k.startswith(tower)}
+            micro = rank["micro_batches"]
+            # The units' count equals every all-gather seen at dispatch (the tracker misses none).
+            assert sum(rank["gathers"].values()) == rank["all_gathers"], rank
+            assert sum(units.values()) == micro * tower_gathers(sizes, grain), (grain, units)
+            got_bytes = sum(n * rank["sizes"][k] for k, n in units.items())
+            assert got_bytes == micro * tower_gather_bytes(sizes, grain), (grain, units)
+            tower_bytes[grain].append(got_bytes)
+            assert rank["tower_peak"] == tower_peak(sizes, grain), (grain, rank["tower_peak"])
+    one, per_block = result["tower"], result["blocks"]
+    for a, b in zip(one, per_block, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+        if sizes.blocks_train and sizes.rest_trains:  # every parameter gathered in both passes: padding alike
+            assert a["bytes"] == b["bytes"], (a["bytes"], b["bytes"])
+    lower = all(b["peak"] < a["peak"] for a, b in zip(one, per_block, strict=True)) or all(
+        b < a for a, b in zip(tower_bytes["tower"], tower_bytes["blocks"], strict=True)
+    )
+    assert result["chosen"] == ("blocks" if lower else "tower"), (
+        result["chosen"],
+        [r["peak"] for r in one],
+        [r["peak"] for r in per_block],
+    )
+    print(family, "peak", [r["peak"] for r in one], "->", [r["peak"] for r in per_block], "chosen", result["chosen"],
+          "all-gathers", [r["all_gathers"] for r in one], "->", [r["all_gathers"] for r in per_block],
+          "bytes", [r["bytes"] for r in one], "->", [r["bytes"] for r in per_block], "tower bytes",
+          tower_bytes["tower"], "->", tower_bytes["blocks"], f"{result['seconds']:.1f} s")  # fmt: skip

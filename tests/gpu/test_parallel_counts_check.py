@@ -11,14 +11,14 @@ when the run fails or a count leaves its formula (a collective added or lost on 
 
 ``bench/gpu_bench_parallel.py --shape 1b --tp 2 --procs 4 --seq 8192``: tensor parallel 2 x FSDP2 2 (the library
 refuses tp over every rank: FSDP2 needs a data dimension), the same GPU path; the step's all-gathers,
-reduce-scatters and all-reduces held to :func:`~.formulas.tp_step_collectives` (per layer 2 all-gathers + 2
+reduce-scatters and all-reduces held to :func:`~support.count_formulas.tp_step_collectives` (per layer 2 all-gathers + 2
 reduce-scatters forward and backward, torchtitan's layout; the formula matched the same bench on 4 gloo ranks at 2
 and 3 layers, tests/unit/test_gpu_formulas.py).
 
 ``bench/moe_bench.py ep --procs 2 --eps 1,2`` (the expert-parallel check, on any node: the bench trains
 on 2 gloo ranks on the host, since NCCL refuses two ranks on one GPU and the bench has no GPU mode yet): a tiny
 Qwen3-MoE flat and at ep 2, seconds and tokens/s beside the bytes each collective moved per step and rank, held to
-:func:`~.formulas.ep_step_bytes`: FSDP2's all-gather and reduce-scatter bytes exactly (flat: every expert gathered
+:func:`~support.count_formulas.ep_step_bytes`: FSDP2's all-gather and reduce-scatter bytes exactly (flat: every expert gathered
 twice a step; ep 2: none of them), no all-to-all flat, ep 2's within the band of the balanced exchange.
 """
 
@@ -30,9 +30,9 @@ import sys
 
 import pytest
 import torch
+from support.count_formulas import ep_failures, ep_step_bytes, tp_step_collectives
 
 from .conftest import Check
-from .formulas import ep_failures, ep_step_bytes, tp_step_collectives
 from .test_gpu_checks import REPO, load_script, run, tail
 
 pytestmark = pytest.mark.gpu

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from support.count_formulas import rollout_counts, rollout_failures
 
 from hf_fsdp2.methods import parse_method_config
 
 from .conftest import Check
-from .formulas import rollout_counts, rollout_failures
 from .test_gpu_checks import REPO, load_script, run, tail
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,7 @@ def _vllm_missing(bench: Any) -> str | None:
 
 
 def _rollout_check(check: Check, backend: str, procs: int) -> None:
-    """``bench/grpo_bench.py --backends <backend>`` on the 1B shape, held to :func:`~.formulas.rollout_counts`."""
+    """``bench/grpo_bench.py --backends <backend>`` on the 1B shape, held to :func:`~support.count_formulas.rollout_counts`."""
     bench = load_script("grpo_bench", REPO / "bench" / "grpo_bench.py")
     out, work = check.work / "grpo.json", check.work / "grpo"
     argv = ["--backends", backend, "--procs", str(procs), "--steps", "4", "--warmup", "1"]

@@ -39,6 +39,7 @@ from hf_fsdp2.plan import build_meta_model, check_plannable, fsdp_units
 from hf_fsdp2.plan.experts import expert_plan
 from hf_fsdp2.plan.settings import PlanSettings
 from hf_fsdp2.train.loss import router_aux_coef
+from hf_fsdp2.vision.grain import choose_grain, tower_blocks, tower_sizes
 
 ARCH = {
     family: spec[0].removesuffix("Config") + "ForConditionalGeneration"
@@ -94,7 +95,11 @@ def test_parts_units_and_freezing(folders: dict[str, Path], family: str) -> None
     assert decoder_layer_classes(model) == (spec.text_layer,)
     assert set(model._no_split_modules) - {spec.text_layer}  # what the old units also took
     units = fsdp_unit_classes(model, decoder_layer_classes(model))
-    assert units == spec.fsdp_units()
+    # The tower's blocks are units of their own where hf_fsdp2.vision.grain chooses it (Qwen3.5's tiny tower is
+    # larger than a decoder layer).
+    sizes = tower_sizes(model, spec, decoder_layer_classes(model))
+    block = type(tower_blocks(model.get_submodule(spec.tower[0]))[0]).__name__
+    assert units == (*spec.fsdp_units(), *([block] if choose_grain(sizes) == "blocks" else []))
     frozen = freeze_parts(model, spec, freeze_vision_tower=True, freeze_multi_modal_projector=True)
     assert set(frozen) == set(parts["tower"]) | set(parts["projector"])
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -1,4 +1,4 @@
-"""The formulas the GPU checks hold their benches to (tests/gpu/formulas.py) against counts the same benches measured
+"""The formulas the GPU checks hold their benches to (tests/support/count_formulas.py) against counts the same benches measured
 on CPU (gloo), so that a GPU run that counts something else fails on the GPU path itself, not on the formula.
 
 Measured with (this 2-core machine, 2026-12-06):
@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support import count_formulas as formulas
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,8 +32,6 @@ def _load(name: str, path: Path) -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
-
-formulas = _load("gpu_formulas", REPO / "tests" / "gpu" / "formulas.py")
 
 # (layers, loss chunks, ac) -> the step's collectives on rank 0, as the bench printed them
 TP_MEASURED = {

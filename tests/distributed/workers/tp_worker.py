@@ -244,7 +244,8 @@ def bf16_checkpointed(mesh) -> dict:  # type: ignore[no-untyped-def]
             fully_shard(layer, mesh=mesh["dp_shard_cp"], mp_policy=policy)
         fully_shard(model, mesh=mesh["dp_shard_cp"], mp_policy=policy)
         ids, labels = batches[dp_rank]
-        local = causal_lm_loss(model, {"input_ids": ids}, labels, plan).ce_sum
+        with CollectiveCounter() as forward:
+            local = causal_lm_loss(model, {"input_ids": ids}, labels, plan).ce_sum
         with CollectiveCounter() as backward:
             (local * DP / total).backward()
         got = torch.tensor([local.item()], dtype=torch.float64)
@@ -253,7 +254,9 @@ def bf16_checkpointed(mesh) -> dict:  # type: ignore[no-untyped-def]
         out[mode] = {
             "loss": got.item() / TP / total,
             "grad_rel": _grad_rel(model, ref_grads),
+            "forward": forward.counts(),
             "backward": backward.counts(),
+            "targets": int((labels[:, 1:] != -100).sum()),
             "grads": grads,
         }
     # Checkpointing recomputes the same bf16 operations on the same inputs: each mode's gradients against none's.

@@ -3,7 +3,8 @@ process group), so that tests/unit/test_gpu_formulas.py can hold them to counts 
 benches and show that a count off the formula fails.
 
 - :func:`tp_step_collectives`: one training step of ``bench/gpu_bench_parallel.py`` under tensor parallel 2 x FSDP2
-  2 (docs/performance.md, "Tensor parallel: collectives per step").
+  2 (docs/performance.md, "Tensor parallel: collectives per step"); tests/distributed/test_tensor_parallel.py holds
+  a bf16 forward and backward (no checkpointing and full) in the suite to it, less the step's own all-reduces.
 - :func:`ep_step_bytes`: the bytes ``bench/moe_bench.py ep`` counts per step and rank, flat FSDP2 against expert
   parallel (docs/fsdp2-guide.md, "MoE models").
 - :func:`rollout_counts`: what a GRPO step's vLLM rollout and weight load may count (docs/grpo.md, "What a weight
