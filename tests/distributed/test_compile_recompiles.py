@@ -24,7 +24,7 @@ WORKER = Path(__file__).parent / "workers" / "recompile_worker.py"
 # rows of even length, the run's own padding), under regional compile; eval and generation keep the stream whole.
 COMPILED = ["model:pf", "model:padded", "regional:pf", "regional:padded", "regional:cppf", "regional:tp"]
 CONFIGS = ["eager:pf", "eager:padded", "eager:cppf", "eager:tp", *COMPILED]
-STEPS, EVAL_AFTER = 4, 1
+STEPS, EVAL_AFTER = 3, 1  # steps 1, the eval and generation, step 2: new shapes after the warm-up
 # Both scopes compile in step 0 (regional: each layer's sequence dims marked dynamic before it).
 # The whole model compiles its frames (those between FSDP2's graph breaks, started on tensors eager code hands them)
 # shape-generic from the first compile: 2 recompiles in step 0, both at transformers' deprecate_kwarg wrapper,

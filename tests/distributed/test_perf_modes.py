@@ -11,6 +11,13 @@ from support.launch import torchrun
 from support.tiny import make_tiny_llama_dir
 
 WORKER = Path(__file__).parent / "workers" / "perf_worker.py"
+# Compiled configurations run inductor (the GPU path's backend) where its code is what is checked: the layer alone
+# and the layer under selective checkpointing (inductor's partitioner decides what the compiled backward recomputes).
+# every_k wraps whole layers as full checkpointing does: AOT autograd without code generation (aot_eager) checks its
+# hooks and numbers. The whole model runs dynamo alone (backend eager): under inductor its shape-generic first compile
+# took 67 s of this file's 74 CPU-s with a warm kernel cache (9 graphs, 2 recompiles in step 0; 112 s cold), and
+# what this file checks of it (FSDP2's gathers and prefetch between dynamo's graph breaks, compile counters, the
+# numbers) does not depend on the backend; inductor's code is checked on the same layers by the regional rows.
 CONFIGS = [
     "none:eager",
     "full:eager",
@@ -18,9 +25,10 @@ CONFIGS = [
     "selective:eager",
     "none:regional",
     "selective:regional",
-    "every_k:regional",
-    "none:model",
+    "every_k:regional:aot_eager",
+    "none:model:eager",
 ]
+COMPILED = [c for c in CONFIGS if c.split(":")[1] != "eager"]  # ac:scope[:backend]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,7 @@ def test_mode_keeps_fsdp2_gathers_prefetch_and_numbers(results, config):
     assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
 
 
-@pytest.mark.parametrize("config", ["none:regional", "selective:regional", "every_k:regional", "none:model"])
+@pytest.mark.parametrize("config", COMPILED)
 def test_compile_time_is_reported_apart_and_only_in_the_first_step(results, config):
     first, *rest = results[config]["compile"]
     assert first["compile_s"] > 0 and first["compiled_graphs"] >= 1
@@ -60,7 +68,7 @@ def test_compile_time_is_reported_apart_and_only_in_the_first_step(results, conf
     assert all(r["compiled_graphs"] == first["compiled_graphs"] for r in rest)
     assert all(r["recompiles"] == first["recompiles"] for r in rest)  # none after the first step
     assert first["recompile_limit_hits"] == 0
-    if config.endswith("regional"):
+    if ":regional" in config:
         assert first["recompiles"] == 0
     # The whole model may recompile inside its first step (a transformers helper's guard on the model's class
     # between the probe and the step); counted and logged, and never again (above). Varying shapes:

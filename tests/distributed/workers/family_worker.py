@@ -133,8 +133,10 @@ def run_family(acc, family: str, model_dir: str, out: Path, lora: bool, paramete
         )
         result["lora_export"] = [r.summary() if r else None for r in reports]
         del model
+    # bf16 mixed precision: 4 steps at lr 1e-2 bring every family's loss below its first (measured on all 30 rows:
+    # the fourth loss 0.37-0.79 below the first; Mixtral's third is still above it).
     model, _, result["bf16"] = train(
-        acc, model_dir, chunk=CHUNK, mixed_precision="bf16", lora=False, steps=6, lr=1e-2
+        acc, model_dir, chunk=CHUNK, mixed_precision="bf16", lora=False, steps=4, lr=1e-2
     )
     del model
     return result

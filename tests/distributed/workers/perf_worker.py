@@ -25,6 +25,15 @@ from hf_fsdp2.train.optim import build_adamw, param_groups
 EVENTS: list[str] = []
 
 
+class _Backend(CompilePlan):
+    """The run's compile plan with a configuration's backend (inductor unless the configuration names another)."""
+
+    backend = "inductor"
+
+    def kwargs(self) -> dict:
+        return {**super().kwargs(), "backend": self.backend}
+
+
 def _record_unshards() -> None:
     unshard, prefetch = FSDPParamGroup.unshard, FSDPParamGroup._prefetch_unshard
 
@@ -40,12 +49,13 @@ def _record_unshards() -> None:
     FSDPParamGroup._prefetch_unshard = staticmethod(recorded_prefetch)  # type: ignore[method-assign]
 
 
-def run(acc, model_dir: str, ac: str, scope: str | None, steps: int) -> dict:  # type: ignore[no-untyped-def]
+def run(acc, model_dir: str, ac: str, scope: str | None, steps: int, backend: str) -> dict:  # type: ignore[no-untyped-def]
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model(model_dir)
     plan = ShardingPlan(activation_checkpointing=ACPlan(ac, every_k=2, pin_memory=False))
-    compile_plan = CompilePlan(enabled=scope is not None, scope=scope or "regional")
+    _Backend.backend = backend
+    compile_plan = _Backend(enabled=scope is not None, scope=scope or "regional")
     model = parallelize(
         model, acc, ParallelPlan(layer_cls=decoder_layer_classes(model), ac=plan.ac, compile=compile_plan)
     )
@@ -75,7 +85,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument(
-        "--configs", required=True, help="comma-separated ac:scope pairs, scope eager|regional|model"
+        "--configs",
+        required=True,
+        help="comma-separated ac:scope[:backend] items, scope eager|regional|model, backend inductor (default), "
+        "aot_eager or eager",
     )
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
@@ -83,8 +96,15 @@ def main() -> None:
     acc = build_accelerator(ShardingPlan(), mixed_precision="no", compile_plan=CompilePlan())
     results = {}
     for item in args.configs.split(","):
-        ac, scope = item.split(":")
-        results[item] = run(acc, args.model, ac, None if scope == "eager" else scope, args.steps)
+        ac, scope, *backend = item.split(":")
+        results[item] = run(
+            acc,
+            args.model,
+            ac,
+            None if scope == "eager" else scope,
+            args.steps,
+            backend[0] if backend else "inductor",
+        )
     if acc.process_index == 0:
         Path(args.out).write_text(json.dumps(results))
     acc.end_training()
