@@ -47,6 +47,8 @@ IMAGE_TRAINING: dict[str, ImageTraining] = {
         ImageTraining(architecture="Gemma3ForConditionalGeneration", several_documents=_GEMMA3_ROWS),
         ImageTraining(architecture="Qwen2_5_VLForConditionalGeneration", mrope=True),
         ImageTraining(architecture="Qwen3VLForConditionalGeneration", mrope=True),
+        # Qwen3-VL's processor and tower; its gated DeltaNet layers refuse rows of several documents for text too.
+        ImageTraining(architecture="Qwen3_5ForConditionalGeneration", mrope=True),
         ImageTraining(
             architecture="Idefics3ForConditionalGeneration",
             row_batched=("pixel_values", "pixel_attention_mask"),
@@ -59,7 +61,6 @@ IMAGE_TRAINING: dict[str, ImageTraining] = {
 _UNTESTED = {
     "Llama4ForConditionalGeneration": "Llama4Processor",
     "Mistral3ForConditionalGeneration": "PixtralProcessor",
-    "Qwen3_5ForConditionalGeneration": "Qwen3VLProcessor",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3VLProcessor",
 }
 # (SmolVLM2's SmolVLMForConditionalGeneration is not a composite of this version: its processor needs num2words and
@@ -84,7 +85,7 @@ def image_training(config: Any) -> ImageTraining:
         processor = _UNTESTED.get(spec.architecture, "its processor")
         raise ConfigError(
             f"image records on {spec.architecture}: this version trains its language model on text, but not on "
-            f"images: {processor} is not tested with this toolkit's image batches (Llama 4's and Mistral 3's "
+            f"images: {processor} is not tested with this toolkit's image batches on it (Llama 4's and Mistral 3's "
             "processors need torchvision, and no torchvision build loads beside the CPU torch the toolkit is "
             "tested with: docs/vlm.md#families). Train on text records (the tower and "
             f"projector frozen), or use a composite trained on images: {', '.join(sorted(IMAGE_TRAINING))}"

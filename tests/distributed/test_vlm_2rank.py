@@ -1,14 +1,15 @@
 """Vision-language SFT on 2 gloo ranks: each family trains on image records exactly as its own class does in one
 process on TRL's batches of the same raw records, exports whole, and keeps the ranks' collectives alike.
 
-* Qwen2.5-VL, Qwen3-VL, Idefics3 and LLaVA (tiny random composites with processors built in code,
-  tests/support/composites.py), one launch through the library's data path and step (workers/vlm_worker.py): fp32
-  losses of 3 steps, padded and padding-free (Qwen: per-document 3-D mRoPE positions), equal within 1e-4 to TRL's
-  DataCollatorForVisionLanguageModeling (assistant-only loss) + the composite class + torch AdamW in one process on
-  every rank's micro-batches; the vision tower trained (Qwen2.5-VL, Idefics3) or frozen (Qwen3-VL with its mergers
-  trained, LLaVA with its projector frozen too). The data differ per rank and step in image count, image size and
-  length, and step 0 starts rank 0 on a text-only micro-batch while rank 1's has images: every rank runs the tower
-  in every forward (a dummy image where it has none), counted.
+* Qwen2.5-VL, Qwen3-VL, Qwen3.5 (padded only: its gated DeltaNet layers refuse rows of several documents), Idefics3
+  and LLaVA (tiny random composites with processors built in code, tests/support/composites.py), one launch through
+  the library's data path and step (workers/vlm_worker.py): fp32 losses of 3 steps, padded and padding-free (Qwen:
+  per-document 3-D mRoPE positions), equal within 1e-4 to TRL's DataCollatorForVisionLanguageModeling (assistant-only
+  loss) + the composite class + torch AdamW in one process on every rank's micro-batches; the vision tower trained
+  (Qwen2.5-VL, Idefics3) or frozen (Qwen3-VL with its mergers trained, Qwen3.5 with its merger trained, LLaVA with its
+  projector frozen too). The data differ per rank and step in image count, image size and length, and step 0 starts
+  rank 0 on a text-only micro-batch while rank 1's has images: every rank runs the tower in every forward (a dummy
+  image where it has none), counted.
 * Gemma 3 through the SFT recipe (the data builder, the processor loaded from the folder, image paths in JSONL),
   its tower frozen and projector trained, padded (its images cannot share a row: refused); the same reference.
 * The exports reload with AutoModelForImageTextToText and give the trained model's logits on an image
@@ -41,6 +42,8 @@ WORKER = Path(__file__).parent / "workers" / "vlm_worker.py"
 SCENARIOS = {
     "qwen2_5_vl": ("trained", "trained", True),
     "qwen3_vl": ("frozen", "trained", True),
+    # Padded only: its gated DeltaNet layers refuse rows of several documents (as for its text).
+    "qwen3_5_vlm": ("frozen", "trained", False),
     "idefics3": ("trained", "trained", True),
     "llava": ("frozen", "frozen", True),
 }
@@ -55,6 +58,7 @@ PARTS = {
     "gemma3_vlm": ("model.vision_tower.", "model.multi_modal_projector."),
     "qwen2_5_vl": ("model.visual.", "model.visual.merger."),
     "qwen3_vl": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "qwen3_5_vlm": ("model.visual.", "model.visual.merger."),
     "idefics3": ("model.vision_model.", "model.connector."),
     "llava": ("model.vision_tower.", "model.multi_modal_projector."),
 }
@@ -62,6 +66,7 @@ PARTS = {
 FROZEN_NAMES = {
     "qwen3_vl": ("model.visual.blocks.", "model.visual.patch_embed.", "model.visual.pos_embed."),
     "llava": ("vision_tower.", "multi_modal_projector."),
+    "qwen3_5_vlm": ("model.visual.blocks.", "model.visual.patch_embed.", "model.visual.pos_embed."),
     "gemma3_vlm": ("vision_tower.",),
 }
 # The Gemma 3 recipe run's micro-batches (per_device_train_batch_size 2, 2 accumulation steps): rank -> step -> rows.

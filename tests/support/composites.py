@@ -156,7 +156,7 @@ VLM_ONLY: dict[str, tuple[str, dict[str, str], Any]] = {
 }
 """Composites trained on image records only in the tests (tests/distributed/test_vlm_2rank.py)."""
 
-VLM_FAMILIES = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava")
+VLM_FAMILIES = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vlm", "idefics3", "llava")
 """The fixtures of the composites trained on image records (with :func:`vlm_processor`)."""
 _ALL = {**COMPOSITE_FAMILIES, **VLM_ONLY}
 
@@ -246,12 +246,15 @@ def vlm_processor(family: str, tokenizer: Any = None) -> Any:
     template = tokenizer.chat_template
     if family == "gemma3_vlm":
         return _gemma3_processor(tokenizer)
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5_vlm"):
+        # Qwen3.5 ships Qwen3-VL's processor; its tiny tower's patches are 16 pixels (1 to 4 tokens an image).
         base = transformers.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLProcessor
         cls = type(base.__name__, (_ImageOnly, base), {})
+        patch = 16 if family == "qwen3_5_vlm" else 8
         image_processor = transformers.Qwen2VLImageProcessorPil(
-            patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64
-        )
+            patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=4 * patch * patch,
+            max_pixels=64 * patch * patch,
+        )  # fmt: skip
         return cls(
             image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template
         )

@@ -1,13 +1,15 @@
 """Image records to micro-batches, against TRL on the same raw records, and the model-side pieces of an image run.
 
-- The padded batches of Gemma 3, Qwen2.5-VL, Qwen3-VL and Idefics3 (processors built in code), a text-only row among
-  image rows, equal TRL's DataCollatorForVisionLanguageModeling's key by key (ids, mask, pixels, grids, token types,
+- The padded batches of Gemma 3, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Idefics3 (processors built in code), a text-only
+  row among image rows, equal TRL's DataCollatorForVisionLanguageModeling's key by key (ids, mask, pixels, grids, token types,
   labels; neither builds position ids) with its assistant-only loss; with every token trained (chat_loss all / TRL's default) the labels differ from TRL's exactly
   at the image tokens, which never carry a loss here.
 - String content takes its images before the first user text, as TRL places them; an image as a path, bytes, a PIL
   image or in an ``image`` column gives the same batch; bad records are refused by name.
 - Truncation never cuts an image; Gemma 3's images in rows of several documents are refused by name (the other
   families' padding-free runs equal the padded ones in tests/distributed/test_vlm_2rank.py).
+- A hub-like Qwen-VL folder (its torchvision video processor config included) loads without torchvision, its
+  batches the code-built processor's; video records are refused by name.
 - The tower runs once in every forward (a dummy image without images), taking a zero gradient from it; the image
   features are dropped from the model's output.
 """
@@ -33,8 +35,8 @@ from hf_fsdp2.labels import IGNORE_INDEX
 # Gemma 3 (token types), Qwen2.5-VL and Qwen3-VL (patches, grids, Qwen3-VL's token types), Idefics3 (images per row);
 # LLaVA's batches are checked through their losses against TRL's in tests/distributed/test_vlm_2rank.py. LLaVA's
 # processor serves the record checks.
-FAMILIES = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava")
-COMPARED = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "idefics3")
+FAMILIES = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vlm", "idefics3", "llava")
+COMPARED = ("gemma3_vlm", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vlm", "idefics3")
 # Idefics3's processor in transformers 5.25 cannot batch a text-only record beside image records (TRL fails on
 # it): its batches compared here hold images in every row.
 ROWS = {"idefics3": [0, 1, 3, 4]}
@@ -230,11 +232,16 @@ def test_what_an_image_run_cannot_do_is_refused_by_name() -> None:
     from hf_fsdp2.run.registry import check_capabilities, get_method
     from hf_fsdp2.vision.families import image_training
 
-    for family, processor in (("mistral3", "PixtralProcessor"), ("llama4_vlm", "Llama4Processor")):
+    for family, processor in (
+        ("mistral3", "PixtralProcessor"),
+        ("llama4_vlm", "Llama4Processor"),
+        ("qwen3_5_moe_vlm", "Qwen3VLProcessor"),
+    ):
         with pytest.raises(ConfigError, match=f"image records on .*ForConditionalGeneration.*{processor}"):
             image_training(composite_config(family))
     with pytest.raises(ConfigError, match="LlamaForCausalLM is not a vision-language checkpoint"):
         image_training(transformers.LlamaConfig(architectures=["LlamaForCausalLM"]))
+    assert image_training(composite_config("qwen3_5_vlm")).mrope
     assert image_training(composite_config("idefics3")).row_batched == (
         "pixel_values",
         "pixel_attention_mask",
@@ -297,7 +304,7 @@ def test_the_vision_demo_builds_a_composite_that_reads_its_images(tmp_path: Any)
     assert scores["n"] == 4 and 0 <= scores["exact_match"] <= 1 and 1 <= scores["distinct_answers"] <= 4
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_vlm"])
 def test_a_qwen_vl_folder_loads_without_torchvision_and_refuses_videos(
     processors: dict[str, Any], family: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
