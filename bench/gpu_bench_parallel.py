@@ -34,8 +34,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,11 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# bench_launch lives beside this file (bench/ is not a package): importable also when a test loads this file by path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_launch import free_port, run_child  # noqa: E402
+
 SHAPES = {
     "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True},
@@ -324,12 +327,6 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.worker).write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run) -> None:
     """The command line (``argv``, default sys.argv); each length's torchrun is ``run(command, env=, capture_output=True,
     text=True, timeout=)`` (subprocess.run; the tests fork the same command line from a pre-imported interpreter)."""
@@ -360,16 +357,7 @@ def main(argv: list[str] | None = None, run: Callable[..., Any] = subprocess.run
             / 1e12,
         }
         if not args.dry_run:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-            try:
-                proc = run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                entry.update(
-                    json.loads(out.read_text())
-                    if out.is_file()
-                    else {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]}
-                )
-            except subprocess.TimeoutExpired:
-                entry["error"] = f"stopped after {args.timeout_s:.0f} s"
+            entry.update(run_child(run, cmd, out, args.timeout_s))
         plan["results"].append(entry)
         keys = (
             ("seq", "tflop_per_device_per_step", "launch")

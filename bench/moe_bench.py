@@ -40,8 +40,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# bench_launch lives beside this file (bench/ is not a package): importable also when a test loads this file by path.
+for _path in (REPO, Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 
 def _experts(hidden: int, inter: int, experts: int, top_k: int, implementation: str) -> Any:
@@ -619,9 +621,10 @@ def gpu_child(args: argparse.Namespace) -> None:
 def gpu_main(args: argparse.Namespace, run: Any = None) -> dict[str, Any]:
     """Each ``--eps`` layout in its own torchrun (``run``: subprocess.run or the tests' stand-in); ``--dry-run``: the
     plans and command lines only. Prints one JSON line per layout; returns the report."""
-    import socket
     import subprocess
     import tempfile
+
+    from bench_launch import free_port, run_child
 
     run = run or subprocess.run
     if args.fit_gib:
@@ -634,22 +637,10 @@ def gpu_main(args: argparse.Namespace, run: Any = None) -> dict[str, Any]:
     for ep in [int(e) for e in str(args.eps).split(",") if e]:
         entry = gpu_plan(args, ep, model)
         out = work / f"ep{ep}.json"
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        cmd = gpu_launch_line(args, ep, out, port)
+        cmd = gpu_launch_line(args, ep, out, free_port())
         entry["launch"] = " ".join(cmd[1:])
         if not args.dry_run:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-            try:
-                proc = run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                entry.update(
-                    json.loads(out.read_text())
-                    if out.is_file()
-                    else {"error": f"exit code {proc.returncode}", "traceback": proc.stderr[-3000:]}
-                )
-            except subprocess.TimeoutExpired:
-                entry["error"] = f"stopped after {args.timeout_s:.0f} s"
+            entry.update(run_child(run, cmd, out, args.timeout_s))
         report["results"].append(entry)
         keys = (
             ("ep", "layers", "mesh", "tflop_per_device_per_step", "planned_peak_gib", "launch")
