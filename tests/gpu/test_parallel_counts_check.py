@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,19 @@ EP_ARGV = [f"--{k.replace('_', '-')}={v}" for k, v in EP_MODEL.items()] + ["--st
 SEQ, CHUNK = 8192, 4096  # the bench's row and its chunked loss's chunk (plan_loss(model, 4096))
 
 
+def _bench_result(check: Check, argv: list[str], out: Path) -> dict:
+    """Run ``bench/gpu_bench_parallel.py argv`` (one sequence length): its result, which must hold no error."""
+    code, log = run(
+        [sys.executable, str(REPO / "bench" / "gpu_bench_parallel.py"), *argv],
+        check.work / "log",
+        check.timeout(),
+    )
+    assert code == 0 and out.is_file(), f"gpu_bench_parallel exit code {code}:\n{tail(log)}"
+    (result,) = json.loads(out.read_text())["results"]
+    assert "error" not in result, result.get("traceback")
+    return result
+
+
 @pytest.mark.budget(120)
 @pytest.mark.gpus(2)
 def test_parallel_counts(check: Check) -> None:
@@ -72,14 +86,7 @@ def test_parallel_counts(check: Check) -> None:
     check.figures["command"] = "python bench/gpu_bench_parallel.py " + " ".join(argv)
     if check.dry:
         return
-    code, log = run(
-        [sys.executable, str(REPO / "bench" / "gpu_bench_parallel.py"), *argv],
-        check.work / "log",
-        check.timeout(),
-    )
-    assert code == 0 and out.is_file(), f"gpu_bench_parallel exit code {code}:\n{tail(log)}"
-    (result,) = json.loads(out.read_text())["results"]
-    assert "error" not in result, result.get("traceback")
+    result = _bench_result(check, argv, out)
     counts = result["collectives_per_step"]
     muon = result["muon_all_to_alls_per_step"]
     check.figures.update(
@@ -113,14 +120,7 @@ def test_tp_counts(check: Check) -> None:
     check.figures["expected_collectives_per_step"] = expected
     if check.dry:
         return
-    code, log = run(
-        [sys.executable, str(REPO / "bench" / "gpu_bench_parallel.py"), *argv],
-        check.work / "log",
-        check.timeout(),
-    )
-    assert code == 0 and out.is_file(), f"gpu_bench_parallel exit code {code}:\n{tail(log)}"
-    (result,) = json.loads(out.read_text())["results"]
-    assert "error" not in result, result.get("traceback")
+    result = _bench_result(check, argv, out)
     counts = result["collectives_per_step"]
     check.figures.update(
         {
